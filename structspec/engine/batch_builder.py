@@ -1,0 +1,135 @@
+"""Builds :class:`ForwardBatch` tensors for prefill and tree verify from host-side request state.
+
+Shapes are built on the host with vectorised torch ops and moved to the device in one go per
+tensor; the scheduler owns which requests go in, this module only lays them out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from structspec.kvcache.allocator import slots_for_positions
+from structspec.layers.forward_batch import ForwardBatch
+from structspec.spec.tree import VerifyTree
+
+
+def page_table_tensor(pages: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    """``[B, P]`` int64 page table (padded with page 0, the sink) from per-request page lists."""
+    width = max((len(p) for p in pages), default=1) or 1
+    table = torch.zeros((len(pages), width), dtype=torch.int64)
+    for i, p in enumerate(pages):
+        if p:
+            table[i, : len(p)] = torch.tensor(p, dtype=torch.int64)
+    return table.to(device)
+
+
+def build_prefill_batch(
+    token_ids: Sequence[Sequence[int]],
+    pages: Sequence[Sequence[int]],
+    *,
+    page_size: int,
+    device: torch.device,
+) -> ForwardBatch:
+    """Causal prefill of whole prompts, one padded row per request.
+
+    Args:
+        token_ids: per request, the prompt ids (non-empty), written at positions 0..len-1.
+        pages: per request, its KV pages (enough for its prompt).
+
+    Returns:
+        A ForwardBatch whose ``logits_indices`` select each request's last prompt token.
+    """
+    lens = torch.tensor([len(t) for t in token_ids], dtype=torch.int64)
+    bsz, q = len(token_ids), int(lens.max())
+    input_ids = torch.zeros((bsz, q), dtype=torch.int64)
+    for i, t in enumerate(token_ids):
+        input_ids[i, : len(t)] = torch.tensor(t, dtype=torch.int64)
+    pos = torch.arange(q).expand(bsz, q)
+    valid = pos < lens.unsqueeze(1)
+    positions = torch.where(valid, pos, torch.zeros_like(pos))
+    table = page_table_tensor(pages, torch.device("cpu"))
+    slots = torch.where(valid, slots_for_positions(table, positions, page_size), 0)
+    causal = torch.ones((q, q), dtype=torch.bool).tril()
+    mask = causal.unsqueeze(0) & valid.unsqueeze(1)
+    mask[:, :, 0] |= ~valid  # padding rows attend to column 0 only (never all -inf)
+    logits_indices = torch.arange(bsz) * q + lens - 1
+    return ForwardBatch(
+        input_ids=input_ids.to(device),
+        positions=positions.to(device),
+        out_slots=slots.to(device),
+        kv_slots=slots.to(device),
+        attn_mask=mask.to(device),
+        logits_indices=logits_indices.to(device),
+    )
+
+
+def build_verify_batch(
+    tree: VerifyTree,
+    seq_lens: torch.Tensor,
+    page_table: torch.Tensor,
+    *,
+    page_size: int,
+) -> ForwardBatch:
+    """Tree verify: node i of request b sits at position ``seq_lens[b] + i`` in the KV cache
+    (rotary position ``seq_lens[b] + depth``) and sees the whole prefix plus its ancestors.
+
+    Args:
+        tree: ``N`` nodes per request, on the target device.
+        seq_lens: ``[B]`` int64 committed KV length per request, target device.
+        page_table: ``[B, P]`` int64 pages covering ``seq_lens + N`` positions, target device.
+
+    Returns:
+        A ForwardBatch with ``logits_indices`` = None (every node row is needed).
+    """
+    bsz, n = tree.draft_tokens.shape
+    device = tree.draft_tokens.device
+    node = torch.arange(n, device=device)
+    out_pos = seq_lens.unsqueeze(1) + node
+    out_slots = slots_for_positions(page_table, out_pos, page_size)
+    kv_len = int(page_table.shape[1]) * page_size  # static per page-table width: no host sync
+    kv_pos = torch.arange(kv_len, device=device).expand(bsz, kv_len)
+    total = (seq_lens + n).unsqueeze(1)
+    kv_slots = slots_for_positions(page_table, torch.minimum(kv_pos, total - 1), page_size)
+    kv_slots = torch.where(kv_pos < total, kv_slots, torch.zeros_like(kv_slots))
+    prefix = kv_pos < seq_lens.unsqueeze(1)  # [B, L]
+    tree_col = kv_pos - seq_lens.unsqueeze(1)  # [B, L], node index of tree columns
+    in_tree = (tree_col >= 0) & (tree_col < n)
+    gathered = torch.gather(
+        tree.ancestor_mask, 2, tree_col.clamp(0, n - 1).unsqueeze(1).expand(bsz, n, kv_len)
+    )
+    mask = prefix.unsqueeze(1) | (gathered & in_tree.unsqueeze(1))
+    return ForwardBatch(
+        input_ids=tree.draft_tokens.clamp(min=0),
+        positions=seq_lens.unsqueeze(1) + tree.depth,
+        out_slots=out_slots,
+        kv_slots=kv_slots,
+        attn_mask=mask,
+        logits_indices=None,
+    )
+
+
+def accepted_kv_moves(
+    accept_nodes: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_table: torch.Tensor,
+    *,
+    page_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Source and destination slots that compact each accepted path into consecutive positions.
+
+    The node at depth d of the accepted path was written at position ``seq_len + node``; it
+    must live at ``seq_len + d``. Entries past the path map to the sink (slot 0 -> 0).
+
+    Returns:
+        ``(src_slots, dst_slots)``, each ``[B * N]`` int64 on the device of the inputs.
+    """
+    bsz, n = accept_nodes.shape
+    depth = torch.arange(n, device=accept_nodes.device).expand(bsz, n)
+    valid = accept_nodes >= 0
+    src_pos = seq_lens.unsqueeze(1) + accept_nodes.clamp(min=0)
+    dst_pos = seq_lens.unsqueeze(1) + depth
+    src = torch.where(valid, slots_for_positions(page_table, src_pos, page_size), 0)
+    dst = torch.where(valid, slots_for_positions(page_table, dst_pos, page_size), 0)
+    return src.flatten(), dst.flatten()

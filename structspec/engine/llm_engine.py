@@ -1,0 +1,207 @@
+"""LLMEngine: turns prompts into requests and steps the scheduler.
+
+Used directly by the offline :class:`structspec.LLM` and, in ``serve``, inside the engine
+process. Everything here runs on the scheduler's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from structspec.config import EngineConfig, resolve_engine_config
+from structspec.core import ChatMessages, RequestOutput, SamplingParams, now
+from structspec.engine.model_runner import ModelRunner
+from structspec.grammar.backend import GrammarBackend
+from structspec.models.default_model import resolve_model_path
+from structspec.models.loader import load_model
+from structspec.models.tokenizer import IncrementalDetokenizer, Tokenizer
+from structspec.scheduler.request import Req
+from structspec.scheduler.scheduler import Scheduler
+from structspec.spec.registry import create_drafter
+
+logger = logging.getLogger(__name__)
+
+PromptInput = str | list[int] | ChatMessages
+
+
+class RequestError(ValueError):
+    """A request was rejected before it ran; ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class LLMEngine:
+    """Loads the model, tokenizer, grammar backend and drafter; runs the scheduler.
+
+    Args:
+        config: engine configuration ("auto" fields are resolved here).
+
+    Raises:
+        FileNotFoundError / ValueError: on a bad model path or config, naming what is wrong.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config = resolve_engine_config(config)
+        self.model_path = resolve_model_path(config.model)
+        device, dtype = config.torch_device, config.torch_dtype
+        torch.manual_seed(config.seed)
+        model, model_config = load_model(self.model_path, device=device, dtype=dtype)
+        self.model_config = model_config
+        self.tokenizer = Tokenizer(self.model_path)
+        self.max_model_len = min(
+            config.max_model_len or model_config.max_position_embeddings,
+            model_config.max_position_embeddings,
+        )
+        self.runner = ModelRunner(model, model_config, config.cache, device=device, dtype=dtype)
+        self.grammar = GrammarBackend(
+            self.tokenizer.hf,
+            vocab_size=model_config.vocab_size,
+            stop_token_ids=list(self.tokenizer.eos_token_ids),
+            config=config.grammar,
+        )
+        self.drafter = create_drafter(config.spec, target=self.runner, device=device, dtype=dtype)
+        self.scheduler = Scheduler(config, self.runner, self.grammar, self.drafter)
+        if (os.cpu_count() or 1) > 1:
+            # xgrammar's tree walk releases the GIL: requests' masks build in parallel.
+            self.scheduler.grammar_executor = ThreadPoolExecutor(
+                max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="structspec-mask"
+            )
+        self._next_id = 0
+
+    # ------------------------------------------------------------------ requests
+
+    def tokenize_prompt(self, prompt: PromptInput, *, raw: bool = False) -> list[int]:
+        """Token ids for a prompt: chat messages go through the chat template; a string goes
+        through it too (as one user message) unless ``raw`` or the model has none.
+
+        Raises:
+            RequestError: empty prompt, or chat messages for a model without a chat template.
+        """
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+        elif isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("prompt is empty", "prompt")
+            if raw or not self.tokenizer.has_chat_template:
+                ids = self.tokenizer.encode(prompt)
+            else:
+                ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+            if not self.tokenizer.has_chat_template:
+                raise RequestError("this model has no chat template; send a raw prompt", "messages")
+            try:
+                ids = self.tokenizer.apply_chat_template(list(prompt))
+            except Exception as e:  # the template's own complaint is the useful message
+                raise RequestError(f"chat template failed: {e}", "messages") from e
+        else:
+            raise RequestError("prompt must be a non-empty string, token id list or chat "
+                               "message list", "prompt")
+        if not ids:
+            raise RequestError("prompt is empty after tokenization", "prompt")
+        bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary", "prompt")
+        return ids
+
+    def add_request(
+        self,
+        prompt: PromptInput,
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        raw_prompt: bool = False,
+    ) -> str:
+        """Validate and queue one request; returns its id.
+
+        Raises:
+            RequestError: naming the field (prompt too long, bad sampling parameter, ...).
+        """
+        try:
+            params.validate()
+        except ValueError as e:
+            raise RequestError(str(e), _param_of(str(e))) from e
+        ids = self.tokenize_prompt(prompt, raw=raw_prompt)
+        if len(ids) >= self.max_model_len:
+            raise RequestError(
+                f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
+                "(prompt + at least one new token must fit)", "prompt")
+        if request_id is None:
+            request_id = f"req-{self._next_id}"
+            self._next_id += 1
+        req = Req(
+            request_id=request_id,
+            prompt_ids=ids,
+            params=params,
+            arrival_time=now(),
+            max_new_tokens=min(params.max_tokens, self.max_model_len - len(ids)),
+            eos_token_ids=frozenset(self.tokenizer.eos_token_ids),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids=ids),
+        )
+        try:
+            self.scheduler.add(req)
+        except ValueError as e:
+            raise RequestError(str(e), "max_tokens") from e
+        return request_id
+
+    def abort_request(self, request_id: str, reason: str = "aborted by client") -> bool:
+        """Cancel a request; its final output (finish_reason abort) comes from the next step."""
+        return self.scheduler.abort(request_id, reason)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; returns outputs of requests that progressed or finished."""
+        return self.scheduler.step()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0 or bool(self.scheduler._finished_unreported)
+
+    def stats(self) -> dict[str, Any]:
+        """Queue sizes and KV usage (for logs and /metrics)."""
+        s = self.scheduler
+        return {
+            "num_running": len(s.running),
+            "num_waiting": len(s.waiting),
+            "num_waiting_grammar": len(s.grammar_queue),
+            "kv_free_pages": s.allocator.num_free_pages,
+            "kv_total_pages": s.allocator.num_pages - 1,
+        }
+
+    def generate_all(
+        self, prompts: Sequence[PromptInput], params: Sequence[SamplingParams], *,
+        raw_prompt: bool = False, progress: Any = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; bad requests come back as ``abort`` outputs with an
+        error instead of raising, so one bad request never stops the others."""
+        results: dict[str, RequestOutput] = {}
+        order: list[str] = []
+        base = self._next_id
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+            rid = f"gen-{base}-{i}"
+            order.append(rid)
+            try:
+                self.add_request(p, sp, request_id=rid, raw_prompt=raw_prompt)
+            except RequestError as e:
+                results[rid] = RequestOutput.error_output(rid, str(e), e.param)
+                if progress is not None:
+                    progress.update(1)
+        self._next_id += 1
+        while self.has_unfinished_requests():
+            for out in self.step():
+                if out.finished:
+                    results[out.request_id] = out
+                    if progress is not None:
+                        progress.update(1)
+        return [results[r] for r in order]
+
+
+def _param_of(message: str) -> str | None:
+    """The SamplingParams field a validation message starts with (they all do)."""
+    head = message.split(" ", 1)[0]
+    return head if head.isidentifier() else None

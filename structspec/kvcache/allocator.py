@@ -1,0 +1,71 @@
+"""Page allocation for the KV pool: which pages a request owns, and the slot of each position."""
+
+from __future__ import annotations
+
+import torch
+
+
+class PageAllocator:
+    """Hands out KV pages from a free list. Page 0 is never handed out (padding sink).
+
+    Host-only bookkeeping: page ids are Python ints; slots are computed on demand.
+    """
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        self.num_pages = num_pages
+        self.page_size = page_size
+        # Pop from the end: low page ids first, which keeps early requests' KV compact.
+        self._free: list[int] = list(range(num_pages - 1, 0, -1))
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return (self.num_pages - 1) * self.page_size
+
+    def pages_for(self, num_tokens: int) -> int:
+        """Pages needed to hold ``num_tokens`` token slots."""
+        return -(-num_tokens // self.page_size)
+
+    def can_allocate(self, num_pages: int) -> bool:
+        return num_pages <= len(self._free)
+
+    def allocate(self, num_pages: int) -> list[int]:
+        """Take ``num_pages`` pages.
+
+        Raises:
+            MemoryError: when fewer pages are free (callers check :meth:`can_allocate` first).
+        """
+        if num_pages > len(self._free):
+            raise MemoryError(f"KV cache full: need {num_pages} pages, {len(self._free)} free")
+        taken = self._free[len(self._free) - num_pages :]
+        del self._free[len(self._free) - num_pages :]
+        return taken[::-1]
+
+    def free(self, pages: list[int]) -> None:
+        """Return pages to the pool. Double frees are a bug and raise ``ValueError``."""
+        if not pages:
+            return
+        free_set = set(self._free)
+        for p in pages:
+            if p in free_set or p <= 0 or p >= self.num_pages:
+                raise ValueError(f"invalid or double free of KV page {p}")
+        self._free.extend(sorted(pages, reverse=True))
+
+
+def slots_for_positions(page_table: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Map token positions to KV-pool slots through a page table.
+
+    Args:
+        page_table: ``[B, P]`` int64, page id of each request's p-th page (any device).
+        positions: ``[B, T]`` int64 positions (``< P * page_size``), same device.
+        page_size: tokens per page.
+
+    Returns:
+        ``[B, T]`` int64 slots ``page_table[b, pos // page_size] * page_size + pos % page_size``.
+    """
+    page_idx = torch.div(positions, page_size, rounding_mode="floor")
+    pages = torch.gather(page_table, 1, page_idx)
+    return pages * page_size + positions % page_size

@@ -1,0 +1,138 @@
+"""The offline Python API: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from structspec.config import (
+    CacheConfig,
+    EngineConfig,
+    GrammarConfig,
+    SchedulerConfig,
+    SpecAlgorithmName,
+    SpecConfig,
+)
+from structspec.core import ChatMessages, RequestOutput, SamplingParams
+from structspec.engine.llm_engine import LLMEngine, PromptInput
+
+
+class LLM:
+    """An engine for offline batch generation.
+
+    Args:
+        model: local HF checkpoint directory or ``.gguf`` file; None = SmolLM2-135M-Instruct.
+        speculative_algorithm: ``none``, ``ngram``, ``draft_model`` or ``eagle``.
+        draft_model: checkpoint of the draft model / EAGLE head (those algorithms only).
+        num_draft_tokens: verify-tree size N including node 0.
+        device / dtype: "auto" picks cuda+bfloat16 when available, else cpu+float32.
+        max_batch_size, kv_capacity_tokens, page_size, max_model_len, seed,
+        grammar_compile_timeout_s, overlap, speculative_depth, speculative_topk: see
+        :mod:`structspec.config`.
+
+    Raises:
+        FileNotFoundError / ValueError: bad model path or option, with the reason.
+
+    Example::
+
+        llm = LLM()
+        out = llm.generate("Give me a JSON person", SamplingParams(
+            max_tokens=64, grammar=JsonSchemaSpec({"type": "object"})))[0]
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        speculative_algorithm: SpecAlgorithmName = "none",
+        draft_model: str | None = None,
+        num_draft_tokens: int = 8,
+        speculative_depth: int = 4,
+        speculative_topk: int = 2,
+        device: str = "auto",
+        dtype: str = "auto",
+        max_batch_size: int = 64,
+        kv_capacity_tokens: int = 65536,
+        page_size: int = 16,
+        max_model_len: int | None = None,
+        seed: int = 0,
+        grammar_compile_timeout_s: float = 30.0,
+        overlap: bool = True,
+    ) -> None:
+        config = EngineConfig(
+            model=model,
+            device=device,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=seed,
+            cache=CacheConfig(page_size=page_size, kv_capacity_tokens=kv_capacity_tokens),
+            spec=SpecConfig(algorithm=speculative_algorithm, num_draft_tokens=num_draft_tokens,
+                            depth=speculative_depth, topk=speculative_topk,
+                            draft_model=draft_model),
+            grammar=GrammarConfig(compile_timeout_s=grammar_compile_timeout_s),
+            scheduler=SchedulerConfig(max_batch_size=max_batch_size, overlap=overlap),
+        )
+        self.engine = LLMEngine(config)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        raw_prompt: bool = False,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for one prompt or a list of prompts (strings, token-id lists or chats).
+
+        A string is sent as one user message through the chat template unless ``raw_prompt``.
+        A request with bad input comes back finished with ``finish_reason == "abort"`` and
+        ``error`` set; the other requests run normally.
+
+        Returns:
+            One :class:`RequestOutput` per prompt, in order.
+        """
+        batch = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(batch)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(batch):
+                raise ValueError(f"got {len(params)} sampling_params for {len(batch)} prompts")
+        progress = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            progress = tqdm(total=len(batch), desc="generate", unit="req")
+        try:
+            return self.engine.generate_all(batch, params, raw_prompt=raw_prompt, progress=progress)
+        finally:
+            if progress is not None:
+                progress.close()
+
+    def chat(
+        self, messages: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, **kw: Any,
+    ) -> list[RequestOutput]:
+        """Like :meth:`generate` for chat conversations (lists of ``{role, content}``)."""
+        return self.generate(messages, sampling_params, **kw)
+
+    def replace_config(self, **changes: Any) -> EngineConfig:
+        """The engine config with ``changes`` applied (for building a sibling engine)."""
+        return dataclasses.replace(self.engine.config, **changes)
+
+
+def _as_prompt_list(prompts: Any) -> list[PromptInput]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one token-id prompt
+    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(m, dict) for m in prompts):
+        return [list(prompts)]  # one chat
+    return list(prompts)

@@ -1,0 +1,108 @@
+"""Scheduler-side state of one request, and the one function that commits tokens to it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from structspec.core import FinishReason, RequestOutput, SamplingParams, SpecMetrics, TokenLogprob
+
+if TYPE_CHECKING:
+    from structspec.grammar.backend import GrammarFuture
+    from structspec.grammar.matcher import Matcher
+    from structspec.models.tokenizer import IncrementalDetokenizer
+
+
+class ReqStatus(enum.Enum):
+    WAITING_GRAMMAR = "waiting_grammar"  # compile in flight
+    WAITING = "waiting"  # ready, waiting for KV pages / a prefill slot
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Req:
+    """A request inside the scheduler. Host-only; owned by the scheduler thread/process.
+
+    ``seq_len`` counts tokens whose KV is in the cache. After prefill it is the prompt length;
+    the last output token is not yet in the cache (it is node 0 of the next verify tree).
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    max_new_tokens: int  # params.max_tokens capped by the context length
+    eos_token_ids: frozenset[int]
+    detokenizer: IncrementalDetokenizer | None = None
+    output_ids: list[int] = field(default_factory=list)
+    status: ReqStatus = ReqStatus.WAITING
+    grammar_future: GrammarFuture | None = None
+    matcher: Matcher | None = None
+    pages: list[int] = field(default_factory=list)
+    seq_len: int = 0
+    generator: torch.Generator | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+    error_param: str | None = None
+    text: str = ""
+    pending_text: str = ""  # text added since the last emitted output
+    pending_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    spec: SpecMetrics = field(default_factory=SpecMetrics)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    schema_valid: bool | None = None
+    drafter_state: Any = None  # owned by the drafter (e.g. n-gram index)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is ReqStatus.FINISHED
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    def finish(self, reason: FinishReason, *, stop_reason: str | int | None = None,
+               error: str | None = None, error_param: str | None = None) -> None:
+        """Mark finished (idempotent: the first reason wins)."""
+        if self.finished:
+            return
+        self.status = ReqStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.error = error
+        self.error_param = error_param
+
+    def take_output(self, now_s: float) -> RequestOutput:
+        """Snapshot for the caller; consumes the pending (streamed) delta."""
+        out = RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_ids,
+            token_ids=list(self.output_ids),
+            text=self.text,
+            finished=self.finished,
+            finish_reason=self.finish_reason,
+            error=self.error,
+            error_param=self.error_param,
+            stop_reason=self.stop_reason,
+            new_text=self.pending_text,
+            new_token_ids=self.pending_ids,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            schema_valid=self.schema_valid,
+            spec=self.spec,
+            arrival_time=self.arrival_time,
+            first_token_time=self.first_token_time,
+            finish_time=self.finish_time,
+        )
+        self.pending_text = ""
+        self.pending_ids = []
+        return out

@@ -1,0 +1,319 @@
+"""Continuous-batching scheduler: admission, prefill and speculative verify steps.
+
+This is the only module that knows both :mod:`structspec.grammar` and :mod:`structspec.spec`.
+One decode step (DESIGN.md "One speculative step with a grammar"):
+
+1. the drafter proposes a :class:`VerifyTree` per running request;
+2. the tree is staged for the host (``GrammarTree.from_host`` / ``from_device``) *before*
+   the verify launch;
+3. the target verify forward is launched;
+4. while it runs, the grammar bitmask is built over the tree and copied to the device;
+5. the mask is applied to all ``[B * N, V]`` rows, targets are chosen, the tree is verified,
+   accepted KV is compacted;
+6. accepted runs are committed (:mod:`structspec.scheduler.commit`), advancing each matcher
+   exactly once per committed token.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Sequence
+
+import torch
+
+from structspec.config import EngineConfig
+from structspec.core import FinishReason, RequestOutput, TokenLogprob, now
+from structspec.engine.model_runner import ModelRunner
+from structspec.grammar.backend import GrammarBackend
+from structspec.grammar.bitmask import apply_bitmask_
+from structspec.grammar.errors import GrammarError
+from structspec.grammar.tree import GrammarTree, build_grammar_vocab_mask
+from structspec.kvcache.allocator import PageAllocator
+from structspec.layers.sampler import SamplingBatch, sample_rows
+from structspec.scheduler.commit import commit_run
+from structspec.scheduler.request import Req, ReqStatus
+from structspec.scheduler.validate import check_schema_output
+from structspec.spec.base import Drafter, DraftRequest
+from structspec.spec.tree import VerifyTree
+from structspec.spec.verify import verify_tree
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    """Owns every live request and decides what runs each step.
+
+    Args:
+        config: the resolved engine config.
+        runner: target model runner (owns the KV pool).
+        grammar: grammar backend for this model's tokenizer.
+        drafter: the speculative drafter (``NoDrafter`` for plain decoding).
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        grammar: GrammarBackend,
+        drafter: Drafter,
+    ) -> None:
+        self.config = config
+        self.runner = runner
+        self.grammar = grammar
+        self.drafter = drafter
+        self.num_nodes = drafter.num_nodes
+        self.allocator = PageAllocator(runner.kv_pool.num_pages, runner.page_size)
+        self.requests: dict[str, Req] = {}
+        self.grammar_queue: list[Req] = []
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self._finished_unreported: list[Req] = []
+        self._engine_generator = torch.Generator(device=runner.device)
+        self._engine_generator.manual_seed(config.seed)
+        self.grammar_executor = None  # parallel tree walks (set by the engine on multi-core)
+
+    # ------------------------------------------------------------------ queue management
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.grammar_queue) + len(self.waiting) + len(self.running)
+
+    def kv_tokens_needed(self, req: Req) -> int:
+        """KV slots reserved for ``req``: prompt, every new token, and one tree of scratch."""
+        return len(req.prompt_ids) + req.max_new_tokens + self.num_nodes
+
+    def add(self, req: Req) -> None:
+        """Queue a validated request (grammar compile is started here, never awaited).
+
+        Raises:
+            ValueError: when the request can never fit in the KV cache.
+        """
+        need_pages = self.allocator.pages_for(self.kv_tokens_needed(req))
+        if need_pages > self.allocator.num_pages - 1:
+            raise ValueError(
+                f"request needs {self.kv_tokens_needed(req)} KV slots (prompt + max_tokens + "
+                f"draft tree) but the cache holds {self.allocator.capacity_tokens}; lower "
+                "max_tokens or raise the KV capacity"
+            )
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request_id {req.request_id!r}")
+        self.requests[req.request_id] = req
+        if req.params.seed is not None:
+            req.generator = torch.Generator(device=self.runner.device)
+            req.generator.manual_seed(req.params.seed)
+        if req.params.grammar is not None:
+            req.grammar_future = self.grammar.submit(req.params.grammar)
+            req.status = ReqStatus.WAITING_GRAMMAR
+            self.grammar_queue.append(req)
+        else:
+            req.status = ReqStatus.WAITING
+            self.waiting.append(req)
+
+    def abort(self, request_id: str, reason: str = "aborted by client") -> bool:
+        """End a request now; frees its KV. Returns False if it is unknown or already done."""
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return False
+        req.finish(FinishReason.ABORT, error=reason)
+        self._retire(req)
+        return True
+
+    def _retire(self, req: Req) -> None:
+        """Remove a finished request from the queues and free what it holds."""
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.grammar_queue:
+            self.grammar_queue.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req.pages:
+            self.allocator.free(req.pages)
+            req.pages = []
+        self.drafter.release(req.request_id)
+        req.finish_time = now()
+        req.matcher = None
+        if req.params.grammar is not None and req.finish_reason is FinishReason.STOP:
+            req.schema_valid = check_schema_output(req.params.grammar, req.text)
+        self._finished_unreported.append(req)
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step (a prefill or a verify forward) and report progress.
+
+        Returns:
+            One output per request that gained tokens or finished during this step.
+        """
+        self._poll_grammar()
+        touched: list[Req] = []
+        batch = self._admit()
+        if batch:
+            self._run_prefill(batch)
+            touched = batch
+        elif self.running:
+            touched = list(self.running)
+            self._run_verify(touched)
+        for req in touched:
+            if req.finished and req not in self._finished_unreported:
+                self._retire(req)
+        t = now()
+        outputs = [r.take_output(t) for r in touched if not r.finished and r.pending_ids]
+        for req in self._finished_unreported:
+            outputs.append(req.take_output(t))
+            self.requests.pop(req.request_id, None)
+        self._finished_unreported = []
+        return outputs
+
+    def _poll_grammar(self) -> None:
+        t = now()
+        for req in list(self.grammar_queue):
+            fut = req.grammar_future
+            assert fut is not None
+            if not fut.done() and not fut.expired(t):
+                continue
+            self.grammar_queue.remove(req)
+            try:
+                compiled = fut.result(timeout=0)
+                req.matcher = self.grammar.create_matcher(compiled)
+            except GrammarError as e:
+                req.finish(FinishReason.ABORT, error=str(e), error_param=e.param)
+                self._retire(req)
+                continue
+            req.grammar_future = None
+            req.status = ReqStatus.WAITING
+            self.waiting.append(req)
+
+    def _admit(self) -> list[Req]:
+        """Pick waiting requests for one prefill step (FCFS; stops at the first that won't fit)."""
+        cfg = self.config.scheduler
+        batch: list[Req] = []
+        tokens = 0
+        while self.waiting and len(self.running) + len(batch) < cfg.max_batch_size:
+            req = self.waiting[0]
+            plen = len(req.prompt_ids)
+            if batch and tokens + plen > cfg.max_prefill_tokens:
+                break
+            need = self.allocator.pages_for(self.kv_tokens_needed(req))
+            if not self.allocator.can_allocate(need):
+                break
+            self.waiting.popleft()
+            req.pages = self.allocator.allocate(need)
+            req.status = ReqStatus.RUNNING
+            batch.append(req)
+            tokens += plen
+        return batch
+
+    # ------------------------------------------------------------------ prefill
+
+    def _run_prefill(self, batch: list[Req]) -> None:
+        logits = self.runner.prefill([r.prompt_ids for r in batch], [r.pages for r in batch])
+        for r in batch:
+            r.seq_len = len(r.prompt_ids)
+        tree = VerifyTree.root_only(torch.tensor([r.prompt_ids[-1] for r in batch]))
+        runs, _ = self._select_and_verify(batch, tree, tree, logits)
+        t = now()
+        for req, run in zip(batch, runs, strict=True):
+            commit_run(req, run, t)
+            _trim_logprobs(req)
+            self.running.append(req)
+
+    # ------------------------------------------------------------------ verify
+
+    def _run_verify(self, reqs: list[Req]) -> None:
+        draft_reqs = [DraftRequest(r.request_id, r.all_token_ids, r.seq_len) for r in reqs]
+        tree = self.drafter.propose(draft_reqs)
+        tree_dev = tree.to(self.runner.device)
+        fwd = self.runner.verify(tree_dev, [r.seq_len for r in reqs], [r.pages for r in reqs])
+        runs, result = self._select_and_verify(reqs, tree, tree_dev, fwd.logits)
+        self.runner.commit_accepted_kv(fwd, result)
+        t = now()
+        committed: list[list[int]] = []
+        num_real = (tree.draft_tokens[:, 1:] >= 0).sum(dim=1).tolist()
+        for i, (req, run) in enumerate(zip(reqs, runs, strict=True)):
+            req.spec.verify_steps += 1
+            req.spec.draft_tokens_proposed += num_real[i]
+            req.spec.draft_tokens_accepted += len(run) - 1
+            n = commit_run(req, run, t)
+            _trim_logprobs(req)
+            req.spec.committed_tokens += n
+            req.seq_len += len(run)
+            committed.append(run[:n])
+        self.drafter.on_verified(draft_reqs, committed)
+
+    def _select_and_verify(
+        self, reqs: Sequence[Req], tree_host: VerifyTree, tree_dev: VerifyTree, logits: torch.Tensor
+    ) -> tuple[list[list[int]], object]:
+        """Mask, choose a target token per node row, verify the trees; return host runs."""
+        n = tree_dev.num_nodes
+        matchers = [r.matcher for r in reqs]
+        cap = None
+        if any(m is not None for m in matchers):
+            gtree = GrammarTree.from_host(
+                tree_host.next_token, tree_host.next_sibling, tree_host.draft_tokens
+            )
+            mask = build_grammar_vocab_mask(
+                matchers, gtree, vocab_size=self.runner.vocab_size, device=logits.device,
+                executor=self.grammar_executor,
+            )
+            if mask is not None:
+                apply_bitmask_(logits, mask.bitmask_device)
+                cap = mask.max_accept_drafts_device
+                for req, rejected in zip(reqs, mask.num_rejected_drafts, strict=True):
+                    req.spec.draft_tokens_rejected_by_grammar += rejected
+        sb = self._sampling_batch(reqs, n, logits.device)
+        targets = sample_rows(logits, sb).view(len(reqs), n)
+        result = verify_tree(tree_dev, targets, cap)
+        tokens_cpu = result.accept_tokens.cpu()
+        lens_cpu = result.accept_len.cpu().tolist()
+        runs = [tokens_cpu[i, : lens_cpu[i]].tolist() for i in range(len(reqs))]
+        if any(r.params.logprobs is not None for r in reqs):
+            self._record_logprobs(reqs, logits.view(len(reqs), n, -1), result.accept_nodes, runs)
+        return runs, result
+
+    def _sampling_batch(self, reqs: Sequence[Req], n: int, device: torch.device) -> SamplingBatch:
+        ps = [r.params for r in reqs]
+
+        def col(values: list[float], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).repeat_interleave(n).to(device)
+
+        return SamplingBatch(
+            temperature=col([p.temperature for p in ps], torch.float32),
+            top_k=col([p.top_k for p in ps], torch.int64),
+            top_p=col([p.top_p for p in ps], torch.float32),
+            min_p=col([p.min_p for p in ps], torch.float32),
+            generators=[r.generator or self._engine_generator for r in reqs],
+            rows_per_request=n,
+            all_greedy=all(p.is_greedy for p in ps),
+            use_top_k=any(p.top_k > 0 for p in ps),
+            use_top_p=any(p.top_p < 1.0 for p in ps),
+            use_min_p=any(p.min_p > 0 for p in ps),
+        )
+
+    def _record_logprobs(
+        self, reqs: Sequence[Req], logits: torch.Tensor, accept_nodes: torch.Tensor,
+        runs: list[list[int]],
+    ) -> None:
+        """Target log-probabilities of the run's tokens, after the grammar mask, before
+        temperature and filtering (what OpenAI's ``logprobs`` reports)."""
+        nodes_cpu = accept_nodes.cpu()
+        for b, req in enumerate(reqs):
+            k = req.params.logprobs
+            if k is None:
+                continue
+            rows = logits[b, nodes_cpu[b, : len(runs[b])]].float().log_softmax(dim=-1).cpu()
+            if req.logprobs is None:
+                req.logprobs = []
+            for row, tok in zip(rows, runs[b], strict=True):
+                top = row.topk(k) if k > 0 else None
+                req.logprobs.append(TokenLogprob(
+                    token_id=tok, logprob=float(row[tok]),
+                    top_logprobs=[] if top is None else list(
+                        zip(top.indices.tolist(), top.values.tolist(), strict=True)),
+                ))
+
+
+def _trim_logprobs(req: Req) -> None:
+    """Drop logprobs recorded for tokens that a stop cut from the run."""
+    if req.logprobs is not None and len(req.logprobs) > len(req.output_ids):
+        del req.logprobs[len(req.output_ids):]

@@ -1,0 +1,127 @@
+"""The verify tree: one layout for every drafter (none, ngram, draft_model, eagle).
+
+Per request the tree has exactly ``N`` nodes (``N = SpecConfig.tree_size``). Node 0 is the last
+committed token (the previous step's bonus, whose KV this verify forward writes); nodes
+1..N-1 are drafts in an order where every parent precedes its children. A drafter that proposes
+fewer than N-1 drafts pads with *padding nodes*: token -1, parent 0, linked into no child or
+sibling chain, so they can never be accepted and the grammar never visits them.
+
+Layout after sglang's EAGLE verify inputs (``retrieve_next_token`` / ``retrieve_next_sibling``,
+first-child / next-sibling links with -1 = none), see ../shared/reference/sglang-grammar-spec.md
+section 2.2; written from the description, not the code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class VerifyTree:
+    """A batch of draft trees. All tensors on the same device (host for ngram/none).
+
+    Attributes:
+        draft_tokens: ``[B, N]`` int64 token per node; -1 marks a padding node.
+        parents: ``[B, N]`` int64 parent node index; -1 for node 0; 0 for padding nodes.
+        depth: ``[B, N]`` int64 depth of each node (node 0: 0; padding nodes: 1).
+        next_token: ``[B, N]`` int64 first child of each node, -1 if none (``retrieve_next_token``).
+        next_sibling: ``[B, N]`` int64 next sibling, -1 if none (``retrieve_next_sibling``).
+        ancestor_mask: ``[B, N, N]`` bool, ``[b, i, j]`` True if node j is node i or one of
+            its ancestors (the tree part of the verify attention mask).
+    """
+
+    draft_tokens: torch.Tensor
+    parents: torch.Tensor
+    depth: torch.Tensor
+    next_token: torch.Tensor
+    next_sibling: torch.Tensor
+    ancestor_mask: torch.Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.draft_tokens.shape[0])
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.draft_tokens.shape[1])
+
+    @property
+    def device(self) -> torch.device:
+        return self.draft_tokens.device
+
+    @property
+    def positions_offset(self) -> torch.Tensor:
+        """``[B, N]`` int64: node position relative to the request's committed length."""
+        return self.depth
+
+    @classmethod
+    def from_parents(cls, draft_tokens: torch.Tensor, parents: torch.Tensor) -> VerifyTree:
+        """Build all derived fields from tokens and parent links (any device, no host sync).
+
+        Args:
+            draft_tokens: ``[B, N]`` int64, column 0 = last committed token, -1 = padding.
+            parents: ``[B, N]`` int64, ``parents[:, 0]`` ignored (root), ``parents[b, i] < i``
+                for real nodes; padding nodes are re-parented to 0.
+
+        Raises:
+            ValueError: when shapes differ.
+        """
+        if draft_tokens.shape != parents.shape or draft_tokens.dim() != 2:
+            raise ValueError(
+                f"draft_tokens {tuple(draft_tokens.shape)} and parents "
+                f"{tuple(parents.shape)} must both be [B, N]"
+            )
+        bsz, n = draft_tokens.shape
+        device = draft_tokens.device
+        valid = draft_tokens >= 0
+        valid[:, 0] = True
+        parents = torch.where(valid, parents, torch.zeros_like(parents))
+        parents = parents.clone()
+        parents[:, 0] = -1
+        eye = torch.eye(n, dtype=torch.bool, device=device).expand(bsz, n, n)
+        anc = eye.clone()
+        # Parents precede children, so one pass in node order sees every parent's row complete.
+        for i in range(1, n):
+            par = parents[:, i].clamp(min=0)
+            anc[:, i] |= anc[torch.arange(bsz, device=device), par]
+        depth = anc.sum(-1) - 1
+        idx = torch.arange(n, device=device)
+        big = torch.full((bsz, n, n), n, dtype=torch.int64, device=device)
+        real = valid.clone()
+        real[:, 0] = False  # the root is nobody's child
+        # child_of[b, p, c] = c is a real child of p
+        child_of = (parents.unsqueeze(1) == idx.view(1, n, 1)) & real.unsqueeze(1)
+        first_child = torch.where(child_of, idx.view(1, 1, n).expand(bsz, n, n), big).min(-1).values
+        next_token = torch.where(first_child < n, first_child, torch.full_like(first_child, -1))
+        # later_sibling[b, i, j] = j > i, same parent, both real
+        same_parent = parents.unsqueeze(2) == parents.unsqueeze(1)
+        later = idx.view(1, 1, n) > idx.view(1, n, 1)
+        later_sibling = same_parent & later & real.unsqueeze(1) & real.unsqueeze(2)
+        nxt = torch.where(later_sibling, idx.view(1, 1, n).expand(bsz, n, n), big).min(-1).values
+        next_sibling = torch.where(nxt < n, nxt, torch.full_like(nxt, -1))
+        return cls(
+            draft_tokens=draft_tokens,
+            parents=parents,
+            depth=depth,
+            next_token=next_token,
+            next_sibling=next_sibling,
+            ancestor_mask=anc,
+        )
+
+    @classmethod
+    def root_only(cls, last_tokens: torch.Tensor) -> VerifyTree:
+        """The degenerate tree of plain decoding: node 0 only. ``last_tokens``: ``[B]`` int64."""
+        tokens = last_tokens.view(-1, 1).to(torch.int64)
+        return cls.from_parents(tokens, torch.full_like(tokens, -1))
+
+    def to(self, device: torch.device, *, non_blocking: bool = False) -> VerifyTree:
+        """Copy every field to ``device`` (H2D from pinned memory is async with non_blocking)."""
+        return VerifyTree(
+            **{
+                name: getattr(self, name).to(device, non_blocking=non_blocking)
+                for name in ("draft_tokens", "parents", "depth", "next_token", "next_sibling",
+                             "ancestor_mask")
+            }
+        )

@@ -1,0 +1,79 @@
+"""Tree verification: which draft path the target accepts, and the bonus token.
+
+Both greedy and sampled verification use *sample-and-match*: every tree row gets one target
+token ``y_i`` (argmax of the masked logits at temperature 0, else a draw from the masked,
+filtered target distribution), and a child is accepted iff its draft token equals ``y`` of its
+parent. With drafts treated as deterministic proposals (one-hot draft distributions) this is
+exactly the multi-draft speculative sampling of SpecInfer (Miao et al., 2024, "SpecInfer",
+Alg. 2 with one-hot q): accepting child c with probability p(c) and otherwise renormalising the
+residual p - q is the same as drawing y ~ p once and matching it against the children. The
+output distribution therefore equals the target's, and at temperature 0 the output equals plain
+greedy decoding token for token. Every row is masked with its own path's grammar state, so a
+draft the grammar forbids never equals ``y`` and is never accepted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from structspec.spec.tree import VerifyTree
+
+
+@dataclass
+class VerifyResult:
+    """Outcome of verifying a batch of trees (tensors on the verify device).
+
+    Attributes:
+        accept_tokens: ``[B, N]`` int64; the first ``accept_len[b]`` entries are the committed
+            run (accepted drafts, then the bonus token); the rest are -1.
+        accept_len: ``[B]`` int64, committed tokens including the bonus (>= 1).
+        accept_nodes: ``[B, N]`` int64 node index at each depth of the accepted path (entry 0
+            is node 0), -1 beyond ``accept_len``.
+    """
+
+    accept_tokens: torch.Tensor
+    accept_len: torch.Tensor
+    accept_nodes: torch.Tensor
+
+
+def verify_tree(
+    tree: VerifyTree, target_tokens: torch.Tensor, max_accept_drafts: torch.Tensor | None = None
+) -> VerifyResult:
+    """Find the longest draft path the target agrees with. No host syncs.
+
+    Args:
+        tree: the verify tree, ``N`` nodes per request.
+        target_tokens: ``[B, N]`` int64 target token of every node row (argmax or sample).
+        max_accept_drafts: optional ``[B]`` int64 cap on accepted drafts per request (0 keeps
+            only the bonus); used when a grammar tree walk was cut short.
+
+    Returns:
+        :class:`VerifyResult`. Ties between equally deep accepted nodes (duplicate sibling
+        tokens) go to the lowest node index.
+    """
+    bsz, n = tree.draft_tokens.shape
+    device = tree.draft_tokens.device
+    rows = torch.arange(bsz, device=device)
+    parent = tree.parents.clamp(min=0)
+    parent_target = torch.gather(target_tokens, 1, parent)
+    ok = tree.draft_tokens == parent_target
+    ok[:, 0] = True
+    path_ok = ok.clone()
+    for i in range(1, n):
+        path_ok[:, i] &= path_ok[rows, parent[:, i]]
+    if max_accept_drafts is not None:
+        path_ok &= tree.depth <= max_accept_drafts.view(-1, 1)
+    score = torch.where(path_ok, tree.depth * n + (n - 1 - torch.arange(n, device=device)), -1)
+    last = score.argmax(dim=1)
+    accept_len = tree.depth[rows, last] + 1
+    on_path = tree.ancestor_mask[rows, last]  # [B, N], ancestors-or-self of `last`
+    idx = torch.arange(n, device=device).expand(bsz, n)
+    # Parents precede children, so sorting path node indices orders them by depth.
+    accept_nodes = torch.where(on_path, idx, torch.full_like(idx, n)).sort(dim=1).values
+    valid = idx < accept_len.view(-1, 1)
+    accept_nodes = torch.where(valid, accept_nodes, torch.full_like(accept_nodes, -1))
+    accept_tokens = torch.gather(target_tokens, 1, accept_nodes.clamp(min=0))
+    accept_tokens = torch.where(valid, accept_tokens, torch.full_like(accept_tokens, -1))
+    return VerifyResult(accept_tokens=accept_tokens, accept_len=accept_len, accept_nodes=accept_nodes)

@@ -1,0 +1,37 @@
+"""VerifyTree: links, depths and ancestor masks from parent lists."""
+
+from __future__ import annotations
+
+import torch
+
+from structspec.spec.tree import VerifyTree
+
+
+def test_links_match_sglang_example() -> None:
+    # root 0 -> {1, 2}, 2 -> {3}, 1 -> {4}  (the N=5 example of the sglang digest)
+    tokens = torch.tensor([[10, 11, 12, 13, 14]])
+    parents = torch.tensor([[-1, 0, 0, 2, 1]])
+    tree = VerifyTree.from_parents(tokens, parents)
+    assert tree.next_token.tolist() == [[1, 4, 3, -1, -1]]
+    assert tree.next_sibling.tolist() == [[-1, 2, -1, -1, -1]]
+    assert tree.depth.tolist() == [[0, 1, 1, 2, 2]]
+    anc = tree.ancestor_mask[0].int().tolist()
+    assert anc[3] == [1, 0, 1, 1, 0]
+    assert anc[4] == [1, 1, 0, 0, 1]
+
+
+def test_padding_nodes_are_unlinked() -> None:
+    tokens = torch.tensor([[5, 6, -1, -1], [7, 8, 9, 3]])
+    parents = torch.tensor([[-1, 0, 0, 0], [-1, 0, 1, 1]])
+    tree = VerifyTree.from_parents(tokens, parents)
+    assert tree.next_token[0].tolist() == [1, -1, -1, -1]
+    assert tree.next_sibling[0].tolist() == [-1, -1, -1, -1]
+    assert tree.next_token[1].tolist() == [1, 2, -1, -1]
+    assert tree.next_sibling[1].tolist() == [-1, -1, 3, -1]
+    assert tree.depth[1].tolist() == [0, 1, 2, 2]
+
+
+def test_root_only() -> None:
+    tree = VerifyTree.root_only(torch.tensor([4, 9]))
+    assert tree.num_nodes == 1 and tree.next_token.tolist() == [[-1], [-1]]
+    assert tree.ancestor_mask.all()
