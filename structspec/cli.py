@@ -30,8 +30,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights/KV dtype (auto: bfloat16 on CUDA, float32 on CPU)")
     g.add_argument("--max-batch-size", type=int, default=64, help="requests decoded together")
-    g.add_argument("--kv-capacity-tokens", type=int, default=65536,
-                   help="KV cache size in tokens; requests wait when it is full")
+    g.add_argument("--kv-capacity-tokens", type=int, default=None,
+                   help="KV cache size in tokens; requests wait when it is full (default: "
+                        "32768 on CPU, 262144 on CUDA)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length limit (default: the model's)")
     g.add_argument("--grammar-compile-timeout", type=float, default=30.0,

@@ -79,11 +79,12 @@ class ModelConfig:
         head_dim = cfg.get("head_dim") or hidden // num_heads
         rope_scaling = cfg.get("rope_scaling") or None
         rope_theta = cfg.get("rope_theta")
-        if rope_theta is None and isinstance(cfg.get("rope_parameters"), dict):
+        if isinstance(cfg.get("rope_parameters"), dict):
             # transformers >= 5 moves rope_theta / rope_scaling into rope_parameters.
             params = dict(cfg["rope_parameters"])
-            rope_theta = params.pop("rope_theta", None)
-            if params.get("rope_type", "default") != "default":
+            theta = params.pop("rope_theta", None)
+            rope_theta = rope_theta if rope_theta is not None else theta
+            if rope_scaling is None and params.get("rope_type", "default") != "default":
                 rope_scaling = params
         if isinstance(rope_scaling, dict) and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
             rope_scaling = None
@@ -117,12 +118,15 @@ class CacheConfig:
 
     page_size: int = 16
     num_pages: int | None = None  # None: sized from kv_capacity_tokens
-    kv_capacity_tokens: int = 65536  # used when num_pages is None
+    kv_capacity_tokens: int | None = None  # None: 32768 on CPU, 262144 on CUDA (resolved once)
 
     @property
     def total_pages(self) -> int:
         if self.num_pages is not None:
             return self.num_pages
+        if self.kv_capacity_tokens is None:
+            raise ValueError("CacheConfig.kv_capacity_tokens is unresolved (call "
+                             "resolve_engine_config first)")
         return -(-self.kv_capacity_tokens // self.page_size) + 1  # +1: the reserved sink page
 
 
@@ -221,4 +225,11 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
         raise ValueError("max_batch_size must be >= 1")
     if config.cache.page_size < 1:
         raise ValueError("page_size must be >= 1")
-    return dataclasses.replace(config, device=device, dtype=dtype)
+    cache = config.cache
+    if cache.num_pages is None and cache.kv_capacity_tokens is None:
+        cache = dataclasses.replace(
+            cache, kv_capacity_tokens=262144 if device.startswith("cuda") else 32768
+        )
+    if cache.total_pages < 2:
+        raise ValueError("kv_capacity_tokens must hold at least one page")
+    return dataclasses.replace(config, device=device, dtype=dtype, cache=cache)

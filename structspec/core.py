@@ -34,7 +34,8 @@ class JsonSchemaSpec:
         return "json_schema"
 
     def canonical_text(self) -> str:
-        """The schema re-serialised with sorted keys (the compile-cache key).
+        """The schema re-serialised compactly, key order kept (xgrammar emits properties in
+        declaration order, so order is part of the grammar).
 
         Raises:
             ValueError: when ``schema`` is text that is not JSON, or not a JSON object/bool.
@@ -47,7 +48,7 @@ class JsonSchemaSpec:
                 raise ValueError(f"json_schema is not valid JSON: {e}") from e
         if not isinstance(schema, (dict, bool)):
             raise ValueError(f"json_schema must be a JSON object, got {type(schema).__name__}")
-        return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        return json.dumps(schema, separators=(",", ":"))
 
 
 @dataclass(frozen=True)
@@ -178,7 +179,7 @@ class SamplingParams:
 # ---------------------------------------------------------------------------------------------
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     """Why a request ended (OpenAI's ``finish_reason`` values)."""
 
     STOP = "stop"  # EOS, stop string/token, or the grammar reached its end

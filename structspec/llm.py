@@ -53,7 +53,7 @@ class LLM:
         device: str = "auto",
         dtype: str = "auto",
         max_batch_size: int = 64,
-        kv_capacity_tokens: int = 65536,
+        kv_capacity_tokens: int | None = None,
         page_size: int = 16,
         max_model_len: int | None = None,
         seed: int = 0,

@@ -67,7 +67,8 @@ class LLMEngine:
             stop_token_ids=list(self.tokenizer.eos_token_ids),
             config=config.grammar,
         )
-        self.drafter = create_drafter(config.spec, target=self.runner, device=device, dtype=dtype)
+        self.drafter = create_drafter(config.spec, target=self.runner, device=device, dtype=dtype,
+                                      max_batch_size=config.scheduler.max_batch_size)
         self.scheduler = Scheduler(config, self.runner, self.grammar, self.drafter)
         if (os.cpu_count() or 1) > 1:
             # xgrammar's tree walk releases the GIL: requests' masks build in parallel.

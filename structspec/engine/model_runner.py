@@ -33,12 +33,29 @@ class VerifyForwardOutput:
         seq_lens: ``[B]`` int64 committed lengths the forward ran with.
         page_table: ``[B, P]`` int64 pages it wrote through.
         hidden_states: ``[B, N, H]`` final hidden states (EAGLE drafters read them).
+        aux_hidden_states: outputs of ``ModelRunner.aux_hidden_layers``, each ``[B, N, H]``.
     """
 
     logits: torch.Tensor
     seq_lens: torch.Tensor
     page_table: torch.Tensor
     hidden_states: torch.Tensor
+    aux_hidden_states: list[torch.Tensor]
+
+
+@dataclass
+class PrefillOutput:
+    """What a prefill forward leaves on the device.
+
+    Attributes:
+        logits: ``[B, V]`` float32 logits of each request's last prompt token.
+        hidden_states: ``[B, Q, H]`` final hidden states of every (padded) prompt position.
+        aux_hidden_states: outputs of ``ModelRunner.aux_hidden_layers``, each ``[B, Q, H]``.
+    """
+
+    logits: torch.Tensor
+    hidden_states: torch.Tensor
+    aux_hidden_states: list[torch.Tensor]
 
 
 class ModelRunner:
@@ -74,6 +91,8 @@ class ModelRunner:
             dtype=dtype,
             device=device,
         )
+        #: decoder layers whose outputs drafters need (EAGLE-3 features); () = none.
+        self.aux_hidden_layers: tuple[int, ...] = ()
 
     @property
     def vocab_size(self) -> int:
@@ -81,12 +100,16 @@ class ModelRunner:
         return self.model_config.vocab_size
 
     @torch.inference_mode()
-    def prefill(self, token_ids: Sequence[Sequence[int]], pages: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Write the prompts' KV and return the last prompt token's logits, ``[B, V]`` float32."""
+    def prefill(
+        self, token_ids: Sequence[Sequence[int]], pages: Sequence[Sequence[int]]
+    ) -> PrefillOutput:
+        """Write the prompts' KV; return the last prompt tokens' logits and hidden states."""
         fb = build_prefill_batch(token_ids, pages, page_size=self.page_size, device=self.device)
-        out = self.model(fb, self.kv_pool)
+        out = self.model(fb, self.kv_pool, aux_hidden_layers=self.aux_hidden_layers)
         hidden = out.hidden_states.reshape(-1, out.hidden_states.shape[-1])
-        return self.model.compute_logits(hidden[fb.logits_indices])
+        logits = self.model.compute_logits(hidden[fb.logits_indices])
+        return PrefillOutput(logits=logits, hidden_states=out.hidden_states,
+                             aux_hidden_states=list(out.aux_hidden_states))
 
     @torch.inference_mode()
     def verify(
@@ -104,11 +127,12 @@ class ModelRunner:
         table = page_table_tensor([p[:need] for p in pages], self.device)
         seq_lens_t = torch.tensor(list(seq_lens), dtype=torch.int64).to(self.device)
         fb = build_verify_batch(tree, seq_lens_t, table, page_size=self.page_size)
-        out = self.model(fb, self.kv_pool)
+        out = self.model(fb, self.kv_pool, aux_hidden_layers=self.aux_hidden_layers)
         hidden = out.hidden_states
         logits = self.model.compute_logits(hidden.reshape(-1, hidden.shape[-1]))
         return VerifyForwardOutput(logits=logits, seq_lens=seq_lens_t, page_table=table,
-                                   hidden_states=hidden)
+                                   hidden_states=hidden,
+                                   aux_hidden_states=list(out.aux_hidden_states))
 
     @torch.inference_mode()
     def commit_accepted_kv(self, fwd: VerifyForwardOutput, result: VerifyResult) -> None:

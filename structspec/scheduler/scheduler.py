@@ -63,6 +63,9 @@ class Scheduler:
         self.grammar = grammar
         self.drafter = drafter
         self.num_nodes = drafter.num_nodes
+        # EAGLE heads read target features: the target forwards must return them.
+        runner.aux_hidden_layers = tuple(getattr(drafter, "aux_hidden_layers", ()))
+        self._feeds_hidden = hasattr(drafter, "on_target_hidden")
         self.allocator = PageAllocator(runner.kv_pool.num_pages, runner.page_size)
         self.requests: dict[str, Req] = {}
         self.grammar_queue: list[Req] = []
@@ -139,6 +142,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the step
 
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step (a prefill or a verify forward) and report progress.
 
@@ -207,11 +211,17 @@ class Scheduler:
     # ------------------------------------------------------------------ prefill
 
     def _run_prefill(self, batch: list[Req]) -> None:
-        logits = self.runner.prefill([r.prompt_ids for r in batch], [r.pages for r in batch])
+        out = self.runner.prefill([r.prompt_ids for r in batch], [r.pages for r in batch])
+        if self._feeds_hidden:
+            self.drafter.on_target_hidden(  # type: ignore[attr-defined]
+                [DraftRequest(r.request_id, r.prompt_ids, 0) for r in batch],
+                out.hidden_states, None, [len(r.prompt_ids) for r in batch],
+                out.aux_hidden_states)
         for r in batch:
             r.seq_len = len(r.prompt_ids)
         tree = VerifyTree.root_only(torch.tensor([r.prompt_ids[-1] for r in batch]))
-        runs, _ = self._select_and_verify(batch, tree, tree, logits)
+        tree_dev = tree.to(self.runner.device)
+        runs, _ = self._select_and_verify(batch, tree, tree_dev, out.logits)
         t = now()
         for req, run in zip(batch, runs, strict=True):
             commit_run(req, run, t)
@@ -227,6 +237,11 @@ class Scheduler:
         fwd = self.runner.verify(tree_dev, [r.seq_len for r in reqs], [r.pages for r in reqs])
         runs, result = self._select_and_verify(reqs, tree, tree_dev, fwd.logits)
         self.runner.commit_accepted_kv(fwd, result)
+        if self._feeds_hidden:
+            # Features of node 0 and the accepted drafts (the bonus has no KV yet).
+            self.drafter.on_target_hidden(  # type: ignore[attr-defined]
+                draft_reqs, fwd.hidden_states, result.accept_nodes, [len(r) for r in runs],
+                fwd.aux_hidden_states)
         t = now()
         committed: list[list[int]] = []
         num_real = (tree.draft_tokens[:, 1:] >= 0).sum(dim=1).tolist()
@@ -258,8 +273,9 @@ class Scheduler:
             )
             if mask is not None:
                 apply_bitmask_(logits, mask.bitmask_device)
-                cap = mask.max_accept_drafts_device
-                for req, rejected in zip(reqs, mask.num_rejected_drafts, strict=True):
+                if mask.truncated_requests:  # a tree walk timed out: bonus token only
+                    cap = mask.max_accept_cpu.to(torch.int64).to(logits.device)
+                for req, rejected in zip(reqs, mask.rejected_by_grammar, strict=True):
                     req.spec.draft_tokens_rejected_by_grammar += rejected
         sb = self._sampling_batch(reqs, n, logits.device)
         targets = sample_rows(logits, sb).view(len(reqs), n)

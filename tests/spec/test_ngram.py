@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from structspec.config import SpecConfig
-from structspec.spec.ngram import NgramDrafter, find_continuations
 from structspec.spec.base import DraftRequest
+from structspec.spec.ngram import NgramDrafter, find_continuations
 
 
 def test_longest_match_first_then_recent() -> None:

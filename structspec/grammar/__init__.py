@@ -1,0 +1,29 @@
+"""Grammar-constrained decoding on xgrammar: compile cache, matchers, tree bitmasks.
+
+Public API: :class:`GrammarBackend` (compile specs, make matchers), :class:`Matcher`,
+:func:`allocate_bitmask` / :func:`apply_bitmask_`, :class:`GrammarTree` and
+:func:`build_grammar_vocab_mask`, :func:`find_unenforceable`, :class:`GrammarError`.
+"""
+
+from __future__ import annotations
+
+from structspec.grammar.backend import GrammarBackend, GrammarFuture
+from structspec.grammar.bitmask import allocate_bitmask, apply_bitmask_, bitmask_width
+from structspec.grammar.errors import GrammarError
+from structspec.grammar.matcher import Matcher
+from structspec.grammar.schema_check import find_unenforceable
+from structspec.grammar.tree import GrammarMaskResult, GrammarTree, build_grammar_vocab_mask
+
+__all__ = [
+    "GrammarBackend",
+    "GrammarError",
+    "GrammarFuture",
+    "GrammarMaskResult",
+    "GrammarTree",
+    "Matcher",
+    "allocate_bitmask",
+    "apply_bitmask_",
+    "bitmask_width",
+    "build_grammar_vocab_mask",
+    "find_unenforceable",
+]

@@ -1,0 +1,289 @@
+"""The xgrammar backend: asynchronous, cached grammar compilation and matcher creation.
+
+One :class:`GrammarBackend` per served model (it holds the tokenizer's vocabulary). The
+scheduler calls :meth:`GrammarBackend.submit` when a request arrives (never blocks), polls
+:meth:`GrammarFuture.done` / :meth:`GrammarFuture.expired` each loop iteration, then turns the
+result into a per-request :class:`~.matcher.Matcher` with :meth:`GrammarBackend.create_matcher`.
+
+Source of the design: sglang's xgrammar backend and grammar manager (compile on a thread pool
+keyed by ``(kind, text)``, cache the compiled prototype and the failures, dedupe in-flight
+compiles); see ``shared/reference/sglang-grammar-spec.md`` §1.3-1.5.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+import xgrammar as xgr
+
+from structspec.config import GrammarConfig
+from structspec.core import (
+    ChoiceSpec,
+    EbnfSpec,
+    GrammarSpec,
+    JsonObjectSpec,
+    JsonSchemaSpec,
+    RegexSpec,
+)
+from structspec.grammar.errors import PARAM_BY_KIND, GrammarError
+from structspec.grammar.matcher import Matcher
+from structspec.grammar.schema_check import find_unenforceable
+
+CacheKey = tuple[str, str]
+
+
+class GrammarFuture:
+    """A pending (or finished) compilation, as returned by :meth:`GrammarBackend.submit`.
+
+    Args:
+        future: the shared compile future (several requests may wait on the same one).
+        timeout_s: the compile time limit (``GrammarConfig.compile_timeout_s``).
+        submitted_at: ``time.perf_counter()`` at submission.
+    """
+
+    def __init__(self, future: Future[xgr.CompiledGrammar], *, timeout_s: float,
+                 submitted_at: float, kind: str) -> None:
+        self._future = future
+        self.timeout_s = timeout_s
+        self.submitted_at = submitted_at
+        self.kind = kind
+
+    def done(self) -> bool:
+        """Whether the compilation finished (successfully or not)."""
+        return self._future.done()
+
+    def expired(self, now: float) -> bool:
+        """Whether it is still running ``timeout_s`` after submission (``now``: perf_counter)."""
+        return not self._future.done() and now - self.submitted_at > self.timeout_s
+
+    def result(self, timeout: float | None = None) -> xgr.CompiledGrammar:
+        """The compiled grammar, waiting at most ``timeout`` seconds.
+
+        Args:
+            timeout: seconds to wait; ``None`` = until ``timeout_s`` after submission.
+
+        Raises:
+            GrammarError: the compile failed (the compiler's message), the spec is invalid or
+                not enforceable, or the wait exceeded the limit
+                ("grammar compilation exceeded {t}s").
+        """
+        limit = self.timeout_s if timeout is None else timeout
+        wait = max(0.0, self.submitted_at + self.timeout_s - time.perf_counter()) \
+            if timeout is None else timeout
+        try:
+            return self._future.result(timeout=wait)
+        except FutureTimeout:
+            raise GrammarError(f"grammar compilation exceeded {limit:g}s",
+                               param=PARAM_BY_KIND.get(self.kind)) from None
+
+
+class GrammarBackend:
+    """Compiles grammar specs for one tokenizer and creates per-request matchers.
+
+    Args:
+        tokenizer_hf: a Hugging Face tokenizer (``PreTrainedTokenizerFast``).
+        vocab_size: the model's logits width (may exceed ``len(tokenizer_hf)``; the extra ids
+            are never allowed by any grammar). Bitmasks have ``ceil(vocab_size / 32)`` words.
+        stop_token_ids: ids that end an output (pass them explicitly: e.g. SmolLM2's GGUF
+            conversion reports the wrong EOS).
+        config: compile threads, cache bound, timeout, whitespace and rollback settings.
+
+    Compile options: JSON Schema with ``strict_mode=True`` and ``any_whitespace`` from the
+    config (``False``: xgrammar's default separators ``", "`` and ``": "``).
+    """
+
+    def __init__(
+        self,
+        tokenizer_hf: Any,
+        *,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        config: GrammarConfig | None = None,
+    ) -> None:
+        self.config = config or GrammarConfig()
+        self.vocab_size = int(vocab_size)
+        self.stop_token_ids = [int(t) for t in stop_token_ids]
+        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer_hf, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
+        # Our own LRU cache below replaces xgrammar's (unbounded) one.
+        self._compiler = xgr.GrammarCompiler(
+            self.tokenizer_info, max_threads=self.config.num_compile_threads, cache_enabled=False)
+        self._executor = ThreadPoolExecutor(
+            max_workers=self.config.num_compile_threads, thread_name_prefix="grammar-compile")
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[CacheKey, Future[xgr.CompiledGrammar]] = OrderedDict()
+
+    # -- compilation ----------------------------------------------------------------------
+
+    def submit(self, spec: GrammarSpec) -> GrammarFuture:
+        """Start compiling ``spec`` (or reuse a cached / in-flight compile); never blocks.
+
+        Errors (invalid spec, compile failure, unenforceable schema) surface from
+        :meth:`GrammarFuture.result` as :class:`GrammarError`; failures are cached too.
+        """
+        now = time.perf_counter()
+        kind = spec.kind
+        try:
+            key = self._key(spec)
+        except (ValueError, TypeError) as e:
+            failed: Future[xgr.CompiledGrammar] = Future()
+            failed.set_exception(GrammarError(str(e), param=PARAM_BY_KIND.get(kind)))
+            return GrammarFuture(failed, timeout_s=self.config.compile_timeout_s,
+                                 submitted_at=now, kind=kind)
+        with self._lock:
+            fut = self._cache.get(key)
+            if fut is not None:
+                self._cache.move_to_end(key)
+            else:
+                fut = self._executor.submit(self._compile_now, spec)
+                self._cache[key] = fut
+                self._evict()
+        return GrammarFuture(fut, timeout_s=self.config.compile_timeout_s, submitted_at=now,
+                             kind=kind)
+
+    def compile(self, spec: GrammarSpec, timeout: float | None = None) -> xgr.CompiledGrammar:
+        """Blocking convenience: ``submit(spec).result(timeout)``.
+
+        Raises:
+            GrammarError: see :meth:`GrammarFuture.result`.
+        """
+        return self.submit(spec).result(timeout)
+
+    def create_matcher(self, compiled: xgr.CompiledGrammar) -> Matcher:
+        """A fresh per-request matcher over a compiled grammar (cheap)."""
+        return Matcher(compiled, stop_token_ids=self.stop_token_ids,
+                       max_rollback_tokens=self.config.max_rollback_tokens)
+
+    def cache_size(self) -> int:
+        """Number of cache entries (finished and in flight)."""
+        with self._lock:
+            return len(self._cache)
+
+    def shutdown(self) -> None:
+        """Stop accepting compiles; running ones finish in the background."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # -- internals ----------------------------------------------------------------------
+
+    @staticmethod
+    def _key(spec: GrammarSpec) -> CacheKey:
+        if isinstance(spec, JsonSchemaSpec):
+            # The strict check may fail where the non-strict compile succeeds: separate keys.
+            return ("json_schema:strict" if spec.strict else "json_schema"), schema_text(spec)
+        return spec.kind, spec.canonical_text()
+
+    def _evict(self) -> None:
+        # Called with the lock held. In-flight entries are kept (they dedupe waiters).
+        excess = len(self._cache) - self.config.cache_max_entries
+        if excess <= 0:
+            return
+        for key in [k for k, f in self._cache.items() if f.done()][:excess]:
+            del self._cache[key]
+
+    def _compile_now(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        """Runs on a compile thread; every failure becomes a :class:`GrammarError`."""
+        kind = spec.kind
+        param = PARAM_BY_KIND.get(kind)
+        try:
+            if isinstance(spec, JsonSchemaSpec):
+                text = schema_text(spec)
+                if spec.strict:
+                    self._check_enforceable(json.loads(text), param)
+                return self._compiler.compile_json_schema(
+                    text, any_whitespace=self.config.any_whitespace, strict_mode=True)
+            if isinstance(spec, JsonObjectSpec):
+                return self._compiler.compile_json_schema(
+                    '{"type": "object"}', any_whitespace=self.config.any_whitespace,
+                    strict_mode=True)
+            if isinstance(spec, RegexSpec):
+                return self._compiler.compile_regex(spec.pattern)
+            if isinstance(spec, EbnfSpec):
+                return self._compiler.compile_grammar(spec.grammar, root_rule_name="root")
+            if isinstance(spec, ChoiceSpec):
+                return self._compiler.compile_grammar(choice_ebnf(spec.choices))
+            raise GrammarError(f"unknown grammar kind {kind!r}", param=param)
+        except GrammarError:
+            raise
+        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError/...
+            raise GrammarError(f"Failed to compile {kind} grammar: {_compiler_message(e)}",
+                               param=param) from e
+
+    @staticmethod
+    def _check_enforceable(schema: Any, param: str | None) -> None:
+        if not isinstance(schema, dict):
+            return
+        problems = find_unenforceable(schema)
+        if problems:
+            shown = "; ".join(f"{p or '/'}: {r}" for p, r in problems[:5])
+            more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+            raise GrammarError(
+                "json_schema cannot be enforced exactly in strict mode: " + shown + more
+                + ". Remove these keywords or set strict to false (best effort).", param=param)
+
+
+def schema_text(spec: JsonSchemaSpec) -> str:
+    """The schema as compact JSON text, key order kept (the compile input and cache key).
+
+    Not ``JsonSchemaSpec.canonical_text()``: sorting keys would reorder ``properties``, and
+    xgrammar generates properties in their declared order.
+
+    Raises:
+        ValueError: when the schema is text that is not JSON, or not an object/boolean.
+    """
+    schema = spec.schema
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"json_schema is not valid JSON: {e}") from e
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError(f"json_schema must be a JSON object, got {type(schema).__name__}")
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+
+
+def choice_ebnf(choices: Sequence[str]) -> str:
+    """A GBNF grammar whose sentences are exactly ``choices`` (``root ::= "a" | "b"``).
+
+    Raises:
+        GrammarError: when ``choices`` is empty or contains an empty string.
+    """
+    if not choices or any(not isinstance(c, str) or not c for c in choices):
+        raise GrammarError("choice must be a non-empty list of non-empty strings",
+                           param="choice")
+    return "root ::= " + " | ".join(_ebnf_literal(c) for c in choices)
+
+
+def _ebnf_literal(text: str) -> str:
+    out = []
+    for ch in text:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch == "\r":
+            out.append("\\r")
+        elif ch == "\t":
+            out.append("\\t")
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\x{ord(ch):02x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def _compiler_message(e: BaseException) -> str:
+    """The useful part of an xgrammar exception (drop the ``[time] file.cc:line:`` prefix)."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    msg = lines[-1] if lines else type(e).__name__
+    if msg.startswith("[") and ": " in msg:
+        head, _, rest = msg.partition(": ")
+        if ".cc:" in head or ".h:" in head:
+            msg = rest
+    return msg

@@ -1,0 +1,70 @@
+"""Token bitmasks: allocation (pinned host memory) and in-place application to logits.
+
+Layout (xgrammar's): ``int32 [rows, W]`` with ``W = ceil(vocab_size / 32)``; token ``t`` is
+allowed in a row when bit ``t % 32`` of word ``t // 32`` is set. ``-1`` (all bits) = no
+constraint.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """``ceil(vocab_size / 32)``, the number of int32 words per row."""
+    return (int(vocab_size) + 31) // 32
+
+
+def allocate_bitmask(rows: int, vocab_size: int, *, pin: bool) -> torch.Tensor:
+    """A fresh host bitmask with every token allowed.
+
+    Args:
+        rows: number of rows (e.g. ``bs * tree_size``).
+        vocab_size: the logits width (which may exceed the tokenizer's size).
+        pin: allocate in page-locked memory when CUDA is available, so that
+            ``.to(device, non_blocking=True)`` is truly asynchronous (a pageable source makes
+            CUDA stage the copy and block the host).
+
+    Returns:
+        ``int32 [rows, ceil(vocab_size / 32)]`` on the CPU, filled with -1.
+    """
+    pin = pin and torch.cuda.is_available()
+    return torch.full((rows, bitmask_width(vocab_size)), -1, dtype=torch.int32, pin_memory=pin)
+
+
+def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Set the logits of forbidden tokens to ``-inf``, in place, with no host synchronisation.
+
+    Pure torch (shifts and a ``masked_fill_``), so it runs on the CPU and on CUDA and can be
+    captured in a CUDA graph.
+
+    Args:
+        logits: ``float [R, V]`` (any float dtype), on the same device as ``bitmask``.
+        bitmask: ``int32 [R, W]``. Columns ``>= 32 * W`` of ``logits`` (padding beyond the
+            grammar's vocabulary) are set to ``-inf`` as well: no grammar ever allows them.
+
+    Returns:
+        ``logits`` (modified in place).
+
+    Raises:
+        ValueError: on a row-count or device mismatch.
+    """
+    if logits.dim() != 2 or bitmask.dim() != 2 or logits.shape[0] != bitmask.shape[0]:
+        raise ValueError(f"logits {tuple(logits.shape)} and bitmask {tuple(bitmask.shape)} "
+                         "must be [R, V] and [R, W]")
+    if logits.device != bitmask.device:
+        raise ValueError(f"logits on {logits.device} but bitmask on {bitmask.device}")
+    rows, vocab = logits.shape
+    width = bitmask.shape[1]
+    shifts = _SHIFTS.get(bitmask.device)
+    if shifts is None:
+        shifts = _SHIFTS.setdefault(
+            bitmask.device, torch.arange(32, dtype=torch.int32, device=bitmask.device))
+    covered = min(vocab, 32 * width)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(rows, 32 * width)[:, :covered]
+    logits[:, :covered].masked_fill_(allowed == 0, float("-inf"))
+    if vocab > covered:
+        logits[:, covered:] = float("-inf")
+    return logits

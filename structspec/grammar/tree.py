@@ -1,0 +1,280 @@
+"""The grammar mask over a verify tree: host staging of the tree and the parallel mask build.
+
+Per speculative step (DESIGN.md, "One speculative step with a grammar"):
+
+1. ``GrammarTree.from_device(...)`` *before* the verify launch: the device->host copies of the
+   tree are queued on the current stream right behind the drafter's kernels, and an event is
+   recorded after them. Nothing waits yet.
+2. The verify forward is launched (asynchronous).
+3. ``build_grammar_vocab_mask(...)`` *after* the launch, while the GPU runs: the barrier
+   advances the matchers over the previous step's committed runs, ``tree.resolve()`` waits on
+   the event (the copies finished long ago, behind the draft, so this is short), the bitmask is
+   built on the host (xgrammar ``traverse_draft_tree``: accept, fill row, recurse, roll back),
+   and a pinned -> device ``non_blocking`` copy is queued; stream order puts it before the
+   mask is applied to the verify logits.
+
+Source of the design: sglang ``spec_utils.py`` (``GrammarTree``, ``build_grammar_vocab_mask``,
+``traverse_tree``); see ``shared/reference/sglang-grammar-spec.md`` §3 and §5.4.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from structspec.grammar.bitmask import allocate_bitmask
+from structspec.grammar.matcher import Matcher
+
+
+def _to_host_async(t: torch.Tensor) -> torch.Tensor:
+    """Queue a D2H copy of ``t`` (int64) into a fresh pinned buffer; no host wait."""
+    host = torch.empty(t.shape, dtype=torch.int64, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    # The copy runs later on the current stream: keep the caching allocator from handing the
+    # source's memory to another stream's kernels before the copy has read it.
+    t.record_stream(torch.cuda.current_stream(t.device))
+    return host
+
+
+@dataclass
+class GrammarTree:
+    """Host view of the verify trees of a batch (node 0 of each row = last committed token).
+
+    Attributes:
+        next_token_cpu: ``int64 [bs, N]`` first child of each node, -1 = none.
+        next_sibling_cpu: ``int64 [bs, N]`` next sibling of each node, -1 = none.
+        draft_tokens_cpu: ``int64 [bs, N]`` token id at each node.
+        event: CUDA event recorded after the D2H copies (None for host trees).
+    """
+
+    next_token_cpu: torch.Tensor
+    next_sibling_cpu: torch.Tensor
+    draft_tokens_cpu: torch.Tensor
+    event: torch.cuda.Event | None = None
+    _resolved: bool = field(default=False, repr=False)
+
+    @classmethod
+    def from_device(cls, next_token: torch.Tensor, next_sibling: torch.Tensor,
+                    draft_tokens: torch.Tensor) -> GrammarTree:
+        """Stage a device tree for the host. Call it *before* launching the verify forward.
+
+        Args:
+            next_token, next_sibling, draft_tokens: ``int64`` (or int32) ``[bs, N]`` on one
+                device (``draft_tokens`` may be flat ``[bs * N]``; it is reshaped).
+
+        On CUDA: each tensor is copied with ``non_blocking=True`` into pinned host memory and
+        ``record_stream`` protects the source; one event is recorded after the three copies, so
+        :meth:`resolve` later waits only for them (not for the verify forward queued after).
+        On the CPU: plain int64 views, no event.
+        """
+        bs, n = next_token.shape
+        draft_tokens = draft_tokens.reshape(bs, n)
+        if next_token.device.type != "cuda":
+            return cls.from_host(next_token, next_sibling, draft_tokens)
+        hosts = [_to_host_async(t) for t in (next_token, next_sibling, draft_tokens)]
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(next_token.device))
+        return cls(hosts[0], hosts[1], hosts[2], event=event)
+
+    @classmethod
+    def from_host(cls, next_token: torch.Tensor, next_sibling: torch.Tensor,
+                  draft_tokens: torch.Tensor) -> GrammarTree:
+        """Wrap a host-built tree (e.g. n-gram drafts): no copy, no event.
+
+        Args:
+            next_token, next_sibling, draft_tokens: CPU integer tensors ``[bs, N]``.
+        """
+        bs, n = next_token.shape
+        return cls(next_token.to(torch.int64), next_sibling.to(torch.int64),
+                   draft_tokens.reshape(bs, n).to(torch.int64), _resolved=True)
+
+    @classmethod
+    def from_linear_chain(cls, ids: torch.Tensor) -> GrammarTree:
+        """A chain per request: node ``j``'s only child is ``j + 1``.
+
+        Args:
+            ids: ``int64 [bs, L]``, column 0 = last committed token (CPU or CUDA; a CUDA
+                tensor is staged asynchronously like :meth:`from_device`).
+        """
+        bs, length = ids.shape
+        nxt = torch.arange(1, length + 1, dtype=torch.int64, device=ids.device)
+        nxt[-1] = -1
+        next_token = nxt.expand(bs, length).contiguous()
+        next_sibling = torch.full((bs, length), -1, dtype=torch.int64, device=ids.device)
+        return cls.from_device(next_token, next_sibling, ids)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(bs, N)``."""
+        bs, n = self.next_token_cpu.shape
+        return bs, n
+
+    def resolve(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Wait for the staged copies (once) and return the three host tensors.
+
+        Call it *after* the verify launch: the event was recorded before the launch, so this
+        waits only for the small tree copies, never for the verify forward. Idempotent.
+        """
+        if not self._resolved:
+            if self.event is not None:
+                self.event.synchronize()
+            self._resolved = True
+        return self.next_token_cpu, self.next_sibling_cpu, self.draft_tokens_cpu
+
+
+@dataclass
+class GrammarMaskResult:
+    """The tree bitmask of one verify step.
+
+    Attributes:
+        bitmask_device: ``int32 [bs * N, W]`` on the verify device (row ``i * N + j`` =
+            allowed tokens after the path to node ``j`` of request ``i``); the H2D copy is
+            queued ``non_blocking`` on the current stream.
+        bitmask_cpu: the pinned host source (keep it alive until the copy ran: a fresh buffer
+            per step, so no overwrite hazard).
+        max_accept_cpu: ``int32 [bs]`` the most draft tokens the verifier may accept per
+            request: ``N - 1`` normally, ``0`` for a request whose traversal timed out (its row
+            0 is exact, every other row unconstrained: only the bonus token may be taken).
+        truncated_requests: batch indices whose traversal timed out.
+        rejected_by_grammar: per request, reached draft nodes whose token the parent's row
+            forbids (for the "drafts rejected by the grammar" metric); 0 without a matcher.
+        build_s: host seconds spent in barrier + resolve + build (for metrics).
+    """
+
+    bitmask_device: torch.Tensor
+    bitmask_cpu: torch.Tensor
+    max_accept_cpu: torch.Tensor
+    truncated_requests: list[int]
+    rejected_by_grammar: list[int]
+    build_s: float = 0.0
+
+
+def build_grammar_vocab_mask(
+    matchers: Sequence[Matcher | None],
+    tree: GrammarTree,
+    *,
+    vocab_size: int,
+    device: torch.device | str,
+    barrier: Callable[[], None] | None = None,
+    time_limit_s: float = 0.05,
+    executor: ThreadPoolExecutor | None = None,
+) -> GrammarMaskResult | None:
+    """Build the grammar bitmask for every node of every request's verify tree.
+
+    Order: ``barrier()`` first (it advances the matchers over the previous step's committed
+    runs: the traversal must start from that state), then ``tree.resolve()``, then one
+    ``traverse_draft_tree`` per constrained request (in parallel on ``executor``: xgrammar
+    releases the GIL inside), then an async H2D copy.
+
+    Each row is the mask of the state after that node's path. A node whose token its parent's
+    row forbids is never reached: its row and its subtree's rows are all ones, which is
+    harmless because the verifier can never accept it (the masked parent cannot produce it). A
+    node that terminates the grammar (stop token) gets an all-ones row too (see
+    :func:`settle_tree_rows`); the result processor cuts the run there. A terminated or absent
+    matcher leaves its rows all ones.
+
+    Timeout fallback: when one request's traversal exceeds ``time_limit_s``, its rows are reset,
+    row 0 is filled from the root state (exact), and ``max_accept_cpu[i] = 0``: the verifier
+    must accept no draft for it, so only the bonus token from the exact row 0 is emitted.
+
+    Args:
+        matchers: one per request in batch order (None = unconstrained request).
+        tree: the staged tree (see :class:`GrammarTree`).
+        vocab_size: the logits width (bitmask width ``ceil(vocab_size / 32)``).
+        device: where the verify logits live.
+        barrier: advances pending matchers (the scheduler's grammar barrier), or None.
+        time_limit_s: per-request traversal limit (xgrammar ``time_threshold``).
+        executor: run requests in parallel; None = serially on this thread.
+
+    Returns:
+        A :class:`GrammarMaskResult`, or None when no request has a matcher.
+    """
+    t0 = time.perf_counter()
+    if barrier is not None:
+        barrier()
+    if all(m is None for m in matchers):
+        return None
+    next_token, next_sibling, draft_tokens = tree.resolve()
+    bs, n = next_token.shape
+    if len(matchers) != bs:
+        raise ValueError(f"{len(matchers)} matchers for a tree batch of {bs}")
+    bitmask = allocate_bitmask(bs * n, vocab_size, pin=True)
+    max_accept = torch.full((bs,), n - 1, dtype=torch.int32)
+    rejected = [0] * bs
+    truncated: list[int] = []
+
+    def one(i: int) -> bool:
+        m = matchers[i]
+        if m is None or m.is_terminated():
+            return True
+        rows = bitmask[i * n:(i + 1) * n]
+        ok = m.xgr_matcher.traverse_draft_tree(
+            next_token[i], next_sibling[i], draft_tokens[i], rows, time_limit_s)
+        if not ok:
+            rows.fill_(-1)
+            m.fill_bitmask(rows, 0)
+            return False
+        rejected[i] = settle_tree_rows(rows, next_token[i], next_sibling[i], draft_tokens[i],
+                                       stop_token_ids=m.stop_token_ids)
+        return True
+
+    active = [i for i, m in enumerate(matchers) if m is not None]
+    if executor is not None and len(active) > 1:
+        done = list(executor.map(one, active))
+    else:
+        done = [one(i) for i in active]
+    for i, ok in zip(active, done, strict=True):
+        if not ok:
+            truncated.append(i)
+            max_accept[i] = 0
+    bitmask_device = bitmask.to(device, non_blocking=True)
+    return GrammarMaskResult(bitmask_device, bitmask, max_accept, truncated, rejected,
+                             time.perf_counter() - t0)
+
+
+def settle_tree_rows(rows: torch.Tensor, next_token: torch.Tensor,
+                     next_sibling: torch.Tensor, draft_tokens: torch.Tensor, *,
+                     stop_token_ids: Sequence[int] = ()) -> int:
+    """Give unreachable and terminated nodes all-ones rows; count grammar-rejected drafts.
+
+    xgrammar 0.2.8's ``traverse_draft_tree`` writes an all-zero row for a node whose token its
+    parent's row forbids and for a node that terminates the grammar (a stop token); rows below
+    those stay all ones. An all-zero row masks every logit to ``-inf``, which would turn a
+    sampled bonus token into NaN probabilities; those rows are never used for an emitted token
+    (a rejected node is unreachable; a run ends at its stop token), so they are reset to all
+    ones, as in sglang's traversal.
+
+    A node is *reached* when its parent was expanded: the root always is; a draft node is
+    expanded when it is reached, allowed by its parent's row and not a stop token.
+
+    Args:
+        rows: ``int32 [N, W]`` one request's filled bitmask rows (host), modified in place.
+        next_token, next_sibling, draft_tokens: ``int64 [N]`` host tensors of that request.
+        stop_token_ids: the matcher's stop ids.
+
+    Returns:
+        The number of reached draft nodes whose token the parent's row forbids.
+    """
+    nxt, sib, toks = next_token.tolist(), next_sibling.tolist(), draft_tokens.tolist()
+    stops = set(stop_token_ids)
+    width = rows.shape[1]
+    words = rows.numpy()  # a zero-copy view: element access is ~10x cheaper than on the tensor
+    rejected = 0
+    stack = [0]  # expanded nodes whose children are still to be checked
+    while stack:
+        parent = stack.pop()
+        child = nxt[parent]
+        while child != -1:
+            tok = toks[child]
+            word = int(words[parent, tok >> 5]) if 0 <= tok < 32 * width else 0
+            if (word >> (tok & 31)) & 1 and tok not in stops:
+                stack.append(child)
+            else:
+                rejected += not (word >> (tok & 31)) & 1
+                words[child] = -1
+            child = sib[child]
+    return rejected

@@ -1,0 +1,128 @@
+"""Load a local Hugging Face checkpoint (config.json + safetensors) or a .gguf file."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from structspec.config import ModelConfig
+from structspec.models.default_model import resolve_model_path
+from structspec.models.registry import get_model_class
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def read_hf_config(model_dir: Path) -> dict[str, Any]:
+    """Parse ``model_dir/config.json``.
+
+    Raises:
+        FileNotFoundError: no config.json in ``model_dir``.
+        ValueError: config.json is not a JSON object, or asks for a feature we do not implement
+            (quantization, ``mlp_bias``, sliding-window attention); the message names the field.
+    """
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path}: not found; a model directory needs a Hugging Face config.json"
+        )
+    try:
+        cfg = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON: {e}") from e
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    if cfg.get("quantization_config"):
+        raise ValueError(f"{path}: quantized checkpoints ('quantization_config') are not supported")
+    if cfg.get("mlp_bias"):
+        raise ValueError(f"{path}: 'mlp_bias': true is not supported")
+    if cfg.get("use_sliding_window"):
+        raise ValueError(f"{path}: 'use_sliding_window': true is not supported")
+    return cfg
+
+
+def find_weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the shards of ``model.safetensors.index.json`` if
+    present, else every ``*.safetensors`` in ``model_dir`` (sorted).
+
+    Raises:
+        FileNotFoundError: no safetensors weights, or a shard named by the index is missing.
+        ValueError: the index file is malformed.
+    """
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            shards = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index}: malformed index (need a 'weight_map' object): {e}") from e
+        files = [model_dir / s for s in shards]
+        for f in files:
+            if not f.is_file():
+                raise FileNotFoundError(f"{f}: shard listed in {index.name} does not exist")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"{model_dir}: no *.safetensors weights found (only safetensors checkpoints are "
+            "supported; convert pytorch_model.bin first)"
+        )
+    return files
+
+
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(tensor name, CPU tensor in its stored dtype)`` over all files.
+
+    Raises:
+        ValueError: a file cannot be read as safetensors (the message names it).
+    """
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as st:
+                for name in st.keys():
+                    yield name, st.get_tensor(name)
+        except SafetensorError as e:
+            raise ValueError(f"{f}: cannot read safetensors file: {e}") from e
+
+
+def load_model(path: str, *, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, ModelConfig]:
+    """Build the model for a local checkpoint and load its weights.
+
+    Args:
+        path: a HF model directory (config.json + ``*.safetensors``, sharded index supported) or
+            a ``.gguf`` file (converted once to a cached HF directory, see
+            :func:`structspec.models.gguf_convert.convert_gguf`).
+        device: where parameters live.
+        dtype: parameter dtype; checkpoint tensors are cast to it (rotary frequencies stay fp32).
+
+    Returns:
+        ``(model in eval mode without grads, its ModelConfig)``.
+
+    Raises:
+        FileNotFoundError: missing path, config.json, weights or shard (message names the file).
+        ValueError: unsupported architecture/feature, malformed files, missing/unexpected/
+            mis-shaped tensors (message names the tensor and file set).
+    """
+    model_dir = Path(resolve_model_path(path))
+    hf_cfg = read_hf_config(model_dir)
+    try:
+        config = ModelConfig.from_hf_config(hf_cfg)
+    except ValueError as e:
+        raise ValueError(f"{model_dir / 'config.json'}: {e}") from e
+    files = find_weight_files(model_dir)
+    cls = get_model_class(config.architecture)
+    with torch.device("meta"):
+        model = cls(config)
+    model.to(dtype=dtype)  # free on meta; then allocate once, uninitialised, on the device
+    model.to_empty(device=device)
+    model.tie_weights()
+    model.rotary.reset_inv_freq()
+    source = str(files[0]) if len(files) == 1 else f"{model_dir} ({len(files)} safetensors shards)"
+    model.load_weights(iter_safetensors(files), source=source)
+    model.eval().requires_grad_(False)
+    return model, config

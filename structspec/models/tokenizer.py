@@ -1,0 +1,163 @@
+"""Tokenizer wrapper (encode, decode, chat template, stop ids) and incremental detokenizer."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+# Tokens before the first new one that are re-decoded so that spacing/merges come out right.
+_PREFIX_WINDOW = 5
+
+
+class Tokenizer:
+    """A model directory's HF fast tokenizer plus the generation stop ids.
+
+    Args:
+        model_dir: HF model directory (tokenizer.json / tokenizer_config.json, optional
+            generation_config.json).
+
+    Raises:
+        FileNotFoundError: ``model_dir`` does not exist.
+        ValueError: the directory has no loadable fast tokenizer.
+    """
+
+    def __init__(self, model_dir: str | os.PathLike[str]) -> None:
+        path = Path(model_dir)
+        if not path.is_dir():
+            raise FileNotFoundError(f"tokenizer directory {str(path)!r} does not exist")
+        try:
+            hf = AutoTokenizer.from_pretrained(str(path))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{path}: cannot load a tokenizer: {e}") from e
+        if not isinstance(hf, PreTrainedTokenizerFast):
+            raise ValueError(f"{path}: expected a fast (tokenizers) tokenizer, got {type(hf).__name__}")
+        self.hf: PreTrainedTokenizerFast = hf
+        self.eos_token_ids: tuple[int, ...] = _eos_ids(path, hf)
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the tokenizer carries a chat template."""
+        return bool(self.hf.chat_template)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        """The BOS id, or None."""
+        return self.hf.bos_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of tokens including added ones (``len(hf)``); may be < the model's rows."""
+        return len(self.hf)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` adds e.g. BOS where the model wants it."""
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids`` (no clean-up of tokenization spaces, so streaming agrees with it)."""
+        return self.hf.decode(
+            list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+
+    def render_chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt text for ``messages`` with the assistant generation prompt appended.
+
+        Raises:
+            ValueError: the model has no chat template, or the template fails to render.
+        """
+        if not self.has_chat_template:
+            raise ValueError("this model has no chat template; send a plain-text prompt instead")
+        kwargs: dict[str, Any] = {"tools": tools} if tools else {}
+        try:
+            text = self.hf.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True, **kwargs
+            )
+        except Exception as e:  # jinja errors (e.g. raise_exception in the template)
+            raise ValueError(f"chat template failed to render: {e}") from e
+        return str(text)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """Token ids of the rendered chat prompt (``add_generation_prompt=True``); the template
+        already contains the special tokens, so none are added.
+
+        Raises:
+            ValueError: see :meth:`render_chat`.
+        """
+        return self.encode(self.render_chat(messages, tools=tools), add_special_tokens=False)
+
+    def detokenizer(self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        """A fresh :class:`IncrementalDetokenizer` for one request."""
+        return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens=skip_special_tokens)
+
+
+def _eos_ids(path: Path, hf: PreTrainedTokenizerFast) -> tuple[int, ...]:
+    ids: list[int] = []
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        try:
+            value = json.loads(gen.read_text()).get("eos_token_id")
+        except (json.JSONDecodeError, AttributeError) as e:
+            raise ValueError(f"{gen}: not a valid JSON object: {e}") from e
+        if isinstance(value, int):
+            ids.append(value)
+        elif isinstance(value, list):
+            ids.extend(int(v) for v in value)
+    if hf.eos_token_id is not None and hf.eos_token_id not in ids:
+        ids.append(int(hf.eos_token_id))
+    return tuple(ids)
+
+
+class IncrementalDetokenizer:
+    """Streams text for one request, token by token, consistent with a full decode.
+
+    The prefix-offset / read-offset algorithm (as in vLLM): each step decodes the window
+    ``ids[prefix_offset:]`` and emits what extends beyond the decode of
+    ``ids[prefix_offset:read_offset]``. Text ending in U+FFFD (an incomplete UTF-8 sequence
+    split across tokens) is held back until later tokens complete it.
+
+    Args:
+        tokenizer: the :class:`Tokenizer`.
+        prompt_ids: the prompt, used as left context only (its text is never emitted).
+        skip_special_tokens: drop special tokens from the text.
+    """
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), *, skip_special_tokens: bool = True
+    ) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = list(prompt_ids)
+        self._read = len(self._ids)
+        self._prefix = max(self._read - _PREFIX_WINDOW, 0)
+        self.text = ""  # everything emitted so far
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip)
+
+    def add(self, token_ids: Iterable[int]) -> str:
+        """Append generated ``token_ids``; return the newly completed text (may be "")."""
+        self._ids.extend(token_ids)
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        new_text = self._decode(self._ids[self._prefix :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        delta = new_text[len(prefix_text) :]
+        self._prefix, self._read = self._read, len(self._ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """At the end of the request: return held-back text (e.g. a dangling U+FFFD)."""
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        new_text = self._decode(self._ids[self._prefix :])
+        self._prefix = self._read = len(self._ids)
+        delta = new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
+        self.text += delta
+        return delta

@@ -1,0 +1,119 @@
+"""The FastAPI application: routes, API-key check, OpenAI-style error handlers.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (all
+behind ``--api-key`` when set), ``GET /health`` (200 with queue counts when the engine
+serves, 503 otherwise), ``GET /metrics`` (Prometheus text).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from structspec.server.errors import APIError, error_body, server_error
+from structspec.server.metrics import CONTENT_TYPE
+from structspec.server.serving import ServerState, error_response, json_response
+from structspec.server.serving_chat import create_chat_completion
+from structspec.server.serving_completion import create_completion
+
+logger = logging.getLogger("structspec.server")
+
+
+def create_app(state: ServerState,
+               on_shutdown: Callable[[], Awaitable[None]] | None = None) -> FastAPI:
+    """Build the app around ``state``.
+
+    Args:
+        state: engine handle, codec, metrics, model name, API key.
+        on_shutdown: awaited at lifespan shutdown (after in-flight requests ended), e.g. to
+            stop the engine process.
+    """
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.engine.attach(asyncio.get_running_loop())
+        state.engine.add_listener(state.metrics.on_engine_stats)
+        state.metrics.ready.set(1 if state.engine.ready else 0)
+        try:
+            yield
+        finally:
+            state.metrics.ready.set(0)
+            if on_shutdown is not None:
+                await on_shutdown()
+
+    app = FastAPI(title="structspec", version="0.1.0", lifespan=lifespan,
+                  docs_url=None, redoc_url=None)
+    app.state.server = state
+    created = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> Response:
+        return error_response(exc, state.metrics)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        state.metrics.on_http_error(exc.status_code)
+        return json_response(error_body(str(exc.detail), type="invalid_request_error",
+                                        code=str(exc.status_code)), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error in %s %s", request.method, request.url.path)
+        return error_response(server_error(f"internal error: {type(exc).__name__}: {exc}"),
+                              state.metrics)
+
+    def check_auth(request: Request) -> None:
+        """Raises: APIError 401 unless the request carries the API key (when one is set)."""
+        if not state.api_key:
+            return
+        header = request.headers.get("authorization", "")
+        token = header[7:].strip() if header[:7].lower() == "bearer " else ""
+        if not hmac.compare_digest(token.encode(), state.api_key.encode()):
+            raise APIError(401, "Incorrect API key provided." if token else
+                           "Missing API key: send 'Authorization: Bearer <key>'.",
+                           type="invalid_request_error", code="invalid_api_key")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        check_auth(request)
+        return await create_chat_completion(state, request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        check_auth(request)
+        return await create_completion(state, request)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        check_auth(request)
+        info = state.engine.info
+        return json_response({"object": "list", "data": [{
+            "id": state.model_name, "object": "model", "created": created,
+            "owned_by": "structspec", "root": info.model_path,
+            "max_model_len": info.max_model_len,
+        }]})
+
+    @app.get("/health")
+    async def health() -> Response:
+        engine = state.engine
+        body: dict[str, object] = {"status": "ok" if engine.ready else "unavailable",
+                                   **engine.stats.as_dict(),
+                                   "num_inflight": getattr(engine, "num_inflight", 0)}
+        return json_response(body, 200 if engine.ready else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        state.metrics.ready.set(1 if state.engine.ready else 0)
+        state.metrics.inflight.set(getattr(state.engine, "num_inflight", 0))
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    return app

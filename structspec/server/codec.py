@@ -1,0 +1,90 @@
+"""Tokenization and detokenization in the front-end process.
+
+:class:`Codec` is what the HTTP layer needs from a tokenizer; :class:`TokenizerCodec`
+implements it over :class:`structspec.models.tokenizer.Tokenizer` (the same class, and so the
+same chat template and incremental detokenizer, as the engine). Tests use a fake codec.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from functools import lru_cache
+from typing import Any, Protocol
+
+
+class Detokenizer(Protocol):
+    """Incremental decoder of one output stream."""
+
+    def add(self, token_ids: Iterable[int]) -> str:
+        """Append tokens; return the text they completed."""
+        ...
+
+    def flush(self) -> str:
+        """Return held-back text at the end of the stream."""
+        ...
+
+
+class Codec(Protocol):
+    """Prompt encoding and output decoding for the HTTP layer."""
+
+    def encode_chat(self, messages: list[dict[str, Any]],
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of a chat rendered through the chat template (generation prompt added;
+        ``tools`` are passed to the template).
+
+        Raises:
+            ValueError: the model has no chat template or it fails to render.
+        """
+        ...
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of a raw prompt (special tokens such as BOS added as the model wants)."""
+        ...
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of ``token_ids`` (special tokens dropped)."""
+        ...
+
+    def detokenizer(self, prompt_ids: Sequence[int]) -> Detokenizer:
+        """A fresh incremental detokenizer with ``prompt_ids`` as left context."""
+        ...
+
+    def token_str(self, token_id: int) -> str:
+        """Text of one token on its own (for logprobs)."""
+        ...
+
+
+class TokenizerCodec:
+    """:class:`Codec` over :class:`structspec.models.tokenizer.Tokenizer`.
+
+    Args:
+        model_dir: the engine's resolved model directory (``EngineInfo.model_path``).
+
+    Raises:
+        FileNotFoundError / ValueError: from ``Tokenizer``.
+    """
+
+    def __init__(self, model_dir: str) -> None:
+        from structspec.models.tokenizer import Tokenizer
+
+        self.tokenizer = Tokenizer(model_dir)
+        self._token_str = lru_cache(maxsize=65536)(self._token_str_uncached)
+
+    def encode_chat(self, messages: list[dict[str, Any]],
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+        return self.tokenizer.apply_chat_template(messages, tools=tools)
+
+    def encode_text(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(token_ids)
+
+    def detokenizer(self, prompt_ids: Sequence[int]) -> Detokenizer:
+        return self.tokenizer.detokenizer(prompt_ids)
+
+    def token_str(self, token_id: int) -> str:
+        return self._token_str(int(token_id))
+
+    def _token_str_uncached(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -1,0 +1,253 @@
+"""The engine requests behind one HTTP request, and their detokenization.
+
+One HTTP request fans out into ``len(prompts) * n`` engine requests (:class:`ChoiceState`),
+all delivering into one ``asyncio.Queue``. :class:`GenerationRun` submits them, applies each
+delta as it arrives (detokenizing in this, the front-end, process), records metrics, turns
+an early failure into an :class:`~structspec.server.errors.APIError`, and aborts whatever is
+still running when the HTTP side goes away.
+
+Stop strings: the engine decides *when* a stop string ends a request; the text here is cut
+at the same place. While streaming, the last ``len(longest stop) - 1`` characters are held
+back so a stop string is never partly sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from structspec.core import SamplingParams, SpecMetrics
+from structspec.server.codec import Codec, Detokenizer
+from structspec.server.engine_client import AsyncEngine, EngineDeadError
+from structspec.server.errors import APIError, bad_request, server_error, unavailable
+from structspec.server.ipc import EngineDelta
+from structspec.server.metrics import ServerMetrics
+
+logger = logging.getLogger("structspec.server")
+
+LogprobEntry = tuple[int, float, list[tuple[int, float]]]
+
+SHUTDOWN_ERRORS = ("server is shutting down", "engine process exited", "engine crashed")
+
+
+@dataclass
+class ChoiceState:
+    """One engine request = one ``choices[i]`` of the response."""
+
+    index: int
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    detok: Detokenizer
+    text: str = ""
+    sent_chars: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[LogprobEntry] = field(default_factory=list)
+    sent_logprobs: int = 0
+    final: EngineDelta | None = None
+    first_token_s: float | None = None  # front-end clock, since the HTTP request arrived
+    finish_sent: bool = False
+    recorded: bool = False  # counted in the metrics (finished, or abandoned by the client)
+
+    @property
+    def finished(self) -> bool:
+        return self.final is not None
+
+    @property
+    def finish_reason(self) -> str | None:
+        return None if self.final is None else self.final.finish_reason
+
+    @property
+    def error(self) -> str | None:
+        return None if self.final is None else self.final.error
+
+    @property
+    def holdback(self) -> int:
+        return max((len(s) for s in self.params.stop), default=1) - 1
+
+    def apply(self, delta: EngineDelta, elapsed_s: float) -> None:
+        """Fold one engine delta in (detokenizing its new tokens)."""
+        if delta.new_token_ids:
+            if self.first_token_s is None:
+                self.first_token_s = elapsed_s
+            self.token_ids.extend(delta.new_token_ids)
+            self.text += self.detok.add(delta.new_token_ids)
+        if delta.new_logprobs:
+            self.logprobs.extend(delta.new_logprobs)
+        if delta.finished:
+            if self.token_ids:
+                self.text += self.detok.flush()
+            self.final = delta
+            self.text = self._final_text(delta)
+
+    def _final_text(self, delta: EngineDelta) -> str:
+        text = self.text
+        if delta.finish_reason == "stop" and isinstance(delta.stop_reason, str):
+            cut = first_stop(text, self.params.stop)
+            if cut is not None:
+                text = text[:cut]
+        if delta.text is not None and delta.text != text and delta.error is None:
+            logger.debug("request %s: front-end text differs from the engine's (%d vs %d chars)",
+                         self.request_id, len(text), len(delta.text))
+        return text
+
+    def take_text(self) -> str:
+        """Text not yet streamed that is safe to send (all of it once finished)."""
+        end = len(self.text) if self.finished else len(self.text) - self.holdback
+        if end <= self.sent_chars:
+            return ""
+        out = self.text[self.sent_chars:end]
+        self.sent_chars = end
+        return out
+
+    def take_logprobs(self) -> list[LogprobEntry]:
+        """Log-prob entries not yet streamed."""
+        out = self.logprobs[self.sent_logprobs:]
+        self.sent_logprobs = len(self.logprobs)
+        return out
+
+    def rejection(self) -> APIError | None:
+        """The HTTP error for a request that failed before producing any token, else None."""
+        d = self.final
+        if d is None or d.error is None or self.token_ids:
+            return None
+        return error_for(d)
+
+
+def error_for(delta: EngineDelta) -> APIError:
+    """Map a failed engine request to an HTTP error (400 for bad input)."""
+    msg = delta.error or "request aborted"
+    if delta.rejected or delta.error_param is not None:
+        code = None
+        if "prompt has" in msg and "context" in msg:
+            code = "context_length_exceeded"
+        elif delta.error_param is not None and delta.error_param != "prompt":
+            code = "invalid_request_parameter"
+        return bad_request(msg, delta.error_param, code=code)
+    if msg.startswith(SHUTDOWN_ERRORS):
+        return unavailable(msg)
+    return server_error(msg)
+
+
+def first_stop(text: str, stops: Sequence[str]) -> int | None:
+    """Index of the earliest occurrence of any stop string in ``text``."""
+    best: int | None = None
+    for s in stops:
+        i = text.find(s)
+        if i != -1 and (best is None or i < best):
+            best = i
+    return best
+
+
+class GenerationRun:
+    """Submit, follow and (if needed) abort the engine requests of one HTTP request.
+
+    Args:
+        engine: the engine handle.
+        codec: for detokenizers.
+        metrics: where finished requests are recorded.
+        request_id: the response id; engine requests are ``{request_id}-{i}``.
+        items: ``(prompt_ids, params)`` per choice, in choice order.
+        start_s: ``time.perf_counter()`` when the HTTP request arrived.
+    """
+
+    def __init__(self, engine: AsyncEngine, codec: Codec, metrics: ServerMetrics,
+                 request_id: str, items: Sequence[tuple[list[int], SamplingParams]],
+                 start_s: float) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.request_id = request_id
+        self.start_s = start_s
+        self.queue: asyncio.Queue[EngineDelta] = asyncio.Queue()
+        self.choices = [
+            ChoiceState(index=i, request_id=f"{request_id}-{i}", prompt_ids=ids, params=params,
+                        detok=codec.detokenizer(ids))
+            for i, (ids, params) in enumerate(items)
+        ]
+        self._by_rid = {c.request_id: c for c in self.choices}
+        self._started: list[ChoiceState] = []
+
+    @property
+    def done(self) -> bool:
+        return all(c.finished for c in self.choices)
+
+    def start(self) -> None:
+        """Queue every choice in the engine.
+
+        Raises:
+            APIError: 503 when the engine is not serving.
+        """
+        for c in self.choices:
+            try:
+                self.engine.add_request(c.request_id, c.prompt_ids, c.params, self.queue)
+            except EngineDeadError as e:
+                self.abort()
+                raise unavailable(f"the engine is not serving: {e}") from None
+            self._started.append(c)
+
+    async def next(self) -> ChoiceState:
+        """Wait for the next delta; return the choice it advanced."""
+        delta = await self.queue.get()
+        choice = self._by_rid[delta.request_id]
+        choice.apply(delta, time.perf_counter() - self.start_s)
+        if choice.finished and not choice.recorded:
+            choice.recorded = True
+            self.metrics.on_finished(choice, time.perf_counter() - self.start_s)
+        return choice
+
+    async def wait_all(self) -> None:
+        """Run until every choice finished; raise on an early failure.
+
+        Raises:
+            APIError: the first choice that failed before any token (e.g. 400 for a schema
+                the compiler rejects); the other choices are aborted.
+        """
+        while not self.done:
+            choice = await self.next()
+            err = choice.rejection()
+            if err is not None:
+                self.abort()
+                raise err
+
+    async def wait_first(self) -> None:
+        """Run until some choice has output or finished (before sending stream headers).
+
+        Raises:
+            APIError: as :meth:`wait_all` for a choice that failed before any token.
+        """
+        while not self.done:
+            choice = await self.next()
+            err = choice.rejection()
+            if err is not None:
+                self.abort()
+                raise err
+            if choice.token_ids or choice.finished:
+                return
+
+    def abort(self) -> None:
+        """Abort every started choice that has not finished (idempotent). Nobody reads
+        their final deltas after this, so they are counted as aborted here."""
+        for c in self._started:
+            if not c.finished and not c.recorded:
+                c.recorded = True
+                self.engine.abort_request(c.request_id)
+                self.metrics.on_abandoned(c)
+
+    # ------------------------------------------------------------------ usage
+
+    def usage(self, prompt_tokens: int) -> dict[str, object]:
+        """OpenAI ``usage`` plus ``speculative`` (summed over choices)."""
+        completion = sum(len(c.token_ids) for c in self.choices)
+        spec = SpecMetrics()
+        for c in self.choices:
+            if c.final is not None and c.final.spec is not None:
+                spec.add(c.final.spec)
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+            "speculative": spec.to_dict(),
+        }

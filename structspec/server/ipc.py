@@ -1,0 +1,150 @@
+"""Messages between the front-end process and the engine process.
+
+Everything here is a small picklable dataclass with no heavy imports, so both processes can
+load it cheaply. Front end -> engine: :class:`AddRequest`, :class:`AbortRequest`,
+:class:`Shutdown`. Engine -> front end: :class:`Ready` or :class:`InitFailed` once, then one
+:class:`StepOutputs` per engine step (or per batch of rejected requests), and
+:class:`Fatal` if the loop itself crashes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from structspec.core import SamplingParams, SpecMetrics
+
+# --------------------------------------------------------------------------- front end -> engine
+
+
+@dataclass(frozen=True, slots=True)
+class AddRequest:
+    """Queue one engine request (already tokenized by the front end)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRequest:
+    """Cancel one engine request (its final delta still comes back)."""
+
+    request_id: str
+    reason: str = "aborted by client"
+
+
+@dataclass(frozen=True, slots=True)
+class AbortAll:
+    """Cancel every live request (graceful shutdown)."""
+
+    reason: str = "server is shutting down"
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    """Leave the loop and exit the engine process."""
+
+
+# --------------------------------------------------------------------------- engine -> front end
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What the front end needs to know about the loaded engine."""
+
+    model_path: str
+    max_model_len: int
+    vocab_size: int
+    device: str
+    dtype: str
+    speculative_algorithm: str
+    num_draft_tokens: int
+    kv_capacity_tokens: int
+    max_batch_size: int
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """Queue sizes and KV usage after an engine step (``LLMEngine.stats()``)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_waiting_grammar: int = 0
+    kv_free_pages: int = 0
+    kv_total_pages: int = 0
+    grammar_compile_s: tuple[float, ...] = ()  # compile durations finished since the last one
+
+    def as_dict(self) -> dict[str, int]:
+        """The counters as a JSON-ready dict (``/health``)."""
+        return {
+            "num_running": self.num_running,
+            "num_waiting": self.num_waiting,
+            "num_waiting_grammar": self.num_waiting_grammar,
+            "kv_free_pages": self.kv_free_pages,
+            "kv_total_pages": self.kv_total_pages,
+        }
+
+
+@dataclass(slots=True)
+class EngineDelta:
+    """What one engine request gained in one step (the front end detokenizes it).
+
+    ``new_logprobs`` holds ``(token_id, logprob, [(id, logprob), ...])`` for each token of
+    ``new_token_ids``. The fields under "final" are set only when ``finished``; ``text`` there
+    is the engine's own decoded text, authoritative where a stop string cut a token.
+    ``rejected`` marks a request refused before it ran (a bad input: HTTP 400).
+    """
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    finished: bool = False
+    # final
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+    error_param: str | None = None
+    rejected: bool = False
+    text: str | None = None
+    num_prompt_tokens: int = 0
+    num_completion_tokens: int = 0
+    schema_valid: bool | None = None
+    spec: SpecMetrics | None = None
+    engine_ttft_s: float | None = None
+    engine_latency_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """The engine loaded and is serving."""
+
+    info: EngineInfo
+
+
+@dataclass(frozen=True, slots=True)
+class InitFailed:
+    """The engine could not start; ``message`` is for the user, ``traceback`` for logs."""
+
+    message: str
+    traceback: str
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutputs:
+    """The deltas of one engine step plus the queue state after it."""
+
+    deltas: list[EngineDelta]
+    stats: EngineStats
+
+
+@dataclass(frozen=True, slots=True)
+class Fatal:
+    """The engine loop crashed; every live request is lost."""
+
+    message: str
+    traceback: str
+
+
+ToEngine = AddRequest | AbortRequest | AbortAll | Shutdown
+FromEngine = Ready | InitFailed | StepOutputs | Fatal

@@ -1,0 +1,139 @@
+"""Prometheus metrics of the server (``GET /metrics``, prometheus-client text format).
+
+Each :class:`ServerMetrics` owns its own registry, so several apps can live in one process
+(tests). Latency and TTFT are measured in the front end, from the arrival of the HTTP request
+to the first / last token reaching it: what a client sees, minus the network. Queue gauges
+come from the engine after every step. Speculative counters follow vLLM's definitions; the
+gauges ``structspec_spec_accept_length`` (committed tokens per verify step, bonus included)
+and ``structspec_spec_accept_rate`` (accepted / proposed draft tokens) are cumulative since
+start, like sglang's.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from structspec.core import SpecMetrics
+from structspec.server.ipc import EngineStats
+
+if TYPE_CHECKING:
+    from structspec.server.generation import ChoiceState
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 300.0)
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0)
+COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+ACCEPT_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    """Every metric the server exports; see the module docstring."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        p = "structspec_"
+        self.requests = Counter(p + "requests", "Engine requests finished, by finish reason "
+                                "(stop, length, abort, rejected = refused before running)",
+                                ["finish_reason"], registry=r)
+        self.http_errors = Counter(p + "http_errors", "HTTP error responses by status code",
+                                   ["status"], registry=r)
+        self.latency = Histogram(p + "e2e_request_latency_seconds",
+                                 "Arrival of the HTTP request to the request's last token",
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(p + "time_to_first_token_seconds",
+                              "Arrival of the HTTP request to its first generated token",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of finished requests",
+                                     registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens",
+                                         "Generated tokens of finished requests", registry=r)
+        self.running = Gauge(p + "num_requests_running", "Requests decoding in the engine",
+                             registry=r)
+        self.waiting = Gauge(p + "num_requests_waiting",
+                             "Requests waiting for a batch slot / KV pages", registry=r)
+        self.grammar_queue = Gauge(p + "num_requests_waiting_grammar",
+                                   "Requests waiting for their grammar to compile", registry=r)
+        self.inflight = Gauge(p + "num_requests_inflight",
+                              "Engine requests the front end is waiting on", registry=r)
+        self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "Fraction of KV pages in use",
+                              registry=r)
+        self.grammar_compile = Histogram(p + "grammar_compile_seconds",
+                                         "Grammar compile time (reported by the engine)",
+                                         buckets=COMPILE_BUCKETS, registry=r)
+        self.spec_verify_steps = Counter(p + "spec_verify_steps",
+                                         "Verify steps of finished requests", registry=r)
+        self.spec_draft_tokens = Counter(p + "spec_draft_tokens",
+                                         "Draft tokens proposed", registry=r)
+        self.spec_accepted_tokens = Counter(p + "spec_accepted_tokens",
+                                            "Draft tokens accepted", registry=r)
+        self.spec_grammar_rejected = Counter(p + "spec_draft_tokens_rejected_by_grammar",
+                                             "Draft tokens the grammar mask ruled out",
+                                             registry=r)
+        self.spec_committed_tokens = Counter(p + "spec_committed_tokens",
+                                             "Tokens committed by verify steps", registry=r)
+        self.spec_accept_length = Gauge(p + "spec_accept_length",
+                                        "Committed tokens per verify step (cumulative)",
+                                        registry=r)
+        self.spec_accept_rate = Gauge(p + "spec_accept_rate",
+                                      "Accepted / proposed draft tokens (cumulative)",
+                                      registry=r)
+        self.spec_accept_length_hist = Histogram(
+            p + "spec_request_accept_length", "Per-request committed tokens per verify step",
+            buckets=ACCEPT_BUCKETS, registry=r)
+        self.ready = Gauge(p + "engine_ready", "1 while the engine serves requests",
+                           registry=r)
+        self._spec_total = SpecMetrics()
+
+    # ------------------------------------------------------------------ events
+
+    def on_engine_stats(self, stats: EngineStats) -> None:
+        """Queue gauges after an engine step."""
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.grammar_queue.set(stats.num_waiting_grammar)
+        if stats.kv_total_pages:
+            self.kv_usage.set(1.0 - stats.kv_free_pages / stats.kv_total_pages)
+        for s in stats.grammar_compile_s:
+            self.grammar_compile.observe(s)
+
+    def on_finished(self, choice: ChoiceState, elapsed_s: float) -> None:
+        """Record one finished engine request (``elapsed_s`` since the HTTP request)."""
+        final = choice.final
+        assert final is not None
+        reason = "rejected" if (final.error and not choice.token_ids) else final.finish_reason
+        self.requests.labels(finish_reason=reason or "abort").inc()
+        self.prompt_tokens.inc(len(choice.prompt_ids))
+        self.generation_tokens.inc(len(choice.token_ids))
+        if choice.token_ids:
+            self.latency.observe(elapsed_s)
+        if choice.first_token_s is not None:
+            self.ttft.observe(choice.first_token_s)
+        spec = final.spec
+        if spec is not None and spec.verify_steps:
+            self.spec_verify_steps.inc(spec.verify_steps)
+            self.spec_draft_tokens.inc(spec.draft_tokens_proposed)
+            self.spec_accepted_tokens.inc(spec.draft_tokens_accepted)
+            self.spec_grammar_rejected.inc(spec.draft_tokens_rejected_by_grammar)
+            self.spec_committed_tokens.inc(spec.committed_tokens)
+            self.spec_accept_length_hist.observe(spec.accept_length)
+            self._spec_total.add(spec)
+            self.spec_accept_length.set(self._spec_total.accept_length)
+            self.spec_accept_rate.set(self._spec_total.accept_rate)
+
+    def on_abandoned(self, choice: ChoiceState) -> None:
+        """An unfinished request was aborted by the front end (client gone, error)."""
+        self.requests.labels(finish_reason="abort").inc()
+        self.prompt_tokens.inc(len(choice.prompt_ids))
+        self.generation_tokens.inc(len(choice.token_ids))
+
+    def on_http_error(self, status: int) -> None:
+        """An error response was sent."""
+        self.http_errors.labels(status=str(status)).inc()
+
+    def render(self) -> bytes:
+        """The text exposition of every metric."""
+        return generate_latest(self.registry)

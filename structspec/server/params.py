@@ -1,0 +1,96 @@
+"""Request fields -> :class:`~structspec.core.SamplingParams` (one per choice).
+
+Defaults follow OpenAI: ``temperature`` 1, ``top_p`` 1, ``n`` 1. ``max_tokens`` (or chat's
+``max_completion_tokens``) left out means "until the context is full", capped at
+:data:`DEFAULT_MAX_TOKENS` because the scheduler reserves KV for ``max_tokens`` up front.
+With ``n > 1`` choice ``i`` gets seed ``seed + i`` (when a seed is given).
+
+Log-probabilities (``logprobs`` / ``top_logprobs``) are the target model's log-softmax over
+the vocabulary *after the grammar mask* and *before* temperature and top-k/top-p/min-p, so
+with a grammar every token outside it has log-probability -inf and is never listed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from structspec.core import GrammarSpec, SamplingParams
+from structspec.server.errors import bad_request
+from structspec.server.protocol import SamplingRequest
+
+DEFAULT_MAX_TOKENS = 2048
+MAX_N = 64
+MAX_TOP_LOGPROBS = 20
+
+
+def build_sampling_params(
+    req: SamplingRequest,
+    *,
+    grammar: GrammarSpec | None,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_len: int,
+    max_model_len: int,
+) -> SamplingParams:
+    """Sampling parameters of choice 0 (see :func:`per_choice` for the others).
+
+    Raises:
+        APIError: 400 naming the bad or unsupported field.
+    """
+    _reject_unsupported(req)
+    if not 1 <= req.n <= MAX_N:
+        raise bad_request(f"n must be between 1 and {MAX_N}, got {req.n}", "n")
+    if max_tokens is None:
+        max_tokens = max(1, min(DEFAULT_MAX_TOKENS, max_model_len - prompt_len))
+    elif max_tokens < 1:
+        raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {logprobs}",
+                          "logprobs")
+    stop: tuple[str, ...] = ()
+    if isinstance(req.stop, str):
+        stop = (req.stop,) if req.stop else ()
+    elif req.stop:
+        stop = tuple(req.stop)
+    top_k = req.top_k if req.top_k is not None else 0
+    if top_k == -1:  # vLLM's "disabled"
+        top_k = 0
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else float(req.temperature),
+        top_p=1.0 if req.top_p is None else float(req.top_p),
+        top_k=top_k,
+        min_p=0.0 if req.min_p is None else float(req.min_p),
+        seed=req.seed,
+        stop=stop,
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=req.ignore_eos,
+        grammar=grammar,
+        logprobs=logprobs,
+    )
+    try:
+        params.validate()
+    except ValueError as e:
+        field = str(e).split(" ", 1)[0]
+        raise bad_request(str(e), field if field.isidentifier() else None) from None
+    return params
+
+
+def per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """``n`` copies of ``params``; copy ``i`` is seeded ``seed + i`` when a seed is set."""
+    if params.seed is None:
+        return [params] * n
+    return [params if i == 0 else replace(params, seed=params.seed + i) for i in range(n)]
+
+
+def _reject_unsupported(req: SamplingRequest) -> None:
+    """Known OpenAI fields we cannot honour are a 400 rather than silently ignored."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(req, name)
+        if value not in (None, 0, 0.0):
+            raise bad_request(f"{name} is not supported (only 0)", name, code="unsupported")
+    if req.repetition_penalty not in (None, 1, 1.0):
+        raise bad_request("repetition_penalty is not supported (only 1)", "repetition_penalty",
+                          code="unsupported")
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias", code="unsupported")

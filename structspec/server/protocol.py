@@ -1,0 +1,198 @@
+"""Pydantic models of the OpenAI requests the server accepts.
+
+Unknown fields are ignored (``extra="allow"``), as OpenAI does; a known field of the wrong
+type is a 400 naming the field (:func:`parse_request`). Besides the OpenAI fields, requests
+accept the structured-output keys of sglang, vLLM (current ``structured_outputs`` and the
+older ``guided_*``), TensorRT-LLM and llama.cpp; :mod:`structspec.server.structured` maps
+them to one grammar. Responses are plain dicts built in ``serving_*.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from structspec.server.errors import APIError, bad_request
+
+SchemaValue = dict[str, Any] | bool | str
+
+
+class OpenAIModel(BaseModel):
+    """Base: unknown fields are kept but ignored; aliases and field names both accepted."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True, protected_namespaces=())
+
+
+# --------------------------------------------------------------------------- structured outputs
+
+
+class JsonSchemaFormat(OpenAIModel):
+    """``response_format.json_schema``: ``{name, description, schema, strict}``."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: SchemaValue | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    """``response_format``: ``type`` is text, json_object, json_schema (OpenAI), json
+    (TensorRT-LLM), regex, ebnf/grammar (TensorRT-LLM style), or choice.
+
+    ``schema`` next to ``type`` is llama.cpp's / TensorRT-LLM's shape.
+    """
+
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+    schema_: SchemaValue | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+    regex: str | None = None
+    pattern: str | None = None
+    ebnf: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
+    choices: list[str] | None = None
+
+
+class StructuredOutputs(OpenAIModel):
+    """vLLM's ``structured_outputs``: exactly one of json, regex, choice, grammar,
+    json_object."""
+
+    json_: SchemaValue | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: Any = None
+
+
+class StreamOptions(OpenAIModel):
+    """``stream_options``: ``include_usage`` adds a final chunk with ``usage``."""
+
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+# --------------------------------------------------------------------------- common fields
+
+
+class SamplingRequest(OpenAIModel):
+    """Fields shared by chat and text completions."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # structured outputs, every shape clients send
+    response_format: ResponseFormat | None = None
+    json_schema: SchemaValue | None = None  # sglang / llama.cpp
+    regex: str | None = None  # sglang
+    ebnf: str | None = None  # sglang
+    grammar: str | None = None  # llama.cpp (GBNF)
+    choice: list[str] | None = None
+    guided_json: SchemaValue | None = None  # vLLM < 0.12
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM >= 0.12
+
+
+# --------------------------------------------------------------------------- chat
+
+
+class ContentPart(OpenAIModel):
+    """One part of a multi-part message content (only ``text`` parts are supported)."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(OpenAIModel):
+    """One chat message; extra fields (``tool_calls``, ...) pass through to the template."""
+
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+
+# --------------------------------------------------------------------------- completions
+
+
+class CompletionRequest(SamplingRequest):
+    """``POST /v1/completions``; ``prompt`` is text, token ids, or a list of either."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+# --------------------------------------------------------------------------- parsing
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+def parse_request(model: type[ModelT], body: Any) -> ModelT:
+    """Validate a JSON body into ``model``.
+
+    Raises:
+        APIError: 400 naming the first bad field and why.
+    """
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise _to_api_error(e) from None
+
+
+def _to_api_error(e: ValidationError) -> APIError:
+    err = e.errors(include_url=False)[0]
+    param = _loc_to_param(err.get("loc", ()))
+    msg = err.get("msg", "invalid value")
+    if err.get("type") == "missing":
+        return bad_request(f"'{param}' is a required field", param)
+    return bad_request(f"invalid value for '{param}': {msg}", param)
+
+
+def _loc_to_param(loc: tuple[Any, ...]) -> str:
+    """``('messages', 0, 'role')`` -> ``messages[0].role`` (union branch names dropped)."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif isinstance(part, str) and ("[" in part or part in _UNION_TAGS):
+            continue  # pydantic's union-member labels such as 'list[int]'
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+_UNION_TAGS = {"str", "int", "bool", "float", "dict", "list", "function-after", "nullable"}

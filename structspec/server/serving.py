@@ -1,0 +1,229 @@
+"""Pieces shared by the chat and completions endpoints: server state, JSON/SSE helpers,
+disconnect handling, tokenization off the event loop, log-prob formatting."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from structspec.server.codec import Codec
+from structspec.server.engine_client import AsyncEngine
+from structspec.server.errors import APIError, bad_request, unavailable
+from structspec.server.generation import GenerationRun, LogprobEntry
+from structspec.server.metrics import ServerMetrics
+
+T = TypeVar("T")
+
+MIN_LOGPROB = -9999.0  # what -inf (a token the grammar forbids) is reported as; JSON has no inf
+
+
+@dataclass
+class ServerState:
+    """What the endpoints share.
+
+    Args:
+        engine: the engine handle.
+        codec: tokenization in this process.
+        metrics: Prometheus metrics.
+        model_name: the model id in the API (``/v1/models``, response ``model``).
+        api_key: required bearer token, or None.
+    """
+
+    engine: AsyncEngine
+    codec: Codec
+    metrics: ServerMetrics
+    model_name: str
+    api_key: str | None = None
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.info.max_model_len
+
+    def require_ready(self) -> None:
+        """Raises: APIError 503 while the engine is not serving."""
+        if not self.engine.ready:
+            raise unavailable("the engine is not ready (starting, shutting down, or failed)")
+
+
+# --------------------------------------------------------------------------- bodies
+
+
+async def read_json(request: Request) -> Any:
+    """The request body as JSON.
+
+    Raises:
+        APIError: 400 when it is not JSON.
+    """
+    body = await request.body()
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+
+
+def dumps(obj: Any) -> str:
+    """Compact JSON (non-ASCII kept as is)."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def json_response(obj: Any, status: int = 200) -> Response:
+    """A JSON response."""
+    return Response(dumps(obj), status_code=status, media_type="application/json")
+
+
+def error_response(err: APIError, metrics: ServerMetrics | None = None) -> Response:
+    """The OpenAI-style error response for ``err``."""
+    if metrics is not None:
+        metrics.on_http_error(err.status)
+    return json_response(err.body(), err.status)
+
+
+def sse_event(obj: Any) -> str:
+    """One server-sent event carrying ``obj`` as JSON."""
+    return f"data: {dumps(obj)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+    """A ``text/event-stream`` response. Starlette cancels ``events`` when the client
+    disconnects; its ``finally`` then aborts the engine requests."""
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+# --------------------------------------------------------------------------- running
+
+
+async def wait_unless_disconnected(request: Request, work: Awaitable[T]) -> tuple[bool, T | None]:
+    """Await ``work`` unless the client disconnects first.
+
+    Returns:
+        ``(True, result)``, or ``(False, None)`` when the client went away (``work`` is
+        cancelled; the caller aborts its engine requests).
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watcher.cancel()
+        raise
+    if task in done:
+        watcher.cancel()
+        return True, task.result()
+    task.cancel()
+    return False, None
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_to_completion(request: Request, run: GenerationRun) -> bool:
+    """Start ``run`` and wait for every choice; False when the client disconnected.
+
+    Raises:
+        APIError: a choice failed before producing tokens (e.g. a 400 from the compiler).
+    """
+    run.start()
+    try:
+        ok, _ = await wait_unless_disconnected(request, run.wait_all())
+    finally:
+        run.abort()  # no-op for finished choices; frees KV on disconnect / errors
+    return ok
+
+
+async def start_stream(request: Request, run: GenerationRun) -> bool:
+    """Start ``run`` and wait until it has output, so that an early failure is still an HTTP
+    error (status + JSON body) rather than an event inside a 200 stream.
+
+    Returns:
+        False when the client disconnected meanwhile (everything aborted).
+    """
+    run.start()
+    try:
+        ok, _ = await wait_unless_disconnected(request, run.wait_first())
+    except BaseException:
+        run.abort()
+        raise
+    if not ok:
+        run.abort()
+    return ok
+
+
+_TOKENIZE_POOL: ThreadPoolExecutor | None = None
+
+
+async def in_thread(fn: Callable[..., T], *args: Any) -> T:
+    """Run CPU work (tokenization, chat templates) off the event loop, on one dedicated
+    thread: HF fast tokenizers are not safe to call from several threads at once."""
+    global _TOKENIZE_POOL
+    if _TOKENIZE_POOL is None:
+        _TOKENIZE_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="structspec-tok")
+    return await asyncio.get_running_loop().run_in_executor(_TOKENIZE_POOL, fn, *args)
+
+
+def check_prompt_length(num_tokens: int, max_model_len: int, param: str) -> None:
+    """Raises: APIError 400 ``context_length_exceeded`` when the prompt leaves no room."""
+    if num_tokens >= max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt has {num_tokens} tokens, which leaves no room for the completion. "
+            "Please reduce the length of the prompt.", param, code="context_length_exceeded")
+
+
+# --------------------------------------------------------------------------- logprobs
+
+
+def finite(lp: float) -> float:
+    """``lp`` with -inf/NaN replaced by :data:`MIN_LOGPROB` (JSON cannot carry them)."""
+    return lp if math.isfinite(lp) else MIN_LOGPROB
+
+
+def chat_logprobs(codec: Codec, entries: list[LogprobEntry]) -> dict[str, Any]:
+    """OpenAI chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+
+    def item(tok: int, lp: float) -> dict[str, Any]:
+        s = codec.token_str(tok)
+        return {"token": s, "logprob": finite(lp), "bytes": list(s.encode("utf-8"))}
+
+    content = []
+    for tok, lp, top in entries:
+        d = item(tok, lp)
+        d["top_logprobs"] = [item(t, v) for t, v in top if math.isfinite(v)]
+        content.append(d)
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(codec: Codec, entries: list[LogprobEntry],
+                        text_offset: int) -> dict[str, Any]:
+    """OpenAI legacy completions ``logprobs``: tokens, token_logprobs, top_logprobs,
+    text_offset (character offsets from ``text_offset``)."""
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    tops: list[dict[str, float]] = []
+    offsets: list[int] = []
+    pos = text_offset
+    for tok, lp, top in entries:
+        s = codec.token_str(tok)
+        tokens.append(s)
+        token_logprobs.append(finite(lp))
+        tops.append({codec.token_str(t): finite(v) for t, v in top if math.isfinite(v)})
+        offsets.append(pos)
+        pos += len(s)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
+            "text_offset": offsets}

@@ -1,0 +1,190 @@
+"""``POST /v1/chat/completions``: request -> prompt ids + params -> response or SSE stream."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from structspec.server.errors import APIError, bad_request
+from structspec.server.generation import ChoiceState, GenerationRun, error_for
+from structspec.server.params import build_sampling_params, per_choice
+from structspec.server.protocol import ChatCompletionRequest, ChatMessage, parse_request
+from structspec.server.serving import (
+    SSE_DONE,
+    ServerState,
+    chat_logprobs,
+    check_prompt_length,
+    error_response,
+    in_thread,
+    json_response,
+    read_json,
+    run_to_completion,
+    sse_event,
+    sse_response,
+    start_stream,
+)
+from structspec.server.structured import grammar_from_request
+
+ROLES = {"system", "user", "assistant", "tool", "developer"}
+
+
+async def create_chat_completion(state: ServerState, request: Request) -> Response:
+    """Handle one chat completion request (see module docstring)."""
+    start_s = time.perf_counter()
+    state.require_ready()
+    req = parse_request(ChatCompletionRequest, await read_json(request))
+    grammar = grammar_from_request(req)
+    messages = [_template_message(m, i) for i, m in enumerate(req.messages)]
+    tools = _tools(req)
+    try:
+        prompt_ids = await in_thread(state.codec.encode_chat, messages, tools)
+    except ValueError as e:
+        raise bad_request(str(e), "messages") from None
+    check_prompt_length(len(prompt_ids), state.max_model_len, "messages")
+    logprobs = None
+    if req.logprobs:
+        logprobs = req.top_logprobs or 0
+    elif req.top_logprobs:
+        raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
+        else req.max_tokens
+    params = build_sampling_params(req, grammar=grammar, max_tokens=max_tokens,
+                                   logprobs=logprobs, prompt_len=len(prompt_ids),
+                                   max_model_len=state.max_model_len)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    run = GenerationRun(state.engine, state.codec, state.metrics, rid,
+                        [(prompt_ids, p) for p in per_choice(params, req.n)], start_s)
+    created = int(time.time())
+    if req.stream:
+        if not await start_stream(request, run):
+            return Response(status_code=499)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return sse_response(_stream(state, run, rid, created, len(prompt_ids), include_usage,
+                                    logprobs is not None))
+    if not await run_to_completion(request, run):
+        return Response(status_code=499)
+    for c in run.choices:
+        if c.error is not None:
+            return error_response(error_for(c.final), state.metrics)  # type: ignore[arg-type]
+    return json_response({
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": state.model_name,
+        "choices": [_choice(state, c, logprobs is not None) for c in run.choices],
+        "usage": run.usage(len(prompt_ids)),
+        "system_fingerprint": None,
+    })
+
+
+def _choice(state: ServerState, c: ChoiceState, with_logprobs: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "index": c.index,
+        "message": {"role": "assistant", "content": c.text, "refusal": None},
+        "logprobs": chat_logprobs(state.codec, c.logprobs) if with_logprobs else None,
+        "finish_reason": c.finish_reason,
+        "stop_reason": c.final.stop_reason if c.final else None,
+    }
+    if c.final is not None and c.final.schema_valid is not None:
+        out["schema_valid"] = c.final.schema_valid
+    return out
+
+
+async def _stream(state: ServerState, run: GenerationRun, rid: str, created: int,
+                  prompt_tokens: int, include_usage: bool,
+                  with_logprobs: bool) -> AsyncIterator[str]:
+    """SSE chunks: a role chunk per choice, content deltas, a finish chunk per choice,
+    then (``include_usage``) a usage chunk, then ``[DONE]``. A failure after output started
+    is sent as an ``{"error": ...}`` event before ``[DONE]``."""
+
+    def chunk(choices: list[dict[str, Any]], usage: Any = None) -> str:
+        body: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk",
+                                "created": created, "model": state.model_name,
+                                "choices": choices}
+        if include_usage:
+            body["usage"] = usage
+        return sse_event(body)
+
+    def progress(c: ChoiceState) -> list[str]:
+        events = []
+        text = c.take_text()
+        lps = c.take_logprobs() if with_logprobs else []
+        if text or lps:
+            events.append(chunk([{
+                "index": c.index, "delta": {"content": text},
+                "logprobs": chat_logprobs(state.codec, lps) if with_logprobs else None,
+                "finish_reason": None}]))
+        if c.finished and not c.finish_sent:
+            c.finish_sent = True
+            events.append(chunk([{"index": c.index, "delta": {}, "logprobs": None,
+                                  "finish_reason": c.finish_reason,
+                                  "stop_reason": c.final.stop_reason if c.final else None}]))
+        return events
+
+    try:
+        for c in run.choices:
+            yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                          "logprobs": None, "finish_reason": None}])
+        failure: APIError | None = None
+        for c in run.choices:
+            for e in progress(c):
+                yield e
+        while not run.done:
+            c = await run.next()
+            if c.finished and c.error is not None:
+                failure = error_for(c.final)  # type: ignore[arg-type]
+                break
+            for e in progress(c):
+                yield e
+        if failure is None:
+            failure = next((error_for(c.final) for c in run.choices  # type: ignore[arg-type]
+                            if c.final is not None and c.error is not None), None)
+        if failure is not None:
+            run.abort()
+            state.metrics.on_http_error(failure.status)
+            yield sse_event(failure.body())
+        elif include_usage:
+            yield chunk([], run.usage(prompt_tokens))
+        yield SSE_DONE
+    finally:
+        run.abort()
+
+
+def _template_message(m: ChatMessage, i: int) -> dict[str, Any]:
+    """A message as the chat template expects it (text parts joined; developer -> system)."""
+    if m.role not in ROLES:
+        raise bad_request(f"unknown role {m.role!r}; expected one of {sorted(ROLES)}",
+                          f"messages[{i}].role")
+    content = m.content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if part.type != "text" or part.text is None:
+                raise bad_request(f"content part type {part.type!r} is not supported (text only)",
+                                  f"messages[{i}].content[{j}].type", code="unsupported")
+            texts.append(part.text)
+        content = "".join(texts)
+    out: dict[str, Any] = dict(m.model_extra or {})
+    out["role"] = "system" if m.role == "developer" else m.role
+    out["content"] = content if content is not None else ""
+    if m.name is not None:
+        out["name"] = m.name
+    return out
+
+
+def _tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """Tools go to the chat template; forcing a call (``required`` / a named tool) needs
+    tool-call parsing, which the server does not do yet."""
+    choice = req.tool_choice
+    if choice is not None and choice not in ("auto", "none"):
+        raise bad_request("tool_choice 'required' or a named tool is not supported; use "
+                          "response_format json_schema to force a structured answer",
+                          "tool_choice", code="unsupported")
+    if not req.tools or choice == "none":
+        return None
+    return req.tools

@@ -1,0 +1,190 @@
+"""``POST /v1/completions`` (legacy text completions): raw prompts, no chat template."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from structspec.core import SamplingParams
+from structspec.server.errors import APIError, bad_request
+from structspec.server.generation import ChoiceState, GenerationRun, error_for
+from structspec.server.params import build_sampling_params, per_choice
+from structspec.server.protocol import CompletionRequest, parse_request
+from structspec.server.serving import (
+    SSE_DONE,
+    ServerState,
+    check_prompt_length,
+    completion_logprobs,
+    error_response,
+    in_thread,
+    json_response,
+    read_json,
+    run_to_completion,
+    sse_event,
+    sse_response,
+    start_stream,
+)
+from structspec.server.structured import grammar_from_request
+
+
+async def create_completion(state: ServerState, request: Request) -> Response:
+    """Handle one completions request; ``choices[p * n + i]`` is sample ``i`` of prompt
+    ``p``."""
+    start_s = time.perf_counter()
+    state.require_ready()
+    req = parse_request(CompletionRequest, await read_json(request))
+    if req.suffix:
+        raise bad_request("suffix is not supported", "suffix", code="unsupported")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("best_of is not supported (leave it unset or equal to n)", "best_of",
+                          code="unsupported")
+    grammar = grammar_from_request(req)
+    prompts = await _prompt_ids(state, req)
+    texts = [p if isinstance(p, str) else None for p in _prompt_list(req)]
+    items: list[tuple[list[int], SamplingParams]] = []
+    for ids in prompts:
+        params = build_sampling_params(req, grammar=grammar, max_tokens=req.max_tokens,
+                                       logprobs=req.logprobs, prompt_len=len(ids),
+                                       max_model_len=state.max_model_len)
+        items.extend((ids, p) for p in per_choice(params, req.n))
+    prompt_tokens = sum(len(ids) for ids in prompts)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    run = GenerationRun(state.engine, state.codec, state.metrics, rid, items, start_s)
+    created = int(time.time())
+    echo = [_echo_text(state, texts[c.index // req.n], c.prompt_ids) if req.echo else ""
+            for c in run.choices]
+    if req.stream:
+        if not await start_stream(request, run):
+            return Response(status_code=499)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return sse_response(_stream(state, run, rid, created, prompt_tokens, include_usage,
+                                    req.logprobs is not None, echo))
+    if not await run_to_completion(request, run):
+        return Response(status_code=499)
+    for c in run.choices:
+        if c.error is not None:
+            return error_response(error_for(c.final), state.metrics)  # type: ignore[arg-type]
+    return json_response({
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": state.model_name,
+        "choices": [_choice(state, c, req.logprobs is not None, echo[c.index])
+                    for c in run.choices],
+        "usage": run.usage(prompt_tokens),
+        "system_fingerprint": None,
+    })
+
+
+def _prompt_list(req: CompletionRequest) -> list[str | list[int]]:
+    p = req.prompt
+    if isinstance(p, str):
+        return [p]
+    if not p:
+        raise bad_request("prompt must not be empty", "prompt")
+    if all(isinstance(t, int) for t in p):
+        return [p]  # type: ignore[list-item]
+    return list(p)  # type: ignore[arg-type]
+
+
+async def _prompt_ids(state: ServerState, req: CompletionRequest) -> list[list[int]]:
+    out = []
+    for i, p in enumerate(_prompt_list(req)):
+        param = "prompt" if isinstance(req.prompt, str) else f"prompt[{i}]"
+        if isinstance(p, str):
+            if not p:
+                raise bad_request("prompt must not be empty", param)
+            ids = await in_thread(state.codec.encode_text, p)
+        else:
+            ids = list(p)
+            if not ids:
+                raise bad_request("prompt must not be empty", param)
+            vocab = state.engine.info.vocab_size
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise bad_request(f"prompt token id {bad} is outside the vocabulary", param)
+        check_prompt_length(len(ids), state.max_model_len, param)
+        out.append(ids)
+    return out
+
+
+def _echo_text(state: ServerState, text: str | None, prompt_ids: list[int]) -> str:
+    return text if text is not None else state.codec.decode(prompt_ids)
+
+
+def _choice(state: ServerState, c: ChoiceState, with_logprobs: bool, echo: str) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "index": c.index,
+        "text": echo + c.text,
+        "logprobs": completion_logprobs(state.codec, c.logprobs, len(echo))
+        if with_logprobs else None,
+        "finish_reason": c.finish_reason,
+        "stop_reason": c.final.stop_reason if c.final else None,
+    }
+    if c.final is not None and c.final.schema_valid is not None:
+        out["schema_valid"] = c.final.schema_valid
+    return out
+
+
+async def _stream(state: ServerState, run: GenerationRun, rid: str, created: int,
+                  prompt_tokens: int, include_usage: bool, with_logprobs: bool,
+                  echo: list[str]) -> AsyncIterator[str]:
+    """SSE chunks of text per choice, a finish chunk per choice, optional usage, [DONE]."""
+    offsets = [len(e) for e in echo]
+
+    def chunk(choices: list[dict[str, Any]], usage: Any = None) -> str:
+        body: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created,
+                                "model": state.model_name, "choices": choices}
+        if include_usage:
+            body["usage"] = usage
+        return sse_event(body)
+
+    def progress(c: ChoiceState) -> list[str]:
+        events = []
+        text = c.take_text()
+        lps = c.take_logprobs() if with_logprobs else []
+        if echo[c.index]:
+            text, echo[c.index] = echo[c.index] + text, ""
+        if text or lps:
+            lp = None
+            if with_logprobs:
+                lp = completion_logprobs(state.codec, lps, offsets[c.index])
+                offsets[c.index] += sum(len(t) for t in lp["tokens"])
+            events.append(chunk([{"index": c.index, "text": text, "logprobs": lp,
+                                  "finish_reason": None}]))
+        if c.finished and not c.finish_sent:
+            c.finish_sent = True
+            events.append(chunk([{"index": c.index, "text": "", "logprobs": None,
+                                  "finish_reason": c.finish_reason,
+                                  "stop_reason": c.final.stop_reason if c.final else None}]))
+        return events
+
+    try:
+        failure: APIError | None = None
+        for c in run.choices:
+            for e in progress(c):
+                yield e
+        while not run.done:
+            c = await run.next()
+            if c.finished and c.error is not None:
+                failure = error_for(c.final)  # type: ignore[arg-type]
+                break
+            for e in progress(c):
+                yield e
+        if failure is None:
+            failure = next((error_for(c.final) for c in run.choices  # type: ignore[arg-type]
+                            if c.final is not None and c.error is not None), None)
+        if failure is not None:
+            run.abort()
+            state.metrics.on_http_error(failure.status)
+            yield sse_event(failure.body())
+        elif include_usage:
+            yield chunk([], run.usage(prompt_tokens))
+        yield SSE_DONE
+    finally:
+        run.abort()

@@ -1,0 +1,180 @@
+"""Request fields -> one :data:`~structspec.core.GrammarSpec` (or none).
+
+Accepted shapes (the union of what sglang, vLLM, TensorRT-LLM and llama.cpp clients send):
+
+- ``response_format``: ``{"type": "text"}``; ``{"type": "json_object"}`` (with an optional
+  ``schema``, llama.cpp); ``{"type": "json_schema", "json_schema": {"name", "schema",
+  "strict"}}`` (OpenAI, what ``client.chat.completions.parse(response_format=Model)`` sends);
+  ``{"type": "json", "schema": ...}`` (TensorRT-LLM); ``{"type": "regex", "regex"|"pattern"}``;
+  ``{"type": "ebnf"|"grammar"|"gbnf", "ebnf"|"grammar"}``; ``{"type": "choice",
+  "choices"|"choice"}``.
+- extra body keys: ``json_schema``, ``regex``, ``ebnf``, ``grammar``, ``choice`` (sglang,
+  llama.cpp), ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``
+  (vLLM < 0.12), ``structured_outputs: {json, regex, choice, grammar, json_object}``
+  (vLLM >= 0.12).
+
+At most one constraint per request (a 400 names both otherwise). ``json_schema.strict``
+maps to :attr:`JsonSchemaSpec.strict`; when a client leaves it out we follow OpenAI's default
+(``false``: best effort, the output is checked afterwards and ``schema_valid`` reported).
+Whether a schema / regex / grammar actually compiles is decided by the grammar compiler in
+the engine process; its error comes back asynchronously and becomes a 400 there.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from structspec.core import (
+    ChoiceSpec,
+    EbnfSpec,
+    GrammarSpec,
+    JsonObjectSpec,
+    JsonSchemaSpec,
+    RegexSpec,
+)
+from structspec.server.errors import bad_request
+from structspec.server.protocol import ResponseFormat, SamplingRequest, StructuredOutputs
+
+
+def grammar_from_request(req: SamplingRequest) -> GrammarSpec | None:
+    """The grammar a request asks for.
+
+    Raises:
+        APIError: 400 for an unknown ``response_format.type``, a missing or mistyped
+            constraint value, or more than one constraint.
+    """
+    found: list[tuple[str, GrammarSpec]] = []
+    if req.response_format is not None:
+        spec = _from_response_format(req.response_format)
+        if spec is not None:
+            found.append(("response_format", spec))
+    if req.json_schema is not None:
+        found.append(("json_schema", _schema_spec(req.json_schema, "json_schema", strict=None)))
+    if req.guided_json is not None:
+        found.append(("guided_json", _schema_spec(req.guided_json, "guided_json", strict=None)))
+    for name in ("regex", "guided_regex"):
+        value = getattr(req, name)
+        if value is not None:
+            found.append((name, _regex_spec(value, name)))
+    for name in ("ebnf", "grammar", "guided_grammar"):
+        value = getattr(req, name)
+        if value is not None:
+            found.append((name, _ebnf_spec(value, name)))
+    for name in ("choice", "guided_choice"):
+        value = getattr(req, name)
+        if value is not None:
+            found.append((name, _choice_spec(value, name)))
+    if req.structured_outputs is not None:
+        spec = _from_structured_outputs(req.structured_outputs)
+        if spec is not None:
+            found.append(("structured_outputs", spec))
+    if len(found) > 1:
+        names = ", ".join(n for n, _ in found)
+        raise bad_request(f"only one structured-output constraint may be given; got {names}",
+                          found[1][0])
+    return found[0][1] if found else None
+
+
+def _from_response_format(rf: ResponseFormat) -> GrammarSpec | None:
+    kind = rf.type
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        if rf.schema_ is not None:  # llama.cpp: json_object constrained by a schema
+            return _schema_spec(rf.schema_, "response_format.schema", strict=rf.strict)
+        return JsonObjectSpec()
+    if kind == "json_schema":
+        js = rf.json_schema
+        if js is not None and js.schema_ is not None:
+            strict = js.strict if js.strict is not None else rf.strict
+            return _schema_spec(js.schema_, "response_format.json_schema.schema", strict=strict)
+        if rf.schema_ is not None:
+            return _schema_spec(rf.schema_, "response_format.schema", strict=rf.strict)
+        raise bad_request("response_format type 'json_schema' needs json_schema.schema",
+                          "response_format.json_schema")
+    if kind == "json":  # TensorRT-LLM
+        if rf.schema_ is None:
+            return JsonObjectSpec()
+        return _schema_spec(rf.schema_, "response_format.schema", strict=rf.strict)
+    if kind == "regex":
+        value = rf.regex if rf.regex is not None else rf.pattern
+        if value is None:
+            raise bad_request("response_format type 'regex' needs 'regex' (or 'pattern')",
+                              "response_format.regex")
+        return _regex_spec(value, "response_format.regex")
+    if kind in ("ebnf", "grammar", "gbnf"):
+        value = rf.ebnf if rf.ebnf is not None else rf.grammar
+        if value is None:
+            raise bad_request(f"response_format type {kind!r} needs 'ebnf' (or 'grammar')",
+                              "response_format.ebnf")
+        return _ebnf_spec(value, "response_format.ebnf")
+    if kind == "choice":
+        value = rf.choices if rf.choices is not None else rf.choice
+        if value is None:
+            raise bad_request("response_format type 'choice' needs 'choices'",
+                              "response_format.choices")
+        return _choice_spec(value, "response_format.choices")
+    if kind == "structural_tag":
+        raise bad_request("response_format type 'structural_tag' is not supported",
+                          "response_format.type", code="unsupported")
+    raise bad_request(
+        f"unknown response_format type {kind!r}; expected text, json_object, json_schema, "
+        "json, regex, ebnf, grammar or choice", "response_format.type")
+
+
+def _from_structured_outputs(so: StructuredOutputs) -> GrammarSpec | None:
+    found: list[tuple[str, GrammarSpec]] = []
+    if so.json_ is not None:
+        found.append(("json", _schema_spec(so.json_, "structured_outputs.json", strict=None)))
+    if so.regex is not None:
+        found.append(("regex", _regex_spec(so.regex, "structured_outputs.regex")))
+    if so.choice is not None:
+        found.append(("choice", _choice_spec(so.choice, "structured_outputs.choice")))
+    if so.grammar is not None:
+        found.append(("grammar", _ebnf_spec(so.grammar, "structured_outputs.grammar")))
+    if so.json_object:
+        found.append(("json_object", JsonObjectSpec()))
+    if so.structural_tag is not None:
+        raise bad_request("structured_outputs.structural_tag is not supported",
+                          "structured_outputs.structural_tag", code="unsupported")
+    if len(found) > 1:
+        names = ", ".join(n for n, _ in found)
+        raise bad_request(f"structured_outputs takes one of json, regex, choice, grammar, "
+                          f"json_object; got {names}", "structured_outputs")
+    return found[0][1] if found else None
+
+
+def _schema_spec(value: Any, param: str, *, strict: bool | None) -> JsonSchemaSpec:
+    """A JSON Schema given as an object, a boolean, or JSON text."""
+    schema = value
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise bad_request(f"{param} is a string but not valid JSON: {e}", param) from None
+    if not isinstance(schema, (dict, bool)):
+        raise bad_request(f"{param} must be a JSON Schema object, got {type(schema).__name__}",
+                          param)
+    if isinstance(schema, bool):
+        schema = {} if schema else {"not": {}}
+    return JsonSchemaSpec(schema, strict=bool(strict))
+
+
+def _regex_spec(value: Any, param: str) -> RegexSpec:
+    if not isinstance(value, str) or not value:
+        raise bad_request(f"{param} must be a non-empty string", param)
+    return RegexSpec(value)
+
+
+def _ebnf_spec(value: Any, param: str) -> EbnfSpec:
+    if not isinstance(value, str) or not value.strip():
+        raise bad_request(f"{param} must be a non-empty grammar string", param)
+    return EbnfSpec(value)
+
+
+def _choice_spec(value: Any, param: str) -> ChoiceSpec:
+    if (not isinstance(value, list) or not value
+            or any(not isinstance(c, str) or not c for c in value)):
+        raise bad_request(f"{param} must be a non-empty list of non-empty strings", param)
+    return ChoiceSpec(tuple(value))

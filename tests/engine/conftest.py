@@ -1,0 +1,101 @@
+"""Shared engine fixtures: SmolLM2 engines (CPU, fp32), built once per session."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+smollm2 = pytest.importorskip("structspec.models.default_model")
+
+PROMPTS = [
+    "What is the capital of France? Answer in one sentence.",
+    "List three colors.",
+    "Write a haiku about the sea.",
+    "Repeat exactly: alpha beta gamma delta alpha beta gamma delta alpha beta",
+    "Explain photosynthesis briefly.",
+    "Give me a JSON object with keys a and b.",
+    "Count from one to ten in words.",
+    "Name a famous scientist and one discovery.",
+    "Translate 'good morning' to Spanish.",
+    "Who wrote Romeo and Juliet?",
+    "The user Maria Lopez (age 34, city Madrid, email maria.lopez@example.org) signed up. "
+    "Summarise: name Maria Lopez, age 34, city Madrid.",
+    "Write a short sentence that uses the word 'lantern'.",
+    "What is 12 times 12?",
+    "Describe a cat in five words.",
+    "Tell me a fun fact about octopuses.",
+    "Spell the word 'necessary' letter by letter.",
+    "Give two synonyms for 'happy'.",
+    "What day comes after Monday?",
+    "Write the first line of a fairy tale.",
+    "Name the largest planet in the solar system.",
+    "Copy this list: red, green, blue, red, green, blue, red, green",
+    "What is the boiling point of water in Celsius?",
+]
+
+PERSON_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                   "city": {"type": "string"}},
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+
+
+def default_model_dir() -> str:
+    try:
+        return smollm2.resolve_model_path(None)
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def smol_dir() -> str:
+    return default_model_dir()
+
+
+@pytest.fixture(scope="session")
+def smol_first_layers_dir(smol_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """SmolLM2 truncated to its first 4 layers: a same-tokenizer draft model that is often
+    wrong (its drafts get rejected)."""
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("smol4")
+    src = Path(smol_dir)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["num_hidden_layers"] = 4
+    (out / "config.json").write_text(json.dumps(cfg))
+    tensors = {}
+    for f in src.glob("*.safetensors"):
+        for k, v in load_file(f).items():
+            if ".layers." in k and int(k.split(".layers.")[1].split(".")[0]) >= 4:
+                continue
+            tensors[k] = v
+    save_file(tensors, str(out / "model.safetensors"))
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.name != "config.json" and f.is_file():
+            (out / f.name).write_bytes(f.read_bytes())
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def make_llm() -> Callable[..., Any]:
+    """``make_llm(**kw)`` -> a cached LLM on CPU in float32 for those options."""
+    from structspec import LLM
+
+    cache: dict[tuple, Any] = {}
+
+    def make(**kw: Any) -> Any:
+        key = tuple(sorted(kw.items()))
+        if key not in cache:
+            opts = dict(device="cpu", dtype="float32", kv_capacity_tokens=24576,
+                        max_batch_size=32)
+            opts.update(kw)
+            cache[key] = LLM(**opts)
+        return cache[key]
+
+    return make

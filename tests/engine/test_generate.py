@@ -1,0 +1,100 @@
+"""End-to-end generation on SmolLM2 (CPU, fp32): batching, stops, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from structspec import (
+    ChoiceSpec,
+    FinishReason,
+    JsonSchemaSpec,
+    RegexSpec,
+    SamplingParams,
+)
+from tests.engine.conftest import PERSON_SCHEMA, PROMPTS
+
+
+def test_greedy_same_alone_and_in_mixed_batch(make_llm) -> None:
+    llm = make_llm()
+    params = [SamplingParams(max_tokens=16 + 4 * (i % 3)) for i in range(6)]
+    params[2] = SamplingParams(max_tokens=20, grammar=JsonSchemaSpec(PERSON_SCHEMA))
+    batch = llm.generate(PROMPTS[:6], params)
+    for prompt, sp, got in zip(PROMPTS[:6], params, batch, strict=True):
+        alone = llm.generate(prompt, sp)[0]
+        assert got.token_ids == alone.token_ids, prompt
+        assert got.finish_reason is not None
+
+
+def test_result_fields_and_json_schema(make_llm) -> None:
+    llm = make_llm()
+    out = llm.generate("Make up a person: name, age and city as JSON.",
+                       SamplingParams(max_tokens=64, grammar=JsonSchemaSpec(PERSON_SCHEMA)))[0]
+    assert out.finish_reason is FinishReason.STOP, out
+    jsonschema.validate(json.loads(out.text), PERSON_SCHEMA)
+    assert out.schema_valid is True
+    assert out.num_prompt_tokens > 0 and out.num_completion_tokens == len(out.token_ids)
+    assert out.ttft_s is not None and out.latency_s is not None and out.latency_s >= out.ttft_s
+
+
+def test_regex_and_choice(make_llm) -> None:
+    import re
+
+    llm = make_llm()
+    outs = llm.generate(
+        ["Give a date in ISO format.", "Is the sky blue? Answer yes or no."],
+        [SamplingParams(max_tokens=20, grammar=RegexSpec(r"\d{4}-\d{2}-\d{2}")),
+         SamplingParams(max_tokens=8, grammar=ChoiceSpec(("yes", "no")))],
+    )
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", outs[0].text), outs[0].text
+    assert outs[1].text in ("yes", "no")
+    assert all(o.finish_reason is FinishReason.STOP for o in outs)
+
+
+def test_stop_string_and_max_tokens(make_llm) -> None:
+    llm = make_llm()
+    free = llm.generate(PROMPTS[6], SamplingParams(max_tokens=24))[0]
+    assert free.finish_reason is FinishReason.LENGTH and len(free.token_ids) == 24
+    word = free.text.split()[2]
+    stopped = llm.generate(PROMPTS[6], SamplingParams(max_tokens=24, stop=[word]))[0]
+    assert stopped.finish_reason is FinishReason.STOP and stopped.stop_reason == word
+    assert word not in stopped.text and free.text.startswith(stopped.text)
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(make_llm) -> None:
+    llm = make_llm()
+    sp = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=1234)
+    alone = llm.generate(PROMPTS[2], sp)[0]
+    mixed = llm.generate([PROMPTS[0], PROMPTS[2]], [SamplingParams(max_tokens=12), sp])[1]
+    assert alone.token_ids == mixed.token_ids
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "needle"),
+    [
+        ("", SamplingParams(max_tokens=8), "prompt is empty"),
+        ("hi", SamplingParams(max_tokens=0), "max_tokens"),
+        ("hi", SamplingParams(max_tokens=-3), "max_tokens"),
+        ("hi", SamplingParams(max_tokens=8, temperature=-1), "temperature"),
+        ("hi", SamplingParams(max_tokens=8, grammar=JsonSchemaSpec("{not json")), "JSON"),
+        ("hi", SamplingParams(max_tokens=8, grammar=RegexSpec("([a-z")), "regex"),
+        ("word " * 9000, SamplingParams(max_tokens=8), "context"),
+    ],
+)
+def test_bad_input_is_local(make_llm, prompt: str, params: SamplingParams, needle: str) -> None:
+    llm = make_llm()
+    good = SamplingParams(max_tokens=6)
+    outs = llm.generate([PROMPTS[0], prompt, PROMPTS[1]], [good, params, good])
+    assert outs[1].finish_reason is FinishReason.ABORT
+    assert needle.lower() in (outs[1].error or "").lower(), outs[1].error
+    for ok in (outs[0], outs[2]):
+        assert ok.error is None and ok.finish_reason is FinishReason.LENGTH
+
+
+def test_unknown_model_path() -> None:
+    from structspec import LLM
+
+    with pytest.raises((FileNotFoundError, ValueError), match="no-such-model"):
+        LLM("/tmp/no-such-model", device="cpu")

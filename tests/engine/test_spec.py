@@ -1,0 +1,127 @@
+"""Speculative decoding end to end: lossless at temperature 0, exactly-once grammar advance,
+clean finishes inside multi-token runs, metrics."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from structspec import EbnfSpec, FinishReason, JsonSchemaSpec, RegexSpec, SamplingParams
+from tests.engine.conftest import PERSON_SCHEMA, PROMPTS
+
+GBNF = 'root ::= "Answer: " ("yes" | "no") " because " [a-z ]+ "."'
+
+
+def mixed_params(n: int) -> list[SamplingParams]:
+    """A mix of unconstrained and grammar-constrained requests (JSON Schema, regex, EBNF)."""
+    out = []
+    for i in range(n):
+        grammar = [None, JsonSchemaSpec(PERSON_SCHEMA), RegexSpec(r"[A-Z][a-z]+( [a-z]+){2,6}\."),
+                   EbnfSpec(GBNF)][i % 4]
+        out.append(SamplingParams(max_tokens=40, grammar=grammar))
+    return out
+
+
+SPEC_CONFIGS = {
+    "ngram": lambda d: dict(speculative_algorithm="ngram", num_draft_tokens=8),
+    "draft_model_first_layers": lambda d: dict(speculative_algorithm="draft_model",
+                                               draft_model=d["first_layers"], num_draft_tokens=6,
+                                               speculative_depth=3, speculative_topk=2),
+    "draft_model_self": lambda d: dict(speculative_algorithm="draft_model",
+                                       draft_model=d["self"], num_draft_tokens=5,
+                                       speculative_depth=4, speculative_topk=1),
+    "eagle_random_head": lambda d: dict(speculative_algorithm="eagle", draft_model=d["eagle"],
+                                        num_draft_tokens=6, speculative_depth=3,
+                                        speculative_topk=2),
+}
+
+
+@pytest.fixture(scope="session")
+def draft_paths(smol_dir, smol_first_layers_dir, tmp_path_factory) -> dict[str, str]:
+    from pathlib import Path
+
+    from structspec.config import ModelConfig
+    from structspec.spec.eagle import build_random_eagle_head
+
+    eagle_dir = tmp_path_factory.mktemp("eagle")
+    target_cfg = ModelConfig.from_hf_config(json.loads((Path(smol_dir) / "config.json").read_text()))
+    build_random_eagle_head(target_cfg, str(eagle_dir), seed=0)
+    return {"first_layers": smol_first_layers_dir, "self": smol_dir, "eagle": str(eagle_dir)}
+
+
+@pytest.mark.parametrize("name", list(SPEC_CONFIGS))
+def test_lossless_greedy(make_llm, draft_paths, name: str) -> None:
+    base = make_llm()
+    spec = make_llm(**SPEC_CONFIGS[name](draft_paths))
+    params = mixed_params(len(PROMPTS))
+    want = base.generate(PROMPTS, params)
+    got = spec.generate(PROMPTS, params)
+    for w, g in zip(want, got, strict=True):
+        assert g.token_ids == w.token_ids, (name, g.request_id)
+        assert g.finish_reason == w.finish_reason
+    steps = sum(g.spec.verify_steps for g in got)
+    tokens = sum(g.spec.committed_tokens for g in got)
+    assert steps > 0 and tokens >= steps
+    if name == "draft_model_self":
+        # The target drafting for itself is always right: every step keeps the whole chain
+        # unless a stop or the grammar cut it.
+        assert tokens / steps > 2.5
+
+
+def test_exactly_once_advance_per_committed_token(make_llm) -> None:
+    llm = make_llm(speculative_algorithm="ngram", num_draft_tokens=8)
+    engine = llm.engine
+    sched = engine.scheduler
+    params = SamplingParams(max_tokens=60, grammar=JsonSchemaSpec(PERSON_SCHEMA))
+    prompt = ("Copy as JSON: {\"name\": \"Ann Lee\", \"age\": 41, \"city\": \"Oslo\"} and again "
+              "{\"name\": \"Ann Lee\", \"age\": 41, \"city\": \"Oslo\"}")
+    ids = [engine.add_request(prompt, params) for _ in range(3)]
+    seen_multi = False
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        for req in sched.running:
+            if req.matcher is not None:
+                assert req.matcher.num_accepted == len(req.output_ids), req.request_id
+            seen_multi |= req.spec.committed_tokens > req.spec.verify_steps
+    assert seen_multi
+    for rid in ids:
+        out = finished[rid]
+        assert out.finish_reason is FinishReason.STOP
+        assert json.loads(out.text)["name"]
+
+
+def test_stops_inside_accepted_runs_match_spec_off(make_llm) -> None:
+    base = make_llm()
+    spec = make_llm(speculative_algorithm="ngram", num_draft_tokens=8)
+    prompt = "Repeat exactly ten times: one two three four, one two three four, one two three four"
+    free = base.generate(prompt, SamplingParams(max_tokens=48))[0]
+    cases = [
+        SamplingParams(max_tokens=48, stop=["three four, one"]),
+        SamplingParams(max_tokens=17),
+        SamplingParams(max_tokens=48, stop_token_ids=(free.token_ids[9],)),
+    ]
+    for sp in cases:
+        w = base.generate(prompt, sp)[0]
+        g = spec.generate(prompt, sp)[0]
+        assert g.token_ids == w.token_ids and g.text == w.text, sp
+        assert g.finish_reason == w.finish_reason and g.stop_reason == w.stop_reason
+        assert g.spec.committed_tokens == len(g.token_ids) - 1  # first token comes from prefill
+    # The repetitive prompt makes n-gram drafts long, so the stops above landed mid-run.
+    assert spec.generate(prompt, SamplingParams(max_tokens=48))[0].spec.accept_length > 1.5
+
+
+def test_ngram_extraction_accept_length(make_llm) -> None:
+    from benchmarks.workloads import EXTRACTION_SCHEMA, extraction_prompts
+
+    llm = make_llm(speculative_algorithm="ngram", num_draft_tokens=8)
+    prompts = [p for p, _ in extraction_prompts(6, seed=1)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=160,
+                                                grammar=JsonSchemaSpec(EXTRACTION_SCHEMA)))
+    steps = sum(o.spec.verify_steps for o in outs)
+    committed = sum(o.spec.committed_tokens for o in outs)
+    assert committed / steps > 1.5, committed / steps
+    assert all(o.schema_valid for o in outs if o.finish_reason is FinishReason.STOP)

@@ -1,0 +1,131 @@
+"""GrammarBackend: spec kinds, error reporting, timeout, cache (failures, dedupe, LRU)."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from typing import Any
+
+import pytest
+import xgrammar as xgr
+
+from structspec.config import GrammarConfig
+from structspec.core import ChoiceSpec, EbnfSpec, JsonObjectSpec, JsonSchemaSpec, RegexSpec
+from structspec.grammar import GrammarBackend, GrammarError
+
+from .conftest import STOP_ID
+
+
+def _accepts(backend: GrammarBackend, cg: xgr.CompiledGrammar, text: str) -> bool:
+    m = backend.create_matcher(cg)
+    return m.xgr_matcher.accept_string(text) and m.is_completed()
+
+
+@pytest.mark.parametrize("spec, param, fragment", [
+    (JsonSchemaSpec("{not json"), "response_format.json_schema", "not valid JSON"),
+    (JsonSchemaSpec("[1, 2]"), "response_format.json_schema", "must be a JSON object"),
+    (JsonSchemaSpec({"type": "object", "minProperties": 1}), "response_format.json_schema",
+     "Failed to compile json_schema grammar: minProperties"),
+    (RegexSpec("(abc"), "regex", "Failed to compile regex grammar"),
+    (EbnfSpec('start ::= "a"'), "ebnf", "Failed to compile ebnf grammar"),
+    (ChoiceSpec(()), "choice", "non-empty list"),
+    (ChoiceSpec(("a", "")), "choice", "non-empty list"),
+])
+def test_errors_name_the_field(backend: GrammarBackend, spec: Any, param: str,
+                               fragment: str) -> None:
+    with pytest.raises(GrammarError) as info:
+        backend.compile(spec)
+    assert info.value.param == param and fragment in str(info.value), str(info.value)
+    assert isinstance(info.value, ValueError)
+    again = pickle.loads(pickle.dumps(info.value))
+    assert again.param == param and str(again) == str(info.value)
+
+
+def test_strict_rejection_names_keyword_and_pointer(backend: GrammarBackend) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "not": {"const": 3}}}}
+    with pytest.raises(GrammarError, match="/properties/n: 'not'"):
+        backend.compile(JsonSchemaSpec(schema, strict=True))
+    backend.compile(JsonSchemaSpec(schema, strict=False))  # best effort compiles
+
+
+def test_cached_failure_is_fast(backend: GrammarBackend) -> None:
+    spec = RegexSpec("[unclosed")
+    with pytest.raises(GrammarError) as first:
+        backend.compile(spec)
+    t0 = time.perf_counter()
+    fut = backend.submit(spec)
+    assert fut.done()
+    with pytest.raises(GrammarError) as second:
+        fut.result()
+    assert time.perf_counter() - t0 < 0.01 and str(second.value) == str(first.value)
+
+
+def test_kinds_accept_what_they_should(backend: GrammarBackend) -> None:
+    obj = backend.compile(JsonObjectSpec())
+    assert _accepts(backend, obj, '{"a": [1, {"b": null}]}') and _accepts(backend, obj, "{}")
+    assert not _accepts(backend, obj, "[1]") and not _accepts(backend, obj, '"s"')
+    rx = backend.compile(RegexSpec(r"[0-9]{3}-[a-z]+"))
+    assert _accepts(backend, rx, "123-abc") and not _accepts(backend, rx, "12-abc")
+    eb = backend.compile(EbnfSpec('root ::= "yes" | "no" rest\nrest ::= [0-9]*'))
+    assert _accepts(backend, eb, "no42") and not _accepts(backend, eb, "yes1")
+    choices = ('say "hi"', "back\\slash", "two\nlines", "tab\there", "plain", "a|b(c)*")
+    ch = backend.compile(ChoiceSpec(choices))
+    for c in choices:
+        assert _accepts(backend, ch, c), c
+    for c in ("say hi", "plai", "plainx", "a", "ab(c)"):
+        assert not _accepts(backend, ch, c), c
+    m = backend.create_matcher(ch)
+    ids = backend.tokenizer_info  # the stop id ends a finished choice
+    assert ids.vocab_size == backend.vocab_size
+    assert m.xgr_matcher.accept_string("plain") and m.accept_token(STOP_ID)
+    assert m.is_terminated()
+
+
+def test_timeout_expired_and_dedupe(hf_tokenizer: Any) -> None:
+    b = GrammarBackend(hf_tokenizer, vocab_size=len(hf_tokenizer), stop_token_ids=[STOP_ID],
+                       config=GrammarConfig(compile_timeout_s=0.05, num_compile_threads=1))
+    gate = threading.Event()
+    real = b._compile_now
+
+    def slow(spec: Any) -> Any:
+        gate.wait(5)
+        return real(spec)
+
+    b._compile_now = slow  # type: ignore[method-assign]
+    spec = RegexSpec("slow[0-9]+")
+    fut = b.submit(spec)
+    twin = b.submit(spec)
+    assert twin._future is fut._future and b.cache_size() == 1  # in-flight dedupe
+    assert not fut.done() and not fut.expired(time.perf_counter())
+    with pytest.raises(GrammarError, match=r"grammar compilation exceeded 0.05s") as info:
+        fut.result()
+    assert info.value.param == "regex"
+    assert fut.expired(time.perf_counter())
+    with pytest.raises(GrammarError, match="exceeded 0.01s"):
+        twin.result(timeout=0.01)
+    gate.set()
+    assert isinstance(b.submit(spec).result(timeout=5), xgr.CompiledGrammar)  # finished later
+    b.shutdown()
+
+
+def test_lru_bound(hf_tokenizer: Any) -> None:
+    b = GrammarBackend(hf_tokenizer, vocab_size=len(hf_tokenizer), stop_token_ids=[STOP_ID],
+                       config=GrammarConfig(cache_max_entries=2, num_compile_threads=1))
+    for p in ("a+", "b+", "c+"):
+        b.compile(RegexSpec(p))
+    assert b.cache_size() == 2
+    keys = [k for k, _ in b._cache.items()]
+    assert keys == [("regex", "b+"), ("regex", "c+")]
+    b.shutdown()
+
+
+def test_property_order_is_kept(backend: GrammarBackend) -> None:
+    """xgrammar emits properties in declared order: the cache key must not sort them."""
+    first = {"type": "object", "properties": {"z": {"type": "integer"}, "a": {"type": "integer"}},
+             "required": ["z", "a"]}
+    second = {"type": "object", "properties": {"a": {"type": "integer"}, "z": {"type": "integer"}},
+              "required": ["z", "a"]}
+    cg1, cg2 = backend.compile(JsonSchemaSpec(first)), backend.compile(JsonSchemaSpec(second))
+    assert _accepts(backend, cg1, '{"z": 1, "a": 2}')
+    assert _accepts(backend, cg2, '{"a": 2, "z": 1}')

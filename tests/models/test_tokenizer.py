@@ -1,0 +1,97 @@
+"""Tokenizer wrapper and IncrementalDetokenizer (streamed text == full decode)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer as RawTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from structspec.models.tokenizer import Tokenizer
+
+TEXTS = [
+    "Hello, world! How are you today?",
+    "Grüße aus Köln — naïve café, ½ price.",
+    "日本語のテキストと中文文本，还有한국어 문장.",
+    "Emoji: 🎉🚀👩‍👩‍👧‍👦 and flags 🇫🇷🇯🇵, math ∑∫√.",
+    "Ελληνικά, русский текст, עברית, العربية, हिन्दी.",
+    '{"name": "Zoë", "tags": ["🙂", "ß"], "n": 3}',
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A byte-level BPE with few merges, so multi-byte characters span several tokens."""
+    raw = RawTokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<s>", "</s>", "<eot>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    raw.train_from_iterator(TEXTS[:2] * 4, trainer=trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>")
+    path = tmp_path_factory.mktemp("tok")
+    hf.save_pretrained(str(path))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 1]}))
+    return path
+
+
+def _check_stream(tok: Tokenizer, text: str, chunk: int, prompt: list[int]) -> None:
+    ids = tok.encode(text, add_special_tokens=False)
+    detok = tok.detokenizer(prompt_ids=prompt)
+    pieces = [detok.add(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
+    pieces.append(detok.flush())
+    assert "".join(pieces) == tok.decode(ids) == text
+    assert all("\ufffd" not in p for p in pieces)
+    assert detok.text == text
+
+
+def test_tiny_tokenizer_wrapper(tiny_dir: Path) -> None:
+    tok = Tokenizer(tiny_dir)
+    assert tok.eos_token_ids == (2, 1)  # generation_config first, then the tokenizer's eos
+    assert tok.bos_token_id == 0 and tok.vocab_size == len(tok.hf)
+    assert not tok.has_chat_template
+    with pytest.raises(ValueError, match="no chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    ids = tok.encode(TEXTS[3], add_special_tokens=False)
+    assert len(ids) > len(TEXTS[3])  # emoji really are split into byte tokens
+    with pytest.raises(FileNotFoundError):
+        Tokenizer(tiny_dir / "missing")
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_incremental_detokenizer_tiny(tiny_dir: Path, chunk: int) -> None:
+    tok = Tokenizer(tiny_dir)
+    prompt = tok.encode("prompt: ", add_special_tokens=False)
+    for text in TEXTS:
+        _check_stream(tok, text, chunk, prompt)
+
+
+def test_incremental_detokenizer_holds_back_partial_utf8(tiny_dir: Path) -> None:
+    tok = Tokenizer(tiny_dir)
+    ids = tok.encode("🎉", add_special_tokens=False)
+    assert len(ids) == 4  # four UTF-8 bytes, one token each
+    detok = tok.detokenizer()
+    assert [detok.add([i]) for i in ids] == ["", "", "", "🎉"]
+    detok = tok.detokenizer()
+    assert detok.add(ids[:2]) == ""
+    assert detok.flush() == "\ufffd"  # a request cut off mid-character still reports it
+
+
+def test_incremental_detokenizer_skips_special(tiny_dir: Path) -> None:
+    tok = Tokenizer(tiny_dir)
+    ids = tok.encode("Hello", add_special_tokens=False) + [1]
+    detok = tok.detokenizer()
+    assert "".join(detok.add([i]) for i in ids) + detok.flush() == "Hello"
+
+
+@pytest.mark.parametrize("chunk", [1, 2])
+def test_incremental_detokenizer_smollm2(smollm2_dir: Path, chunk: int) -> None:
+    tok = Tokenizer(smollm2_dir)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Say something."}])
+    for text in TEXTS:
+        _check_stream(tok, text, chunk, prompt)

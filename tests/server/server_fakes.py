@@ -1,0 +1,184 @@
+"""A fake engine and a character-level codec for protocol-level server tests (no model).
+
+The fake engine "generates" a scripted text one character (= token) per tick, following the
+engine's semantics: stop strings end the request with the text cut before them,
+``max_tokens`` ends it with ``length``, a grammar decides the script, and a regex containing
+``BAD(`` fails to "compile" (an error delta with ``error_param``, before any token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from structspec.core import (
+    ChoiceSpec,
+    EbnfSpec,
+    JsonObjectSpec,
+    JsonSchemaSpec,
+    RegexSpec,
+    SamplingParams,
+    SpecMetrics,
+)
+from structspec.server.ipc import EngineDelta, EngineInfo, EngineStats
+
+EOS = 0
+
+
+class CharDetokenizer:
+    """One token = one character; token 0 (EOS) has no text."""
+
+    def add(self, token_ids: Iterable[int]) -> str:
+        return "".join(chr(t) for t in token_ids if t != EOS)
+
+    def flush(self) -> str:
+        return ""
+
+
+class FakeCodec:
+    """Character-level :class:`~structspec.server.codec.Codec`."""
+
+    def encode_chat(self, messages: list[dict[str, Any]],
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
+        return [ord(c) for c in text]
+
+    def encode_text(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return "".join(chr(t) for t in token_ids if t != EOS)
+
+    def detokenizer(self, prompt_ids: Sequence[int]) -> CharDetokenizer:
+        return CharDetokenizer()
+
+    def token_str(self, token_id: int) -> str:
+        return "" if token_id == EOS else chr(token_id)
+
+
+def script_for(params: SamplingParams) -> str:
+    """What the fake model writes for ``params``."""
+    g = params.grammar
+    if isinstance(g, ChoiceSpec):
+        return g.choices[-1]
+    if isinstance(g, JsonSchemaSpec):
+        return json.dumps({"name": "Ada", "age": 36})
+    if isinstance(g, JsonObjectSpec):
+        return json.dumps({"ok": True})
+    if isinstance(g, RegexSpec):
+        return "2024-01-02"
+    if isinstance(g, EbnfSpec):
+        return "yes"
+    return "Hello world! STOP here. " * 20
+
+
+class FakeEngine:
+    """An :class:`~structspec.server.engine_client.AsyncEngine` that runs scripts."""
+
+    def __init__(self, *, max_model_len: int = 512, tick_s: float = 0.001,
+                 ready: bool = True) -> None:
+        self.info = EngineInfo(model_path="/fake/model", max_model_len=max_model_len,
+                               vocab_size=0x110000, device="cpu", dtype="float32",
+                               speculative_algorithm="none", num_draft_tokens=1,
+                               kv_capacity_tokens=4096, max_batch_size=8, pid=0)
+        self.tick_s = tick_s
+        self._ready = ready
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._sinks: dict[str, asyncio.Queue[EngineDelta]] = {}
+        self.added: list[tuple[str, list[int], SamplingParams]] = []
+        self.aborted: list[str] = []
+        self._listeners: list[Any] = []
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    @property
+    def stats(self) -> EngineStats:
+        return EngineStats(num_running=len(self._tasks), kv_free_pages=10, kv_total_pages=10)
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._tasks)
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        pass
+
+    def add_listener(self, listener: Any) -> None:
+        self._listeners.append(listener)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams, sink: asyncio.Queue[EngineDelta]) -> None:
+        self.added.append((request_id, prompt_token_ids, params))
+        self._sinks[request_id] = sink
+        self._tasks[request_id] = asyncio.get_running_loop().create_task(
+            self._run(request_id, prompt_token_ids, params, sink))
+
+    def abort_request(self, request_id: str) -> None:
+        task = self._tasks.pop(request_id, None)
+        if task is None:
+            return
+        self.aborted.append(request_id)
+        task.cancel()
+        self._sinks.pop(request_id).put_nowait(EngineDelta(
+            request_id=request_id, finished=True, finish_reason="abort",
+            error="aborted by client"))
+
+    def abort_all(self) -> None:
+        for rid in list(self._tasks):
+            self.abort_request(rid)
+
+    async def _run(self, rid: str, prompt: list[int], params: SamplingParams,
+                   sink: asyncio.Queue[EngineDelta]) -> None:
+        await asyncio.sleep(self.tick_s)
+        g = params.grammar
+        if isinstance(g, RegexSpec) and "BAD(" in g.pattern:
+            self._finish(rid, sink, EngineDelta(
+                request_id=rid, finished=True, finish_reason="abort", rejected=False,
+                error="Failed to compile regex grammar: missing ')'", error_param="regex",
+                num_prompt_tokens=len(prompt)))
+            return
+        text = script_for(params)
+        out: list[int] = []
+        steps = 0
+        for ch in text:
+            steps += 1
+            tok = ord(ch)
+            out.append(tok)
+            lps = None
+            if params.logprobs is not None:
+                top = [(tok, -0.1), (ord("?"), -2.5)][: params.logprobs]
+                lps = [(tok, -0.1, top)]
+            so_far = "".join(chr(t) for t in out)
+            hit = next((s for s in params.stop if s in so_far), None)
+            if hit is not None:
+                self._finish(rid, sink, self._final(rid, [tok], lps, prompt, out, "stop", hit,
+                                                    so_far[:so_far.index(hit)], steps))
+                return
+            if len(out) >= params.max_tokens:
+                self._finish(rid, sink, self._final(rid, [tok], lps, prompt, out, "length", None,
+                                                    so_far, steps))
+                return
+            sink.put_nowait(EngineDelta(request_id=rid, new_token_ids=[tok], new_logprobs=lps))
+            await asyncio.sleep(self.tick_s)
+        out.append(EOS)
+        lps = [(EOS, -0.05, [])] if params.logprobs is not None else None
+        self._finish(rid, sink, self._final(rid, [EOS], lps, prompt, out, "stop", EOS,
+                                            "".join(chr(t) for t in out if t), steps + 1))
+
+    def _final(self, rid: str, new: list[int], lps: Any, prompt: list[int], out: list[int],
+               reason: str, stop: str | int | None, text: str, steps: int) -> EngineDelta:
+        return EngineDelta(
+            request_id=rid, new_token_ids=new, new_logprobs=lps, finished=True,
+            finish_reason=reason, stop_reason=stop, text=text, num_prompt_tokens=len(prompt),
+            num_completion_tokens=len(out),
+            spec=SpecMetrics(verify_steps=steps, committed_tokens=len(out)))
+
+    def _finish(self, rid: str, sink: asyncio.Queue[EngineDelta], delta: EngineDelta) -> None:
+        self._tasks.pop(rid, None)
+        self._sinks.pop(rid, None)
+        sink.put_nowait(delta)
+        for listener in self._listeners:
+            listener(self.stats)

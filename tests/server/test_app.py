@@ -1,0 +1,206 @@
+"""Protocol-level tests of the HTTP app against a fake engine (fast; no model)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from structspec.server.app import create_app
+from structspec.server.metrics import ServerMetrics
+from structspec.server.serving import ServerState
+from tests.server.server_fakes import FakeCodec, FakeEngine
+
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+def make_client(engine: FakeEngine | None = None, api_key: str | None = None) -> TestClient:
+    state = ServerState(engine=engine or FakeEngine(), codec=FakeCodec(),
+                        metrics=ServerMetrics(), model_name="fake", api_key=api_key)
+    return TestClient(create_app(state))
+
+
+@pytest.fixture
+def client() -> Iterator[TestClient]:
+    with make_client() as c:
+        yield c
+
+
+def sse_events(text: str) -> list[Any]:
+    out: list[Any] = []
+    for block in text.split("\n\n"):
+        if not block.strip():
+            continue
+        assert block.startswith("data: "), block
+        data = block[len("data: "):]
+        out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def test_chat_non_stream(client: TestClient) -> None:
+    r = client.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 5})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hello",
+                                             "refusal": None}
+    assert body["choices"][0]["finish_reason"] == "length"
+    u = body["usage"]
+    assert u["completion_tokens"] == 5 and u["total_tokens"] == u["prompt_tokens"] + 5
+    assert u["speculative"]["verify_steps"] == 5
+
+
+def test_stop_string_cut_and_never_streamed(client: TestClient) -> None:
+    body = {"messages": MSGS, "stop": [" STOP", "zzz"], "max_tokens": 100}
+    r = client.post("/v1/chat/completions", json=body)
+    c = r.json()["choices"][0]
+    assert c["message"]["content"] == "Hello world!"
+    assert c["finish_reason"] == "stop" and c["stop_reason"] == " STOP"
+    r = client.post("/v1/chat/completions", json={**body, "stream": True})
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1])
+    assert text == "Hello world!"
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_stream_include_usage(client: TestClient) -> None:
+    r = client.post("/v1/chat/completions", json={
+        "messages": MSGS, "max_tokens": 3, "stream": True,
+        "stream_options": {"include_usage": True}})
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    usage = events[-2]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 3
+    assert all(e["usage"] is None for e in events[:-2])
+
+
+def test_n_choices_get_seeds(client: TestClient) -> None:
+    engine: FakeEngine = client.app.state.server.engine  # type: ignore[attr-defined]
+    r = client.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2, "n": 3,
+                                                 "seed": 10, "temperature": 0.7})
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1, 2]
+    assert [p.seed for _, _, p in engine.added[-3:]] == [10, 11, 12]
+    assert r.json()["usage"]["completion_tokens"] == 6
+
+
+def test_chat_logprobs(client: TestClient) -> None:
+    r = client.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2,
+                                                 "logprobs": True, "top_logprobs": 2})
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == ["H", "e"]
+    assert content[0]["logprob"] == -0.1 and content[0]["bytes"] == [72]
+    assert [t["token"] for t in content[0]["top_logprobs"]] == ["H", "?"]
+
+
+def test_completions_text_and_token_prompts(client: TestClient) -> None:
+    r = client.post("/v1/completions", json={"prompt": ["ab", "AB"], "max_tokens": 2,
+                                            "logprobs": 1, "echo": True})
+    body = r.json()
+    assert body["object"] == "text_completion"
+    assert [c["text"] for c in body["choices"]] == ["abHe", "ABHe"]
+    r = client.post("/v1/completions", json={"prompt": [[65, 66], [67]], "max_tokens": 1,
+                                            "echo": True})
+    assert [c["text"] for c in r.json()["choices"]] == ["ABH", "CH"]
+    lp = body["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["H", "e"] and lp["text_offset"] == [2, 3]
+    assert body["usage"]["prompt_tokens"] == 4
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "stream": True})
+    events = sse_events(r.text)
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == "Hell"
+
+
+def test_grammar_error_before_tokens_is_400(client: TestClient) -> None:
+    for stream in (False, True):
+        r = client.post("/v1/chat/completions", json={"messages": MSGS, "regex": "BAD(",
+                                                     "stream": stream})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert "missing ')'" in err["message"] and err["param"] == "regex"
+        assert err["type"] == "invalid_request_error"
+
+
+def test_oversize_prompt_is_immediate_400() -> None:
+    engine = FakeEngine(max_model_len=50)
+    with make_client(engine) as c:
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user",
+                                                              "content": "x" * 100}]})
+        assert r.status_code == 400
+        assert r.json()["error"]["code"] == "context_length_exceeded"
+        assert r.json()["error"]["param"] == "messages"
+        assert engine.added == []
+
+
+def test_bad_json_and_types_are_400(client: TestClient) -> None:
+    r = client.post("/v1/chat/completions", content=b"{nope",
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = client.post("/v1/chat/completions", json={"messages": MSGS, "n": "many"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    r = client.post("/v1/chat/completions", json={"messages": MSGS, "unknown_field": 1,
+                                                 "max_tokens": 1})
+    assert r.status_code == 200
+    r = client.post("/v1/chat/completions", json={"messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported"
+
+
+def test_api_key() -> None:
+    with make_client(api_key="sekrit") as c:
+        r = c.post("/v1/chat/completions", json={"messages": MSGS})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        r = c.get("/v1/models", headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401
+        r = c.get("/v1/models", headers={"Authorization": "Bearer sekrit"})
+        assert r.status_code == 200 and r.json()["data"][0]["id"] == "fake"
+        assert c.get("/health").status_code == 200  # health/metrics stay open
+
+
+def test_not_ready_is_503() -> None:
+    with make_client(FakeEngine(ready=False)) as c:
+        assert c.get("/health").status_code == 503
+        r = c.post("/v1/chat/completions", json={"messages": MSGS})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+
+
+def test_metrics_text(client: TestClient) -> None:
+    client.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2})
+    client.post("/v1/chat/completions", json={"messages": MSGS, "regex": "BAD("})
+    text = client.get("/metrics").text
+    assert 'structspec_requests_total{finish_reason="length"} 1.0' in text
+    assert 'structspec_requests_total{finish_reason="rejected"} 1.0' in text
+    assert "structspec_time_to_first_token_seconds_count 1.0" in text
+    assert "structspec_spec_accept_length " in text
+    assert "structspec_num_requests_running" in text
+
+
+def test_openai_sdk_against_fake(client: TestClient) -> None:
+    from pydantic import BaseModel
+
+    class Person(BaseModel):
+        name: str
+        age: int
+
+    oai = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=client)
+    done = oai.beta.chat.completions.parse if hasattr(oai, "beta") and hasattr(
+        oai.beta, "chat") else oai.chat.completions.parse
+    out = done(model="fake", messages=MSGS, response_format=Person, max_tokens=50)
+    assert out.choices[0].message.parsed == Person(name="Ada", age=36)
+    engine: FakeEngine = client.app.state.server.engine  # type: ignore[attr-defined]
+    g = engine.added[-1][2].grammar
+    assert g.strict is True and g.schema["additionalProperties"] is False  # type: ignore[union-attr]
+    chunks = list(oai.chat.completions.create(model="fake", messages=MSGS, max_tokens=4,
+                                              stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hell"
+    comp = oai.completions.create(model="fake", prompt="x", max_tokens=3)
+    assert comp.choices[0].text == "Hel"
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model="fake", messages=MSGS,
+                                    extra_body={"regex": "BAD("})
+    assert "missing ')'" in str(e.value)

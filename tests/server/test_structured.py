@@ -1,0 +1,134 @@
+"""Request fields -> grammar spec and sampling params (no server, no model)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from structspec.core import ChoiceSpec, EbnfSpec, JsonObjectSpec, JsonSchemaSpec, RegexSpec
+from structspec.server.errors import APIError
+from structspec.server.params import DEFAULT_MAX_TOKENS, build_sampling_params, per_choice
+from structspec.server.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from structspec.server.structured import grammar_from_request
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+def grammar(**body: Any) -> Any:
+    return grammar_from_request(parse_request(ChatCompletionRequest, {"messages": MSGS, **body}))
+
+
+@pytest.mark.parametrize("body,expected", [
+    ({}, None),
+    ({"response_format": {"type": "text"}}, None),
+    ({"response_format": {"type": "json_object"}}, JsonObjectSpec()),
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}},
+     JsonSchemaSpec(SCHEMA, strict=True)),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}},
+     JsonSchemaSpec(SCHEMA, strict=False)),
+    ({"response_format": {"type": "json_object", "schema": SCHEMA}}, JsonSchemaSpec(SCHEMA, False)),
+    ({"response_format": {"type": "json", "schema": SCHEMA}}, JsonSchemaSpec(SCHEMA, False)),
+    ({"response_format": {"type": "regex", "regex": "a+"}}, RegexSpec("a+")),
+    ({"response_format": {"type": "regex", "pattern": "b+"}}, RegexSpec("b+")),
+    ({"response_format": {"type": "ebnf", "ebnf": 'root ::= "x"'}}, EbnfSpec('root ::= "x"')),
+    ({"response_format": {"type": "ebnf", "grammar": 'root ::= "y"'}}, EbnfSpec('root ::= "y"')),
+    ({"response_format": {"type": "choice", "choices": ["a", "b"]}}, ChoiceSpec(("a", "b"))),
+    ({"regex": "[0-9]+"}, RegexSpec("[0-9]+")),
+    ({"ebnf": 'root ::= "z"'}, EbnfSpec('root ::= "z"')),
+    ({"grammar": 'root ::= "z"'}, EbnfSpec('root ::= "z"')),
+    ({"json_schema": SCHEMA}, JsonSchemaSpec(SCHEMA, strict=False)),
+    ({"json_schema": '{"type": "object"}'}, JsonSchemaSpec({"type": "object"}, strict=False)),
+    ({"choice": ["yes", "no"]}, ChoiceSpec(("yes", "no"))),
+    ({"guided_json": SCHEMA}, JsonSchemaSpec(SCHEMA, strict=False)),
+    ({"guided_regex": "x"}, RegexSpec("x")),
+    ({"guided_choice": ["p", "q"]}, ChoiceSpec(("p", "q"))),
+    ({"guided_grammar": 'root ::= "g"'}, EbnfSpec('root ::= "g"')),
+    ({"structured_outputs": {"json": SCHEMA}}, JsonSchemaSpec(SCHEMA, strict=False)),
+    ({"structured_outputs": {"regex": "r"}}, RegexSpec("r")),
+    ({"structured_outputs": {"choice": ["c"]}}, ChoiceSpec(("c",))),
+    ({"structured_outputs": {"grammar": 'root ::= "s"'}}, EbnfSpec('root ::= "s"')),
+    ({"structured_outputs": {"json_object": True}}, JsonObjectSpec()),
+])
+def test_every_shape_maps_to_one_grammar(body: dict[str, Any], expected: Any) -> None:
+    assert grammar(**body) == expected
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"regex": "a", "choice": ["b"]}, "choice"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "regex"}}, "response_format.regex"),
+    ({"response_format": {"type": "nonsense"}}, "response_format.type"),
+    ({"response_format": {"type": "structural_tag"}}, "response_format.type"),
+    ({"json_schema": "{not json"}, "json_schema"),
+    ({"json_schema": "[1, 2]"}, "json_schema"),
+    ({"choice": []}, "choice"),
+    ({"choice": ["a", ""]}, "choice"),
+    ({"regex": ""}, "regex"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+])
+def test_bad_constraints_are_400_naming_the_field(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(APIError) as e:
+        grammar(**body)
+    assert e.value.status == 400
+    assert e.value.param == param
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"temperature": "hot"}, "temperature"),
+    ({"max_tokens": 1.5}, "max_tokens"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"content": "x"}]}, "messages[0].role"),
+    ({"stop": 3}, "stop"),
+    ({"response_format": "json"}, "response_format"),
+])
+def test_wrong_types_are_400(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(APIError) as e:
+        parse_request(ChatCompletionRequest, {"messages": MSGS, **body})
+    assert e.value.status == 400
+    assert e.value.param == param, e.value.message
+
+
+def test_unknown_fields_are_ignored() -> None:
+    req = parse_request(ChatCompletionRequest, {"messages": MSGS, "frobnicate": {"x": 1}})
+    assert req.messages[0].content == "hi"
+
+
+def test_completion_prompt_shapes() -> None:
+    for p in ("text", [1, 2, 3], ["a", "b"], [[1], [2, 3]]):
+        assert parse_request(CompletionRequest, {"prompt": p}).prompt == p
+
+
+def params(**body: Any) -> Any:
+    req = parse_request(ChatCompletionRequest, {"messages": MSGS, **body})
+    return build_sampling_params(req, grammar=None, max_tokens=req.max_tokens,
+                                 logprobs=None, prompt_len=10, max_model_len=100)
+
+
+def test_sampling_params_defaults_and_mapping() -> None:
+    p = params()
+    assert p.temperature == 1.0 and p.top_p == 1.0 and p.top_k == 0
+    assert p.max_tokens == min(DEFAULT_MAX_TOKENS, 90)
+    p = params(temperature=0, top_k=-1, min_p=0.1, seed=7, stop="END", max_tokens=5)
+    assert (p.temperature, p.top_k, p.min_p, p.seed, p.stop, p.max_tokens) == (
+        0.0, 0, 0.1, 7, ("END",), 5)
+    assert [q.seed for q in per_choice(p, 3)] == [7, 8, 9]
+    assert [q.seed for q in per_choice(params(), 2)] == [None, None]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"top_p": 0}, "top_p"),
+    ({"temperature": -1}, "temperature"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"n": 0}, "n"),
+    ({"stop": ["", "x"]}, "stop"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"logit_bias": {"1": 2}}, "logit_bias"),
+])
+def test_bad_sampling_values_are_400(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(APIError) as e:
+        params(**body)
+    assert e.value.status == 400 and e.value.param == param
