@@ -62,8 +62,16 @@ def extraction_prompts(n: int, seed: int = 0) -> list[tuple[str, dict[str, Any]]
 
 
 def maskbench_cases(root: Path) -> list[dict[str, Any]]:
-    """Every maskbench case under ``root`` (``{description, meta, schema, tests}``), sorted."""
-    return [json.loads(p.read_text()) for p in sorted(root.glob("*.json"))]
+    """Every maskbench case under ``root`` (``{description, meta, schema, tests}`` plus ``_name``,
+    the file stem), sorted by name."""
+    cases = []
+    for p in sorted(root.glob("*.json")):
+        if p.name == "compile_seconds.json":
+            continue
+        case = json.loads(p.read_text())
+        case["_name"] = p.stem
+        cases.append(case)
+    return cases
 
 
 def schema_prompt(schema: dict[str, Any]) -> str:

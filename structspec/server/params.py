@@ -40,6 +40,8 @@ def build_sampling_params(
     _reject_unsupported(req)
     if not 1 <= req.n <= MAX_N:
         raise bad_request(f"n must be between 1 and {MAX_N}, got {req.n}", "n")
+    if req.seed is not None and not 0 <= req.seed < 2**63 - MAX_N:
+        raise bad_request(f"seed must be in [0, 2**63 - {MAX_N}), got {req.seed}", "seed")
     if max_tokens is None:
         max_tokens = max(1, min(DEFAULT_MAX_TOKENS, max_model_len - prompt_len))
     elif max_tokens < 1:

@@ -80,10 +80,12 @@ def test_seeded_sampling_is_reproducible_in_any_batch(make_llm) -> None:
         ("hi", SamplingParams(max_tokens=8, temperature=-1), "temperature"),
         ("hi", SamplingParams(max_tokens=8, grammar=JsonSchemaSpec("{not json")), "JSON"),
         ("hi", SamplingParams(max_tokens=8, grammar=RegexSpec("([a-z")), "regex"),
-        ("word " * 9000, SamplingParams(max_tokens=8), "context"),
+        ([17] * 9000, SamplingParams(max_tokens=8), "context"),
     ],
+    ids=["empty", "max_tokens_0", "max_tokens_neg", "temperature", "schema_json", "regex",
+         "too_long"],
 )
-def test_bad_input_is_local(make_llm, prompt: str, params: SamplingParams, needle: str) -> None:
+def test_bad_input_is_local(make_llm, prompt: object, params: SamplingParams, needle: str) -> None:
     llm = make_llm()
     good = SamplingParams(max_tokens=6)
     outs = llm.generate([PROMPTS[0], prompt, PROMPTS[1]], [good, params, good])

@@ -19,8 +19,16 @@ def mixed_params(n: int) -> list[SamplingParams]:
     for i in range(n):
         grammar = [None, JsonSchemaSpec(PERSON_SCHEMA), RegexSpec(r"[A-Z][a-z]+( [a-z]+){2,6}\."),
                    EbnfSpec(GBNF)][i % 4]
-        out.append(SamplingParams(max_tokens=40, grammar=grammar))
+        out.append(SamplingParams(max_tokens=32, grammar=grammar))
     return out
+
+
+LOSSLESS_PROMPTS = PROMPTS[:20]
+
+
+@pytest.fixture(scope="session")
+def spec_off_outputs(make_llm) -> list:
+    return make_llm().generate(LOSSLESS_PROMPTS, mixed_params(len(LOSSLESS_PROMPTS)))
 
 
 SPEC_CONFIGS = {
@@ -51,22 +59,23 @@ def draft_paths(smol_dir, smol_first_layers_dir, tmp_path_factory) -> dict[str, 
 
 
 @pytest.mark.parametrize("name", list(SPEC_CONFIGS))
-def test_lossless_greedy(make_llm, draft_paths, name: str) -> None:
-    base = make_llm()
+def test_lossless_greedy(make_llm, draft_paths, spec_off_outputs, name: str) -> None:
     spec = make_llm(**SPEC_CONFIGS[name](draft_paths))
-    params = mixed_params(len(PROMPTS))
-    want = base.generate(PROMPTS, params)
-    got = spec.generate(PROMPTS, params)
-    for w, g in zip(want, got, strict=True):
+    params = mixed_params(len(LOSSLESS_PROMPTS))
+    got = spec.generate(LOSSLESS_PROMPTS, params)
+    for w, g in zip(spec_off_outputs, got, strict=True):
         assert g.token_ids == w.token_ids, (name, g.request_id)
         assert g.finish_reason == w.finish_reason
     steps = sum(g.spec.verify_steps for g in got)
     tokens = sum(g.spec.committed_tokens for g in got)
     assert steps > 0 and tokens >= steps
     if name == "draft_model_self":
-        # The target drafting for itself is always right: every step keeps the whole chain
-        # unless a stop or the grammar cut it.
-        assert tokens / steps > 2.5
+        # The target drafting for itself is always right on unconstrained requests (its
+        # drafts ignore the grammar, so constrained ones diverge): every step keeps the whole
+        # 4-token chain plus the bonus unless max_tokens cut it.
+        free = [g for g, p in zip(got, params, strict=True) if p.grammar is None]
+        free_steps = sum(g.spec.verify_steps for g in free)
+        assert sum(g.spec.committed_tokens for g in free) / free_steps > 3.5
 
 
 def test_exactly_once_advance_per_committed_token(make_llm) -> None:

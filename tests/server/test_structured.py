@@ -127,6 +127,8 @@ def test_sampling_params_defaults_and_mapping() -> None:
     ({"stop": ["", "x"]}, "stop"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"logit_bias": {"1": 2}}, "logit_bias"),
+    ({"seed": -1}, "seed"),
+    ({"seed": 2**70}, "seed"),
 ])
 def test_bad_sampling_values_are_400(body: dict[str, Any], param: str) -> None:
     with pytest.raises(APIError) as e:
