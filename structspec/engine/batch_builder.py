@@ -83,8 +83,37 @@ def build_verify_batch(
     Returns:
         A ForwardBatch with ``logits_indices`` = None (every node row is needed).
     """
-    bsz, n = tree.draft_tokens.shape
-    device = tree.draft_tokens.device
+    return build_verify_batch_from_tensors(
+        tree.draft_tokens, tree.depth, tree.ancestor_mask, seq_lens, page_table,
+        page_size=page_size,
+    )
+
+
+def build_verify_batch_from_tensors(
+    draft_tokens: torch.Tensor,
+    depth: torch.Tensor,
+    ancestor_mask: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_table: torch.Tensor,
+    *,
+    page_size: int,
+) -> ForwardBatch:
+    """:func:`build_verify_batch` on the three tree fields it reads (what a CUDA graph keeps as
+    static inputs). Device ops only, shapes static: no host sync, capturable.
+
+    Args:
+        draft_tokens: ``[B, N]`` int64 (-1 = padding node, fed as token 0).
+        depth: ``[B, N]`` int64 node depths.
+        ancestor_mask: ``[B, N, N]`` bool, each row True at least on its diagonal.
+        seq_lens: ``[B]`` int64 committed KV lengths (0 for a dummy row).
+        page_table: ``[B, P]`` int64 pages covering ``seq_lens + N`` positions (a dummy row is
+            all page 0, the sink: its writes land in page 0 and it attends only its own node).
+
+    Returns:
+        The verify ForwardBatch, ``kv_len = P * page_size``, all tensors on the inputs' device.
+    """
+    bsz, n = draft_tokens.shape
+    device = draft_tokens.device
     node = torch.arange(n, device=device)
     out_pos = seq_lens.unsqueeze(1) + node
     out_slots = slots_for_positions(page_table, out_pos, page_size)
@@ -97,17 +126,29 @@ def build_verify_batch(
     tree_col = kv_pos - seq_lens.unsqueeze(1)  # [B, L], node index of tree columns
     in_tree = (tree_col >= 0) & (tree_col < n)
     gathered = torch.gather(
-        tree.ancestor_mask, 2, tree_col.clamp(0, n - 1).unsqueeze(1).expand(bsz, n, kv_len)
+        ancestor_mask, 2, tree_col.clamp(0, n - 1).unsqueeze(1).expand(bsz, n, kv_len)
     )
     mask = prefix.unsqueeze(1) | (gathered & in_tree.unsqueeze(1))
     return ForwardBatch(
-        input_ids=tree.draft_tokens.clamp(min=0),
-        positions=seq_lens.unsqueeze(1) + tree.depth,
+        input_ids=draft_tokens.clamp(min=0),
+        positions=seq_lens.unsqueeze(1) + depth,
         out_slots=out_slots,
         kv_slots=kv_slots,
         attn_mask=mask,
         logits_indices=None,
     )
+
+
+def page_rows(pages: Sequence[Sequence[int]], width: int, rows: int) -> list[int]:
+    """Row-major ``[rows, width]`` page table as a flat host list: request ``b``'s first
+    ``width`` pages, padded with page 0 (the sink); rows past ``len(pages)`` are all 0."""
+    flat: list[int] = []
+    for p in pages:
+        row = list(p[:width])
+        flat += row
+        flat += [0] * (width - len(row))
+    flat += [0] * ((rows - len(pages)) * width)
+    return flat
 
 
 def accepted_kv_moves(

@@ -2,6 +2,11 @@
 
 Inputs are host-side descriptions (token lists, page lists, a verify tree); outputs stay on the
 device until the scheduler copies what it needs.
+
+On CUDA, ``verify`` replays a captured CUDA graph per (batch, tree size, KV length) bucket
+(:mod:`structspec.engine.cuda_graph`) and stages its small host inputs through pinned buffers
+with non-blocking copies (:mod:`structspec.engine.staging`): no host sync on the way in. On CPU
+it runs the same eager code as always.
 """
 
 from __future__ import annotations
@@ -17,9 +22,14 @@ from structspec.engine.batch_builder import (
     accepted_kv_moves,
     build_prefill_batch,
     build_verify_batch,
+    build_verify_batch_from_tensors,
+    page_rows,
     page_table_tensor,
 )
+from structspec.engine.cuda_graph import DEFAULT_BATCH_SIZES, VerifyGraph, VerifyGraphCache
+from structspec.engine.staging import Staging
 from structspec.kvcache.pool import KVPool
+from structspec.layers.forward_batch import ForwardBatch
 from structspec.spec.tree import VerifyTree
 from structspec.spec.verify import VerifyResult
 
@@ -67,6 +77,13 @@ class ModelRunner:
         cache_config: KV pool sizing.
         device: where the model and the pool live.
         dtype: KV-cache dtype (the model's).
+        use_cuda_graph: replay verify forwards from CUDA graphs (ignored off CUDA).
+        cuda_graph_batch_sizes: batch-size buckets for the graphs; larger batches run eagerly.
+        max_model_len: largest KV-length bucket (default: the model's
+            ``max_position_embeddings``); longer sequences run eagerly.
+
+    Verify outputs on CUDA with graphs are views of static graph buffers: valid until the next
+    :meth:`verify` call.
     """
 
     def __init__(
@@ -77,6 +94,9 @@ class ModelRunner:
         *,
         device: torch.device,
         dtype: torch.dtype,
+        use_cuda_graph: bool = True,
+        cuda_graph_batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
+        max_model_len: int | None = None,
     ) -> None:
         self.model = model
         self.model_config = model_config
@@ -93,6 +113,20 @@ class ModelRunner:
         )
         #: decoder layers whose outputs drafters need (EAGLE-3 features); () = none.
         self.aux_hidden_layers: tuple[int, ...] = ()
+        on_cuda = device.type == "cuda"
+        self.staging: Staging | None = Staging(device) if on_cuda else None
+        self.graphs: VerifyGraphCache | None = None
+        if on_cuda and use_cuda_graph:
+            self.graphs = VerifyGraphCache(
+                model, self.kv_pool, page_size=self.page_size,
+                max_model_len=max_model_len or model_config.max_position_embeddings,
+                batch_sizes=cuda_graph_batch_sizes, device=device,
+            )
+
+    @property
+    def use_cuda_graph(self) -> bool:
+        """Whether verify forwards replay CUDA graphs."""
+        return self.graphs is not None
 
     @property
     def vocab_size(self) -> int:
@@ -118,21 +152,159 @@ class ModelRunner:
         """Run the target over every node of every tree (one forward).
 
         Args:
-            tree: the batch's verify trees on ``self.device``.
+            tree: the batch's verify trees, ``[B, N]`` fields, on ``self.device`` (device
+                drafters) or on the host (host drafters; staged through pinned buffers on CUDA).
             seq_lens: committed KV length per request (host ints).
             pages: per request, pages covering at least ``seq_len + N`` positions.
+
+        On CUDA nothing here waits for the device: host inputs go through pinned buffers with
+        non-blocking copies and the forward is a graph replay when a bucket fits.
         """
         n = tree.num_nodes
         need = -(-(max(seq_lens) + n) // self.page_size)
-        table = page_table_tensor([p[:need] for p in pages], self.device)
-        seq_lens_t = torch.tensor(list(seq_lens), dtype=torch.int64).to(self.device)
+        if self.device.type != "cuda":
+            table = page_table_tensor([p[:need] for p in pages], self.device)
+            seq_lens_t = torch.tensor(list(seq_lens), dtype=torch.int64).to(self.device)
+            return self._verify_eager(tree, seq_lens_t, table)
+        g = None
+        if self.graphs is not None:
+            g = self.graphs.lookup(len(seq_lens), n, need, self.aux_hidden_layers)
+        if g is None:
+            return self._verify_eager_cuda(tree, seq_lens, pages, need)
+        self._stage_graph_inputs(g, tree, seq_lens, pages, need)
+        self.graphs.ensure_captured(g)  # type: ignore[union-attr]
+        g.replay()
+        return self._graph_output(g, len(seq_lens))
+
+    def _verify_eager(
+        self, tree: VerifyTree, seq_lens_t: torch.Tensor, table: torch.Tensor
+    ) -> VerifyForwardOutput:
+        """Eager verify on device tensors (``tree`` and both tensors on ``self.device``)."""
         fb = build_verify_batch(tree, seq_lens_t, table, page_size=self.page_size)
+        return self._forward_verify(fb, seq_lens_t, table)
+
+    def _forward_verify(
+        self, fb: ForwardBatch, seq_lens_t: torch.Tensor, table: torch.Tensor
+    ) -> VerifyForwardOutput:
         out = self.model(fb, self.kv_pool, aux_hidden_layers=self.aux_hidden_layers)
         hidden = out.hidden_states
         logits = self.model.compute_logits(hidden.reshape(-1, hidden.shape[-1]))
         return VerifyForwardOutput(logits=logits, seq_lens=seq_lens_t, page_table=table,
                                    hidden_states=hidden,
                                    aux_hidden_states=list(out.aux_hidden_states))
+
+    def _verify_eager_cuda(
+        self, tree: VerifyTree, seq_lens: Sequence[int], pages: Sequence[Sequence[int]], need: int
+    ) -> VerifyForwardOutput:
+        """Eager verify on CUDA (no bucket fits, or graphs off); inputs staged without syncs:
+        ``seq_lens | page_table [| tokens | depth]`` in one pinned int64 buffer and one H2D
+        copy, a host tree's ancestor mask in a second."""
+        assert self.staging is not None
+        bsz, n = len(seq_lens), tree.num_nodes
+        host_tree = tree.device.type == "cpu"
+        ring = self.staging.ring(torch.int64)
+        head = bsz * (1 + need)
+        k = head + (2 * bsz * n if host_tree else 0)
+        buf = ring.acquire(k)
+        buf[:head].copy_(torch.tensor(list(seq_lens) + page_rows(pages, need, bsz),
+                                      dtype=torch.int64))
+        if host_tree:
+            buf[head : head + bsz * n].view(bsz, n).copy_(tree.draft_tokens)
+            buf[head + bsz * n : k].view(bsz, n).copy_(tree.depth)
+        ints = torch.empty(k, dtype=torch.int64, device=self.device)
+        ring.copy_to(buf, ints)
+        seq_lens_t, table = ints[:bsz], ints[bsz:head].view(bsz, need)
+        if host_tree:
+            tokens = ints[head : head + bsz * n].view(bsz, n)
+            depth = ints[head + bsz * n :].view(bsz, n)
+            anc = self.staging.to_device(tree.ancestor_mask)
+        else:
+            tokens, depth, anc = tree.draft_tokens, tree.depth, tree.ancestor_mask
+        fb = build_verify_batch_from_tensors(tokens, depth, anc, seq_lens_t, table,
+                                             page_size=self.page_size)
+        return self._forward_verify(fb, seq_lens_t, table)
+
+    def _stage_graph_inputs(
+        self, g: VerifyGraph, tree: VerifyTree, seq_lens: Sequence[int],
+        pages: Sequence[Sequence[int]], need: int,
+    ) -> None:
+        """Fill ``g``'s static inputs for a batch of ``len(seq_lens) <= g.bsz`` requests.
+
+        ``seq_lens | page_table`` (and a host tree's tokens/depth) go in one pinned buffer and
+        one non-blocking H2D copy; a host tree's ancestor mask in a second. A device tree is
+        copied device to device into rows ``[:B]``; its dummy rows keep a valid earlier tree,
+        harmless since their ``seq_len``/page rows are 0 (writes go to the sink page).
+        All copies are on the current stream, ahead of the replay that reads them.
+        """
+        assert self.staging is not None
+        bsz, n = len(seq_lens), g.num_nodes
+        host_tree = tree.device.type == "cpu"
+        ring = self.staging.ring(torch.int64)
+        k = g.host_ints + (2 * g.bsz * n if host_tree else 0)
+        buf = ring.acquire(k)
+        head = list(seq_lens) + [0] * (g.bsz - bsz)
+        head += page_rows([p[:need] for p in pages], g.pages, g.bsz)
+        buf[: g.host_ints].copy_(torch.tensor(head, dtype=torch.int64))
+        if host_tree:
+            o = g.host_ints
+            tok = buf[o : o + g.bsz * n].view(g.bsz, n)
+            dep = buf[o + g.bsz * n : k].view(g.bsz, n)
+            tok[:bsz] = tree.draft_tokens
+            tok[bsz:] = 0
+            dep[:bsz] = tree.depth
+            dep[bsz:] = 0
+            ring.copy_to(buf, g.ints[:k])
+            bring = self.staging.ring(torch.bool)
+            anc = bring.acquire(g.bsz * n * n).view(g.bsz, n, n)
+            anc[:bsz] = tree.ancestor_mask
+            anc[bsz:] = torch.eye(n, dtype=torch.bool)
+            bring.copy_to(anc, g.ancestor_mask)
+        else:
+            ring.copy_to(buf, g.ints[:k])
+            g.draft_tokens[:bsz].copy_(tree.draft_tokens)
+            g.depth[:bsz].copy_(tree.depth)
+            g.ancestor_mask[:bsz].copy_(tree.ancestor_mask)
+
+    def _graph_output(self, g: VerifyGraph, bsz: int) -> VerifyForwardOutput:
+        """The first ``bsz`` real rows of ``g``'s static outputs (views, no copies)."""
+        assert g.logits is not None and g.hidden is not None
+        return VerifyForwardOutput(
+            logits=g.logits[: bsz * g.num_nodes], seq_lens=g.seq_lens[:bsz],
+            page_table=g.page_table[:bsz], hidden_states=g.hidden[:bsz],
+            aux_hidden_states=[a[:bsz] for a in g.aux],
+        )
+
+    @torch.inference_mode()
+    def warmup_cuda_graphs(
+        self, num_nodes: int, *, batch_sizes: Sequence[int] | None = None,
+        kv_lens: Sequence[int] | None = None,
+    ) -> int:
+        """Capture verify graphs ahead of time (largest first), with dummy rows only (their
+        writes go to the sink page). No-op without graphs.
+
+        Args:
+            num_nodes: tree size ``N`` the engine verifies with (1 = plain decode).
+            batch_sizes: batch buckets to capture (default: all).
+            kv_lens: KV lengths to capture buckets for (default: all buckets).
+
+        Returns:
+            The number of graphs captured by this call.
+        """
+        if self.graphs is None:
+            return 0
+        bss = batch_sizes if batch_sizes is not None else self.graphs.batch_sizes
+        pps = (self.graphs.page_buckets if kv_lens is None
+               else [-(-L // self.page_size) for L in kv_lens])
+        count = 0
+        for bs in sorted(bss, reverse=True):
+            for pp in sorted(pps, reverse=True):
+                g = self.graphs.lookup(bs, num_nodes, pp, self.aux_hidden_layers)
+                if g is None or g.captured:
+                    continue
+                g.reset_dummy()
+                self.graphs.ensure_captured(g)
+                count += 1
+        return count
 
     @torch.inference_mode()
     def commit_accepted_kv(self, fwd: VerifyForwardOutput, result: VerifyResult) -> None:

@@ -36,7 +36,16 @@ class TorchAttentionBackend:
     ``torch.nn.functional.scaled_dot_product_attention`` with the boolean mask
     ``fb.attn_mask[:, None]`` (``[B, 1, Q, L]``), GQA via ``enable_gqa``, scale ``1/sqrt(D)``.
     The K/V of this forward must already be written (see :func:`write_kv`).
+
+    Args:
+        fold_gqa: on CUDA only, fold the GQA group into the query axis (``[B, Hkv, Q*G, D]``
+            queries against ``Hkv`` KV heads) so SDPA runs plain multi-head attention, which
+            lets it pick a fused kernel with a mask; same math, different rounding. CPU
+            forwards never take this path.
     """
+
+    def __init__(self, fold_gqa: bool = False) -> None:
+        self.fold_gqa = fold_gqa
 
     def forward(
         self, q: torch.Tensor, layer_id: int, fb: ForwardBatch, kv_pool: KVPool
@@ -59,6 +68,14 @@ class TorchAttentionBackend:
         num_kv = fb.kv_slots.shape[1]
         k = k_all.index_select(0, idx).view(b, num_kv, hkv, d).transpose(1, 2)
         v = v_all.index_select(0, idx).view(b, num_kv, hkv, d).transpose(1, 2)
+        if self.fold_gqa and q.is_cuda and hkv != hq:
+            g = hq // hkv  # query head h reads KV head h // g (HF repeat_kv order)
+            qf = q.view(b, s, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(b, hkv, s * g, d)
+            mask = fb.attn_mask[:, None, :, None, :].expand(b, 1, s, g, num_kv)
+            out = F.scaled_dot_product_attention(
+                qf, k, v, attn_mask=mask.reshape(b, 1, s * g, num_kv), scale=d**-0.5
+            )
+            return out.view(b, hkv, s, g, d).permute(0, 2, 1, 3, 4).reshape(b, s, hq, d)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k, v, attn_mask=fb.attn_mask[:, None], scale=d**-0.5,
             enable_gqa=hkv != hq,

@@ -25,6 +25,7 @@ class SamplingBatch:
         generators: host list, one per request: its generator or None (engine generator).
         rows_per_request: host int, consecutive rows owned by each request (tree size).
         all_greedy / use_top_k / use_top_p / use_min_p: host flags that skip unused work.
+        top_k_max: host int, the largest ``top_k`` when every row sets one, else 0.
     """
 
     temperature: torch.Tensor
@@ -37,51 +38,75 @@ class SamplingBatch:
     use_top_k: bool
     use_top_p: bool
     use_min_p: bool
+    top_k_max: int = 0
 
 
-def filtered_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-    """Softmax of ``logits / T`` after top-k, top-p and min-p filtering, renormalised.
+def _filter_sorted(probs_sorted: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """Top-p and min-p on probabilities sorted in descending order, ``[R, K]``; renormalised."""
+    if sb.use_top_p:
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        mass_before = probs_sorted.cumsum(dim=-1) - probs_sorted
+        probs_sorted = probs_sorted * (mass_before < sb.top_p.unsqueeze(1))
+    if sb.use_min_p:
+        threshold = probs_sorted[:, :1] * sb.min_p.unsqueeze(1)
+        probs_sorted = torch.where(probs_sorted >= threshold, probs_sorted,
+                                   torch.zeros_like(probs_sorted))
+    return probs_sorted / probs_sorted.sum(dim=-1, keepdim=True)
+
+
+def candidate_probs(logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The filtered distribution over each row's candidates, largest first.
+
+    Rows keep exactly their ``top_k`` most likely tokens (all tokens when ``top_k`` is 0),
+    then top-p and min-p apply. When every row sets ``top_k`` (``sb.top_k_max > 0``) only the
+    ``top_k_max`` best tokens are ever materialised, so no full-vocabulary sort or noise runs.
 
     Args:
         logits: ``[R, V]`` float32 (masked entries are -inf).
 
     Returns:
-        ``[R, V]`` float32 probabilities; greedy rows use T = 1 (they are argmax'ed anyway).
+        ``(probs [R, K], token_ids [R, K])``, ``K = top_k_max`` or ``V``; greedy rows use T = 1.
     """
     temp = torch.where(sb.temperature > 0, sb.temperature, torch.ones_like(sb.temperature))
-    probs = torch.softmax(logits / temp.unsqueeze(1), dim=-1)
-    if sb.use_top_k or sb.use_top_p:
-        sorted_p, sorted_idx = probs.sort(dim=-1, descending=True)
-        keep = torch.ones_like(sorted_p, dtype=torch.bool)
-        if sb.use_top_k:
-            ranks = torch.arange(probs.shape[1], device=probs.device).unsqueeze(0)
-            k = torch.where(sb.top_k > 0, sb.top_k, torch.full_like(sb.top_k, probs.shape[1]))
-            keep &= ranks < k.unsqueeze(1)
-        if sb.use_top_p:
-            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-            mass_before = sorted_p.cumsum(dim=-1) - sorted_p
-            keep &= mass_before < sb.top_p.unsqueeze(1)
-        sorted_p = sorted_p * keep
-        probs = torch.zeros_like(probs).scatter_(1, sorted_idx, sorted_p)
-    if sb.use_min_p:
-        threshold = probs.max(dim=-1, keepdim=True).values * sb.min_p.unsqueeze(1)
-        probs = torch.where(probs >= threshold, probs, torch.zeros_like(probs))
-    return probs / probs.sum(dim=-1, keepdim=True)
+    scaled = logits / temp.unsqueeze(1)
+    vocab = scaled.shape[1]
+    width = min(sb.top_k_max, vocab) if sb.top_k_max > 0 else vocab
+    if width < vocab:
+        vals, ids = scaled.topk(width, dim=-1)
+    else:
+        vals, ids = scaled.sort(dim=-1, descending=True)
+    if sb.use_top_k:
+        k = torch.where(sb.top_k > 0, sb.top_k, torch.full_like(sb.top_k, vocab))
+        rank = torch.arange(width, device=scaled.device).unsqueeze(0)
+        vals = vals.masked_fill(rank >= k.unsqueeze(1), float("-inf"))
+    return _filter_sorted(torch.softmax(vals, dim=-1), sb), ids
+
+
+def filtered_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """:func:`candidate_probs` scattered back to the full vocabulary, ``[R, V]`` float32."""
+    probs, ids = candidate_probs(logits, sb)
+    return torch.zeros_like(logits).scatter_(1, ids, probs)
 
 
 def sample_rows(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     """Pick one token per row. ``logits``: ``[R, V]`` float32 on the device; returns ``[R]`` int64.
 
     Greedy rows take the argmax (ties: lowest id, as ``torch.argmax``); other rows draw from
-    :func:`filtered_probs`. No host syncs.
+    :func:`candidate_probs` with the exponential race. No host syncs.
     """
     greedy_tokens = logits.argmax(dim=-1)
     if sb.all_greedy:
         return greedy_tokens
-    probs = filtered_probs(logits, sb)
+    if not (sb.use_top_k or sb.use_top_p or sb.use_min_p):
+        temp = torch.where(sb.temperature > 0, sb.temperature, torch.ones_like(sb.temperature))
+        probs = torch.softmax(logits / temp.unsqueeze(1), dim=-1)
+        ids = None
+    else:
+        probs, ids = candidate_probs(logits, sb)
     noise = torch.empty_like(probs)
     n = sb.rows_per_request
     for i, gen in enumerate(sb.generators):
         noise[i * n : (i + 1) * n].exponential_(generator=gen)
-    sampled = (probs / noise).argmax(dim=-1)
+    choice = (probs / noise).argmax(dim=-1)
+    sampled = choice if ids is None else ids.gather(1, choice.unsqueeze(1)).squeeze(1)
     return torch.where(sb.temperature > 0, sampled, greedy_tokens)

@@ -304,6 +304,7 @@ class Scheduler:
             use_top_k=any(p.top_k > 0 for p in ps),
             use_top_p=any(p.top_p < 1.0 for p in ps),
             use_min_p=any(p.min_p > 0 for p in ps),
+            top_k_max=max(p.top_k for p in ps) if all(p.top_k > 0 for p in ps) else 0,
         )
 
     def _record_logprobs(

@@ -13,7 +13,7 @@ def _sb(rows: int, *, t: float, k: int = 0, p: float = 1.0, m: float = 0.0,
         temperature=torch.full((rows,), t), top_k=torch.full((rows,), k),
         top_p=torch.full((rows,), p), min_p=torch.full((rows,), m),
         generators=gens or [None] * rows, rows_per_request=1, all_greedy=t == 0,
-        use_top_k=k > 0, use_top_p=p < 1, use_min_p=m > 0)
+        use_top_k=k > 0, use_top_p=p < 1, use_min_p=m > 0, top_k_max=k)
 
 
 def test_filters() -> None:

@@ -1,0 +1,196 @@
+"""CUDA graph capture and replay of the tree-verify forward (plain decode = verify with N=1).
+
+One graph per bucket ``(B, N, P, aux)``: ``B`` a batch-size bucket (the batch is padded with
+dummy rows), ``N`` the tree size, ``P`` a page-table width whose ``kv_len = P * page_size`` is a
+KV-length bucket (powers of two from 256, then ``max_model_len``), ``aux`` the aux hidden
+layers. Graphs are captured lazily on first use (or eagerly, :meth:`ModelRunner.warmup_cuda_graphs`)
+and share one memory pool; shapes above the largest bucket run eagerly.
+
+Static inputs (device, per graph): ``seq_lens [B]``, ``page_table [B, P]``,
+``draft_tokens [B, N]``, ``depth [B, N]`` (one flat int64 buffer, so one H2D copy fills the
+host-made part) and ``ancestor_mask [B, N, N]`` bool. The ForwardBatch (slots, positions,
+mask) is built *inside* the graph from them by
+:func:`~structspec.engine.batch_builder.build_verify_batch_from_tensors`.
+
+Dummy rows: ``seq_len 0`` and a page-table row of page 0 (the sink), so they write their
+K/V only into page 0 and attend only their own node (ancestor mask: at least the diagonal);
+real rows never attend page 0, so nothing leaks into real outputs.
+
+Static outputs (graph pool): ``logits [B*N, V]`` float32, ``hidden [B, N, H]`` and the aux
+layer outputs ``[B, N, H]`` in the model dtype. They are overwritten by the next replay of any
+graph sharing the pool, so a verify output is valid until the next ``verify()`` call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from structspec.engine.batch_builder import build_verify_batch_from_tensors
+from structspec.kvcache.pool import KVPool
+
+DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+MIN_KV_BUCKET = 256
+
+
+def kv_len_buckets(max_model_len: int, *, min_len: int = MIN_KV_BUCKET) -> tuple[int, ...]:
+    """KV-length buckets: powers of two from ``min_len`` below ``max_model_len``, then
+    ``max_model_len`` itself."""
+    out: list[int] = []
+    length = min_len
+    while length < max_model_len:
+        out.append(length)
+        length *= 2
+    out.append(max_model_len)
+    return tuple(out)
+
+
+def pick_bucket(value: int, buckets: Sequence[int]) -> int | None:
+    """Smallest bucket ``>= value`` (``buckets`` ascending), None if ``value`` is above all."""
+    for b in buckets:
+        if b >= value:
+            return b
+    return None
+
+
+GraphKey = tuple[int, int, int, tuple[int, ...]]
+
+
+class VerifyGraph:
+    """Static buffers, and once captured the graph, of one ``(B, N, P, aux)`` bucket.
+
+    Attributes:
+        bsz, num_nodes, pages: the bucket's ``B``, ``N``, ``P``.
+        ints: ``[B * (1 + P + 2N)]`` int64 device buffer: ``seq_lens | page_table |
+            draft_tokens | depth``, row-major (the views below).
+        seq_lens: ``[B]`` int64 view.  page_table: ``[B, P]`` int64 view.
+        draft_tokens: ``[B, N]`` int64 view.  depth: ``[B, N]`` int64 view.
+        ancestor_mask: ``[B, N, N]`` bool device buffer (initially the identity per row).
+        logits: ``[B * N, V]`` float32 static output (after capture).
+        hidden: ``[B, N, H]`` static output.  aux: list of ``[B, N, H]`` static outputs.
+    """
+
+    def __init__(
+        self, bsz: int, num_nodes: int, pages: int, aux_layers: tuple[int, ...],
+        device: torch.device,
+    ) -> None:
+        self.bsz, self.num_nodes, self.pages = bsz, num_nodes, pages
+        self.aux_layers = aux_layers
+        n = num_nodes
+        self.ints = torch.zeros(bsz * (1 + pages + 2 * n), dtype=torch.int64, device=device)
+        self.seq_lens = self.ints[:bsz]
+        o = bsz
+        self.page_table = self.ints[o : o + bsz * pages].view(bsz, pages)
+        o += bsz * pages
+        self.draft_tokens = self.ints[o : o + bsz * n].view(bsz, n)
+        o += bsz * n
+        self.depth = self.ints[o : o + bsz * n].view(bsz, n)
+        self.ancestor_mask = (
+            torch.eye(n, dtype=torch.bool, device=device).expand(bsz, n, n).contiguous()
+        )
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+        self.hidden: torch.Tensor | None = None
+        self.aux: list[torch.Tensor] = []
+
+    @property
+    def host_ints(self) -> int:
+        """Elements of ``ints`` the host fills every step (``seq_lens | page_table``)."""
+        return self.bsz * (1 + self.pages)
+
+    @property
+    def captured(self) -> bool:
+        return self.graph is not None
+
+    def reset_dummy(self) -> None:
+        """Make every row a dummy row (device ops only; used before an eager warm-up capture)."""
+        self.ints.zero_()
+        eye = torch.eye(self.num_nodes, dtype=torch.bool, device=self.ints.device)
+        self.ancestor_mask.copy_(eye.expand_as(self.ancestor_mask))
+
+    def forward(
+        self, model: nn.Module, kv_pool: KVPool, page_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """The verify forward on the static inputs, run eagerly (what the graph records).
+
+        Returns:
+            ``(logits [B*N, V] float32, hidden [B, N, H], aux [B, N, H] each)``, fresh tensors.
+        """
+        fb = build_verify_batch_from_tensors(
+            self.draft_tokens, self.depth, self.ancestor_mask, self.seq_lens, self.page_table,
+            page_size=page_size,
+        )
+        out = model(fb, kv_pool, aux_hidden_layers=self.aux_layers)
+        hidden = out.hidden_states
+        logits = model.compute_logits(hidden.reshape(-1, hidden.shape[-1]))
+        return logits, hidden, list(out.aux_hidden_states)
+
+    def capture(self, model: nn.Module, kv_pool: KVPool, page_size: int, pool: tuple) -> None:
+        """Warm up once on a side stream, then capture into ``pool``. Syncs the device (only
+        here, never in replay). The warm-up writes the same K/V the replay will write."""
+        cur = torch.cuda.current_stream()
+        side = torch.cuda.Stream(device=cur.device)
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            self.forward(model, kv_pool, page_size)
+        cur.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self.logits, self.hidden, self.aux = self.forward(model, kv_pool, page_size)
+        self.graph = graph
+
+    def replay(self) -> None:
+        """Launch the graph on the current stream (no host sync)."""
+        assert self.graph is not None, "capture() first"
+        self.graph.replay()
+
+
+class VerifyGraphCache:
+    """The runner's verify graphs: bucket lookup, lazy capture, one shared memory pool.
+
+    Args:
+        model: the target model (on ``device``).
+        kv_pool: the target KV pool (its tensors are baked into the graphs).
+        page_size: tokens per KV page.
+        max_model_len: longest sequence; the largest KV bucket.
+        batch_sizes: batch-size buckets (ascending after sorting).
+        device: a CUDA device.
+    """
+
+    def __init__(
+        self, model: nn.Module, kv_pool: KVPool, *, page_size: int, max_model_len: int,
+        batch_sizes: Sequence[int], device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_pool = kv_pool
+        self.page_size = page_size
+        self.device = device
+        self.batch_sizes = tuple(sorted(set(batch_sizes)))
+        self.page_buckets = tuple(
+            sorted({-(-length // page_size) for length in kv_len_buckets(max_model_len)})
+        )
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[GraphKey, VerifyGraph] = {}
+
+    def lookup(
+        self, bsz: int, num_nodes: int, need_pages: int, aux_layers: tuple[int, ...]
+    ) -> VerifyGraph | None:
+        """The bucket's graph (static buffers created on first use, not yet captured), or
+        None when ``bsz`` or ``need_pages`` is above the largest bucket."""
+        bb = pick_bucket(bsz, self.batch_sizes)
+        pp = pick_bucket(need_pages, self.page_buckets)
+        if bb is None or pp is None:
+            return None
+        key = (bb, num_nodes, pp, aux_layers)
+        g = self.graphs.get(key)
+        if g is None:
+            g = VerifyGraph(bb, num_nodes, pp, aux_layers, self.device)
+            self.graphs[key] = g
+        return g
+
+    def ensure_captured(self, g: VerifyGraph) -> None:
+        """Capture ``g`` (its static inputs already staged) if it is not captured yet."""
+        if not g.captured:
+            g.capture(self.model, self.kv_pool, self.page_size, self.pool)
