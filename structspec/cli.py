@@ -40,6 +40,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
     g.add_argument("--no-overlap", action="store_true",
                    help="disable CPU/GPU overlap scheduling (ablation; same greedy output)")
+    g.add_argument("--no-cuda-graph", action="store_true",
+                   help="run verify forwards eagerly on CUDA (ablation/debugging)")
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--speculative-algorithm", default="none",
                    choices=["none", "ngram", "draft_model", "eagle"],
@@ -190,6 +192,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
         grammar_compile_timeout_s=args.grammar_compile_timeout,
         overlap=not args.no_overlap,
+        cuda_graph=not args.no_cuda_graph,
     )
 
 

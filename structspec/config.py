@@ -181,6 +181,7 @@ class EngineConfig:
     dtype: str = "auto"  # "auto" = bfloat16 on cuda, float32 on cpu
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     seed: int = 0
+    cuda_graph: bool = True  # capture/replay verify forwards on CUDA (ignored on CPU)
     cache: CacheConfig = field(default_factory=CacheConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
     grammar: GrammarConfig = field(default_factory=GrammarConfig)

@@ -28,7 +28,7 @@ class LLM:
         num_draft_tokens: verify-tree size N including node 0.
         device / dtype: "auto" picks cuda+bfloat16 when available, else cpu+float32.
         max_batch_size, kv_capacity_tokens, page_size, max_model_len, seed,
-        grammar_compile_timeout_s, overlap, speculative_depth, speculative_topk: see
+        grammar_compile_timeout_s, overlap, cuda_graph, speculative_depth, speculative_topk: see
         :mod:`structspec.config`.
 
     Raises:
@@ -59,6 +59,7 @@ class LLM:
         seed: int = 0,
         grammar_compile_timeout_s: float = 30.0,
         overlap: bool = True,
+        cuda_graph: bool = True,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -66,6 +67,7 @@ class LLM:
             dtype=dtype,
             max_model_len=max_model_len,
             seed=seed,
+            cuda_graph=cuda_graph,
             cache=CacheConfig(page_size=page_size, kv_capacity_tokens=kv_capacity_tokens),
             spec=SpecConfig(algorithm=speculative_algorithm, num_draft_tokens=num_draft_tokens,
                             depth=speculative_depth, topk=speculative_topk,

@@ -67,7 +67,9 @@ class LLMEngine:
             config.max_model_len or model_config.max_position_embeddings,
             model_config.max_position_embeddings,
         )
-        self.runner = ModelRunner(model, model_config, config.cache, device=device, dtype=dtype)
+        self.runner = ModelRunner(model, model_config, config.cache, device=device, dtype=dtype,
+                                  use_cuda_graph=config.cuda_graph,
+                                  max_model_len=self.max_model_len + config.spec.tree_size)
         self.grammar = GrammarBackend(
             self.tokenizer.hf,
             vocab_size=model_config.vocab_size,

@@ -1,11 +1,17 @@
 """Committing a verify step's accepted run to a request: the only place outputs grow.
 
-Order per request and step (invariants 3 and 4 of DESIGN.md):
-1. :func:`cut_run` trims the run at token-level stops (EOS, stop token ids, max_tokens).
-2. :func:`advance_grammar` advances the matcher over the trimmed run exactly once, stopping
-   after the token that terminates the grammar.
-3. :func:`append_tokens` appends token by token, detokenizes, and cuts at a stop string; tokens
-   cut here are rolled back from the matcher so it has accepted exactly the committed tokens.
+Three phases per request and step (invariants 3 and 4 of DESIGN.md):
+
+A. :func:`commit_tokens` (right after the step's results reach the host): trim the run at
+   token-level stops (EOS, stop token ids, max_tokens), append the kept ids, and queue them
+   for the grammar. The next step's tree is drafted from these ids.
+B. :func:`advance_grammar` (the *grammar barrier*: with overlap it runs after the next verify
+   launch, under the GPU forward): advance the matcher over the queued ids exactly once. It
+   must run before the next bitmask is built, which reads the state it leaves.
+C. :func:`process_text` (with overlap: after the next launch too): detokenize, apply stop
+   strings; ids past a stop string are removed again and rolled back from the matcher, so the
+   matcher has accepted exactly the committed ids.
+
 Whatever is cut is never emitted, counted or kept: a cut always finishes the request, whose KV
 pages are then freed whole.
 """
@@ -33,54 +39,72 @@ def cut_run(req: Req, run: list[int]) -> tuple[list[int], FinishReason | None, i
     return run, None, None
 
 
-def advance_grammar(req: Req, run: list[int]) -> tuple[list[int], bool]:
-    """Advance ``req.matcher`` over ``run`` once; return ``(retained, grammar_terminated)``.
+def commit_tokens(req: Req, run: list[int], now_s: float) -> list[int]:
+    """Phase A: append the kept part of ``run``; returns the kept ids."""
+    if req.finished or not run:
+        return []
+    run, reason, stop_tok = cut_run(req, run)
+    req.output_ids.extend(run)
+    if req.matcher is not None:
+        req.grammar_pending.extend(run)
+    if req.first_token_time is None:
+        req.first_token_time = now_s
+    if reason is not None:
+        req.finish(reason, stop_reason=stop_tok)
+    return run
 
-    Raises nothing: a token the grammar rejects (impossible when masks are applied, so a bug
-    or a timed-out tree walk) ends the request with an error instead.
+
+def advance_grammar(req: Req) -> None:
+    """Phase B: advance ``req.matcher`` over the ids committed since the last call, once.
+
+    A token the grammar rejects (impossible when masks are applied: a bug or a timed-out tree
+    walk) ends the request with an error; ids after the grammar's end are removed.
     """
+    run, req.grammar_pending = req.grammar_pending, []
     if req.matcher is None or not run:
-        return run, False
+        return
     kept = req.matcher.accept_run(run)
-    if kept < len(run) and not req.matcher.is_terminated():
-        req.finish(FinishReason.ABORT, error=f"grammar rejected token {run[kept]} "
-                   f"after {len(req.output_ids) + kept} output tokens")
-        return run[:kept], False
-    return run[:kept], req.matcher.is_terminated()
+    if kept < len(run):
+        drop = len(run) - kept
+        del req.output_ids[len(req.output_ids) - drop :]
+        if not req.matcher.is_terminated():
+            req.finish(FinishReason.ABORT, force=True, error=f"grammar rejected token "
+                       f"{run[kept]} after {len(req.output_ids)} output tokens")
+            return
+    if req.matcher.is_terminated():
+        req.finish(FinishReason.STOP)
 
 
-def append_tokens(req: Req, run: list[int], now_s: float) -> int:
-    """Append ``run`` (already cut and grammar-advanced) and apply stop strings.
-
-    Returns:
-        The number of tokens committed (may be fewer than ``len(run)`` after a stop string).
-    """
+def process_text(req: Req) -> None:
+    """Phase C: detokenize new ids and cut at the first stop string (across token bounds)."""
     stops = req.params.stop
-    committed = 0
-    for tok in run:
-        req.output_ids.append(tok)
-        req.pending_ids.append(tok)
-        committed += 1
-        if req.first_token_time is None:
-            req.first_token_time = now_s
+    while req.num_detokenized < len(req.output_ids):
+        tok = req.output_ids[req.num_detokenized]
+        req.num_detokenized += 1
         new_text = req.detokenizer.add([tok]) if req.detokenizer is not None else ""
         if not new_text:
             continue
         start = len(req.text)
         req.text += new_text
-        if stops:
-            longest = max(len(s) for s in stops)
-            window_start = max(0, start - longest + 1)
-            hit = _first_stop(req.text, stops, window_start)
-            if hit is not None:
-                idx, s = hit
-                req.text = req.text[:idx]
-                req.finish(FinishReason.STOP, stop_reason=s)
-                break
-    excess = len(run) - committed
-    if excess and req.matcher is not None:
-        req.matcher.rollback(excess)
-    return committed
+        if not stops:
+            continue
+        window_start = max(0, start - max(len(s) for s in stops) + 1)
+        hit = _first_stop(req.text, stops, window_start)
+        if hit is None:
+            continue
+        idx, s = hit
+        req.text = req.text[:idx]
+        excess = len(req.output_ids) - req.num_detokenized
+        if excess:
+            del req.output_ids[req.num_detokenized :]
+            if req.matcher is not None:
+                # Ids still queued for the grammar were never accepted: drop those first.
+                queued = min(excess, len(req.grammar_pending))
+                del req.grammar_pending[len(req.grammar_pending) - queued :]
+                if excess - queued:
+                    req.matcher.rollback(excess - queued)
+        req.finish(FinishReason.STOP, force=True, stop_reason=s)
+        return
 
 
 def _first_stop(text: str, stops: tuple[str, ...], from_idx: int) -> tuple[int, str] | None:
@@ -93,17 +117,11 @@ def _first_stop(text: str, stops: tuple[str, ...], from_idx: int) -> tuple[int, 
 
 
 def commit_run(req: Req, run: list[int], now_s: float) -> int:
-    """Apply one step's accepted run to ``req`` (steps 1-3 above); returns tokens committed."""
-    if req.finished or not run:
+    """All three phases at once (the synchronous path); returns ids committed."""
+    before = len(req.output_ids)
+    if req.finished:
         return 0
-    run, reason, stop_tok = cut_run(req, run)
-    run, terminated = advance_grammar(req, run)
-    if req.finished:  # grammar rejected a token
-        return append_tokens(req, run, now_s)
-    n = append_tokens(req, run, now_s)
-    if not req.finished:
-        if reason is not None:
-            req.finish(reason, stop_reason=stop_tok)
-        elif terminated:
-            req.finish(FinishReason.STOP)
-    return n
+    commit_tokens(req, run, now_s)
+    advance_grammar(req)
+    process_text(req)
+    return len(req.output_ids) - before

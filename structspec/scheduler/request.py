@@ -50,8 +50,10 @@ class Req:
     error: str | None = None
     error_param: str | None = None
     text: str = ""
-    pending_text: str = ""  # text added since the last emitted output
-    pending_ids: list[int] = field(default_factory=list)
+    grammar_pending: list[int] = field(default_factory=list)  # committed, not yet advanced
+    num_detokenized: int = 0  # output ids already passed to the detokenizer
+    num_reported_ids: int = 0  # output ids already returned in a RequestOutput
+    num_reported_chars: int = 0  # characters of ``text`` already returned
     logprobs: list[TokenLogprob] | None = None
     spec: SpecMetrics = field(default_factory=SpecMetrics)
     first_token_time: float | None = None
@@ -71,10 +73,12 @@ class Req:
     def last_token_id(self) -> int:
         return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
 
-    def finish(self, reason: FinishReason, *, stop_reason: str | int | None = None,
-               error: str | None = None, error_param: str | None = None) -> None:
-        """Mark finished (idempotent: the first reason wins)."""
-        if self.finished:
+    def finish(self, reason: FinishReason, *, force: bool = False,
+               stop_reason: str | int | None = None, error: str | None = None,
+               error_param: str | None = None) -> None:
+        """Mark finished. The first reason wins unless ``force`` (a stop string found later in
+        the same run, or a grammar error, overrides a token-level stop)."""
+        if self.finished and not force:
             return
         self.status = ReqStatus.FINISHED
         self.finish_reason = reason
@@ -82,20 +86,33 @@ class Req:
         self.error = error
         self.error_param = error_param
 
+    @property
+    def has_unreported(self) -> bool:
+        return self.num_reported_ids < self.num_detokenized or self.finished
+
     def take_output(self, now_s: float) -> RequestOutput:
-        """Snapshot for the caller; consumes the pending (streamed) delta."""
+        """Snapshot for the caller; consumes the streamed delta (ids and text since the last
+        output). While running, text that could be the start of a stop string is held back."""
+        ids_end = min(self.num_detokenized, len(self.output_ids))
+        text_end = len(self.text)
+        if not self.finished and self.params.stop:
+            text_end = max(self.num_reported_chars,
+                           text_end - max(len(s) for s in self.params.stop) + 1)
+        new_ids = self.output_ids[self.num_reported_ids:ids_end]
+        new_text = self.text[self.num_reported_chars:text_end]
+        self.num_reported_ids, self.num_reported_chars = ids_end, text_end
         out = RequestOutput(
             request_id=self.request_id,
             prompt_token_ids=self.prompt_ids,
-            token_ids=list(self.output_ids),
-            text=self.text,
+            token_ids=list(self.output_ids[:ids_end]),
+            text=self.text[:text_end],
             finished=self.finished,
             finish_reason=self.finish_reason,
             error=self.error,
             error_param=self.error_param,
             stop_reason=self.stop_reason,
-            new_text=self.pending_text,
-            new_token_ids=self.pending_ids,
+            new_text=new_text,
+            new_token_ids=new_ids,
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
             schema_valid=self.schema_valid,
             spec=self.spec,
@@ -103,6 +120,4 @@ class Req:
             first_token_time=self.first_token_time,
             finish_time=self.finish_time,
         )
-        self.pending_text = ""
-        self.pending_ids = []
         return out

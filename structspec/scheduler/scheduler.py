@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -31,7 +31,8 @@ from structspec.grammar.errors import GrammarError
 from structspec.grammar.tree import GrammarTree, build_grammar_vocab_mask
 from structspec.kvcache.allocator import PageAllocator
 from structspec.layers.sampler import SamplingBatch, sample_rows
-from structspec.scheduler.commit import commit_run
+from structspec.scheduler.commit import advance_grammar, commit_tokens, process_text
+from structspec.scheduler.pending import PendingStep
 from structspec.scheduler.request import Req, ReqStatus
 from structspec.scheduler.validate import check_schema_output
 from structspec.spec.base import Drafter, DraftRequest
@@ -72,6 +73,8 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self._finished_unreported: list[Req] = []
+        self._deferred: list[Req] = []  # committed ids whose grammar/text work is pending
+        self._touched: list[Req] = []  # requests whose progress the next output reports
         self._engine_generator = torch.Generator(device=runner.device)
         self._engine_generator.manual_seed(config.seed)
         self.grammar_executor = None  # parallel tree walks (set by the engine on multi-core)
@@ -146,28 +149,53 @@ class Scheduler:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step (a prefill or a verify forward) and report progress.
 
+        With ``SchedulerConfig.overlap`` the text processing (detokenization, stop strings,
+        outputs) and the grammar advance of step k run after step k+1's verify launch, under
+        the GPU forward; without it they run before. Outputs are identical either way.
+
         Returns:
-            One output per request that gained tokens or finished during this step.
+            One output per request that gained tokens or finished since the last step.
         """
         self._poll_grammar()
-        touched: list[Req] = []
         batch = self._admit()
         if batch:
+            self._finish_deferred()
             self._run_prefill(batch)
-            touched = batch
-        elif self.running:
-            touched = list(self.running)
-            self._run_verify(touched)
-        for req in touched:
+        elif any(not r.finished for r in self.running):
+            self._run_verify([r for r in self.running if not r.finished])
+        else:
+            self._finish_deferred()
+        return self._collect_outputs()
+
+    def _collect_outputs(self) -> list[RequestOutput]:
+        t = now()
+        outputs = []
+        for req in self._touched:
+            if req in self._deferred:
+                continue  # its last run's text/grammar work is still pending
             if req.finished and req not in self._finished_unreported:
                 self._retire(req)
-        t = now()
-        outputs = [r.take_output(t) for r in touched if not r.finished and r.pending_ids]
+            elif not req.finished and req.num_reported_ids < req.num_detokenized:
+                outputs.append(req.take_output(t))
+        self._touched = []
         for req in self._finished_unreported:
             outputs.append(req.take_output(t))
             self.requests.pop(req.request_id, None)
         self._finished_unreported = []
         return outputs
+
+    def _grammar_barrier(self, reqs: Sequence[Req]) -> None:
+        """Advance every matcher over its committed-but-unadvanced ids (exactly once)."""
+        for req in reqs:
+            advance_grammar(req)
+
+    def _finish_deferred(self) -> None:
+        """Run the grammar advance and text processing a previous step deferred."""
+        deferred, self._deferred = self._deferred, []
+        self._grammar_barrier(deferred)
+        for req in deferred:
+            process_text(req)
+        self._touched.extend(deferred)
 
     def _poll_grammar(self) -> None:
         t = now()
@@ -220,56 +248,97 @@ class Scheduler:
         for r in batch:
             r.seq_len = len(r.prompt_ids)
         tree = VerifyTree.root_only(torch.tensor([r.prompt_ids[-1] for r in batch]))
-        tree_dev = tree.to(self.runner.device)
-        runs, _ = self._select_and_verify(batch, tree, tree_dev, out.logits)
+        gtree = self._stage_grammar_tree(batch, tree)
+        step = self._select_and_verify(batch, tree.to(self.runner.device), gtree, out.logits,
+                                       barrier=None)
+        runs = step.wait()
         t = now()
         for req, run in zip(batch, runs, strict=True):
-            commit_run(req, run, t)
+            commit_tokens(req, run, t)
+            advance_grammar(req)
+            process_text(req)
             _trim_logprobs(req)
             self.running.append(req)
+        self._touched.extend(batch)
 
     # ------------------------------------------------------------------ verify
+
+    def _stage_grammar_tree(self, reqs: Sequence[Req], tree: VerifyTree) -> GrammarTree | None:
+        """Stage the tree for the host-side mask build, *before* the verify launch: a device
+        tree's D2H copies are queued right behind the draft kernels (pinned, non_blocking,
+        with an event); a host tree needs no copy."""
+        if all(r.matcher is None for r in reqs):
+            return None
+        if tree.device.type == "cpu":
+            return GrammarTree.from_host(tree.next_token, tree.next_sibling, tree.draft_tokens)
+        return GrammarTree.from_device(tree.next_token, tree.next_sibling, tree.draft_tokens)
 
     def _run_verify(self, reqs: list[Req]) -> None:
         draft_reqs = [DraftRequest(r.request_id, r.all_token_ids, r.seq_len) for r in reqs]
         tree = self.drafter.propose(draft_reqs)
         tree_dev = tree.to(self.runner.device)
+        gtree = self._stage_grammar_tree(reqs, tree)
         fwd = self.runner.verify(tree_dev, [r.seq_len for r in reqs], [r.pages for r in reqs])
-        runs, result = self._select_and_verify(reqs, tree, tree_dev, fwd.logits)
-        self.runner.commit_accepted_kv(fwd, result)
+        # From here the GPU runs the verify forward; the CPU work below hides under it.
+        deferred, self._deferred = self._deferred, []
+        step = self._select_and_verify(reqs, tree_dev, gtree, fwd.logits,
+                                       barrier=lambda: self._grammar_barrier(deferred))
+        self.runner.commit_accepted_kv(fwd, step.result)
+        for req in deferred:  # the previous step's text work, still under the GPU step
+            process_text(req)
+        self._touched.extend(deferred)
+        runs = step.wait()  # the one planned host wait of the step
         if self._feeds_hidden:
             # Features of node 0 and the accepted drafts (the bonus has no KV yet).
             self.drafter.on_target_hidden(  # type: ignore[attr-defined]
-                draft_reqs, fwd.hidden_states, result.accept_nodes, [len(r) for r in runs],
-                fwd.aux_hidden_states)
+                draft_reqs, fwd.hidden_states, step.result.accept_nodes,
+                [len(r) for r in runs], fwd.aux_hidden_states)
         t = now()
         committed: list[list[int]] = []
-        num_real = (tree.draft_tokens[:, 1:] >= 0).sum(dim=1).tolist()
+        num_real = step.num_real_drafts
         for i, (req, run) in enumerate(zip(reqs, runs, strict=True)):
+            if req.finished:  # ended by a stop string found after this step was launched
+                committed.append([])
+                continue
             req.spec.verify_steps += 1
             req.spec.draft_tokens_proposed += num_real[i]
             req.spec.draft_tokens_accepted += len(run) - 1
-            n = commit_run(req, run, t)
-            _trim_logprobs(req)
-            req.spec.committed_tokens += n
+            kept = commit_tokens(req, run, t)
+            req.spec.committed_tokens += len(kept)
             req.seq_len += len(run)
-            committed.append(run[:n])
+            committed.append(kept)
         self.drafter.on_verified(draft_reqs, committed)
+        for req in reqs:
+            if req.finished:
+                self.drafter.release(req.request_id)
+        if self.config.scheduler.overlap:
+            self._deferred = reqs
+        else:
+            self._deferred = reqs
+            self._finish_deferred()
+        for req in reqs:
+            _trim_logprobs(req)
 
     def _select_and_verify(
-        self, reqs: Sequence[Req], tree_host: VerifyTree, tree_dev: VerifyTree, logits: torch.Tensor
-    ) -> tuple[list[list[int]], object]:
-        """Mask, choose a target token per node row, verify the trees; return host runs."""
+        self,
+        reqs: Sequence[Req],
+        tree_dev: VerifyTree,
+        gtree: GrammarTree | None,
+        logits: torch.Tensor,
+        *,
+        barrier: Callable[[], None] | None,
+    ) -> PendingStep:
+        """Mask, choose a target token per node row, verify the trees; start the D2H copy.
+
+        ``barrier`` runs first (it advances matchers over the previous step's ids); the mask
+        is built after it, on the host, while the device still runs the forward.
+        """
         n = tree_dev.num_nodes
-        matchers = [r.matcher for r in reqs]
         cap = None
-        if any(m is not None for m in matchers):
-            gtree = GrammarTree.from_host(
-                tree_host.next_token, tree_host.next_sibling, tree_host.draft_tokens
-            )
+        if gtree is not None:
             mask = build_grammar_vocab_mask(
-                matchers, gtree, vocab_size=self.runner.vocab_size, device=logits.device,
-                executor=self.grammar_executor,
+                [r.matcher for r in reqs], gtree, vocab_size=self.runner.vocab_size,
+                device=logits.device, barrier=barrier, executor=self.grammar_executor,
             )
             if mask is not None:
                 apply_bitmask_(logits, mask.bitmask_device)
@@ -277,15 +346,17 @@ class Scheduler:
                     cap = mask.max_accept_cpu.to(torch.int64).to(logits.device)
                 for req, rejected in zip(reqs, mask.rejected_by_grammar, strict=True):
                     req.spec.draft_tokens_rejected_by_grammar += rejected
+        elif barrier is not None:
+            barrier()
         sb = self._sampling_batch(reqs, n, logits.device)
         targets = sample_rows(logits, sb).view(len(reqs), n)
         result = verify_tree(tree_dev, targets, cap)
-        tokens_cpu = result.accept_tokens.cpu()
-        lens_cpu = result.accept_len.cpu().tolist()
-        runs = [tokens_cpu[i, : lens_cpu[i]].tolist() for i in range(len(reqs))]
+        num_real = (tree_dev.draft_tokens[:, 1:] >= 0).sum(dim=1)
+        step = PendingStep.launch(result, num_real)
         if any(r.params.logprobs is not None for r in reqs):
-            self._record_logprobs(reqs, logits.view(len(reqs), n, -1), result.accept_nodes, runs)
-        return runs, result
+            step.on_wait = lambda runs: self._record_logprobs(
+                reqs, logits.view(len(reqs), n, -1), result.accept_nodes, runs)
+        return step
 
     def _sampling_batch(self, reqs: Sequence[Req], n: int, device: torch.device) -> SamplingBatch:
         ps = [r.params for r in reqs]
