@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> dict:
             else:
                 kind = "error"
             counts[kind] += 1
-            f.write(json.dumps({"description": case.get("description"), "kind": kind,
+            f.write(json.dumps({"name": case["_name"], "kind": kind,
                                 "text": out.text, "error": out.error,
                                 "tokens": len(out.token_ids),
                                 "accept_length": out.spec.accept_length}) + "\n")

@@ -134,3 +134,15 @@ def test_ngram_extraction_accept_length(make_llm) -> None:
     committed = sum(o.spec.committed_tokens for o in outs)
     assert committed / steps > 1.5, committed / steps
     assert all(o.schema_valid for o in outs if o.finish_reason is FinishReason.STOP)
+
+
+def test_overlap_on_and_off_give_identical_outputs(make_llm) -> None:
+    params = mixed_params(8)
+    params[1] = SamplingParams(max_tokens=32, stop=[" the"], grammar=None)
+    outs = []
+    for overlap in (True, False):
+        llm = make_llm(speculative_algorithm="ngram", num_draft_tokens=8, overlap=overlap)
+        outs.append(llm.generate(PROMPTS[:8], params))
+    for a, b in zip(*outs, strict=True):
+        assert a.token_ids == b.token_ids and a.text == b.text
+        assert a.finish_reason == b.finish_reason and a.stop_reason == b.stop_reason
