@@ -76,5 +76,6 @@ def maskbench_cases(root: Path) -> list[dict[str, Any]]:
 
 def schema_prompt(schema: dict[str, Any]) -> str:
     """A chat prompt asking for a JSON instance of ``schema``."""
-    return ("Generate a realistic JSON object that conforms to this JSON Schema. Reply with the "
-            "JSON only.\n\nSchema:\n" + json.dumps(schema))
+    return ("Generate a small, realistic JSON instance that conforms to this JSON Schema. Keep it "
+            "minimal: include the required fields, use short string values and at most two "
+            "items per array. Reply with the JSON only.\n\nSchema:\n" + json.dumps(schema))

@@ -98,7 +98,7 @@ class Staging:
         depth: ring depth for every dtype.
     """
 
-    def __init__(self, device: torch.device, *, depth: int = 8) -> None:
+    def __init__(self, device: torch.device, *, depth: int = 32) -> None:
         self.device = device
         self.depth = depth
         self._rings: dict[torch.dtype, PinnedRing] = {}

@@ -97,6 +97,7 @@ def process_text(req: Req) -> None:
         excess = len(req.output_ids) - req.num_detokenized
         if excess:
             del req.output_ids[req.num_detokenized :]
+            req.spec.committed_tokens -= excess  # they came from the last verify run
             if req.matcher is not None:
                 # Ids still queued for the grammar were never accepted: drop those first.
                 queued = min(excess, len(req.grammar_pending))

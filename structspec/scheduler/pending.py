@@ -28,11 +28,24 @@ class PendingStep:
     _runs: list[list[int]] | None = field(default=None, repr=False)
 
     @classmethod
-    def launch(cls, result: VerifyResult, num_real: torch.Tensor) -> PendingStep:
+    def launch(cls, result: VerifyResult, num_real: torch.Tensor,
+               pinned_pool: dict[tuple, torch.Tensor] | None = None) -> PendingStep:
+        """Queue the D2H copies behind the step's kernels and record the event.
+
+        ``pinned_pool`` reuses pinned host buffers across steps (keyed by shape and dtype):
+        pinned allocation is slow, and a buffer is free again once the previous step's
+        :meth:`wait` has read it, which always happens before the next launch.
+        """
         src = (result.accept_tokens, result.accept_len, num_real)
         if result.accept_tokens.device.type != "cuda":
             return cls(result, *(t.clone() for t in src), event=None)
-        dst = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in src]
+        pool = pinned_pool if pinned_pool is not None else {}
+        dst = []
+        for t in src:
+            key = (tuple(t.shape), t.dtype)
+            if key not in pool:
+                pool[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            dst.append(pool[key])
         for d, s in zip(dst, src, strict=True):
             d.copy_(s, non_blocking=True)
         event = torch.cuda.Event()

@@ -78,6 +78,7 @@ class Scheduler:
         self._engine_generator = torch.Generator(device=runner.device)
         self._engine_generator.manual_seed(config.seed)
         self.grammar_executor = None  # parallel tree walks (set by the engine on multi-core)
+        self._pinned_pool: dict[tuple, torch.Tensor] = {}  # D2H buffers of PendingStep
 
     # ------------------------------------------------------------------ queue management
 
@@ -249,7 +250,7 @@ class Scheduler:
             r.seq_len = len(r.prompt_ids)
         tree = VerifyTree.root_only(torch.tensor([r.prompt_ids[-1] for r in batch]))
         gtree = self._stage_grammar_tree(batch, tree)
-        step = self._select_and_verify(batch, tree.to(self.runner.device), gtree, out.logits,
+        step = self._select_and_verify(batch, self._tree_to_device(tree), gtree, out.logits,
                                        barrier=None)
         runs = step.wait()
         t = now()
@@ -273,10 +274,23 @@ class Scheduler:
             return GrammarTree.from_host(tree.next_token, tree.next_sibling, tree.draft_tokens)
         return GrammarTree.from_device(tree.next_token, tree.next_sibling, tree.draft_tokens)
 
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """Host tensor to the model device: on CUDA through the runner's pinned staging
+        (non_blocking, no host sync); on CPU as is."""
+        if self.runner.staging is not None:
+            return self.runner.staging.to_device(host)
+        return host.to(self.runner.device)
+
+    def _tree_to_device(self, tree: VerifyTree) -> VerifyTree:
+        if tree.device == self.runner.device or tree.device.type != "cpu":
+            return tree
+        return VerifyTree(**{f: self._to_device(getattr(tree, f)) for f in (
+            "draft_tokens", "parents", "depth", "next_token", "next_sibling", "ancestor_mask")})
+
     def _run_verify(self, reqs: list[Req]) -> None:
         draft_reqs = [DraftRequest(r.request_id, r.all_token_ids, r.seq_len) for r in reqs]
         tree = self.drafter.propose(draft_reqs)
-        tree_dev = tree.to(self.runner.device)
+        tree_dev = self._tree_to_device(tree)
         gtree = self._stage_grammar_tree(reqs, tree)
         fwd = self.runner.verify(tree_dev, [r.seq_len for r in reqs], [r.pages for r in reqs])
         # From here the GPU runs the verify forward; the CPU work below hides under it.
@@ -343,7 +357,7 @@ class Scheduler:
             if mask is not None:
                 apply_bitmask_(logits, mask.bitmask_device)
                 if mask.truncated_requests:  # a tree walk timed out: bonus token only
-                    cap = mask.max_accept_cpu.to(torch.int64).to(logits.device)
+                    cap = self._to_device(mask.max_accept_cpu.to(torch.int64))
                 for req, rejected in zip(reqs, mask.rejected_by_grammar, strict=True):
                     req.spec.draft_tokens_rejected_by_grammar += rejected
         elif barrier is not None:
@@ -352,7 +366,7 @@ class Scheduler:
         targets = sample_rows(logits, sb).view(len(reqs), n)
         result = verify_tree(tree_dev, targets, cap)
         num_real = (tree_dev.draft_tokens[:, 1:] >= 0).sum(dim=1)
-        step = PendingStep.launch(result, num_real)
+        step = PendingStep.launch(result, num_real, self._pinned_pool)
         if any(r.params.logprobs is not None for r in reqs):
             step.on_wait = lambda runs: self._record_logprobs(
                 reqs, logits.view(len(reqs), n, -1), result.accept_nodes, runs)
@@ -360,9 +374,12 @@ class Scheduler:
 
     def _sampling_batch(self, reqs: Sequence[Req], n: int, device: torch.device) -> SamplingBatch:
         ps = [r.params for r in reqs]
+        all_greedy = all(p.is_greedy for p in ps)
 
         def col(values: list[float], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).repeat_interleave(n).to(device)
+            if all_greedy:  # never read: sample_rows returns the argmax first
+                return torch.empty(0, dtype=dtype)
+            return self._to_device(torch.tensor(values, dtype=dtype).repeat_interleave(n))
 
         return SamplingBatch(
             temperature=col([p.temperature for p in ps], torch.float32),
@@ -371,7 +388,7 @@ class Scheduler:
             min_p=col([p.min_p for p in ps], torch.float32),
             generators=[r.generator or self._engine_generator for r in reqs],
             rows_per_request=n,
-            all_greedy=all(p.is_greedy for p in ps),
+            all_greedy=all_greedy,
             use_top_k=any(p.top_k > 0 for p in ps),
             use_top_p=any(p.top_p < 1.0 for p in ps),
             use_min_p=any(p.min_p > 0 for p in ps),

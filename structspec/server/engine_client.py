@@ -115,6 +115,7 @@ class EngineClient:
         self._closing = False
         self._draining = False
         self._threads: list[threading.Thread] = []
+        self.on_dead: Callable[[str], None] | None = None  # called on the loop if it dies
         ctx = mp.get_context("spawn")
         self._to_engine_r, self._to_engine_w = ctx.Pipe(duplex=False)
         self._from_engine_r, self._from_engine_w = ctx.Pipe(duplex=False)
@@ -318,6 +319,8 @@ class EngineClient:
     def _mark_dead(self, reason: str) -> None:
         self._dead = reason
         self._fail_all(reason)
+        if not self._closing and self.on_dead is not None:
+            self.on_dead(reason)
 
     def _fail_all(self, reason: str) -> None:
         sinks, self._sinks = self._sinks, {}

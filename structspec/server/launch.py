@@ -10,7 +10,11 @@ Order (each step fails fast with a one-line reason and a non-zero exit code):
 
 SIGINT / SIGTERM: stop accepting connections, abort in-flight requests (they end with an
 error event / 503), wait up to :data:`GRACEFUL_TIMEOUT_S` for responses to finish, then stop
-and join the engine process (terminated if it does not exit in time).
+and join the engine process (terminated if it does not exit in time); exit code 0.
+
+If the engine process dies while serving (a crash in its loop, killed), in-flight requests
+fail with 503 / an error event and the server shuts down with exit code 1, so a supervisor
+can restart it.
 """
 
 from __future__ import annotations
@@ -170,11 +174,20 @@ def _run_http(args: argparse.Namespace, sock: socket.socket, client: Any, codec:
                             timeout_graceful_shutdown=GRACEFUL_TIMEOUT_S,
                             timeout_keep_alive=5)
     server = _make_server(config, client.begin_shutdown)
+    exit_code = 0
+
+    def engine_died(reason: str) -> None:
+        nonlocal exit_code
+        logger.error("the engine process is gone (%s); shutting the server down", reason)
+        exit_code = 1
+        server.should_exit = True
+
+    client.on_dead = engine_died
     logger.info("serving %s on http://%s:%d (engine pid %d, max_model_len %d, spec %s)",
                 name, args.host, args.port, info.pid, info.max_model_len,
                 info.speculative_algorithm)
     server.run(sockets=[sock])
-    return 0
+    return exit_code
 
 
 def _warm_imports() -> None:

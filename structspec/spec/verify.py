@@ -55,6 +55,11 @@ def verify_tree(
     """
     bsz, n = tree.draft_tokens.shape
     device = tree.draft_tokens.device
+    if n == 1:  # plain decode: the run is the bonus token alone
+        zeros = torch.zeros((bsz, 1), dtype=torch.int64, device=device)
+        return VerifyResult(accept_tokens=target_tokens.view(bsz, 1).clone(),
+                            accept_len=torch.ones(bsz, dtype=torch.int64, device=device),
+                            accept_nodes=zeros)
     rows = torch.arange(bsz, device=device)
     parent = tree.parents.clamp(min=0)
     parent_target = torch.gather(target_tokens, 1, parent)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any, Literal
@@ -70,8 +72,11 @@ def test_chat_stream_equals_non_stream(client: openai.OpenAI) -> None:
     assert spec["verify_steps"] >= 1 and spec["accept_length"] >= 1.0
     chunks = list(client.chat.completions.create(
         **kw, stream=True, stream_options={"include_usage": True}))
-    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert streamed == text
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and
+              c.choices[0].delta.content]
+    assert "".join(pieces) == text
+    # incremental: several content chunks, not the whole text at the end
+    assert len(pieces) >= min(3, full.usage.completion_tokens - 1), pieces
     assert chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
 
@@ -226,7 +231,7 @@ def test_disconnect_mid_stream_frees_the_request(server: ServerHandle) -> None:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     lines.append(line)
-                if len(lines) >= 3:  # role chunk + two tokens: it is running
+                if len(lines) >= 2:  # role chunk + first token: it is running
                     health = server.health()
                     assert health["num_running"] == 1 and health["num_inflight"] == 1, health
                     break  # leaving the stream closes the connection mid-stream
@@ -272,3 +277,25 @@ def test_metrics(server: ServerHandle) -> None:
         assert name in text, name
     assert re.search(r'structspec_requests_total\{finish_reason="rejected"\} [1-9]', text)
     assert not re.search(r"structspec_grammar_compile_seconds_count 0\.0", text)
+
+
+def test_engine_death_fails_requests_and_stops_the_server(server: ServerHandle) -> None:
+    """Last test of the module: SIGKILL the engine process mid-request; the request fails
+    with an error (not a hang) and the server exits with code 1."""
+    m = re.search(r"engine pid (\d+)", server.log_path.read_text())
+    assert m, server.log_tail()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a long story."}],
+            "max_tokens": 500, "ignore_eos": True, "stream": True}
+    events: list[str] = []
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=auth(),
+                      timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if len(events) == 2:
+                    os.kill(int(m.group(1)), signal.SIGKILL)
+            if len(events) > 600:
+                break
+    assert events[-1] == "[DONE]"
+    assert "engine process exited" in json.loads(events[-2])["error"]["message"]
+    assert server.proc.wait(30) == 1

@@ -190,7 +190,7 @@ def test_target_as_own_draft_fully_accepted(ckpts: dict[str, Path]) -> None:
                            topk=1)
     prompts = [[5, 17, 3, 44, 9], [7, 8]]
     pages = [list(range(1 + 8 * i, 9 + 8 * i)) for i in range(len(prompts))]
-    logits = runner.prefill(prompts, pages)
+    logits = runner.prefill(prompts, pages).logits
     hist = [p + [int(t)] for p, t in zip(prompts, logits.argmax(-1).tolist(), strict=True)]
     for _ in range(2):
         reqs = [DraftRequest(f"r{i}", h, len(h) - 1) for i, h in enumerate(hist)]

@@ -115,7 +115,7 @@ class Sim:
             lens.append(len(run))
         res = VerifyResult(accept_tokens=toks, accept_len=torch.tensor(lens), accept_nodes=nodes)
         self.runner.commit_accepted_kv(
-            VerifyForwardOutput(logits, seq_t, table, out.hidden_states), res)
+            VerifyForwardOutput(logits, seq_t, table, out.hidden_states, []), res)
         self.drafter.on_target_hidden(reqs, out.hidden_states, res.accept_nodes, lens,
                                       out.aux_hidden_states)
         committed = [toks[b, : lens[b]].tolist() for b in range(len(ids))]
