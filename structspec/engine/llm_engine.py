@@ -85,6 +85,9 @@ class LLMEngine:
                 max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="structspec-mask"
             )
         self._next_id = 0
+        #: detokenize every request in the engine (text in outputs). A front end that
+        #: detokenizes itself sets this False: then only requests with stop strings are.
+        self.detokenize = True
 
     # ------------------------------------------------------------------ requests
 
@@ -153,7 +156,8 @@ class LLMEngine:
             arrival_time=now(),
             max_new_tokens=min(params.max_tokens, self.max_model_len - len(ids)),
             eos_token_ids=frozenset(self.tokenizer.eos_token_ids),
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids=ids),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids=ids)
+            if self.detokenize or params.stop else None,
         )
         try:
             self.scheduler.add(req)

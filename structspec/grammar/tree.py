@@ -207,6 +207,7 @@ def build_grammar_vocab_mask(
     rejected = [0] * bs
     truncated: list[int] = []
 
+    @torch.inference_mode()  # per thread: pool workers need it to write inference tensors
     def one(i: int) -> bool:
         m = matchers[i]
         if m is None or m.is_terminated():

@@ -41,8 +41,8 @@ class PendingStep:
             return cls(result, *(t.clone() for t in src), event=None)
         pool = pinned_pool if pinned_pool is not None else {}
         dst = []
-        for t in src:
-            key = (tuple(t.shape), t.dtype)
+        for slot, t in enumerate(src):
+            key = (slot, tuple(t.shape), t.dtype)
             if key not in pool:
                 pool[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             dst.append(pool[key])

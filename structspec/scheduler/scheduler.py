@@ -171,10 +171,11 @@ class Scheduler:
     def _collect_outputs(self) -> list[RequestOutput]:
         t = now()
         outputs = []
+        deferred = set(map(id, self._deferred))
         for req in self._touched:
-            if req in self._deferred:
-                continue  # its last run's text/grammar work is still pending
             if req.finished and req not in self._finished_unreported:
+                if id(req) in deferred:
+                    continue  # its last run's text/grammar work is still pending
                 self._retire(req)
             elif not req.finished and req.num_reported_ids < req.num_detokenized:
                 outputs.append(req.take_output(t))
