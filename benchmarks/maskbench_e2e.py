@@ -56,8 +56,9 @@ def run(args: argparse.Namespace) -> dict:
               kv_capacity_tokens=args.kv_capacity_tokens,
               grammar_compile_timeout_s=args.compile_timeout)
     prompts = [schema_prompt(c["schema"]) for c in cases]
-    params = [SamplingParams(max_tokens=args.max_tokens, grammar=JsonSchemaSpec(c["schema"]))
-              for c in cases]
+    params = [SamplingParams(max_tokens=args.max_tokens, grammar=JsonSchemaSpec(c["schema"]),
+                             temperature=args.temperature, top_p=args.top_p, seed=i)
+              for i, c in enumerate(cases)]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - t0
@@ -109,6 +110,8 @@ def main() -> None:
     ap.add_argument("--num-draft-tokens", type=int, default=8)
     ap.add_argument("--max-batch-size", type=int, default=64)
     ap.add_argument("--kv-capacity-tokens", type=int, default=None)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--compile-timeout", type=float, default=60.0)
     ap.add_argument("--skip-slow-compile", action="store_true")
     ap.add_argument("--out", default="maskbench_outputs.jsonl")
