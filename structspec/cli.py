@@ -64,7 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate offline, optionally under a grammar",
-                         description="Generate text for one prompt or a JSONL batch.")
+                         description="Generate text for one prompt or a JSONL batch. Exit "
+                                     "status: 0 ok, 1 a request failed (its error is printed), "
+                                     "2 bad command line.",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _add_engine_args(gen)
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text, sent as one user message via the chat "
@@ -100,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
                          description="Serve the OpenAI API (chat/completions, structured "
-                                     "outputs, streaming).")
+                                     "outputs, streaming).",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _add_engine_args(srv)
     srv.add_argument("--host", default="127.0.0.1", help="bind address")
     srv.add_argument("--port", type=int, default=8000, help="TCP port")
@@ -125,6 +129,9 @@ def grammar_from_args(args: argparse.Namespace) -> GrammarSpec | None:
     """
     if args.json_schema:
         text = _read_text_arg(args.json_schema)
+        if text is args.json_schema and text.strip()[:1] not in ("{", "[", "t", "f") and (
+                text.endswith(".json") or "/" in text):
+            raise ValueError(f"--json-schema: no such file {text!r}")
         try:
             schema = json.loads(text)
         except json.JSONDecodeError as e:
@@ -243,7 +250,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         finally:
             if sink is not sys.stdout:
                 sink.close()
-        return 0 if all(o.error is None for o in outs) else 1
+        failed = [o for o in outs if o.error is not None]
+        if failed:
+            print(f"structspec generate: {len(failed)}/{len(outs)} requests failed "
+                  f"(first: {failed[0].error})", file=sys.stderr)
+        return 0 if not failed else 1
 
     prompt: Any
     if args.messages:
