@@ -48,7 +48,7 @@ class JsonSchemaSpec:
                 raise ValueError(f"json_schema is not valid JSON: {e}") from e
         if not isinstance(schema, (dict, bool)):
             raise ValueError(f"json_schema must be a JSON object, got {type(schema).__name__}")
-        return json.dumps(schema, separators=(",", ":"))
+        return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
 
 
 @dataclass(frozen=True)

@@ -229,23 +229,10 @@ class GrammarBackend:
 
 
 def schema_text(spec: JsonSchemaSpec) -> str:
-    """The schema as compact JSON text, key order kept (the compile input and cache key).
-
-    Not ``JsonSchemaSpec.canonical_text()``: sorting keys would reorder ``properties``, and
-    xgrammar generates properties in their declared order.
-
-    Raises:
-        ValueError: when the schema is text that is not JSON, or not an object/boolean.
-    """
-    schema = spec.schema
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"json_schema is not valid JSON: {e}") from e
-    if not isinstance(schema, (dict, bool)):
-        raise ValueError(f"json_schema must be a JSON object, got {type(schema).__name__}")
-    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+    """The schema as compact JSON text, key order kept (the compile input and cache key):
+    :meth:`JsonSchemaSpec.canonical_text`, which raises ``ValueError`` for text that is not
+    JSON or a schema that is not an object/boolean."""
+    return spec.canonical_text()
 
 
 def choice_ebnf(choices: Sequence[str]) -> str:
