@@ -127,7 +127,9 @@ class Scheduler:
         return True
 
     def _retire(self, req: Req) -> None:
-        """Remove a finished request from the queues and free what it holds."""
+        """Remove a finished request from the queues and free what it holds (once)."""
+        if req.finish_time is not None:
+            return  # already retired (e.g. aborted while its last step was deferred)
         if req in self.running:
             self.running.remove(req)
         if req in self.grammar_queue:
