@@ -92,7 +92,7 @@ def make_llm() -> Callable[..., Any]:
     def make(**kw: Any) -> Any:
         key = tuple(sorted(kw.items()))
         if key not in cache:
-            opts = dict(device="cpu", dtype="float32", kv_capacity_tokens=24576,
+            opts = dict(device="cpu", dtype="float32", kv_capacity_tokens=12288,
                         max_batch_size=32)
             opts.update(kw)
             cache[key] = LLM(**opts)
