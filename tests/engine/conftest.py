@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -82,9 +83,10 @@ def smol_first_layers_dir(smol_dir: str, tmp_path_factory: pytest.TempPathFactor
     return str(out)
 
 
-@pytest.fixture(scope="session")
-def make_llm() -> Callable[..., Any]:
-    """``make_llm(**kw)`` -> a cached LLM on CPU in float32 for those options."""
+@pytest.fixture(scope="module")
+def make_llm() -> Iterator[Callable[..., Any]]:
+    """``make_llm(**kw)`` -> an LLM on CPU in float32 for those options, cached per module
+    (each engine holds its weights and KV pool; dropping them per module bounds memory)."""
     from structspec import LLM
 
     cache: dict[tuple, Any] = {}
@@ -98,4 +100,6 @@ def make_llm() -> Callable[..., Any]:
             cache[key] = LLM(**opts)
         return cache[key]
 
-    return make
+    yield make
+    cache.clear()
+    gc.collect()

@@ -26,7 +26,7 @@ def mixed_params(n: int) -> list[SamplingParams]:
 LOSSLESS_PROMPTS = PROMPTS[:20]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def spec_off_outputs(make_llm) -> list:
     return make_llm().generate(LOSSLESS_PROMPTS, mixed_params(len(LOSSLESS_PROMPTS)))
 
