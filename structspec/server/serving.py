@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -17,7 +17,7 @@ from starlette.responses import Response, StreamingResponse
 from structspec.server.codec import Codec
 from structspec.server.engine_client import AsyncEngine
 from structspec.server.errors import APIError, bad_request, unavailable
-from structspec.server.generation import GenerationRun, LogprobEntry
+from structspec.server.generation import ChoiceState, GenerationRun, LogprobEntry, error_for
 from structspec.server.metrics import ServerMetrics
 
 T = TypeVar("T")
@@ -227,3 +227,45 @@ def completion_logprobs(codec: Codec, entries: list[LogprobEntry],
         pos += len(s)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
             "text_offset": offsets}
+
+
+async def stream_choices(
+    state: ServerState,
+    run: GenerationRun,
+    chunk: Callable[..., str],
+    progress: Callable[[ChoiceState], list[str]],
+    *,
+    include_usage: bool,
+    prompt_tokens: int,
+    head: Sequence[str] = (),
+) -> AsyncIterator[str]:
+    """The SSE body shared by chat and text completions: ``head`` events, each choice's
+    deltas as the engine produces them (``progress`` renders one choice's news), then a usage
+    chunk (``include_usage``) and ``[DONE]``. A failure after output started is sent as an
+    ``{"error": ...}`` event before ``[DONE]``. The run is aborted when the client goes away."""
+    try:
+        for e in head:
+            yield e
+        failure: APIError | None = None
+        for c in run.choices:
+            for e in progress(c):
+                yield e
+        while not run.done:
+            c = await run.next()
+            if c.finished and c.error is not None:
+                failure = error_for(c.final)  # type: ignore[arg-type]
+                break
+            for e in progress(c):
+                yield e
+        if failure is None:
+            failure = next((error_for(c.final) for c in run.choices  # type: ignore[arg-type]
+                            if c.final is not None and c.error is not None), None)
+        if failure is not None:
+            run.abort()
+            state.metrics.on_http_error(failure.status)
+            yield sse_event(failure.body())
+        elif include_usage:
+            yield chunk([], run.usage(prompt_tokens))
+        yield SSE_DONE
+    finally:
+        run.abort()

@@ -10,12 +10,11 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from structspec.server.errors import APIError, bad_request
+from structspec.server.errors import bad_request
 from structspec.server.generation import ChoiceState, GenerationRun, error_for
 from structspec.server.params import build_sampling_params, per_choice
 from structspec.server.protocol import ChatCompletionRequest, ChatMessage, parse_request
 from structspec.server.serving import (
-    SSE_DONE,
     ServerState,
     chat_logprobs,
     check_prompt_length,
@@ -27,6 +26,7 @@ from structspec.server.serving import (
     sse_event,
     sse_response,
     start_stream,
+    stream_choices,
 )
 from structspec.server.structured import grammar_from_request
 
@@ -126,33 +126,14 @@ async def _stream(state: ServerState, run: GenerationRun, rid: str, created: int
                                   "stop_reason": c.final.stop_reason if c.final else None}]))
         return events
 
+    head = [chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None, "finish_reason": None}]) for c in run.choices]
     try:
-        for c in run.choices:
-            yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                          "logprobs": None, "finish_reason": None}])
-        failure: APIError | None = None
-        for c in run.choices:
-            for e in progress(c):
-                yield e
-        while not run.done:
-            c = await run.next()
-            if c.finished and c.error is not None:
-                failure = error_for(c.final)  # type: ignore[arg-type]
-                break
-            for e in progress(c):
-                yield e
-        if failure is None:
-            failure = next((error_for(c.final) for c in run.choices  # type: ignore[arg-type]
-                            if c.final is not None and c.error is not None), None)
-        if failure is not None:
-            run.abort()
-            state.metrics.on_http_error(failure.status)
-            yield sse_event(failure.body())
-        elif include_usage:
-            yield chunk([], run.usage(prompt_tokens))
-        yield SSE_DONE
+        async for e in stream_choices(state, run, chunk, progress, include_usage=include_usage,
+                                      prompt_tokens=prompt_tokens, head=head):
+            yield e
     finally:
-        run.abort()
+        run.abort()  # a closed outer generator does not close the inner one right away
 
 
 def _template_message(m: ChatMessage, i: int) -> dict[str, Any]:
