@@ -269,3 +269,16 @@ async def stream_choices(
         yield SSE_DONE
     finally:
         run.abort()
+
+
+async def finish_or_error(state: ServerState, request: Request,
+                          run: GenerationRun) -> Response | None:
+    """Run a non-streamed request to the end. Returns the response to send instead of the
+    result: 499 when the client left, the first choice's error (e.g. a grammar that failed to
+    compile) as an OpenAI error; None when every choice finished normally."""
+    if not await run_to_completion(request, run):
+        return Response(status_code=499)
+    for c in run.choices:
+        if c.error is not None:
+            return error_response(error_for(c.final), state.metrics)  # type: ignore[arg-type]
+    return None

@@ -11,18 +11,17 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from structspec.server.errors import bad_request
-from structspec.server.generation import ChoiceState, GenerationRun, error_for
+from structspec.server.generation import ChoiceState, GenerationRun
 from structspec.server.params import build_sampling_params, per_choice
 from structspec.server.protocol import ChatCompletionRequest, ChatMessage, parse_request
 from structspec.server.serving import (
     ServerState,
     chat_logprobs,
     check_prompt_length,
-    error_response,
+    finish_or_error,
     in_thread,
     json_response,
     read_json,
-    run_to_completion,
     sse_event,
     sse_response,
     start_stream,
@@ -66,11 +65,9 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return sse_response(_stream(state, run, rid, created, len(prompt_ids), include_usage,
                                     logprobs is not None))
-    if not await run_to_completion(request, run):
-        return Response(status_code=499)
-    for c in run.choices:
-        if c.error is not None:
-            return error_response(error_for(c.final), state.metrics)  # type: ignore[arg-type]
+    failed = await finish_or_error(state, request, run)
+    if failed is not None:
+        return failed
     return json_response({
         "id": rid,
         "object": "chat.completion",

@@ -12,18 +12,17 @@ from starlette.responses import Response
 
 from structspec.core import SamplingParams
 from structspec.server.errors import bad_request
-from structspec.server.generation import ChoiceState, GenerationRun, error_for
+from structspec.server.generation import ChoiceState, GenerationRun
 from structspec.server.params import build_sampling_params, per_choice
 from structspec.server.protocol import CompletionRequest, parse_request
 from structspec.server.serving import (
     ServerState,
     check_prompt_length,
     completion_logprobs,
-    error_response,
+    finish_or_error,
     in_thread,
     json_response,
     read_json,
-    run_to_completion,
     sse_event,
     sse_response,
     start_stream,
@@ -64,11 +63,9 @@ async def create_completion(state: ServerState, request: Request) -> Response:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return sse_response(_stream(state, run, rid, created, prompt_tokens, include_usage,
                                     req.logprobs is not None, echo))
-    if not await run_to_completion(request, run):
-        return Response(status_code=499)
-    for c in run.choices:
-        if c.error is not None:
-            return error_response(error_for(c.final), state.metrics)  # type: ignore[arg-type]
+    failed = await finish_or_error(state, request, run)
+    if failed is not None:
+        return failed
     return json_response({
         "id": rid,
         "object": "text_completion",

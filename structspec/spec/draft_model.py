@@ -23,7 +23,7 @@ from structspec.config import SpecConfig
 from structspec.kvcache.pool import KVPool
 from structspec.layers.forward_batch import ForwardBatch
 from structspec.spec.base import DraftRequest
-from structspec.spec.expand import TreeDrafter
+from structspec.spec.expand import TreeDrafter, default_draft_pages
 
 
 class DraftModelDrafter(TreeDrafter):
@@ -75,9 +75,8 @@ class DraftModelDrafter(TreeDrafter):
                 f"{target_vocab}; the draft model must share the target's tokenizer"
             )
         page_size = int(target.page_size)
-        scratch_pages = -(-((spec.depth - 1) * spec.topk + 1) // page_size) + 1
         if num_pages is None:
-            num_pages = int(target.kv_pool.num_pages) + max_batch_size * scratch_pages
+            num_pages = default_draft_pages(spec, target, max_batch_size)
         pool = KVPool(
             num_layers=self.model_config.num_hidden_layers, num_pages=num_pages,
             page_size=page_size, num_kv_heads=self.model_config.num_key_value_heads,

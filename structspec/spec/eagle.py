@@ -64,7 +64,7 @@ from structspec.layers.norm import RMSNorm
 from structspec.layers.rotary import RotaryEmbedding
 from structspec.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 from structspec.spec.base import DraftRequest
-from structspec.spec.expand import TreeDrafter, host_to_device
+from structspec.spec.expand import TreeDrafter, default_draft_pages, host_to_device
 
 IGNORED_TENSORS = ("embed_tokens.weight", "t2d")
 
@@ -464,9 +464,8 @@ class EagleDrafter(TreeDrafter):
         self.head = head
         self.target_model = target.model
         page_size = int(target.page_size)
-        scratch_pages = -(-((spec.depth - 1) * spec.topk + 1) // page_size) + 1
         if num_pages is None:
-            num_pages = int(target.kv_pool.num_pages) + max_batch_size * scratch_pages
+            num_pages = default_draft_pages(spec, target, max_batch_size)
         lc = head.config.layer
         pool = KVPool(num_layers=head.num_layers, num_pages=num_pages, page_size=page_size,
                       num_kv_heads=lc.num_key_value_heads, head_dim=lc.head_dim, dtype=dtype,

@@ -37,6 +37,7 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -302,6 +303,14 @@ def build_frontier_batch(
 
 
 # ----------------------------------------------------------------------------- drafter base
+
+
+def default_draft_pages(spec: SpecConfig, target: Any, max_batch_size: int) -> int:
+    """Draft KV pages: the target's page count plus, per request, scratch pages for the
+    deepest expansion (``(depth - 1) * topk + 1`` frontier slots) and one spare."""
+    page_size = int(target.page_size)
+    scratch_pages = -(-((spec.depth - 1) * spec.topk + 1) // page_size) + 1
+    return int(target.kv_pool.num_pages) + max_batch_size * scratch_pages
 
 
 @dataclass
