@@ -182,6 +182,12 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     seed: int = 0
     cuda_graph: bool = True  # capture/replay verify forwards on CUDA (ignored on CPU)
+    # "auto" = fused Triton kernels on CUDA when triton imports, else the torch reference;
+    # "triton" = require them; "torch" = the reference ops everywhere (resolved once).
+    kernels: str = "auto"
+    # "auto" = read the checkpoint's weights; "dummy" = seeded random weights from config.json
+    # only (vLLM's --load-format dummy: benchmarks of large shapes without their files).
+    load_format: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
     grammar: GrammarConfig = field(default_factory=GrammarConfig)
@@ -222,6 +228,15 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
         raise ValueError("num_draft_tokens must be >= 2 when speculation is on")
     if spec.algorithm in ("draft_model", "eagle") and not spec.draft_model:
         raise ValueError(f"speculative_algorithm={spec.algorithm!r} needs draft_model=PATH")
+    kernels = config.kernels
+    if kernels not in ("auto", "triton", "torch"):
+        raise ValueError(f"kernels={kernels!r}: expected auto, triton or torch")
+    if kernels == "auto":
+        kernels = "triton" if device.startswith("cuda") and _triton_available() else "torch"
+    elif kernels == "triton" and not (device.startswith("cuda") and _triton_available()):
+        raise ValueError("kernels='triton' needs a CUDA device and the triton package")
+    if config.load_format not in ("auto", "dummy"):
+        raise ValueError(f"load_format={config.load_format!r}: expected auto or dummy")
     if config.scheduler.max_batch_size < 1:
         raise ValueError("max_batch_size must be >= 1")
     if config.cache.page_size < 1:
@@ -233,4 +248,13 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
         )
     if cache.total_pages < 2:
         raise ValueError("kv_capacity_tokens must hold at least one page")
-    return dataclasses.replace(config, device=device, dtype=dtype, cache=cache)
+    return dataclasses.replace(config, device=device, dtype=dtype, cache=cache, kernels=kernels)
+
+
+def _triton_available() -> bool:
+    """Whether ``import triton`` works (CPU builds of torch usually come without it)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
