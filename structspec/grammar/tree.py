@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from structspec.grammar.bitmask import allocate_bitmask
@@ -47,50 +48,61 @@ class GrammarTree:
     Attributes:
         next_token_cpu: ``int64 [bs, N]`` first child of each node, -1 = none.
         next_sibling_cpu: ``int64 [bs, N]`` next sibling of each node, -1 = none.
-        draft_tokens_cpu: ``int64 [bs, N]`` token id at each node.
+        draft_tokens_cpu: ``int64 [bs, N]`` token id at each node (-1 = padding node).
+        parents_cpu: ``int64 [bs, N]`` parent of each node (-1 for the root), or None: then
+            :meth:`resolve` derives it from the links (a host walk; drafters pass it).
         event: CUDA event recorded after the D2H copies (None for host trees).
     """
 
     next_token_cpu: torch.Tensor
     next_sibling_cpu: torch.Tensor
     draft_tokens_cpu: torch.Tensor
+    parents_cpu: torch.Tensor | None = None
     event: torch.cuda.Event | None = None
     _resolved: bool = field(default=False, repr=False)
 
     @classmethod
     def from_device(cls, next_token: torch.Tensor, next_sibling: torch.Tensor,
-                    draft_tokens: torch.Tensor) -> GrammarTree:
+                    draft_tokens: torch.Tensor,
+                    parents: torch.Tensor | None = None) -> GrammarTree:
         """Stage a device tree for the host. Call it *before* launching the verify forward.
 
         Args:
             next_token, next_sibling, draft_tokens: ``int64`` (or int32) ``[bs, N]`` on one
                 device (``draft_tokens`` may be flat ``[bs * N]``; it is reshaped).
+            parents: ``[bs, N]`` parent indices on the same device (optional; saves a host
+                walk in :meth:`resolve`).
 
         On CUDA: each tensor is copied with ``non_blocking=True`` into pinned host memory and
-        ``record_stream`` protects the source; one event is recorded after the three copies, so
+        ``record_stream`` protects the source; one event is recorded after the copies, so
         :meth:`resolve` later waits only for them (not for the verify forward queued after).
         On the CPU: plain int64 views, no event.
         """
         bs, n = next_token.shape
         draft_tokens = draft_tokens.reshape(bs, n)
         if next_token.device.type != "cuda":
-            return cls.from_host(next_token, next_sibling, draft_tokens)
-        hosts = [_to_host_async(t) for t in (next_token, next_sibling, draft_tokens)]
+            return cls.from_host(next_token, next_sibling, draft_tokens, parents)
+        srcs = [next_token, next_sibling, draft_tokens] + ([] if parents is None else [parents])
+        hosts = [_to_host_async(t) for t in srcs]
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(next_token.device))
-        return cls(hosts[0], hosts[1], hosts[2], event=event)
+        return cls(hosts[0], hosts[1], hosts[2], hosts[3] if parents is not None else None,
+                   event=event)
 
     @classmethod
     def from_host(cls, next_token: torch.Tensor, next_sibling: torch.Tensor,
-                  draft_tokens: torch.Tensor) -> GrammarTree:
+                  draft_tokens: torch.Tensor,
+                  parents: torch.Tensor | None = None) -> GrammarTree:
         """Wrap a host-built tree (e.g. n-gram drafts): no copy, no event.
 
         Args:
             next_token, next_sibling, draft_tokens: CPU integer tensors ``[bs, N]``.
+            parents: optional CPU ``[bs, N]`` parent indices.
         """
         bs, n = next_token.shape
         return cls(next_token.to(torch.int64), next_sibling.to(torch.int64),
-                   draft_tokens.reshape(bs, n).to(torch.int64), _resolved=True)
+                   draft_tokens.reshape(bs, n).to(torch.int64),
+                   None if parents is None else parents.to(torch.int64), _resolved=True)
 
     @classmethod
     def from_linear_chain(cls, ids: torch.Tensor) -> GrammarTree:
@@ -105,7 +117,9 @@ class GrammarTree:
         nxt[-1] = -1
         next_token = nxt.expand(bs, length).contiguous()
         next_sibling = torch.full((bs, length), -1, dtype=torch.int64, device=ids.device)
-        return cls.from_device(next_token, next_sibling, ids)
+        parents = (torch.arange(length, dtype=torch.int64, device=ids.device) - 1).expand(
+            bs, length).contiguous()
+        return cls.from_device(next_token, next_sibling, ids, parents)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -124,6 +138,36 @@ class GrammarTree:
                 self.event.synchronize()
             self._resolved = True
         return self.next_token_cpu, self.next_sibling_cpu, self.draft_tokens_cpu
+
+    def parents(self) -> torch.Tensor:
+        """``int64 [bs, N]`` host parent indices (after :meth:`resolve`); derived from the
+        first-child / next-sibling links when the tree was staged without them."""
+        self.resolve()
+        if self.parents_cpu is None:
+            self.parents_cpu = parents_from_links(self.next_token_cpu, self.next_sibling_cpu)
+        return self.parents_cpu
+
+
+def parents_from_links(next_token: torch.Tensor, next_sibling: torch.Tensor) -> torch.Tensor:
+    """Parent index of every node from first-child / next-sibling links (host walk).
+
+    Args:
+        next_token, next_sibling: ``int64 [bs, N]`` CPU tensors.
+
+    Returns:
+        ``int64 [bs, N]``: -1 for the root; unlinked (padding) nodes get 0, as in
+        :class:`~structspec.spec.tree.VerifyTree`.
+    """
+    bs, n = next_token.shape
+    out = [[0] * n for _ in range(bs)]
+    for b, (nxt, sib) in enumerate(zip(next_token.tolist(), next_sibling.tolist(), strict=True)):
+        out[b][0] = -1
+        for p in range(n):
+            c = nxt[p]
+            while c != -1:
+                out[b][c] = p
+                c = sib[c]
+    return torch.tensor(out, dtype=torch.int64).view(bs, n)
 
 
 @dataclass
@@ -162,20 +206,26 @@ def build_grammar_vocab_mask(
     barrier: Callable[[], None] | None = None,
     time_limit_s: float = 0.05,
     executor: ThreadPoolExecutor | None = None,
+    num_workers: int = 1,
 ) -> GrammarMaskResult | None:
     """Build the grammar bitmask for every node of every request's verify tree.
 
     Order: ``barrier()`` first (it advances the matchers over the previous step's committed
     runs: the traversal must start from that state), then ``tree.resolve()``, then one
-    ``traverse_draft_tree`` per constrained request (in parallel on ``executor``: xgrammar
-    releases the GIL inside), then an async H2D copy.
+    ``traverse_draft_tree`` per constrained request, then :func:`settle_tree_rows_batch`
+    (vectorised over the batch), then an async H2D copy.
+
+    Parallelism: with ``executor`` and ``num_workers > 1`` the requests are split into
+    ``num_workers`` contiguous chunks, one task each. xgrammar releases the GIL inside
+    ``traverse_draft_tree`` (measured: a Python loop keeps ~90% of its speed while another
+    thread walks trees), so chunks walk in parallel; one task per chunk (not per request)
+    keeps the GIL hand-offs per step at ``num_workers`` instead of ``bs``.
 
     Each row is the mask of the state after that node's path. A node whose token its parent's
     row forbids is never reached: its row and its subtree's rows are all ones, which is
     harmless because the verifier can never accept it (the masked parent cannot produce it). A
-    node that terminates the grammar (stop token) gets an all-ones row too (see
-    :func:`settle_tree_rows`); the result processor cuts the run there. A terminated or absent
-    matcher leaves its rows all ones.
+    node that terminates the grammar (stop token) gets an all-ones row too; the result
+    processor cuts the run there. A terminated or absent matcher leaves its rows all ones.
 
     Timeout fallback: when one request's traversal exceeds ``time_limit_s``, its rows are reset,
     row 0 is filled from the root state (exact), and ``max_accept_cpu[i] = 0``: the verifier
@@ -188,10 +238,14 @@ def build_grammar_vocab_mask(
         device: where the verify logits live.
         barrier: advances pending matchers (the scheduler's grammar barrier), or None.
         time_limit_s: per-request traversal limit (xgrammar ``time_threshold``).
-        executor: run requests in parallel; None = serially on this thread.
+        executor: a thread pool for the chunks; None = serially on this thread.
+        num_workers: how many chunks to split the batch into (used only with ``executor``).
 
     Returns:
         A :class:`GrammarMaskResult`, or None when no request has a matcher.
+
+    Raises:
+        ValueError: when ``len(matchers)`` differs from the tree's batch size.
     """
     t0 = time.perf_counter()
     if barrier is not None:
@@ -204,43 +258,42 @@ def build_grammar_vocab_mask(
         raise ValueError(f"{len(matchers)} matchers for a tree batch of {bs}")
     bitmask = allocate_bitmask(bs * n, vocab_size, pin=True)
     max_accept = torch.full((bs,), n - 1, dtype=torch.int32)
-    rejected = [0] * bs
-    truncated: list[int] = []
+    active = [i for i, m in enumerate(matchers) if m is not None and not m.is_terminated()]
+    timed_out: list[int] = []
 
     @torch.inference_mode()  # per thread: pool workers need it to write inference tensors
-    def one(i: int) -> bool:
-        m = matchers[i]
-        if m is None or m.is_terminated():
-            return True
-        rows = bitmask[i * n:(i + 1) * n]
-        ok = m.xgr_matcher.traverse_draft_tree(
-            next_token[i], next_sibling[i], draft_tokens[i], rows, time_limit_s)
-        if not ok:
-            rows.fill_(-1)
-            m.fill_bitmask(rows, 0)
-            return False
-        rejected[i] = settle_tree_rows(rows, next_token[i], next_sibling[i], draft_tokens[i],
-                                       stop_token_ids=m.stop_token_ids)
-        return True
+    def walk(chunk: Sequence[int]) -> None:
+        for i in chunk:
+            m = matchers[i]
+            assert m is not None
+            rows = bitmask[i * n:(i + 1) * n]
+            if not m.xgr_matcher.traverse_draft_tree(
+                    next_token[i], next_sibling[i], draft_tokens[i], rows, time_limit_s):
+                rows.fill_(-1)
+                m.fill_bitmask(rows, 0)
+                timed_out.append(i)  # list.append is atomic under the GIL
 
-    active = [i for i, m in enumerate(matchers) if m is not None]
-    if executor is not None and len(active) > 1:
-        done = list(executor.map(one, active))
+    workers = min(num_workers, len(active)) if executor is not None else 1
+    if workers > 1:
+        size = -(-len(active) // workers)
+        list(executor.map(walk, [active[k:k + size] for k in range(0, len(active), size)]))
     else:
-        done = [one(i) for i in active]
-    for i, ok in zip(active, done, strict=True):
-        if not ok:
-            truncated.append(i)
-            max_accept[i] = 0
+        walk(active)
+    settle = sorted(set(active) - set(timed_out))
+    stop_ids = matchers[settle[0]].stop_token_ids if settle else ()  # type: ignore[union-attr]
+    rejected_np = settle_tree_rows_batch(bitmask, draft_tokens, tree.parents(), settle,
+                                         stop_token_ids=stop_ids)
+    for i in timed_out:
+        max_accept[i] = 0
     bitmask_device = bitmask.to(device, non_blocking=True)
-    return GrammarMaskResult(bitmask_device, bitmask, max_accept, truncated, rejected,
-                             time.perf_counter() - t0)
+    return GrammarMaskResult(bitmask_device, bitmask, max_accept, sorted(timed_out),
+                             rejected_np.tolist(), time.perf_counter() - t0)
 
 
-def settle_tree_rows(rows: torch.Tensor, next_token: torch.Tensor,
-                     next_sibling: torch.Tensor, draft_tokens: torch.Tensor, *,
-                     stop_token_ids: Sequence[int] = ()) -> int:
-    """Give unreachable and terminated nodes all-ones rows; count grammar-rejected drafts.
+def settle_tree_rows_batch(bitmask: torch.Tensor, draft_tokens: torch.Tensor,
+                           parents: torch.Tensor, requests: Sequence[int], *,
+                           stop_token_ids: Sequence[int] = ()) -> np.ndarray:
+    """Give the rejected and terminating nodes all-ones rows; count grammar-rejected drafts.
 
     xgrammar 0.2.8's ``traverse_draft_tree`` writes an all-zero row for a node whose token its
     parent's row forbids and for a node that terminates the grammar (a stop token); rows below
@@ -250,7 +303,62 @@ def settle_tree_rows(rows: torch.Tensor, next_token: torch.Tensor,
     ones, as in sglang's traversal.
 
     A node is *reached* when its parent was expanded: the root always is; a draft node is
-    expanded when it is reached, allowed by its parent's row and not a stop token.
+    expanded when it is reached, allowed by its parent's row and not a stop token. The walk is
+    vectorised over ``requests`` (one numpy pass per tree column; parents precede children,
+    the :class:`~structspec.spec.tree.VerifyTree` order), so its cost barely grows with the
+    batch (~0.1 ms for 64 x 8 nodes against ~0.8 ms for a per-request Python walk).
+
+    Args:
+        bitmask: ``int32 [bs * N, W]`` the filled host rows of the whole batch, modified in
+            place.
+        draft_tokens: ``int64 [bs, N]`` host tokens per node (-1 = padding node, never
+            reached).
+        parents: ``int64 [bs, N]`` host parent per node (-1 for the root).
+        requests: batch indices whose trees were fully traversed (others are left alone).
+        stop_token_ids: the matchers' stop ids.
+
+    Returns:
+        ``int64 [bs]`` numpy array: per request, the reached draft nodes whose token the
+        parent's row forbids (0 for requests not in ``requests``).
+    """
+    bs, n = draft_tokens.shape
+    rejected = np.zeros(bs, dtype=np.int64)
+    if not len(requests) or n < 2:
+        return rejected
+    words = bitmask.numpy().reshape(bs, n, -1)  # zero-copy view
+    width = words.shape[2]
+    req = np.asarray(requests, dtype=np.int64)
+    toks = draft_tokens.numpy()[req]
+    par = parents.numpy()[req].clip(min=0)
+    valid = (toks >= 0) & (toks < 32 * width)
+    safe = np.where(valid, toks, 0)
+    # Bit of each node's token in its parent's row (read before any row is reset; a reset row
+    # is never the parent of a reached node, so the order would not matter anyway).
+    word = words[req[:, None], par, safe >> 5]
+    allowed = valid & (((word >> (safe & 31)) & 1) == 1)
+    is_stop = np.isin(toks, np.asarray(list(stop_token_ids), dtype=np.int64))
+    k = len(req)
+    rows = np.arange(k)
+    expanded = np.zeros((k, n), dtype=bool)
+    expanded[:, 0] = True
+    reset = np.zeros((k, n), dtype=bool)
+    bad = np.zeros(k, dtype=np.int64)
+    for j in range(1, n):
+        reached = expanded[rows, par[:, j]] & (toks[:, j] >= 0)
+        expanded[:, j] = reached & allowed[:, j] & ~is_stop[:, j]
+        reset[:, j] = reached & ~expanded[:, j]
+        bad += reached & ~allowed[:, j]
+    ri, nj = np.nonzero(reset)
+    words[req[ri], nj] = -1
+    rejected[req] = bad
+    return rejected
+
+
+def settle_tree_rows(rows: torch.Tensor, next_token: torch.Tensor,
+                     next_sibling: torch.Tensor, draft_tokens: torch.Tensor, *,
+                     stop_token_ids: Sequence[int] = ()) -> int:
+    """:func:`settle_tree_rows_batch` for one request's rows (tests and callers with a
+    single tree).
 
     Args:
         rows: ``int32 [N, W]`` one request's filled bitmask rows (host), modified in place.
@@ -260,22 +368,7 @@ def settle_tree_rows(rows: torch.Tensor, next_token: torch.Tensor,
     Returns:
         The number of reached draft nodes whose token the parent's row forbids.
     """
-    nxt, sib, toks = next_token.tolist(), next_sibling.tolist(), draft_tokens.tolist()
-    stops = set(stop_token_ids)
-    width = rows.shape[1]
-    words = rows.numpy()  # a zero-copy view: element access is ~10x cheaper than on the tensor
-    rejected = 0
-    stack = [0]  # expanded nodes whose children are still to be checked
-    while stack:
-        parent = stack.pop()
-        child = nxt[parent]
-        while child != -1:
-            tok = toks[child]
-            word = int(words[parent, tok >> 5]) if 0 <= tok < 32 * width else 0
-            if (word >> (tok & 31)) & 1 and tok not in stops:
-                stack.append(child)
-            else:
-                rejected += not (word >> (tok & 31)) & 1
-                words[child] = -1
-            child = sib[child]
-    return rejected
+    parents = parents_from_links(next_token[None], next_sibling[None])
+    out = settle_tree_rows_batch(rows, draft_tokens[None], parents, [0],
+                                 stop_token_ids=stop_token_ids)
+    return int(out[0])

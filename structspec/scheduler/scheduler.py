@@ -34,6 +34,7 @@ from structspec.layers.sampler import SamplingBatch, sample_rows
 from structspec.scheduler.commit import advance_grammar, commit_tokens, process_text
 from structspec.scheduler.pending import PendingStep
 from structspec.scheduler.request import Req, ReqStatus
+from structspec.scheduler.step_stats import StepTimer
 from structspec.scheduler.validate import check_schema_output
 from structspec.spec.base import Drafter, DraftRequest
 from structspec.spec.tree import VerifyTree
@@ -78,6 +79,9 @@ class Scheduler:
         self._engine_generator = torch.Generator(device=runner.device)
         self._engine_generator.manual_seed(config.seed)
         self.grammar_executor = None  # parallel tree walks (set by the engine on multi-core)
+        self.grammar_workers = 1  # chunks per mask build when grammar_executor is set
+        #: per verify step CPU phase / GPU busy and idle times (see step_stats.py)
+        self.timer = StepTimer(runner.device)
         self._pinned_pool: dict[tuple, torch.Tensor] = {}  # D2H buffers of PendingStep
 
     # ------------------------------------------------------------------ queue management
@@ -197,9 +201,11 @@ class Scheduler:
         """Run the grammar advance and text processing a previous step deferred."""
         deferred, self._deferred = self._deferred, []
         self._grammar_barrier(deferred)
+        self.timer.phase("barrier")
         for req in deferred:
             process_text(req)
         self._touched.extend(deferred)
+        self.timer.phase("text")
 
     def _poll_grammar(self) -> None:
         t = now()
@@ -243,6 +249,7 @@ class Scheduler:
     # ------------------------------------------------------------------ prefill
 
     def _run_prefill(self, batch: list[Req]) -> None:
+        self.timer.break_chain()
         out = self.runner.prefill([r.prompt_ids for r in batch], [r.pages for r in batch])
         if self._feeds_hidden:
             self.drafter.on_target_hidden(  # type: ignore[attr-defined]
@@ -274,8 +281,10 @@ class Scheduler:
         if all(r.matcher is None for r in reqs):
             return None
         if tree.device.type == "cpu":
-            return GrammarTree.from_host(tree.next_token, tree.next_sibling, tree.draft_tokens)
-        return GrammarTree.from_device(tree.next_token, tree.next_sibling, tree.draft_tokens)
+            return GrammarTree.from_host(tree.next_token, tree.next_sibling, tree.draft_tokens,
+                                         tree.parents)
+        return GrammarTree.from_device(tree.next_token, tree.next_sibling, tree.draft_tokens,
+                                       tree.parents)
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         """Host tensor to the model device: on CUDA through the runner's pinned staging
@@ -291,20 +300,34 @@ class Scheduler:
             "draft_tokens", "parents", "depth", "next_token", "next_sibling", "ancestor_mask")})
 
     def _run_verify(self, reqs: list[Req]) -> None:
+        timer = self.timer
+        timer.begin(len(reqs), self.num_nodes, sum(r.matcher is not None for r in reqs))
         draft_reqs = [DraftRequest(r.request_id, r.all_token_ids, r.seq_len) for r in reqs]
         tree = self.drafter.propose(draft_reqs)
+        timer.phase("draft")
+        timer.event("fwd_start")
         tree_dev = self._tree_to_device(tree)
         gtree = self._stage_grammar_tree(reqs, tree)
         fwd = self.runner.verify(tree_dev, [r.seq_len for r in reqs], [r.pages for r in reqs])
+        timer.event("fwd_end")
+        timer.phase("launch")
         # From here the GPU runs the verify forward; the CPU work below hides under it.
         deferred, self._deferred = self._deferred, []
-        step = self._select_and_verify(reqs, tree_dev, gtree, fwd.logits,
-                                       barrier=lambda: self._grammar_barrier(deferred))
+
+        def barrier() -> None:
+            self._grammar_barrier(deferred)
+            timer.phase("barrier")
+
+        step = self._select_and_verify(reqs, tree_dev, gtree, fwd.logits, barrier=barrier)
         self.runner.commit_accepted_kv(fwd, step.result)
+        timer.event("end")
+        timer.phase("launch")
         for req in deferred:  # the previous step's text work, still under the GPU step
             process_text(req)
         self._touched.extend(deferred)
+        timer.phase("text")
         runs = step.wait()  # the one planned host wait of the step
+        timer.phase("wait")
         if self._feeds_hidden:
             # Features of node 0 and the accepted drafts (the bonus has no KV yet).
             self.drafter.on_target_hidden(  # type: ignore[attr-defined]
@@ -328,13 +351,13 @@ class Scheduler:
         for req in reqs:
             if req.finished:
                 self.drafter.release(req.request_id)
-        if self.config.scheduler.overlap:
-            self._deferred = reqs
-        else:
-            self._deferred = reqs
+        timer.phase("commit")
+        self._deferred = reqs
+        if not self.config.scheduler.overlap:
             self._finish_deferred()
         for req in reqs:
             _trim_logprobs(req)
+        timer.end()
 
     def _select_and_verify(
         self,
@@ -356,15 +379,20 @@ class Scheduler:
             mask = build_grammar_vocab_mask(
                 [r.matcher for r in reqs], gtree, vocab_size=self.runner.vocab_size,
                 device=logits.device, barrier=barrier, executor=self.grammar_executor,
+                num_workers=self.grammar_workers,
             )
+            self.timer.event("post")
+            self.timer.phase("mask")
             if mask is not None:
                 apply_bitmask_(logits, mask.bitmask_device)
                 if mask.truncated_requests:  # a tree walk timed out: bonus token only
                     cap = self._to_device(mask.max_accept_cpu.to(torch.int64))
                 for req, rejected in zip(reqs, mask.rejected_by_grammar, strict=True):
                     req.spec.draft_tokens_rejected_by_grammar += rejected
-        elif barrier is not None:
-            barrier()
+        else:
+            if barrier is not None:
+                barrier()
+            self.timer.event("post")
         sb = self._sampling_batch(reqs, n, logits.device)
         targets = sample_rows(logits, sb).view(len(reqs), n)
         result = verify_tree(tree_dev, targets, cap)

@@ -210,6 +210,7 @@ class EngineLoop:
             kv_free_pages=int(s.get("kv_free_pages", 0)),
             kv_total_pages=int(s.get("kv_total_pages", 0)),
             grammar_compile_s=tuple(compile_s),
+            steps=tuple(self.engine.scheduler.timer.drain()),
         )
 
 

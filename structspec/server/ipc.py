@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from structspec.core import SamplingParams, SpecMetrics
+from structspec.scheduler.step_record import StepRecord
 
 # --------------------------------------------------------------------------- front end -> engine
 
@@ -74,6 +75,7 @@ class EngineStats:
     kv_free_pages: int = 0
     kv_total_pages: int = 0
     grammar_compile_s: tuple[float, ...] = ()  # compile durations finished since the last one
+    steps: tuple[StepRecord, ...] = ()  # verify-step timings finished since the last one
 
     def as_dict(self) -> dict[str, int]:
         """The counters as a JSON-ready dict (``/health``)."""

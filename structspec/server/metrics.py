@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 300.0)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0)
 COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+STEP_MS_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 25.0, 50.0, 100.0)
 ACCEPT_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -84,6 +85,22 @@ class ServerMetrics:
         self.spec_accept_length_hist = Histogram(
             p + "spec_request_accept_length", "Per-request committed tokens per verify step",
             buckets=ACCEPT_BUCKETS, registry=r)
+        self.step_wall = Histogram(p + "verify_step_ms", "Host wall time of a verify step",
+                                   buckets=STEP_MS_BUCKETS, registry=r)
+        self.step_gpu_busy = Histogram(
+            p + "verify_step_gpu_busy_ms", "GPU busy time of a verify step (CUDA events)",
+            buckets=STEP_MS_BUCKETS, registry=r)
+        self.step_gpu_idle = Histogram(
+            p + "verify_step_gpu_idle_gap_ms",
+            "GPU idle gap before a verify step (previous step's end to this step's start)",
+            buckets=STEP_MS_BUCKETS, registry=r)
+        self.step_grammar_stall = Histogram(
+            p + "verify_step_grammar_stall_ms",
+            "GPU time between the verify forward's end and the grammar mask's arrival",
+            buckets=STEP_MS_BUCKETS, registry=r)
+        self.step_cpu = Counter(p + "verify_step_cpu_ms", "Host time of verify steps by phase "
+                                "(draft, launch, barrier, mask, text, wait, commit)",
+                                ["phase"], registry=r)
         self.ready = Gauge(p + "engine_ready", "1 while the engine serves requests",
                            registry=r)
         self._spec_total = SpecMetrics()
@@ -99,6 +116,16 @@ class ServerMetrics:
             self.kv_usage.set(1.0 - stats.kv_free_pages / stats.kv_total_pages)
         for s in stats.grammar_compile_s:
             self.grammar_compile.observe(s)
+        for step in stats.steps:
+            self.step_wall.observe(step.wall_ms)
+            for phase, ms in step.cpu_ms.items():
+                self.step_cpu.labels(phase=phase).inc(ms)
+            if step.gpu_busy_ms is not None:
+                self.step_gpu_busy.observe(step.gpu_busy_ms)
+            if step.gpu_idle_before_ms is not None:
+                self.step_gpu_idle.observe(step.gpu_idle_before_ms)
+            if step.gpu_grammar_stall_ms is not None:
+                self.step_grammar_stall.observe(step.gpu_grammar_stall_ms)
 
     def on_finished(self, choice: ChoiceState, elapsed_s: float) -> None:
         """Record one finished engine request (``elapsed_s`` since the HTTP request)."""

@@ -30,6 +30,11 @@ def find_continuations(
 ) -> list[np.ndarray]:
     """Continuations of earlier occurrences of the history's suffix, best first.
 
+    Every earlier position ``e`` holding the last token is a candidate; its match length is
+    how many tokens, read backwards from ``e`` and from the end, agree (at most
+    ``max_window``). All candidates are compared at once through a sliding-window view of
+    the history (one ``[E, w]`` comparison), so the cost does not grow with ``max_window``.
+
     Args:
         history: ``[L]`` int64 token ids; ``history[-1]`` is the last committed token.
 
@@ -40,27 +45,50 @@ def find_continuations(
     n = len(history)
     if n < 2:
         return []
-    ends = np.nonzero(history[:-1] == history[-1])[0]  # candidate match ends (exclusive of last)
+    ends = np.flatnonzero(history[:-1] == history[-1])  # candidate match ends
     if ends.size == 0:
         return []
-    match_len = np.ones(ends.size, dtype=np.int64)
-    alive = np.ones(ends.size, dtype=bool)
-    for k in range(1, max_window):
-        if n - 1 - k < 0:
-            break
-        src = ends - k
-        ok = alive & (src >= 0)
-        ok[ok] = history[src[ok]] == history[n - 1 - k]
-        match_len += ok
-        alive = ok
-        if not alive.any():
-            break
+    w = min(max_window, n - 1)
+    # Left padding (-2 is never a token) lets windows that start before the history compare.
+    padded = np.concatenate([np.full(w - 1, -2, dtype=history.dtype), history])
+    windows = np.lib.stride_tricks.sliding_window_view(padded, w)  # [n, w], row i ends at i
+    same = (windows[ends] == windows[n - 1])[:, ::-1]  # column k: tokens k back agree
+    match_len = np.where(same.all(axis=1), w, same.argmin(axis=1))
     keep = match_len >= min_window
     ends, match_len = ends[keep], match_len[keep]
     if ends.size == 0:
         return []
     order = np.lexsort((-ends, -match_len))[:max_candidates]
     return [history[e + 1 : e + 1 + branch_length] for e in ends[order] if e + 1 < n]
+
+
+class _History:
+    """A request's token ids as a growing numpy buffer (appends are amortised O(1))."""
+
+    __slots__ = ("buf", "length")
+
+    def __init__(self, token_ids: Sequence[int]) -> None:
+        self.buf = np.asarray(token_ids, dtype=np.int64)
+        self.length = len(self.buf)
+
+    def sync(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Bring the buffer up to ``token_ids`` (append the new tail) and return a view.
+
+        Tokens are only ever appended while a request runs; a shorter or diverging list (a
+        stop cut the output) rebuilds the buffer.
+        """
+        n = len(token_ids)
+        if n < self.length or (self.length and int(self.buf[self.length - 1])
+                               != token_ids[self.length - 1]):
+            self.__init__(token_ids)  # type: ignore[misc]
+        elif n > self.length:
+            if n > len(self.buf):
+                grown = np.empty(max(2 * len(self.buf), n), dtype=np.int64)
+                grown[: self.length] = self.buf[: self.length]
+                self.buf = grown
+            self.buf[self.length:n] = token_ids[self.length:n]
+            self.length = n
+        return self.buf[: self.length]
 
 
 class NgramDrafter(Drafter):
@@ -75,8 +103,9 @@ class NgramDrafter(Drafter):
         self.min_window = spec.ngram_min_window
         self.max_window = spec.ngram_max_window
         self.branch_length = spec.ngram_branch_length
+        self._histories: dict[str, _History] = {}
 
-    def build_tree(self, token_ids: Sequence[int]) -> tuple[list[int], list[int]]:
+    def build_tree(self, token_ids: Sequence[int] | np.ndarray) -> tuple[list[int], list[int]]:
         """Tokens and parents (node 0 first) of one request's tree, at most ``num_nodes``."""
         history = np.asarray(token_ids, dtype=np.int64)
         tokens = [int(history[-1])]
@@ -106,10 +135,16 @@ class NgramDrafter(Drafter):
 
     def propose(self, reqs: Sequence[DraftRequest]) -> VerifyTree:
         n = self.num_nodes
-        tokens = torch.full((len(reqs), n), -1, dtype=torch.int64)
-        parents = torch.zeros((len(reqs), n), dtype=torch.int64)
+        tokens = np.full((len(reqs), n), -1, dtype=np.int64)
+        parents = np.zeros((len(reqs), n), dtype=np.int64)
         for b, req in enumerate(reqs):
-            toks, pars = self.build_tree(req.token_ids)
-            tokens[b, : len(toks)] = torch.tensor(toks)
-            parents[b, : len(pars)] = torch.tensor(pars)
-        return VerifyTree.from_parents(tokens, parents)
+            hist = self._histories.get(req.request_id)
+            if hist is None:
+                hist = self._histories[req.request_id] = _History(req.token_ids)
+            toks, pars = self.build_tree(hist.sync(req.token_ids))
+            tokens[b, : len(toks)] = toks
+            parents[b, : len(pars)] = pars
+        return VerifyTree.from_parents(torch.from_numpy(tokens), torch.from_numpy(parents))
+
+    def release(self, request_id: str) -> None:
+        self._histories.pop(request_id, None)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -73,6 +74,13 @@ class VerifyTree:
                 f"draft_tokens {tuple(draft_tokens.shape)} and parents "
                 f"{tuple(parents.shape)} must both be [B, N]"
             )
+        if draft_tokens.device.type == "cpu":
+            return cls._from_parents_host(draft_tokens, parents)
+        return cls._from_parents_torch(draft_tokens, parents)
+
+    @classmethod
+    def _from_parents_torch(cls, draft_tokens: torch.Tensor, parents: torch.Tensor) -> VerifyTree:
+        """:meth:`from_parents` in torch ops (device trees: no host sync, any device)."""
         bsz, n = draft_tokens.shape
         device = draft_tokens.device
         valid = draft_tokens >= 0
@@ -111,10 +119,48 @@ class VerifyTree:
         )
 
     @classmethod
+    def _from_parents_host(cls, draft_tokens: torch.Tensor, parents: torch.Tensor) -> VerifyTree:
+        """:meth:`from_parents` for host tensors, in numpy: one pass per tree column instead
+        of ``[B, N, N]`` torch reductions (the n-gram drafter builds its trees on the host
+        every step, where torch's small CPU ops cost ~ms at batch 32)."""
+        toks = draft_tokens.numpy()
+        bsz, n = toks.shape
+        valid = toks >= 0
+        valid[:, 0] = True
+        par = np.where(valid, parents.numpy(), 0)
+        par[:, 0] = -1
+        rows = np.arange(bsz)
+        anc = np.broadcast_to(np.eye(n, dtype=bool), (bsz, n, n)).copy()
+        for i in range(1, n):  # parents precede children: each parent's row is complete
+            anc[:, i] |= anc[rows, par[:, i]]
+        depth = anc.sum(-1) - 1
+        next_token = np.full((bsz, n), -1, dtype=np.int64)
+        next_sibling = np.full((bsz, n), -1, dtype=np.int64)
+        # Walk children from the last node back: a node's next sibling is the child of the
+        # same parent seen just before it, and a parent's first child is the last one seen.
+        for c in range(n - 1, 0, -1):
+            real = rows[valid[:, c]]
+            p = par[real, c]
+            next_sibling[real, c] = next_token[real, p]
+            next_token[real, p] = c
+        return cls(
+            draft_tokens=draft_tokens,
+            parents=torch.from_numpy(par),
+            depth=torch.from_numpy(depth.astype(np.int64)),
+            next_token=torch.from_numpy(next_token),
+            next_sibling=torch.from_numpy(next_sibling),
+            ancestor_mask=torch.from_numpy(anc),
+        )
+
+    @classmethod
     def root_only(cls, last_tokens: torch.Tensor) -> VerifyTree:
         """The degenerate tree of plain decoding: node 0 only. ``last_tokens``: ``[B]`` int64."""
         tokens = last_tokens.view(-1, 1).to(torch.int64)
-        return cls.from_parents(tokens, torch.full_like(tokens, -1))
+        minus_one = torch.full_like(tokens, -1)
+        return cls(draft_tokens=tokens, parents=minus_one, depth=torch.zeros_like(tokens),
+                   next_token=minus_one, next_sibling=minus_one,
+                   ancestor_mask=torch.ones(tokens.shape[0], 1, 1, dtype=torch.bool,
+                                            device=tokens.device))
 
     def to(self, device: torch.device, *, non_blocking: bool = False) -> VerifyTree:
         """Copy every field to ``device`` (H2D from pinned memory is async with non_blocking)."""

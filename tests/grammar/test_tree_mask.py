@@ -271,7 +271,8 @@ def test_parallel_traversal_speedup(backend: GrammarBackend, hf_tokenizer: Any) 
         for _ in range(5):
             t0 = time.perf_counter()
             res = build_grammar_vocab_mask(matchers, tree, vocab_size=backend.vocab_size,
-                                           device="cpu", time_limit_s=10.0, executor=executor)
+                                           device="cpu", time_limit_s=10.0, executor=executor,
+                                           num_workers=2)
             best = min(best, time.perf_counter() - t0)
             out = res.bitmask_cpu
         return best, out

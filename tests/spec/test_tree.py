@@ -35,3 +35,29 @@ def test_root_only() -> None:
     tree = VerifyTree.root_only(torch.tensor([4, 9]))
     assert tree.num_nodes == 1 and tree.next_token.tolist() == [[-1], [-1]]
     assert tree.ancestor_mask.all()
+
+
+def test_host_and_torch_builds_agree_on_random_trees() -> None:
+    """The numpy host path (n-gram trees) and the torch path (device trees) are one layout."""
+    import random
+
+    rng = random.Random(0)
+    fields = ("draft_tokens", "parents", "depth", "next_token", "next_sibling", "ancestor_mask")
+    for _ in range(300):
+        b, n = rng.randint(1, 5), rng.randint(1, 12)
+        toks = torch.randint(0, 100, (b, n))
+        par = torch.zeros(b, n, dtype=torch.int64)
+        for r in range(b):
+            for i in range(1, n):
+                par[r, i] = rng.randrange(i)
+                if rng.random() < 0.2:
+                    toks[r, i] = -1  # padding node
+        host = VerifyTree._from_parents_host(toks.clone(), par.clone())
+        ref = VerifyTree._from_parents_torch(toks.clone(), par.clone())
+        for f in fields:
+            assert torch.equal(getattr(host, f), getattr(ref, f)), f
+    last = torch.tensor([5, 7])
+    root = VerifyTree.root_only(last)
+    ref = VerifyTree._from_parents_torch(last.view(-1, 1), torch.full((2, 1), -1))
+    for f in fields:
+        assert torch.equal(getattr(root, f), getattr(ref, f)), f

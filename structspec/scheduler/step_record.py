@@ -1,0 +1,46 @@
+"""The timing record of one verify step (torch-free: the server's front end imports it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+CPU_PHASES = ("draft", "launch", "barrier", "mask", "text", "wait", "commit")
+GPU_INTERVALS = ("gpu_draft", "gpu_forward", "gpu_grammar_stall", "gpu_post", "gpu_idle_before")
+
+
+@dataclass
+class StepRecord:
+    """Timings of one verify step, milliseconds (GPU fields stay None on the CPU).
+
+    Attributes:
+        batch_size: requests in the step.
+        num_nodes: tree size ``N``.
+        constrained: requests with a grammar.
+        wall_ms: host time from the step's start to the end of its commit.
+        cpu_ms: host time per phase (keys :data:`CPU_PHASES`): ``draft`` (propose),
+            ``launch`` (tree upload + verify launch), ``barrier`` (matchers advanced over the
+            previous step), ``mask`` (tree bitmask build + upload), ``text`` (previous step's
+            detokenization / stop strings), ``wait`` (host blocked on the step's results),
+            ``commit`` (results committed, drafter updated).
+        gpu_draft_ms, gpu_forward_ms, gpu_grammar_stall_ms, gpu_post_ms, gpu_idle_before_ms:
+            see the module docstring.
+    """
+
+    batch_size: int
+    num_nodes: int
+    constrained: int
+    wall_ms: float = 0.0
+    cpu_ms: dict[str, float] = field(default_factory=dict)
+    gpu_draft_ms: float | None = None
+    gpu_forward_ms: float | None = None
+    gpu_grammar_stall_ms: float | None = None
+    gpu_post_ms: float | None = None
+    gpu_idle_before_ms: float | None = None
+
+    @property
+    def gpu_busy_ms(self) -> float | None:
+        """GPU time from ``start`` to ``end`` minus the grammar stall inside it."""
+        if self.gpu_forward_ms is None:
+            return None
+        return ((self.gpu_draft_ms or 0.0) + self.gpu_forward_ms + (self.gpu_post_ms or 0.0)
+                - (self.gpu_grammar_stall_ms or 0.0))
