@@ -28,7 +28,7 @@ from structspec.engine.model_runner import ModelRunner
 from structspec.grammar.backend import GrammarBackend
 from structspec.grammar.bitmask import apply_bitmask_
 from structspec.grammar.errors import GrammarError
-from structspec.grammar.tree import GrammarTree, build_grammar_vocab_mask
+from structspec.grammar.tree import GrammarMaskResult, GrammarTree, build_grammar_vocab_mask
 from structspec.kvcache.allocator import PageAllocator
 from structspec.layers.sampler import SamplingBatch, sample_rows
 from structspec.scheduler.commit import advance_grammar, commit_tokens, process_text
@@ -308,17 +308,24 @@ class Scheduler:
         timer.event("fwd_start")
         tree_dev = self._tree_to_device(tree)
         gtree = self._stage_grammar_tree(reqs, tree)
-        fwd = self.runner.verify(tree_dev, [r.seq_len for r in reqs], [r.pages for r in reqs])
-        timer.event("fwd_end")
-        timer.phase("launch")
-        # From here the GPU runs the verify forward; the CPU work below hides under it.
         deferred, self._deferred = self._deferred, []
 
         def barrier() -> None:
             self._grammar_barrier(deferred)
             timer.phase("barrier")
 
-        step = self._select_and_verify(reqs, tree_dev, gtree, fwd.logits, barrier=barrier)
+        early_mask: GrammarMaskResult | None = None
+        if gtree is not None and not self.drafter.supports_grammar_overlap:
+            # Synchronous fallback for drafters that cannot overlap: barrier and mask build
+            # finish before the verify launch (the GPU idles meanwhile).
+            early_mask = self._build_mask(reqs, gtree, barrier)
+            barrier, gtree = None, None
+        fwd = self.runner.verify(tree_dev, [r.seq_len for r in reqs], [r.pages for r in reqs])
+        timer.event("fwd_end")
+        timer.phase("launch")
+        # From here the GPU runs the verify forward; the CPU work below hides under it.
+        step = self._select_and_verify(reqs, tree_dev, gtree, fwd.logits, barrier=barrier,
+                                       early_mask=early_mask)
         self.runner.commit_accepted_kv(fwd, step.result)
         timer.event("end")
         timer.phase("launch")
@@ -367,22 +374,19 @@ class Scheduler:
         logits: torch.Tensor,
         *,
         barrier: Callable[[], None] | None,
+        early_mask: GrammarMaskResult | None = None,
     ) -> PendingStep:
         """Mask, choose a target token per node row, verify the trees; start the D2H copy.
 
         ``barrier`` runs first (it advances matchers over the previous step's ids); the mask
         is built after it, on the host, while the device still runs the forward.
+        ``early_mask``: a mask already built before the launch (synchronous fallback).
         """
         n = tree_dev.num_nodes
         cap = None
-        if gtree is not None:
-            mask = build_grammar_vocab_mask(
-                [r.matcher for r in reqs], gtree, vocab_size=self.runner.vocab_size,
-                device=logits.device, barrier=barrier, executor=self.grammar_executor,
-                num_workers=self.grammar_workers,
-            )
+        if gtree is not None or early_mask is not None:
+            mask = early_mask if gtree is None else self._build_mask(reqs, gtree, barrier)
             self.timer.event("post")
-            self.timer.phase("mask")
             if mask is not None:
                 apply_bitmask_(logits, mask.bitmask_device)
                 if mask.truncated_requests:  # a tree walk timed out: bonus token only
@@ -402,6 +406,17 @@ class Scheduler:
             step.on_wait = lambda runs: self._record_logprobs(
                 reqs, logits.view(len(reqs), n, -1), result.accept_nodes, runs)
         return step
+
+    def _build_mask(self, reqs: Sequence[Req], gtree: GrammarTree,
+                    barrier: Callable[[], None] | None) -> GrammarMaskResult | None:
+        """Barrier, then the tree bitmask (queued to the device ``non_blocking``)."""
+        mask = build_grammar_vocab_mask(
+            [r.matcher for r in reqs], gtree, vocab_size=self.runner.vocab_size,
+            device=self.runner.device, barrier=barrier, executor=self.grammar_executor,
+            num_workers=self.grammar_workers,
+        )
+        self.timer.phase("mask")
+        return mask
 
     def _sampling_batch(self, reqs: Sequence[Req], n: int, device: torch.device) -> SamplingBatch:
         ps = [r.params for r in reqs]

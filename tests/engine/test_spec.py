@@ -151,3 +151,22 @@ def test_overlap_on_and_off_give_identical_outputs(make_llm) -> None:
     for a, b in zip(*outs, strict=True):
         assert a.token_ids == b.token_ids and a.text == b.text
         assert a.finish_reason == b.finish_reason and a.stop_reason == b.stop_reason
+
+
+def test_synchronous_grammar_fallback_matches_overlap(make_llm) -> None:
+    """A drafter without ``supports_grammar_overlap`` gets its mask built before the verify
+    launch; outputs equal the overlapped path, and the step timer sees every verify step."""
+    params = mixed_params(6)
+    llm = make_llm(speculative_algorithm="ngram", num_draft_tokens=8)
+    ref = llm.generate(PROMPTS[:6], params)
+    drafter = llm.engine.drafter
+    drafter.supports_grammar_overlap = False  # instance attribute shadows the class flag
+    try:
+        llm.engine.step_stats(reset=True)
+        got = llm.generate(PROMPTS[:6], params)
+        stats = llm.engine.step_stats()
+    finally:
+        del drafter.supports_grammar_overlap
+    for a, b in zip(ref, got, strict=True):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+    assert stats["steps"] > 0 and stats["cpu_mask_ms"] > 0 and stats["wall_ms"] > 0
