@@ -8,11 +8,23 @@ The schema forces long outputs (an array of at least 400 objects), so every requ
 constrained for the whole window.
 
     PYTHONPATH=$PWD python benchmarks/grammar_overlap.py --device cuda --batch 1 8 32 64
+
+Other models: ``--model DIR`` (default SmolLM2-135M-Instruct), with ``--load-format dummy`` for
+seeded random weights built on the GPU from config.json alone, e.g. the Llama-3-8B shape with
+the real Llama-3 tokenizer, drafting with a random Llama-3.2-1B-shaped model::
+
+    PYTHONPATH=$PWD python benchmarks/grammar_overlap.py --device cuda \
+        --model benchmarks/assets/llama3-8b-shape --load-format dummy \
+        --algorithms none ngram draft_model --draft-model benchmarks/assets/llama3-1b-draft-shape
+
+(random weights: the draft model's proposals are almost never accepted, and outputs are
+whatever the grammar allows; the step times are what this measures.)
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from pathlib import Path
@@ -35,10 +47,20 @@ LONG_SCHEMA = {
 }
 
 
-def step_ms(llm: LLM, prompts: list[str], grammar: bool, steps: int) -> tuple[float, float]:
-    """Mean verify-step wall time (ms) and committed tokens per step over ``steps`` steps."""
+def step_ms(llm: LLM, prompts: list[str], grammar: bool, steps: int,
+            max_tokens: int = 4000) -> dict[str, float]:
+    """Verify-step timings over ``steps`` steady-state steps.
+
+    Returns the engine's step summary (``StepTimer.summary``: host phases, GPU busy, idle gap
+    and grammar stall, ms per step) plus ``event_ms`` (CUDA-event time of the whole window /
+    steps: the step time of issue #4; host wall time on the CPU) and ``tokens_per_req_step``.
+
+    ``max_tokens`` must outlast the warm-up and the window (``(steps + 3) * N`` tokens) yet
+    stay small: the scheduler reserves ``prompt + max_tokens`` KV slots per request at
+    admission, and a request that does not fit waits, which would stall the warm-up loop.
+    """
     engine = llm.engine
-    sp = SamplingParams(max_tokens=4000, ignore_eos=True,
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True,
                         grammar=JsonSchemaSpec(LONG_SCHEMA) if grammar else None)
     for p in prompts:
         engine.add_request(p, sp)
@@ -47,21 +69,57 @@ def step_ms(llm: LLM, prompts: list[str], grammar: bool, steps: int) -> tuple[fl
         engine.step()
     for _ in range(3):  # warm-up: graph capture for this bucket
         engine.step()
-    if torch.cuda.is_available():
+    cuda = torch.cuda.is_available() and engine.runner.device.type == "cuda"
+    if cuda:
         torch.cuda.synchronize()
+    engine.step_stats(reset=True)
     before = sum(r.spec.committed_tokens for r in sched.running)
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
+    if cuda:
+        end.record()
+        end.synchronize()
+        window_ms = start.elapsed_time(end)
+    else:
+        window_ms = (time.perf_counter() - t0) * 1e3
+    out = engine.step_stats()
     tokens = sum(r.spec.committed_tokens for r in sched.running) - before
+    if out.get("steps", 0) != steps or len(sched.running) != len(prompts):
+        raise RuntimeError(f"window not steady: {out.get('steps')} verify steps of {steps}, "
+                           f"{len(sched.running)} of {len(prompts)} requests running")
     for r in list(sched.requests):
         engine.abort_request(r)
     while engine.has_unfinished_requests():
         engine.step()
-    return dt / steps * 1000, tokens / steps / max(len(prompts), 1)
+    out["event_ms"] = window_ms / steps
+    out["tokens_per_req_step"] = tokens / steps / max(len(prompts), 1)
+    return out
+
+
+def draft_for(algo: str, args: argparse.Namespace) -> str | None:
+    """The draft model of ``draft_model``/``eagle``: ``--draft-model``, else (draft_model
+    only) the target itself (SmolLM2 has no smaller sibling offline)."""
+    if algo not in ("draft_model", "eagle"):
+        return None
+    if args.draft_model:
+        return args.draft_model
+    if algo == "eagle":
+        raise SystemExit("--algorithms eagle needs --draft-model (an EAGLE head)")
+    from structspec.models.default_model import resolve_model_path
+
+    return resolve_model_path(args.model)
+
+
+def breakdown(tag: str, s: dict[str, float]) -> str:
+    """``tag.key=value`` pairs of the step summary that explain a step time (ms)."""
+    keys = ("gpu_forward_ms", "gpu_busy_ms", "gpu_idle_before_ms", "gpu_grammar_stall_ms",
+            "cpu_draft_ms", "cpu_launch_ms", "cpu_barrier_ms", "cpu_mask_ms", "cpu_text_ms",
+            "cpu_wait_ms", "cpu_commit_ms")
+    return " ".join(f"{tag}.{k[:-3]}={s[k]:.3f}" for k in keys if k in s)
 
 
 def main() -> None:
@@ -71,20 +129,50 @@ def main() -> None:
     ap.add_argument("--algorithms", nargs="+", default=["ngram"])
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--num-draft-tokens", type=int, default=8)
+    ap.add_argument("--model", default=None,
+                    help="model directory or .gguf (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                    help="auto: read the weights; dummy: seeded random weights from "
+                         "config.json (target and --draft-model)")
+    ap.add_argument("--draft-model", default=None,
+                    help="draft model directory (algorithm draft_model) or EAGLE head (eagle)")
+    ap.add_argument("--kernels", default="auto", choices=["auto", "triton", "torch"],
+                    help="forward kernels (auto: Triton on CUDA when available)")
+    ap.add_argument("--kv-capacity-tokens", type=int, default=None,
+                    help="KV cache size in tokens (default: the engine's)")
+    ap.add_argument("--seed", type=int, default=0, help="engine seed (dummy weights too)")
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="per request (default: (steps + 8) * num_draft_tokens + 64, enough to "
+                         "stay alive through the window; KV is reserved for all of it)")
     args = ap.parse_args()
+    max_tokens = args.max_tokens or (args.steps + 8) * args.num_draft_tokens + 64
+    model_name = Path(args.model).name if args.model else "smollm2-135m"
     prompts_all = [p for p, _ in extraction_prompts(max(args.batch), seed=3)]
     for algo in args.algorithms:
         for overlap in (True, False):
-            llm = LLM(device=args.device, speculative_algorithm=algo, overlap=overlap,
-                      num_draft_tokens=args.num_draft_tokens, max_batch_size=max(args.batch))
+            llm = LLM(args.model, device=args.device, speculative_algorithm=algo,
+                      overlap=overlap, num_draft_tokens=args.num_draft_tokens,
+                      max_batch_size=max(args.batch), load_format=args.load_format,
+                      kernels=args.kernels, seed=args.seed,
+                      kv_capacity_tokens=args.kv_capacity_tokens,
+                      draft_model=draft_for(algo, args))
+            kernels = llm.engine.config.kernels
             for bs in args.batch:
-                plain, _ = step_ms(llm, prompts_all[:bs], False, args.steps)
-                gram, acc = step_ms(llm, prompts_all[:bs], True, args.steps)
-                print(f"grammar_overlap algo={algo} overlap={'on' if overlap else 'off'} "
-                      f"bs={bs:<3} N={args.num_draft_tokens} step_ms_no_grammar={plain:.3f} "
-                      f"step_ms_json_schema={gram:.3f} ratio={gram / plain:.3f} "
-                      f"tokens_per_req_step={acc:.2f}", flush=True)
+                plain = step_ms(llm, prompts_all[:bs], False, args.steps, max_tokens)
+                gram = step_ms(llm, prompts_all[:bs], True, args.steps, max_tokens)
+                print(f"grammar_overlap model={model_name} kernels={kernels} algo={algo} "
+                      f"overlap={'on' if overlap else 'off'} "
+                      f"bs={bs:<3} N={llm.engine.drafter.num_nodes} "
+                      f"step_ms_no_grammar={plain['event_ms']:.3f} "
+                      f"step_ms_json_schema={gram['event_ms']:.3f} "
+                      f"ratio={gram['event_ms'] / plain['event_ms']:.3f} "
+                      f"tokens_per_req_step={gram['tokens_per_req_step']:.2f} "
+                      + breakdown("plain", plain) + " " + breakdown("json", gram), flush=True)
+            llm.engine.grammar.shutdown()
             del llm
+            gc.collect()  # free this engine's weights and KV before the next one is built
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

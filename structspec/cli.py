@@ -42,6 +42,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="disable CPU/GPU overlap scheduling (ablation; same greedy output)")
     g.add_argument("--no-cuda-graph", action="store_true",
                    help="run verify forwards eagerly on CUDA (ablation/debugging)")
+    g.add_argument("--kernels", default="auto", choices=["auto", "triton", "torch"],
+                   help="forward kernels: fused Triton kernels (CUDA), the torch reference, "
+                        "or auto (Triton on CUDA when available)")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="auto: read the checkpoint's weights; dummy: seeded random weights "
+                        "built on the device from config.json alone (benchmarks; also applies "
+                        "to --draft-model of speculative_algorithm draft_model)")
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--speculative-algorithm", default="none",
                    choices=["none", "ngram", "draft_model", "eagle"],
@@ -200,6 +207,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         grammar_compile_timeout_s=args.grammar_compile_timeout,
         overlap=not args.no_overlap,
         cuda_graph=not args.no_cuda_graph,
+        kernels=args.kernels,
+        load_format=args.load_format,
     )
 
 

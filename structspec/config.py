@@ -161,6 +161,10 @@ class GrammarConfig:
     cache_max_entries: int = 1024
     any_whitespace: bool = False  # False: compact JSON (`, ` and `: ` separators), fewer tokens
     max_rollback_tokens: int = 64  # must be >= the deepest draft path
+    # Threads that walk the requests' draft trees in parallel when building the tree bitmask
+    # (xgrammar releases the GIL inside the walk). 0 = auto: half the cores, at most 8, and
+    # serial below 8 cores (on 2 cores the thread hand-offs cost more than they save).
+    mask_build_threads: int = 0
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,11 @@ class LLM:
         max_batch_size, kv_capacity_tokens, page_size, max_model_len, seed,
         grammar_compile_timeout_s, overlap, cuda_graph, speculative_depth, speculative_topk: see
         :mod:`structspec.config`.
+        kernels: ``auto`` (fused Triton kernels on CUDA when triton imports, else torch),
+            ``triton`` (required; ValueError without CUDA + triton) or ``torch`` (reference).
+        load_format: ``auto`` reads the checkpoint's weights; ``dummy`` builds seeded random
+            weights (``seed``) on the device from ``config.json`` alone, for the target and a
+            ``draft_model`` draft model (benchmarks of large shapes without their weights).
 
     Raises:
         FileNotFoundError / ValueError: bad model path or option, with the reason.
@@ -60,6 +65,8 @@ class LLM:
         grammar_compile_timeout_s: float = 30.0,
         overlap: bool = True,
         cuda_graph: bool = True,
+        kernels: str = "auto",
+        load_format: str = "auto",
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -68,6 +75,8 @@ class LLM:
             max_model_len=max_model_len,
             seed=seed,
             cuda_graph=cuda_graph,
+            kernels=kernels,
+            load_format=load_format,
             cache=CacheConfig(page_size=page_size, kv_capacity_tokens=kv_capacity_tokens),
             spec=SpecConfig(algorithm=speculative_algorithm, num_draft_tokens=num_draft_tokens,
                             depth=speculative_depth, topk=speculative_topk,

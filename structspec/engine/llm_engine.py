@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from structspec.config import EngineConfig, resolve_engine_config
+from structspec.config import EngineConfig, GrammarConfig, resolve_engine_config
 from structspec.core import ChatMessages, RequestOutput, SamplingParams, now
 from structspec.engine.model_runner import ModelRunner
 from structspec.grammar.backend import GrammarBackend
@@ -42,7 +42,9 @@ class LLMEngine:
     """Loads the model, tokenizer, grammar backend and drafter; runs the scheduler.
 
     Args:
-        config: engine configuration ("auto" fields are resolved here).
+        config: engine configuration ("auto" fields are resolved here). With
+            ``load_format="dummy"`` the target (and a ``draft_model`` drafter's model) get
+            seeded random weights (seed ``config.seed``) built on the device from config.json.
 
     Raises:
         FileNotFoundError / ValueError: on a bad model path or config, naming what is wrong.
@@ -60,7 +62,8 @@ class LLMEngine:
         self.model_path = resolve_model_path(config.model)
         device, dtype = config.torch_device, config.torch_dtype
         torch.manual_seed(config.seed)
-        model, model_config = load_model(self.model_path, device=device, dtype=dtype)
+        model, model_config = load_model(self.model_path, device=device, dtype=dtype,
+                                         load_format=config.load_format, seed=config.seed)
         self.model_config = model_config
         self.tokenizer = Tokenizer(self.model_path)
         self.max_model_len = min(
@@ -69,7 +72,8 @@ class LLMEngine:
         )
         self.runner = ModelRunner(model, model_config, config.cache, device=device, dtype=dtype,
                                   use_cuda_graph=config.cuda_graph,
-                                  max_model_len=self.max_model_len + config.spec.tree_size)
+                                  max_model_len=self.max_model_len + config.spec.tree_size,
+                                  kernels=config.kernels)
         self.grammar = GrammarBackend(
             self.tokenizer.hf,
             vocab_size=model_config.vocab_size,
@@ -77,13 +81,15 @@ class LLMEngine:
             config=config.grammar,
         )
         self.drafter = create_drafter(config.spec, target=self.runner, device=device, dtype=dtype,
-                                      max_batch_size=config.scheduler.max_batch_size)
+                                      max_batch_size=config.scheduler.max_batch_size,
+                                      load_format=config.load_format, seed=config.seed)
         self.scheduler = Scheduler(config, self.runner, self.grammar, self.drafter)
-        if (os.cpu_count() or 1) > 1:
+        threads = mask_build_threads(config.grammar)
+        if threads > 1:
             # xgrammar's tree walk releases the GIL: requests' masks build in parallel.
             self.scheduler.grammar_executor = ThreadPoolExecutor(
-                max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="structspec-mask"
-            )
+                max_workers=threads, thread_name_prefix="structspec-mask")
+            self.scheduler.grammar_workers = threads
         self._next_id = 0
         #: detokenize every request in the engine (text in outputs). A front end that
         #: detokenizes itself sets this False: then only requests with stop strings are.
@@ -187,6 +193,15 @@ class LLMEngine:
             "kv_total_pages": s.allocator.num_pages - 1,
         }
 
+    def step_stats(self, reset: bool = False) -> dict[str, float]:
+        """Mean verify-step timings since start or the last reset (ms; see
+        :meth:`structspec.scheduler.step_stats.StepTimer.summary`): wall time, host time per
+        phase, and on CUDA the GPU busy time, idle gap before each step and grammar stall."""
+        out = self.scheduler.timer.summary()
+        if reset:
+            self.scheduler.timer.reset()
+        return out
+
     def generate_all(
         self, prompts: Sequence[PromptInput], params: Sequence[SamplingParams], *,
         raw_prompt: bool = False, progress: Any = None,
@@ -219,3 +234,12 @@ def _param_of(message: str) -> str | None:
     """The SamplingParams field a validation message starts with (they all do)."""
     head = message.split(" ", 1)[0]
     return head if head.isidentifier() else None
+
+
+def mask_build_threads(config: GrammarConfig) -> int:
+    """Threads for the tree bitmask build: ``config.mask_build_threads``, or for 0 (auto)
+    half the cores, at most 8, and 1 (serial) on machines with fewer than 8 cores."""
+    if config.mask_build_threads > 0:
+        return config.mask_build_threads
+    cores = os.cpu_count() or 1
+    return 1 if cores < 8 else min(8, cores // 2)

@@ -81,6 +81,9 @@ class ModelRunner:
         cuda_graph_batch_sizes: batch-size buckets for the graphs; larger batches run eagerly.
         max_model_len: largest KV-length bucket (default: the model's
             ``max_position_embeddings``); longer sequences run eagerly.
+        kernels: ``"torch"`` (reference ops) or ``"triton"`` (fused Triton kernels, CUDA): the
+            resolved ``EngineConfig.kernels``, passed to ``model.set_kernels``; None = keep the
+            model's current choice. Drafters read ``runner.kernels`` to pick the same.
 
     Verify outputs on CUDA with graphs are views of static graph buffers: valid until the next
     :meth:`verify` call.
@@ -97,8 +100,13 @@ class ModelRunner:
         use_cuda_graph: bool = True,
         cuda_graph_batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
         max_model_len: int | None = None,
+        kernels: str | None = None,
     ) -> None:
         self.model = model
+        if kernels is not None and hasattr(model, "set_kernels"):
+            model.set_kernels(kernels)  # before any graph capture bakes the implementation in
+        #: the forward implementation in use, "torch" or "triton".
+        self.kernels: str = kernels or getattr(model, "kernels", "torch")
         self.model_config = model_config
         self.device = device
         self.page_size = cache_config.page_size

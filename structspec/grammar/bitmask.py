@@ -7,6 +7,9 @@ constraint.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
@@ -37,8 +40,10 @@ def allocate_bitmask(rows: int, vocab_size: int, *, pin: bool) -> torch.Tensor:
 def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """Set the logits of forbidden tokens to ``-inf``, in place, with no host synchronisation.
 
-    Pure torch (shifts and a ``masked_fill_``), so it runs on the CPU and on CUDA and can be
-    captured in a CUDA graph.
+    On CUDA with triton installed it runs one fused kernel
+    (:func:`structspec.kernels.bitmask.apply_token_bitmask_inplace`); otherwise pure torch
+    (shifts and a ``masked_fill_``), the reference, which runs on the CPU and on CUDA. Both can
+    be captured in a CUDA graph.
 
     Args:
         logits: ``float [R, V]`` (any float dtype), on the same device as ``bitmask``.
@@ -56,6 +61,18 @@ def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
                          "must be [R, V] and [R, W]")
     if logits.device != bitmask.device:
         raise ValueError(f"logits on {logits.device} but bitmask on {bitmask.device}")
+    if logits.is_cuda and bitmask.dtype == torch.int32 and logits.stride(-1) == 1:
+        fused = _fused_kernel()
+        if fused is not None:
+            return fused(logits, bitmask)
+    return apply_bitmask_reference_(logits, bitmask)
+
+
+def apply_bitmask_reference_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """The pure-torch body of :func:`apply_bitmask_` (any device; no validation, no dispatch).
+
+    ``logits [R, V]`` float and ``bitmask [R, W]`` int32 on one device; returns ``logits``.
+    """
     rows, vocab = logits.shape
     width = bitmask.shape[1]
     shifts = _SHIFTS.get(bitmask.device)
@@ -68,3 +85,15 @@ def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     if vocab > covered:
         logits[:, covered:] = float("-inf")
     return logits
+
+
+@functools.cache
+def _fused_kernel() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """The Triton bitmask kernel, or None when triton is not installed (imported once)."""
+    from structspec.kernels import triton_available
+
+    if not triton_available():
+        return None
+    from structspec.kernels.bitmask import apply_token_bitmask_inplace
+
+    return apply_token_bitmask_inplace

@@ -6,11 +6,24 @@ captured in a CUDA graph.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 
 from structspec.kvcache.pool import KVPool
 from structspec.layers.forward_batch import ForwardBatch
+
+
+class AttentionBackend(Protocol):
+    """What models call to attend: :class:`TorchAttentionBackend` (reference, CPU and CUDA) or
+    :class:`structspec.kernels.attention.TritonAttentionBackend` (CUDA)."""
+
+    def forward(
+        self, q: torch.Tensor, layer_id: int, fb: ForwardBatch, kv_pool: KVPool
+    ) -> torch.Tensor:
+        """``q [B, Q, Hq, D]`` -> ``[B, Q, Hq, D]`` over ``fb.kv_slots`` under ``fb.attn_mask``."""
+        ...
 
 
 def write_kv(

@@ -1,4 +1,5 @@
-"""Load a local Hugging Face checkpoint (config.json + safetensors) or a .gguf file."""
+"""Load a local Hugging Face checkpoint (config.json + safetensors) or a .gguf file, or build a
+model with seeded random weights from its config.json alone (``load_format="dummy"``)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,10 @@ from structspec.models.default_model import resolve_model_path
 from structspec.models.registry import get_model_class
 
 INDEX_FILE = "model.safetensors.index.json"
+#: ``load_format`` values: read the checkpoint, or seeded random weights from config.json only.
+LOAD_FORMATS = ("auto", "dummy")
+#: std of the ``dummy`` normal initialisation when config.json has no ``initializer_range``.
+DUMMY_STD = 0.02
 
 
 def read_hf_config(model_dir: Path) -> dict[str, Any]:
@@ -90,15 +95,31 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
             raise ValueError(f"{f}: cannot read safetensors file: {e}") from e
 
 
-def load_model(path: str, *, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, ModelConfig]:
-    """Build the model for a local checkpoint and load its weights.
+def load_model(
+    path: str,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    load_format: str = "auto",
+    seed: int = 0,
+) -> tuple[nn.Module, ModelConfig]:
+    """Build the model for a local checkpoint and load (or, ``dummy``, randomly make) its weights.
+
+    Parameters are allocated once, uninitialised, directly on ``device`` in ``dtype`` (built on
+    the meta device first, so no CPU copy of the model ever exists), then filled.
 
     Args:
         path: a HF model directory (config.json + ``*.safetensors``, sharded index supported) or
             a ``.gguf`` file (converted once to a cached HF directory, see
-            :func:`structspec.models.gguf_convert.convert_gguf`).
+            :func:`structspec.models.gguf_convert.convert_gguf`). With ``load_format="dummy"``
+            only config.json is read (the directory needs no weights).
         device: where parameters live.
         dtype: parameter dtype; checkpoint tensors are cast to it (rotary frequencies stay fp32).
+        load_format: ``"auto"`` reads the checkpoint's safetensors; ``"dummy"`` fills the
+            parameters with seeded random values on the device instead (see
+            :func:`init_dummy_weights`): for benchmarks of shapes whose weights are not at hand.
+        seed: seed of the ``dummy`` initialisation (same path, seed, device and dtype give
+            bit-identical weights); unused by ``auto``.
 
     Returns:
         ``(model in eval mode without grads, its ModelConfig)``.
@@ -106,7 +127,8 @@ def load_model(path: str, *, device: torch.device, dtype: torch.dtype) -> tuple[
     Raises:
         FileNotFoundError: missing path, config.json, weights or shard (message names the file).
         ValueError: unsupported architecture/feature, malformed files, missing/unexpected/
-            mis-shaped tensors (message names the tensor and file set).
+            mis-shaped tensors (message names the tensor and file set), unknown
+            ``load_format``.
     """
     model_dir = Path(resolve_model_path(path))
     hf_cfg = read_hf_config(model_dir)
@@ -114,7 +136,9 @@ def load_model(path: str, *, device: torch.device, dtype: torch.dtype) -> tuple[
         config = ModelConfig.from_hf_config(hf_cfg)
     except ValueError as e:
         raise ValueError(f"{model_dir / 'config.json'}: {e}") from e
-    files = find_weight_files(model_dir)
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format={load_format!r}: expected one of {', '.join(LOAD_FORMATS)}")
+    files = find_weight_files(model_dir) if load_format == "auto" else []
     cls = get_model_class(config.architecture)
     with torch.device("meta"):
         model = cls(config)
@@ -122,7 +146,47 @@ def load_model(path: str, *, device: torch.device, dtype: torch.dtype) -> tuple[
     model.to_empty(device=device)
     model.tie_weights()
     model.rotary.reset_inv_freq()
-    source = str(files[0]) if len(files) == 1 else f"{model_dir} ({len(files)} safetensors shards)"
-    model.load_weights(iter_safetensors(files), source=source)
+    if load_format == "dummy":
+        std = float(hf_cfg.get("initializer_range") or DUMMY_STD)
+        init_dummy_weights(model, seed=seed, std=std)
+        model.tie_weights()
+    else:
+        source = str(files[0]) if len(files) == 1 else f"{model_dir} ({len(files)} safetensors shards)"
+        model.load_weights(iter_safetensors(files), source=source)
     model.eval().requires_grad_(False)
     return model, config
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, *, seed: int, std: float = DUMMY_STD) -> None:
+    """Fill every parameter of ``model`` in place with seeded random values, on its device.
+
+    Norm weights (parameters of a module whose name contains ``norm``, e.g.
+    ``input_layernorm``, ``q_norm``, the final ``norm``) become 1, biases 0, every other
+    parameter (embeddings, linear weights) ``normal(0, std)``, drawn in the parameter's own
+    dtype from a ``torch.Generator`` on the parameter's device seeded with ``seed``, in
+    ``named_parameters()`` order (tied parameters once). Same model class, config, seed, device
+    and dtype give bit-identical weights; the global RNG is not touched.
+
+    Args:
+        model: a module whose parameters are allocated (not on the meta device).
+        seed: generator seed.
+        std: standard deviation of the normal initialisation (HF's ``initializer_range``).
+
+    Raises:
+        ValueError: a parameter is still on the meta device.
+    """
+    generators: dict[torch.device, torch.Generator] = {}
+    for name, p in model.named_parameters():
+        if p.device.type == "meta":
+            raise ValueError(f"parameter {name!r} is on the meta device; allocate it first")
+        module_name, _, leaf = name.rpartition(".")
+        if "norm" in module_name.rpartition(".")[2]:
+            p.fill_(1.0)
+        elif leaf == "bias":
+            p.zero_()
+        else:
+            g = generators.get(p.device)
+            if g is None:
+                g = generators[p.device] = torch.Generator(device=p.device).manual_seed(seed)
+            p.normal_(mean=0.0, std=std, generator=g)

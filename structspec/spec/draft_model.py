@@ -42,6 +42,11 @@ class DraftModelDrafter(TreeDrafter):
         max_batch_size: used only for the default ``num_pages``.
         model: an already loaded ``(model, ModelConfig)`` pair instead of ``spec.draft_model``
             (tests, or sharing weights).
+        load_format: how ``spec.draft_model`` is loaded: ``"auto"`` reads its weights,
+            ``"dummy"`` builds seeded random weights from its config.json (see
+            :func:`structspec.models.loader.load_model`; with the target's own directory and
+            seed the draft then equals the target).
+        seed: the ``dummy`` seed.
 
     Raises:
         ValueError: no ``spec.draft_model`` path, or the vocabularies differ.
@@ -59,6 +64,8 @@ class DraftModelDrafter(TreeDrafter):
         num_pages: int | None = None,
         max_batch_size: int = 64,
         model: tuple[torch.nn.Module, Any] | None = None,
+        load_format: str = "auto",
+        seed: int = 0,
     ) -> None:
         device = torch.device(device)
         if model is None:
@@ -66,8 +73,12 @@ class DraftModelDrafter(TreeDrafter):
                 raise ValueError("speculative_algorithm='draft_model' needs draft_model=PATH")
             from structspec.models.loader import load_model
 
-            model = load_model(spec.draft_model, device=device, dtype=dtype)
+            model = load_model(spec.draft_model, device=device, dtype=dtype,
+                               load_format=load_format, seed=seed)
         self.model, self.model_config = model
+        kernels = getattr(target, "kernels", None)
+        if kernels is not None and hasattr(self.model, "set_kernels"):
+            self.model.set_kernels(kernels)  # the target's choice of fused kernels
         target_vocab = int(target.model_config.vocab_size)
         if self.model_config.vocab_size != target_vocab:
             raise ValueError(

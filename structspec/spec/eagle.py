@@ -58,7 +58,7 @@ from structspec.config import ModelConfig, SpecConfig
 from structspec.engine.batch_builder import page_table_tensor
 from structspec.kvcache.allocator import slots_for_positions
 from structspec.kvcache.pool import KVPool
-from structspec.layers.attention import TorchAttentionBackend
+from structspec.layers.attention import AttentionBackend, TorchAttentionBackend
 from structspec.layers.forward_batch import ForwardBatch
 from structspec.layers.norm import RMSNorm
 from structspec.layers.rotary import RotaryEmbedding
@@ -182,7 +182,7 @@ class Eagle3DecoderLayer(nn.Module):
 
     def forward(
         self, embeds: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        fb: ForwardBatch, kv_pool: KVPool, backend: TorchAttentionBackend,
+        fb: ForwardBatch, kv_pool: KVPool, backend: AttentionBackend,
     ) -> torch.Tensor:
         """``embeds, h [B, Q, H]`` -> ``[B, Q, H]`` (pre-norm residual stream)."""
         x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(h)), dim=-1)
@@ -226,7 +226,7 @@ class EagleHead(nn.Module):
             head_dim=c.head_dim, rope_theta=c.rope_theta,
             max_position_embeddings=c.max_position_embeddings, rope_scaling=c.rope_scaling_dict,
         )
-        self.backend = TorchAttentionBackend()
+        self.backend: AttentionBackend = TorchAttentionBackend()
 
     @property
     def num_layers(self) -> int:
@@ -461,6 +461,11 @@ class EagleDrafter(TreeDrafter):
                                  "(an EAGLE head directory)")
             head = load_eagle_head(spec.draft_model, target.model_config, device=device,
                                    dtype=dtype)
+        if getattr(target, "kernels", None) == "triton":
+            # The head's layers keep the torch ops; only attention (the gathers + SDPA) swaps.
+            from structspec.kernels.attention import TritonAttentionBackend
+
+            head.backend = TritonAttentionBackend()
         self.head = head
         self.target_model = target.model
         page_size = int(target.page_size)

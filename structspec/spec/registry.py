@@ -12,11 +12,15 @@ def create_drafter(spec: SpecConfig, **kwargs: Any) -> Drafter:
     """Build the drafter named by ``spec.algorithm``.
 
     ``kwargs`` carry what model-based drafters need (``target``: the target ModelRunner,
-    ``device``, ``dtype``).
+    ``device``, ``dtype``, ``max_batch_size``). ``load_format`` and ``seed`` (the engine's) go
+    to the ``draft_model`` drafter only, whose draft model is loaded like the target
+    (``"dummy"``: seeded random weights from its config.json); an EAGLE head is always read
+    from its directory.
 
     Raises:
         ValueError: for an unknown algorithm name.
     """
+    model_kwargs = {k: kwargs.pop(k) for k in ("load_format", "seed") if k in kwargs}
     if spec.algorithm == "none":
         return NoDrafter()
     if spec.algorithm == "ngram":
@@ -26,7 +30,7 @@ def create_drafter(spec: SpecConfig, **kwargs: Any) -> Drafter:
     if spec.algorithm == "draft_model":
         from structspec.spec.draft_model import DraftModelDrafter
 
-        return DraftModelDrafter(spec, **kwargs)
+        return DraftModelDrafter(spec, **kwargs, **model_kwargs)
     if spec.algorithm == "eagle":
         from structspec.spec.eagle import EagleDrafter
 

@@ -1,0 +1,245 @@
+"""GPU micro-benchmark of the fused Triton kernels vs the torch reference ops.
+
+Every timing replays a CUDA graph that holds ``REPS`` back-to-back calls (so launch gaps are
+what a graph replay sees, not Python overhead) and reports microseconds per call.
+
+Part 1, whole forward: a random-weight SmolLM2-shaped model (30 layers, bf16), one
+CUDA-graph-replayed forward + logits per config, ``kernels`` torch vs triton: ms per forward,
+CUDA kernels per forward (profiler, eager), and the logits' relative difference.
+
+Part 2, per op at SmolLM2-135M shapes (hidden 576, 9/3 heads, head_dim 64, intermediate
+1536, vocab 49152), bf16: RMSNorm, add + RMSNorm, rotary + KV store, SiLU * mul, attention
+(decode, tree verify, prefill), token bitmask.
+
+Usage: ``PYTHONPATH=$PWD python benchmarks/kernels_micro.py [--context 512] [--batch 1 8 64]
+[--nodes 1 8]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from structspec.config import ModelConfig
+from structspec.kernels.activation import silu_and_mul
+from structspec.kernels.attention import TritonAttentionBackend
+from structspec.kernels.bitmask import apply_token_bitmask_inplace
+from structspec.kernels.norm import fused_add_rmsnorm, rmsnorm
+from structspec.kernels.rotary import rotary_and_store_kv
+from structspec.kvcache.pool import KVPool
+from structspec.layers.attention import TorchAttentionBackend, write_kv
+from structspec.layers.forward_batch import ForwardBatch
+from structspec.layers.norm import RMSNorm
+from structspec.layers.rotary import RotaryEmbedding, apply_rotary
+from structspec.models.llama import LlamaForCausalLM
+
+try:  # structspec.grammar imports xgrammar, which a bare GPU box may lack
+    from structspec.grammar.bitmask import apply_bitmask_reference_
+except ImportError:
+    def apply_bitmask_reference_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+        """Same ops as structspec.grammar.bitmask's torch path (shifts + masked_fill_)."""
+        shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+        rows, vocab = logits.shape
+        allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(rows, -1)[:, :vocab]
+        return logits.masked_fill_(allowed == 0, float("-inf"))
+
+REPS = 20
+DEV = torch.device("cuda")
+DT = torch.bfloat16
+
+
+def graph_us(fn: Callable[[], object], reps: int = REPS, iters: int = 10) -> float:
+    """Microseconds per ``fn()`` call inside a CUDA graph of ``reps`` calls."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (iters * reps)
+
+
+def row(name: str, torch_fn: Callable[[], object], triton_fn: Callable[[], object]) -> None:
+    try:
+        t, k = graph_us(torch_fn), graph_us(triton_fn)
+    except Exception as e:  # noqa: BLE001 - report and go on with the next op
+        print(f"op {name:<34s} ERROR {type(e).__name__}: {str(e)[:400]}", flush=True)
+        return
+    print(f"op {name:<34s} torch_us={t:8.2f} triton_us={k:8.2f} speedup={t / k:5.1f}x",
+          flush=True)
+
+
+def attn_batch(b: int, q: int, ctx: int, *, tree: bool) -> ForwardBatch:
+    """``b`` requests of ``ctx`` KV slots each; the last ``q`` are the query block (causal,
+    or a chain-shaped tree mask, same cost)."""
+    g = torch.Generator().manual_seed(b * 7 + q)
+    kv = 16 + torch.randperm(b * ctx + 64, generator=g)[: b * ctx].view(b, ctx)
+    mask = torch.ones(b, q, ctx, dtype=torch.bool)
+    mask[:, :, ctx - q :] = torch.ones(q, q, dtype=torch.bool).tril()
+    if tree and q > 1:
+        mask[:, 2:, ctx - q + 1] = False  # node 1 is a sibling branch of the others
+    pos = torch.arange(ctx - q, ctx).expand(b, q).contiguous()
+    ids = torch.zeros(b, q, dtype=torch.int64)
+    return ForwardBatch(ids.to(DEV), pos.to(DEV), kv[:, -q:].contiguous().to(DEV), kv.to(DEV),
+                        mask.to(DEV))
+
+
+@torch.inference_mode()
+def ops(context: int) -> None:
+    torch.manual_seed(0)
+    h, hq, hkv, d, inter = 576, 9, 3, 64, 1536
+    norm = RMSNorm(h, 1e-5).to(DEV, DT)
+    for t in (1, 8, 512):
+        x = torch.randn(t, h, device=DEV, dtype=DT)
+        res = torch.randn(t, h, device=DEV, dtype=DT)
+        row(f"rmsnorm T={t}", lambda x=x: norm(x), lambda x=x: rmsnorm(x, norm.weight, 1e-5))
+        row(f"add+rmsnorm T={t}", lambda x=x, r=res: norm(r + x),
+            lambda x=x, r=res: fused_add_rmsnorm(x, r, norm.weight, 1e-5))
+        gu = torch.randn(t, 2 * inter, device=DEV, dtype=DT)
+        row(f"silu_and_mul T={t}", lambda gu=gu: F.silu(gu[:, :inter]) * gu[:, inter:],
+            lambda gu=gu: silu_and_mul(gu))
+        rot = RotaryEmbedding(head_dim=d, rope_theta=1e5, max_position_embeddings=8192,
+                              rope_scaling=None).to(DEV)
+        rot.reset_inv_freq()
+        qkv = torch.randn(1, t, (hq + 2 * hkv) * d, device=DEV, dtype=DT)
+        qq, kk, vv = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        qq, kk, vv = qq.view(1, t, hq, d), kk.view(1, t, hkv, d), vv.view(1, t, hkv, d)
+        cos, sin = rot(torch.arange(t, device=DEV)[None], DT)
+        pool = KVPool(num_layers=1, num_pages=64, page_size=16, num_kv_heads=hkv, head_dim=d,
+                      dtype=DT, device=DEV)
+        slots = (16 + torch.arange(t, device=DEV))[None]
+
+        def torch_rot(qq=qq, kk=kk, vv=vv, cos=cos, sin=sin, slots=slots, pool=pool) -> None:
+            apply_rotary(qq, cos, sin)
+            write_kv(pool, 0, slots, apply_rotary(kk, cos, sin), vv)
+
+        row(f"rotary+kv_store T={t}", torch_rot,
+            lambda qq=qq, kk=kk, vv=vv, cos=cos, sin=sin, slots=slots, pool=pool:
+            rotary_and_store_kv(qq, kk, vv, cos, sin, pool.k_cache[0], pool.v_cache[0], slots))
+    ref, tri = TorchAttentionBackend(), TritonAttentionBackend()
+    for b, q, ctx, tree in ((1, 1, context, False), (1, 8, context, True),
+                            (64, 1, 1024, False), (64, 8, 1024, True), (1, 1, 8192, False),
+                            (1, 2048, 2048, False)):
+        pool = KVPool(num_layers=1, num_pages=(b * ctx + 64) // 16 + 2, page_size=16,
+                      num_kv_heads=hkv, head_dim=d, dtype=DT, device=DEV)
+        pool.k_cache[0].normal_()
+        pool.v_cache[0].normal_()
+        fb = attn_batch(b, q, ctx, tree=tree)
+        qt = torch.randn(b, q, hq, d, device=DEV, dtype=DT)
+        try:
+            diff = tri.forward(qt, 0, fb, pool).float() - ref.forward(qt, 0, fb, pool).float()
+            print(f"# attention B={b} Q={q} L={ctx} "
+                  f"max|triton-torch|={diff.abs().max().item():.4f}", flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"# attention B={b} Q={q} ERROR {type(e).__name__}: {str(e)[:600]}", flush=True)
+        row(f"attention B={b} Q={q} L={ctx}", lambda qt=qt, fb=fb, pool=pool:
+            ref.forward(qt, 0, fb, pool), lambda qt=qt, fb=fb, pool=pool:
+            tri.forward(qt, 0, fb, pool))
+    for r in (1, 64):
+        logits = torch.randn(r, 49152, device=DEV)
+        bm = torch.randint(-(2**31), 2**31 - 1, (r, 1536), device=DEV, dtype=torch.int32)
+        row(f"token_bitmask R={r} V=49152", lambda lg=logits, bm=bm:
+            apply_bitmask_reference_(lg, bm), lambda lg=logits, bm=bm:
+            apply_token_bitmask_inplace(lg, bm))
+
+
+def smol_model() -> tuple[LlamaForCausalLM, ModelConfig]:
+    cfg = ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576,
+        intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e5,
+        max_position_embeddings=8192, tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    with torch.device(DEV):
+        model = LlamaForCausalLM(cfg)
+    for name, p in model.named_parameters():
+        p.copy_(torch.ones_like(p) if name.endswith("norm.weight") else 0.02 * torch.randn_like(p))
+    model = model.to(DEV, DT)
+    model.rotary.reset_inv_freq()
+    return model, cfg
+
+
+def count_kernels(fn: Callable[[], object]) -> int:
+    """CUDA kernels launched by one eager ``fn()`` (profiler; -1 if unavailable)."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+    except Exception:  # noqa: BLE001 - the count is informative only
+        return -1
+
+
+@torch.inference_mode()
+def forwards(context: int, batches: list[int], nodes: list[int]) -> None:
+    model, cfg = smol_model()
+    max_b = max(batches)
+    pool = KVPool(num_layers=30, num_pages=(max_b * context + 64) // 16 + 2, page_size=16,
+                  num_kv_heads=3, head_dim=64, dtype=DT, device=DEV)
+    for c in pool.k_cache + pool.v_cache:
+        c.normal_()
+    for q in nodes:
+        for b in batches:
+            fb = attn_batch(b, q, context, tree=q > 1)
+
+            def step(fb: ForwardBatch = fb) -> torch.Tensor:
+                out = model(fb, pool)
+                return model.compute_logits(out.hidden_states.view(-1, cfg.hidden_size))
+
+            res = {}
+            try:
+                for kernels in ("torch", "triton"):
+                    model.set_kernels(kernels)
+                    logits = step().clone()
+                    n_k = count_kernels(step)
+                    ms = graph_us(step, reps=1, iters=30) / 1e3
+                    res[kernels] = (logits, ms, n_k)
+            except Exception as e:  # noqa: BLE001 - report and go on with the next config
+                print(f"forward B={b} Q={q} ERROR {type(e).__name__}: {str(e)[:400]}", flush=True)
+                continue
+            (lt, mt, kt), (lk, mk, kk) = res["torch"], res["triton"]
+            rel = ((lk - lt).norm() / lt.norm()).item()
+            agree = (lk.argmax(-1) == lt.argmax(-1)).float().mean().item()
+            print(f"forward B={b:<3d} Q={q:<2d} ctx={context} torch_ms={mt:7.3f} "
+                  f"triton_ms={mk:7.3f} speedup={mt / mk:5.2f}x kernels torch={kt} "
+                  f"triton={kk} (per layer ~{kt / 30:.0f} -> ~{kk / 30:.0f}) "
+                  f"logits_rel_diff={rel:.4f} argmax_agree={agree:.3f}", flush=True)
+    model.set_kernels("torch")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--nodes", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--skip-ops", action="store_true")
+    args = ap.parse_args()
+    import triton
+
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton "
+          f"{triton.__version__} bf16; graph-replayed timings", flush=True)
+    forwards(args.context, args.batch, args.nodes)
+    if not args.skip_ops:
+        ops(args.context)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""Fused Triton kernels for the CUDA forward (one job per module).
+
+* :mod:`.norm` - RMSNorm and fused residual-add + RMSNorm.
+* :mod:`.rotary` - rotary on q/k plus the K/V store into the pool, in one kernel.
+* :mod:`.activation` - SwiGLU ``silu(gate) * up``.
+* :mod:`.attention` - :class:`~structspec.kernels.attention.TritonAttentionBackend`, masked
+  paged attention (prefill, decode, tree verify) with an optional split-KV reduce.
+* :mod:`.bitmask` - grammar token-bitmask application to logits.
+
+Importing this package does not import triton; the submodules do. The torch reference ops in
+:mod:`structspec.layers` remain the CPU path and the numerical reference. Under
+``TRITON_INTERPRET=1`` the kernels also run on CPU tensors (Triton's interpreter; tests only).
+"""
+
+from __future__ import annotations
+
+import functools
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether ``import triton`` works (CPU builds of torch usually come without it)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two ``>= n`` (``n >= 1``); Triton block sizes must be powers of two."""
+    return 1 << (max(int(n), 1) - 1).bit_length()

@@ -1,0 +1,248 @@
+"""Masked paged attention in Triton: prefill, decode and tree verify with one kernel.
+
+Drop-in for :class:`structspec.layers.attention.TorchAttentionBackend`: queries ``[B, Q, Hq,
+D]`` attend over the KV-pool slots ``fb.kv_slots [B, L]`` under the boolean mask
+``fb.attn_mask [B, Q, L]``; K/V are gathered from the pool on the fly (no ``index_select``
+copies), scale ``1/sqrt(D)``, online softmax in float32, GQA with query head ``h`` reading KV
+head ``h // (Hq // Hkv)``.
+
+Work split: one program owns ``BLOCK_M`` rows of the ``Q * G`` (query token, head-in-group)
+pairs of one ``(request, KV head)``, so each K/V tile is loaded once for the whole GQA group.
+KV blocks in which no row of the program may attend (causal upper triangle in prefill,
+bucket padding past a request's length in verify) are skipped after reading their mask tile.
+
+Split-KV (flash-decoding): when ``B * Hkv`` (times the row blocks) is too small to fill the
+GPU and ``L`` is long, the KV axis is cut into ``S`` chunks handled by separate programs that
+write float32 partial outputs and log-sum-exps; a second kernel merges them. ``S`` depends
+only on tensor shapes, so the launch is the same on every replay of a CUDA graph: no host
+syncs, no data-dependent shapes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from structspec.kernels import next_pow2
+from structspec.kvcache.pool import KVPool
+from structspec.layers.forward_batch import ForwardBatch
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attn_kernel(
+    Q, KC, VC, Slots, Mask, Out, Lse,
+    stride_qb, stride_qq, stride_qh,
+    stride_kcs, stride_kch, stride_vcs, stride_vch,
+    stride_sb, stride_mb, stride_mq,
+    stride_os, stride_ob, stride_oq, stride_oh,
+    stride_ls, stride_lb, stride_lq,
+    num_q, kv_len, kv_chunk, qk_scale,
+    HKV: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_s = tl.program_id(2).to(tl.int64)
+    b = (pid_bh // HKV).to(tl.int64)
+    kvh = pid_bh % HKV
+    # Row r of this program = query token r // GROUP, query head kvh * GROUP + r % GROUP.
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < num_q * GROUP
+    qi = rows // GROUP
+    h = kvh * GROUP + rows % GROUP
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q = tl.load(
+        Q + b * stride_qb + qi[:, None] * stride_qq + h[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+    )
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    start = pid_s * kv_chunk
+    end = tl.minimum(start + kv_chunk, kv_len)
+    for n0 in range(start, end, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < end
+        allowed = tl.load(
+            Mask + b * stride_mb + qi[:, None] * stride_mq + cols[None, :],
+            mask=row_ok[:, None] & col_ok[None, :], other=0,
+        ) != 0
+        # Skip KV tiles nobody in this program may see: no K/V traffic, no dot products.
+        if tl.sum(tl.sum(allowed.to(tl.int32), axis=1), axis=0) > 0:
+            slots = tl.load(Slots + b * stride_sb + cols, mask=col_ok, other=0)
+            kt = tl.load(
+                KC + slots[None, :] * stride_kcs + kvh * stride_kch + d[:, None],
+                mask=d_ok[:, None] & col_ok[None, :], other=0.0,
+            )
+            if IEEE:  # float32 models: no TF32 rounding in the scores
+                s = tl.dot(q, kt, input_precision="ieee")
+            else:
+                s = tl.dot(q, kt)
+            s = tl.where(allowed, s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            # A row with nothing allowed so far keeps m = -inf; use 0 as its reference so
+            # exp2(-inf - ref) is 0 rather than exp2(-inf + inf) = NaN.
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_ref)
+            p = tl.exp2(s - m_ref[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(
+                VC + slots[:, None] * stride_vcs + kvh * stride_vch + d[None, :],
+                mask=col_ok[:, None] & d_ok[None, :], other=0.0,
+            )
+            if IEEE:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    o_ptr = (Out + pid_s * stride_os + b * stride_ob + qi[:, None] * stride_oq
+             + h[:, None] * stride_oh + d[None, :])
+    o_mask = row_ok[:, None] & d_ok[None, :]
+    if SPLIT:
+        tl.store(o_ptr, o, mask=o_mask)
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+        tl.store(Lse + pid_s * stride_ls + b * stride_lb + qi * stride_lq + h, lse, mask=row_ok)
+    else:
+        tl.store(o_ptr, o.to(Out.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _combine_kernel(
+    Part, Lse, Out, num_splits, stride_ps, stride_ls,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)  # flattened (b, q, h) row
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < num_splits
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    lse = tl.load(Lse + s * stride_ls + r, mask=s_ok, other=float("-inf"))
+    mx = tl.max(lse, axis=0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.where(s_ok, tl.exp2(lse - mx), 0.0)  # splits that saw no key have lse -inf: w 0
+    part = tl.load(Part + s[:, None] * stride_ps + r * HEAD_DIM + d[None, :],
+                   mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    den = tl.sum(w, axis=0)
+    den = tl.where(den == 0.0, 1.0, den)
+    out = tl.sum(w[:, None] * part, axis=0) / den
+    tl.store(Out + r * HEAD_DIM + d, out.to(Out.dtype.element_ty), mask=d_ok)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (host-side query, no sync); 16 off CUDA."""
+    if device.type != "cuda":
+        return 16
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+class TritonAttentionBackend:
+    """Triton attention with the interface of
+    :class:`~structspec.layers.attention.TorchAttentionBackend`.
+
+    Args:
+        num_splits: force the number of KV splits (tests); None = choose from the shapes:
+            split only when the ``(row block, request, KV head)`` programs would not fill the
+            GPU and ``L`` spans several KV blocks.
+        max_splits: upper bound on the heuristic's splits.
+
+    Runs on CUDA (or on CPU tensors under ``TRITON_INTERPRET=1``). Launch shapes depend only
+    on tensor shapes, so forwards can be captured in CUDA graphs.
+    """
+
+    def __init__(self, num_splits: int | None = None, max_splits: int = 32) -> None:
+        self.num_splits = num_splits
+        self.max_splits = max_splits
+
+    def _splits(self, programs: int, kv_len: int, block_n: int, device: torch.device) -> int:
+        if self.num_splits is not None:
+            return max(1, self.num_splits)
+        blocks = triton.cdiv(kv_len, block_n)
+        target = 2 * _sm_count(device)
+        if programs * 2 >= target or blocks < 4:
+            return 1
+        return max(1, min(self.max_splits, blocks, triton.cdiv(target, programs)))
+
+    def forward(
+        self, q: torch.Tensor, layer_id: int, fb: ForwardBatch, kv_pool: KVPool
+    ) -> torch.Tensor:
+        """Attend.
+
+        Args:
+            q: ``[B, Q, Hq, D]`` queries after rotary (any strides with unit stride on ``D``),
+                float16/bfloat16/float32, on the pool's device.
+            layer_id: decoder layer index into ``kv_pool``.
+            fb: uses ``kv_slots [B, L]`` int64 and ``attn_mask [B, Q, L]`` bool; every row
+                must allow at least one column (as :class:`ForwardBatch` guarantees).
+            kv_pool: ``k_cache[layer_id]`` / ``v_cache[layer_id]`` ``[num_slots, Hkv, D]``
+                holding this forward's K/V already.
+
+        Returns:
+            ``[B, Q, Hq, D]`` contiguous, ``q``'s dtype and device.
+        """
+        bsz, nq, hq, d = q.shape
+        kc, vc = kv_pool.k_cache[layer_id], kv_pool.v_cache[layer_id]
+        hkv = kc.shape[1]
+        if hq % hkv:
+            raise ValueError(f"{hq} query heads are not a multiple of {hkv} KV heads")
+        group = hq // hkv
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        slots, mask = fb.kv_slots, fb.attn_mask
+        if slots.stride(-1) != 1:
+            slots = slots.contiguous()
+        if mask.stride(-1) != 1:
+            mask = mask.contiguous()
+        mask = mask.view(torch.uint8)  # same bytes; Triton loads bytes more portably than i1
+        kv_len = slots.shape[1]
+        out = torch.empty((bsz, nq, hq, d), dtype=q.dtype, device=q.device)
+        if out.numel() == 0:
+            return out
+        rows = nq * group
+        block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+        block_n = 64 if d <= 128 else 32
+        block_d = max(16, next_pow2(d))
+        m_blocks = triton.cdiv(rows, block_m)
+        splits = self._splits(m_blocks * bsz * hkv, kv_len, block_n, q.device)
+        chunk = triton.cdiv(triton.cdiv(kv_len, splits), block_n) * block_n
+        splits = triton.cdiv(kv_len, chunk)
+        ieee = q.dtype == torch.float32
+        qk_scale = _LOG2E / math.sqrt(d)
+        meta = dict(HKV=hkv, GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m,
+                    BLOCK_N=block_n, IEEE=ieee, num_warps=4)
+        grid = (m_blocks, bsz * hkv, splits)
+        common = (q.stride(0), q.stride(1), q.stride(2), kc.stride(0), kc.stride(1),
+                  vc.stride(0), vc.stride(1), slots.stride(0), mask.stride(0), mask.stride(1))
+        if splits == 1:
+            _attn_kernel[grid](
+                q, kc, vc, slots, mask, out, out, *common,
+                0, out.stride(0), out.stride(1), out.stride(2), 0, 0, 0,
+                nq, kv_len, chunk, qk_scale, SPLIT=False, **meta,
+            )
+            return out
+        part = torch.empty((splits, bsz, nq, hq, d), dtype=torch.float32, device=q.device)
+        lse = torch.empty((splits, bsz, nq, hq), dtype=torch.float32, device=q.device)
+        _attn_kernel[grid](
+            q, kc, vc, slots, mask, part, lse, *common,
+            part.stride(0), part.stride(1), part.stride(2), part.stride(3),
+            lse.stride(0), lse.stride(1), lse.stride(2),
+            nq, kv_len, chunk, qk_scale, SPLIT=True, **meta,
+        )
+        _combine_kernel[(bsz * nq * hq,)](
+            part, lse, out, splits, part.stride(0), lse.stride(0),
+            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=next_pow2(splits), num_warps=1,
+        )
+        return out
+
+    __call__ = forward
