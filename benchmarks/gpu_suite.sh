@@ -1,20 +1,36 @@
 #!/usr/bin/env bash
-# Everything measured on the lent H200 in one call (after `source .gpu/setup.sh`): GPU tests,
-# CUDA-graph step times, the peer table, offline throughput and the MaskBench end-to-end run
-# (LLAMA3_8B=1 adds the Llama-3-8B-shape floor, decode and grammar-overlap runs).
-# Logs go to $OUT (or ./out); each step is bounded so one failure does not hide the others.
+# Everything measured on the lent H200 (after `source .gpu/setup.sh`), in stages named on the
+# command line so that each fits one device call:
+#   bash benchmarks/gpu_suite.sh tests smol peer llama8b maskbench   (default: all of them)
+#   tests     GPU tests (kernels, CUDA graphs, engine: overlap on/off, bf16 spec vs plain, sync)
+#   smol      SmolLM2: host mask-build cost by threads, CUDA-graph step times, grammar overlap
+#             (ngram and draft_model, batch 1/8/32/64, N=8, with / without grammar and overlap)
+#   peer      the peer table: HF generate (+ xgrammar) vs structspec, batch 1 and 64
+#   llama8b   Llama-3-8B shape (random bf16 weights, real Llama-3 tokenizer): HBM floor, decode
+#             step vs floor, grammar overlap (ngram and draft_model with a 1B-shape draft)
+#   maskbench MaskBench end to end (120 schemas)
+# Logs go to $OUT (or ./out); each step is time-bounded so one failure does not hide the others.
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
-run() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$? $name"; tail -n 12 "$OUT/$name.log"; }
+run() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$? $name"; grep -E "^(grammar_overlap|mask_build|decode|peer|hbm|floor|[0-9]+ passed|FAILED|ERROR)|passed|failed" "$OUT/$name.log" | tail -n 40; }
+stages=${*:-tests smol peer llama8b maskbench}
+L8=benchmarks/assets/llama3-8b-shape
 python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())'
-run gpu_tests 150 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/engine/test_gpu_engine.py tests/engine/test_cuda_graph.py tests/spec tests/grammar
-[ -n "${SKIP_DECODE:-}" ] || run gpu_decode 50 python3 benchmarks/gpu_decode.py
-run peer_compare 130 python3 benchmarks/peer_compare.py --device cuda --num-requests 8
-run offline 80 python3 benchmarks/offline.py --device cuda --algorithms none ngram --num-requests 64
-if [ -n "${LLAMA3_8B:-}" ]; then  # the Llama-3-8B shape, random weights (benchmarks/assets)
-  run hbm_floor_8b 60 python3 benchmarks/hbm_floor.py --model benchmarks/assets/llama3-8b-shape
-  run gpu_decode_8b 300 python3 benchmarks/gpu_decode.py --model benchmarks/assets/llama3-8b-shape --load-format dummy --nodes 1 8 --skip-fold
-  run grammar_overlap_8b 400 python3 benchmarks/grammar_overlap.py --device cuda --model benchmarks/assets/llama3-8b-shape --load-format dummy --batch 1 8 32 --steps 30 --algorithms ngram draft_model --draft-model benchmarks/assets/llama3-1b-draft-shape
-fi
-run maskbench 170 python3 benchmarks/maskbench_e2e.py --device cuda --speculative-algorithm ngram --limit 120 --max-tokens 1024 --skip-slow-compile --out "$OUT/maskbench.jsonl"
+for s in $stages; do case $s in
+  tests)
+    run gpu_tests 240 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/kernels tests/engine/test_gpu_engine.py tests/engine/test_cuda_graph.py tests/models tests/spec tests/grammar ;;
+  smol)
+    run mask_build 60 python3 benchmarks/mask_build.py --batch 1 8 32 64 --threads 1 2 4 8 --reps 10
+    run gpu_decode 60 python3 benchmarks/gpu_decode.py --skip-eager --skip-fold
+    run grammar_overlap 300 python3 benchmarks/grammar_overlap.py --device cuda --batch 1 8 32 64 --steps 100 --algorithms ngram draft_model ;;
+  peer)
+    run peer_compare 200 python3 benchmarks/peer_compare.py --device cuda --num-requests 8 ;;
+  llama8b)
+    run hbm_floor_8b 60 python3 benchmarks/hbm_floor.py --model $L8 --batch 1 8 32 64 --context 512
+    run gpu_decode_8b 150 python3 benchmarks/gpu_decode.py --model $L8 --load-format dummy --nodes 1 8 --skip-fold --skip-eager
+    run grammar_overlap_8b 360 python3 benchmarks/grammar_overlap.py --device cuda --model $L8 --load-format dummy --batch 1 8 32 64 --steps 100 --algorithms ngram draft_model --draft-model benchmarks/assets/llama3-1b-draft-shape ;;
+  maskbench)
+    run maskbench 170 python3 benchmarks/maskbench_e2e.py --device cuda --speculative-algorithm ngram --limit 120 --max-tokens 1024 --skip-slow-compile --out "$OUT/maskbench.jsonl" ;;
+  *) echo "unknown stage $s" ;;
+esac; done
