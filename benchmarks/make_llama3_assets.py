@@ -232,17 +232,19 @@ def parse_reference(inp: str, out: str) -> list[tuple[str, list[int]]]:
     return [(t, [int(x) for x in line.split()]) for t, line in zip(texts, ids, strict=True)]
 
 
-def write_model_dir(out: Path, config: dict[str, Any], tokenizer: Any, readme: str) -> None:
-    """``config.json``, ``generation_config.json``, compact ``tokenizer.json``,
-    ``tokenizer_config.json``, a README; replaces ``out``."""
+def write_model_dir(out: Path, config: dict[str, Any], tokenizer: Any | None,
+                    readme: str) -> None:
+    """``config.json``, ``generation_config.json``, compact ``tokenizer.json`` and
+    ``tokenizer_config.json`` (unless ``tokenizer`` is None), a README; replaces ``out``."""
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
-    tokenizer.save(str(out / "tokenizer.json"), pretty=False)
-    (out / "tokenizer_config.json").write_text(
-        json.dumps(TOKENIZER_CONFIG, indent=2, ensure_ascii=False) + "\n")
+    if tokenizer is not None:
+        tokenizer.save(str(out / "tokenizer.json"), pretty=False)
+        (out / "tokenizer_config.json").write_text(
+            json.dumps(TOKENIZER_CONFIG, indent=2, ensure_ascii=False) + "\n")
     (out / "README.md").write_text(readme)
 
 
@@ -275,9 +277,12 @@ def main(argv: list[str] | None = None) -> int:
             "Source and license: see `../README.md`.\n")
     write_model_dir(args.out / "llama3-8b-shape", CONFIG_8B, tok,
                     f"# Llama-3-8B(-Instruct) shape: config + tokenizer, no weights\n\n{note}")
-    write_model_dir(args.out / "llama3-1b-draft-shape", CONFIG_1B, tok,
-                    "# Llama-3.2-1B shape: config + tokenizer, no weights\n\n"
-                    "A draft model for `llama3-8b-shape` (same tokenizer).\n" + note)
+    # A draft model needs no tokenizer of its own (the target's is used; the vocabulary sizes
+    # are checked): one copy keeps the repo small enough to travel to the GPU host.
+    write_model_dir(args.out / "llama3-1b-draft-shape", CONFIG_1B, None,
+                    "# Llama-3.2-1B shape: config only, no weights, no tokenizer\n\n"
+                    "A draft model for `llama3-8b-shape` (it uses the target's tokenizer).\n"
+                    + note)
     for d in ("llama3-8b-shape", "llama3-1b-draft-shape"):
         size = sum(f.stat().st_size for f in (args.out / d).iterdir())
         print(f"wrote {args.out / d} ({size / 2**20:.1f} MiB)")
