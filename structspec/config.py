@@ -162,8 +162,9 @@ class GrammarConfig:
     any_whitespace: bool = False  # False: compact JSON (`, ` and `: ` separators), fewer tokens
     max_rollback_tokens: int = 64  # must be >= the deepest draft path
     # Threads that walk the requests' draft trees in parallel when building the tree bitmask
-    # (xgrammar releases the GIL inside the walk). 0 = auto: half the cores, at most 8, and
-    # serial below 8 cores (on 2 cores the thread hand-offs cost more than they save).
+    # (xgrammar releases the GIL inside the walk, but the per-request Python around it does
+    # not). 0 = auto = 1 (serial): on the 16-core H200 host 2-8 threads were no faster than
+    # one (benchmarks/mask_build.py, benchmarks/README.md).
     mask_build_threads: int = 0
 
 
