@@ -67,7 +67,10 @@ def step_ms(llm: LLM, prompts: list[str], grammar: bool, steps: int,
     sched = engine.scheduler
     while sched.waiting or sched.grammar_queue:
         engine.step()
-    for _ in range(3):  # warm-up: graph capture for this bucket
+    # Capture every KV-length bucket of this batch size now: the window's sequences grow by
+    # ~N tokens per step and would otherwise capture (and JIT-compile kernels) inside it.
+    engine.runner.warmup_cuda_graphs(engine.drafter.num_nodes, batch_sizes=[len(prompts)])
+    for _ in range(3):  # warm-up steps (Triton kernels outside the graphs compile here)
         engine.step()
     cuda = torch.cuda.is_available() and engine.runner.device.type == "cuda"
     if cuda:

@@ -36,6 +36,8 @@ def main() -> None:
                         grammar=JsonSchemaSpec(LONG_SCHEMA) if args.grammar else None)
     for p, _ in extraction_prompts(args.batch, seed=3):
         eng.add_request(p, sp)
+    eng.step()  # prefill
+    eng.runner.warmup_cuda_graphs(eng.drafter.num_nodes, batch_sizes=[args.batch])
     for _ in range(5):
         eng.step()
     prof = cProfile.Profile()

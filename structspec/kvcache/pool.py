@@ -9,7 +9,8 @@ class KVPool:
     """K/V storage for every layer, ``num_pages * page_size`` token slots each.
 
     Tensors: ``k_cache[layer]`` and ``v_cache[layer]`` are ``[num_slots, num_kv_heads,
-    head_dim]`` of the model dtype on the model device. Slot ``s`` belongs to page
+    head_dim]`` of the model dtype on the model device, views of one ``kv_buffer``
+    ``[2, num_layers, num_slots, num_kv_heads, head_dim]``. Slot ``s`` belongs to page
     ``s // page_size``. Page 0 is reserved: its slots absorb the writes of padding rows, so it is
     never allocated to a request (see :class:`structspec.kvcache.allocator.PageAllocator`).
     """
@@ -31,9 +32,13 @@ class KVPool:
         self.num_pages = num_pages
         self.page_size = page_size
         self.num_slots = num_pages * page_size
-        shape = (self.num_slots, num_kv_heads, head_dim)
-        self.k_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # One allocation for every layer's K and V, so that moving slots (the accepted-path
+        # compaction after each verify) is one gather + one scatter over all layers instead
+        # of 4 small ops per layer (~1.4 ms of host launch time per step for 30 layers).
+        self.kv_buffer = torch.zeros((2, num_layers, self.num_slots, num_kv_heads, head_dim),
+                                     dtype=dtype, device=device)
+        self.k_cache = list(self.kv_buffer[0].unbind(0))
+        self.v_cache = list(self.kv_buffer[1].unbind(0))
 
     @property
     def size_bytes(self) -> int:
@@ -48,6 +53,5 @@ class KVPool:
         """
         if src_slots.numel() == 0:
             return
-        for k, v in zip(self.k_cache, self.v_cache, strict=True):
-            k[dst_slots] = k[src_slots]
-            v[dst_slots] = v[src_slots]
+        moved = self.kv_buffer.index_select(2, src_slots)  # gather before any write
+        self.kv_buffer.index_copy_(2, dst_slots, moved)

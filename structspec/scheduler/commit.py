@@ -78,6 +78,12 @@ def advance_grammar(req: Req) -> None:
 def process_text(req: Req) -> None:
     """Phase C: detokenize new ids and cut at the first stop string (across token bounds)."""
     stops = req.params.stop
+    if not stops and req.detokenizer is not None and req.num_detokenized < len(req.output_ids):
+        # No stop string to look for: detokenize the whole run at once (two decodes per step
+        # instead of two per token; the text is the same).
+        req.text += req.detokenizer.add(req.output_ids[req.num_detokenized:])
+        req.num_detokenized = len(req.output_ids)
+        return
     while req.num_detokenized < len(req.output_ids):
         tok = req.output_ids[req.num_detokenized]
         req.num_detokenized += 1

@@ -95,3 +95,17 @@ def test_incremental_detokenizer_smollm2(smollm2_dir: Path, chunk: int) -> None:
     prompt = tok.apply_chat_template([{"role": "user", "content": "Say something."}])
     for text in TEXTS:
         _check_stream(tok, text, chunk, prompt)
+
+
+def test_backend_decode_equals_transformers_decode(smollm2_dir: Path) -> None:
+    """decode() goes to the Rust backend directly; it must equal transformers' decode."""
+    import random
+
+    tok = Tokenizer(smollm2_dir)
+    assert tok._backend is not None
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = [rng.randrange(len(tok.hf)) for _ in range(rng.randint(1, 24))]
+        for skip in (True, False):
+            assert tok.decode(ids, skip) == tok.hf.decode(
+                ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
