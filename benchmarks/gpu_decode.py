@@ -139,8 +139,9 @@ def main() -> None:
     ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                     help="--model weights: read them (auto) or seeded random on the GPU (dummy)")
     ap.add_argument("--seed", type=int, default=0, help="seed of --load-format dummy")
-    ap.add_argument("--kernels", default=None, choices=["torch", "triton"],
-                    help="forward implementation passed to ModelRunner (default: the model's)")
+    ap.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"],
+                    help="forward implementation passed to ModelRunner (auto: what the engine "
+                         "picks, Triton when it imports)")
     ap.add_argument("--skip-eager", action="store_true",
                     help="skip the eager runner (eager_ms, argmax_agree; saves time and KV "
                          "memory on large models)")
@@ -158,7 +159,12 @@ def main() -> None:
     max_b = max(args.batch)
     num_pages = max_b * (-(-args.context // ps) + 1) + 2
     cache = CacheConfig(page_size=ps, num_pages=num_pages)
-    runner_kw = {} if args.kernels is None else {"kernels": args.kernels}
+    kernels = args.kernels
+    if kernels == "auto":
+        from structspec.kernels import triton_available
+
+        kernels = "triton" if triton_available() else "torch"
+    runner_kw = {"kernels": kernels}
 
     def runner(graph: bool) -> ModelRunner:
         return ModelRunner(model, cfg, cache, device=dev, dtype=dtype, use_cuda_graph=graph,
