@@ -18,12 +18,16 @@ Usage: ``PYTHONPATH=$PWD python benchmarks/kernels_micro.py [--context 512] [--b
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from structspec.config import ModelConfig
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.gpu_decode import smol_model  # noqa: E402
 from structspec.kernels.activation import silu_and_mul
 from structspec.kernels.attention import TritonAttentionBackend
 from structspec.kernels.bitmask import apply_token_bitmask_inplace
@@ -34,7 +38,6 @@ from structspec.layers.attention import TorchAttentionBackend, write_kv
 from structspec.layers.forward_batch import ForwardBatch
 from structspec.layers.norm import RMSNorm
 from structspec.layers.rotary import RotaryEmbedding, apply_rotary
-from structspec.models.llama import LlamaForCausalLM
 
 try:  # structspec.grammar imports xgrammar, which a bare GPU box may lack
     from structspec.grammar.bitmask import apply_bitmask_reference_
@@ -158,23 +161,6 @@ def ops(context: int) -> None:
             apply_token_bitmask_inplace(lg, bm))
 
 
-def smol_model() -> tuple[LlamaForCausalLM, ModelConfig]:
-    cfg = ModelConfig(
-        architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576,
-        intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-        num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e5,
-        max_position_embeddings=8192, tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    with torch.device(DEV):
-        model = LlamaForCausalLM(cfg)
-    for name, p in model.named_parameters():
-        p.copy_(torch.ones_like(p) if name.endswith("norm.weight") else 0.02 * torch.randn_like(p))
-    model = model.to(DEV, DT)
-    model.rotary.reset_inv_freq()
-    return model, cfg
-
-
 def count_kernels(fn: Callable[[], object]) -> int:
     """CUDA kernels launched by one eager ``fn()`` (profiler; -1 if unavailable)."""
     try:
@@ -190,7 +176,7 @@ def count_kernels(fn: Callable[[], object]) -> int:
 
 @torch.inference_mode()
 def forwards(context: int, batches: list[int], nodes: list[int]) -> None:
-    model, cfg = smol_model()
+    model, cfg = smol_model(DEV, DT)
     max_b = max(batches)
     pool = KVPool(num_layers=30, num_pages=(max_b * context + 64) // 16 + 2, page_size=16,
                   num_kv_heads=3, head_dim=64, dtype=DT, device=DEV)

@@ -23,6 +23,7 @@ from structspec.layers.attention import TorchAttentionBackend  # noqa: E402
 from structspec.layers.forward_batch import ForwardBatch  # noqa: E402
 from structspec.models.llama import LlamaForCausalLM  # noqa: E402
 from structspec.spec.tree import VerifyTree  # noqa: E402
+from tests.graph_check import assert_no_sync_and_graph_replay
 from tests.kernels.conftest import tol  # noqa: E402
 from tests.models.conftest import (  # noqa: E402
     PAGE,
@@ -175,20 +176,4 @@ def test_smollm2_shape_graph_no_sync_bf16(b: int, q: int) -> None:
     eager = step()
     rel = ((eager - ref).norm() / ref.norm()).item()  # bf16 roundings differ; stay close
     assert rel < 0.05, rel
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()  # raises on any blocking host sync
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static = step()
-        graph.replay()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    torch.cuda.synchronize()
-    assert torch.equal(static, eager)
+    assert_no_sync_and_graph_replay(step, eager)

@@ -9,6 +9,7 @@ from structspec.config import ModelConfig
 from structspec.kvcache.pool import KVPool
 from structspec.layers.forward_batch import ForwardBatch
 from structspec.models.llama import LlamaForCausalLM
+from tests.graph_check import assert_no_sync_and_graph_replay
 
 pytestmark = [
     pytest.mark.gpu,
@@ -50,23 +51,7 @@ def test_no_sync_and_graph_replay(shape: tuple[int, int, int]) -> None:
         return model.compute_logits(out.hidden_states.view(-1, cfg.hidden_size))
 
     ref = step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()  # raises on any blocking host sync
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits = step()
-        graph.replay()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    torch.cuda.synchronize()
-    assert torch.equal(logits, ref)
+    graph = assert_no_sync_and_graph_replay(step, ref)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(50):
