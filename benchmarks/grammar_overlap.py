@@ -126,7 +126,7 @@ def breakdown(tag: str, s: dict[str, float]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="auto")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--algorithms", nargs="+", default=["ngram"])

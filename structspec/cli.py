@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Generate text for one prompt or a JSONL batch. Exit "
                                      "status: 0 ok, 1 a request failed (its error is printed), "
                                      "2 bad command line.",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                         formatter_class=_DefaultsHelpFormatter)
     _add_engine_args(gen)
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text, sent as one user message via the chat "
@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
                          description="Serve the OpenAI API (chat/completions, structured "
                                      "outputs, streaming).",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                         formatter_class=_DefaultsHelpFormatter)
     _add_engine_args(srv)
     srv.add_argument("--host", default="127.0.0.1", help="bind address")
     srv.add_argument("--port", type=int, default=8000, help="TCP port")
@@ -280,13 +280,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0 if out.error is None else 1
 
 
+class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: ...)`` unless the help text already says what the default is, or
+    there is none to show (None, or False for an on/off flag)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text.lower() or action.default is None or action.default is False:
+            return text
+        return super()._get_help_string(action)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``structspec`` command."""
     args = build_parser().parse_args(argv)
     if args.command == "generate":
         try:
             return cmd_generate(args)
-        except (FileNotFoundError, ValueError) as e:
+        except (FileNotFoundError, ValueError, MemoryError) as e:
             print(f"structspec generate: {e}", file=sys.stderr)
             return 2
     if args.command == "serve":

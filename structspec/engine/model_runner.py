@@ -30,6 +30,7 @@ from structspec.engine.cuda_graph import DEFAULT_BATCH_SIZES, VerifyGraph, Verif
 from structspec.engine.staging import Staging
 from structspec.kvcache.pool import KVPool
 from structspec.layers.forward_batch import ForwardBatch
+from structspec.memory import check_fits
 from structspec.spec.tree import VerifyTree
 from structspec.spec.verify import VerifyResult
 
@@ -110,6 +111,12 @@ class ModelRunner:
         self.model_config = model_config
         self.device = device
         self.page_size = cache_config.page_size
+        kv_bytes = (2 * model_config.num_hidden_layers * cache_config.total_pages
+                    * cache_config.page_size * model_config.num_key_value_heads
+                    * model_config.head_dim * torch.empty((), dtype=dtype).element_size())
+        check_fits(kv_bytes, torch.device(device),
+                   f"the KV cache ({cache_config.total_pages * cache_config.page_size} tokens)",
+                   "lower kv_capacity_tokens (--kv-capacity-tokens)")
         self.kv_pool = KVPool(
             num_layers=model_config.num_hidden_layers,
             num_pages=cache_config.total_pages,

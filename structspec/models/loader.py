@@ -13,6 +13,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from structspec.config import ModelConfig
+from structspec.memory import check_fits
 from structspec.models.default_model import resolve_model_path
 from structspec.models.registry import get_model_class
 
@@ -126,6 +127,8 @@ def load_model(
 
     Raises:
         FileNotFoundError: missing path, config.json, weights or shard (message names the file).
+        MemoryError: the weights cannot fit in the device's free memory (checked before
+            allocating).
         ValueError: unsupported architecture/feature, malformed files, missing/unexpected/
             mis-shaped tensors (message names the tensor and file set), unknown
             ``load_format``.
@@ -143,6 +146,9 @@ def load_model(
     with torch.device("meta"):
         model = cls(config)
     model.to(dtype=dtype)  # free on meta; then allocate once, uninitialised, on the device
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    check_fits(weight_bytes, torch.device(device), f"{model_dir.name} weights ({dtype})",
+               "use a smaller model, a GPU, or dtype bfloat16")
     model.to_empty(device=device)
     model.tie_weights()
     model.rotary.reset_inv_freq()

@@ -30,6 +30,11 @@ class Tokenizer:
         path = Path(model_dir)
         if not path.is_dir():
             raise FileNotFoundError(f"tokenizer directory {str(path)!r} does not exist")
+        if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json",
+                                                 "tokenizer.model", "vocab.json")):
+            raise ValueError(f"{path}: no tokenizer files (tokenizer.json / "
+                             "tokenizer_config.json); a directory without one can serve only "
+                             "as a --draft-model of a target that has it")
         try:
             hf = AutoTokenizer.from_pretrained(str(path))
         except (OSError, ValueError) as e:
