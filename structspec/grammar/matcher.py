@@ -39,6 +39,7 @@ class Matcher:
         self.stop_token_ids: tuple[int, ...] = tuple(int(t) for t in stop_token_ids)
         self.max_rollback_tokens = int(max_rollback_tokens)
         self.num_accepted = 0
+        self._stop_set = frozenset(self.stop_token_ids)
         self._xgr = xgr.GrammarMatcher(compiled, override_stop_tokens=list(self.stop_token_ids))
 
     @property
@@ -72,13 +73,20 @@ class Matcher:
         Returns:
             ``n``, the number of tokens retained (``0 <= n <= len(token_ids)``).
         """
+        xm = self._xgr
+        if xm.is_terminated():
+            return 0
+        # Hot path of the grammar barrier (every committed token of every request, each step):
+        # one C++ call per token; the matcher can only terminate on a stop token.
         n = 0
         for tok in token_ids:
-            if not self.accept_token(int(tok)):
+            tok = int(tok)
+            if not xm.accept_token(tok):
                 break
             n += 1
-            if self._xgr.is_terminated():
+            if tok in self._stop_set and xm.is_terminated():
                 break
+        self.num_accepted += n
         return n
 
     def rollback(self, num_tokens: int) -> None:

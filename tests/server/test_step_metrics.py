@@ -1,0 +1,24 @@
+"""Verify-step timings reach /metrics: host phases as counters, GPU times as histograms."""
+
+from __future__ import annotations
+
+from structspec.scheduler.step_record import StepRecord
+from structspec.server.ipc import EngineStats
+from structspec.server.metrics import ServerMetrics
+
+
+def test_step_records_become_metrics() -> None:
+    m = ServerMetrics()
+    gpu = StepRecord(4, 8, 4, wall_ms=3.0, cpu_ms={"draft": 0.5, "mask": 1.25},
+                     gpu_draft_ms=0.0, gpu_forward_ms=2.0, gpu_grammar_stall_ms=0.25,
+                     gpu_post_ms=0.75, gpu_idle_before_ms=0.5)
+    cpu = StepRecord(1, 1, 0, wall_ms=7.0, cpu_ms={"launch": 6.0})  # no GPU fields on CPU
+    m.on_engine_stats(EngineStats(steps=(gpu, cpu)))
+    text = m.render().decode()
+    assert 'structspec_verify_step_ms_count 2.0' in text
+    assert 'structspec_verify_step_cpu_ms_total{phase="mask"} 1.25' in text
+    assert 'structspec_verify_step_cpu_ms_total{phase="launch"} 6.0' in text
+    assert 'structspec_verify_step_gpu_busy_ms_count 1.0' in text
+    assert 'structspec_verify_step_gpu_busy_ms_sum 2.5' in text  # 2.0 + 0.75 - 0.25
+    assert 'structspec_verify_step_gpu_idle_gap_ms_sum 0.5' in text
+    assert 'structspec_verify_step_grammar_stall_ms_sum 0.25' in text
