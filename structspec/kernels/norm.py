@@ -64,17 +64,8 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         A new contiguous tensor of ``x``'s shape, dtype ``promote(weight, x)`` (as torch's
         ``weight * h.to(x.dtype)`` gives), same device.
     """
-    n = x.shape[-1]
     x2 = _rows(x)
-    out = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    if x2.shape[0] == 0:
-        return out.view(x.shape)
-    block = next_pow2(n)
-    _rmsnorm_kernel[(x2.shape[0],)](
-        x2, x2, weight, out, x2.stride(0), x2.stride(0), out.stride(0), n, eps,
-        BLOCK=block, HAS_RESIDUAL=False, num_warps=_num_warps(block),
-    )
-    return out.view(x.shape)
+    return _launch(x2, x2, weight, eps, has_residual=False).view(x.shape)
 
 
 def fused_add_rmsnorm(
@@ -99,14 +90,22 @@ def fused_add_rmsnorm(
         raise ValueError(f"residual must be contiguous and shaped like x: x {tuple(x.shape)}, "
                          f"residual {tuple(residual.shape)}")
     n = x.shape[-1]
-    x2, r2 = _rows(x), residual.view(-1, n)
-    out = torch.empty(r2.shape, dtype=torch.promote_types(weight.dtype, residual.dtype),
-                      device=x.device)
+    return _launch(_rows(x), residual.view(-1, n), weight, eps, has_residual=True).view(
+        residual.shape)
+
+
+def _launch(x2: torch.Tensor, r2: torch.Tensor, weight: torch.Tensor, eps: float, *,
+            has_residual: bool) -> torch.Tensor:
+    """One program per row of ``x2`` / ``r2`` (``[rows, N]``); returns ``[rows, N]`` of dtype
+    ``promote(weight, r2)``. Without a residual pass ``r2 = x2`` (it is not written)."""
+    n = x2.shape[-1]
+    out = torch.empty(r2.shape, dtype=torch.promote_types(weight.dtype, r2.dtype),
+                      device=x2.device)
     if r2.shape[0] == 0:
-        return out.view(residual.shape)
+        return out
     block = next_pow2(n)
     _rmsnorm_kernel[(r2.shape[0],)](
         x2, r2, weight, out, x2.stride(0), r2.stride(0), out.stride(0), n, eps,
-        BLOCK=block, HAS_RESIDUAL=True, num_warps=_num_warps(block),
+        BLOCK=block, HAS_RESIDUAL=has_residual, num_warps=_num_warps(block),
     )
-    return out.view(residual.shape)
+    return out

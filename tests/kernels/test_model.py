@@ -138,20 +138,10 @@ def test_set_kernels_round_trip() -> None:
 def test_smollm2_shape_graph_no_sync_bf16(b: int, q: int) -> None:
     """SmolLM2 shape in bf16: Triton path agrees with the torch path, has no host syncs,
     and a CUDA-graph replay reproduces the eager result bit for bit."""
+    from benchmarks.gpu_decode import smol_model  # the benchmark's random SmolLM2 shape
+
     dev = torch.device("cuda")
-    cfg = ModelConfig(
-        architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576,
-        intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-        num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e5,
-        max_position_embeddings=8192, tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    with torch.device(dev):
-        model = LlamaForCausalLM(cfg)
-    for name, p in model.named_parameters():
-        p.copy_(torch.ones_like(p) if name.endswith("norm.weight") else 0.02 * torch.randn_like(p))
-    model = model.to(dev, torch.bfloat16)
-    model.rotary.reset_inv_freq()
+    model, cfg = smol_model(dev, torch.bfloat16)
     n = 520
     pool = KVPool(num_layers=30, num_pages=2 + b * n // 16, page_size=16, num_kv_heads=3,
                   head_dim=64, dtype=torch.bfloat16, device=dev)
