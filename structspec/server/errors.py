@@ -13,11 +13,12 @@ class APIError(Exception):
         message: what went wrong, for the user.
         type: OpenAI error type (``invalid_request_error``, ``authentication_error``, ...).
         param: the request field at fault, if any.
-        code: a machine-readable code (e.g. ``context_length_exceeded``), if any.
+        code: a machine-readable code (e.g. ``context_length_exceeded``; vLLM's 404 uses the
+            number ``404``), if any.
     """
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -31,7 +32,7 @@ class APIError(Exception):
 
 
 def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
+               code: str | int | None = None) -> dict[str, Any]:
     """``{"error": {...}}`` as OpenAI sends it."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
@@ -39,6 +40,12 @@ def error_body(message: str, *, type: str = "invalid_request_error", param: str 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     """A 400 ``invalid_request_error``."""
     return APIError(400, message, param=param, code=code)
+
+
+def model_not_found(name: str) -> APIError:
+    """A 404 for a ``model`` the server does not serve, exactly as vLLM sends it."""
+    return APIError(404, f"The model `{name}` does not exist.", type="NotFoundError",
+                    param="model", code=404)
 
 
 def unavailable(message: str) -> APIError:

@@ -3,6 +3,8 @@
 Defaults follow OpenAI: ``temperature`` 1, ``top_p`` 1, ``n`` 1. ``max_tokens`` (or chat's
 ``max_completion_tokens``) left out means "until the context is full", capped at
 :data:`DEFAULT_MAX_TOKENS` because the scheduler reserves KV for ``max_tokens`` up front.
+An explicit ``max_tokens`` with ``prompt + max_tokens > max_model_len`` is a 400 (as vLLM
+answers), not clamped: the reservation is made for what was asked.
 With ``n > 1`` choice ``i`` gets seed ``seed + i`` (when a seed is given).
 
 Log-probabilities (``logprobs`` / ``top_logprobs``) are the target model's log-softmax over
@@ -16,7 +18,7 @@ from dataclasses import replace
 
 from structspec.core import GrammarSpec, SamplingParams
 from structspec.server.errors import bad_request
-from structspec.server.protocol import SamplingRequest
+from structspec.server.protocol import ChatCompletionRequest, SamplingRequest
 
 DEFAULT_MAX_TOKENS = 2048
 MAX_N = 64
@@ -31,11 +33,17 @@ def build_sampling_params(
     logprobs: int | None,
     prompt_len: int,
     max_model_len: int,
+    max_tokens_param: str = "max_tokens",
 ) -> SamplingParams:
     """Sampling parameters of choice 0 (see :func:`per_choice` for the others).
 
+    Args:
+        max_tokens_param: the request field ``max_tokens`` came from (chat's
+            ``max_completion_tokens`` when that was sent), named in its errors.
+
     Raises:
-        APIError: 400 naming the bad or unsupported field.
+        APIError: 400 naming the bad or unsupported field; ``context_length_exceeded``
+            when ``prompt_len + max_tokens`` does not fit in ``max_model_len``.
     """
     _reject_unsupported(req)
     if not 1 <= req.n <= MAX_N:
@@ -45,7 +53,11 @@ def build_sampling_params(
     if max_tokens is None:
         max_tokens = max(1, min(DEFAULT_MAX_TOKENS, max_model_len - prompt_len))
     elif max_tokens < 1:
-        raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+        raise bad_request(f"{max_tokens_param} must be at least 1, got {max_tokens}",
+                          max_tokens_param)
+    else:
+        check_context_length(prompt_len, max_tokens, max_model_len, max_tokens_param,
+                             "messages" if isinstance(req, ChatCompletionRequest) else "prompt")
     if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
         raise bad_request(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {logprobs}",
                           "logprobs")
@@ -76,6 +88,24 @@ def build_sampling_params(
         field = str(e).split(" ", 1)[0]
         raise bad_request(str(e), field if field.isidentifier() else None) from None
     return params
+
+
+def check_context_length(prompt_len: int, max_tokens: int, max_model_len: int, param: str,
+                         prompt_word: str) -> None:
+    """vLLM's check of an explicit ``max_tokens``: prompt + completion must fit the context.
+
+    Args:
+        prompt_word: what the prompt is called in the message (``messages`` / ``prompt``).
+
+    Raises:
+        APIError: 400 ``context_length_exceeded`` naming ``param``.
+    """
+    if prompt_len + max_tokens > max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the {prompt_word}, "
+            f"{max_tokens} in the completion). Please reduce the length of the {prompt_word} "
+            "or completion.", param, code="context_length_exceeded")
 
 
 def per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:

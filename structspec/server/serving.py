@@ -16,7 +16,7 @@ from starlette.responses import Response, StreamingResponse
 
 from structspec.server.codec import Codec
 from structspec.server.engine_client import AsyncEngine
-from structspec.server.errors import APIError, bad_request, unavailable
+from structspec.server.errors import APIError, bad_request, model_not_found, unavailable
 from structspec.server.generation import ChoiceState, GenerationRun, LogprobEntry, error_for
 from structspec.server.metrics import ServerMetrics
 
@@ -33,7 +33,8 @@ class ServerState:
         engine: the engine handle.
         codec: tokenization in this process.
         metrics: Prometheus metrics.
-        model_name: the model id in the API (``/v1/models``, response ``model``).
+        model_name: the model id in the API (``/v1/models``, response ``model``); the only
+            ``model`` a request may name (:meth:`check_model`).
         api_key: required bearer token, or None.
     """
 
@@ -46,6 +47,16 @@ class ServerState:
     @property
     def max_model_len(self) -> int:
         return self.engine.info.max_model_len
+
+    def check_model(self, name: str | None) -> None:
+        """Accept a request's ``model``: the served name, or none given (``null``, ``""`` or
+        left out: the served model, as vLLM does).
+
+        Raises:
+            APIError: 404 ``NotFoundError`` (param ``model``) for any other name.
+        """
+        if name and name != self.model_name:
+            raise model_not_found(name)
 
     def require_ready(self) -> None:
         """Raises: APIError 503 while the engine is not serving."""

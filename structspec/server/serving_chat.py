@@ -37,6 +37,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     start_s = time.perf_counter()
     state.require_ready()
     req = parse_request(ChatCompletionRequest, await read_json(request))
+    state.check_model(req.model)
     grammar = grammar_from_request(req)
     messages = [_template_message(m, i) for i, m in enumerate(req.messages)]
     tools = _tools(req)
@@ -50,11 +51,14 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         logprobs = req.top_logprobs or 0
     elif req.top_logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
-        else req.max_tokens
+    if req.max_completion_tokens is not None:
+        max_tokens, max_tokens_param = req.max_completion_tokens, "max_completion_tokens"
+    else:
+        max_tokens, max_tokens_param = req.max_tokens, "max_tokens"
     params = build_sampling_params(req, grammar=grammar, max_tokens=max_tokens,
                                    logprobs=logprobs, prompt_len=len(prompt_ids),
-                                   max_model_len=state.max_model_len)
+                                   max_model_len=state.max_model_len,
+                                   max_tokens_param=max_tokens_param)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     run = GenerationRun(state.engine, state.codec, state.metrics, rid,
                         [(prompt_ids, p) for p in per_choice(params, req.n)], start_s)

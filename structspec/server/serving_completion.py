@@ -37,6 +37,7 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     start_s = time.perf_counter()
     state.require_ready()
     req = parse_request(CompletionRequest, await read_json(request))
+    state.check_model(req.model)
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix", code="unsupported")
     if req.best_of is not None and req.best_of != req.n:

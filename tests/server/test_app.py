@@ -204,3 +204,76 @@ def test_openai_sdk_against_fake(client: TestClient) -> None:
         oai.chat.completions.create(model="fake", messages=MSGS,
                                     extra_body={"regex": "BAD("})
     assert "missing ')'" in str(e.value)
+
+
+def test_max_tokens_beyond_context_is_400_not_clamped() -> None:
+    engine = FakeEngine(max_model_len=50)
+    prompt_len = len(FakeCodec().encode_chat(MSGS))  # one token per character
+    room = 50 - prompt_len
+    with make_client(engine) as c:
+        for field in ("max_tokens", "max_completion_tokens"):
+            r = c.post("/v1/chat/completions", json={"messages": MSGS, field: room})
+            assert r.status_code == 200, r.text  # prompt + max_tokens == max_model_len fits
+            assert engine.added[-1][2].max_tokens == room
+            for asked in (room + 1, 10**9):
+                n_added = len(engine.added)
+                for stream in (False, True):
+                    r = c.post("/v1/chat/completions", json={"messages": MSGS, field: asked,
+                                                             "stream": stream})
+                    assert r.status_code == 400, r.text
+                    err = r.json()["error"]
+                    assert err == {
+                        "message": "This model's maximum context length is 50 tokens. However, "
+                                   f"you requested {prompt_len + asked} tokens ({prompt_len} in "
+                                   f"the messages, {asked} in the completion). Please reduce the "
+                                   "length of the messages or completion.",
+                        "type": "invalid_request_error", "param": field,
+                        "code": "context_length_exceeded"}
+                assert len(engine.added) == n_added  # never reached the engine
+        # left out: still the rest of the context (capped), not an error
+        r = c.post("/v1/chat/completions", json={"messages": MSGS})
+        assert r.status_code == 200, r.text
+        assert engine.added[-1][2].max_tokens == room
+        # completions: each prompt is checked on its own length
+        r = c.post("/v1/completions", json={"prompt": ["a" * 40, "b" * 45], "max_tokens": 5})
+        assert r.status_code == 200, r.text
+        r = c.post("/v1/completions", json={"prompt": ["a" * 40, "b" * 46], "max_tokens": 5})
+        assert r.status_code == 400
+        err = r.json()["error"]
+        assert err["param"] == "max_tokens" and err["code"] == "context_length_exceeded"
+        assert "you requested 51 tokens (46 in the prompt, 5 in the completion)" in err["message"]
+
+
+def test_unknown_model_is_404(client: TestClient) -> None:
+    engine: FakeEngine = client.app.state.server.engine  # type: ignore[attr-defined]
+    expected = {"message": "The model `gpt-4o` does not exist.", "type": "NotFoundError",
+                "param": "model", "code": 404}
+    for stream in (False, True):
+        r = client.post("/v1/chat/completions", json={"model": "gpt-4o", "messages": MSGS,
+                                                     "max_tokens": 2, "stream": stream})
+        assert r.status_code == 404, r.text
+        assert r.json() == {"error": expected}
+        r = client.post("/v1/completions", json={"model": "gpt-4o", "prompt": "x",
+                                                "max_tokens": 2, "stream": stream})
+        assert r.status_code == 404, r.text
+        assert r.json() == {"error": expected}
+    assert engine.added == []
+    # the served name, or none (left out / null / ""), is the served model
+    for extra in ({"model": "fake"}, {}, {"model": None}, {"model": ""}):
+        r = client.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2, **extra})
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == "fake"
+        r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, **extra})
+        assert r.status_code == 200, r.text
+    assert 'structspec_http_errors_total{status="404"} 4.0' in client.get("/metrics").text
+
+
+def test_openai_sdk_errors_for_model_and_max_tokens(client: TestClient) -> None:
+    oai = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=client,
+                        max_retries=0)
+    with pytest.raises(openai.NotFoundError) as nf:
+        oai.chat.completions.create(model="nope", messages=MSGS, max_tokens=2)
+    assert nf.value.status_code == 404 and nf.value.param == "model"
+    with pytest.raises(openai.BadRequestError) as br:
+        oai.completions.create(model="fake", prompt="x", max_tokens=10**9)
+    assert br.value.param == "max_tokens" and br.value.code == "context_length_exceeded"

@@ -36,6 +36,7 @@ REPEAT = [{"role": "user", "content": "Repeat exactly: alpha beta gamma delta al
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerHandle]:
     with running_server("--speculative-algorithm", "ngram", "--num-draft-tokens", "6",
+                        "--served-model-name", "x",  # requests name model "x"; others are 404
                         "--max-model-len", "1024", "--max-batch-size", "8") as s:
         yield s
 

@@ -112,6 +112,7 @@ def test_sampling_params_defaults_and_mapping() -> None:
     p = params()
     assert p.temperature == 1.0 and p.top_p == 1.0 and p.top_k == 0
     assert p.max_tokens == min(DEFAULT_MAX_TOKENS, 90)
+    assert params(max_tokens=90).max_tokens == 90  # prompt + max_tokens == max_model_len fits
     p = params(temperature=0, top_k=-1, min_p=0.1, seed=7, stop="END", max_tokens=5)
     assert (p.temperature, p.top_k, p.min_p, p.seed, p.stop, p.max_tokens) == (
         0.0, 0, 0.1, 7, ("END",), 5)
@@ -123,6 +124,8 @@ def test_sampling_params_defaults_and_mapping() -> None:
     ({"top_p": 0}, "top_p"),
     ({"temperature": -1}, "temperature"),
     ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 91}, "max_tokens"),  # 10 prompt + 91 > max_model_len 100
+    ({"max_tokens": 10**9}, "max_tokens"),
     ({"n": 0}, "n"),
     ({"stop": ["", "x"]}, "stop"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
