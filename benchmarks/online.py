@@ -180,7 +180,7 @@ def start_server(spec: str, extra: list[str], timeout_s: float) -> tuple[subproc
     port = free_port()
     log = Path(tempfile.mkstemp(prefix=f"structspec-bench-{spec}-", suffix=".log")[1])
     cmd = [sys.executable, "-m", "structspec", "serve", "--host", "127.0.0.1", "--port",
-           str(port), "--speculative-algorithm", spec, *extra]
+           str(port), "--speculative-algorithm", spec, "--served-model-name", "bench", *extra]
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
                                 start_new_session=True)
