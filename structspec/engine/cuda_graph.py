@@ -7,10 +7,19 @@ layers. Graphs are captured lazily on first use (or eagerly, :meth:`ModelRunner.
 and share one memory pool; shapes above the largest bucket run eagerly.
 
 Static inputs (device, per graph): ``seq_lens [B]``, ``page_table [B, P]``,
-``draft_tokens [B, N]``, ``depth [B, N]`` (one flat int64 buffer, so one H2D copy fills the
-host-made part) and ``ancestor_mask [B, N, N]`` bool. The ForwardBatch (slots, positions,
-mask) is built *inside* the graph from them by
+``draft_tokens [B, N]``, ``depth [B, N]``, ``parents [B, N]`` (one flat int64 buffer, so one
+H2D copy fills the host-made part) and ``ancestor_mask [B, N, N]`` bool. The ForwardBatch
+(slots, positions, mask) is built *inside* the graph from them by
 :func:`~structspec.engine.batch_builder.build_verify_batch_from_tensors`.
+
+Post graphs: for greedy batches everything after the forward is a second, small graph per
+bucket (and per "masked" flag): apply the grammar bitmask (static ``[B*N, W]`` int32 input,
+shared by the buckets of one ``(B, N)``), argmax, tree verification, the count of real drafts
+and the accepted-path KV compaction. Run eagerly these are ~60 small kernels whose launches
+cost ~1 ms of host time per step on an H200 host (more than SmolLM2's whole verify forward);
+replayed they are one launch. The post graph is separate from the forward graph because the
+bitmask is built on the host *while the forward runs* and is uploaded just before the post
+work.
 
 Dummy rows: ``seq_len 0`` and a page-table row of page 0 (the sink), so they write their
 K/V only into page 0 and attend only their own node (ancestor mask: at least the diagonal);
@@ -23,13 +32,15 @@ graph sharing the pool, so a verify output is valid until the next ``verify()`` 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
-from structspec.engine.batch_builder import build_verify_batch_from_tensors
+from structspec.engine.batch_builder import accepted_kv_moves, build_verify_batch_from_tensors
+from structspec.grammar.bitmask import apply_bitmask_, bitmask_width
 from structspec.kvcache.pool import KVPool
+from structspec.spec.verify import VerifyResult, verify_paths
 
 DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 MIN_KV_BUCKET = 256
@@ -63,13 +74,18 @@ class VerifyGraph:
 
     Attributes:
         bsz, num_nodes, pages: the bucket's ``B``, ``N``, ``P``.
-        ints: ``[B * (1 + P + 2N)]`` int64 device buffer: ``seq_lens | page_table |
-            draft_tokens | depth``, row-major (the views below).
+        ints: ``[B * (1 + P + 3N)]`` int64 device buffer: ``seq_lens | page_table |
+            draft_tokens | depth | parents``, row-major (the views below).
         seq_lens: ``[B]`` int64 view.  page_table: ``[B, P]`` int64 view.
-        draft_tokens: ``[B, N]`` int64 view.  depth: ``[B, N]`` int64 view.
+        draft_tokens, depth, parents: ``[B, N]`` int64 views (``parents`` is read only by
+            the post graph).
         ancestor_mask: ``[B, N, N]`` bool device buffer (initially the identity per row).
         logits: ``[B * N, V]`` float32 static output (after capture).
         hidden: ``[B, N, H]`` static output.  aux: list of ``[B, N, H]`` static outputs.
+        bitmask: ``[B * N, W]`` int32 post-graph input (shared per ``(B, N)``; set by
+            :meth:`VerifyGraphCache.post_inputs`).  cap: ``[B]`` int64 accepted-draft cap.
+        post_out: per masked flag, the post graph's static ``(VerifyResult [B, N],
+            num_real [B])``.
     """
 
     def __init__(
@@ -79,7 +95,7 @@ class VerifyGraph:
         self.bsz, self.num_nodes, self.pages = bsz, num_nodes, pages
         self.aux_layers = aux_layers
         n = num_nodes
-        self.ints = torch.zeros(bsz * (1 + pages + 2 * n), dtype=torch.int64, device=device)
+        self.ints = torch.zeros(bsz * (1 + pages + 3 * n), dtype=torch.int64, device=device)
         self.seq_lens = self.ints[:bsz]
         o = bsz
         self.page_table = self.ints[o : o + bsz * pages].view(bsz, pages)
@@ -87,6 +103,8 @@ class VerifyGraph:
         self.draft_tokens = self.ints[o : o + bsz * n].view(bsz, n)
         o += bsz * n
         self.depth = self.ints[o : o + bsz * n].view(bsz, n)
+        o += bsz * n
+        self.parents = self.ints[o : o + bsz * n].view(bsz, n)
         self.ancestor_mask = (
             torch.eye(n, dtype=torch.bool, device=device).expand(bsz, n, n).contiguous()
         )
@@ -94,6 +112,10 @@ class VerifyGraph:
         self.logits: torch.Tensor | None = None
         self.hidden: torch.Tensor | None = None
         self.aux: list[torch.Tensor] = []
+        self.bitmask: torch.Tensor | None = None
+        self.cap: torch.Tensor | None = None
+        self.post_graphs: dict[bool, torch.cuda.CUDAGraph] = {}
+        self.post_out: dict[bool, tuple[VerifyResult, torch.Tensor]] = {}
 
     @property
     def host_ints(self) -> int:
@@ -146,6 +168,56 @@ class VerifyGraph:
         assert self.graph is not None, "capture() first"
         self.graph.replay()
 
+    def post_forward(
+        self, kv_pool: KVPool, page_size: int, masked: bool
+    ) -> tuple[VerifyResult, torch.Tensor]:
+        """Greedy post-forward work on the static buffers, run eagerly (what the post graph
+        records): mask the logits in place (``masked``: with ``bitmask`` and ``cap``), argmax
+        each row, verify every tree (:func:`~structspec.spec.verify.verify_paths`), count the
+        real drafts and compact the accepted paths' KV (dummy rows move sink slots only).
+
+        Returns:
+            ``(VerifyResult with [B, N] / [B] tensors, num_real [B] int64)``, fresh tensors.
+        """
+        assert self.logits is not None, "capture() the forward first"
+        bsz, n = self.bsz, self.num_nodes
+        cap = None
+        if masked:
+            assert self.bitmask is not None and self.cap is not None
+            apply_bitmask_(self.logits, self.bitmask)
+            cap = self.cap
+        targets = self.logits.argmax(dim=-1).view(bsz, n)
+        result = verify_paths(self.draft_tokens, self.parents, self.depth, self.ancestor_mask,
+                              targets, cap)
+        num_real = (self.draft_tokens[:, 1:] >= 0).sum(dim=1)
+        if n > 1:
+            src, dst = accepted_kv_moves(result.accept_nodes, self.seq_lens, self.page_table,
+                                         page_size=page_size)
+            kv_pool.copy_slots(src, dst)
+        return result, num_real
+
+    def run_post(
+        self, kv_pool: KVPool, page_size: int, masked: bool, pool: tuple
+    ) -> tuple[VerifyResult, torch.Tensor]:
+        """Replay the post graph (capturing it on first use); returns its ``[B, ...]`` outputs.
+
+        First use runs :meth:`post_forward` eagerly for real (its results are this step's)
+        and then records the graph *without* replaying it: a replay after an eager run would
+        compact the KV a second time, reading slots the first pass already overwrote. The
+        eager run also does the lazy work (Triton compiles) before the capture. Capture syncs
+        the device (only here, never in replay).
+        """
+        graph = self.post_graphs.get(masked)
+        if graph is not None:
+            graph.replay()
+            return self.post_out[masked]
+        out = self.post_forward(kv_pool, page_size, masked)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self.post_out[masked] = self.post_forward(kv_pool, page_size, masked)
+        self.post_graphs[masked] = graph
+        return out
+
 
 class VerifyGraphCache:
     """The runner's verify graphs: bucket lookup, lazy capture, one shared memory pool.
@@ -173,6 +245,8 @@ class VerifyGraphCache:
         )
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[GraphKey, VerifyGraph] = {}
+        self._post_inputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._cap_dirty: set[tuple[int, int]] = set()  # caps holding real values
 
     def lookup(
         self, bsz: int, num_nodes: int, need_pages: int, aux_layers: tuple[int, ...]
@@ -194,3 +268,42 @@ class VerifyGraphCache:
         """Capture ``g`` (its static inputs already staged) if it is not captured yet."""
         if not g.captured:
             g.capture(self.model, self.kv_pool, self.page_size, self.pool)
+
+    def post_inputs(self, g: VerifyGraph) -> tuple[torch.Tensor, torch.Tensor]:
+        """``g``'s post-graph inputs ``(bitmask [B*N, W] int32, cap [B] int64)``, created on
+        first use and shared by every bucket of the same ``(B, N)`` (only one graph runs at a
+        time). A fresh bitmask allows everything; a fresh cap is ``N`` (no cap)."""
+        assert g.logits is not None, "capture the forward first"
+        key = (g.bsz, g.num_nodes)
+        if key not in self._post_inputs:
+            width = bitmask_width(g.logits.shape[1])
+            self._post_inputs[key] = (
+                torch.full((g.bsz * g.num_nodes, width), -1, dtype=torch.int32,
+                           device=self.device),
+                torch.full((g.bsz,), g.num_nodes, dtype=torch.int64, device=self.device),
+            )
+        g.bitmask, g.cap = self._post_inputs[key]
+        return g.bitmask, g.cap
+
+    def run_post(
+        self, g: VerifyGraph, masked: bool, staged_cap: Callable[[torch.Tensor], None] | None
+    ) -> tuple[VerifyResult, torch.Tensor]:
+        """:meth:`VerifyGraph.run_post` with this cache's pools.
+
+        Args:
+            g: a captured bucket whose forward was just replayed.
+            masked: apply the bitmask (already uploaded into :meth:`post_inputs`).
+            staged_cap: when a grammar walk timed out, a function that queues the real
+                ``[bsz]`` caps into the given ``cap[:bsz]`` view (non_blocking H2D); None = no
+                cap this step (the buffer is reset to ``N`` if a previous step wrote caps).
+        """
+        if masked:
+            _, cap = self.post_inputs(g)
+            key = (g.bsz, g.num_nodes)
+            if staged_cap is not None:
+                staged_cap(cap)
+                self._cap_dirty.add(key)
+            elif key in self._cap_dirty:
+                cap.fill_(g.num_nodes)
+                self._cap_dirty.discard(key)
+        return g.run_post(self.kv_pool, self.page_size, masked, self.pool)

@@ -45,6 +45,8 @@ class VerifyForwardOutput:
         page_table: ``[B, P]`` int64 pages it wrote through.
         hidden_states: ``[B, N, H]`` final hidden states (EAGLE drafters read them).
         aux_hidden_states: outputs of ``ModelRunner.aux_hidden_layers``, each ``[B, N, H]``.
+        graph: the CUDA-graph bucket that produced it (None when eager); enables
+            :meth:`ModelRunner.greedy_verify`.
     """
 
     logits: torch.Tensor
@@ -52,6 +54,7 @@ class VerifyForwardOutput:
     page_table: torch.Tensor
     hidden_states: torch.Tensor
     aux_hidden_states: list[torch.Tensor]
+    graph: VerifyGraph | None = None
 
 
 @dataclass
@@ -245,9 +248,9 @@ class ModelRunner:
     ) -> None:
         """Fill ``g``'s static inputs for a batch of ``len(seq_lens) <= g.bsz`` requests.
 
-        ``seq_lens | page_table`` (and a host tree's tokens/depth) go in one pinned buffer and
-        one non-blocking H2D copy; a host tree's ancestor mask in a second. A device tree is
-        copied device to device into rows ``[:B]``; its dummy rows keep a valid earlier tree,
+        ``seq_lens | page_table`` (and a host tree's tokens/depth/parents) go in one pinned
+        buffer and one non-blocking H2D copy; a host tree's ancestor mask in a second. A device
+        tree is copied device to device into rows ``[:B]``; its dummy rows keep a valid earlier tree,
         harmless since their ``seq_len``/page rows are 0 (writes go to the sink page).
         All copies are on the current stream, ahead of the replay that reads them.
         """
@@ -255,19 +258,17 @@ class ModelRunner:
         bsz, n = len(seq_lens), g.num_nodes
         host_tree = tree.device.type == "cpu"
         ring = self.staging.ring(torch.int64)
-        k = g.host_ints + (2 * g.bsz * n if host_tree else 0)
+        k = g.host_ints + (3 * g.bsz * n if host_tree else 0)
         buf = ring.acquire(k)
         head = list(seq_lens) + [0] * (g.bsz - bsz)
         head += page_rows([p[:need] for p in pages], g.pages, g.bsz)
         buf[: g.host_ints].copy_(torch.tensor(head, dtype=torch.int64))
         if host_tree:
-            o = g.host_ints
-            tok = buf[o : o + g.bsz * n].view(g.bsz, n)
-            dep = buf[o + g.bsz * n : k].view(g.bsz, n)
-            tok[:bsz] = tree.draft_tokens
-            tok[bsz:] = 0
-            dep[:bsz] = tree.depth
-            dep[bsz:] = 0
+            fields = buf[g.host_ints : k].view(3, g.bsz, n)  # draft_tokens | depth | parents
+            fields[0, :bsz] = tree.draft_tokens
+            fields[1, :bsz] = tree.depth
+            fields[2, :bsz] = tree.parents
+            fields[:, bsz:] = 0
             ring.copy_to(buf, g.ints[:k])
             bring = self.staging.ring(torch.bool)
             anc = bring.acquire(g.bsz * n * n).view(g.bsz, n, n)
@@ -278,6 +279,7 @@ class ModelRunner:
             ring.copy_to(buf, g.ints[:k])
             g.draft_tokens[:bsz].copy_(tree.draft_tokens)
             g.depth[:bsz].copy_(tree.depth)
+            g.parents[:bsz].copy_(tree.parents)
             g.ancestor_mask[:bsz].copy_(tree.ancestor_mask)
 
     def _graph_output(self, g: VerifyGraph, bsz: int) -> VerifyForwardOutput:
@@ -286,7 +288,7 @@ class ModelRunner:
         return VerifyForwardOutput(
             logits=g.logits[: bsz * g.num_nodes], seq_lens=g.seq_lens[:bsz],
             page_table=g.page_table[:bsz], hidden_states=g.hidden[:bsz],
-            aux_hidden_states=[a[:bsz] for a in g.aux],
+            aux_hidden_states=[a[:bsz] for a in g.aux], graph=g,
         )
 
     @torch.inference_mode()
@@ -318,8 +320,60 @@ class ModelRunner:
                     continue
                 g.reset_dummy()
                 self.graphs.ensure_captured(g)
+                for masked in (False, True):  # dummy rows only: KV moves stay in the sink
+                    self.graphs.run_post(g, masked, None)
                 count += 1
         return count
+
+    def graph_bitmask(self, fwd: VerifyForwardOutput) -> torch.Tensor | None:
+        """The static ``[B_bucket * N, W]`` int32 device bitmask that :meth:`greedy_verify`
+        applies for ``fwd`` (upload a step's tree bitmask into its first ``B * N`` rows), or
+        None when ``fwd`` did not come from a CUDA graph."""
+        if fwd.graph is None or self.graphs is None:
+            return None
+        return self.graphs.post_inputs(fwd.graph)[0]
+
+    @torch.inference_mode()
+    def greedy_verify(
+        self, fwd: VerifyForwardOutput, *, masked: bool,
+        max_accept_cpu: torch.Tensor | None = None,
+    ) -> tuple[VerifyResult, torch.Tensor]:
+        """Greedy selection, tree verification and KV compaction for a graph-replayed
+        ``fwd`` as one post-graph replay (see :mod:`structspec.engine.cuda_graph`).
+
+        Equivalent to ``apply_bitmask_`` + ``argmax`` + :func:`verify_tree` +
+        :meth:`commit_accepted_kv` (do not call the latter again).
+
+        Args:
+            fwd: the output of the :meth:`verify` just launched (``fwd.graph`` not None).
+            masked: apply the bitmask already uploaded into :meth:`graph_bitmask`.
+            max_accept_cpu: ``[B]`` host int cap on accepted drafts (a grammar walk timed
+                out), or None.
+
+        Returns:
+            ``(VerifyResult [B, N], num_real [B] int64 real drafts per request)``, views of
+            static buffers valid until the next verify.
+
+        Raises:
+            ValueError: ``fwd`` was not produced by a CUDA graph.
+        """
+        g = fwd.graph
+        if g is None or self.graphs is None or self.staging is None:
+            raise ValueError("greedy_verify needs a verify output replayed from a CUDA graph")
+        bsz = fwd.seq_lens.shape[0]
+        staged_cap = None
+        if max_accept_cpu is not None:
+            staging = self.staging
+            host = max_accept_cpu.to(torch.int64)
+
+            def staged_cap(cap: torch.Tensor) -> None:
+                ring = staging.ring(torch.int64)
+                ring.copy_to(ring.acquire(bsz).copy_(host), cap[:bsz])
+
+        result, num_real = self.graphs.run_post(g, masked, staged_cap)
+        return VerifyResult(accept_tokens=result.accept_tokens[:bsz],
+                            accept_len=result.accept_len[:bsz],
+                            accept_nodes=result.accept_nodes[:bsz]), num_real[:bsz]
 
     @torch.inference_mode()
     def commit_accepted_kv(self, fwd: VerifyForwardOutput, result: VerifyResult) -> None:

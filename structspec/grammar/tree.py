@@ -207,6 +207,7 @@ def build_grammar_vocab_mask(
     time_limit_s: float = 0.05,
     executor: ThreadPoolExecutor | None = None,
     num_workers: int = 1,
+    out: torch.Tensor | None = None,
 ) -> GrammarMaskResult | None:
     """Build the grammar bitmask for every node of every request's verify tree.
 
@@ -240,6 +241,8 @@ def build_grammar_vocab_mask(
         time_limit_s: per-request traversal limit (xgrammar ``time_threshold``).
         executor: a thread pool for the chunks; None = serially on this thread.
         num_workers: how many chunks to split the batch into (used only with ``executor``).
+        out: a device ``int32 [>= bs * N, W]`` buffer to upload into (rows ``[:bs * N]``; a
+            CUDA graph's static bitmask input); None = a fresh device tensor.
 
     Returns:
         A :class:`GrammarMaskResult`, or None when no request has a matcher.
@@ -289,7 +292,11 @@ def build_grammar_vocab_mask(
                                          stop_token_ids=stop_ids)
     for i in timed_out:
         max_accept[i] = 0
-    bitmask_device = bitmask.to(device, non_blocking=True)
+    if out is None:
+        bitmask_device = bitmask.to(device, non_blocking=True)
+    else:
+        bitmask_device = out[: bs * n]
+        bitmask_device.copy_(bitmask, non_blocking=True)
     return GrammarMaskResult(bitmask_device, bitmask, max_accept, sorted(timed_out),
                              rejected_np.tolist(), time.perf_counter() - t0)
 

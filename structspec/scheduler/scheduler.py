@@ -24,7 +24,7 @@ import torch
 
 from structspec.config import EngineConfig
 from structspec.core import FinishReason, RequestOutput, TokenLogprob, now
-from structspec.engine.model_runner import ModelRunner
+from structspec.engine.model_runner import ModelRunner, VerifyForwardOutput
 from structspec.grammar.backend import GrammarBackend
 from structspec.grammar.bitmask import apply_bitmask_
 from structspec.grammar.errors import GrammarError
@@ -260,8 +260,7 @@ class Scheduler:
             r.seq_len = len(r.prompt_ids)
         tree = VerifyTree.root_only(torch.tensor([r.prompt_ids[-1] for r in batch]))
         gtree = self._stage_grammar_tree(batch, tree)
-        step = self._select_and_verify(batch, self._tree_to_device(tree), gtree, out.logits,
-                                       barrier=None)
+        step = self._select_and_verify(batch, tree, gtree, out.logits, barrier=None)
         runs = step.wait()
         t = now()
         for req, run in zip(batch, runs, strict=True):
@@ -315,7 +314,6 @@ class Scheduler:
         tree = self.drafter.propose(draft_reqs)
         timer.phase("draft")
         timer.event("fwd_start")
-        tree_dev = self._tree_to_device(tree)
         gtree = self._stage_grammar_tree(reqs, tree)
         deferred, self._deferred = self._deferred, []
 
@@ -329,13 +327,14 @@ class Scheduler:
             # finish before the verify launch (the GPU idles meanwhile).
             early_mask = self._build_mask(reqs, gtree, barrier)
             barrier, gtree = None, None
-        fwd = self.runner.verify(tree_dev, [r.seq_len for r in reqs], [r.pages for r in reqs])
+        # A host tree goes to the runner as is: a graph replay stages it into the graph's
+        # static inputs with one pinned copy; only the eager path needs a device copy.
+        fwd = self.runner.verify(tree, [r.seq_len for r in reqs], [r.pages for r in reqs])
         timer.event("fwd_end")
         timer.phase("launch")
         # From here the GPU runs the verify forward; the CPU work below hides under it.
-        step = self._select_and_verify(reqs, tree_dev, gtree, fwd.logits, barrier=barrier,
-                                       early_mask=early_mask)
-        self.runner.commit_accepted_kv(fwd, step.result)
+        step = self._select_and_verify(reqs, tree, gtree, fwd.logits, barrier=barrier,
+                                       early_mask=early_mask, fwd=fwd)
         timer.event("end")
         timer.phase("launch")
         for req in deferred:  # the previous step's text work, still under the GPU step
@@ -378,38 +377,59 @@ class Scheduler:
     def _select_and_verify(
         self,
         reqs: Sequence[Req],
-        tree_dev: VerifyTree,
+        tree: VerifyTree,
         gtree: GrammarTree | None,
         logits: torch.Tensor,
         *,
         barrier: Callable[[], None] | None,
         early_mask: GrammarMaskResult | None = None,
+        fwd: VerifyForwardOutput | None = None,
     ) -> PendingStep:
-        """Mask, choose a target token per node row, verify the trees; start the D2H copy.
+        """Mask, choose a target token per node row, verify the trees, compact the accepted
+        KV (verify steps); start the D2H copy.
 
         ``barrier`` runs first (it advances matchers over the previous step's ids); the mask
         is built after it, on the host, while the device still runs the forward.
         ``early_mask``: a mask already built before the launch (synchronous fallback).
+        ``fwd``: the verify forward's output (None for a prefill, whose tree is the root
+        only). A greedy batch whose forward was a CUDA-graph replay runs everything after the
+        mask upload as one post-graph replay (:meth:`ModelRunner.greedy_verify`); other
+        batches (sampling, eager forwards, prefill) run the same steps eagerly.
         """
-        n = tree_dev.num_nodes
-        cap = None
-        if gtree is not None or early_mask is not None:
-            mask = early_mask if gtree is None else self._build_mask(reqs, gtree, barrier)
-            self.timer.event("post")
+        n = tree.num_nodes
+        sb = self._sampling_batch(reqs, n, logits.device)
+        graph_bitmask = None
+        if fwd is not None and sb.all_greedy:
+            graph_bitmask = self.runner.graph_bitmask(fwd)
+        use_graph = graph_bitmask is not None
+        mask = early_mask
+        if gtree is not None:
+            mask = self._build_mask(reqs, gtree, barrier, out=graph_bitmask)
+        elif barrier is not None:
+            barrier()
+        self.timer.event("post")
+        cap_cpu = None
+        if mask is not None:
+            if mask.truncated_requests:  # a tree walk timed out: bonus token only
+                cap_cpu = mask.max_accept_cpu
+            for req, rejected in zip(reqs, mask.rejected_by_grammar, strict=True):
+                req.spec.draft_tokens_rejected_by_grammar += rejected
+        if use_graph:
+            assert fwd is not None and graph_bitmask is not None
+            if mask is not None and mask.bitmask_device.data_ptr() != graph_bitmask.data_ptr():
+                graph_bitmask[: mask.bitmask_device.shape[0]].copy_(mask.bitmask_device)
+            result, num_real = self.runner.greedy_verify(fwd, masked=mask is not None,
+                                                         max_accept_cpu=cap_cpu)
+        else:
+            tree_dev = self._tree_to_device(tree)
             if mask is not None:
                 apply_bitmask_(logits, mask.bitmask_device)
-                if mask.truncated_requests:  # a tree walk timed out: bonus token only
-                    cap = self._to_device(mask.max_accept_cpu.to(torch.int64))
-                for req, rejected in zip(reqs, mask.rejected_by_grammar, strict=True):
-                    req.spec.draft_tokens_rejected_by_grammar += rejected
-        else:
-            if barrier is not None:
-                barrier()
-            self.timer.event("post")
-        sb = self._sampling_batch(reqs, n, logits.device)
-        targets = sample_rows(logits, sb).view(len(reqs), n)
-        result = verify_tree(tree_dev, targets, cap)
-        num_real = (tree_dev.draft_tokens[:, 1:] >= 0).sum(dim=1)
+            cap = None if cap_cpu is None else self._to_device(cap_cpu.to(torch.int64))
+            targets = sample_rows(logits, sb).view(len(reqs), n)
+            result = verify_tree(tree_dev, targets, cap)
+            num_real = (tree_dev.draft_tokens[:, 1:] >= 0).sum(dim=1)
+            if fwd is not None:
+                self.runner.commit_accepted_kv(fwd, result)
         step = PendingStep.launch(result, num_real, self._pinned_pool)
         if any(r.params.logprobs is not None for r in reqs):
             step.on_wait = lambda runs: self._record_logprobs(
@@ -417,12 +437,14 @@ class Scheduler:
         return step
 
     def _build_mask(self, reqs: Sequence[Req], gtree: GrammarTree,
-                    barrier: Callable[[], None] | None) -> GrammarMaskResult | None:
-        """Barrier, then the tree bitmask (queued to the device ``non_blocking``)."""
+                    barrier: Callable[[], None] | None,
+                    out: torch.Tensor | None = None) -> GrammarMaskResult | None:
+        """Barrier, then the tree bitmask (queued to the device ``non_blocking``, into ``out``
+        when given)."""
         mask = build_grammar_vocab_mask(
             [r.matcher for r in reqs], gtree, vocab_size=self.runner.vocab_size,
             device=self.runner.device, barrier=barrier, executor=self.grammar_executor,
-            num_workers=self.grammar_workers,
+            num_workers=self.grammar_workers, out=out,
         )
         self.timer.phase("mask")
         return mask

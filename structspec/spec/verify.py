@@ -53,27 +53,49 @@ def verify_tree(
         :class:`VerifyResult`. Ties between equally deep accepted nodes (duplicate sibling
         tokens) go to the lowest node index.
     """
-    bsz, n = tree.draft_tokens.shape
-    device = tree.draft_tokens.device
+    return verify_paths(tree.draft_tokens, tree.parents, tree.depth, tree.ancestor_mask,
+                        target_tokens, max_accept_drafts)
+
+
+def verify_paths(
+    draft_tokens: torch.Tensor,
+    parents: torch.Tensor,
+    depth: torch.Tensor,
+    ancestor_mask: torch.Tensor,
+    target_tokens: torch.Tensor,
+    max_accept_drafts: torch.Tensor | None = None,
+) -> VerifyResult:
+    """:func:`verify_tree` on the tree's fields (what a CUDA graph records on static buffers).
+
+    Args:
+        draft_tokens, parents, depth: ``[B, N]`` int64 (see :class:`VerifyTree`).
+        ancestor_mask: ``[B, N, N]`` bool.
+        target_tokens, max_accept_drafts: as in :func:`verify_tree`.
+
+    Every op has a static shape and none reads a value on the host, so the function can be
+    captured in a CUDA graph.
+    """
+    bsz, n = draft_tokens.shape
+    device = draft_tokens.device
     if n == 1:  # plain decode: the run is the bonus token alone
         zeros = torch.zeros((bsz, 1), dtype=torch.int64, device=device)
         return VerifyResult(accept_tokens=target_tokens.view(bsz, 1).clone(),
                             accept_len=torch.ones(bsz, dtype=torch.int64, device=device),
                             accept_nodes=zeros)
     rows = torch.arange(bsz, device=device)
-    parent = tree.parents.clamp(min=0)
+    parent = parents.clamp(min=0)
     parent_target = torch.gather(target_tokens, 1, parent)
-    ok = tree.draft_tokens == parent_target
+    ok = draft_tokens == parent_target
     ok[:, 0] = True
     path_ok = ok.clone()
     for i in range(1, n):
         path_ok[:, i] &= path_ok[rows, parent[:, i]]
     if max_accept_drafts is not None:
-        path_ok &= tree.depth <= max_accept_drafts.view(-1, 1)
-    score = torch.where(path_ok, tree.depth * n + (n - 1 - torch.arange(n, device=device)), -1)
+        path_ok &= depth <= max_accept_drafts.view(-1, 1)
+    score = torch.where(path_ok, depth * n + (n - 1 - torch.arange(n, device=device)), -1)
     last = score.argmax(dim=1)
-    accept_len = tree.depth[rows, last] + 1
-    on_path = tree.ancestor_mask[rows, last]  # [B, N], ancestors-or-self of `last`
+    accept_len = depth[rows, last] + 1
+    on_path = ancestor_mask[rows, last]  # [B, N], ancestors-or-self of `last`
     idx = torch.arange(n, device=device).expand(bsz, n)
     # Parents precede children, so sorting path node indices orders them by depth.
     accept_nodes = torch.where(on_path, idx, torch.full_like(idx, n)).sort(dim=1).values

@@ -14,8 +14,10 @@ import torch
 from structspec.config import CacheConfig, ModelConfig
 from structspec.engine.cuda_graph import VerifyGraph, kv_len_buckets, pick_bucket
 from structspec.engine.model_runner import ModelRunner, VerifyForwardOutput
+from structspec.grammar.bitmask import apply_bitmask_, bitmask_width
 from structspec.models.llama import LlamaForCausalLM
 from structspec.spec.tree import VerifyTree
+from structspec.spec.verify import verify_tree
 
 
 def smol_config(num_layers: int = 30) -> ModelConfig:
@@ -122,6 +124,75 @@ def test_padded_bucket_matches_eager_cpu(n: int) -> None:
     assert torch.isfinite(logits).all()  # dummy rows too
 
 
+def _accepting_tree(runner: ModelRunner, seq_lens: list[int], pages: list[list[int]], n: int,
+                    seed: int) -> VerifyTree:
+    """A random tree whose nodes (each with probability 0.7) carry their parent's argmax
+    token, so verification accepts multi-token paths."""
+    tree = random_tree(len(seq_lens), n, seed)
+    gen = torch.Generator().manual_seed(seed)
+    tokens = tree.draft_tokens.clone()
+    for i in range(1, n):
+        logits = runner.verify(VerifyTree.from_parents(tokens, tree.parents), seq_lens, pages)
+        target = logits.logits.view(len(seq_lens), n, -1).argmax(-1)
+        take = torch.rand(len(seq_lens), generator=gen) < 0.7
+        parent_target = target.gather(1, tree.parents[:, i : i + 1].clamp(min=0)).squeeze(1)
+        tokens[:, i] = torch.where(take & (tokens[:, i] >= 0), parent_target, tokens[:, i])
+    return VerifyTree.from_parents(tokens, tree.parents)
+
+
+@pytest.mark.parametrize("n", [1, 4, 8])
+@pytest.mark.parametrize("masked", [False, True])
+@torch.inference_mode()
+def test_post_forward_matches_eager_cpu(n: int, masked: bool) -> None:
+    """The post graph's body (mask, argmax, verify, KV compaction on the bucket's static
+    buffers, dummy rows included) equals the scheduler's eager path for the real rows: same
+    accepted runs, same real-draft counts, same KV cache outside the sink page."""
+    cfg = smol_config(num_layers=2)
+    dev = torch.device("cpu")
+    runner = build_runner(cfg, dev, torch.float32, num_pages=64, use_cuda_graph=False)
+    seq_lens = [37, 5, 60]
+    bsz = len(seq_lens)
+    pages = batch_pages(seq_lens, n, runner.page_size)
+    tree = _accepting_tree(runner, seq_lens, pages, n, seed=n + 7)
+    ref = runner.verify(tree, seq_lens, pages)
+    need = -(-(max(seq_lens) + n) // runner.page_size)
+    g = VerifyGraph(4, n, 16, (), dev)  # bucket B=4: one dummy row
+    runner.staging = _HostStaging()  # type: ignore[assignment]
+    runner._stage_graph_inputs(g, tree, seq_lens, pages, need)
+    logits, _, _ = g.forward(runner.model, runner.kv_pool, runner.page_size)
+    logits[: bsz * n] = ref.logits  # the same rows on both sides (argmax ties aside)
+    g.logits = logits
+    gen = torch.Generator().manual_seed(n)
+    width = bitmask_width(cfg.vocab_size)
+    g.bitmask = torch.randint(-2**31, 2**31 - 1, (4 * n, width), generator=gen,
+                              dtype=torch.int32)
+    g.bitmask[::2] = -1  # every other row unconstrained, so drafts still get accepted
+    g.cap = torch.tensor([n, 0, 1, n], dtype=torch.int64)
+    kv_before = runner.kv_pool.kv_buffer.clone()
+    result, num_real = g.post_forward(runner.kv_pool, runner.page_size, masked)
+    kv_graph = runner.kv_pool.kv_buffer.clone()
+    runner.kv_pool.kv_buffer.copy_(kv_before)
+
+    ref_logits = ref.logits.clone()
+    cap = None
+    if masked:
+        apply_bitmask_(ref_logits, g.bitmask[: bsz * n])
+        cap = g.cap[:bsz]
+    ref_result = verify_tree(tree, ref_logits.argmax(-1).view(bsz, n), cap)
+    runner.commit_accepted_kv(ref, ref_result)
+
+    assert torch.equal(result.accept_tokens[:bsz], ref_result.accept_tokens)
+    assert torch.equal(result.accept_len[:bsz], ref_result.accept_len)
+    assert torch.equal(result.accept_nodes[:bsz], ref_result.accept_nodes)
+    assert num_real[:bsz].tolist() == (tree.draft_tokens[:, 1:] >= 0).sum(1).tolist()
+    if n > 1 and not masked:
+        assert ref_result.accept_len.max() > 1  # the comparison covers real compaction
+    sink = runner.page_size  # slots of page 0, where dummy rows may write
+    assert torch.equal(kv_graph[:, :, sink:], runner.kv_pool.kv_buffer[:, :, sink:])
+    if n > 1:
+        assert not torch.equal(kv_graph[:, :, sink:], kv_before[:, :, sink:])
+
+
 def _compare(runner: ModelRunner, eager: ModelRunner, bsz: int, n: int, seed: int,
              host_tree: bool) -> tuple[VerifyForwardOutput, torch.Tensor, float]:
     """Graph verify vs the bucket's static forward run eagerly (returned) and the eager runner:
@@ -182,10 +253,61 @@ def test_replay_has_no_host_sync() -> None:
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for tree in (host, dev_tree, host, dev_tree, host, dev_tree):
+        for i, tree in enumerate((host, dev_tree, host, dev_tree, host, dev_tree)):
             out = runner.verify(tree, seq_lens, pages)
             out.logits.argmax(-1)
+            # the post graphs were captured by the warm-up: replays only
+            runner.greedy_verify(out, masked=i % 2 == 0,
+                                 max_accept_cpu=torch.tensor([7, 0, 7]) if i == 2 else None)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     assert len(runner.graphs.graphs) == 1  # type: ignore[union-attr]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("host_tree", [True, False])
+@torch.inference_mode()
+def test_post_graph_replay_matches_eager_gpu(masked: bool, host_tree: bool) -> None:
+    """The post graph's replay equals its eager first run bit for bit (accepted runs and the
+    compacted KV), from the same logits and KV state."""
+    dev = torch.device("cuda")
+    cfg = smol_config(num_layers=4)
+    runner = build_runner(cfg, dev, torch.bfloat16, num_pages=512, use_cuda_graph=True)
+    seq_lens = [300, 317, 350]
+    n = 8
+    pages = batch_pages(seq_lens, n, runner.page_size)
+    tree = _accepting_tree(runner, seq_lens, pages, n, seed=3)
+    if not host_tree:
+        tree = tree.to(dev)
+    fwd = runner.verify(tree, seq_lens, pages)
+    g = fwd.graph
+    assert g is not None and g.logits is not None
+    if masked:
+        bitmask = runner.graph_bitmask(fwd)
+        assert bitmask is not None
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        rand = torch.randint(-2**31, 2**31 - 1, bitmask.shape, generator=gen, dtype=torch.int32)
+        rand[::2] = -1
+        bitmask.copy_(rand.to(dev))
+    kv_before = runner.kv_pool.kv_buffer.clone()
+    logits_before = g.logits.clone()
+    cap = torch.tensor([7, 0, 7])
+    first, nr1 = runner.greedy_verify(fwd, masked=masked, max_accept_cpu=cap)  # eager + capture
+    first = [t.clone() for t in (first.accept_tokens, first.accept_len, first.accept_nodes)]
+    nr1 = nr1.clone()
+    kv_first = runner.kv_pool.kv_buffer.clone()
+    runner.kv_pool.kv_buffer.copy_(kv_before)
+    g.logits.copy_(logits_before)
+    again, nr2 = runner.greedy_verify(fwd, masked=masked, max_accept_cpu=cap)  # replay
+    torch.cuda.synchronize()
+    assert masked in g.post_graphs
+    for a, b in zip(first, (again.accept_tokens, again.accept_len, again.accept_nodes),
+                    strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(nr1, nr2)
+    assert torch.equal(kv_first, runner.kv_pool.kv_buffer)
+    if masked:
+        assert again.accept_len[1].item() == 1  # capped at 0 drafts
