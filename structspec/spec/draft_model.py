@@ -15,6 +15,7 @@ token, whose logits give the root's children), then one tree forward per expansi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ from structspec.config import SpecConfig
 from structspec.kvcache.pool import KVPool
 from structspec.layers.forward_batch import ForwardBatch
 from structspec.spec.base import DraftRequest
-from structspec.spec.expand import TreeDrafter, default_draft_pages
+from structspec.spec.expand import TreeDrafter, default_draft_pages, target_graph_options
 
 
 class DraftModelDrafter(TreeDrafter):
@@ -47,6 +48,9 @@ class DraftModelDrafter(TreeDrafter):
             :func:`structspec.models.loader.load_model`; with the target's own directory and
             seed the draft then equals the target).
         seed: the ``dummy`` seed.
+        use_cuda_graph: replay proposes from CUDA graphs (CUDA only, and only when the target
+            uses graphs too; see :func:`~structspec.spec.expand.target_graph_options`).
+        cuda_graph_batch_sizes: graph batch buckets (default: the target's).
 
     Raises:
         ValueError: no ``spec.draft_model`` path, or the vocabularies differ.
@@ -66,6 +70,8 @@ class DraftModelDrafter(TreeDrafter):
         model: tuple[torch.nn.Module, Any] | None = None,
         load_format: str = "auto",
         seed: int = 0,
+        use_cuda_graph: bool = True,
+        cuda_graph_batch_sizes: Sequence[int] | None = None,
     ) -> None:
         device = torch.device(device)
         if model is None:
@@ -93,7 +99,8 @@ class DraftModelDrafter(TreeDrafter):
             page_size=page_size, num_kv_heads=self.model_config.num_key_value_heads,
             head_dim=self.model_config.head_dim, dtype=dtype, device=device,
         )
-        super().__init__(spec, pool, device=device)
+        super().__init__(spec, pool, device=device,
+                         **target_graph_options(target, use_cuda_graph, cuda_graph_batch_sizes))
 
     def num_entries(self, req: DraftRequest) -> int:
         """One entry per history token: ``len(token_ids)``."""

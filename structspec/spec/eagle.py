@@ -64,7 +64,12 @@ from structspec.layers.norm import RMSNorm
 from structspec.layers.rotary import RotaryEmbedding
 from structspec.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 from structspec.spec.base import DraftRequest
-from structspec.spec.expand import TreeDrafter, default_draft_pages, host_to_device
+from structspec.spec.expand import (
+    TreeDrafter,
+    default_draft_pages,
+    host_to_device,
+    target_graph_options,
+)
 
 IGNORED_TENSORS = ("embed_tokens.weight", "t2d")
 
@@ -439,6 +444,9 @@ class EagleDrafter(TreeDrafter):
             requests' scratch pages).
         max_batch_size: used only for the default ``num_pages``.
         head: an already built head (tests) instead of loading ``spec.draft_model``.
+        use_cuda_graph: replay proposes from CUDA graphs (CUDA only, and only when the target
+            uses graphs too; see :func:`~structspec.spec.expand.target_graph_options`).
+        cuda_graph_batch_sizes: graph batch buckets (default: the target's).
     """
 
     name = "eagle"
@@ -453,6 +461,8 @@ class EagleDrafter(TreeDrafter):
         num_pages: int | None = None,
         max_batch_size: int = 64,
         head: EagleHead | None = None,
+        use_cuda_graph: bool = True,
+        cuda_graph_batch_sizes: Sequence[int] | None = None,
     ) -> None:
         device = torch.device(device)
         if head is None:
@@ -475,7 +485,8 @@ class EagleDrafter(TreeDrafter):
         pool = KVPool(num_layers=head.num_layers, num_pages=num_pages, page_size=page_size,
                       num_kv_heads=lc.num_key_value_heads, head_dim=lc.head_dim, dtype=dtype,
                       device=device)
-        super().__init__(spec, pool, device=device)
+        super().__init__(spec, pool, device=device,
+                         **target_graph_options(target, use_cuda_graph, cuda_graph_batch_sizes))
         #: ``[num_slots, H]`` stored (projected) target feature of each position, indexed
         #: like the head's KV slots.
         self.features = torch.zeros((pool.num_slots, lc.hidden_size), dtype=dtype, device=device)

@@ -30,6 +30,9 @@ KV at position ``E + (s - 1) * topk + j`` (its rotary position is ``E + s - 1``)
 the committed history only grows by appending, so entries ``0..kv_len-1`` stay valid and the
 next propose re-feeds entries ``kv_len..E-1`` (at least the last one, whose output seeds the
 root's children) in one batched causal *catch-up* forward.
+
+On CUDA the catch-up and the whole expansion of a propose are one CUDA-graph replay per
+(batch, page-table width) bucket; see :mod:`structspec.spec.draft_graph`.
 """
 
 from __future__ import annotations
@@ -43,10 +46,17 @@ import torch
 
 from structspec.config import SpecConfig
 from structspec.engine.batch_builder import page_table_tensor
+from structspec.engine.cuda_graph import DEFAULT_BATCH_SIZES
 from structspec.kvcache.allocator import PageAllocator, slots_for_positions
 from structspec.kvcache.pool import KVPool
 from structspec.layers.forward_batch import ForwardBatch
 from structspec.spec.base import Drafter, DraftRequest
+from structspec.spec.draft_graph import (
+    DraftGraph,
+    DraftGraphCache,
+    ProposePlan,
+    draft_page_buckets,
+)
 from structspec.spec.tree import VerifyTree
 
 #: ``step_fn(step, tokens, parent, scratch_mask) -> logp``: run the draft over the frontier of
@@ -313,6 +323,24 @@ def default_draft_pages(spec: SpecConfig, target: Any, max_batch_size: int) -> i
     return int(target.kv_pool.num_pages) + max_batch_size * scratch_pages
 
 
+def target_graph_options(
+    target: Any, use_cuda_graph: bool, batch_sizes: Sequence[int] | None
+) -> dict[str, Any]:
+    """:class:`TreeDrafter` graph options that follow the target runner: graphs only when the
+    target replays its verify from graphs too (``EngineConfig.cuda_graph``), its batch buckets
+    (unless ``batch_sizes`` is given) and its longest KV bucket."""
+    graphs = getattr(target, "graphs", None)
+    opts: dict[str, Any] = {
+        "use_cuda_graph": use_cuda_graph and bool(getattr(target, "use_cuda_graph", True)),
+        "cuda_graph_batch_sizes": batch_sizes,
+    }
+    if graphs is not None:
+        if batch_sizes is None:
+            opts["cuda_graph_batch_sizes"] = tuple(graphs.batch_sizes)
+        opts["cuda_graph_max_model_len"] = max(graphs.page_buckets) * int(target.page_size)
+    return opts
+
+
 @dataclass
 class DraftReqState:
     """Host bookkeeping of one request in a model-based drafter.
@@ -334,18 +362,36 @@ class TreeDrafter(Drafter):
     Subclasses define what a committed *entry* is (:meth:`num_entries`, :meth:`entry_tokens`)
     and run the draft network (:meth:`extend_forward`, :meth:`step_forward`). The tree is built
     and returned on the device (``tree_on_host = False``) without host syncs; the only host
-    work is per-request bookkeeping and the catch-up batch layout (one H2D per tensor).
+    work is per-request bookkeeping and the catch-up batch layout.
+
+    On CUDA (with ``use_cuda_graph``) a propose is one CUDA-graph replay of the catch-up and the
+    whole expansion (:mod:`structspec.spec.draft_graph`), its inputs staged with one pinned
+    buffer and one non-blocking copy; batches or page tables above the largest bucket run the
+    eager path (one H2D per catch-up tensor, then the expansion's kernels one by one). A tree
+    returned from a graph is a view of static buffers: valid until the next :meth:`propose`.
 
     Args:
         spec: ``num_draft_tokens`` (N, node 0 included), ``depth``, ``topk``.
         kv_pool: the drafter's KV pool (its own, never the target's).
         device: where the draft network and its pool live.
+        use_cuda_graph: replay proposes from CUDA graphs (ignored off CUDA).
+        cuda_graph_batch_sizes: batch-size buckets (default: the target's, else
+            :data:`~structspec.engine.cuda_graph.DEFAULT_BATCH_SIZES`).
+        cuda_graph_max_model_len: longest sequence a graph covers (default: the target graphs'
+            largest KV bucket, else 8192); longer ones run eagerly.
     """
 
     tree_on_host = False
     supports_grammar_overlap = True
+    #: keep each graph's ``root_logp [B, V']`` as a static output, so :attr:`last_root_logp`
+    #: is set after graph proposes (tests/debugging; costs ``B * V' * 4`` bytes per graph).
+    graph_keeps_root_logp: bool = False
 
-    def __init__(self, spec: SpecConfig, kv_pool: KVPool, *, device: torch.device) -> None:
+    def __init__(
+        self, spec: SpecConfig, kv_pool: KVPool, *, device: torch.device,
+        use_cuda_graph: bool = True, cuda_graph_batch_sizes: Sequence[int] | None = None,
+        cuda_graph_max_model_len: int | None = None,
+    ) -> None:
         super().__init__(spec.num_draft_tokens)
         if spec.topk < 1 or spec.depth < 1:
             raise ValueError(f"topk ({spec.topk}) and depth ({spec.depth}) must be >= 1")
@@ -357,12 +403,23 @@ class TreeDrafter(Drafter):
         self.allocator = PageAllocator(kv_pool.num_pages, kv_pool.page_size)
         self.scratch = (self.depth - 1) * self.topk
         self.states: dict[str, DraftReqState] = {}
-        #: ``[B, V']`` float32 log-probs of the root's children from the last propose (tests
-        #: and debugging; rows of requests that were not drafted are undefined).
+        #: ``[B, V']`` float32 log-probs of the root's children from the last propose, row b =
+        #: request b (tests and debugging; rows of requests that were not drafted are
+        #: undefined; None after a graph propose unless :attr:`graph_keeps_root_logp`).
         self.last_root_logp: torch.Tensor | None = None
         #: ``max(catch-up length)`` up to which requests share one catch-up forward; longer
         #: ones (first sight of a prompt) run in a second forward so short rows are not padded.
+        #: Also the graphs' catch-up width ``Q``.
         self.short_catch_up = self.depth + 2
+        #: the propose graphs; None = always eager (CPU, or graphs off).
+        self.graphs: DraftGraphCache | None = None
+        if use_cuda_graph and self.device.type == "cuda":
+            self.graphs = DraftGraphCache(
+                batch_sizes=cuda_graph_batch_sizes or DEFAULT_BATCH_SIZES,
+                page_buckets=draft_page_buckets(cuda_graph_max_model_len or 8192, self.scratch,
+                                                self.page_size),
+                query_len=self.short_catch_up, device=self.device,
+            )
 
     # -- subclass interface ------------------------------------------------------------------
 
@@ -431,13 +488,24 @@ class TreeDrafter(Drafter):
         """Draft a ``[B, N]`` tree per request on the device (see the module docstring).
 
         Requests that cannot be drafted (draft pool full, EAGLE features missing) get a root
-        plus padding nodes.
+        plus padding nodes. On CUDA the drafting is one graph replay when a bucket fits.
         """
-        bsz, n = len(reqs), self.num_nodes
-        roots = torch.tensor([r.token_ids[-1] for r in reqs], dtype=torch.int64)
-        active: list[int] = []
-        starts: list[int] = []
-        ends: list[int] = []
+        plan = self._plan(reqs)
+        if not plan.active:
+            self.last_root_logp = None
+            return _padded_tree(host_to_device(torch.tensor(plan.roots, dtype=torch.int64),
+                                               self.device), self.num_nodes)
+        g = self._graph_for(len(reqs), plan)
+        tree = (self.graphs.propose(g, self, reqs, plan)  # type: ignore[union-attr]
+                if g is not None else self._propose_eager(reqs, plan))
+        for i, e in zip(plan.active, plan.ends, strict=True):
+            self.states[reqs[i].request_id].kv_len = e
+        return tree
+
+    def _plan(self, reqs: Sequence[DraftRequest]) -> ProposePlan:
+        """Host bookkeeping: which requests are drafted, and their catch-up ranges (grows
+        their draft pages to hold the catch-up and the expansion scratch)."""
+        plan = ProposePlan(roots=[r.token_ids[-1] for r in reqs], active=[], starts=[], ends=[])
         for i, r in enumerate(reqs):
             st = self.state(r.request_id)
             e = self.num_entries(r)
@@ -445,22 +513,56 @@ class TreeDrafter(Drafter):
                 st.kv_len = 0
             if not self.ready(r, st, e) or not self.ensure_capacity(st, e + self.scratch + 1):
                 continue
-            active.append(i)
-            starts.append(min(st.kv_len, e - 1))
-            ends.append(e)
-        roots_dev = host_to_device(roots, self.device)
-        if not active:
-            self.last_root_logp = None
-            return _padded_tree(roots_dev, n)
-        act_reqs = [reqs[i] for i in active]
+            plan.active.append(i)
+            plan.starts.append(min(st.kv_len, e - 1))
+            plan.ends.append(e)
+        return plan
+
+    def _graph_for(self, bsz: int, plan: ProposePlan) -> DraftGraph | None:
+        """The graph bucket of this batch, or None (graphs off, or above the largest bucket)."""
+        if self.graphs is None:
+            return None
+        need = self.allocator.pages_for(max(plan.ends) + self.scratch + 1)
+        return self.graphs.lookup(bsz, need)
+
+    def _propose_eager(self, reqs: Sequence[DraftRequest], plan: ProposePlan) -> VerifyTree:
+        """The eager propose: catch-up forward(s), then the expansion kernel by kernel."""
+        bsz, n = len(reqs), self.num_nodes
+        roots_dev = host_to_device(torch.tensor(plan.roots, dtype=torch.int64), self.device)
+        act_reqs = [reqs[i] for i in plan.active]
         pages = [self.states[r.request_id].pages for r in act_reqs]
         table_host = page_table_tensor(pages, torch.device("cpu"))
         table = host_to_device(table_host, self.device)
-        root_logp, root_state = self._catch_up(act_reqs, starts, ends, table_host)
-        for r, e in zip(act_reqs, ends, strict=True):
-            self.states[r.request_id].kv_len = e
+        root_logp, root_state = self._catch_up(act_reqs, plan.starts, plan.ends, table_host)
+        base_len = host_to_device(torch.tensor(plan.ends, dtype=torch.int64), self.device)
+        tree = self.expand(root_logp, root_state, base_len, table)
+        tokens, parents = tree.tokens, tree.parents
+        if len(plan.active) < bsz:
+            idx = host_to_device(torch.tensor(plan.active, dtype=torch.int64), self.device)
+            full_tokens = torch.full((bsz, n), -1, dtype=torch.int64, device=self.device)
+            full_parents = torch.zeros((bsz, n), dtype=torch.int64, device=self.device)
+            tokens = full_tokens.index_copy(0, idx, tokens)
+            parents = full_parents.index_copy(0, idx, parents)
+            root_logp = root_logp.new_zeros((bsz, root_logp.shape[1])).index_copy(
+                0, idx, root_logp)
         self.last_root_logp = root_logp
-        base_len = host_to_device(torch.tensor(ends, dtype=torch.int64), self.device)
+        tokens = tokens.clone()
+        tokens[:, 0] = roots_dev
+        return VerifyTree.from_parents(tokens, parents)
+
+    def expand(
+        self, root_logp: torch.Tensor, root_state: torch.Tensor | None, base_len: torch.Tensor,
+        table: torch.Tensor,
+    ) -> ExpandedTree:
+        """EAGLE-2 expansion from the catch-up's output (device ops only, no host sync: what
+        the propose graph records after its catch-up).
+
+        Args:
+            root_logp: ``[B, V']`` float32 log-probs of the root's children.
+            root_state: ``[B, ...]`` per-request state from :meth:`extend_forward` or None.
+            base_len: ``[B]`` int64 committed draft entries (the scratch starts there).
+            table: ``[B, P]`` int64 device page table covering ``base_len + scratch``.
+        """
 
         def step_fn(step: int, tokens: torch.Tensor, parent: torch.Tensor,
                     scratch_mask: torch.Tensor) -> torch.Tensor:
@@ -468,18 +570,43 @@ class TreeDrafter(Drafter):
                                       page_size=self.page_size)
             return self.step_forward(fb, parent, root_state, step)
 
-        tree = expand_tree(root_logp, step_fn, topk=self.topk, depth=self.depth, num_nodes=n,
-                           vocab_map=self.vocab_map)
-        tokens, parents = tree.tokens, tree.parents
-        if len(active) < bsz:
-            idx = host_to_device(torch.tensor(active, dtype=torch.int64), self.device)
-            full_tokens = torch.full((bsz, n), -1, dtype=torch.int64, device=self.device)
-            full_parents = torch.zeros((bsz, n), dtype=torch.int64, device=self.device)
-            tokens = full_tokens.index_copy(0, idx, tokens)
-            parents = full_parents.index_copy(0, idx, parents)
-        tokens = tokens.clone()
-        tokens[:, 0] = roots_dev
-        return VerifyTree.from_parents(tokens, parents)
+        return expand_tree(root_logp, step_fn, topk=self.topk, depth=self.depth,
+                           num_nodes=self.num_nodes, vocab_map=self.vocab_map)
+
+    def write_prefix(
+        self, reqs: Sequence[DraftRequest], starts: Sequence[int], ends: Sequence[int]
+    ) -> None:
+        """Eager causal extend of entries ``starts[b]..ends[b]-1`` (``ends > starts``): draft
+        KV only (the long catch-ups' heads before a graph replay handles their last rows)."""
+        table = page_table_tensor([self.states[r.request_id].pages for r in reqs],
+                                  torch.device("cpu"))
+        fb = build_extend_batch(
+            [self.entry_tokens(r, s, e) for r, s, e in zip(reqs, starts, ends, strict=True)],
+            list(starts), table, page_size=self.page_size, device=self.device)
+        self.extend_forward(fb)  # its log-probs are not needed
+
+    @torch.inference_mode()
+    def warmup_cuda_graphs(
+        self, batch_sizes: Sequence[int] | None = None, kv_lens: Sequence[int] | None = None
+    ) -> int:
+        """Capture propose graphs ahead of time (e.g. before timing), dummy rows only (their
+        KV writes go to the sink page). No-op without graphs.
+
+        Args:
+            batch_sizes: batch sizes to capture the buckets of (default: all buckets).
+            kv_lens: committed lengths (draft entries) to capture the page buckets of; each
+                needs ``kv_len + scratch + 1`` positions (default: all buckets).
+
+        Returns:
+            The number of graphs captured by this call.
+        """
+        if self.graphs is None:
+            return 0
+        pages = None
+        if kv_lens is not None:
+            pages = [self.allocator.pages_for(L + self.scratch + 1) for L in kv_lens]
+        return self.graphs.warmup(self, self.allocator.pages_for(self.scratch + 2),
+                                  batch_sizes=batch_sizes, pages=pages)
 
     def _catch_up(
         self, reqs: list[DraftRequest], starts: list[int], ends: list[int],

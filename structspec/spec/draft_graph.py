@@ -1,0 +1,345 @@
+"""CUDA graphs of the model-based drafters' propose: catch-up + EAGLE-2 expansion, one replay.
+
+An eager propose of a ``D``-layer draft launches ``depth`` forwards (a catch-up, then
+``depth - 1`` frontier forwards) plus the top-k / sort / tree bookkeeping: hundreds of kernel
+launches, ~50 us of host time each on the Triton path. Here the whole propose of the common
+case is one CUDA graph per bucket ``(B, P)``:
+
+* ``B``: batch-size bucket; rows past the batch (and requests that are not drafted this step)
+  are *dummy rows*;
+* ``P``: page-table width, ``P * page_size`` a KV-length bucket (powers of two from 256 tokens,
+  the last one widened to hold the expansion scratch).
+
+``topk``, ``depth``, ``N`` and the catch-up width ``Q = TreeDrafter.short_catch_up`` are fixed
+per drafter. Graphs are captured lazily on first use (or ahead of time,
+:meth:`TreeDrafter.warmup_cuda_graphs`) into one memory pool per drafter; a batch above the
+largest ``B`` bucket or a page table wider than the largest ``P`` bucket runs eagerly.
+
+Static inputs: one flat int64 device buffer ``roots [B] | start [B] | qlen [B] | tokens [B, Q]
+| page_table [B, P]``, filled by ONE pinned host buffer and ONE non-blocking H2D copy per
+propose (:class:`~structspec.engine.staging.PinnedRing`). Everything else (catch-up slots,
+positions, masks, ``logits_indices``, the frontier batches) is built inside the graph by
+:func:`build_catch_up_batch` and :func:`~structspec.spec.expand.build_frontier_batch`.
+
+Row kinds:
+
+* real row: appends entries ``start .. start + qlen - 1`` (``1 <= qlen <= Q``) after ``start``
+  cached entries; query rows past ``qlen`` are padding rows (write slot 0, attend column 0),
+  exactly as :func:`~structspec.spec.expand.build_extend_batch` lays them out;
+* dummy row (``qlen = 0``: batch padding, or a request that is not drafted this step): treated
+  as one token at position 0 with an all-zero page-table row, so its catch-up and frontier KV
+  writes all land in page 0, the sink that :class:`~structspec.kvcache.allocator.PageAllocator`
+  never hands out; it attends only sink columns, and its tree is replaced by root + padding.
+  Real rows never attend page 0 (their columns below ``base_len + scratch`` map to their own
+  pages), so dummy rows cannot leak into real outputs.
+
+Long catch-ups (``qlen > Q``: first sight of a prompt) are split: their first ``qlen - Q``
+entries run eagerly (one causal extend forward, prefill-like and rare) before the replay, on
+the same stream, and the graph catches up on the last ``Q``. So a batch mixing new and running
+requests still drafts with one replay.
+
+Static outputs (the graph's pool): the tree ``[B, N]`` (:class:`VerifyTree` fields, built by
+:meth:`VerifyTree.from_parents` inside the graph) and, when
+``TreeDrafter.graph_keeps_root_logp``, ``root_logp [B, V']`` float32. A propose returns views of
+rows ``[:batch]``: valid until the next propose.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from structspec.engine.batch_builder import page_rows
+from structspec.engine.cuda_graph import kv_len_buckets, pick_bucket
+from structspec.engine.staging import PinnedRing
+from structspec.kvcache.allocator import slots_for_positions
+from structspec.layers.forward_batch import ForwardBatch
+from structspec.spec.base import DraftRequest
+from structspec.spec.tree import VerifyTree
+
+if TYPE_CHECKING:
+    from structspec.spec.expand import TreeDrafter
+
+
+@dataclass
+class ProposePlan:
+    """Host bookkeeping of one propose (shared by the eager and the graph paths).
+
+    Attributes:
+        roots: per request, the last committed token (node 0).
+        active: indices of the requests drafted this step (ready, pages available).
+        starts: per active request, entries already in the draft KV before this propose.
+        ends: per active request, entries after its catch-up (the expansion's ``base_len``).
+    """
+
+    roots: list[int]
+    active: list[int]
+    starts: list[int]
+    ends: list[int]
+
+
+def build_catch_up_batch(
+    tokens: torch.Tensor,
+    start: torch.Tensor,
+    qlen: torch.Tensor,
+    page_table: torch.Tensor,
+    *,
+    page_size: int,
+) -> ForwardBatch:
+    """Fixed-shape causal catch-up built on the device (no host sync, capturable).
+
+    Same layout as :func:`~structspec.spec.expand.build_extend_batch` with ``Q`` query rows per
+    request: row ``b`` appends ``tokens[b, :qlen[b]]`` at positions ``start[b]..``; a dummy row
+    (``qlen == 0``) is fed as one token at position 0 (its page-table row must be all page 0).
+
+    Args:
+        tokens: ``[B, Q]`` int64 entry tokens (0 past ``qlen``).
+        start: ``[B]`` int64 entries already cached.
+        qlen: ``[B]`` int64 entries to append (``0 <= qlen <= Q``).
+        page_table: ``[B, P]`` int64 covering ``start + max(qlen, 1)`` positions.
+
+    Returns:
+        The ForwardBatch (``[B, Q]`` queries over ``[B, P * page_size]`` KV slots) on the inputs'
+        device; ``logits_indices [B]`` = the flat row of each request's last new entry.
+    """
+    bsz, q = tokens.shape
+    device = tokens.device
+    length = qlen.clamp(min=1)
+    col = torch.arange(q, device=device).expand(bsz, q)
+    valid = col < length.unsqueeze(1)
+    zeros = torch.zeros_like(col)
+    positions = torch.where(valid, start.unsqueeze(1) + col, zeros)
+    out_slots = torch.where(valid, slots_for_positions(page_table, positions, page_size), zeros)
+    kv_len = int(page_table.shape[1]) * page_size  # static per bucket
+    kv_pos = torch.arange(kv_len, device=device).expand(bsz, kv_len)
+    total = (start + length).unsqueeze(1)
+    kv_slots = slots_for_positions(page_table, torch.minimum(kv_pos, total - 1), page_size)
+    kv_slots = torch.where(kv_pos < total, kv_slots, torch.zeros_like(kv_slots))
+    mask = (kv_pos.unsqueeze(1) <= positions.unsqueeze(2)) & valid.unsqueeze(2)
+    mask[:, :, 0] |= ~valid  # padding rows attend to column 0 only
+    logits_indices = torch.arange(bsz, device=device) * q + length - 1
+    return ForwardBatch(input_ids=tokens, positions=positions, out_slots=out_slots,
+                        kv_slots=kv_slots, attn_mask=mask, logits_indices=logits_indices)
+
+
+class DraftGraph:
+    """Static buffers, and once captured the graph, of one ``(B, P)`` bucket.
+
+    Attributes:
+        bsz, pages, query_len: the bucket's ``B``, ``P`` and the drafter's ``Q``.
+        ints: ``[B * (3 + Q + P)]`` int64 device buffer, the views below (row-major).
+        roots: ``[B]`` node-0 tokens.  start: ``[B]``.  qlen: ``[B]`` (0 = dummy row).
+        tokens: ``[B, Q]``.  page_table: ``[B, P]``.
+        tree: static output tree ``[B, N]`` (after capture, or after an eager :meth:`run`).
+        root_logp: ``[B, V']`` float32 static output, or None (see the module docstring).
+    """
+
+    def __init__(self, bsz: int, pages: int, query_len: int, device: torch.device) -> None:
+        self.bsz, self.pages, self.query_len = bsz, pages, query_len
+        q = query_len
+        self.ints = torch.zeros(bsz * (3 + q + pages), dtype=torch.int64, device=device)
+        self.roots = self.ints[:bsz]
+        self.start = self.ints[bsz : 2 * bsz]
+        self.qlen = self.ints[2 * bsz : 3 * bsz]
+        o = 3 * bsz
+        self.tokens = self.ints[o : o + bsz * q].view(bsz, q)
+        o += bsz * q
+        self.page_table = self.ints[o:].view(bsz, pages)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.tree: VerifyTree | None = None
+        self.root_logp: torch.Tensor | None = None
+
+    @property
+    def captured(self) -> bool:
+        return self.graph is not None
+
+    def reset_dummy(self) -> None:
+        """Make every row a dummy row (a device op; before an ahead-of-time capture)."""
+        self.ints.zero_()
+
+    def forward(self, drafter: TreeDrafter) -> tuple[torch.Tensor, VerifyTree]:
+        """The whole propose on the static inputs, run eagerly (what the graph records).
+
+        Returns:
+            ``(root_logp [B, V'] float32, tree [B, N])``, fresh tensors on the buffers' device.
+        """
+        fb = build_catch_up_batch(self.tokens, self.start, self.qlen, self.page_table,
+                                  page_size=drafter.page_size)
+        root_logp, root_state = drafter.extend_forward(fb)
+        base_len = self.start + self.qlen.clamp(min=1)
+        expanded = drafter.expand(root_logp, root_state, base_len, self.page_table)
+        active = (self.qlen > 0).unsqueeze(1)
+        tokens = torch.where(active, expanded.tokens, torch.full_like(expanded.tokens, -1))
+        tokens[:, 0] = self.roots
+        parents = torch.where(active, expanded.parents, torch.zeros_like(expanded.parents))
+        return root_logp, VerifyTree.from_parents(tokens, parents)
+
+    def capture(self, drafter: TreeDrafter, pool: tuple, keep_root_logp: bool) -> None:
+        """Warm up once on a side stream, then capture into ``pool``. Syncs the device (only
+        here, never in replay). The warm-up writes the same KV the replay will write."""
+        cur = torch.cuda.current_stream()
+        side = torch.cuda.Stream(device=cur.device)
+        side.wait_stream(cur)  # the staged inputs (and any eager catch-up prefix) come first
+        with torch.cuda.stream(side):
+            self.forward(drafter)  # JIT-compiles kernels and sizes the allocator pool
+        cur.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            root_logp, self.tree = self.forward(drafter)
+        # A dropped root_logp's pool block may be reused by later captures: this graph still
+        # writes it, harmlessly, since nobody reads it.
+        self.root_logp = root_logp if keep_root_logp else None
+        self.graph = graph
+
+    def replay(self) -> None:
+        """Launch the graph on the current stream (no host sync)."""
+        assert self.graph is not None, "capture() first"
+        self.graph.replay()
+
+
+class _HostRing:
+    """CPU stand-in for :class:`~structspec.engine.staging.PinnedRing` (plain copies)."""
+
+    def acquire(self, numel: int) -> torch.Tensor:
+        return torch.empty(numel, dtype=torch.int64)
+
+    def copy_to(self, host: torch.Tensor, dst: torch.Tensor) -> None:
+        dst.copy_(host.view(dst.shape))
+
+
+def draft_page_buckets(max_model_len: int, scratch: int, page_size: int) -> tuple[int, ...]:
+    """Page-table widths: the target's KV-length buckets in pages, the last one widened by the
+    expansion scratch (a request of ``E`` entries needs ``E + scratch + 1`` positions)."""
+    pages = [-(-length // page_size) for length in kv_len_buckets(max_model_len)]
+    pages[-1] = max(pages[-1], -(-(max_model_len + scratch + 1) // page_size))
+    return tuple(sorted(set(pages)))
+
+
+class DraftGraphCache:
+    """A drafter's propose graphs: bucket lookup, staging, lazy capture, one memory pool.
+
+    On CUDA graphs are captured and replayed. On CPU (tests) the same code path runs with
+    :meth:`DraftGraph.forward` executed eagerly on the static buffers instead of a replay.
+
+    Args:
+        batch_sizes: batch-size buckets.
+        page_buckets: page-table-width buckets (see :func:`draft_page_buckets`).
+        query_len: ``Q``, the catch-up width (``TreeDrafter.short_catch_up``).
+        device: where the drafter lives.
+    """
+
+    def __init__(
+        self, *, batch_sizes: Sequence[int], page_buckets: Sequence[int], query_len: int,
+        device: torch.device,
+    ) -> None:
+        self.batch_sizes = tuple(sorted(set(batch_sizes)))
+        self.page_buckets = tuple(sorted(set(page_buckets)))
+        self.query_len = query_len
+        self.device = torch.device(device)
+        on_cuda = self.device.type == "cuda"
+        self.pool = torch.cuda.graph_pool_handle() if on_cuda else None
+        self.ring: PinnedRing | _HostRing = (
+            PinnedRing(self.device, torch.int64, depth=8) if on_cuda else _HostRing())
+        self.graphs: dict[tuple[int, int], DraftGraph] = {}
+        #: proposes served by a graph (replays on CUDA, eager static forwards on CPU).
+        self.runs = 0
+
+    def lookup(self, bsz: int, need_pages: int) -> DraftGraph | None:
+        """The bucket's graph (buffers created on first use, not captured yet), or None when
+        ``bsz`` or ``need_pages`` is above the largest bucket."""
+        bb = pick_bucket(bsz, self.batch_sizes)
+        pp = pick_bucket(need_pages, self.page_buckets)
+        if bb is None or pp is None:
+            return None
+        g = self.graphs.get((bb, pp))
+        if g is None:
+            g = self.graphs[(bb, pp)] = DraftGraph(bb, pp, self.query_len, self.device)
+        return g
+
+    def run(self, g: DraftGraph, drafter: TreeDrafter) -> None:
+        """Compute ``g``'s outputs from its staged inputs: capture if needed, then replay (on
+        the current stream, after the staging copy). On CPU: the eager static forward."""
+        if self.pool is None:
+            g.root_logp, g.tree = g.forward(drafter)
+        else:
+            if not g.captured:
+                g.capture(drafter, self.pool, drafter.graph_keeps_root_logp)
+            g.replay()
+        self.runs += 1
+
+    def propose(
+        self, g: DraftGraph, drafter: TreeDrafter, reqs: Sequence[DraftRequest],
+        plan: ProposePlan,
+    ) -> VerifyTree:
+        """Draft ``reqs`` through ``g`` (``len(reqs) <= g.bsz``, every active request's pages
+        within ``g.pages``). Returns views of ``g``'s static output rows ``[:len(reqs)]``.
+
+        Stream order (all on the current stream): eager prefixes of long catch-ups, then the
+        one H2D copy of the staged ints, then the replay, which reads both.
+        """
+        q, width = g.query_len, g.pages
+        bsz = len(reqs)
+        starts = [max(s, e - q) for s, e in zip(plan.starts, plan.ends, strict=True)]
+        long_rows = [j for j, (s, s0) in enumerate(zip(starts, plan.starts, strict=True))
+                     if s > s0]
+        if long_rows:  # rare: first sight of a prompt; prefill-like, eager
+            act = [reqs[i] for i in plan.active]
+            drafter.write_prefix([act[j] for j in long_rows],
+                                 [plan.starts[j] for j in long_rows],
+                                 [starts[j] for j in long_rows])
+        roots = plan.roots + [0] * (g.bsz - bsz)
+        start = [0] * g.bsz
+        qlen = [0] * g.bsz
+        toks = [0] * (g.bsz * q)
+        table: list[Sequence[int]] = [()] * g.bsz
+        for j, i in enumerate(plan.active):
+            r = reqs[i]
+            start[i], qlen[i] = starts[j], plan.ends[j] - starts[j]
+            toks[i * q : i * q + qlen[i]] = drafter.entry_tokens(r, starts[j], plan.ends[j])
+            table[i] = drafter.states[r.request_id].pages
+        flat = roots + start + qlen + toks + page_rows(table, width, g.bsz)
+        buf = self.ring.acquire(len(flat))
+        buf.copy_(torch.tensor(flat, dtype=torch.int64))
+        self.ring.copy_to(buf, g.ints)  # non_blocking H2D, ordered before the replay
+        self.run(g, drafter)
+        assert g.tree is not None
+        t = g.tree
+        drafter.last_root_logp = g.root_logp[:bsz] if g.root_logp is not None else None
+        return VerifyTree(draft_tokens=t.draft_tokens[:bsz], parents=t.parents[:bsz],
+                          depth=t.depth[:bsz], next_token=t.next_token[:bsz],
+                          next_sibling=t.next_sibling[:bsz],
+                          ancestor_mask=t.ancestor_mask[:bsz])
+
+    def warmup(
+        self, drafter: TreeDrafter, min_pages: int, *, batch_sizes: Sequence[int] | None = None,
+        pages: Sequence[int] | None = None,
+    ) -> int:
+        """Capture graphs ahead of time (largest first) with dummy rows only (their writes go
+        to the sink page). No-op off CUDA.
+
+        Args:
+            min_pages: the narrowest page table an all-dummy batch may use (dummy rows write
+                positions ``0 .. scratch``).
+            batch_sizes: batch sizes to capture the buckets of (default: all).
+            pages: page-table widths to capture the buckets of (default: all).
+
+        Returns:
+            The number of graphs captured by this call.
+        """
+        if self.pool is None:
+            return 0
+        bss = batch_sizes if batch_sizes is not None else self.batch_sizes
+        pps = pages if pages is not None else self.page_buckets
+        count = 0
+        for bs in sorted(set(bss), reverse=True):
+            for pp in sorted(set(pps), reverse=True):
+                g = self.lookup(bs, max(pp, min_pages))
+                if g is None or g.captured:
+                    continue
+                g.reset_dummy()
+                g.capture(drafter, self.pool, drafter.graph_keeps_root_logp)
+                count += 1
+        return count
