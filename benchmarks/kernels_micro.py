@@ -11,13 +11,24 @@ Part 2, per op at SmolLM2-135M shapes (hidden 576, 9/3 heads, head_dim 64, inter
 1536, vocab 49152), bf16: RMSNorm, add + RMSNorm, rotary + KV store, SiLU * mul, attention
 (decode, tree verify, prefill), token bitmask.
 
+``--gemv`` (instead of parts 1 and 2): cuBLAS ``F.linear`` vs the Triton
+:func:`~structspec.kernels.gemv.skinny_linear` at the Llama-3-8B linear shapes (qkv, o,
+gate_up, down, lm_head), bf16, ``M`` rows (``--gemv-rows``, default 1 8 16). Each graph
+cycles through enough copies of the weight (>= 256 MB) that every call streams its weight
+from HBM, as in a real forward (a layer's 436 MB never stay in the 50 MB L2); times are the
+median of ``--gemv-samples`` graph timings. One line per (shape, M) with both times, the
+weight bandwidth of each (weight bytes / time) and the config used, then per M the linears
+of one decode step (32 x (qkv + o + gate_up + down) + lm_head).
+
 Usage: ``PYTHONPATH=$PWD python benchmarks/kernels_micro.py [--context 512] [--batch 1 8 64]
-[--nodes 1 8]``.
+[--nodes 1 8]``; ``... kernels_micro.py --gemv [--gemv-rows 1 8 16]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +42,7 @@ from benchmarks.gpu_decode import smol_model  # noqa: E402
 from structspec.kernels.activation import silu_and_mul
 from structspec.kernels.attention import TritonAttentionBackend
 from structspec.kernels.bitmask import apply_token_bitmask_inplace
+from structspec.kernels.gemv import config_for, skinny_linear
 from structspec.kernels.norm import fused_add_rmsnorm, rmsnorm
 from structspec.kernels.rotary import rotary_and_store_kv
 from structspec.kvcache.pool import KVPool
@@ -54,8 +66,10 @@ DEV = torch.device("cuda")
 DT = torch.bfloat16
 
 
-def graph_us(fn: Callable[[], object], reps: int = REPS, iters: int = 10) -> float:
-    """Microseconds per ``fn()`` call inside a CUDA graph of ``reps`` calls."""
+def graph_us(fn: Callable[[], object], reps: int = REPS, iters: int = 10,
+             samples: int = 1) -> float:
+    """Microseconds per ``fn()`` call inside a CUDA graph of ``reps`` calls (the median of
+    ``samples`` timings of ``iters`` replays each)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -68,13 +82,16 @@ def graph_us(fn: Callable[[], object], reps: int = REPS, iters: int = 10) -> flo
             fn()
     g.replay()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (iters * reps)
+    times = []
+    for _ in range(samples):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (iters * reps))
+    return statistics.median(times)
 
 
 def row(name: str, torch_fn: Callable[[], object], triton_fn: Callable[[], object]) -> None:
@@ -161,6 +178,48 @@ def ops(context: int) -> None:
             apply_token_bitmask_inplace(lg, bm))
 
 
+LLAMA3_8B_LINEARS = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096),
+                     ("down", 4096, 14336), ("lm_head", 128256, 4096))
+LLAMA3_8B_LAYERS = 32
+L2_DEFEAT_BYTES = 256 << 20
+
+
+@torch.inference_mode()
+def gemv(rows: list[int], samples: int) -> None:
+    """cuBLAS vs Triton skinny GEMM at the Llama-3-8B shapes (see the module docstring)."""
+    step_us = {m: [0.0, 0.0] for m in rows}
+    for name, n, k in LLAMA3_8B_LINEARS:
+        nbytes = n * k * DT.itemsize
+        copies = max(1, -(-L2_DEFEAT_BYTES // nbytes))
+        ws = [torch.randn(n, k, device=DEV, dtype=DT) / k**0.5 for _ in range(copies)]
+        for m in rows:
+            x = torch.randn(m, k, device=DEV, dtype=DT)
+            cfg = config_for(m, n, k, DEV)
+            try:
+                ref = F.linear(x, ws[0]).float()
+                rel = ((skinny_linear(x, ws[0]).float() - ref).norm() / ref.norm()).item()
+                it_c, it_t = itertools.cycle(ws), itertools.cycle(ws)
+                cub = graph_us(lambda x=x, it=it_c: F.linear(x, next(it)), samples=samples)
+                tri = graph_us(lambda x=x, it=it_t: skinny_linear(x, next(it)), samples=samples)
+            except Exception as e:  # noqa: BLE001 - report and go on with the next config
+                print(f"gemv {name:<7s} N={n} K={k} M={m} ERROR {type(e).__name__}: "
+                      f"{str(e)[:400]}", flush=True)
+                continue
+            times = 1 if name == "lm_head" else LLAMA3_8B_LAYERS
+            step_us[m][0] += times * cub
+            step_us[m][1] += times * tri
+            print(f"gemv {name:<7s} N={n:<6d} K={k:<5d} M={m:<2d} cublas_us={cub:8.2f} "
+                  f"triton_us={tri:8.2f} cublas_GBs={nbytes / cub / 1e3:5.0f} "
+                  f"triton_GBs={nbytes / tri / 1e3:5.0f} speedup={cub / tri:5.2f}x "
+                  f"rel_diff={rel:.1e} cfg=({cfg.block_n},{cfg.block_k},split{cfg.split_k},"
+                  f"w{cfg.num_warps},s{cfg.num_stages})", flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    for m, (cub, tri) in step_us.items():
+        print(f"gemv llama3-8b step linears M={m:<2d} cublas_ms={cub / 1e3:6.3f} "
+              f"triton_ms={tri / 1e3:6.3f} saved_ms={(cub - tri) / 1e3:6.3f}", flush=True)
+
+
 def count_kernels(fn: Callable[[], object]) -> int:
     """CUDA kernels launched by one eager ``fn()`` (profiler; -1 if unavailable)."""
     try:
@@ -217,11 +276,20 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--nodes", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--skip-ops", action="store_true")
+    ap.add_argument("--gemv", action="store_true",
+                    help="only the skinny-GEMM section (Llama-3-8B linear shapes)")
+    ap.add_argument("--gemv-rows", type=int, nargs="+", default=[1, 8, 16],
+                    help="M (rows of x) for --gemv")
+    ap.add_argument("--gemv-samples", type=int, default=7,
+                    help="graph timings per --gemv measurement (median)")
     args = ap.parse_args()
     import triton
 
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton "
           f"{triton.__version__} bf16; graph-replayed timings", flush=True)
+    if args.gemv:
+        gemv(args.gemv_rows, args.gemv_samples)
+        return
     forwards(args.context, args.batch, args.nodes)
     if not args.skip_ops:
         ops(args.context)

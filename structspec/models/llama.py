@@ -40,11 +40,19 @@ __all__ = ["LlamaForCausalLM", "ModelOutput", "Qwen2ForCausalLM", "Qwen3ForCausa
 def _triton_ops() -> SimpleNamespace:
     """The fused kernels, imported on first use (triton is optional; CPU CI lacks it)."""
     from structspec.kernels.activation import silu_and_mul
+    from structspec.kernels.gemv import linear
     from structspec.kernels.norm import fused_add_rmsnorm, rmsnorm
     from structspec.kernels.rotary import rotary_and_store_kv
 
     return SimpleNamespace(silu_and_mul=silu_and_mul, fused_add_rmsnorm=fused_add_rmsnorm,
-                           rmsnorm=rmsnorm, rotary_and_store_kv=rotary_and_store_kv)
+                           rmsnorm=rmsnorm, rotary_and_store_kv=rotary_and_store_kv,
+                           linear=linear)
+
+
+def _linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)`` on the Triton path: :func:`structspec.kernels.gemv.linear`, the skinny
+    GEMV for few rows (decode), ``F.linear`` otherwise or with ``STRUCTSPEC_GEMV=0``."""
+    return _triton_ops().linear(x, layer.weight, layer.bias)
 
 
 def _o_proj_bias(config: ModelConfig) -> bool:
@@ -96,7 +104,8 @@ class LlamaAttention(nn.Module):
         """
         ops = _triton_ops()
         b, s, _ = x.shape
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = _linear(self.qkv_proj, x).split([self.q_size, self.kv_size, self.kv_size],
+                                                  dim=-1)
         q = q.view(b, s, self.num_heads, self.head_dim)  # strided views of the qkv output
         k = k.view(b, s, self.num_kv_heads, self.head_dim)
         v = v.view(b, s, self.num_kv_heads, self.head_dim)
@@ -106,7 +115,7 @@ class LlamaAttention(nn.Module):
         ops.rotary_and_store_kv(q, k, v, cos, sin, kv_pool.k_cache[self.layer_id],
                                 kv_pool.v_cache[self.layer_id], fb.out_slots)  # q rotated in place
         out = backend.forward(q, self.layer_id, fb, kv_pool)
-        return self.o_proj(out.reshape(b, s, self.q_size))
+        return _linear(self.o_proj, out.reshape(b, s, self.q_size))
 
 
 class LlamaMLP(nn.Module):
@@ -125,7 +134,7 @@ class LlamaMLP(nn.Module):
 
     def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
         """:meth:`forward` with the Triton ``silu_and_mul`` (CUDA): ``[..., H]`` -> ``[..., H]``."""
-        return self.down_proj(_triton_ops().silu_and_mul(self.gate_up_proj(x)))
+        return _linear(self.down_proj, _triton_ops().silu_and_mul(_linear(self.gate_up_proj, x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -292,6 +301,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         """``hidden_rows [R, H]`` (model dtype) -> logits ``[R, V]`` float32, same device."""
+        if self.kernels == "triton":
+            return _triton_ops().linear(hidden_rows, self.lm_head.weight).float()
         return F.linear(hidden_rows, self.lm_head.weight).float()
 
     def weight_names(self) -> dict[str, tuple[str, int, int]]:
