@@ -70,6 +70,8 @@ def step_ms(llm: LLM, prompts: list[str], grammar: bool, steps: int,
     # Capture every KV-length bucket of this batch size now: the window's sequences grow by
     # ~N tokens per step and would otherwise capture (and JIT-compile kernels) inside it.
     engine.runner.warmup_cuda_graphs(engine.drafter.num_nodes, batch_sizes=[len(prompts)])
+    # The draft model's propose graphs (catch-up + expansion) likewise.
+    getattr(engine.drafter, "warmup_cuda_graphs", lambda **_: 0)(batch_sizes=[len(prompts)])
     for _ in range(3):  # warm-up steps (Triton kernels outside the graphs compile here)
         engine.step()
     cuda = torch.cuda.is_available() and engine.runner.device.type == "cuda"
@@ -144,6 +146,8 @@ def main() -> None:
     ap.add_argument("--kv-capacity-tokens", type=int, default=None,
                     help="KV cache size in tokens (default: the engine's)")
     ap.add_argument("--seed", type=int, default=0, help="engine seed (dummy weights too)")
+    ap.add_argument("--overlap", nargs="+", default=["on", "off"], choices=["on", "off"],
+                    help="scheduler overlap settings to run (default: both)")
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="per request (default: (steps + 8) * num_draft_tokens + 64, enough to "
                          "stay alive through the window; KV is reserved for all of it)")
@@ -152,7 +156,7 @@ def main() -> None:
     model_name = Path(args.model).name if args.model else "smollm2-135m"
     prompts_all = [p for p, _ in extraction_prompts(max(args.batch), seed=3)]
     for algo in args.algorithms:
-        for overlap in (True, False):
+        for overlap in [o == "on" for o in args.overlap]:
             llm = LLM(args.model, device=args.device, speculative_algorithm=algo,
                       overlap=overlap, num_draft_tokens=args.num_draft_tokens,
                       max_batch_size=max(args.batch), load_format=args.load_format,
