@@ -133,7 +133,7 @@ def _accepting_tree(runner: ModelRunner, seq_lens: list[int], pages: list[list[i
     tokens = tree.draft_tokens.clone()
     for i in range(1, n):
         logits = runner.verify(VerifyTree.from_parents(tokens, tree.parents), seq_lens, pages)
-        target = logits.logits.view(len(seq_lens), n, -1).argmax(-1)
+        target = logits.logits.view(len(seq_lens), n, -1).argmax(-1).cpu()
         take = torch.rand(len(seq_lens), generator=gen) < 0.7
         parent_target = target.gather(1, tree.parents[:, i : i + 1].clamp(min=0)).squeeze(1)
         tokens[:, i] = torch.where(take & (tokens[:, i] >= 0), parent_target, tokens[:, i])

@@ -60,7 +60,10 @@ def test_spec_matches_plain_up_to_near_ties(cuda_llms) -> None:
         top = lp.logprobs[j].top_logprobs
         gap = top[0][1] - top[1][1]
         print(f"prompt {i}: diverged at token {j}, top-2 logprob gap {gap:.4f}")
-        # bf16 kernels for an 8-row tree and a 1-row decode round differently; measured on
-        # the H200: 6/22 prompts diverge, the largest first-divergence gap was 0.125.
-        assert gap < 0.25
-    assert len(diverged) <= len(PROMPTS) // 4
+        # bf16 kernels for an 8-row tree and a 1-row decode round differently (the skinny
+        # GEMM of kernels/gemv.py reduces a 1-row product on CUDA cores and an 8-row one on
+        # tensor cores). Measured on the H200: 8/22 prompts diverge, every one at a gap of 0
+        # or 0.125 = one bf16 step of a logit in [16, 32): equal or adjacent bf16 logits.
+        # With STRUCTSPEC_GEMV=0 (cuBLAS for both): 0/22.
+        assert gap <= 0.125 + 1e-6
+    assert len(diverged) <= len(PROMPTS) // 2
