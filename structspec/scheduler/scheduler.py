@@ -317,9 +317,21 @@ class Scheduler:
         gtree = self._stage_grammar_tree(reqs, tree)
         deferred, self._deferred = self._deferred, []
 
+        # A device tree reaches the host only when the draft kernels finish; the mask build
+        # blocks on that copy, so the previous step's text work goes first, into that wait.
+        # A host tree is there already: its mask goes first (the forward is waiting for it).
+        text_first = not self.drafter.tree_on_host
+        text_pending = True
+
         def barrier() -> None:
+            nonlocal text_pending
             self._grammar_barrier(deferred)
             timer.phase("barrier")
+            if text_first:
+                for req in deferred:
+                    process_text(req)
+                timer.phase("text")
+                text_pending = False
 
         early_mask: GrammarMaskResult | None = None
         if gtree is not None and not self.drafter.supports_grammar_overlap:
@@ -337,8 +349,9 @@ class Scheduler:
                                        early_mask=early_mask, fwd=fwd)
         timer.event("end")
         timer.phase("launch")
-        for req in deferred:  # the previous step's text work, still under the GPU step
-            process_text(req)
+        if text_pending:  # the previous step's text work, still under the GPU step
+            for req in deferred:
+                process_text(req)
         self._touched.extend(deferred)
         timer.phase("text")
         runs = step.wait()  # the one planned host wait of the step

@@ -141,12 +141,16 @@ def test_ngram_extraction_accept_length(make_llm) -> None:
     assert all(o.schema_valid for o in outs if o.finish_reason is FinishReason.STOP)
 
 
-def test_overlap_on_and_off_give_identical_outputs(make_llm) -> None:
+@pytest.mark.parametrize("algo", ["ngram", "draft_model_first_layers"])
+def test_overlap_on_and_off_give_identical_outputs(make_llm, draft_paths, algo: str) -> None:
+    """Host trees (ngram: mask before the deferred text work) and device trees (draft model:
+    the deferred text work runs while the tree is still on its way) alike."""
     params = mixed_params(8)
     params[1] = SamplingParams(max_tokens=32, stop=[" the"], grammar=None)
+    params[5] = SamplingParams(max_tokens=32, stop=["a"], grammar=JsonSchemaSpec(PERSON_SCHEMA))
     outs = []
     for overlap in (True, False):
-        llm = make_llm(speculative_algorithm="ngram", num_draft_tokens=8, overlap=overlap)
+        llm = make_llm(**SPEC_CONFIGS[algo](draft_paths), overlap=overlap)
         outs.append(llm.generate(PROMPTS[:8], params))
     for a, b in zip(*outs, strict=True):
         assert a.token_ids == b.token_ids and a.text == b.text
