@@ -148,6 +148,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="engine seed (dummy weights too)")
     ap.add_argument("--overlap", nargs="+", default=["on", "off"], choices=["on", "off"],
                     help="scheduler overlap settings to run (default: both)")
+    ap.add_argument("--grammar-workers", type=int, default=0,
+                    help="worker processes for the tree bitmasks (0: in the engine process)")
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="per request (default: (steps + 8) * num_draft_tokens + 64, enough to "
                          "stay alive through the window; KV is reserved for all of it)")
@@ -162,12 +164,13 @@ def main() -> None:
                       max_batch_size=max(args.batch), load_format=args.load_format,
                       kernels=args.kernels, seed=args.seed,
                       kv_capacity_tokens=args.kv_capacity_tokens,
-                      draft_model=draft_for(algo, args))
+                      draft_model=draft_for(algo, args), grammar_workers=args.grammar_workers)
             kernels = llm.engine.config.kernels
             for bs in args.batch:
                 plain = step_ms(llm, prompts_all[:bs], False, args.steps, max_tokens)
                 gram = step_ms(llm, prompts_all[:bs], True, args.steps, max_tokens)
                 print(f"grammar_overlap model={model_name} kernels={kernels} algo={algo} "
+                      f"workers={args.grammar_workers} "
                       f"overlap={'on' if overlap else 'off'} "
                       f"bs={bs:<3} N={llm.engine.drafter.num_nodes} "
                       f"step_ms_no_grammar={plain['event_ms']:.3f} "

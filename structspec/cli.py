@@ -38,6 +38,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grammar-compile-timeout", type=float, default=30.0,
                    help="seconds a grammar may take to compile before its request fails")
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
+    g.add_argument("--grammar-workers", type=int, default=0,
+                   help="worker processes that build the draft trees' grammar bitmasks "
+                        "(0: in the engine process; helps many concurrent constrained "
+                        "requests on a multi-core host)")
     g.add_argument("--no-overlap", action="store_true",
                    help="disable CPU/GPU overlap scheduling (ablation; same greedy output)")
     g.add_argument("--no-cuda-graph", action="store_true",
@@ -209,6 +213,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         cuda_graph=not args.no_cuda_graph,
         kernels=args.kernels,
         load_format=args.load_format,
+        grammar_workers=args.grammar_workers,
     )
 
 

@@ -161,11 +161,10 @@ class GrammarConfig:
     cache_max_entries: int = 1024
     any_whitespace: bool = False  # False: compact JSON (`, ` and `: ` separators), fewer tokens
     max_rollback_tokens: int = 64  # must be >= the deepest draft path
-    # Threads that walk the requests' draft trees in parallel when building the tree bitmask
-    # (xgrammar releases the GIL inside the walk, but the per-request Python around it does
-    # not). 0 = auto = 1 (serial): on the 16-core H200 host 2-8 threads were no faster than
-    # one (benchmarks/mask_build.py, benchmarks/README.md).
-    mask_build_threads: int = 0
+    # Worker processes that walk the requests' draft trees for the tree bitmask
+    # (structspec/grammar/worker_pool.py); 0 = walk in the scheduler's process. Threads cannot
+    # do it: the GIL hand-offs around xgrammar's ~35 us walks cost as much as the walks.
+    mask_build_workers: int = 0
 
 
 @dataclass(frozen=True)
@@ -244,6 +243,8 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
         raise ValueError(f"load_format={config.load_format!r}: expected auto or dummy")
     if config.scheduler.max_batch_size < 1:
         raise ValueError("max_batch_size must be >= 1")
+    if config.grammar.mask_build_workers < 0:
+        raise ValueError(f"grammar_workers={config.grammar.mask_build_workers}: expected >= 0")
     if config.cache.page_size < 1:
         raise ValueError("page_size must be >= 1")
     cache = config.cache

@@ -30,6 +30,9 @@ class LLM:
         max_batch_size, kv_capacity_tokens, page_size, max_model_len, seed,
         grammar_compile_timeout_s, overlap, cuda_graph, speculative_depth, speculative_topk: see
         :mod:`structspec.config`.
+        grammar_workers: worker processes that build the grammar bitmasks of the draft trees
+            (``GrammarConfig.mask_build_workers``; 0 = in the engine's process). Worth it on
+            a multi-core host when many constrained requests run at once.
         kernels: ``auto`` (fused Triton kernels on CUDA when triton imports, else torch),
             ``triton`` (required; ValueError without CUDA + triton) or ``torch`` (reference).
         load_format: ``auto`` reads the checkpoint's weights; ``dummy`` builds seeded random
@@ -67,6 +70,7 @@ class LLM:
         cuda_graph: bool = True,
         kernels: str = "auto",
         load_format: str = "auto",
+        grammar_workers: int = 0,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -81,7 +85,8 @@ class LLM:
             spec=SpecConfig(algorithm=speculative_algorithm, num_draft_tokens=num_draft_tokens,
                             depth=speculative_depth, topk=speculative_topk,
                             draft_model=draft_model),
-            grammar=GrammarConfig(compile_timeout_s=grammar_compile_timeout_s),
+            grammar=GrammarConfig(compile_timeout_s=grammar_compile_timeout_s,
+                                  mask_build_workers=grammar_workers),
             scheduler=SchedulerConfig(max_batch_size=max_batch_size, overlap=overlap),
         )
         self.engine = LLMEngine(config)

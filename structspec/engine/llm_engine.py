@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-from structspec.config import EngineConfig, GrammarConfig, resolve_engine_config
+from structspec.config import EngineConfig, resolve_engine_config
 from structspec.core import ChatMessages, RequestOutput, SamplingParams, now
 from structspec.engine.model_runner import ModelRunner
 from structspec.grammar.backend import GrammarBackend
@@ -83,12 +82,15 @@ class LLMEngine:
                                       max_batch_size=config.scheduler.max_batch_size,
                                       load_format=config.load_format, seed=config.seed)
         self.scheduler = Scheduler(config, self.runner, self.grammar, self.drafter)
-        threads = mask_build_threads(config.grammar)
-        if threads > 1:
-            # xgrammar's tree walk releases the GIL: requests' masks build in parallel.
-            self.scheduler.grammar_executor = ThreadPoolExecutor(
-                max_workers=threads, thread_name_prefix="structspec-mask")
-            self.scheduler.grammar_workers = threads
+        if config.grammar.mask_build_workers > 0:
+            from structspec.grammar.worker_pool import MaskWorkerPool
+
+            self.scheduler.mask_pool = MaskWorkerPool(
+                self.grammar.tokenizer_info, num_workers=config.grammar.mask_build_workers,
+                vocab_size=model_config.vocab_size,
+                max_rows=config.scheduler.max_batch_size * self.drafter.num_nodes,
+                stop_token_ids=list(self.tokenizer.eos_token_ids),
+                pin=device.type == "cuda")
         self._next_id = 0
         #: detokenize every request in the engine (text in outputs). A front end that
         #: detokenizes itself sets this False: then only requests with stop strings are.
@@ -234,8 +236,3 @@ def _param_of(message: str) -> str | None:
     head = message.split(" ", 1)[0]
     return head if head.isidentifier() else None
 
-
-def mask_build_threads(config: GrammarConfig) -> int:
-    """Threads for the tree bitmask build: ``config.mask_build_threads``, or 1 (serial) for
-    0 (auto): measured on the 16-core H200 host, 2-8 threads were no faster than one."""
-    return config.mask_build_threads if config.mask_build_threads > 0 else 1

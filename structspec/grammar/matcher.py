@@ -40,6 +40,8 @@ class Matcher:
         self.max_rollback_tokens = int(max_rollback_tokens)
         self.num_accepted = 0
         self._stop_set = frozenset(self.stop_token_ids)
+        #: the compiled grammar (the mask worker pool ships it to its mirror matcher)
+        self.compiled = compiled
         self._xgr = xgr.GrammarMatcher(compiled, override_stop_tokens=list(self.stop_token_ids))
 
     @property

@@ -23,12 +23,16 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from structspec.grammar.bitmask import allocate_bitmask
 from structspec.grammar.matcher import Matcher
+
+if TYPE_CHECKING:
+    from structspec.grammar.worker_pool import MaskWorkerPool, PoolRequest
 
 
 def _to_host_async(t: torch.Tensor) -> torch.Tensor:
@@ -260,7 +264,6 @@ def build_grammar_vocab_mask(
     if len(matchers) != bs:
         raise ValueError(f"{len(matchers)} matchers for a tree batch of {bs}")
     bitmask = allocate_bitmask(bs * n, vocab_size, pin=True)
-    max_accept = torch.full((bs,), n - 1, dtype=torch.int32)
     active = [i for i, m in enumerate(matchers) if m is not None and not m.is_terminated()]
     timed_out: list[int] = []
 
@@ -286,10 +289,23 @@ def build_grammar_vocab_mask(
         list(executor.map(walk, [active[k:k + size] for k in range(0, len(active), size)]))
     else:
         walk(active)
-    settle = sorted(set(active) - set(timed_out))
+    return _settle_and_upload(bitmask, matchers, tree, active, timed_out, device=device,
+                              out=out, t0=t0)
+
+
+def _settle_and_upload(bitmask: torch.Tensor, matchers: Sequence[Matcher | None],
+                       tree: GrammarTree, walked: Sequence[int], timed_out: Sequence[int], *,
+                       device: torch.device | str, out: torch.Tensor | None,
+                       t0: float) -> GrammarMaskResult:
+    """The common tail of both builds: settle the walked rows, cap timed-out requests, queue
+    the ``non_blocking`` upload (into ``out[:bs * N]`` when given)."""
+    draft_tokens = tree.draft_tokens_cpu
+    bs, n = draft_tokens.shape
+    settle = sorted(set(walked) - set(timed_out))
     stop_ids = matchers[settle[0]].stop_token_ids if settle else ()  # type: ignore[union-attr]
     rejected_np = settle_tree_rows_batch(bitmask, draft_tokens, tree.parents(), settle,
                                          stop_token_ids=stop_ids)
+    max_accept = torch.full((bs,), n - 1, dtype=torch.int32)
     for i in timed_out:
         max_accept[i] = 0
     if out is None:
@@ -299,6 +315,59 @@ def build_grammar_vocab_mask(
         bitmask_device.copy_(bitmask, non_blocking=True)
     return GrammarMaskResult(bitmask_device, bitmask, max_accept, sorted(timed_out),
                              rejected_np.tolist(), time.perf_counter() - t0)
+
+
+def build_grammar_vocab_mask_pooled(
+    pool: MaskWorkerPool,
+    requests: Sequence[PoolRequest | None],
+    matchers: Sequence[Matcher | None],
+    tree: GrammarTree,
+    *,
+    device: torch.device | str,
+    barrier: Callable[[], None] | None = None,
+    time_limit_s: float = 0.05,
+    out: torch.Tensor | None = None,
+) -> GrammarMaskResult | None:
+    """:func:`build_grammar_vocab_mask` with the tree walks in ``pool``'s worker processes.
+
+    The same result, row for row. Order: for a host tree the workers start first and the
+    ``barrier`` (the host matchers' advance over the same ids) runs while they walk; for a
+    device tree the barrier runs first, while the drafted tree is still on its way to the
+    host (:meth:`GrammarTree.resolve` waits for it), then the workers walk.
+
+    Args:
+        pool: the worker pool (its slab holds the rows; on CUDA it is page-locked).
+        requests: per batch row, what the pool needs (None = unconstrained).
+        matchers: the host matchers in batch order (after the barrier they hold the same
+            states as the workers' mirrors); used for the stop ids and the None check.
+        tree, device, barrier, time_limit_s, out: as in :func:`build_grammar_vocab_mask`.
+
+    Returns:
+        A :class:`GrammarMaskResult` whose ``bitmask_cpu`` is a view of the pool's slab (valid
+        until the next build), or None when no request has a matcher.
+
+    Raises:
+        ValueError: ``len(requests)`` or ``len(matchers)`` differs from the tree's batch size.
+        RuntimeError: a worker died.
+    """
+    t0 = time.perf_counter()
+    if all(m is None for m in matchers):
+        if barrier is not None:
+            barrier()
+        return None
+    device_tree = tree.event is not None
+    if device_tree and barrier is not None:
+        barrier()
+        barrier = None
+    next_token, next_sibling, draft_tokens = tree.resolve()
+    bs, n = next_token.shape
+    if len(matchers) != bs or len(requests) != bs:
+        raise ValueError(f"{len(matchers)} matchers / {len(requests)} requests for a tree "
+                         f"batch of {bs}")
+    result = pool.build(requests, next_token, next_sibling, draft_tokens,
+                        time_limit_s=time_limit_s, while_waiting=barrier)
+    return _settle_and_upload(pool.slab[: bs * n], matchers, tree, result.walked,
+                              result.timed_out, device=device, out=out, t0=t0)
 
 
 def settle_tree_rows_batch(bitmask: torch.Tensor, draft_tokens: torch.Tensor,

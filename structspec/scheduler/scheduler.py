@@ -28,7 +28,13 @@ from structspec.engine.model_runner import ModelRunner, VerifyForwardOutput
 from structspec.grammar.backend import GrammarBackend
 from structspec.grammar.bitmask import apply_bitmask_
 from structspec.grammar.errors import GrammarError
-from structspec.grammar.tree import GrammarMaskResult, GrammarTree, build_grammar_vocab_mask
+from structspec.grammar.tree import (
+    GrammarMaskResult,
+    GrammarTree,
+    build_grammar_vocab_mask,
+    build_grammar_vocab_mask_pooled,
+)
+from structspec.grammar.worker_pool import MaskWorkerPool, PoolRequest
 from structspec.kvcache.allocator import PageAllocator
 from structspec.layers.sampler import SamplingBatch, sample_rows
 from structspec.scheduler.commit import advance_grammar, commit_tokens, process_text
@@ -78,8 +84,9 @@ class Scheduler:
         self._touched: list[Req] = []  # requests whose progress the next output reports
         self._engine_generator = torch.Generator(device=runner.device)
         self._engine_generator.manual_seed(config.seed)
-        self.grammar_executor = None  # parallel tree walks (set by the engine on multi-core)
-        self.grammar_workers = 1  # chunks per mask build when grammar_executor is set
+        #: worker processes for the tree bitmask (set by the engine when
+        #: ``GrammarConfig.mask_build_workers > 0``); None = walk in this process
+        self.mask_pool: MaskWorkerPool | None = None
         #: per verify step CPU phase / GPU busy and idle times (see step_stats.py)
         self.timer = StepTimer(runner.device)
         self._pinned_pool: dict[tuple, torch.Tensor] = {}  # D2H buffers of PendingStep
@@ -144,6 +151,8 @@ class Scheduler:
             self.allocator.free(req.pages)
             req.pages = []
         self.drafter.release(req.request_id)
+        if self.mask_pool is not None:
+            self.mask_pool.release(req.request_id)
         req.finish_time = now()
         req.matcher = None
         if req.params.grammar is not None and req.finish_reason is FinishReason.STOP:
@@ -453,12 +462,20 @@ class Scheduler:
                     barrier: Callable[[], None] | None,
                     out: torch.Tensor | None = None) -> GrammarMaskResult | None:
         """Barrier, then the tree bitmask (queued to the device ``non_blocking``, into ``out``
-        when given)."""
-        mask = build_grammar_vocab_mask(
-            [r.matcher for r in reqs], gtree, vocab_size=self.runner.vocab_size,
-            device=self.runner.device, barrier=barrier, executor=self.grammar_executor,
-            num_workers=self.grammar_workers, out=out,
-        )
+        when given); the tree walks run in the worker pool when there is one and the batch has
+        at least as many constrained requests as it has workers."""
+        matchers = [r.matcher for r in reqs]
+        pool = self.mask_pool
+        if pool is not None and sum(m is not None for m in matchers) >= pool.num_workers:
+            requests = [None if r.matcher is None else
+                        PoolRequest(r.request_id, r.matcher.compiled, r.output_ids)
+                        for r in reqs]
+            mask = build_grammar_vocab_mask_pooled(pool, requests, matchers, gtree,
+                                                   device=self.runner.device, barrier=barrier,
+                                                   out=out)
+        else:
+            mask = build_grammar_vocab_mask(matchers, gtree, vocab_size=self.runner.vocab_size,
+                                            device=self.runner.device, barrier=barrier, out=out)
         self.timer.phase("mask")
         return mask
 

@@ -157,6 +157,23 @@ def test_overlap_on_and_off_give_identical_outputs(make_llm, draft_paths, algo: 
         assert a.finish_reason == b.finish_reason and a.stop_reason == b.stop_reason
 
 
+@pytest.mark.parametrize("algo", ["ngram", "draft_model_first_layers"])
+def test_mask_worker_processes_give_identical_outputs(make_llm, draft_paths, algo: str) -> None:
+    """Tree bitmasks built in two worker processes (mirror matchers) give the same outputs as
+    the in-process build, with stop strings and grammar ends cutting runs."""
+    params = mixed_params(8)
+    params[2] = SamplingParams(max_tokens=32, stop=["a"], grammar=JsonSchemaSpec(PERSON_SCHEMA))
+    ref = make_llm(**SPEC_CONFIGS[algo](draft_paths)).generate(PROMPTS[:8], params)
+    llm = make_llm(**SPEC_CONFIGS[algo](draft_paths), grammar_workers=2)
+    got = llm.generate(PROMPTS[:8], params)
+    pool = llm.engine.scheduler.mask_pool
+    assert pool is not None and pool.num_builds > 0
+    for a, b in zip(ref, got, strict=True):
+        assert a.token_ids == b.token_ids and a.text == b.text
+        assert a.finish_reason == b.finish_reason
+    pool.close()
+
+
 def test_synchronous_grammar_fallback_matches_overlap(make_llm) -> None:
     """A drafter without ``supports_grammar_overlap`` gets its mask built before the verify
     launch; outputs equal the overlapped path, and the step timer sees every verify step."""

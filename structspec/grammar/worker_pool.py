@@ -1,0 +1,332 @@
+"""Tree-bitmask builds sharded over worker processes.
+
+Why processes: the bitmask of a verify tree costs ~6 us per node inside xgrammar's
+``traverse_draft_tree`` (one C++ call per request, ~35 us for an 8-node tree), and the host
+work of a step must fit under the verify forward to stay hidden. xgrammar releases the GIL
+inside the call, but threads do not help: each call is so short that the GIL hand-off between
+walking threads costs as much as the walk (measured: two threads 1.08x one; see
+benchmarks/README.md). Separate processes share nothing but memory.
+
+Design. Each worker process owns *mirror matchers*: for every constrained request sent to it, a
+matcher over the same compiled grammar (shipped once per worker as xgrammar's JSON
+serialization) that has accepted exactly the request's committed output ids. A matcher's state
+is a function of those ids alone (the engine's invariant: the matcher accepts each committed id
+once, and ids are only ever appended while the request runs; a stop cut finishes it), so a
+mirror is kept in step by sending only the ids committed since its last use. Per build:
+
+1. the host sends each worker its requests: the new ids, and the tree links (numpy, pickled);
+2. each worker advances its mirrors (the same rules as :meth:`Matcher.accept_run`), walks the
+   trees into its rows of a shared-memory bitmask slab, and replies which requests it walked
+   and which timed out;
+3. meanwhile the host runs the scheduler's grammar barrier on its own matchers (same ids, same
+   states: the host's matchers stay the source of truth for termination and errors);
+4. the host settles the rows (:func:`~structspec.grammar.tree.settle_tree_rows_batch`) and
+   uploads from the slab. On CUDA the slab is page-locked (``cudaHostRegister``), so the upload
+   is an asynchronous copy like the in-process path's.
+
+Requests are assigned to workers round-robin on first sight and released when they finish.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import subprocess
+import sys
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from multiprocessing import resource_tracker
+from multiprocessing.connection import Connection
+from multiprocessing.shared_memory import SharedMemory
+from typing import Any
+
+import numpy as np
+import torch
+import xgrammar as xgr
+
+from structspec.grammar.bitmask import bitmask_width
+
+
+@dataclass
+class PoolRequest:
+    """What the pool needs of one constrained request of a batch.
+
+    Attributes:
+        key: the request's id (stable while it runs).
+        compiled: its compiled grammar (shipped to a worker on first use).
+        output_ids: every output id committed so far (the pool sends the new tail).
+    """
+
+    key: str
+    compiled: xgr.CompiledGrammar
+    output_ids: Sequence[int]
+
+
+@dataclass
+class PoolBuildResult:
+    """Outcome of :meth:`MaskWorkerPool.build` (batch indices)."""
+
+    walked: list[int]
+    timed_out: list[int]
+
+
+class MaskWorkerPool:
+    """Worker processes that build tree bitmasks for shards of the batch.
+
+    Args:
+        tokenizer_info: the backend's ``xgrammar.TokenizerInfo`` (serialized once per worker).
+        num_workers: processes to start (>= 1).
+        vocab_size: logits width (bitmask width ``ceil(vocab_size / 32)``).
+        max_rows: largest ``batch * tree_size`` a build may cover (the slab's rows).
+        stop_token_ids: the matchers' stop ids (as :class:`~structspec.grammar.matcher.Matcher`).
+        pin: page-lock the slab for asynchronous H2D copies (needs CUDA).
+
+    Raises:
+        ValueError: ``num_workers < 1`` or ``max_rows < 1``.
+        RuntimeError: a worker failed to start.
+    """
+
+    def __init__(self, tokenizer_info: xgr.TokenizerInfo, *, num_workers: int, vocab_size: int,
+                 max_rows: int, stop_token_ids: Sequence[int], pin: bool = False) -> None:
+        if num_workers < 1 or max_rows < 1:
+            raise ValueError(f"num_workers ({num_workers}) and max_rows ({max_rows}) must be >= 1")
+        self.num_workers = num_workers
+        self.width = bitmask_width(vocab_size)
+        self.max_rows = max_rows
+        self._shm = SharedMemory(create=True, size=max_rows * self.width * 4)
+        #: ``int32 [max_rows, W]`` host view of the shared slab (rows ``[:bs * N]`` per build).
+        self.slab = torch.frombuffer(self._shm.buf, dtype=torch.int32).view(max_rows, self.width)
+        self.pinned = False
+        if pin and torch.cuda.is_available():
+            err = torch.cuda.cudart().cudaHostRegister(self.slab.data_ptr(),
+                                                       self.slab.numel() * 4, 0)
+            self.pinned = int(err) == 0
+        # Fresh interpreters (``python -m``), not fork (the engine may hold CUDA and threads)
+        # and not multiprocessing's spawn (it re-runs the user's __main__ module, which
+        # builds an engine again unless the script has a main guard); a socketpair each.
+        init = (tokenizer_info.serialize_json(), self._shm.name, max_rows, self.width,
+                tuple(int(t) for t in stop_token_ids))
+        self._conns: list[Connection] = []
+        self._procs: list[subprocess.Popen[bytes]] = []
+        for _ in range(num_workers):
+            ours, theirs = socket.socketpair()
+            proc = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno())],
+                                    pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+            theirs.close()
+            conn = Connection(ours.detach())
+            conn.send(init)
+            self._conns.append(conn)
+            self._procs.append(proc)
+        for conn in self._conns:
+            reply = conn.recv() if conn.poll(120) else None
+            if reply != "ready":
+                _shutdown(self._conns, self._procs, self._shm, 0)
+                raise RuntimeError(f"a mask worker failed to start: {reply!r}")
+        self._assigned: dict[str, tuple[int, int]] = {}  # request key -> (worker, grammar id)
+        self._synced: dict[str, int] = {}  # request key -> output ids its mirror accepted
+        # per worker: grammar id -> (compiled grammar, live mirrors); holding the object keeps
+        # its id from being reused while the worker caches it
+        self._known: list[dict[int, list[Any]]] = [{} for _ in range(num_workers)]
+        self._released: list[list[str]] = [[] for _ in range(num_workers)]
+        self._dropped: list[list[int]] = [[] for _ in range(num_workers)]
+        self._next = itertools.cycle(range(num_workers))
+        self._closed = False
+        #: builds run so far (metrics, tests)
+        self.num_builds = 0
+        self._finalizer = weakref.finalize(self, _shutdown, self._conns, self._procs, self._shm,
+                                           self.slab.data_ptr() if self.pinned else 0)
+
+    def release(self, key: str) -> None:
+        """Forget a finished request (its mirror is dropped with the worker's next message)."""
+        entry = self._assigned.pop(key, None)
+        self._synced.pop(key, None)
+        if entry is None:
+            return
+        w, gid = entry
+        self._released[w].append(key)
+        known = self._known[w][gid]
+        known[1] -= 1
+        if known[1] == 0:  # no live mirror uses it: the worker drops its copy too
+            del self._known[w][gid]
+            self._dropped[w].append(gid)
+
+    def build(self, requests: Sequence[PoolRequest | None], next_token: torch.Tensor,
+              next_sibling: torch.Tensor, draft_tokens: torch.Tensor, *,
+              time_limit_s: float, while_waiting: Any = None) -> PoolBuildResult:
+        """Fill ``slab[:bs * N]`` with the batch's tree bitmasks (unsettled, as the walk
+        leaves them); rows of unconstrained requests are all ones.
+
+        Args:
+            requests: one per batch row (None = unconstrained).
+            next_token, next_sibling, draft_tokens: ``int64 [bs, N]`` host tree links.
+            time_limit_s: per-request walk limit; a request over it gets its rows reset and
+                row 0 exact (from the state before the tree), as in the in-process path.
+            while_waiting: optional callable run on this process while the workers walk
+                (the scheduler's grammar barrier).
+
+        Returns:
+            :class:`PoolBuildResult`: batch indices walked (mirror not terminated) and those
+            whose walk timed out.
+
+        Raises:
+            ValueError: the batch needs more rows than the slab holds.
+            RuntimeError: a worker died or the pool is closed.
+        """
+        if self._closed:
+            raise RuntimeError("the mask worker pool is closed")
+        bs, n = next_token.shape
+        if bs * n > self.max_rows:
+            raise ValueError(f"a build of {bs} x {n} rows exceeds the slab's {self.max_rows}")
+        nt, ns, dt = next_token.numpy(), next_sibling.numpy(), draft_tokens.numpy()
+        jobs: list[list[tuple]] = [[] for _ in range(self.num_workers)]
+        unconstrained = []
+        for b, req in enumerate(requests):
+            if req is None:
+                unconstrained.append(b)
+                continue
+            gid = id(req.compiled)
+            grammar = None
+            entry = self._assigned.get(req.key)
+            if entry is None:
+                w = next(self._next)
+                self._assigned[req.key] = (w, gid)
+                self._synced[req.key] = 0
+                known = self._known[w].get(gid)
+                if known is None:
+                    known = self._known[w][gid] = [req.compiled, 0]
+                    grammar = req.compiled.serialize_json()
+                known[1] += 1
+            else:
+                w = entry[0]
+            done = self._synced[req.key]
+            new_ids = list(req.output_ids[done:])
+            self._synced[req.key] = done + len(new_ids)
+            jobs[w].append((b, req.key, gid, grammar, new_ids, nt[b], ns[b], dt[b]))
+        busy = []
+        for w, job in enumerate(jobs):
+            if job or self._released[w]:
+                self._conns[w].send((job, self._released[w], self._dropped[w], n, time_limit_s))
+                self._released[w], self._dropped[w] = [], []
+                busy.append(w)
+        if unconstrained:
+            rows = self.slab[: bs * n].view(bs, n, self.width)
+            rows[unconstrained] = -1
+        if while_waiting is not None:
+            while_waiting()
+        walked: list[int] = []
+        timed_out: list[int] = []
+        for w in busy:
+            try:
+                reply = self._conns[w].recv()
+            except EOFError as e:
+                raise RuntimeError(f"mask worker {w} died") from e
+            if isinstance(reply, BaseException):
+                raise RuntimeError(f"mask worker {w} failed: {reply!r}") from reply
+            w_walked, w_timed_out = reply
+            walked += w_walked
+            timed_out += w_timed_out
+        self.num_builds += 1
+        return PoolBuildResult(sorted(walked), sorted(timed_out))
+
+    def close(self) -> None:
+        """Stop the workers and free the slab (idempotent)."""
+        self._closed = True
+        self._finalizer()
+
+
+def _shutdown(conns: list[Connection], procs: list[subprocess.Popen[bytes]], shm: SharedMemory,
+              pinned_ptr: int) -> None:
+    for conn in conns:
+        try:
+            conn.send(None)
+            conn.close()
+        except (OSError, ValueError):
+            pass
+    for proc in procs:
+        try:
+            proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    if pinned_ptr:
+        torch.cuda.cudart().cudaHostUnregister(pinned_ptr)
+    shm.close()
+    shm.unlink()
+
+
+# ----------------------------------------------------------------------------- worker side
+
+
+def _accept_run(matcher: xgr.GrammarMatcher, ids: Sequence[int], stop_set: frozenset[int]
+                ) -> None:
+    """:meth:`Matcher.accept_run` on a bare xgrammar matcher (the same stopping rules)."""
+    if matcher.is_terminated():
+        return
+    for tok in ids:
+        if not matcher.accept_token(int(tok)):
+            return
+        if tok in stop_set and matcher.is_terminated():
+            return
+
+
+def _worker_main(conn: Connection) -> None:
+    """Worker loop: keep mirror matchers, walk trees into the shared slab, reply."""
+    torch.set_num_threads(1)
+    try:
+        tok_json, shm_name, max_rows, width, stop_token_ids = conn.recv()
+        tokenizer_info = xgr.TokenizerInfo.deserialize_json(tok_json)
+        shm = SharedMemory(name=shm_name)
+        # The parent owns the segment: keep this process's resource tracker from unlinking
+        # it at exit (Python < 3.13 registers every attach).
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+        slab = torch.frombuffer(shm.buf, dtype=torch.int32).view(max_rows, width)
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which raises
+        conn.send(repr(e))
+        return
+    conn.send("ready")
+    stop_set = frozenset(stop_token_ids)
+    grammars: dict[int, xgr.CompiledGrammar] = {}
+    mirrors: dict[str, xgr.GrammarMatcher] = {}
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            break
+        if msg is None:
+            break
+        jobs, released, dropped, n, time_limit_s = msg
+        try:
+            for key in released:
+                mirrors.pop(key, None)
+            for gid in dropped:
+                grammars.pop(gid, None)
+            walked, timed_out = [], []
+            for b, key, gid, grammar, new_ids, nt, ns, dt in jobs:
+                if grammar is not None:
+                    grammars[gid] = xgr.CompiledGrammar.deserialize_json(grammar, tokenizer_info)
+                m = mirrors.get(key)
+                if m is None:
+                    m = mirrors[key] = xgr.GrammarMatcher(
+                        grammars[gid], override_stop_tokens=list(stop_token_ids))
+                _accept_run(m, new_ids, stop_set)
+                rows = slab[b * n : (b + 1) * n]
+                rows.fill_(-1)
+                if m.is_terminated():
+                    continue
+                walked.append(b)
+                if not m.traverse_draft_tree(torch.from_numpy(np.ascontiguousarray(nt)),
+                                             torch.from_numpy(np.ascontiguousarray(ns)),
+                                             torch.from_numpy(np.ascontiguousarray(dt)),
+                                             rows, time_limit_s):
+                    rows.fill_(-1)
+                    m.fill_next_token_bitmask(rows, 0)
+                    timed_out.append(b)
+            conn.send((walked, timed_out))
+        except Exception as e:  # noqa: BLE001 - the parent raises it
+            conn.send(e)
+    del slab
+    shm.close()
+
+
+if __name__ == "__main__":
+    _worker_main(Connection(int(sys.argv[1])))

@@ -1,0 +1,161 @@
+"""The mask worker pool: tree bitmasks built in worker processes equal the in-process build,
+step after step, as requests advance, finish, time out and new ones arrive."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from structspec.core import JsonSchemaSpec, RegexSpec
+from structspec.grammar import GrammarBackend, GrammarTree, Matcher, build_grammar_vocab_mask
+from structspec.grammar.tree import build_grammar_vocab_mask_pooled
+from structspec.grammar.worker_pool import MaskWorkerPool, PoolRequest
+
+from .conftest import STOP_ID
+from .test_tree_mask import PREFIX as TM_PREFIX
+from .test_tree_mask import SCHEMA as TM_SCHEMA
+from .test_tree_mask import _tree as tm_tree
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"},
+                                           "city": {"type": "string"},
+                                           "age": {"type": "integer"}},
+          "required": ["name", "city", "age"], "additionalProperties": False}
+TEXTS = ['{"name": "Ada Lovelace", "city": "London", "age": 36}',
+         '{"name": "Bo", "city": "Oslo and more words here", "age": 41}']
+N = 6
+
+
+@pytest.fixture(scope="module")
+def pool(backend: GrammarBackend) -> Iterator[MaskWorkerPool]:
+    p = MaskWorkerPool(backend.tokenizer_info, num_workers=2, vocab_size=backend.vocab_size,
+                       max_rows=16 * N, stop_token_ids=[STOP_ID])
+    yield p
+    p.close()
+
+
+class _Req:
+    """One simulated request: its text, committed ids and host matcher."""
+
+    def __init__(self, key: str, backend: GrammarBackend, compiled: Any, ids: list[int]) -> None:
+        self.key, self.ids, self.pos = key, ids, 1
+        self.matcher: Matcher | None = backend.create_matcher(compiled) if compiled else None
+        self.compiled = compiled
+        self.output_ids: list[int] = []
+        self.pending: list[int] = []
+
+    def commit(self, k: int) -> None:
+        run = self.ids[self.pos : self.pos + k]
+        self.pos += len(run)
+        self.output_ids += run
+        self.pending += run
+
+    def tree(self, rng: random.Random, pool_ids: list[int]) -> tuple[list[int], ...]:
+        """A chain of the true next tokens with random wrong branches."""
+        last = self.output_ids[-1] if self.output_ids else self.ids[0]
+        toks, parents = [last], [-1]
+        for i in range(1, N):
+            if rng.random() < 0.6 and self.pos + i - 1 < len(self.ids):
+                toks.append(self.ids[self.pos + i - 1])
+                parents.append(i - 1)
+            else:
+                toks.append(rng.choice(pool_ids))
+                parents.append(rng.randrange(i))
+        nt, ns, last_child = [-1] * N, [-1] * N, {}
+        for i in range(1, N):
+            p = parents[i]
+            if p in last_child:
+                ns[last_child[p]] = i
+            else:
+                nt[p] = i
+            last_child[p] = i
+        return nt, ns, toks
+
+
+def _barrier(reqs: list[_Req]) -> None:
+    for r in reqs:
+        if r.matcher is not None and r.pending:
+            r.matcher.accept_run(r.pending)
+        r.pending = []
+
+
+def test_pooled_build_equals_in_process(pool: MaskWorkerPool, backend: GrammarBackend,
+                                        hf_tokenizer: Any) -> None:
+    json_g = backend.compile(JsonSchemaSpec(SCHEMA))
+    regex_g = backend.compile(RegexSpec(r"[A-Z][a-z]+( [a-z]+){2,8}\."))
+    pool_ids = hf_tokenizer.encode('"name": "x", 12} abc ,.', add_special_tokens=False)
+    texts = TEXTS + ["Hello big bright world today."]
+    rng = random.Random(0)
+    live: list[_Req] = []
+    serial = 0
+    builds = 0
+    for step in range(14):
+        # arrivals: constrained (JSON / regex) and unconstrained requests
+        while len(live) < 7:
+            kind = serial % 4
+            text = texts[2] if kind == 2 else texts[serial % 2]
+            compiled = None if kind == 3 else (regex_g if kind == 2 else json_g)
+            ids = hf_tokenizer.encode(text, add_special_tokens=False) + [STOP_ID]
+            live.append(_Req(f"r{serial}", backend, compiled, ids))
+            serial += 1
+        trees = [r.tree(rng, pool_ids) for r in live]
+        gt = GrammarTree.from_host(*(torch.tensor([t[k] for t in trees]) for k in range(3)))
+        limit = 10.0
+        pooled = build_grammar_vocab_mask_pooled(
+            pool, [PoolRequest(r.key, r.compiled, list(r.output_ids)) if r.matcher else None
+                   for r in live],
+            [r.matcher for r in live], gt, device="cpu",
+            barrier=lambda batch=live: _barrier(batch),
+            time_limit_s=limit)
+        ref = build_grammar_vocab_mask([r.matcher for r in live], gt,
+                                       vocab_size=backend.vocab_size, device="cpu",
+                                       time_limit_s=limit)
+        assert pooled is not None and ref is not None
+        builds += 1
+        assert torch.equal(pooled.bitmask_cpu, ref.bitmask_cpu), f"step {step}"
+        assert pooled.truncated_requests == ref.truncated_requests
+        assert pooled.rejected_by_grammar == ref.rejected_by_grammar
+        assert torch.equal(pooled.max_accept_cpu, ref.max_accept_cpu)
+        # commit 1-4 tokens each; requests whose text is used up finish and are released
+        for r in live:
+            r.commit(rng.randint(1, 4))
+        done = [r for r in live if r.pos >= len(r.ids) or
+                (r.matcher is not None and r.matcher.is_terminated())]
+        for r in done:
+            pool.release(r.key)
+        live = [r for r in live if r not in done]
+    assert builds == 14 and serial > 10  # requests came and went
+
+
+def test_pooled_timeout_falls_back_like_in_process(pool: MaskWorkerPool,
+                                                   backend: GrammarBackend,
+                                                   hf_tokenizer: Any) -> None:
+    """A walk over its time limit: rows reset, row 0 exact, no drafts accepted (both paths)."""
+    compiled = backend.compile(JsonSchemaSpec(TM_SCHEMA))
+    ids = hf_tokenizer.encode(TM_PREFIX, add_special_tokens=False)
+    host = backend.create_matcher(compiled)
+    nt, ns, dt = tm_tree(ids[-1])
+    tree = GrammarTree.from_host(nt[None], ns[None], dt[None])
+    pooled = build_grammar_vocab_mask_pooled(
+        pool, [PoolRequest("timeout", compiled, ids)], [host], tree, device="cpu",
+        barrier=lambda: host.accept_run(ids), time_limit_s=1e-9)
+    ref = build_grammar_vocab_mask([host], tree, vocab_size=backend.vocab_size, device="cpu",
+                                   time_limit_s=1e-9)
+    pool.release("timeout")
+    assert pooled is not None and ref is not None
+    assert ref.truncated_requests == pooled.truncated_requests == [0]
+    assert torch.equal(pooled.bitmask_cpu, ref.bitmask_cpu)
+    assert pooled.max_accept_cpu.tolist() == [0]
+
+
+def test_pool_rejects_oversized_batch_and_bad_args(pool: MaskWorkerPool,
+                                                   backend: GrammarBackend) -> None:
+    big = torch.zeros((17, N), dtype=torch.int64)
+    with pytest.raises(ValueError, match="exceeds"):
+        pool.build([None] * 17, big, big, big, time_limit_s=1.0)
+    with pytest.raises(ValueError, match="num_workers"):
+        MaskWorkerPool(backend.tokenizer_info, num_workers=0, vocab_size=backend.vocab_size,
+                       max_rows=8, stop_token_ids=[STOP_ID])
