@@ -26,7 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.grammar_overlap import LONG_SCHEMA  # noqa: E402
 from structspec.core import JsonSchemaSpec  # noqa: E402
 from structspec.grammar.backend import GrammarBackend  # noqa: E402
-from structspec.grammar.tree import GrammarTree, build_grammar_vocab_mask  # noqa: E402
+from structspec.grammar.tree import (  # noqa: E402
+    GrammarTree,
+    build_grammar_vocab_mask,
+    build_grammar_vocab_mask_pooled,
+)
+from structspec.grammar.worker_pool import MaskWorkerPool, PoolRequest  # noqa: E402
 from structspec.models.default_model import resolve_model_path  # noqa: E402
 from structspec.models.tokenizer import Tokenizer  # noqa: E402
 from structspec.spec.tree import VerifyTree  # noqa: E402
@@ -87,12 +92,38 @@ def run_tokenizer(name: str, model_dir: str, vocab_size: int, args: argparse.Nam
                   f"cores={os.cpu_count()}", flush=True)
             if ex is not None:
                 ex.shutdown()
+        for workers in args.workers:
+            pool = MaskWorkerPool(backend.tokenizer_info, num_workers=workers,
+                                  vocab_size=vocab_size, max_rows=max(args.batch) * n,
+                                  stop_token_ids=list(tok.eos_token_ids))
+            reqs = [PoolRequest(f"r{b}", compiled, []) for b in range(bs)]
+
+            def build_pooled(pool: MaskWorkerPool = pool, vt: VerifyTree = vt,
+                             matchers: list = matchers, reqs: list = reqs) -> None:
+                gt = GrammarTree.from_host(vt.next_token, vt.next_sibling, vt.draft_tokens,
+                                           vt.parents)
+                build_grammar_vocab_mask_pooled(pool, reqs, matchers, gt, device="cpu")
+
+            # mirrors start from the matchers' states: ship each request's accepted prefix
+            for b, r in enumerate(reqs):
+                r.output_ids = ids[: 40 + (b * 37) % (len(ids) - 80)]
+            build_pooled()
+            t0 = time.perf_counter()
+            for _ in range(args.reps):
+                build_pooled()
+            mask_ms = (time.perf_counter() - t0) / args.reps * 1e3
+            print(f"mask_build tokenizer={name} vocab={vocab_size} batch={bs} nodes={n} "
+                  f"processes={workers} build_ms={mask_ms:.3f} cores={os.cpu_count()}",
+                  flush=True)
+            pool.close()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--workers", type=int, nargs="*", default=[],
+                    help="also time the worker-process pool with these process counts")
     ap.add_argument("--num-nodes", type=int, default=8)
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
