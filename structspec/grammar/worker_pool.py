@@ -81,6 +81,10 @@ class MaskWorkerPool:
         stop_token_ids: the matchers' stop ids (as :class:`~structspec.grammar.matcher.Matcher`).
         pin: page-lock the slab for asynchronous H2D copies (needs CUDA).
 
+    One build at a time, and each reuses the slab: the caller must not start a build before
+    the previous build's upload has run. The scheduler guarantees it: it waits for every
+    step's results, which its stream orders after that step's mask upload.
+
     Raises:
         ValueError: ``num_workers < 1`` or ``max_rows < 1``.
         RuntimeError: a worker failed to start.
