@@ -6,6 +6,7 @@
 * :mod:`.attention` - :class:`~structspec.kernels.attention.TritonAttentionBackend`, masked
   paged attention (prefill, decode, tree verify) with an optional split-KV reduce.
 * :mod:`.bitmask` - grammar token-bitmask application to logits.
+* :mod:`.gemv` - skinny GEMM / GEMV for forwards of at most 16 rows (decode, small verify).
 
 Importing this package does not import triton; the submodules do. The torch reference ops in
 :mod:`structspec.layers` remain the CPU path and the numerical reference. Under
@@ -15,6 +16,7 @@ Importing this package does not import triton; the submodules do. The torch refe
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 
 @functools.cache
@@ -25,6 +27,17 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+@functools.cache
+def sm_count(device: Any) -> int:
+    """Streaming multiprocessors of ``device`` (a ``torch.device``; host-side query, no sync);
+    16 off CUDA (the interpreter), so grid heuristics stay deterministic there."""
+    if device.type != "cuda":
+        return 16
+    import torch
+
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def next_pow2(n: int) -> int:

@@ -20,14 +20,13 @@ syncs, no data-dependent shapes.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
-from structspec.kernels import next_pow2
+from structspec.kernels import next_pow2, sm_count
 from structspec.kvcache.pool import KVPool
 from structspec.layers.forward_batch import ForwardBatch
 
@@ -139,14 +138,6 @@ def _combine_kernel(
     tl.store(Out + r * HEAD_DIM + d, out.to(Out.dtype.element_ty), mask=d_ok)
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (host-side query, no sync); 16 off CUDA."""
-    if device.type != "cuda":
-        return 16
-    return int(torch.cuda.get_device_properties(device).multi_processor_count)
-
-
 class TritonAttentionBackend:
     """Triton attention with the interface of
     :class:`~structspec.layers.attention.TorchAttentionBackend`.
@@ -169,7 +160,7 @@ class TritonAttentionBackend:
         if self.num_splits is not None:
             return max(1, self.num_splits)
         blocks = triton.cdiv(kv_len, block_n)
-        target = 2 * _sm_count(device)
+        target = 2 * sm_count(device)
         if programs * 2 >= target or blocks < 4:
             return 1
         return max(1, min(self.max_splits, blocks, triton.cdiv(target, programs)))

@@ -39,7 +39,6 @@ import) makes :func:`linear` fall back to ``torch.nn.functional.linear`` for A/B
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import NamedTuple
 
@@ -48,7 +47,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from structspec.kernels import next_pow2, triton_available
+from structspec.kernels import next_pow2, sm_count, triton_available
 
 MAX_ROWS = 16
 """Largest ``M`` (rows of ``x``) served by the kernel; :func:`linear` uses cuBLAS above it."""
@@ -166,14 +165,6 @@ def _splitk_reduce_kernel(
     tl.store(Y + m * stride_ym + offs, acc.to(Y.dtype.element_ty), mask=ok)
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (host-side query, no sync); 16 off CUDA."""
-    if device.type != "cuda":
-        return 16
-    return int(torch.cuda.get_device_properties(device).multi_processor_count)
-
-
 def _config(m: int, n: int, k: int, sms: int, itemsize: int = 2) -> Config:
     """The launch configuration for ``x [m, k] @ W[n, k]^T`` on a GPU with ``sms`` SMs, for
     elements of ``itemsize`` bytes (the table is for 2-byte types; float32 halves ``BLOCK_K``
@@ -213,7 +204,7 @@ def config_for(m: int, n: int, k: int, device: torch.device,
                dtype: torch.dtype = torch.bfloat16) -> Config:
     """The configuration :func:`skinny_linear` launches for ``x [m, k] @ W[n, k]^T`` in
     ``dtype`` on ``device`` (:func:`_config` with the device's SM count; benchmarks print it)."""
-    return _config(m, n, k, _sm_count(device), dtype.itemsize)
+    return _config(m, n, k, sm_count(device), dtype.itemsize)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -14,6 +14,7 @@ from structspec.core import JsonSchemaSpec, RegexSpec
 from structspec.grammar import GrammarBackend, GrammarTree, Matcher, build_grammar_vocab_mask
 from structspec.grammar.tree import build_grammar_vocab_mask_pooled
 from structspec.grammar.worker_pool import MaskWorkerPool, PoolRequest
+from structspec.spec.tree import VerifyTree
 
 from .conftest import STOP_ID
 from .test_tree_mask import PREFIX as TM_PREFIX
@@ -53,8 +54,8 @@ class _Req:
         self.output_ids += run
         self.pending += run
 
-    def tree(self, rng: random.Random, pool_ids: list[int]) -> tuple[list[int], ...]:
-        """A chain of the true next tokens with random wrong branches."""
+    def tree(self, rng: random.Random, pool_ids: list[int]) -> VerifyTree:
+        """A chain of the true next tokens with random wrong branches (one-row tree)."""
         last = self.output_ids[-1] if self.output_ids else self.ids[0]
         toks, parents = [last], [-1]
         for i in range(1, N):
@@ -64,15 +65,7 @@ class _Req:
             else:
                 toks.append(rng.choice(pool_ids))
                 parents.append(rng.randrange(i))
-        nt, ns, last_child = [-1] * N, [-1] * N, {}
-        for i in range(1, N):
-            p = parents[i]
-            if p in last_child:
-                ns[last_child[p]] = i
-            else:
-                nt[p] = i
-            last_child[p] = i
-        return nt, ns, toks
+        return VerifyTree.from_parents(torch.tensor([toks]), torch.tensor([parents]))
 
 
 def _barrier(reqs: list[_Req]) -> None:
@@ -102,7 +95,8 @@ def test_pooled_build_equals_in_process(pool: MaskWorkerPool, backend: GrammarBa
             live.append(_Req(f"r{serial}", backend, compiled, ids))
             serial += 1
         trees = [r.tree(rng, pool_ids) for r in live]
-        gt = GrammarTree.from_host(*(torch.tensor([t[k] for t in trees]) for k in range(3)))
+        gt = GrammarTree.from_host(*(torch.cat([getattr(t, f) for t in trees]) for f in
+                                     ("next_token", "next_sibling", "draft_tokens")))
         limit = 10.0
         pooled = build_grammar_vocab_mask_pooled(
             pool, [PoolRequest(r.key, r.compiled, list(r.output_ids)) if r.matcher else None
