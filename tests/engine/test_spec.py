@@ -3,11 +3,12 @@ clean finishes inside multi-token runs, metrics."""
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
 
-from structspec import EbnfSpec, FinishReason, JsonSchemaSpec, RegexSpec, SamplingParams
+from structspec import LLM, EbnfSpec, FinishReason, JsonSchemaSpec, RegexSpec, SamplingParams
 from tests.engine.conftest import PERSON_SCHEMA, PROMPTS
 
 GBNF = 'root ::= "Answer: " ("yes" | "no") " because " [a-z ]+ "."'
@@ -149,8 +150,9 @@ def test_overlap_on_and_off_give_identical_outputs(make_llm, draft_paths, algo: 
     params[1] = SamplingParams(max_tokens=32, stop=[" the"], grammar=None)
     params[5] = SamplingParams(max_tokens=32, stop=["a"], grammar=JsonSchemaSpec(PERSON_SCHEMA))
     outs = []
-    for overlap in (True, False):
-        llm = make_llm(**SPEC_CONFIGS[algo](draft_paths), overlap=overlap)
+    for overlap in (True, False):  # overlap on is the default: reuse the module's engine
+        kw = SPEC_CONFIGS[algo](draft_paths)
+        llm = make_llm(**kw) if overlap else make_llm(**kw, overlap=False)
         outs.append(llm.generate(PROMPTS[:8], params))
     for a, b in zip(*outs, strict=True):
         assert a.token_ids == b.token_ids and a.text == b.text
@@ -164,14 +166,21 @@ def test_mask_worker_processes_give_identical_outputs(make_llm, draft_paths, alg
     params = mixed_params(8)
     params[2] = SamplingParams(max_tokens=32, stop=["a"], grammar=JsonSchemaSpec(PERSON_SCHEMA))
     ref = make_llm(**SPEC_CONFIGS[algo](draft_paths)).generate(PROMPTS[:8], params)
-    llm = make_llm(**SPEC_CONFIGS[algo](draft_paths), grammar_workers=2)
-    got = llm.generate(PROMPTS[:8], params)
+    # Not cached by make_llm: this engine (weights + KV + two worker processes) goes at the end.
+    llm = LLM(device="cpu", dtype="float32", kv_capacity_tokens=12288, max_batch_size=32,
+              grammar_workers=2, **SPEC_CONFIGS[algo](draft_paths))
     pool = llm.engine.scheduler.mask_pool
-    assert pool is not None and pool.num_builds > 0
+    try:
+        got = llm.generate(PROMPTS[:8], params)
+        assert pool is not None and pool.num_builds > 0
+    finally:
+        if pool is not None:
+            pool.close()
+        del llm
+        gc.collect()
     for a, b in zip(ref, got, strict=True):
         assert a.token_ids == b.token_ids and a.text == b.text
         assert a.finish_reason == b.finish_reason
-    pool.close()
 
 
 def test_synchronous_grammar_fallback_matches_overlap(make_llm) -> None:
