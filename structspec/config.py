@@ -243,6 +243,9 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
         raise ValueError(f"load_format={config.load_format!r}: expected auto or dummy")
     if config.scheduler.max_batch_size < 1:
         raise ValueError("max_batch_size must be >= 1")
+    if config.max_model_len is not None and config.max_model_len < 1:
+        raise ValueError(f"max_model_len={config.max_model_len}: expected >= 1 (or None for "
+                         "the model's context length)")
     if config.grammar.mask_build_workers < 0:
         raise ValueError(f"grammar_workers={config.grammar.mask_build_workers}: expected >= 0")
     if config.cache.page_size < 1:

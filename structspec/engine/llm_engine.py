@@ -72,6 +72,19 @@ class LLMEngine:
                                   use_cuda_graph=config.cuda_graph,
                                   max_model_len=self.max_model_len + config.spec.tree_size,
                                   kernels=config.kernels)
+        # One request must fit in the KV cache with its draft tree (Scheduler.add): a longer
+        # context could only be refused per request, so advertise what fits (like sglang).
+        kv_limit = ((self.runner.kv_pool.num_pages - 1) * self.runner.page_size
+                    - config.spec.tree_size)
+        if kv_limit < 1:
+            raise ValueError(f"kv_capacity_tokens is too small for one request with a "
+                             f"{config.spec.tree_size}-node draft tree")
+        if kv_limit < self.max_model_len:
+            logger.warning("max_model_len %d lowered to %d: the KV cache (%d tokens) must hold "
+                           "one whole request and its draft tree; raise kv_capacity_tokens "
+                           "for more", self.max_model_len, kv_limit,
+                           (self.runner.kv_pool.num_pages - 1) * self.runner.page_size)
+            self.max_model_len = kv_limit
         self.grammar = GrammarBackend(
             self.tokenizer.hf,
             vocab_size=model_config.vocab_size,

@@ -80,6 +80,12 @@ def test_bad_constraints_are_400_naming_the_field(body: dict[str, Any], param: s
 @pytest.mark.parametrize("body,param", [
     ({"temperature": "hot"}, "temperature"),
     ({"max_tokens": 1.5}, "max_tokens"),
+    ({"max_tokens": "5"}, "max_tokens"),  # no silent coercion of strings, floats or bools
+    ({"max_tokens": 5.0}, "max_tokens"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"max_completion_tokens": "5"}, "max_completion_tokens"),
+    ({"n": True}, "n"),
+    ({"seed": "1"}, "seed"),
     ({"messages": "hi"}, "messages"),
     ({"messages": [{"content": "x"}]}, "messages[0].role"),
     ({"stop": 3}, "stop"),

@@ -1,0 +1,38 @@
+"""Engine options that are refused up front, and the context length the KV cache can hold."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from structspec.config import EngineConfig, GrammarConfig, resolve_engine_config
+
+
+@pytest.mark.parametrize("value", [-5, 0])
+def test_max_model_len_below_one_is_refused(value: int) -> None:
+    with pytest.raises(ValueError, match="max_model_len"):
+        resolve_engine_config(EngineConfig(device="cpu", max_model_len=value))
+
+
+def test_negative_grammar_workers_is_refused() -> None:
+    with pytest.raises(ValueError, match="grammar_workers"):
+        resolve_engine_config(EngineConfig(device="cpu",
+                                           grammar=GrammarConfig(mask_build_workers=-1)))
+
+
+def test_context_is_capped_by_the_kv_cache() -> None:
+    """A 512-token KV cache cannot hold the model's 8k context: the engine advertises what one
+    request with its draft tree fits, so a request without a token limit still runs."""
+    from structspec import LLM, SamplingParams
+
+    llm = LLM(device="cpu", dtype="float32", kv_capacity_tokens=512,
+              speculative_algorithm="ngram", num_draft_tokens=8)
+    try:
+        limit = llm.engine.max_model_len
+        assert limit == 512 - 8  # 32 pages of 16 slots, minus the tree's scratch
+        out = llm.generate("Count from one to five.", SamplingParams(max_tokens=10**9))[0]
+        assert out.error is None and out.finish_reason.value in ("stop", "length")
+    finally:
+        del llm
+        gc.collect()
