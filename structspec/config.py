@@ -232,6 +232,10 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
         raise ValueError("num_draft_tokens must be >= 2 when speculation is on")
     if spec.algorithm in ("draft_model", "eagle") and not spec.draft_model:
         raise ValueError(f"speculative_algorithm={spec.algorithm!r} needs draft_model=PATH")
+    if spec.algorithm in ("draft_model", "eagle") and (spec.depth < 1 or spec.topk < 1):
+        # checked here, before the target model loads
+        raise ValueError(f"speculative_depth ({spec.depth}) and speculative_topk ({spec.topk}) "
+                         "must be >= 1")
     kernels = config.kernels
     if kernels not in ("auto", "triton", "torch"):
         raise ValueError(f"kernels={kernels!r}: expected auto, triton or torch")

@@ -230,7 +230,12 @@ class SpecMetrics:
 
 @dataclass
 class TokenLogprob:
-    """Log-probability of an emitted token under the target model (after the grammar mask)."""
+    """Log-probability of an emitted token under the target model (after the grammar mask).
+
+    ``top_logprobs``: up to ``SamplingParams.logprobs`` ``(token_id, logprob)`` pairs, most
+    likely first; tokens the grammar forbids are left out, so a constrained position may list
+    fewer.
+    """
 
     token_id: int
     logprob: float

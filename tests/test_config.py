@@ -6,13 +6,21 @@ import gc
 
 import pytest
 
-from structspec.config import EngineConfig, GrammarConfig, resolve_engine_config
+from structspec.config import EngineConfig, GrammarConfig, SpecConfig, resolve_engine_config
 
 
 @pytest.mark.parametrize("value", [-5, 0])
 def test_max_model_len_below_one_is_refused(value: int) -> None:
     with pytest.raises(ValueError, match="max_model_len"):
         resolve_engine_config(EngineConfig(device="cpu", max_model_len=value))
+
+
+@pytest.mark.parametrize(("depth", "topk"), [(0, 2), (4, 0)])
+def test_bad_draft_tree_shape_is_refused_before_loading(depth: int, topk: int) -> None:
+    spec = SpecConfig(algorithm="draft_model", draft_model="/nonexistent", depth=depth,
+                      topk=topk)
+    with pytest.raises(ValueError, match="speculative_depth"):
+        resolve_engine_config(EngineConfig(device="cpu", spec=spec))
 
 
 def test_negative_grammar_workers_is_refused() -> None:

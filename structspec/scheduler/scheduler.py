@@ -518,10 +518,12 @@ class Scheduler:
                 req.logprobs = []
             for row, tok in zip(rows, runs[b], strict=True):
                 top = row.topk(k) if k > 0 else None
+                # Tokens the grammar forbids (-inf) are never listed, as in the server.
                 req.logprobs.append(TokenLogprob(
                     token_id=tok, logprob=float(row[tok]),
-                    top_logprobs=[] if top is None else list(
-                        zip(top.indices.tolist(), top.values.tolist(), strict=True)),
+                    top_logprobs=[] if top is None else [
+                        (t, v) for t, v in zip(top.indices.tolist(), top.values.tolist(),
+                                               strict=True) if v != float("-inf")],
                 ))
 
 
