@@ -7,7 +7,8 @@
 #             (ngram and draft_model, batch 1/8/32/64, N=8, with / without grammar and overlap)
 #   peer      the peer table: HF generate (+ xgrammar) vs structspec, batch 1 and 64
 #   llama8b   Llama-3-8B shape (random bf16 weights, real Llama-3 tokenizer): HBM floor, decode
-#             step vs floor, grammar overlap (ngram and draft_model with a 1B-shape draft)
+#             step vs floor (skinny GEMM and cuBLAS), per-layer GEMM micro-benchmark, grammar
+#             overlap (ngram and draft_model with a 1B-shape draft)
 #   maskbench MaskBench end to end (120 schemas)
 # Logs go to $OUT (or ./out); each step is time-bounded so one failure does not hide the others.
 set -u
@@ -29,6 +30,8 @@ for s in $stages; do case $s in
   llama8b)
     run hbm_floor_8b 60 python3 benchmarks/hbm_floor.py --model $L8 --batch 1 8 32 64 --context 512
     run gpu_decode_8b 150 python3 benchmarks/gpu_decode.py --model $L8 --load-format dummy --nodes 1 8 --skip-fold --skip-eager
+    STRUCTSPEC_GEMV=0 run gpu_decode_8b_cublas 90 python3 benchmarks/gpu_decode.py --model $L8 --load-format dummy --batch 1 --nodes 1 8 --skip-fold --skip-eager
+    run gemv_micro 90 python3 benchmarks/kernels_micro.py --gemv
     run grammar_overlap_8b 360 python3 benchmarks/grammar_overlap.py --device cuda --model $L8 --load-format dummy --batch 1 8 32 64 --steps 100 --algorithms ngram draft_model --draft-model benchmarks/assets/llama3-1b-draft-shape ;;
   maskbench)
     run maskbench 170 python3 benchmarks/maskbench_e2e.py --device cuda --speculative-algorithm ngram --limit 120 --max-tokens 1024 --skip-slow-compile --out "$OUT/maskbench.jsonl" ;;
