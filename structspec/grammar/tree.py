@@ -276,11 +276,7 @@ def build_grammar_vocab_mask(
         for i in chunk:
             m = matchers[i]
             assert m is not None
-            rows = rows_of[i]
-            if not m.xgr_matcher.traverse_draft_tree(
-                    nt_of[i], ns_of[i], dt_of[i], rows, time_limit_s):
-                rows.fill_(-1)
-                m.fill_bitmask(rows, 0)
+            if not walk_tree(m, nt_of[i], ns_of[i], dt_of[i], rows_of[i], time_limit_s):
                 timed_out.append(i)  # list.append is atomic under the GIL
 
     workers = min(num_workers, len(active)) if executor is not None else 1
@@ -291,6 +287,24 @@ def build_grammar_vocab_mask(
         walk(active)
     return _settle_and_upload(bitmask, matchers, tree, active, timed_out, device=device,
                               out=out, t0=t0)
+
+
+def walk_tree(matcher: Matcher, next_token: torch.Tensor, next_sibling: torch.Tensor,
+              draft_tokens: torch.Tensor, rows: torch.Tensor, time_limit_s: float) -> bool:
+    """One request's tree walk into its ``[N, W]`` rows (xgrammar ``traverse_draft_tree``).
+
+    On a timeout the rows are reset to all ones and row 0 is filled from the state before the
+    tree (exact); the caller then caps the request's accepted drafts at 0.
+
+    Returns:
+        False when the walk timed out.
+    """
+    if matcher.xgr_matcher.traverse_draft_tree(next_token, next_sibling, draft_tokens, rows,
+                                               time_limit_s):
+        return True
+    rows.fill_(-1)
+    matcher.fill_bitmask(rows, 0)
+    return False
 
 
 def _settle_and_upload(bitmask: torch.Tensor, matchers: Sequence[Matcher | None],

@@ -30,6 +30,7 @@ Requests are assigned to workers round-robin on first sight and released when th
 from __future__ import annotations
 
 import itertools
+import logging
 import socket
 import subprocess
 import sys
@@ -45,6 +46,10 @@ import torch
 import xgrammar as xgr
 
 from structspec.grammar.bitmask import bitmask_width
+from structspec.grammar.matcher import Matcher
+from structspec.grammar.tree import walk_tree
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -105,6 +110,9 @@ class MaskWorkerPool:
             err = torch.cuda.cudart().cudaHostRegister(self.slab.data_ptr(),
                                                        self.slab.numel() * 4, 0)
             self.pinned = int(err) == 0
+            if not self.pinned:  # uploads from pageable memory block the host
+                logger.warning("mask worker slab could not be page-locked (cudaHostRegister "
+                               "error %s): bitmask uploads will be synchronous", int(err))
         # Fresh interpreters (``python -m``), not fork (the engine may hold CUDA and threads)
         # and not multiprocessing's spawn (it re-runs the user's __main__ module, which
         # builds an engine again unless the script has a main guard); a socketpair each.
@@ -263,18 +271,6 @@ def _shutdown(conns: list[Connection], procs: list[subprocess.Popen[bytes]], shm
 # ----------------------------------------------------------------------------- worker side
 
 
-def _accept_run(matcher: xgr.GrammarMatcher, ids: Sequence[int], stop_set: frozenset[int]
-                ) -> None:
-    """:meth:`Matcher.accept_run` on a bare xgrammar matcher (the same stopping rules)."""
-    if matcher.is_terminated():
-        return
-    for tok in ids:
-        if not matcher.accept_token(int(tok)):
-            return
-        if tok in stop_set and matcher.is_terminated():
-            return
-
-
 def _worker_main(conn: Connection) -> None:
     """Worker loop: keep mirror matchers, walk trees into the shared slab, reply."""
     torch.set_num_threads(1)
@@ -290,9 +286,8 @@ def _worker_main(conn: Connection) -> None:
         conn.send(repr(e))
         return
     conn.send("ready")
-    stop_set = frozenset(stop_token_ids)
     grammars: dict[int, xgr.CompiledGrammar] = {}
-    mirrors: dict[str, xgr.GrammarMatcher] = {}
+    mirrors: dict[str, Matcher] = {}
     while True:
         try:
             msg = conn.recv()
@@ -313,19 +308,15 @@ def _worker_main(conn: Connection) -> None:
                 if grammar is not None:
                     grammars[gid] = xgr.CompiledGrammar.deserialize_json(grammar, tokenizer_info)
                 m = mirrors.get(key)
-                if m is None:
-                    m = mirrors[key] = xgr.GrammarMatcher(
-                        grammars[gid], override_stop_tokens=list(stop_token_ids))
-                _accept_run(m, new_ids, stop_set)
+                if m is None:  # the host's Matcher class: the same accept and stop rules
+                    m = mirrors[key] = Matcher(grammars[gid], stop_token_ids=stop_token_ids)
+                m.accept_run(new_ids)
                 rows = slab[b * n : (b + 1) * n]
                 rows.fill_(-1)
                 if m.is_terminated():
                     continue
                 walked.append(b)
-                if not m.traverse_draft_tree(nt_all[b], ns_all[b], dt_all[b], rows,
-                                             time_limit_s):
-                    rows.fill_(-1)
-                    m.fill_next_token_bitmask(rows, 0)
+                if not walk_tree(m, nt_all[b], ns_all[b], dt_all[b], rows, time_limit_s):
                     timed_out.append(b)
             conn.send((walked, timed_out))
         except Exception as e:  # noqa: BLE001 - the parent raises it
