@@ -250,6 +250,9 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
     if config.max_model_len is not None and config.max_model_len < 1:
         raise ValueError(f"max_model_len={config.max_model_len}: expected >= 1 (or None for "
                          "the model's context length)")
+    workers = config.grammar.mask_build_workers
+    if not isinstance(workers, int) or isinstance(workers, bool):
+        raise ValueError(f"grammar_workers={workers!r}: expected an integer >= 0")
     if config.grammar.mask_build_workers < 0:
         raise ValueError(f"grammar_workers={config.grammar.mask_build_workers}: expected >= 0")
     if config.cache.page_size < 1:

@@ -23,10 +23,11 @@ def test_bad_draft_tree_shape_is_refused_before_loading(depth: int, topk: int) -
         resolve_engine_config(EngineConfig(device="cpu", spec=spec))
 
 
-def test_negative_grammar_workers_is_refused() -> None:
+@pytest.mark.parametrize("value", [-1, "2", 2.5, True])
+def test_bad_grammar_workers_is_refused(value: object) -> None:
     with pytest.raises(ValueError, match="grammar_workers"):
-        resolve_engine_config(EngineConfig(device="cpu",
-                                           grammar=GrammarConfig(mask_build_workers=-1)))
+        resolve_engine_config(EngineConfig(
+            device="cpu", grammar=GrammarConfig(mask_build_workers=value)))  # type: ignore[arg-type]
 
 
 def test_context_is_capped_by_the_kv_cache() -> None:

@@ -97,8 +97,11 @@ class MaskWorkerPool:
 
     def __init__(self, tokenizer_info: xgr.TokenizerInfo, *, num_workers: int, vocab_size: int,
                  max_rows: int, stop_token_ids: Sequence[int], pin: bool = False) -> None:
-        if num_workers < 1 or max_rows < 1:
-            raise ValueError(f"num_workers ({num_workers}) and max_rows ({max_rows}) must be >= 1")
+        if (not all(isinstance(v, int) and not isinstance(v, bool)
+                    for v in (num_workers, max_rows)) or num_workers < 1 or max_rows < 1):
+            # checked before the shared memory exists, so a bad value leaks nothing
+            raise ValueError(f"num_workers ({num_workers!r}) and max_rows ({max_rows!r}) must "
+                             "be integers >= 1")
         self.num_workers = num_workers
         self.width = bitmask_width(vocab_size)
         self.max_rows = max_rows

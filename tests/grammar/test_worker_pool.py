@@ -150,6 +150,7 @@ def test_pool_rejects_oversized_batch_and_bad_args(pool: MaskWorkerPool,
     big = torch.zeros((17, N), dtype=torch.int64)
     with pytest.raises(ValueError, match="exceeds"):
         pool.build([None] * 17, big, big, big, time_limit_s=1.0)
-    with pytest.raises(ValueError, match="num_workers"):
-        MaskWorkerPool(backend.tokenizer_info, num_workers=0, vocab_size=backend.vocab_size,
-                       max_rows=8, stop_token_ids=[STOP_ID])
+    for bad in (0, 2.5, "2"):
+        with pytest.raises(ValueError, match="num_workers"):
+            MaskWorkerPool(backend.tokenizer_info, num_workers=bad,  # type: ignore[arg-type]
+                           vocab_size=backend.vocab_size, max_rows=8, stop_token_ids=[STOP_ID])
