@@ -32,7 +32,7 @@ from structspec.grammar.bitmask import allocate_bitmask
 from structspec.grammar.matcher import Matcher
 
 if TYPE_CHECKING:
-    from structspec.grammar.worker_pool import MaskWorkerPool, PoolRequest
+    from structspec.grammar.worker_pool import MaskWorkerPool, PoolBuildResult, PoolRequest
 
 
 def _to_host_async(t: torch.Tensor) -> torch.Tensor:
@@ -191,6 +191,8 @@ class GrammarMaskResult:
         rejected_by_grammar: per request, reached draft nodes whose token the parent's row
             forbids (for the "drafts rejected by the grammar" metric); 0 without a matcher.
         build_s: host seconds spent in barrier + resolve + build (for metrics).
+        mirror: the worker pool's result (its mirrors' verdicts on the new ids) when the
+            pool built the mask; None for the in-process build.
     """
 
     bitmask_device: torch.Tensor
@@ -199,6 +201,7 @@ class GrammarMaskResult:
     truncated_requests: list[int]
     rejected_by_grammar: list[int]
     build_s: float = 0.0
+    mirror: PoolBuildResult | None = None
 
 
 def build_grammar_vocab_mask(
@@ -341,6 +344,7 @@ def build_grammar_vocab_mask_pooled(
     barrier: Callable[[], None] | None = None,
     time_limit_s: float = 0.05,
     out: torch.Tensor | None = None,
+    advance_only: Sequence[PoolRequest] = (),
 ) -> GrammarMaskResult | None:
     """:func:`build_grammar_vocab_mask` with the tree walks in ``pool``'s worker processes.
 
@@ -355,10 +359,13 @@ def build_grammar_vocab_mask_pooled(
         matchers: the host matchers in batch order (after the barrier they hold the same
             states as the workers' mirrors); used for the stop ids and the None check.
         tree, device, barrier, time_limit_s, out: as in :func:`build_grammar_vocab_mask`.
+        advance_only: requests outside the batch whose mirrors only advance, in the same
+            round trip (see :meth:`MaskWorkerPool.build`).
 
     Returns:
         A :class:`GrammarMaskResult` whose ``bitmask_cpu`` is a view of the pool's slab (valid
-        until the next build), or None when no request has a matcher.
+        until the next build) and whose ``mirror`` holds the mirrors' verdicts, or None when
+        no request has a matcher.
 
     Raises:
         ValueError: ``len(requests)`` or ``len(matchers)`` differs from the tree's batch size.
@@ -379,9 +386,12 @@ def build_grammar_vocab_mask_pooled(
         raise ValueError(f"{len(matchers)} matchers / {len(requests)} requests for a tree "
                          f"batch of {bs}")
     result = pool.build(requests, next_token, next_sibling, draft_tokens,
-                        time_limit_s=time_limit_s, while_waiting=barrier)
-    return _settle_and_upload(pool.slab[: bs * n], matchers, tree, result.walked,
+                        time_limit_s=time_limit_s, while_waiting=barrier,
+                        advance_only=advance_only)
+    mask = _settle_and_upload(pool.slab[: bs * n], matchers, tree, result.walked,
                               result.timed_out, device=device, out=out, t0=t0)
+    mask.mirror = result
+    return mask
 
 
 def settle_tree_rows_batch(bitmask: torch.Tensor, draft_tokens: torch.Tensor,

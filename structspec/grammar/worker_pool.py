@@ -14,12 +14,17 @@ is a function of those ids alone (the engine's invariant: the matcher accepts ea
 once, and ids are only ever appended while the request runs; a stop cut finishes it), so a
 mirror is kept in step by sending only the ids committed since its last use. Per build:
 
-1. the host sends each worker its requests: the new ids, and the tree links (numpy, pickled);
+1. the host sends each worker its requests: the new ids, and the tree links (one int64 blob);
 2. each worker advances its mirrors (the same rules as :meth:`Matcher.accept_run`), walks the
-   trees into its rows of a shared-memory bitmask slab, and replies which requests it walked
-   and which timed out;
-3. meanwhile the host runs the scheduler's grammar barrier on its own matchers (same ids, same
-   states: the host's matchers stay the source of truth for termination and errors);
+   trees into its rows of a shared-memory bitmask slab, and replies which requests it walked,
+   which timed out, and the mirrors' verdicts on the new ids (ids not kept, grammar ended);
+3. meanwhile the host runs what the scheduler gives it. For a device tree that is its own
+   grammar barrier (the host matchers advance over the same ids while the tree is still on
+   its way). For a host tree (n-gram) the mirrors *are* the barrier: the scheduler applies
+   their verdicts (:func:`~structspec.scheduler.commit.settle_grammar_advance`) and lets its
+   own matchers lag, replaying the ids only if a later step walks in process; this takes the
+   matcher advance (~0.8 ms per step at batch 64) off the scheduler's thread, whose time
+   bounds the step for small models;
 4. the host settles the rows (:func:`~structspec.grammar.tree.settle_tree_rows_batch`) and
    uploads from the slab. On CUDA the slab is page-locked (``cudaHostRegister``), so the upload
    is an asynchronous copy like the in-process path's.
@@ -36,7 +41,7 @@ import subprocess
 import sys
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
@@ -69,10 +74,20 @@ class PoolRequest:
 
 @dataclass
 class PoolBuildResult:
-    """Outcome of :meth:`MaskWorkerPool.build` (batch indices)."""
+    """Outcome of :meth:`MaskWorkerPool.build` / :meth:`MaskWorkerPool.advance` (batch indices).
+
+    Attributes:
+        walked: rows whose tree was walked (mirror not terminated; empty for ``advance``).
+        timed_out: rows whose walk hit the time limit.
+        rejected: row -> how many of the ids sent this time the mirror did not keep (past the
+            grammar's end, or from the first rejected id on); rows that kept all are absent.
+        terminated: rows whose mirror has reached the grammar's end.
+    """
 
     walked: list[int]
     timed_out: list[int]
+    rejected: dict[int, int] = field(default_factory=dict)
+    terminated: list[int] = field(default_factory=list)
 
 
 class MaskWorkerPool:
@@ -165,11 +180,17 @@ class MaskWorkerPool:
             del self._known[w][gid]
             self._dropped[w].append(gid)
 
+    def num_synced(self, key: str) -> int:
+        """Output ids the request's mirror has been sent (0 when it has none)."""
+        return self._synced.get(key, 0)
+
     def build(self, requests: Sequence[PoolRequest | None], next_token: torch.Tensor,
               next_sibling: torch.Tensor, draft_tokens: torch.Tensor, *,
-              time_limit_s: float, while_waiting: Any = None) -> PoolBuildResult:
-        """Fill ``slab[:bs * N]`` with the batch's tree bitmasks (unsettled, as the walk
-        leaves them); rows of unconstrained requests are all ones.
+              time_limit_s: float, while_waiting: Any = None,
+              advance_only: Sequence[PoolRequest] = ()) -> PoolBuildResult:
+        """Advance the mirrors over the new ids, then fill ``slab[:bs * N]`` with the batch's
+        tree bitmasks (unsettled, as the walk leaves them); rows of unconstrained requests are
+        all ones.
 
         Args:
             requests: one per batch row (None = unconstrained).
@@ -178,28 +199,51 @@ class MaskWorkerPool:
                 row 0 exact (from the state before the tree), as in the in-process path.
             while_waiting: optional callable run on this process while the workers walk
                 (the scheduler's grammar barrier).
+            advance_only: requests outside the batch whose mirrors only advance (no tree),
+                in the same round trip; their verdicts use indices ``bs + j``.
 
         Returns:
-            :class:`PoolBuildResult`: batch indices walked (mirror not terminated) and those
-            whose walk timed out.
+            :class:`PoolBuildResult`: batch indices walked (mirror not terminated), those
+            whose walk timed out, and the mirrors' verdicts on the new ids.
 
         Raises:
             ValueError: the batch needs more rows than the slab holds.
             RuntimeError: a worker died or the pool is closed.
         """
-        if self._closed:
-            raise RuntimeError("the mask worker pool is closed")
         bs, n = next_token.shape
         if bs * n > self.max_rows:
             raise ValueError(f"a build of {bs} x {n} rows exceeds the slab's {self.max_rows}")
         # The whole batch's links travel as one int64 blob per worker (pickling per-request
         # arrays cost ~10 us each); jobs carry only ints and the new ids.
         links = torch.stack([next_token, next_sibling, draft_tokens]).numpy().tobytes()
+        result = self._dispatch([*requests, *advance_only], links, bs, n, time_limit_s,
+                                while_waiting)
+        unconstrained = [b for b, req in enumerate(requests) if req is None]
+        if unconstrained:
+            self.slab[: bs * n].view(bs, n, self.width)[unconstrained] = -1
+        return result
+
+    def advance(self, requests: Sequence[PoolRequest | None]) -> PoolBuildResult:
+        """Advance the mirrors over the new ids only (no tree, no rows written): the grammar
+        barrier of a step that builds no tree mask (before a prefill).
+
+        Returns:
+            :class:`PoolBuildResult` with the verdicts (``walked``/``timed_out`` empty).
+
+        Raises:
+            RuntimeError: a worker died or the pool is closed.
+        """
+        return self._dispatch(requests, None, 0, 0, 0.0, None)
+
+    def _dispatch(self, requests: Sequence[PoolRequest | None], links: bytes | None, bs: int,
+                  n: int, time_limit_s: float, while_waiting: Any) -> PoolBuildResult:
+        """Send each worker its requests' new ids (and the ``[3, bs, N]`` tree links: rows
+        ``>= bs`` advance only), run ``while_waiting``, gather the replies."""
+        if self._closed:
+            raise RuntimeError("the mask worker pool is closed")
         jobs: list[list[tuple]] = [[] for _ in range(self.num_workers)]
-        unconstrained = []
         for b, req in enumerate(requests):
             if req is None:
-                unconstrained.append(b)
                 continue
             gid = id(req.compiled)
             grammar = None
@@ -226,13 +270,9 @@ class MaskWorkerPool:
                                      time_limit_s))
                 self._released[w], self._dropped[w] = [], []
                 busy.append(w)
-        if unconstrained:
-            rows = self.slab[: bs * n].view(bs, n, self.width)
-            rows[unconstrained] = -1
         if while_waiting is not None:
             while_waiting()
-        walked: list[int] = []
-        timed_out: list[int] = []
+        out = PoolBuildResult([], [])
         for w in busy:
             try:
                 reply = self._conns[w].recv()
@@ -240,11 +280,16 @@ class MaskWorkerPool:
                 raise RuntimeError(f"mask worker {w} died") from e
             if isinstance(reply, BaseException):
                 raise RuntimeError(f"mask worker {w} failed: {reply!r}") from reply
-            w_walked, w_timed_out = reply
-            walked += w_walked
-            timed_out += w_timed_out
+            w_walked, w_timed_out, w_rejected, w_terminated = reply
+            out.walked += w_walked
+            out.timed_out += w_timed_out
+            out.rejected.update(w_rejected)
+            out.terminated += w_terminated
         self.num_builds += 1
-        return PoolBuildResult(sorted(walked), sorted(timed_out))
+        out.walked.sort()
+        out.timed_out.sort()
+        out.terminated.sort()
+        return out
 
     def close(self) -> None:
         """Stop the workers and free the slab (idempotent)."""
@@ -304,16 +349,24 @@ def _worker_main(conn: Connection) -> None:
                 mirrors.pop(key, None)
             for gid in dropped:
                 grammars.pop(gid, None)
-            walked, timed_out = [], []
-            nt_all, ns_all, dt_all = torch.frombuffer(bytearray(links), dtype=torch.int64
-                                                      ).view(3, bs, n).unbind(0)
+            walked, timed_out, terminated = [], [], []
+            rejected: dict[int, int] = {}
+            if links is not None:
+                nt_all, ns_all, dt_all = torch.frombuffer(bytearray(links), dtype=torch.int64
+                                                          ).view(3, bs, n).unbind(0)
             for b, key, gid, grammar, new_ids in jobs:
                 if grammar is not None:
                     grammars[gid] = xgr.CompiledGrammar.deserialize_json(grammar, tokenizer_info)
                 m = mirrors.get(key)
                 if m is None:  # the host's Matcher class: the same accept and stop rules
                     m = mirrors[key] = Matcher(grammars[gid], stop_token_ids=stop_token_ids)
-                m.accept_run(new_ids)
+                kept = m.accept_run(new_ids)
+                if kept < len(new_ids):
+                    rejected[b] = len(new_ids) - kept
+                if m.is_terminated():
+                    terminated.append(b)
+                if links is None or b >= bs:  # advance only
+                    continue
                 rows = slab[b * n : (b + 1) * n]
                 rows.fill_(-1)
                 if m.is_terminated():
@@ -321,7 +374,7 @@ def _worker_main(conn: Connection) -> None:
                 walked.append(b)
                 if not walk_tree(m, nt_all[b], ns_all[b], dt_all[b], rows, time_limit_s):
                     timed_out.append(b)
-            conn.send((walked, timed_out))
+            conn.send((walked, timed_out, rejected, terminated))
         except Exception as e:  # noqa: BLE001 - the parent raises it
             conn.send(e)
     del slab

@@ -3,11 +3,15 @@
 Three phases per request and step (invariants 3 and 4 of DESIGN.md):
 
 A. :func:`commit_tokens` (right after the step's results reach the host): trim the run at
-   token-level stops (EOS, stop token ids, max_tokens), append the kept ids, and queue them
-   for the grammar. The next step's tree is drafted from these ids.
-B. :func:`advance_grammar` (the *grammar barrier*: with overlap it runs after the next verify
-   launch, under the GPU forward): advance the matcher over the queued ids exactly once. It
-   must run before the next bitmask is built, which reads the state it leaves.
+   token-level stops (EOS, stop token ids, max_tokens) and append the kept ids. The next
+   step's tree is drafted from these ids.
+B. The *grammar barrier* (with overlap it runs after the next verify launch, under the GPU
+   forward): the grammar state advances over the ids committed since the last barrier, exactly
+   once. It must run before the next bitmask is built, which reads that state. Either
+   :func:`advance_grammar` advances the request's own matcher, or a mask worker's mirror
+   matcher advanced (the worker pool, host trees) and :func:`settle_grammar_advance` applies
+   its verdict; the host matcher then lags behind (``Req.num_grammar_advanced``) and catches up
+   in :func:`advance_grammar` only when the host needs it again.
 C. :func:`process_text` (with overlap: after the next launch too): detokenize, apply stop
    strings; ids past a stop string are removed again and rolled back from the matcher, so the
    matcher has accepted exactly the committed ids.
@@ -45,8 +49,6 @@ def commit_tokens(req: Req, run: list[int], now_s: float) -> list[int]:
         return []
     run, reason, stop_tok = cut_run(req, run)
     req.output_ids.extend(run)
-    if req.matcher is not None:
-        req.grammar_pending.extend(run)
     if req.first_token_time is None:
         req.first_token_time = now_s
     if reason is not None:
@@ -55,23 +57,39 @@ def commit_tokens(req: Req, run: list[int], now_s: float) -> list[int]:
 
 
 def advance_grammar(req: Req) -> None:
-    """Phase B: advance ``req.matcher`` over the ids committed since the last call, once.
+    """Phase B on the host: advance ``req.matcher`` over the output ids it has not accepted yet
+    (those committed since the last barrier, plus any a mirror matcher advanced instead), once.
 
     A token the grammar rejects (impossible when masks are applied: a bug or a timed-out tree
     walk) ends the request with an error; ids after the grammar's end are removed.
     """
-    run, req.grammar_pending = req.grammar_pending, []
-    if req.matcher is None or not run:
+    if req.matcher is None:
+        return
+    run = req.output_ids[req.num_grammar_advanced:]
+    if not run:
         return
     kept = req.matcher.accept_run(run)
-    if kept < len(run):
-        drop = len(run) - kept
-        del req.output_ids[len(req.output_ids) - drop :]
-        if not req.matcher.is_terminated():
+    req.num_grammar_advanced += kept
+    settle_grammar_advance(req, len(run) - kept, req.matcher.is_terminated())
+
+
+def settle_grammar_advance(req: Req, num_rejected: int, terminated: bool) -> None:
+    """Apply a grammar advance's verdict to the request (phase B's bookkeeping).
+
+    Args:
+        req: the request whose newest output ids were advanced over.
+        num_rejected: how many of the newest output ids the matcher did not keep (past the
+            grammar's end, or from the first rejected id on); they are removed.
+        terminated: the matcher reached the grammar's end.
+    """
+    if num_rejected:
+        first_rejected = req.output_ids[len(req.output_ids) - num_rejected]
+        del req.output_ids[len(req.output_ids) - num_rejected:]
+        if not terminated:
             req.finish(FinishReason.ABORT, force=True, error=f"grammar rejected token "
-                       f"{run[kept]} after {len(req.output_ids)} output tokens")
+                       f"{first_rejected} after {len(req.output_ids)} output tokens")
             return
-    if req.matcher.is_terminated():
+    if terminated:
         req.finish(FinishReason.STOP)
 
 
@@ -104,12 +122,11 @@ def process_text(req: Req) -> None:
         if excess:
             del req.output_ids[req.num_detokenized :]
             req.spec.committed_tokens -= excess  # they came from the last verify run
-            if req.matcher is not None:
-                # Ids still queued for the grammar were never accepted: drop those first.
-                queued = min(excess, len(req.grammar_pending))
-                del req.grammar_pending[len(req.grammar_pending) - queued :]
-                if excess - queued:
-                    req.matcher.rollback(excess - queued)
+            if req.matcher is not None and req.num_grammar_advanced > len(req.output_ids):
+                # Only ids the host matcher already accepted are rolled back (a mirror
+                # matcher's request finishes here, so its mirror is dropped with it).
+                req.matcher.rollback(req.num_grammar_advanced - len(req.output_ids))
+                req.num_grammar_advanced = len(req.output_ids)
         req.finish(FinishReason.STOP, force=True, stop_reason=s)
         return
 

@@ -50,7 +50,9 @@ class Req:
     error: str | None = None
     error_param: str | None = None
     text: str = ""
-    grammar_pending: list[int] = field(default_factory=list)  # committed, not yet advanced
+    # output ids the host matcher has accepted (the rest wait for the grammar barrier, or
+    # were advanced by a mask worker's mirror matcher and are replayed only if needed)
+    num_grammar_advanced: int = 0
     num_detokenized: int = 0  # output ids already passed to the detokenizer
     num_reported_ids: int = 0  # output ids already returned in a RequestOutput
     num_reported_chars: int = 0  # characters of ``text`` already returned

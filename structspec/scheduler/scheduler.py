@@ -34,10 +34,15 @@ from structspec.grammar.tree import (
     build_grammar_vocab_mask,
     build_grammar_vocab_mask_pooled,
 )
-from structspec.grammar.worker_pool import MaskWorkerPool, PoolRequest
+from structspec.grammar.worker_pool import MaskWorkerPool, PoolBuildResult, PoolRequest
 from structspec.kvcache.allocator import PageAllocator
 from structspec.layers.sampler import SamplingBatch, sample_rows
-from structspec.scheduler.commit import advance_grammar, commit_tokens, process_text
+from structspec.scheduler.commit import (
+    advance_grammar,
+    commit_tokens,
+    process_text,
+    settle_grammar_advance,
+)
 from structspec.scheduler.pending import PendingStep
 from structspec.scheduler.request import Req, ReqStatus
 from structspec.scheduler.step_stats import StepTimer
@@ -202,9 +207,47 @@ class Scheduler:
         return outputs
 
     def _grammar_barrier(self, reqs: Sequence[Req]) -> None:
-        """Advance every matcher over its committed-but-unadvanced ids (exactly once)."""
+        """Advance every request's grammar state over its committed-but-unadvanced ids
+        (exactly once): in the worker pool's mirrors when they stand in for the host
+        matchers (:meth:`_mirrors_serve`), else on the host matchers."""
+        if self._mirrors_serve(reqs):
+            assert self.mask_pool is not None
+            self._apply_verdicts(reqs, self.mask_pool.advance(self._pool_requests(reqs)))
+            return
         for req in reqs:
             advance_grammar(req)
+
+    def _mirrors_serve(self, reqs: Sequence[Req]) -> bool:
+        """Whether the worker pool's mirror matchers advance these requests' grammar state
+        (the barrier) in place of the host matchers.
+
+        Only for host trees (n-gram): a device tree's barrier already hides in the wait for
+        the drafted tree. The pool serves a batch with at least as many constrained requests
+        as it has workers (below that its round trip costs more than it saves), and any batch
+        holding a request whose host matcher lags its mirror (a host replay of that lag would
+        stall the step).
+        """
+        pool = self.mask_pool
+        if pool is None or not self.drafter.tree_on_host:
+            return False
+        constrained = [r for r in reqs if r.matcher is not None]
+        if not constrained:
+            return False
+        return len(constrained) >= pool.num_workers or any(
+            pool.num_synced(r.request_id) > r.num_grammar_advanced for r in constrained)
+
+    @staticmethod
+    def _pool_requests(reqs: Sequence[Req]) -> list[PoolRequest | None]:
+        return [None if r.matcher is None else
+                PoolRequest(r.request_id, r.matcher.compiled, r.output_ids) for r in reqs]
+
+    @staticmethod
+    def _apply_verdicts(reqs: Sequence[Req], result: PoolBuildResult) -> None:
+        """Apply the mirrors' verdicts (ids not kept, grammar ended) to ``reqs`` (indexed as
+        the pool saw them); the host matchers lag and replay only when needed."""
+        terminated = set(result.terminated)
+        for b in sorted(terminated | result.rejected.keys()):
+            settle_grammar_advance(reqs[b], result.rejected.get(b, 0), b in terminated)
 
     def _finish_deferred(self) -> None:
         """Run the grammar advance and text processing a previous step deferred."""
@@ -331,10 +374,17 @@ class Scheduler:
         # A host tree is there already: its mask goes first (the forward is waiting for it).
         text_first = not self.drafter.tree_on_host
         text_pending = True
+        # With mirror matchers (worker pool, host tree) the pool's build advances this batch's
+        # grammar state; the previous step's other requests (finished since) advance in the
+        # same round trip.
+        mirrors = gtree is not None and self._mirrors_serve(reqs)
+        in_batch = set(map(id, reqs))
+        mirror_extra = [r for r in deferred if id(r) not in in_batch] if mirrors else []
 
         def barrier() -> None:
             nonlocal text_pending
-            self._grammar_barrier(deferred)
+            if not mirrors:
+                self._grammar_barrier(deferred)
             timer.phase("barrier")
             if text_first:
                 for req in deferred:
@@ -346,7 +396,8 @@ class Scheduler:
         if gtree is not None and not self.drafter.supports_grammar_overlap:
             # Synchronous fallback for drafters that cannot overlap: barrier and mask build
             # finish before the verify launch (the GPU idles meanwhile).
-            early_mask = self._build_mask(reqs, gtree, barrier)
+            early_mask = self._build_mask(reqs, gtree, barrier, mirror_extra=mirror_extra,
+                                          mirrors=mirrors)
             barrier, gtree = None, None
         # A host tree goes to the runner as is: a graph replay stages it into the graph's
         # static inputs with one pinned copy; only the eager path needs a device copy.
@@ -355,7 +406,8 @@ class Scheduler:
         timer.phase("launch")
         # From here the GPU runs the verify forward; the CPU work below hides under it.
         step = self._select_and_verify(reqs, tree, gtree, fwd.logits, barrier=barrier,
-                                       early_mask=early_mask, fwd=fwd)
+                                       early_mask=early_mask, fwd=fwd, mirrors=mirrors,
+                                       mirror_extra=mirror_extra)
         timer.event("end")
         timer.phase("launch")
         if text_pending:  # the previous step's text work, still under the GPU step
@@ -406,6 +458,8 @@ class Scheduler:
         barrier: Callable[[], None] | None,
         early_mask: GrammarMaskResult | None = None,
         fwd: VerifyForwardOutput | None = None,
+        mirrors: bool = False,
+        mirror_extra: Sequence[Req] = (),
     ) -> PendingStep:
         """Mask, choose a target token per node row, verify the trees, compact the accepted
         KV (verify steps); start the D2H copy.
@@ -414,7 +468,7 @@ class Scheduler:
         is built after it, on the host, while the device still runs the forward.
         ``early_mask``: a mask already built before the launch (synchronous fallback).
         ``fwd``: the verify forward's output (None for a prefill, whose tree is the root
-        only). A greedy batch whose forward was a CUDA-graph replay runs everything after the
+        only). ``mirrors`` / ``mirror_extra``: see :meth:`_build_mask`. A greedy batch whose forward was a CUDA-graph replay runs everything after the
         mask upload as one post-graph replay (:meth:`ModelRunner.greedy_verify`); other
         batches (sampling, eager forwards, prefill) run the same steps eagerly.
         """
@@ -426,7 +480,8 @@ class Scheduler:
         use_graph = graph_bitmask is not None
         mask = early_mask
         if gtree is not None:
-            mask = self._build_mask(reqs, gtree, barrier, out=graph_bitmask)
+            mask = self._build_mask(reqs, gtree, barrier, out=graph_bitmask, mirrors=mirrors,
+                                    mirror_extra=mirror_extra)
         elif barrier is not None:
             barrier()
         self.timer.event("post")
@@ -460,19 +515,30 @@ class Scheduler:
 
     def _build_mask(self, reqs: Sequence[Req], gtree: GrammarTree,
                     barrier: Callable[[], None] | None,
-                    out: torch.Tensor | None = None) -> GrammarMaskResult | None:
+                    out: torch.Tensor | None = None, *, mirrors: bool = False,
+                    mirror_extra: Sequence[Req] = ()) -> GrammarMaskResult | None:
         """Barrier, then the tree bitmask (queued to the device ``non_blocking``, into ``out``
         when given); the tree walks run in the worker pool when there is one and the batch has
-        at least as many constrained requests as it has workers."""
+        at least as many constrained requests as it has workers.
+
+        ``mirrors``: the pool's mirror matchers are this step's grammar barrier for ``reqs``
+        and ``mirror_extra`` (the previous step's requests that left the batch): their
+        verdicts are applied here, before the step's results are committed.
+        """
         matchers = [r.matcher for r in reqs]
         pool = self.mask_pool
-        if pool is not None and sum(m is not None for m in matchers) >= pool.num_workers:
-            requests = [None if r.matcher is None else
-                        PoolRequest(r.request_id, r.matcher.compiled, r.output_ids)
-                        for r in reqs]
-            mask = build_grammar_vocab_mask_pooled(pool, requests, matchers, gtree,
-                                                   device=self.runner.device, barrier=barrier,
-                                                   out=out)
+        if pool is not None and (mirrors or
+                                 sum(m is not None for m in matchers) >= pool.num_workers):
+            extra = [r for r in mirror_extra if r.matcher is not None]
+            mask = build_grammar_vocab_mask_pooled(
+                pool, self._pool_requests(reqs), matchers, gtree, device=self.runner.device,
+                barrier=barrier, out=out,
+                advance_only=[q for q in self._pool_requests(extra) if q is not None])
+            if mirrors:
+                if mask is not None and mask.mirror is not None:
+                    self._apply_verdicts([*reqs, *extra], mask.mirror)
+                elif extra:  # no request of the batch is constrained any more
+                    self._grammar_barrier(extra)
         else:
             mask = build_grammar_vocab_mask(matchers, gtree, vocab_size=self.runner.vocab_size,
                                             device=self.runner.device, barrier=barrier, out=out)

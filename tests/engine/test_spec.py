@@ -95,10 +95,12 @@ def test_exactly_once_advance_per_committed_token(make_llm) -> None:
                 finished[out.request_id] = out
         for req in sched.running:
             if req.matcher is not None:
-                # Ids committed in the last step wait for the grammar barrier of the next one
-                # (it runs under the next verify forward); everything older was advanced once.
-                assert req.matcher.num_accepted + len(req.grammar_pending) == len(
-                    req.output_ids), req.request_id
+                # Ids committed in the last step (at most one tree's worth) wait for the grammar
+                # barrier of the next one (it runs under the next verify forward); everything
+                # older was advanced once.
+                assert req.matcher.num_accepted == req.num_grammar_advanced, req.request_id
+                lag = len(req.output_ids) - req.num_grammar_advanced
+                assert 0 <= lag <= engine.drafter.num_nodes, (req.request_id, lag)
             seen_multi |= req.spec.committed_tokens > req.spec.verify_steps
     assert seen_multi
     for rid in ids:
@@ -160,16 +162,29 @@ def test_overlap_on_and_off_give_identical_outputs(make_llm, draft_paths, algo: 
 
 
 @pytest.mark.parametrize("algo", ["ngram", "draft_model_first_layers"])
-def test_mask_worker_processes_give_identical_outputs(make_llm, draft_paths, algo: str) -> None:
+def test_mask_worker_processes_give_identical_outputs(make_llm, draft_paths, algo: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Tree bitmasks built in two worker processes (mirror matchers) give the same outputs as
-    the in-process build, with stop strings and grammar ends cutting runs."""
+    the in-process build, with stop strings and grammar ends cutting runs. For host trees
+    (ngram) the mirrors are the grammar barrier: the engine process's matchers advance over
+    almost none of the committed ids; for device trees they advance over all of them."""
+    from structspec.grammar.matcher import Matcher
+
     params = mixed_params(8)
     params[2] = SamplingParams(max_tokens=32, stop=["a"], grammar=JsonSchemaSpec(PERSON_SCHEMA))
     ref = make_llm(**SPEC_CONFIGS[algo](draft_paths)).generate(PROMPTS[:8], params)
+    host_ids = [0]
+    accept_run = Matcher.accept_run
+
+    def counting_accept_run(self: Matcher, token_ids: list[int]) -> int:
+        host_ids[0] += len(token_ids)
+        return accept_run(self, token_ids)
+
     # Not cached by make_llm: this engine (weights + KV + two worker processes) goes at the end.
     llm = LLM(device="cpu", dtype="float32", kv_capacity_tokens=12288, max_batch_size=32,
               grammar_workers=2, **SPEC_CONFIGS[algo](draft_paths))
     pool = llm.engine.scheduler.mask_pool
+    monkeypatch.setattr(Matcher, "accept_run", counting_accept_run)  # this process only
     try:
         got = llm.generate(PROMPTS[:8], params)
         assert pool is not None and pool.num_builds > 0
@@ -181,6 +196,11 @@ def test_mask_worker_processes_give_identical_outputs(make_llm, draft_paths, alg
     for a, b in zip(ref, got, strict=True):
         assert a.token_ids == b.token_ids and a.text == b.text
         assert a.finish_reason == b.finish_reason
+    constrained = sum(len(o.token_ids) for o, p in zip(got, params, strict=True) if p.grammar)
+    if algo == "ngram":  # the prefill's first token only
+        assert host_ids[0] <= sum(p.grammar is not None for p in params), host_ids[0]
+    else:
+        assert host_ids[0] >= constrained, (host_ids[0], constrained)
 
 
 def test_synchronous_grammar_fallback_matches_overlap(make_llm) -> None:

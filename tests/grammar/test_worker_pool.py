@@ -154,3 +154,45 @@ def test_pool_rejects_oversized_batch_and_bad_args(pool: MaskWorkerPool,
         with pytest.raises(ValueError, match="num_workers"):
             MaskWorkerPool(backend.tokenizer_info, num_workers=bad,  # type: ignore[arg-type]
                            vocab_size=backend.vocab_size, max_rows=8, stop_token_ids=[STOP_ID])
+
+
+def test_mirror_verdicts_match_host_matchers(pool: MaskWorkerPool, backend: GrammarBackend,
+                                             hf_tokenizer: Any) -> None:
+    """The mirrors' verdicts on new ids (how many not kept, grammar ended) equal the host
+    matcher's ``accept_run``, for ``advance`` and for a build's advance-only requests, when
+    the ids arrive in two parts."""
+    compiled = backend.compile(JsonSchemaSpec(SCHEMA))
+    good = hf_tokenizer.encode(TEXTS[0], add_special_tokens=False)
+    probe = backend.create_matcher(compiled)
+    probe.accept_run(good[:3])
+    bad = next(t for t in hf_tokenizer.encode("zq }} ]]", add_special_tokens=False)
+               if not probe.xgr_matcher.accept_token(t))
+    cases = {"partial": good[:6], "ended": good + [STOP_ID, good[0], good[1]],
+             "rejected": good[:3] + [bad] + good[3:6], "whole": good + [STOP_ID]}
+    hosts = {k: backend.create_matcher(compiled) for k in cases}
+    splits = {k: len(v) // 2 for k, v in cases.items()}
+    seen_rejected = seen_terminated = False
+    for part, via_build in ((0, False), (1, True)):
+        keys = list(cases)
+        reqs = [PoolRequest(f"verdict-{k}", compiled,
+                            cases[k][: splits[k]] if part == 0 else cases[k]) for k in keys]
+        if via_build:
+            empty = torch.full((1, N), -1, dtype=torch.int64)
+            empty[0, 0] = good[0]
+            got = pool.build([None], empty, empty.clamp(max=-1), empty, time_limit_s=1.0,
+                             advance_only=reqs)
+            offset = 1
+        else:
+            got = pool.advance(reqs)
+            offset = 0
+        for j, k in enumerate(keys):
+            new = cases[k][: splits[k]] if part == 0 else cases[k][splits[k]:]
+            kept = hosts[k].accept_run(new)
+            b = j + offset
+            assert got.rejected.get(b, 0) == len(new) - kept, (k, part)
+            assert (b in got.terminated) == hosts[k].is_terminated(), (k, part)
+            seen_rejected |= kept < len(new)
+            seen_terminated |= hosts[k].is_terminated()
+    for k in cases:
+        pool.release(f"verdict-{k}")
+    assert seen_rejected and seen_terminated
