@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
+import torch
 
 from structspec.config import SpecConfig
 from structspec.spec.base import DraftRequest
-from structspec.spec.ngram import NgramDrafter, find_continuations
+from structspec.spec.ngram import (
+    NgramDrafter,
+    continuation_starts,
+    continuation_starts_batch,
+    find_continuations,
+)
+from structspec.spec.tree import VerifyTree
 
 
 def test_longest_match_first_then_recent() -> None:
@@ -77,3 +85,86 @@ def test_history_cache_follows_appends_and_cuts() -> None:
     assert np.array_equal(again.draft_tokens.numpy(), fresh.draft_tokens.numpy())
     cut = d.propose([DraftRequest("a", ids, len(ids))])  # shorter: rebuilt, same as before
     assert np.array_equal(cut.draft_tokens.numpy(), first.draft_tokens.numpy())
+
+
+def _batch_as_lists(histories: list[np.ndarray], **kw: int) -> list[list[int]]:
+    starts, offsets = continuation_starts_batch(histories, **kw)
+    assert starts.dtype == np.int64 and offsets.dtype == np.int64
+    assert offsets.shape == (len(histories) + 1,) and offsets[-1] == len(starts)
+    return [starts[offsets[b]: offsets[b + 1]].tolist() for b in range(len(histories))]
+
+
+def test_batch_matching_stays_inside_each_request() -> None:
+    # Request 1's candidate end 0 would match 2 tokens if the lookback read request 0's 9.
+    hists = [np.array([4, 9]), np.array([3, 9, 3]), np.array([], dtype=np.int64), np.array([3])]
+    assert _batch_as_lists(hists, min_window=2, max_window=4) == [[], [], [], []]
+    assert _batch_as_lists(hists, min_window=1, max_window=4) == [[], [1], [], []]
+    assert _batch_as_lists([], min_window=1, max_window=4) == []
+    assert _batch_as_lists([np.array([7])], min_window=1, max_window=4) == [[]]
+
+
+def test_batch_starts_equal_per_request_starts() -> None:
+    """Same candidates, order and cap as :func:`continuation_starts` on each history alone."""
+    rng = np.random.default_rng(7)
+    checked = nonempty = 0
+    for trial in range(400):
+        bsz = int(rng.integers(0, 9))
+        lo, hi = int(rng.integers(1, 5)), int(rng.integers(1, 10))
+        cap = int(rng.choice([1, 2, 3, 16]))
+        vocab = int(rng.integers(1, 5))  # few symbols: many (long) matches
+        lens = rng.choice([0, 1, 2, 3, hi, hi + 1, int(rng.integers(4, 80))], size=bsz)
+        dtype = np.int32 if trial % 5 == 0 else np.int64
+        hists = [rng.integers(0, vocab, size=int(n)).astype(dtype) for n in lens]
+        got = _batch_as_lists(hists, min_window=lo, max_window=hi, max_candidates=cap)
+        want = [continuation_starts(h.astype(np.int64), min_window=lo, max_window=hi,
+                                    max_candidates=cap).tolist() for h in hists]
+        assert got == want, (trial, lens.tolist(), lo, hi, cap)
+        checked += bsz
+        nonempty += sum(map(bool, want))
+    assert checked > 1000 and nonempty > 300  # the comparison saw real candidates
+
+
+def test_batch_starts_large_batch() -> None:
+    """Past the 16-bit sort key (``B * (max_window + 1) >= 2**15``) the order still holds."""
+    rng = np.random.default_rng(3)
+    hists = [rng.integers(0, 3, size=int(n)) for n in rng.integers(0, 12, size=4000)]
+    want = [continuation_starts(h, min_window=1, max_window=8, max_candidates=2).tolist()
+            for h in hists]
+    assert _batch_as_lists(hists, min_window=1, max_window=8, max_candidates=2) == want
+    with pytest.raises(ValueError, match="max_window"):
+        continuation_starts_batch(hists, min_window=1, max_window=0)
+
+def _reference_tree(drafter: NgramDrafter, reqs: list[DraftRequest]) -> VerifyTree:
+    """Per-request :meth:`NgramDrafter.build_tree`, padded to ``[B, N]`` (token -1, parent 0)."""
+    n = drafter.num_nodes
+    tokens = np.full((len(reqs), n), -1, dtype=np.int64)
+    parents = np.zeros((len(reqs), n), dtype=np.int64)
+    for b, req in enumerate(reqs):
+        toks, pars = drafter.build_tree(req.token_ids)
+        tokens[b, : len(toks)] = toks
+        parents[b, : len(pars)] = pars
+    return VerifyTree.from_parents(torch.from_numpy(tokens), torch.from_numpy(parents))
+
+
+def test_propose_equals_per_request_build_tree() -> None:
+    rng = np.random.default_rng(11)
+    drafts = 0
+    for trial in range(60):
+        spec = SpecConfig(algorithm="ngram", num_draft_tokens=int(rng.integers(2, 12)),
+                          ngram_min_window=int(rng.integers(1, 4)),
+                          ngram_max_window=int(rng.integers(3, 10)),
+                          ngram_branch_length=int(rng.integers(1, 8)))
+        drafter = NgramDrafter(spec)
+        bsz = int(rng.integers(0, 10))
+        ids = [rng.integers(0, 5, size=int(rng.choice([1, 2, 5, 40, 200]))).tolist()
+               for _ in range(bsz)]
+        for _ in range(3):  # the same requests growing over steps (history cache in use)
+            reqs = [DraftRequest(f"r{b}", h, len(h)) for b, h in enumerate(ids)]
+            got, want = drafter.propose(reqs), _reference_tree(drafter, reqs)
+            assert got.draft_tokens.shape == (bsz, drafter.num_nodes)
+            for field in ("draft_tokens", "parents", "depth", "next_token", "next_sibling",
+                          "ancestor_mask"):
+                assert torch.equal(getattr(got, field), getattr(want, field)), (trial, field)
+            drafts += int((want.draft_tokens[:, 1:] >= 0).sum())
+            ids = [h + rng.integers(0, 5, size=int(rng.integers(0, 4))).tolist() for h in ids]
+    assert drafts > 1000  # most trees had drafts, not only roots
