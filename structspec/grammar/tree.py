@@ -345,6 +345,7 @@ def build_grammar_vocab_mask_pooled(
     time_limit_s: float = 0.05,
     out: torch.Tensor | None = None,
     advance_only: Sequence[PoolRequest] = (),
+    on_verdicts: Callable[[PoolBuildResult], None] | None = None,
 ) -> GrammarMaskResult | None:
     """:func:`build_grammar_vocab_mask` with the tree walks in ``pool``'s worker processes.
 
@@ -359,8 +360,8 @@ def build_grammar_vocab_mask_pooled(
         matchers: the host matchers in batch order (after the barrier they hold the same
             states as the workers' mirrors); used for the stop ids and the None check.
         tree, device, barrier, time_limit_s, out: as in :func:`build_grammar_vocab_mask`.
-        advance_only: requests outside the batch whose mirrors only advance, in the same
-            round trip (see :meth:`MaskWorkerPool.build`).
+        advance_only, on_verdicts: see :meth:`MaskWorkerPool.build` (mirror-only advances in
+            the same round trip; a callback with the mirrors' verdicts, before ``barrier``).
 
     Returns:
         A :class:`GrammarMaskResult` whose ``bitmask_cpu`` is a view of the pool's slab (valid
@@ -387,7 +388,7 @@ def build_grammar_vocab_mask_pooled(
                          f"batch of {bs}")
     result = pool.build(requests, next_token, next_sibling, draft_tokens,
                         time_limit_s=time_limit_s, while_waiting=barrier,
-                        advance_only=advance_only)
+                        advance_only=advance_only, on_verdicts=on_verdicts)
     mask = _settle_and_upload(pool.slab[: bs * n], matchers, tree, result.walked,
                               result.timed_out, device=device, out=out, t0=t0)
     mask.mirror = result

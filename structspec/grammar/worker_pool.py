@@ -39,8 +39,9 @@ import logging
 import socket
 import subprocess
 import sys
+import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
@@ -82,12 +83,15 @@ class PoolBuildResult:
         rejected: row -> how many of the ids sent this time the mirror did not keep (past the
             grammar's end, or from the first rejected id on); rows that kept all are absent.
         terminated: rows whose mirror has reached the grammar's end.
+        worker_busy_ms: per worker that had work, its time from receiving the request to
+            sending the reply (the rest of a build's wall time is messaging and wake-ups).
     """
 
     walked: list[int]
     timed_out: list[int]
     rejected: dict[int, int] = field(default_factory=dict)
     terminated: list[int] = field(default_factory=list)
+    worker_busy_ms: list[float] = field(default_factory=list)
 
 
 class MaskWorkerPool:
@@ -187,7 +191,8 @@ class MaskWorkerPool:
     def build(self, requests: Sequence[PoolRequest | None], next_token: torch.Tensor,
               next_sibling: torch.Tensor, draft_tokens: torch.Tensor, *,
               time_limit_s: float, while_waiting: Any = None,
-              advance_only: Sequence[PoolRequest] = ()) -> PoolBuildResult:
+              advance_only: Sequence[PoolRequest] = (),
+              on_verdicts: Callable[[PoolBuildResult], None] | None = None) -> PoolBuildResult:
         """Advance the mirrors over the new ids, then fill ``slab[:bs * N]`` with the batch's
         tree bitmasks (unsettled, as the walk leaves them); rows of unconstrained requests are
         all ones.
@@ -201,6 +206,9 @@ class MaskWorkerPool:
                 (the scheduler's grammar barrier).
             advance_only: requests outside the batch whose mirrors only advance (no tree),
                 in the same round trip; their verdicts use indices ``bs + j``.
+            on_verdicts: called with the result's verdicts (``rejected``, ``terminated``) as
+                soon as every mirror has advanced, before ``while_waiting`` and while the
+                workers still walk.
 
         Returns:
             :class:`PoolBuildResult`: batch indices walked (mirror not terminated), those
@@ -217,7 +225,7 @@ class MaskWorkerPool:
         # arrays cost ~10 us each); jobs carry only ints and the new ids.
         links = torch.stack([next_token, next_sibling, draft_tokens]).numpy().tobytes()
         result = self._dispatch([*requests, *advance_only], links, bs, n, time_limit_s,
-                                while_waiting)
+                                while_waiting, on_verdicts)
         unconstrained = [b for b, req in enumerate(requests) if req is None]
         if unconstrained:
             self.slab[: bs * n].view(bs, n, self.width)[unconstrained] = -1
@@ -233,12 +241,15 @@ class MaskWorkerPool:
         Raises:
             RuntimeError: a worker died or the pool is closed.
         """
-        return self._dispatch(requests, None, 0, 0, 0.0, None)
+        return self._dispatch(requests, None, 0, 0, 0.0, None, None)
 
     def _dispatch(self, requests: Sequence[PoolRequest | None], links: bytes | None, bs: int,
-                  n: int, time_limit_s: float, while_waiting: Any) -> PoolBuildResult:
+                  n: int, time_limit_s: float, while_waiting: Any,
+                  on_verdicts: Callable[[PoolBuildResult], None] | None) -> PoolBuildResult:
         """Send each worker its requests' new ids (and the ``[3, bs, N]`` tree links: rows
-        ``>= bs`` advance only), run ``while_waiting``, gather the replies."""
+        ``>= bs`` advance only); gather the verdicts (each worker replies twice: verdicts
+        after advancing, walks after walking), call ``on_verdicts``, run ``while_waiting``,
+        gather the walks."""
         if self._closed:
             raise RuntimeError("the mask worker pool is closed")
         jobs: list[list[tuple]] = [[] for _ in range(self.num_workers)]
@@ -270,26 +281,35 @@ class MaskWorkerPool:
                                      time_limit_s))
                 self._released[w], self._dropped[w] = [], []
                 busy.append(w)
+        out = PoolBuildResult([], [])
+        for w in busy:  # the verdicts come first, right after the mirrors advanced
+            rejected, terminated = self._recv(w)
+            out.rejected.update(rejected)
+            out.terminated += terminated
+        out.terminated.sort()
+        if on_verdicts is not None:
+            on_verdicts(out)
         if while_waiting is not None:
             while_waiting()
-        out = PoolBuildResult([], [])
         for w in busy:
-            try:
-                reply = self._conns[w].recv()
-            except EOFError as e:
-                raise RuntimeError(f"mask worker {w} died") from e
-            if isinstance(reply, BaseException):
-                raise RuntimeError(f"mask worker {w} failed: {reply!r}") from reply
-            w_walked, w_timed_out, w_rejected, w_terminated = reply
-            out.walked += w_walked
-            out.timed_out += w_timed_out
-            out.rejected.update(w_rejected)
-            out.terminated += w_terminated
+            walked, timed_out, busy_s = self._recv(w)
+            out.worker_busy_ms.append(busy_s * 1e3)
+            out.walked += walked
+            out.timed_out += timed_out
         self.num_builds += 1
         out.walked.sort()
         out.timed_out.sort()
-        out.terminated.sort()
         return out
+
+    def _recv(self, w: int) -> Any:
+        """Worker ``w``'s next reply; raises RuntimeError when it died or failed."""
+        try:
+            reply = self._conns[w].recv()
+        except EOFError as e:
+            raise RuntimeError(f"mask worker {w} died") from e
+        if isinstance(reply, BaseException):
+            raise RuntimeError(f"mask worker {w} failed: {reply!r}") from reply
+        return reply
 
     def close(self) -> None:
         """Stop the workers and free the slab (idempotent)."""
@@ -343,17 +363,18 @@ def _worker_main(conn: Connection) -> None:
             break
         if msg is None:
             break
+        t0 = time.perf_counter()
         jobs, released, dropped, bs, n, links, time_limit_s = msg
         try:
             for key in released:
                 mirrors.pop(key, None)
             for gid in dropped:
                 grammars.pop(gid, None)
-            walked, timed_out, terminated = [], [], []
+            # Pass 1: advance every mirror and send the verdicts at once (the host applies
+            # them, then does its text work while pass 2 walks the trees).
+            terminated: list[int] = []
             rejected: dict[int, int] = {}
-            if links is not None:
-                nt_all, ns_all, dt_all = torch.frombuffer(bytearray(links), dtype=torch.int64
-                                                          ).view(3, bs, n).unbind(0)
+            live: list[tuple[int, Matcher]] = []
             for b, key, gid, grammar, new_ids in jobs:
                 if grammar is not None:
                     grammars[gid] = xgr.CompiledGrammar.deserialize_json(grammar, tokenizer_info)
@@ -365,8 +386,15 @@ def _worker_main(conn: Connection) -> None:
                     rejected[b] = len(new_ids) - kept
                 if m.is_terminated():
                     terminated.append(b)
-                if links is None or b >= bs:  # advance only
-                    continue
+                if links is not None and b < bs:  # rows >= bs (or no links): advance only
+                    live.append((b, m))
+            conn.send((rejected, terminated))
+            # Pass 2: walk the trees into the slab.
+            walked, timed_out = [], []
+            if live:
+                nt_all, ns_all, dt_all = torch.frombuffer(bytearray(links), dtype=torch.int64
+                                                          ).view(3, bs, n).unbind(0)
+            for b, m in live:
                 rows = slab[b * n : (b + 1) * n]
                 rows.fill_(-1)
                 if m.is_terminated():
@@ -374,7 +402,7 @@ def _worker_main(conn: Connection) -> None:
                 walked.append(b)
                 if not walk_tree(m, nt_all[b], ns_all[b], dt_all[b], rows, time_limit_s):
                     timed_out.append(b)
-            conn.send((walked, timed_out, rejected, terminated))
+            conn.send((walked, timed_out, time.perf_counter() - t0))
         except Exception as e:  # noqa: BLE001 - the parent raises it
             conn.send(e)
     del slab

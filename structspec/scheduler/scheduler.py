@@ -372,14 +372,15 @@ class Scheduler:
         # A device tree reaches the host only when the draft kernels finish; the mask build
         # blocks on that copy, so the previous step's text work goes first, into that wait.
         # A host tree is there already: its mask goes first (the forward is waiting for it).
-        text_first = not self.drafter.tree_on_host
-        text_pending = True
         # With mirror matchers (worker pool, host tree) the pool's build advances this batch's
-        # grammar state; the previous step's other requests (finished since) advance in the
-        # same round trip.
+        # grammar state (the previous step's other requests, finished since, advance in the
+        # same round trip); its verdicts arrive before the walks end, so the text work runs
+        # while the workers walk.
         mirrors = gtree is not None and self._mirrors_serve(reqs)
         in_batch = set(map(id, reqs))
         mirror_extra = [r for r in deferred if id(r) not in in_batch] if mirrors else []
+        text_first = not self.drafter.tree_on_host or mirrors
+        text_pending = True
 
         def barrier() -> None:
             nonlocal text_pending
@@ -523,7 +524,8 @@ class Scheduler:
 
         ``mirrors``: the pool's mirror matchers are this step's grammar barrier for ``reqs``
         and ``mirror_extra`` (the previous step's requests that left the batch): their
-        verdicts are applied here, before the step's results are committed.
+        verdicts are applied as soon as they arrive, before ``barrier`` (then the previous
+        step's text work) runs while the workers walk.
         """
         matchers = [r.matcher for r in reqs]
         pool = self.mask_pool
@@ -533,12 +535,9 @@ class Scheduler:
             mask = build_grammar_vocab_mask_pooled(
                 pool, self._pool_requests(reqs), matchers, gtree, device=self.runner.device,
                 barrier=barrier, out=out,
-                advance_only=[q for q in self._pool_requests(extra) if q is not None])
-            if mirrors:
-                if mask is not None and mask.mirror is not None:
-                    self._apply_verdicts([*reqs, *extra], mask.mirror)
-                elif extra:  # no request of the batch is constrained any more
-                    self._grammar_barrier(extra)
+                advance_only=[q for q in self._pool_requests(extra) if q is not None],
+                on_verdicts=(lambda res: self._apply_verdicts([*reqs, *extra], res))
+                if mirrors else None)
         else:
             mask = build_grammar_vocab_mask(matchers, gtree, vocab_size=self.runner.vocab_size,
                                             device=self.runner.device, barrier=barrier, out=out)
