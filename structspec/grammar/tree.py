@@ -370,7 +370,7 @@ def build_grammar_vocab_mask_pooled(
 
     Raises:
         ValueError: ``len(requests)`` or ``len(matchers)`` differs from the tree's batch size.
-        RuntimeError: a worker died.
+        MaskPoolError: a worker died or failed (a RuntimeError).
     """
     t0 = time.perf_counter()
     if all(m is None for m in matchers):

@@ -58,6 +58,11 @@ from structspec.grammar.tree import walk_tree
 logger = logging.getLogger(__name__)
 
 
+class MaskPoolError(RuntimeError):
+    """The worker pool cannot serve a build: a worker died, failed, or the pool is closed.
+    The scheduler then drops the pool and builds in its own process."""
+
+
 @dataclass
 class PoolRequest:
     """What the pool needs of one constrained request of a batch.
@@ -216,7 +221,7 @@ class MaskWorkerPool:
 
         Raises:
             ValueError: the batch needs more rows than the slab holds.
-            RuntimeError: a worker died or the pool is closed.
+            MaskPoolError: a worker died or failed, or the pool is closed.
         """
         bs, n = next_token.shape
         if bs * n > self.max_rows:
@@ -239,7 +244,7 @@ class MaskWorkerPool:
             :class:`PoolBuildResult` with the verdicts (``walked``/``timed_out`` empty).
 
         Raises:
-            RuntimeError: a worker died or the pool is closed.
+            MaskPoolError: a worker died or failed, or the pool is closed.
         """
         return self._dispatch(requests, None, 0, 0, 0.0, None, None)
 
@@ -251,7 +256,7 @@ class MaskWorkerPool:
         after advancing, walks after walking), call ``on_verdicts``, run ``while_waiting``,
         gather the walks."""
         if self._closed:
-            raise RuntimeError("the mask worker pool is closed")
+            raise MaskPoolError("the mask worker pool is closed")
         jobs: list[list[tuple]] = [[] for _ in range(self.num_workers)]
         for b, req in enumerate(requests):
             if req is None:
@@ -277,8 +282,11 @@ class MaskWorkerPool:
         busy = []
         for w, job in enumerate(jobs):
             if job or self._released[w]:
-                self._conns[w].send((job, self._released[w], self._dropped[w], bs, n, links,
-                                     time_limit_s))
+                try:
+                    self._conns[w].send((job, self._released[w], self._dropped[w], bs, n,
+                                         links, time_limit_s))
+                except OSError as e:  # a dead worker's socket: broken pipe / reset
+                    raise MaskPoolError(f"mask worker {w} died") from e
                 self._released[w], self._dropped[w] = [], []
                 busy.append(w)
         out = PoolBuildResult([], [])
@@ -302,13 +310,13 @@ class MaskWorkerPool:
         return out
 
     def _recv(self, w: int) -> Any:
-        """Worker ``w``'s next reply; raises RuntimeError when it died or failed."""
+        """Worker ``w``'s next reply; raises MaskPoolError when it died or failed."""
         try:
             reply = self._conns[w].recv()
-        except EOFError as e:
-            raise RuntimeError(f"mask worker {w} died") from e
+        except (EOFError, OSError) as e:
+            raise MaskPoolError(f"mask worker {w} died") from e
         if isinstance(reply, BaseException):
-            raise RuntimeError(f"mask worker {w} failed: {reply!r}") from reply
+            raise MaskPoolError(f"mask worker {w} failed: {reply!r}") from reply
         return reply
 
     def close(self) -> None:

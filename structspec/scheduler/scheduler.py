@@ -34,7 +34,12 @@ from structspec.grammar.tree import (
     build_grammar_vocab_mask,
     build_grammar_vocab_mask_pooled,
 )
-from structspec.grammar.worker_pool import MaskWorkerPool, PoolBuildResult, PoolRequest
+from structspec.grammar.worker_pool import (
+    MaskPoolError,
+    MaskWorkerPool,
+    PoolBuildResult,
+    PoolRequest,
+)
 from structspec.kvcache.allocator import PageAllocator
 from structspec.layers.sampler import SamplingBatch, sample_rows
 from structspec.scheduler.commit import (
@@ -211,9 +216,13 @@ class Scheduler:
         (exactly once): in the worker pool's mirrors when they stand in for the host
         matchers (:meth:`_mirrors_serve`), else on the host matchers."""
         if self._mirrors_serve(reqs):
-            assert self.mask_pool is not None
-            self._apply_verdicts(reqs, self.mask_pool.advance(self._pool_requests(reqs)))
-            return
+            pool = self.mask_pool
+            assert pool is not None
+            try:
+                self._apply_verdicts(reqs, pool.advance(self._pool_requests(reqs)))
+                return
+            except MaskPoolError as e:  # the host matchers replay the mirrors' share below
+                self._drop_pool(pool, e)
         for req in reqs:
             advance_grammar(req)
 
@@ -235,6 +244,14 @@ class Scheduler:
             return False
         return len(constrained) >= pool.num_workers or any(
             pool.num_synced(r.request_id) > r.num_grammar_advanced for r in constrained)
+
+    def _drop_pool(self, pool: MaskWorkerPool, error: MaskPoolError) -> None:
+        """A worker died or failed: serve the grammar in this process from now on (the
+        running requests' host matchers replay what their mirrors had advanced)."""
+        logger.error("grammar mask worker pool failed (%s); the engine process does the grammar "
+                     "work from now on", error)
+        self.mask_pool = None
+        pool.close()
 
     @staticmethod
     def _pool_requests(reqs: Sequence[Req]) -> list[PoolRequest | None]:
@@ -532,15 +549,23 @@ class Scheduler:
         if pool is not None and (mirrors or
                                  sum(m is not None for m in matchers) >= pool.num_workers):
             extra = [r for r in mirror_extra if r.matcher is not None]
-            mask = build_grammar_vocab_mask_pooled(
-                pool, self._pool_requests(reqs), matchers, gtree, device=self.runner.device,
-                barrier=barrier, out=out,
-                advance_only=[q for q in self._pool_requests(extra) if q is not None],
-                on_verdicts=(lambda res: self._apply_verdicts([*reqs, *extra], res))
-                if mirrors else None)
-        else:
-            mask = build_grammar_vocab_mask(matchers, gtree, vocab_size=self.runner.vocab_size,
-                                            device=self.runner.device, barrier=barrier, out=out)
+            try:
+                mask = build_grammar_vocab_mask_pooled(
+                    pool, self._pool_requests(reqs), matchers, gtree, device=self.runner.device,
+                    barrier=barrier, out=out,
+                    advance_only=[q for q in self._pool_requests(extra) if q is not None],
+                    on_verdicts=(lambda res: self._apply_verdicts([*reqs, *extra], res))
+                    if mirrors else None)
+                self.timer.phase("mask")
+                return mask
+            except MaskPoolError as e:
+                # Drop the pool and build in process: the host matchers replay whatever the
+                # mirrors had advanced (or apply what they had not), then ``barrier`` runs
+                # again (the grammar advance and the text work are idempotent).
+                self._drop_pool(pool, e)
+                self._grammar_barrier([*reqs, *extra])
+        mask = build_grammar_vocab_mask(matchers, gtree, vocab_size=self.runner.vocab_size,
+                                        device=self.runner.device, barrier=barrier, out=out)
         self.timer.phase("mask")
         return mask
 

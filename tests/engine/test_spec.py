@@ -203,6 +203,61 @@ def test_mask_worker_processes_give_identical_outputs(make_llm, draft_paths, alg
         assert host_ids[0] >= constrained, (host_ids[0], constrained)
 
 
+@pytest.mark.parametrize("when", ["before_build", "after_verdicts"])
+def test_dead_mask_worker_falls_back_in_process(make_llm, when: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mask worker killed mid-run (before a build's messages, or after its mirrors' verdicts
+    were applied and before its walks arrive): the engine drops the pool, its host matchers
+    replay what the mirrors had advanced, and every output equals the in-process run."""
+    from structspec.grammar.worker_pool import MaskWorkerPool
+    from structspec.scheduler.scheduler import Scheduler
+
+    params = mixed_params(8)
+    params[2] = SamplingParams(max_tokens=32, stop=["a"], grammar=JsonSchemaSpec(PERSON_SCHEMA))
+    ref = make_llm(**SPEC_CONFIGS["ngram"]({})).generate(PROMPTS[:8], params)
+    llm = LLM(device="cpu", dtype="float32", kv_capacity_tokens=12288, max_batch_size=32,
+              grammar_workers=2, **SPEC_CONFIGS["ngram"]({}))
+    sched = llm.engine.scheduler
+    pool = sched.mask_pool
+    assert pool is not None
+    calls = [0]
+
+    def kill_worker() -> None:
+        pool._procs[0].kill()  # noqa: SLF001 - the test plays a crashed worker
+        pool._procs[0].wait()  # noqa: SLF001
+
+    if when == "before_build":
+        build = MaskWorkerPool.build
+
+        def build_then_die(self: MaskWorkerPool, *args: object, **kwargs: object):  # type: ignore[no-untyped-def]
+            calls[0] += 1
+            if calls[0] == 3:
+                kill_worker()
+            return build(self, *args, **kwargs)
+
+        monkeypatch.setattr(MaskWorkerPool, "build", build_then_die)
+    else:
+        apply = Scheduler._apply_verdicts
+
+        def apply_then_die(reqs, result) -> None:  # type: ignore[no-untyped-def]
+            apply(reqs, result)
+            calls[0] += 1
+            if calls[0] == 3:
+                kill_worker()
+
+        monkeypatch.setattr(Scheduler, "_apply_verdicts", staticmethod(apply_then_die))
+    try:
+        got = llm.generate(PROMPTS[:8], params)
+    finally:
+        pool.close()
+        del llm
+        gc.collect()
+    assert calls[0] >= 3 and sched.mask_pool is None
+    for a, b in zip(ref, got, strict=True):
+        assert a.token_ids == b.token_ids and a.text == b.text
+        assert a.finish_reason == b.finish_reason
+
+
 def test_synchronous_grammar_fallback_matches_overlap(make_llm) -> None:
     """A drafter without ``supports_grammar_overlap`` gets its mask built before the verify
     launch; outputs equal the overlapped path, and the step timer sees every verify step."""
