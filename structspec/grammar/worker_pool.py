@@ -147,20 +147,26 @@ class MaskWorkerPool:
                 tuple(int(t) for t in stop_token_ids))
         self._conns: list[Connection] = []
         self._procs: list[subprocess.Popen[bytes]] = []
-        for _ in range(num_workers):
-            ours, theirs = socket.socketpair()
-            proc = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno())],
-                                    pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
-            theirs.close()
-            conn = Connection(ours.detach())
-            conn.send(init)
-            self._conns.append(conn)
-            self._procs.append(proc)
-        for conn in self._conns:
-            reply = conn.recv() if conn.poll(120) else None
-            if reply != "ready":
-                _shutdown(self._conns, self._procs, self._shm, 0)
-                raise RuntimeError(f"a mask worker failed to start: {reply!r}")
+        pinned_ptr = self.slab.data_ptr() if self.pinned else 0
+        try:
+            for _ in range(num_workers):
+                ours, theirs = socket.socketpair()
+                proc = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno())],
+                                        pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+                theirs.close()
+                conn = Connection(ours.detach())
+                self._conns.append(conn)
+                self._procs.append(proc)
+                conn.send(init)
+            for conn in self._conns:
+                reply = conn.recv() if conn.poll(120) else None
+                if reply != "ready":
+                    raise RuntimeError(f"a mask worker failed to start: {reply!r}")
+        except (OSError, EOFError, RuntimeError) as e:  # a worker died at startup
+            _shutdown(self._conns, self._procs, self._shm, pinned_ptr)
+            if isinstance(e, RuntimeError):
+                raise
+            raise RuntimeError(f"a mask worker failed to start: {e!r}") from e
         self._assigned: dict[str, tuple[int, int]] = {}  # request key -> (worker, grammar id)
         self._synced: dict[str, int] = {}  # request key -> output ids its mirror accepted
         # per worker: grammar id -> (compiled grammar, live mirrors); holding the object keeps
@@ -295,15 +301,17 @@ class MaskWorkerPool:
             out.rejected.update(rejected)
             out.terminated += terminated
         out.terminated.sort()
-        if on_verdicts is not None:
-            on_verdicts(out)
-        if while_waiting is not None:
-            while_waiting()
-        for w in busy:
-            walked, timed_out, busy_s = self._recv(w)
-            out.worker_busy_ms.append(busy_s * 1e3)
-            out.walked += walked
-            out.timed_out += timed_out
+        try:
+            if on_verdicts is not None:
+                on_verdicts(out)
+            if while_waiting is not None:
+                while_waiting()
+        finally:  # read the second replies even when a callback raised: keep the protocol
+            for w in busy:
+                walked, timed_out, busy_s = self._recv(w)
+                out.worker_busy_ms.append(busy_s * 1e3)
+                out.walked += walked
+                out.timed_out += timed_out
         self.num_builds += 1
         out.walked.sort()
         out.timed_out.sort()

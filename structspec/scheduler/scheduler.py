@@ -252,6 +252,8 @@ class Scheduler:
                      "work from now on", error)
         self.mask_pool = None
         pool.close()
+        for req in [*self.running, *self._deferred]:  # replay every mirror's lead now
+            advance_grammar(req)
 
     @staticmethod
     def _pool_requests(reqs: Sequence[Req]) -> list[PoolRequest | None]:
@@ -273,6 +275,7 @@ class Scheduler:
         self.timer.phase("barrier")
         for req in deferred:
             process_text(req)
+            _trim_logprobs(req)  # the barrier or a stop string may have dropped ids
         self._touched.extend(deferred)
         self.timer.phase("text")
 
@@ -393,16 +396,22 @@ class Scheduler:
         # grammar state (the previous step's other requests, finished since, advance in the
         # same round trip); its verdicts arrive before the walks end, so the text work runs
         # while the workers walk.
-        mirrors = gtree is not None and self._mirrors_serve(reqs)
+        # One decision per step, over the batch and the previous step's requests that left
+        # it (a lagging one among them must advance in its mirror too).
         in_batch = set(map(id, reqs))
-        mirror_extra = [r for r in deferred if id(r) not in in_batch] if mirrors else []
+        left = [r for r in deferred if id(r) not in in_batch]
+        mirrors = self._mirrors_serve([*reqs, *left])
+        mirror_extra = left if mirrors else []
         text_first = not self.drafter.tree_on_host or mirrors
         text_pending = True
 
         def barrier() -> None:
             nonlocal text_pending
-            if not mirrors:
-                self._grammar_barrier(deferred)
+            if not mirrors:  # no request lags its mirror (else ``mirrors``): host advance
+                for req in deferred:
+                    advance_grammar(req)
+            elif gtree is None:  # no request of the batch is constrained: no mask build, so
+                self._grammar_barrier(deferred)  # the mirrors advance on their own
             timer.phase("barrier")
             if text_first:
                 for req in deferred:
@@ -431,6 +440,8 @@ class Scheduler:
         if text_pending:  # the previous step's text work, still under the GPU step
             for req in deferred:
                 process_text(req)
+        for req in deferred:  # the barrier or a stop string may have dropped ids
+            _trim_logprobs(req)
         self._touched.extend(deferred)
         timer.phase("text")
         runs = step.wait()  # the one planned host wait of the step
@@ -564,8 +575,18 @@ class Scheduler:
                 # again (the grammar advance and the text work are idempotent).
                 self._drop_pool(pool, e)
                 self._grammar_barrier([*reqs, *extra])
+
+        def barrier_then_catch_up() -> None:
+            if barrier is not None:
+                barrier()
+            # An in-process walk starts from the host matchers: replay any lag behind a mirror
+            # (those ids already had the mirror's verdict, so nothing is dropped here).
+            for req in reqs:
+                advance_grammar(req)
+
         mask = build_grammar_vocab_mask(matchers, gtree, vocab_size=self.runner.vocab_size,
-                                        device=self.runner.device, barrier=barrier, out=out)
+                                        device=self.runner.device, barrier=barrier_then_catch_up,
+                                        out=out)
         self.timer.phase("mask")
         return mask
 

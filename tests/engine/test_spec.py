@@ -203,6 +203,58 @@ def test_mask_worker_processes_give_identical_outputs(make_llm, draft_paths, alg
         assert host_ids[0] >= constrained, (host_ids[0], constrained)
 
 
+LIST_SCHEMA = {"type": "object", "properties": {"items": {"type": "array",
+                                                          "items": {"type": "string"}}},
+               "required": ["items"]}
+
+
+def _staggered_outputs(engine) -> dict[str, tuple[list[int], object]]:  # type: ignore[no-untyped-def]
+    """Constrained A (max_tokens m) runs; constrained B arrives once A has committed ids, so
+    A may finish (leave the batch) while B, alone, keeps running; for several m."""
+    sched = engine.scheduler
+    outs = {}
+
+    def step() -> None:
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = (list(o.token_ids), o.finish_reason)
+
+    for m in (4, 3, 5, 6, 9):
+        engine.add_request("Copy this list as JSON items: red, green, blue, red, green, blue, red, "
+                           "green",
+                           SamplingParams(max_tokens=m, grammar=JsonSchemaSpec(LIST_SCHEMA)),
+                           request_id=f"A{m}")
+        while (a := sched.requests.get(f"A{m}")) is not None and not a.finished and len(
+                a.output_ids) < 2:
+            step()
+        engine.add_request("Give me a JSON person: name Bob, age 40, city Paris.",
+                           SamplingParams(max_tokens=40, grammar=JsonSchemaSpec(PERSON_SCHEMA)),
+                           request_id=f"B{m}")
+        while engine.has_unfinished_requests():
+            step()
+    return outs
+
+
+def test_mask_workers_with_staggered_arrivals_match_in_process(make_llm) -> None:
+    """Requests that lag their mirrors leave the batch while another, alone below the worker
+    count, keeps running: the step decides once whether the mirrors serve it, so no host
+    matcher is walked while it lags (regression: the barrier and the build once decided
+    differently, and B was aborted with "grammar rejected token")."""
+    ref = _staggered_outputs(make_llm(**SPEC_CONFIGS["ngram"]({})).engine)
+    llm = LLM(device="cpu", dtype="float32", kv_capacity_tokens=4096, max_batch_size=4,
+              grammar_workers=2, **SPEC_CONFIGS["ngram"]({}))
+    pool = llm.engine.scheduler.mask_pool
+    try:
+        got = _staggered_outputs(llm.engine)
+        assert pool is not None and pool.num_builds > 0
+    finally:
+        if pool is not None:
+            pool.close()
+        del llm
+        gc.collect()
+    assert got == ref
+
+
 @pytest.mark.parametrize("when", ["before_build", "after_verdicts"])
 def test_dead_mask_worker_falls_back_in_process(make_llm, when: str,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
