@@ -393,10 +393,9 @@ class Scheduler:
         # blocks on that copy, so the previous step's text work goes first, into that wait.
         # A host tree is there already: its mask goes first (the forward is waiting for it).
         # With mirror matchers (worker pool, host tree) the pool's build advances this batch's
-        # grammar state (the previous step's other requests, finished since, advance in the
-        # same round trip); its verdicts arrive before the walks end, so the text work runs
-        # while the workers walk.
-        # One decision per step, over the batch and the previous step's requests that left
+        # grammar state, and that of the previous step's requests that left the batch in the
+        # same round trip; its verdicts arrive before the walks end, so the text work runs
+        # while the workers walk. Decided once per step, over the batch and those that left
         # it (a lagging one among them must advance in its mirror too).
         in_batch = set(map(id, reqs))
         left = [r for r in deferred if id(r) not in in_batch]
@@ -497,9 +496,10 @@ class Scheduler:
         is built after it, on the host, while the device still runs the forward.
         ``early_mask``: a mask already built before the launch (synchronous fallback).
         ``fwd``: the verify forward's output (None for a prefill, whose tree is the root
-        only). ``mirrors`` / ``mirror_extra``: see :meth:`_build_mask`. A greedy batch whose forward was a CUDA-graph replay runs everything after the
-        mask upload as one post-graph replay (:meth:`ModelRunner.greedy_verify`); other
-        batches (sampling, eager forwards, prefill) run the same steps eagerly.
+        only). ``mirrors`` / ``mirror_extra``: see :meth:`_build_mask`. A greedy batch whose
+        forward was a CUDA-graph replay runs everything after the mask upload as one
+        post-graph replay (:meth:`ModelRunner.greedy_verify`); other batches (sampling, eager
+        forwards, prefill) run the same steps eagerly.
         """
         n = tree.num_nodes
         sb = self._sampling_batch(reqs, n, logits.device)
@@ -571,10 +571,12 @@ class Scheduler:
                 return mask
             except MaskPoolError as e:
                 # Drop the pool and build in process: the host matchers replay whatever the
-                # mirrors had advanced (or apply what they had not), then ``barrier`` runs
-                # again (the grammar advance and the text work are idempotent).
+                # mirrors had advanced (or apply what they had not; ``_drop_pool`` covers the
+                # running requests, ``extra`` left them), then ``barrier`` runs again (the
+                # grammar advance and the text work are idempotent).
                 self._drop_pool(pool, e)
-                self._grammar_barrier([*reqs, *extra])
+                for req in extra:
+                    advance_grammar(req)
 
         def barrier_then_catch_up() -> None:
             if barrier is not None:

@@ -3,8 +3,10 @@ clean finishes inside multi-token runs, metrics."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
+from collections.abc import Iterator
 
 import pytest
 
@@ -161,6 +163,24 @@ def test_overlap_on_and_off_give_identical_outputs(make_llm, draft_paths, algo: 
         assert a.finish_reason == b.finish_reason and a.stop_reason == b.stop_reason
 
 
+@contextlib.contextmanager
+def pool_llm(**kwargs: object) -> Iterator[LLM]:
+    """A CPU engine with two mask worker processes. Not cached by make_llm: its weights, KV
+    and workers go when the block ends."""
+    options: dict[str, object] = dict(device="cpu", dtype="float32", kv_capacity_tokens=12288,
+                                      max_batch_size=32, grammar_workers=2)
+    options.update(kwargs)
+    llm = LLM(**options)  # type: ignore[arg-type]
+    pool = llm.engine.scheduler.mask_pool
+    assert pool is not None
+    try:
+        yield llm
+    finally:
+        pool.close()
+        del llm
+        gc.collect()
+
+
 @pytest.mark.parametrize("algo", ["ngram", "draft_model_first_layers"])
 def test_mask_worker_processes_give_identical_outputs(make_llm, draft_paths, algo: str,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
@@ -180,19 +200,10 @@ def test_mask_worker_processes_give_identical_outputs(make_llm, draft_paths, alg
         host_ids[0] += len(token_ids)
         return accept_run(self, token_ids)
 
-    # Not cached by make_llm: this engine (weights + KV + two worker processes) goes at the end.
-    llm = LLM(device="cpu", dtype="float32", kv_capacity_tokens=12288, max_batch_size=32,
-              grammar_workers=2, **SPEC_CONFIGS[algo](draft_paths))
-    pool = llm.engine.scheduler.mask_pool
-    monkeypatch.setattr(Matcher, "accept_run", counting_accept_run)  # this process only
-    try:
+    with pool_llm(**SPEC_CONFIGS[algo](draft_paths)) as llm:
+        monkeypatch.setattr(Matcher, "accept_run", counting_accept_run)  # this process only
         got = llm.generate(PROMPTS[:8], params)
-        assert pool is not None and pool.num_builds > 0
-    finally:
-        if pool is not None:
-            pool.close()
-        del llm
-        gc.collect()
+        assert llm.engine.scheduler.mask_pool.num_builds > 0
     for a, b in zip(ref, got, strict=True):
         assert a.token_ids == b.token_ids and a.text == b.text
         assert a.finish_reason == b.finish_reason
@@ -241,17 +252,9 @@ def test_mask_workers_with_staggered_arrivals_match_in_process(make_llm) -> None
     matcher is walked while it lags (regression: the barrier and the build once decided
     differently, and B was aborted with "grammar rejected token")."""
     ref = _staggered_outputs(make_llm(**SPEC_CONFIGS["ngram"]({})).engine)
-    llm = LLM(device="cpu", dtype="float32", kv_capacity_tokens=4096, max_batch_size=4,
-              grammar_workers=2, **SPEC_CONFIGS["ngram"]({}))
-    pool = llm.engine.scheduler.mask_pool
-    try:
+    with pool_llm(kv_capacity_tokens=4096, max_batch_size=4, **SPEC_CONFIGS["ngram"]({})) as llm:
         got = _staggered_outputs(llm.engine)
-        assert pool is not None and pool.num_builds > 0
-    finally:
-        if pool is not None:
-            pool.close()
-        del llm
-        gc.collect()
+        assert llm.engine.scheduler.mask_pool.num_builds > 0
     assert got == ref
 
 
@@ -267,43 +270,37 @@ def test_dead_mask_worker_falls_back_in_process(make_llm, when: str,
     params = mixed_params(8)
     params[2] = SamplingParams(max_tokens=32, stop=["a"], grammar=JsonSchemaSpec(PERSON_SCHEMA))
     ref = make_llm(**SPEC_CONFIGS["ngram"]({})).generate(PROMPTS[:8], params)
-    llm = LLM(device="cpu", dtype="float32", kv_capacity_tokens=12288, max_batch_size=32,
-              grammar_workers=2, **SPEC_CONFIGS["ngram"]({}))
-    sched = llm.engine.scheduler
-    pool = sched.mask_pool
-    assert pool is not None
-    calls = [0]
+    with pool_llm(**SPEC_CONFIGS["ngram"]({})) as llm:
+        sched = llm.engine.scheduler
+        pool = sched.mask_pool
+        assert pool is not None  # pool_llm checked it; narrows the type
+        calls = [0]
 
-    def kill_worker() -> None:
-        pool._procs[0].kill()  # noqa: SLF001 - the test plays a crashed worker
-        pool._procs[0].wait()  # noqa: SLF001
+        def kill_worker() -> None:
+            pool._procs[0].kill()  # noqa: SLF001 - the test plays a crashed worker
+            pool._procs[0].wait()  # noqa: SLF001
 
-    if when == "before_build":
-        build = MaskWorkerPool.build
+        if when == "before_build":
+            build = MaskWorkerPool.build
 
-        def build_then_die(self: MaskWorkerPool, *args: object, **kwargs: object):  # type: ignore[no-untyped-def]
-            calls[0] += 1
-            if calls[0] == 3:
-                kill_worker()
-            return build(self, *args, **kwargs)
+            def build_then_die(self: MaskWorkerPool, *args: object, **kwargs: object):  # type: ignore[no-untyped-def]
+                calls[0] += 1
+                if calls[0] == 3:
+                    kill_worker()
+                return build(self, *args, **kwargs)
 
-        monkeypatch.setattr(MaskWorkerPool, "build", build_then_die)
-    else:
-        apply = Scheduler._apply_verdicts
+            monkeypatch.setattr(MaskWorkerPool, "build", build_then_die)
+        else:
+            apply = Scheduler._apply_verdicts
 
-        def apply_then_die(reqs, result) -> None:  # type: ignore[no-untyped-def]
-            apply(reqs, result)
-            calls[0] += 1
-            if calls[0] == 3:
-                kill_worker()
+            def apply_then_die(reqs, result) -> None:  # type: ignore[no-untyped-def]
+                apply(reqs, result)
+                calls[0] += 1
+                if calls[0] == 3:
+                    kill_worker()
 
-        monkeypatch.setattr(Scheduler, "_apply_verdicts", staticmethod(apply_then_die))
-    try:
+            monkeypatch.setattr(Scheduler, "_apply_verdicts", staticmethod(apply_then_die))
         got = llm.generate(PROMPTS[:8], params)
-    finally:
-        pool.close()
-        del llm
-        gc.collect()
     assert calls[0] >= 3 and sched.mask_pool is None
     for a, b in zip(ref, got, strict=True):
         assert a.token_ids == b.token_ids and a.text == b.text
