@@ -8,6 +8,7 @@ so a config can not disagree with itself. "auto" choices are resolved once by
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -255,6 +256,10 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
         raise ValueError(f"grammar_workers={workers!r}: expected an integer >= 0")
     if config.grammar.mask_build_workers < 0:
         raise ValueError(f"grammar_workers={config.grammar.mask_build_workers}: expected >= 0")
+    cores = os.cpu_count() or 1
+    if workers > 2 * cores:  # each is a process started one by one (~seconds each)
+        raise ValueError(f"grammar_workers={workers}: more than twice this host's {cores} CPU "
+                         "cores")
     if config.cache.page_size < 1:
         raise ValueError("page_size must be >= 1")
     cache = config.cache

@@ -23,7 +23,7 @@ def test_bad_draft_tree_shape_is_refused_before_loading(depth: int, topk: int) -
         resolve_engine_config(EngineConfig(device="cpu", spec=spec))
 
 
-@pytest.mark.parametrize("value", [-1, "2", 2.5, True])
+@pytest.mark.parametrize("value", [-1, "2", 2.5, True, 10_000])
 def test_bad_grammar_workers_is_refused(value: object) -> None:
     with pytest.raises(ValueError, match="grammar_workers"):
         resolve_engine_config(EngineConfig(
