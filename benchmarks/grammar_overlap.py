@@ -173,8 +173,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="engine seed (dummy weights too)")
     ap.add_argument("--overlap", nargs="+", default=["on", "off"], choices=["on", "off"],
                     help="scheduler overlap settings to run (default: both)")
-    ap.add_argument("--grammar-workers", type=int, default=0,
-                    help="worker processes for the tree bitmasks (0: in the engine process)")
+    ap.add_argument("--grammar-workers", type=int, default=None,
+                    help="worker processes for the tree bitmasks (0: in the engine process; "
+                         "default: the engine's, min(8, cores // 2) on CUDA, 0 on CPU)")
     ap.add_argument("--workload", default="records", choices=["records", "extraction"],
                     help="records: prompts the model keeps answering with copied JSON records "
                          "with or without the grammar (equal work); extraction: the bare "
@@ -201,7 +202,7 @@ def main() -> None:
                 plain = step_ms(llm, prompts_all[:bs], False, args.steps, max_tokens)
                 gram = step_ms(llm, prompts_all[:bs], True, args.steps, max_tokens)
                 print(f"grammar_overlap model={model_name} kernels={kernels} algo={algo} "
-                      f"workers={args.grammar_workers} "
+                      f"workers={llm.engine.config.grammar.mask_build_workers} "
                       f"overlap={'on' if overlap else 'off'} "
                       f"bs={bs:<3} N={llm.engine.drafter.num_nodes} "
                       f"step_ms_no_grammar={plain['event_ms']:.3f} "
@@ -211,7 +212,7 @@ def main() -> None:
                       f"tokens_per_req_step_no_grammar={plain['tokens_per_req_step']:.2f} "
                       f"tokens_per_req_step_json_schema={gram['tokens_per_req_step']:.2f} "
                       + breakdown("plain", plain) + " " + breakdown("json", gram), flush=True)
-            llm.engine.grammar.shutdown()
+            llm.close()
             del llm
             gc.collect()  # free this engine's weights and KV before the next one is built
             if torch.cuda.is_available():

@@ -38,10 +38,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grammar-compile-timeout", type=float, default=30.0,
                    help="seconds a grammar may take to compile before its request fails")
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
-    g.add_argument("--grammar-workers", type=int, default=0,
+    g.add_argument("--grammar-workers", type=int, default=None,
                    help="worker processes that build the draft trees' grammar bitmasks "
-                        "(0: in the engine process; helps many concurrent constrained "
-                        "requests on a multi-core host)")
+                        "(0: in the engine process; default: min(8, cores // 2) on CUDA, "
+                        "0 on CPU)")
     g.add_argument("--no-overlap", action="store_true",
                    help="disable CPU/GPU overlap scheduling (ablation; same greedy output)")
     g.add_argument("--no-cuda-graph", action="store_true",

@@ -165,7 +165,8 @@ class GrammarConfig:
     # Worker processes that walk the requests' draft trees for the tree bitmask
     # (structspec/grammar/worker_pool.py); 0 = walk in the scheduler's process. Threads cannot
     # do it: the GIL hand-offs around xgrammar's ~35 us walks cost as much as the walks.
-    mask_build_workers: int = 0
+    # None = auto (resolve_engine_config): default_grammar_workers(device).
+    mask_build_workers: int | None = None
 
 
 @dataclass(frozen=True)
@@ -252,14 +253,18 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
         raise ValueError(f"max_model_len={config.max_model_len}: expected >= 1 (or None for "
                          "the model's context length)")
     workers = config.grammar.mask_build_workers
+    if workers is None:
+        workers = default_grammar_workers(device)
     if not isinstance(workers, int) or isinstance(workers, bool):
-        raise ValueError(f"grammar_workers={workers!r}: expected an integer >= 0")
-    if config.grammar.mask_build_workers < 0:
-        raise ValueError(f"grammar_workers={config.grammar.mask_build_workers}: expected >= 0")
+        raise ValueError(f"grammar_workers={workers!r}: expected an integer >= 0 (or None for "
+                         "auto)")
+    if workers < 0:
+        raise ValueError(f"grammar_workers={workers}: expected >= 0")
     cores = os.cpu_count() or 1
-    if workers > 2 * cores:  # each is a process started one by one (~seconds each)
+    if workers > 2 * cores:  # each is a Python process with torch imported
         raise ValueError(f"grammar_workers={workers}: more than twice this host's {cores} CPU "
                          "cores")
+    grammar = dataclasses.replace(config.grammar, mask_build_workers=workers)
     if config.cache.page_size < 1:
         raise ValueError("page_size must be >= 1")
     cache = config.cache
@@ -269,7 +274,25 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
         )
     if cache.total_pages < 2:
         raise ValueError("kv_capacity_tokens must hold at least one page")
-    return dataclasses.replace(config, device=device, dtype=dtype, cache=cache, kernels=kernels)
+    return dataclasses.replace(config, device=device, dtype=dtype, cache=cache, kernels=kernels,
+                               grammar=grammar)
+
+
+def default_grammar_workers(device: str) -> int:
+    """Grammar mask workers when ``grammar_workers`` is left to auto (None).
+
+    On CUDA: ``min(8, cores // 2)`` (0 below 4 cores). There the verify forward of a small
+    model takes ~1.5-3 ms, and at batch 32-64 the host's grammar work per step (matcher
+    advance plus tree walks, ~1-2 ms in one process) outgrew it: JSON-Schema steps measured
+    1.45x the no-grammar step in process vs 1.00-1.04x with 8 workers (SmolLM2-135M, H200,
+    benchmarks/README.md). Half the cores leaves the rest to the scheduler, the front end
+    and the tokenizer. On CPU: 0 - the forward itself takes the cores and dwarfs the
+    grammar work.
+    """
+    if not device.startswith("cuda"):
+        return 0
+    cores = os.cpu_count() or 1
+    return min(8, cores // 2) if cores >= 4 else 0
 
 
 def _triton_available() -> bool:

@@ -31,8 +31,10 @@ class LLM:
         grammar_compile_timeout_s, overlap, cuda_graph, speculative_depth, speculative_topk: see
         :mod:`structspec.config`.
         grammar_workers: worker processes that build the grammar bitmasks of the draft trees
-            (``GrammarConfig.mask_build_workers``; 0 = in the engine's process). Worth it on
-            a multi-core host when many constrained requests run at once.
+            (``GrammarConfig.mask_build_workers``; 0 = in the engine's process; None = auto:
+            ``min(8, cores // 2)`` on CUDA, 0 on CPU, see
+            :func:`structspec.config.default_grammar_workers`). They serve batches with at
+            least as many constrained requests as workers.
         kernels: ``auto`` (fused Triton kernels on CUDA when triton imports, else torch),
             ``triton`` (required; ValueError without CUDA + triton) or ``torch`` (reference).
         load_format: ``auto`` reads the checkpoint's weights; ``dummy`` builds seeded random
@@ -70,7 +72,7 @@ class LLM:
         cuda_graph: bool = True,
         kernels: str = "auto",
         load_format: str = "auto",
-        grammar_workers: int = 0,
+        grammar_workers: int | None = None,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -138,6 +140,16 @@ class LLM:
     ) -> list[RequestOutput]:
         """Like :meth:`generate` for chat conversations (lists of ``{role, content}``)."""
         return self.generate(messages, sampling_params, **kw)
+
+    def close(self) -> None:
+        """Stop the engine's worker processes and threads (:meth:`LLMEngine.close`)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def replace_config(self, **changes: Any) -> EngineConfig:
         """The engine config with ``changes`` applied (for building a sibling engine)."""

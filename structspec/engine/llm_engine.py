@@ -193,6 +193,15 @@ class LLMEngine:
         """Run one scheduler step; returns outputs of requests that progressed or finished."""
         return self.scheduler.step()
 
+    def close(self) -> None:
+        """Stop the grammar mask worker processes (freeing their shared memory) and the
+        grammar compile threads. Idempotent; the engine cannot serve afterwards. Without it
+        they stop when the engine is garbage-collected or the interpreter exits."""
+        pool, self.scheduler.mask_pool = self.scheduler.mask_pool, None
+        if pool is not None:
+            pool.close()
+        self.grammar.shutdown()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self.scheduler._finished_unreported)
 

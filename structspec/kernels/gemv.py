@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 
 from structspec.kernels import next_pow2, sm_count, triton_available
+from structspec.layers.linear import linear_fp32_out
 
 MAX_ROWS = 16
 """Largest ``M`` (rows of ``x``) served by the kernel; :func:`linear` uses cuBLAS above it."""
@@ -208,7 +209,8 @@ def config_for(m: int, n: int, k: int, device: torch.device,
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: Config | None = None) -> torch.Tensor:
+                  config: Config | None = None, out_dtype: torch.dtype | None = None
+                  ) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for few rows: ``F.linear`` semantics, float32 accumulation.
 
     Args:
@@ -218,9 +220,12 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         weight: ``[N, K]`` contiguous (an ``nn.Linear`` weight), ``x``'s dtype and device.
         bias: optional ``[N]`` of ``x``'s dtype, added in float32 before the final rounding.
         config: force a launch configuration (benchmark sweeps); None = :func:`_config`.
+        out_dtype: dtype of the result (float16/bfloat16/float32); None = ``x``'s dtype.
+            float32 stores the float32 accumulator unrounded (the LM head: logits without
+            bf16's 1/8 quantization at magnitude 16-32, which makes exact ties common).
 
     Returns:
-        A new contiguous ``[M, N]`` tensor of ``x``'s dtype on ``x``'s device (the only
+        A new contiguous ``[M, N]`` tensor of ``out_dtype`` on ``x``'s device (the only
         allocation, plus a ``[SPLIT_K, M, N]`` float32 workspace when ``K`` is split).
 
     Raises:
@@ -243,18 +248,21 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                              or bias.device != x.device):
         raise ValueError(f"bias must be [{n}] of {x.dtype} on {x.device}: got "
                          f"{tuple(bias.shape)} {bias.dtype}@{bias.device}")
+    if out_dtype is not None and out_dtype not in _DTYPES:
+        raise ValueError(f"out_dtype={out_dtype}: expected float16, bfloat16 or float32")
     if x.stride(1) != 1 or x.stride(0) % 8:
         x = x.contiguous()
-    return _launch(x, weight, bias, config or config_for(m, n, k, x.device, x.dtype))
+    return _launch(x, weight, bias, config or config_for(m, n, k, x.device, x.dtype),
+                   out_dtype or x.dtype)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            cfg: Config) -> torch.Tensor:
+            cfg: Config, out_dtype: torch.dtype) -> torch.Tensor:
     """Launch on validated ``x [M, K]`` (unit K stride) and ``weight [N, K]``; returns
-    ``[M, N]`` in ``x``'s dtype."""
+    ``[M, N]`` in ``out_dtype``."""
     m, k = x.shape
     n = weight.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     if k == 0:
@@ -316,8 +324,8 @@ def use_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return x.device.type == "cpu" and x.dtype == torch.float32 and _interpreter()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-           ) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Drop-in ``F.linear(x, weight, bias)``: the skinny kernel when :func:`use_kernel` says
     so, else ``F.linear`` itself (so large ``M``, CPU, autograd, ... are unchanged).
 
@@ -325,12 +333,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         x: ``[..., K]``; the leading dims are flattened into ``M`` rows.
         weight: ``[N, K]``.
         bias: optional ``[N]``.
+        out_dtype: dtype of the result; None = ``x``'s. float32 from 16-bit inputs keeps
+            the float32 accumulator unrounded on both paths (:func:`linear_fp32_out`).
 
     Returns:
-        ``[..., N]`` of ``x``'s dtype, on ``x``'s device.
+        ``[..., N]`` of ``out_dtype`` (or ``x``'s dtype), on ``x``'s device.
     """
     if not use_kernel(x, weight, bias):
-        return F.linear(x, weight, bias)
+        if out_dtype == torch.float32 and bias is None:
+            return linear_fp32_out(x, weight)
+        y = F.linear(x, weight, bias)
+        return y if out_dtype is None else y.to(out_dtype)
     k = x.shape[-1]
-    y = skinny_linear(x.reshape(-1, k), weight, bias)
+    y = skinny_linear(x.reshape(-1, k), weight, bias, out_dtype=out_dtype)
     return y.view(*x.shape[:-1], weight.shape[0])

@@ -29,6 +29,7 @@ from structspec.config import ModelConfig
 from structspec.kvcache.pool import KVPool
 from structspec.layers.attention import AttentionBackend, TorchAttentionBackend, write_kv
 from structspec.layers.forward_batch import ForwardBatch
+from structspec.layers.linear import linear_fp32_out
 from structspec.layers.norm import RMSNorm
 from structspec.layers.rotary import RotaryEmbedding, apply_rotary
 from structspec.models.output import ModelOutput
@@ -300,10 +301,17 @@ class LlamaForCausalLM(nn.Module):
         return ModelOutput(x, [captured[i] for i in aux_hidden_layers])
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
-        """``hidden_rows [R, H]`` (model dtype) -> logits ``[R, V]`` float32, same device."""
+        """``hidden_rows [R, H]`` (model dtype) -> logits ``[R, V]`` float32, same device.
+
+        On CUDA the LM head writes its float32 accumulator directly (never rounded to bf16):
+        bf16 logits are quantized to 1/8 at magnitude 16-32, which makes exact top-2 ties
+        common and lets two forwards that round differently (a 1-row decode, an 8-row
+        verify) pick different argmaxes; it is also one pass instead of a GEMM plus a cast.
+        """
         if self.kernels == "triton":
-            return _triton_ops().linear(hidden_rows, self.lm_head.weight).float()
-        return F.linear(hidden_rows, self.lm_head.weight).float()
+            return _triton_ops().linear(hidden_rows, self.lm_head.weight,
+                                        out_dtype=torch.float32)
+        return linear_fp32_out(hidden_rows, self.lm_head.weight)
 
     def weight_names(self) -> dict[str, tuple[str, int, int]]:
         """HF checkpoint tensor name -> ``(our parameter name, row offset, row count)``.

@@ -267,3 +267,5 @@ def engine_main(config: EngineConfig, inbox: Connection, outbox: Connection,
         except (OSError, ValueError):
             pass
         raise SystemExit(1) from None
+    finally:  # grammar mask workers and their shared memory go with the engine
+        engine.close()

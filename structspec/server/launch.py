@@ -65,7 +65,7 @@ def build_engine_config(model: str | None = None, **kwargs: Any) -> Any:
                         topk=kwargs.get("speculative_topk", 2),
                         draft_model=kwargs.get("draft_model")),
         grammar=GrammarConfig(compile_timeout_s=kwargs.get("grammar_compile_timeout_s", 30.0),
-                              mask_build_workers=kwargs.get("grammar_workers", 0)),
+                              mask_build_workers=kwargs.get("grammar_workers")),
         scheduler=SchedulerConfig(max_batch_size=kwargs.get("max_batch_size", 64),
                                   overlap=kwargs.get("overlap", True)),
     )

@@ -17,8 +17,11 @@ pytestmark = [pytest.mark.gpu,
 def cuda_llms():
     from structspec import LLM
 
-    return {algo: LLM(device="cuda", speculative_algorithm=algo, num_draft_tokens=8,
+    llms = {algo: LLM(device="cuda", speculative_algorithm=algo, num_draft_tokens=8,
                       max_batch_size=16) for algo in ("none", "ngram")}
+    yield llms
+    for llm in llms.values():
+        llm.close()
 
 
 def test_decode_steps_do_not_sync(cuda_llms) -> None:

@@ -176,7 +176,8 @@ def pool_llm(**kwargs: object) -> Iterator[LLM]:
     try:
         yield llm
     finally:
-        pool.close()
+        llm.close()
+        assert all(proc.poll() is not None for proc in pool._procs)  # workers stopped
         del llm
         gc.collect()
 

@@ -175,3 +175,29 @@ def test_fma_path_several_rows(dev: torch.device, m: int) -> None:
     x, w, b = _data(m, 100, 264, torch.float32, dev, bias=True)
     out = skinny_linear(x, w, b, config=Config(4, 128, use_dot=False))
     torch.testing.assert_close(out, F.linear(x, w, b), **_tol(torch.float32, 264))
+
+
+@pytest.mark.parametrize("m", [1, 8, 16, 40])
+@pytest.mark.parametrize("split", [False, True])
+@torch.no_grad()
+def test_float32_output_is_the_unrounded_accumulator(dev: torch.device, m: int,
+                                                     split: bool) -> None:
+    """``out_dtype=float32`` (the LM head): float32 results from 16-bit inputs equal the
+    float32 reference to float32 summation-order error, far inside one bf16 step; ``m = 40``
+    goes through the cuBLAS fallback (``linear_fp32_out``)."""
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    n, k = (64, 4096) if split else (1000, 264)
+    x, w, _ = _data(m, n, k, dtype, dev)
+    out = linear(x, w, out_dtype=torch.float32)
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    ref = F.linear(x.float(), w.float())
+    torch.testing.assert_close(out, ref, **_tol(torch.float32, k))
+    if dtype == torch.bfloat16:  # the bf16 result is coarser: rounding really is skipped
+        assert (linear(x, w).float() - ref).abs().max() > (out - ref).abs().max()
+
+
+@torch.no_grad()
+def test_out_dtype_rejected(dev: torch.device) -> None:
+    x, w, _ = _data(2, 64, 64, torch.float32, dev)
+    with pytest.raises(ValueError, match="out_dtype"):
+        skinny_linear(x, w, out_dtype=torch.int32)
