@@ -135,3 +135,12 @@ def test_batch_bad_line_fails_alone_naming_line_and_keys(
         assert "line 2" in text or "batch.jsonl:2" in text
         for word in words:
             assert word in text, (word, text)
+
+
+def test_batch_top_k_is_not_truncated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """``"top_k": 2.5`` in a batch line is an error, not silently ``int()``-ed to 2."""
+    rc, outs, _ = _run_batch(tmp_path, monkeypatch, capsys,
+                             [{"prompt": "a", "top_k": 2.5}, {"prompt": "b", "top_k": 2}])
+    assert rc == 1 and outs[1]["error"] is None
+    assert outs[0]["error"] is not None and "top_k" in outs[0]["error"]
