@@ -1,9 +1,11 @@
-"""CLI flags that reach the engine config (``--kernels``, ``--load-format``) and the checks
-of ``generate --batch`` lines."""
+"""CLI flags that reach the engine config (``--kernels``, ``--load-format``), the checks of
+``generate --batch`` lines, and the README's list of flags."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -144,3 +146,15 @@ def test_batch_top_k_is_not_truncated(tmp_path: Path, monkeypatch: pytest.Monkey
                              [{"prompt": "a", "top_k": 2.5}, {"prompt": "b", "top_k": 2}])
     assert rc == 1 and outs[1]["error"] is None
     assert outs[0]["error"] is not None and "top_k" in outs[0]["error"]
+
+
+def test_readme_cli_section_lists_every_flag() -> None:
+    """README.md's CLI section names every flag of ``generate`` and ``serve``."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("## CLI\n"):readme.index("\n## ", readme.index("## CLI\n"))]
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    flags = {opt for command in sub.choices.values() for action in command._actions
+             for opt in action.option_strings if opt.startswith("--") and opt != "--help"}
+    missing = sorted(f for f in flags if not re.search(re.escape(f) + r"(?![\w-])", section))
+    assert not missing, f"README.md's CLI section lacks {missing}"
