@@ -85,9 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
                                       "template (see --raw-prompt)")
     src.add_argument("--messages", help="JSON file with a list of {role, content} messages")
     src.add_argument("--batch", help="JSONL file: one request per line with 'prompt' or "
-                                     "'messages' and optional per-request fields "
-                                     "(json_schema, regex, ebnf, choice, json_object, strict, "
-                                     "max_tokens, temperature, seed, stop, top_p, top_k)")
+                                     "'messages' and optional per-request fields (at most "
+                                     "one of json_schema, regex, ebnf, choice, json_object; "
+                                     "strict, max_tokens, temperature, seed, stop, top_p, "
+                                     "top_k, min_p); a line with other keys fails alone")
     gen.add_argument("--raw-prompt", action="store_true",
                      help="send --prompt as is, without the chat template")
     gram = gen.add_mutually_exclusive_group()
@@ -162,6 +163,33 @@ def grammar_from_args(args: argparse.Namespace) -> GrammarSpec | None:
     return None
 
 
+_GRAMMAR_KEYS = ("json_schema", "json_object", "regex", "ebnf", "choice")
+_BATCH_KEYS = frozenset({"prompt", "messages", "strict", "max_tokens", "temperature", "top_p",
+                         "top_k", "min_p", "seed", "stop", *_GRAMMAR_KEYS})
+
+
+def _check_record(rec: Any) -> None:
+    """Reject a ``--batch`` line that is not an object, has keys the CLI does not read, or
+    asks for two grammars (or both ``prompt`` and ``messages``).
+
+    Raises:
+        ValueError: naming the offending key(s).
+    """
+    if not isinstance(rec, dict):
+        raise ValueError(f"not a JSON object: {type(rec).__name__}")
+    unknown = sorted(set(rec) - _BATCH_KEYS)
+    if unknown:
+        raise ValueError(f"unknown key(s) {', '.join(map(repr, unknown))} "
+                         f"(known: {', '.join(sorted(_BATCH_KEYS))})")
+    # json_object false asks for no grammar (as _grammar_from_record reads it)
+    grammars = [k for k in _GRAMMAR_KEYS if k in rec and (k != "json_object" or rec[k])]
+    if len(grammars) > 1:
+        raise ValueError(f"more than one grammar key ({', '.join(map(repr, grammars))}); "
+                         "give at most one")
+    if "prompt" in rec and "messages" in rec:
+        raise ValueError("both 'prompt' and 'messages'; give one")
+
+
 def _grammar_from_record(rec: dict[str, Any], default: GrammarSpec | None) -> GrammarSpec | None:
     strict = bool(rec.get("strict", True))
     if "json_schema" in rec:
@@ -187,7 +215,7 @@ def _params(args: argparse.Namespace, grammar: GrammarSpec | None,
         max_tokens=rec.get("max_tokens", args.max_tokens),
         temperature=float(rec.get("temperature", args.temperature)),
         top_p=float(rec.get("top_p", args.top_p)),
-        top_k=int(rec.get("top_k", args.top_k)),
+        top_k=rec.get("top_k", args.top_k),
         min_p=float(rec.get("min_p", args.min_p)),
         seed=rec.get("seed", args.request_seed),
         stop=tuple([stop] if isinstance(stop, str) else stop),
@@ -235,28 +263,35 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from structspec.llm import LLM
 
     if args.batch:
-        records = []
+        records: list[tuple[int, Any]] = []  # (line number, parsed line)
         with open(args.batch) as f:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
                     continue
                 try:
-                    records.append(json.loads(line))
+                    records.append((lineno, json.loads(line)))
                 except json.JSONDecodeError as e:
                     print(f"structspec generate: {args.batch}:{lineno}: not JSON: {e}",
                           file=sys.stderr)
                     return 2
         prompts: list[Any] = []
         params: list[SamplingParams] = []
-        for rec in records:
-            prompts.append(rec["messages"] if "messages" in rec else rec.get("prompt", ""))
+        bad: dict[int, str] = {}  # index of a rejected line -> why, for its output record
+        for i, (lineno, rec) in enumerate(records):
             try:
+                _check_record(rec)
                 params.append(_params(args, _grammar_from_record(rec, grammar), rec))
             except (TypeError, ValueError) as e:
                 params.append(SamplingParams(max_tokens=-1))  # rejected per request below
-                print(f"structspec generate: bad record: {e}", file=sys.stderr)
+                bad[i] = f"bad record at line {lineno}: {e}"
+                print(f"structspec generate: {args.batch}:{lineno}: bad record: {e}",
+                      file=sys.stderr)
+            prompts.append("" if i in bad else
+                           rec["messages"] if "messages" in rec else rec.get("prompt", ""))
         llm = LLM(args.model, **_engine_kwargs(args))
         outs = llm.generate(prompts, params, raw_prompt=args.raw_prompt, use_tqdm=True)
+        for i, why in bad.items():  # the real reason, not the placeholder's max_tokens error
+            outs[i] = RequestOutput.error_output(outs[i].request_id, why)
         sink = open(args.out_file, "w") if args.out_file else sys.stdout  # noqa: SIM115
         try:
             for out in outs:

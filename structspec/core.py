@@ -113,6 +113,11 @@ GrammarSpec = JsonSchemaSpec | JsonObjectSpec | RegexSpec | EbnfSpec | ChoiceSpe
 # ---------------------------------------------------------------------------------------------
 
 
+def _is_int(value: object) -> bool:
+    """An ``int`` that is not a ``bool`` (``True`` is an ``int`` to Python, not to requests)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples and when it stops.
@@ -150,9 +155,13 @@ class SamplingParams:
         return self.temperature <= 0.0
 
     def validate(self) -> None:
-        """Check ranges; raise ``ValueError`` naming the field on bad input."""
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
-            raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
+        """Check types and ranges; raise ``ValueError`` naming the field on bad input."""
+        for name in ("max_tokens", "top_k", "seed", "logprobs"):
+            value = getattr(self, name)
+            if value is None and name in ("seed", "logprobs"):
+                continue
+            if not _is_int(value):  # 2.5 / 2.0 / "2" / True are not silently truncated
+                raise ValueError(f"{name} must be an integer, got {value!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -165,7 +174,7 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")

@@ -1,10 +1,25 @@
-"""CLI flags that reach the engine config: ``--kernels`` and ``--load-format``."""
+"""CLI flags that reach the engine config (``--kernels``, ``--load-format``), the checks of
+``generate --batch`` lines, and the README's list of flags."""
 
 from __future__ import annotations
 
+import argparse
+import json
+import re
+from pathlib import Path
+from typing import Any
+
 import pytest
 
-from structspec.cli import _engine_kwargs, build_parser
+from structspec.cli import _engine_kwargs, build_parser, main
+from structspec.core import (
+    ChoiceSpec,
+    FinishReason,
+    JsonSchemaSpec,
+    RegexSpec,
+    RequestOutput,
+    SamplingParams,
+)
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])
@@ -41,3 +56,105 @@ def test_llm_passes_kernels_and_load_format(monkeypatch: pytest.MonkeyPatch) -> 
     llm_mod.LLM("x", kernels="torch", load_format="dummy", seed=5)
     config = seen["config"]
     assert (config.kernels, config.load_format, config.seed) == ("torch", "dummy", 5)
+
+
+class _FakeLLM:
+    """Stands in for :class:`structspec.llm.LLM` in ``generate --batch``: no model is loaded;
+    a request whose parameters do not validate comes back as an error output, as in the
+    engine."""
+
+    seen: list[tuple[Any, SamplingParams]] = []
+
+    def __init__(self, model: str | None, **kwargs: Any) -> None:
+        pass
+
+    def generate(self, prompts: list[Any], params: list[SamplingParams],
+                 **kwargs: Any) -> list[RequestOutput]:
+        outs = []
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            _FakeLLM.seen.append((prompt, p))
+            try:
+                p.validate()
+            except ValueError as e:
+                outs.append(RequestOutput.error_output(f"req-{i}", str(e)))
+                continue
+            outs.append(RequestOutput(request_id=f"req-{i}", prompt_token_ids=[1],
+                                      token_ids=[2], text="ok", finished=True,
+                                      finish_reason=FinishReason.STOP))
+        return outs
+
+
+def _run_batch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+               lines: list[dict[str, Any]]) -> tuple[int, list[dict[str, Any]], str]:
+    """Runs ``generate --batch`` on ``lines`` with :class:`_FakeLLM`; returns the exit status,
+    the JSONL records written and stderr."""
+    import structspec.llm as llm_mod
+
+    monkeypatch.setattr(llm_mod, "LLM", _FakeLLM)
+    _FakeLLM.seen = []
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text("".join(json.dumps(rec) + "\n" for rec in lines))
+    rc = main(["generate", "--batch", str(batch)])
+    captured = capsys.readouterr()
+    return rc, [json.loads(s) for s in captured.out.splitlines()], captured.err
+
+
+def test_batch_good_lines_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    rc, outs, err = _run_batch(tmp_path, monkeypatch, capsys, [
+        {"prompt": "a", "regex": "[0-9]+", "max_tokens": 4, "top_k": 3, "min_p": 0.1},
+        {"messages": [{"role": "user", "content": "b"}], "json_schema": {"type": "object"},
+         "strict": False, "seed": 1, "stop": "x", "temperature": 0.5, "top_p": 0.9},
+        {"prompt": "c", "json_object": False, "choice": ["yes", "no"]},  # false: no grammar
+    ])
+    assert rc == 0 and err == "" and [o["text"] for o in outs] == ["ok", "ok", "ok"]
+    assert [type(p.grammar) for _, p in _FakeLLM.seen] == [RegexSpec, JsonSchemaSpec, ChoiceSpec]
+
+
+@pytest.mark.parametrize("rec,words", [
+    ({"prompt": "a", "json_schema": {"type": "object"}, "regex": "x"},
+     ["json_schema", "regex"]),
+    ({"prompt": "a", "ebnf": "root ::= \"x\"", "choice": ["x"]}, ["ebnf", "choice"]),
+    ({"prompt": "a", "json_object": True, "regex": "x"}, ["json_object", "regex"]),
+    ({"prompt": "a", "max_token": 5}, ["unknown", "max_token"]),
+    ({"prompt": "a", "response_format": {"type": "json_object"}, "n": 2},
+     ["unknown", "'n'", "'response_format'"]),
+    ({"prompt": "a", "messages": [{"role": "user", "content": "a"}]}, ["prompt", "messages"]),
+    (["not", "an", "object"], ["JSON object"]),
+])
+def test_batch_bad_line_fails_alone_naming_line_and_keys(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        rec: Any, words: list[str]) -> None:
+    """A line with conflicting or unknown keys is that request's error (line number and keys
+    named, on stderr and in its output record); the other lines still run."""
+    rc, outs, err = _run_batch(tmp_path, monkeypatch, capsys,
+                               [{"prompt": "good"}, rec, {"prompt": "good too"}])
+    assert rc == 1 and len(outs) == 3
+    assert [o["text"] for o in (outs[0], outs[2])] == ["ok", "ok"]
+    assert outs[1]["finish_reason"] == "abort"
+    assert "batch.jsonl:2: bad record" in err
+    for text in (err, outs[1]["error"]):
+        assert "line 2" in text or "batch.jsonl:2" in text
+        for word in words:
+            assert word in text, (word, text)
+
+
+def test_batch_top_k_is_not_truncated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """``"top_k": 2.5`` in a batch line is an error, not silently ``int()``-ed to 2."""
+    rc, outs, _ = _run_batch(tmp_path, monkeypatch, capsys,
+                             [{"prompt": "a", "top_k": 2.5}, {"prompt": "b", "top_k": 2}])
+    assert rc == 1 and outs[1]["error"] is None
+    assert outs[0]["error"] is not None and "top_k" in outs[0]["error"]
+
+
+def test_readme_cli_section_lists_every_flag() -> None:
+    """README.md's CLI section names every flag of ``generate`` and ``serve``."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("## CLI\n"):readme.index("\n## ", readme.index("## CLI\n"))]
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    flags = {opt for command in sub.choices.values() for action in command._actions
+             for opt in action.option_strings if opt.startswith("--") and opt != "--help"}
+    missing = sorted(f for f in flags if not re.search(re.escape(f) + r"(?![\w-])", section))
+    assert not missing, f"README.md's CLI section lacks {missing}"

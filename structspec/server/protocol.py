@@ -88,7 +88,7 @@ class SamplingRequest(OpenAIModel):
     min_p: float | None = None
     seed: StrictInt | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[StrictInt] | None = None
     ignore_eos: bool = False
     n: StrictInt = 1
     stream: bool = False
@@ -151,7 +151,7 @@ class CompletionRequest(SamplingRequest):
     logprobs: StrictInt | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: StrictInt | None = None
 
 
 # --------------------------------------------------------------------------- parsing

@@ -143,6 +143,8 @@ def test_bad_json_and_types_are_400(client: TestClient) -> None:
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     r = client.post("/v1/chat/completions", json={"messages": MSGS, "n": "many"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    r = client.post("/v1/chat/completions", json={"messages": MSGS, "top_k": 2.5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_k"
     r = client.post("/v1/chat/completions", json={"messages": MSGS, "unknown_field": 1,
                                                  "max_tokens": 1})
     assert r.status_code == 200

@@ -85,6 +85,13 @@ def test_bad_constraints_are_400_naming_the_field(body: dict[str, Any], param: s
     ({"max_tokens": True}, "max_tokens"),
     ({"max_completion_tokens": "5"}, "max_completion_tokens"),
     ({"n": True}, "n"),
+    ({"top_k": 2.5}, "top_k"),
+    ({"top_k": 2.0}, "top_k"),
+    ({"top_k": True}, "top_k"),
+    ({"top_logprobs": 2.5}, "top_logprobs"),
+    ({"stop_token_ids": [2.5]}, "stop_token_ids[0]"),
+    ({"stop_token_ids": [2.0]}, "stop_token_ids[0]"),
+    ({"stop_token_ids": [True]}, "stop_token_ids[0]"),
     ({"seed": "1"}, "seed"),
     ({"messages": "hi"}, "messages"),
     ({"messages": [{"content": "x"}]}, "messages[0].role"),
@@ -101,6 +108,18 @@ def test_wrong_types_are_400(body: dict[str, Any], param: str) -> None:
 def test_unknown_fields_are_ignored() -> None:
     req = parse_request(ChatCompletionRequest, {"messages": MSGS, "frobnicate": {"x": 1}})
     assert req.messages[0].content == "hi"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"logprobs": 2.5}, "logprobs"),
+    ({"logprobs": True}, "logprobs"),
+    ({"best_of": 2.0}, "best_of"),
+    ({"best_of": True}, "best_of"),
+])
+def test_completion_wrong_types_are_400(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(APIError) as e:
+        parse_request(CompletionRequest, {"prompt": "x", **body})
+    assert e.value.status == 400 and e.value.param == param, e.value.message
 
 
 def test_completion_prompt_shapes() -> None:

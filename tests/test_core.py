@@ -1,0 +1,31 @@
+"""``SamplingParams.validate``: bad values are a ``ValueError`` whose message starts with the
+field's name (the engine and the server take the field from there)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from structspec.core import SamplingParams
+from structspec.engine.llm_engine import _param_of
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "top_k", "seed", "logprobs"])
+@pytest.mark.parametrize("value", [2.5, 2.0, "2", True, False])
+def test_integer_fields_reject_non_integers_and_bools(field: str, value: Any) -> None:
+    params = SamplingParams(**{field: value})
+    with pytest.raises(ValueError, match=f"^{field} must be an integer") as e:
+        params.validate()
+    assert _param_of(str(e.value)) == field
+
+
+@pytest.mark.parametrize("ids", [(2.5,), (True,), ("3",), (-1,)])
+def test_stop_token_ids_must_be_non_negative_integers(ids: tuple[Any, ...]) -> None:
+    with pytest.raises(ValueError, match="^stop_token_ids"):
+        SamplingParams(stop_token_ids=ids).validate()
+
+
+def test_integer_fields_accept_ints_and_none() -> None:
+    SamplingParams(max_tokens=3, top_k=2, seed=0, logprobs=0, stop_token_ids=(0, 7)).validate()
+    SamplingParams(seed=None, logprobs=None).validate()
