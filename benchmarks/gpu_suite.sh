@@ -20,11 +20,11 @@ L8=benchmarks/assets/llama3-8b-shape
 python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())'
 for s in $stages; do case $s in
   tests)
-    run gpu_tests 240 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/kernels tests/engine/test_gpu_engine.py tests/engine/test_cuda_graph.py tests/models tests/spec tests/grammar ;;
+    run gpu_tests 480 python3 -m pytest -q -s -p no:cacheprovider tests/kernels tests/engine/test_gpu_engine.py tests/engine/test_cuda_graph.py tests/models tests/spec tests/grammar ;;
   smol)
     run mask_build 60 python3 benchmarks/mask_build.py --batch 1 8 32 64 --threads 1 2 4 8 --reps 10
     run gpu_decode 60 python3 benchmarks/gpu_decode.py --skip-eager --skip-fold
-    run grammar_overlap 300 python3 benchmarks/grammar_overlap.py --device cuda --batch 1 8 32 64 --steps 100 --algorithms ngram draft_model ;;
+    run grammar_overlap 420 python3 benchmarks/grammar_overlap.py --device cuda --batch 1 8 32 64 --steps 100 --algorithms ngram draft_model ;;
   peer)
     run peer_compare 200 python3 benchmarks/peer_compare.py --device cuda --num-requests 8 ;;
   llama8b)
@@ -32,7 +32,7 @@ for s in $stages; do case $s in
     run gpu_decode_8b 150 python3 benchmarks/gpu_decode.py --model $L8 --load-format dummy --nodes 1 8 --skip-fold --skip-eager
     STRUCTSPEC_GEMV=0 run gpu_decode_8b_cublas 90 python3 benchmarks/gpu_decode.py --model $L8 --load-format dummy --batch 1 --nodes 1 8 --skip-fold --skip-eager
     run gemv_micro 90 python3 benchmarks/kernels_micro.py --gemv
-    run grammar_overlap_8b 360 python3 benchmarks/grammar_overlap.py --device cuda --model $L8 --load-format dummy --batch 1 8 32 64 --steps 100 --algorithms ngram draft_model --draft-model benchmarks/assets/llama3-1b-draft-shape ;;
+    run grammar_overlap_8b 420 python3 benchmarks/grammar_overlap.py --device cuda --model $L8 --load-format dummy --batch 1 8 32 64 --steps 100 --algorithms ngram draft_model --draft-model benchmarks/assets/llama3-1b-draft-shape ;;
   maskbench)
     run maskbench 170 python3 benchmarks/maskbench_e2e.py --device cuda --speculative-algorithm ngram --limit 120 --max-tokens 1024 --skip-slow-compile --out "$OUT/maskbench.jsonl" ;;
   *) echo "unknown stage $s" ;;

