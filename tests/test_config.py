@@ -45,3 +45,21 @@ def test_context_is_capped_by_the_kv_cache() -> None:
     finally:
         del llm
         gc.collect()
+
+
+@pytest.mark.parametrize(("device", "cores", "expected"),
+                         [("cuda", 16, 8), ("cuda:1", 64, 8), ("cuda", 6, 3), ("cuda", 3, 0),
+                          ("cpu", 16, 0)])
+def test_grammar_workers_auto(monkeypatch: pytest.MonkeyPatch, device: str, cores: int,
+                              expected: int) -> None:
+    """None (the default) = min(8, cores // 2) worker processes on CUDA, none below 4 cores
+    or on CPU; resolve_engine_config writes the number into the config."""
+    import os
+
+    from structspec.config import default_grammar_workers
+
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    assert default_grammar_workers(device) == expected
+    assert GrammarConfig().mask_build_workers is None
+    resolved = resolve_engine_config(EngineConfig(device="cpu"))
+    assert resolved.grammar.mask_build_workers == 0

@@ -178,6 +178,7 @@ def pool_llm(**kwargs: object) -> Iterator[LLM]:
     finally:
         llm.close()
         assert all(proc.poll() is not None for proc in pool._procs)  # workers stopped
+        llm.close()  # idempotent
         del llm
         gc.collect()
 
