@@ -211,12 +211,15 @@ def _params(args: argparse.Namespace, grammar: GrammarSpec | None,
             rec: dict[str, Any] | None = None) -> SamplingParams:
     rec = rec or {}
     stop = rec.get("stop", args.stop)
+    if not isinstance(stop, (str, list, tuple)):
+        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+    # Values pass through unconverted: SamplingParams.validate names a bad one's field.
     return SamplingParams(
         max_tokens=rec.get("max_tokens", args.max_tokens),
-        temperature=float(rec.get("temperature", args.temperature)),
-        top_p=float(rec.get("top_p", args.top_p)),
+        temperature=rec.get("temperature", args.temperature),
+        top_p=rec.get("top_p", args.top_p),
         top_k=rec.get("top_k", args.top_k),
-        min_p=float(rec.get("min_p", args.min_p)),
+        min_p=rec.get("min_p", args.min_p),
         seed=rec.get("seed", args.request_seed),
         stop=tuple([stop] if isinstance(stop, str) else stop),
         grammar=grammar,
@@ -280,7 +283,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         for i, (lineno, rec) in enumerate(records):
             try:
                 _check_record(rec)
-                params.append(_params(args, _grammar_from_record(rec, grammar), rec))
+                line_params = _params(args, _grammar_from_record(rec, grammar), rec)
+                line_params.validate()  # bad values name their line, before the model loads
+                params.append(line_params)
             except (TypeError, ValueError) as e:
                 params.append(SamplingParams(max_tokens=-1))  # rejected per request below
                 bad[i] = f"bad record at line {lineno}: {e}"
@@ -314,8 +319,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
             return 2
     else:
         prompt = args.prompt
+    try:
+        sampling = _params(args, grammar)
+        sampling.validate()  # a bad flag value is a bad command line: exit 2, nothing loaded
+    except (TypeError, ValueError) as e:
+        print(f"structspec generate: {e}", file=sys.stderr)
+        return 2
     llm = LLM(args.model, **_engine_kwargs(args))
-    out = llm.generate(prompt, _params(args, grammar), raw_prompt=args.raw_prompt)[0]
+    out = llm.generate(prompt, sampling, raw_prompt=args.raw_prompt)[0]
     _print_output(out, args.output)
     return 0 if out.error is None else 1
 

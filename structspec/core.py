@@ -125,8 +125,9 @@ class SamplingParams:
     ``temperature == 0`` is greedy. ``top_k <= 0`` / ``top_p == 1`` / ``min_p == 0`` disable
     those filters. ``seed`` makes a sampled request reproducible on its own and in any batch.
 
-    Raises:
-        ValueError: from :meth:`validate`, naming the offending field.
+    Construction only normalizes ``stop`` / ``stop_token_ids`` to tuples; :meth:`validate`
+    checks types and ranges (``LLMEngine.add_request`` calls it, so a bad value fails that
+    request, naming the field).
     """
 
     max_tokens: int = 256
@@ -162,6 +163,12 @@ class SamplingParams:
                 continue
             if not _is_int(value):  # 2.5 / 2.0 / "2" / True are not silently truncated
                 raise ValueError(f"{name} must be an integer, got {value!r}")
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")  # torch's range
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not math.isfinite(self.temperature) or self.temperature < 0:

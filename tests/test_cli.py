@@ -121,6 +121,9 @@ def test_batch_good_lines_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
      ["unknown", "'n'", "'response_format'"]),
     ({"prompt": "a", "messages": [{"role": "user", "content": "a"}]}, ["prompt", "messages"]),
     (["not", "an", "object"], ["JSON object"]),
+    ({"prompt": "a", "top_k": 2.5}, ["top_k", "integer"]),
+    ({"prompt": "a", "seed": True}, ["seed", "integer"]),
+    ({"prompt": "a", "temperature": "hot"}, ["temperature", "number"]),
 ])
 def test_batch_bad_line_fails_alone_naming_line_and_keys(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
@@ -158,3 +161,20 @@ def test_readme_cli_section_lists_every_flag() -> None:
              for opt in action.option_strings if opt.startswith("--") and opt != "--help"}
     missing = sorted(f for f in flags if not re.search(re.escape(f) + r"(?![\w-])", section))
     assert not missing, f"README.md's CLI section lacks {missing}"
+
+
+@pytest.mark.parametrize("flags,field", [(["--max-tokens", "0"], "max_tokens"),
+                                         (["--temperature", "nan"], "temperature")])
+def test_bad_flag_value_is_a_bad_command_line(monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str],
+                                              flags: list[str], field: str) -> None:
+    """A flag value SamplingParams refuses exits 2 before any model loads (the fake LLM
+    would record the call)."""
+    import structspec.llm as llm_mod
+
+    monkeypatch.setattr(llm_mod, "LLM", _FakeLLM)
+    _FakeLLM.seen = []
+    rc = main(["generate", "--prompt", "hi", *flags])
+    err = capsys.readouterr().err
+    assert rc == 2 and field in err and err.startswith("structspec generate:")
+    assert _FakeLLM.seen == []

@@ -29,3 +29,18 @@ def test_stop_token_ids_must_be_non_negative_integers(ids: tuple[Any, ...]) -> N
 def test_integer_fields_accept_ints_and_none() -> None:
     SamplingParams(max_tokens=3, top_k=2, seed=0, logprobs=0, stop_token_ids=(0, 7)).validate()
     SamplingParams(seed=None, logprobs=None).validate()
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p"])
+@pytest.mark.parametrize("value", ["0.5", True, None])
+def test_float_fields_must_be_numbers(field: str, value: Any) -> None:
+    with pytest.raises(ValueError, match=f"^{field} must be a number"):
+        SamplingParams(**{field: value}).validate()
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1])
+def test_seed_outside_torch_range_is_refused(seed: int) -> None:
+    with pytest.raises(ValueError, match="^seed must be in"):
+        SamplingParams(seed=seed).validate()
+    SamplingParams(seed=2**64 - 1).validate()
+    SamplingParams(seed=-(2**63)).validate()

@@ -105,6 +105,8 @@ class LLMEngine:
                 stop_token_ids=list(self.tokenizer.eos_token_ids),
                 pin=device.type == "cuda")
         self._next_id = 0
+        #: set by :meth:`close`; a closed engine takes no requests and runs no steps
+        self.closed = False
         #: detokenize every request in the engine (text in outputs). A front end that
         #: detokenizes itself sets this False: then only requests with stop strings are.
         self.detokenize = True
@@ -156,7 +158,10 @@ class LLMEngine:
 
         Raises:
             RequestError: naming the field (prompt too long, bad sampling parameter, ...).
+            RuntimeError: the engine was closed (:meth:`close`).
         """
+        if self.closed:
+            raise RuntimeError("this engine is closed (close() was called); build a new one")
         try:
             params.validate()
         except ValueError as e:
@@ -181,8 +186,9 @@ class LLMEngine:
         )
         try:
             self.scheduler.add(req)
-        except ValueError as e:
-            raise RequestError(str(e), "max_tokens") from e
+        except ValueError as e:  # a duplicate id, or more KV than the cache holds
+            raise RequestError(str(e), "request_id" if "request_id" in str(e)
+                               else "max_tokens") from e
         return request_id
 
     def abort_request(self, request_id: str, reason: str = "aborted by client") -> bool:
@@ -190,13 +196,21 @@ class LLMEngine:
         return self.scheduler.abort(request_id, reason)
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; returns outputs of requests that progressed or finished."""
+        """Run one scheduler step; returns outputs of requests that progressed or finished.
+
+        Raises:
+            RuntimeError: the engine was closed (:meth:`close`).
+        """
+        if self.closed:
+            raise RuntimeError("this engine is closed (close() was called); build a new one")
         return self.scheduler.step()
 
     def close(self) -> None:
         """Stop the grammar mask worker processes (freeing their shared memory) and the
-        grammar compile threads. Idempotent; the engine cannot serve afterwards. Without it
-        they stop when the engine is garbage-collected or the interpreter exits."""
+        grammar compile threads. Idempotent. Afterwards :meth:`add_request` and :meth:`step`
+        raise RuntimeError; requests still running are dropped. Without it the workers stop
+        when the engine is garbage-collected or the interpreter exits."""
+        self.closed = True
         pool, self.scheduler.mask_pool = self.scheduler.mask_pool, None
         if pool is not None:
             pool.close()

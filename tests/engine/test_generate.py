@@ -81,9 +81,10 @@ def test_seeded_sampling_is_reproducible_in_any_batch(make_llm) -> None:
         ("hi", SamplingParams(max_tokens=8, grammar=JsonSchemaSpec("{not json")), "JSON"),
         ("hi", SamplingParams(max_tokens=8, grammar=RegexSpec("([a-z")), "regex"),
         ([17] * 9000, SamplingParams(max_tokens=8), "context"),
+        ("hi", SamplingParams(max_tokens=8, temperature=1.0, seed=2**64), "seed"),
     ],
     ids=["empty", "max_tokens_0", "max_tokens_neg", "temperature", "schema_json", "regex",
-         "too_long"],
+         "too_long", "seed_range"],
 )
 def test_bad_input_is_local(make_llm, prompt: object, params: SamplingParams, needle: str) -> None:
     llm = make_llm()
@@ -93,6 +94,27 @@ def test_bad_input_is_local(make_llm, prompt: object, params: SamplingParams, ne
     assert needle.lower() in (outs[1].error or "").lower(), outs[1].error
     for ok in (outs[0], outs[2]):
         assert ok.error is None and ok.finish_reason is FinishReason.LENGTH
+
+
+def test_failed_add_leaves_no_trace(make_llm, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request whose add fails after validation (here the grammar submit raises) is not
+    left registered: its id can be used again, and the engine serves it."""
+    engine = make_llm().engine
+    params = SamplingParams(max_tokens=2, grammar=RegexSpec("[0-9]+"))
+
+    def broken_submit(spec: object) -> None:
+        raise RuntimeError("compile pool is down")
+
+    monkeypatch.setattr(engine.grammar, "submit", broken_submit)
+    with pytest.raises(RuntimeError, match="compile pool"):
+        engine.add_request("hi", params, request_id="again")
+    monkeypatch.undo()
+    assert engine.add_request("hi", params, request_id="again") == "again"
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert [o.request_id for o in outs if o.finished] == ["again"]
+    assert outs[-1].error is None and outs[-1].text.isdigit()
 
 
 def test_unknown_model_path() -> None:

@@ -179,6 +179,8 @@ def pool_llm(**kwargs: object) -> Iterator[LLM]:
         llm.close()
         assert all(proc.poll() is not None for proc in pool._procs)  # workers stopped
         llm.close()  # idempotent
+        with pytest.raises(RuntimeError, match="closed"):
+            llm.generate("hi", SamplingParams(max_tokens=2))
         del llm
         gc.collect()
 

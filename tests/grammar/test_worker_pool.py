@@ -196,3 +196,42 @@ def test_mirror_verdicts_match_host_matchers(pool: MaskWorkerPool, backend: Gram
     for k in cases:
         pool.release(f"verdict-{k}")
     assert seen_rejected and seen_terminated
+
+
+def test_walks_ready_turns_true_once_every_walk_is_in(pool: MaskWorkerPool,
+                                                      backend: GrammarBackend,
+                                                      hf_tokenizer: Any) -> None:
+    """``walks_ready`` is False outside a build, and inside one becomes True (without
+    blocking) once both workers have sent their walks; the build then returns the same rows
+    as the in-process build."""
+    import time
+
+    compiled = backend.compile(JsonSchemaSpec(SCHEMA))
+    ids = hf_tokenizer.encode(TEXTS[0], add_special_tokens=False)
+    reqs = [_Req(f"ready{i}", backend, compiled, ids + [STOP_ID]) for i in range(4)]
+    trees = [r.tree(random.Random(i), ids) for i, r in enumerate(reqs)]
+    gt = GrammarTree.from_host(*(torch.cat([getattr(t, f) for t in trees]) for f in
+                                 ("next_token", "next_sibling", "draft_tokens")))
+    assert not pool.walks_ready()
+    seen: list[bool] = []
+
+    def wait_for_walks() -> None:
+        deadline = time.perf_counter() + 30
+        while not pool.walks_ready():
+            assert time.perf_counter() < deadline, "walk replies never arrived"
+            time.sleep(1e-4)
+        # True means the replies really are there: both sockets hold the walk replies
+        assert all(pool._conns[w].poll() for w in range(pool.num_workers))
+        seen.append(pool.walks_ready())  # stays True once seen
+
+    pooled = build_grammar_vocab_mask_pooled(
+        pool, [PoolRequest(r.key, r.compiled, []) for r in reqs], [r.matcher for r in reqs],
+        gt, device="cpu", barrier=wait_for_walks, time_limit_s=10.0)
+    ref = build_grammar_vocab_mask([r.matcher for r in reqs], gt,
+                                   vocab_size=backend.vocab_size, device="cpu",
+                                   time_limit_s=10.0)
+    for r in reqs:
+        pool.release(r.key)
+    assert seen == [True] and not pool.walks_ready()
+    assert pooled is not None and ref is not None
+    assert torch.equal(pooled.bitmask_cpu, ref.bitmask_cpu)
