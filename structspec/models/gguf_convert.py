@@ -2,8 +2,10 @@
 
 Weights are dequantized with ``gguf.quants.dequantize`` and written as float32 safetensors;
 llama-arch Q/K weights are un-permuted from llama.cpp's rotary layout back to HF's. The result
-is cached: the default directory is keyed by the file's size, mtime and path, written to a
-temp dir, marked complete, and renamed into place atomically.
+is cached: the default directory is keyed by the file's content (sha256; remembered per path,
+size and mtime so an unchanged file is hashed once), so copies of one GGUF in several
+environments share one conversion. It is written to a temp dir, marked complete, and renamed
+into place atomically.
 """
 
 from __future__ import annotations
@@ -54,14 +56,34 @@ def cache_root() -> Path:
 
 
 def default_out_dir(gguf_path: str | os.PathLike[str]) -> Path:
-    """``<cache_root>/gguf/<stem>-<16 hex of sha256(version, size, mtime, abs path)>``.
+    """``<cache_root>/gguf/<stem>-<16 hex of sha256(version, sha256 of the file)>``.
+
+    The file's sha256 is remembered in ``<cache_root>/gguf-index/`` under its (size, mtime,
+    absolute path), so an unchanged file is read once (~0.3 s per GB); a copy elsewhere (a
+    new virtualenv's package data) is hashed once and then reuses the same conversion.
 
     Raises:
         FileNotFoundError: ``gguf_path`` does not exist.
     """
     p = Path(gguf_path).expanduser().resolve()
     st = p.stat()
-    key = f"{CONVERTER_VERSION}\0{st.st_size}\0{st.st_mtime_ns}\0{p}".encode()
+    stat_key = f"{st.st_size}\0{st.st_mtime_ns}\0{p}".encode()
+    index = cache_root() / "gguf-index" / hashlib.sha256(stat_key).hexdigest()[:32]
+    try:
+        digest = index.read_text().strip()
+    except OSError:
+        digest = ""
+    if len(digest) != 64:
+        sha = hashlib.sha256()
+        with open(p, "rb") as f:
+            while chunk := f.read(16 << 20):
+                sha.update(chunk)
+        digest = sha.hexdigest()
+        index.parent.mkdir(parents=True, exist_ok=True)
+        tmp = index.with_name(f"{index.name}.{os.getpid()}.tmp")
+        tmp.write_text(digest)
+        tmp.replace(index)  # atomic: a concurrent reader sees the old state or the digest
+    key = f"{CONVERTER_VERSION}\0{digest}".encode()
     return cache_root() / "gguf" / f"{p.stem}-{hashlib.sha256(key).hexdigest()[:16]}"
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -125,8 +126,15 @@ def test_cache_dir_reuse_and_atomicity(
     assert convert_gguf(src) == out  # reused, not rewritten
     assert (out / "model.safetensors").stat().st_mtime_ns == stamp
     assert [p.name for p in out.parent.iterdir()] == [out.name]  # no temp dirs left behind
-    os.utime(src, ns=(1, 1))  # a changed file gets a new cache entry
-    assert default_out_dir(src) != out
+    os.utime(src, ns=(1, 1))  # touched, same bytes: the same entry (rehashed once)
+    assert default_out_dir(src) == out
+    copy = tmp_path / "elsewhere" / "m.gguf"  # e.g. another virtualenv's package data
+    copy.parent.mkdir()
+    shutil.copyfile(src, copy)
+    assert convert_gguf(copy) == out
+    with open(copy, "ab") as f:  # changed bytes: a new entry
+        f.write(b"\0")
+    assert default_out_dir(copy) != out
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "x").write_text("user data")
