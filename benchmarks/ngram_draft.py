@@ -14,7 +14,10 @@ checks the trees are equal. Workloads, ~``--length`` tokens a request:
 One summary line per (workload, batch): the mean history length, the mean number of earlier
 occurrences of the last token (the candidates the lookup has to score), median ms per
 ``propose`` of each path and the speedup, and median ms of the lookup alone (per-request
-``continuation_starts`` vs one ``continuation_starts_batch``). Calls are interleaved. CPU only; pin one thread as the engine host does:
+``continuation_starts`` vs one ``continuation_starts_batch``), and median ms to hand the batch's
+histories to the drafter: concatenating prompt + output ids per request (``history_copy``,
+the scheduler before) vs a :class:`TokenHistory` view (``history_view``). Calls are
+interleaved. CPU only; pin one thread as the engine host does:
 
     OMP_NUM_THREADS=1 PYTHONPATH=$PWD python benchmarks/ngram_draft.py --batch 1 8 32 64
 """
@@ -41,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.workloads import CITY, FIRST, JOB, LAST  # noqa: E402
 from structspec.config import SpecConfig  # noqa: E402
-from structspec.spec.base import DraftRequest  # noqa: E402
+from structspec.spec.base import DraftRequest, TokenHistory  # noqa: E402
 from structspec.spec.ngram import (  # noqa: E402
     NgramDrafter,
     continuation_starts,
@@ -114,11 +117,14 @@ def main() -> None:
             for field in ("draft_tokens", "parents", "next_token", "next_sibling"):
                 assert torch.equal(getattr(old, field), getattr(new, field)), field
             hists = drafter.sync_histories(reqs)
-            old_ms, new_ms, old_lookup_ms, new_lookup_ms = median_ms([
+            split = [(pool[b][:60], pool[b][60:]) for b in range(bs)]  # prompt, output ids
+            old_ms, new_ms, old_lookup_ms, new_lookup_ms, copy_ms, view_ms = median_ms([
                 lambda d=drafter, r=reqs: per_request(d, r),
                 lambda d=drafter, r=reqs: d.propose(r),
                 lambda h=hists: [continuation_starts(x, **window) for x in h],
                 lambda h=hists: continuation_starts_batch(h, **window),
+                lambda sp=split: [DraftRequest("r", p + o, 0) for p, o in sp],
+                lambda sp=split: [DraftRequest("r", TokenHistory(p, o), 0) for p, o in sp],
             ], args.repeats)
             occ = statistics.mean(int((np.asarray(h[:-1]) == h[-1]).sum()) for h in pool[:bs])
             length = statistics.mean(len(h) for h in pool[:bs])
@@ -126,7 +132,8 @@ def main() -> None:
                   f"last_token_occurrences={occ:.1f} per_request_ms={old_ms:.3f} "
                   f"batched_ms={new_ms:.3f} speedup={old_ms / new_ms:.2f}x "
                   f"lookup_per_request_ms={old_lookup_ms:.3f} "
-                  f"lookup_batched_ms={new_lookup_ms:.3f}", flush=True)
+                  f"lookup_batched_ms={new_lookup_ms:.3f} "
+                  f"history_copy_ms={copy_ms:.3f} history_view_ms={view_ms:.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ from structspec.scheduler.pending import PendingStep
 from structspec.scheduler.request import Req, ReqStatus
 from structspec.scheduler.step_stats import StepTimer
 from structspec.scheduler.validate import check_schema_output
-from structspec.spec.base import Drafter, DraftRequest
+from structspec.spec.base import Drafter, DraftRequest, TokenHistory
 from structspec.spec.tree import VerifyTree
 from structspec.spec.verify import verify_tree
 
@@ -385,7 +385,8 @@ class Scheduler:
     def _run_verify(self, reqs: list[Req]) -> None:
         timer = self.timer
         timer.begin(len(reqs), self.num_nodes, sum(r.matcher is not None for r in reqs))
-        draft_reqs = [DraftRequest(r.request_id, r.all_token_ids, r.seq_len) for r in reqs]
+        draft_reqs = [DraftRequest(r.request_id, TokenHistory(r.prompt_ids, r.output_ids),
+                                   r.seq_len) for r in reqs]
         tree = self.drafter.propose(draft_reqs)
         timer.phase("draft")
         timer.event("fwd_start")

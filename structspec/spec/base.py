@@ -2,14 +2,81 @@
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from structspec.spec.tree import VerifyTree
+
+
+class TokenHistory(Sequence[int]):
+    """``prompt + output[:len(output) at construction]`` as one read-only sequence, without
+    copying either list.
+
+    The scheduler hands every running request's history to the drafter each verify step;
+    concatenating them cost ~0.5 ms per step at batch 64 with 1.5k-token histories (2-core
+    CPU), on the path between a step's result and the next launch, while the drafters read
+    only the tail (n-gram: the tokens since its last look; draft model / EAGLE: the catch-up
+    range). Indexing and slicing return plain ints and lists; ``np.asarray`` builds the array
+    in two copies.
+
+    The view is valid while the output ids are only appended to (it keeps its length); the
+    scheduler builds it right before ``propose`` and a drafter must not keep it past that
+    step (the grammar barrier or a stop cut may later drop ids from the output list).
+    """
+
+    __slots__ = ("_prompt", "_output", "_num_output")
+
+    def __init__(self, prompt_ids: list[int], output_ids: list[int]) -> None:
+        self._prompt = prompt_ids
+        self._output = output_ids
+        self._num_output = len(output_ids)
+
+    def __len__(self) -> int:
+        return len(self._prompt) + self._num_output
+
+    def __getitem__(self, index: int | slice) -> Any:
+        p = len(self._prompt)
+        n = p + self._num_output
+        if isinstance(index, slice):
+            start, stop, step = index.indices(n)
+            if step != 1:
+                return list(self)[index]
+            if start >= p:
+                return self._output[start - p : max(start, stop) - p]
+            if stop <= p:
+                return self._prompt[start:stop]
+            return self._prompt[start:] + self._output[: stop - p]
+        i = index + n if index < 0 else index
+        if not 0 <= i < n:
+            raise IndexError(f"token index {index} out of range for a history of {n}")
+        return self._prompt[i] if i < p else self._output[i - p]
+
+    def __iter__(self) -> Iterator[int]:
+        yield from self._prompt
+        yield from itertools.islice(self._output, self._num_output)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (TokenHistory, list, tuple)):
+            return len(self) == len(other) and list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # mutable underneath, like a list
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        p = len(self._prompt)
+        out = np.empty(len(self), dtype=dtype or np.int64)
+        out[:p] = self._prompt
+        out[p:] = self._output[: self._num_output]
+        return out
+
+    def __repr__(self) -> str:
+        return f"TokenHistory({len(self._prompt)} prompt + {self._num_output} output ids)"
 
 
 @dataclass
@@ -17,11 +84,12 @@ class DraftRequest:
     """What a drafter sees of one request: its id and every token so far.
 
     ``token_ids[-1]`` is the last committed token (node 0 of the tree); ``seq_len`` tokens of
-    it have target KV in the cache.
+    it have target KV in the cache. ``token_ids`` is a list or a :class:`TokenHistory` (the
+    scheduler's, valid for the step's ``propose``).
     """
 
     request_id: str
-    token_ids: list[int]
+    token_ids: Sequence[int]
     seq_len: int
 
 
