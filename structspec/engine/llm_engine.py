@@ -160,8 +160,7 @@ class LLMEngine:
             RequestError: naming the field (prompt too long, bad sampling parameter, ...).
             RuntimeError: the engine was closed (:meth:`close`).
         """
-        if self.closed:
-            raise RuntimeError("this engine is closed (close() was called); build a new one")
+        self._check_open()
         try:
             params.validate()
         except ValueError as e:
@@ -174,6 +173,8 @@ class LLMEngine:
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
+        elif request_id in self.scheduler.requests:
+            raise RequestError(f"duplicate request_id {request_id!r}", "request_id")
         req = Req(
             request_id=request_id,
             prompt_ids=ids,
@@ -186,9 +187,8 @@ class LLMEngine:
         )
         try:
             self.scheduler.add(req)
-        except ValueError as e:  # a duplicate id, or more KV than the cache holds
-            raise RequestError(str(e), "request_id" if "request_id" in str(e)
-                               else "max_tokens") from e
+        except ValueError as e:  # more KV than the cache holds
+            raise RequestError(str(e), "max_tokens") from e
         return request_id
 
     def abort_request(self, request_id: str, reason: str = "aborted by client") -> bool:
@@ -201,9 +201,12 @@ class LLMEngine:
         Raises:
             RuntimeError: the engine was closed (:meth:`close`).
         """
+        self._check_open()
+        return self.scheduler.step()
+
+    def _check_open(self) -> None:
         if self.closed:
             raise RuntimeError("this engine is closed (close() was called); build a new one")
-        return self.scheduler.step()
 
     def close(self) -> None:
         """Stop the grammar mask worker processes (freeing their shared memory) and the

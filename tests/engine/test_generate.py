@@ -14,6 +14,7 @@ from structspec import (
     RegexSpec,
     SamplingParams,
 )
+from structspec.engine.llm_engine import RequestError
 from tests.engine.conftest import PERSON_SCHEMA, PROMPTS
 
 
@@ -110,7 +111,10 @@ def test_failed_add_leaves_no_trace(make_llm, monkeypatch: pytest.MonkeyPatch) -
         engine.add_request("hi", params, request_id="again")
     monkeypatch.undo()
     assert engine.add_request("hi", params, request_id="again") == "again"
-    outs = []
+    outs: list = []
+    with pytest.raises(RequestError, match="duplicate request_id") as e:
+        engine.add_request("hi", params, request_id="again")  # still running
+    assert e.value.param == "request_id"
     while engine.has_unfinished_requests():
         outs += engine.step()
     assert [o.request_id for o in outs if o.finished] == ["again"]

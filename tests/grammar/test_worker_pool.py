@@ -205,6 +205,7 @@ def test_walks_ready_turns_true_once_every_walk_is_in(pool: MaskWorkerPool,
     blocking) once both workers have sent their walks; the build then returns the same rows
     as the in-process build."""
     import time
+    from multiprocessing.connection import wait
 
     compiled = backend.compile(JsonSchemaSpec(SCHEMA))
     ids = hf_tokenizer.encode(TEXTS[0], add_special_tokens=False)
@@ -218,8 +219,10 @@ def test_walks_ready_turns_true_once_every_walk_is_in(pool: MaskWorkerPool,
     def wait_for_walks() -> None:
         deadline = time.perf_counter() + 30
         while not pool.walks_ready():
-            assert time.perf_counter() < deadline, "walk replies never arrived"
-            time.sleep(1e-4)
+            left = deadline - time.perf_counter()
+            assert left > 0, "walk replies never arrived"
+            # block on the sockets still owing a walk reply (no sleep-and-retry)
+            wait([pool._conns[w] for w in pool._walks_pending or ()], timeout=left)
         # True means the replies really are there: both sockets hold the walk replies
         assert all(pool._conns[w].poll() for w in range(pool.num_workers))
         seen.append(pool.walks_ready())  # stays True once seen
