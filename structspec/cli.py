@@ -265,8 +265,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 2
     from structspec.llm import LLM
 
+    if args.out_file and not args.batch:
+        print("structspec generate: --out-file needs --batch", file=sys.stderr)
+        return 2
     if args.batch:
-        records: list[tuple[int, Any]] = []  # (line number, parsed line)
+        records: list[tuple[int, Any]] = []  # (line number, parsed line or the parse error)
         with open(args.batch) as f:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
@@ -274,14 +277,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 try:
                     records.append((lineno, json.loads(line)))
                 except json.JSONDecodeError as e:
-                    print(f"structspec generate: {args.batch}:{lineno}: not JSON: {e}",
-                          file=sys.stderr)
-                    return 2
+                    records.append((lineno, e))  # fails alone, like any other bad line
         prompts: list[Any] = []
         params: list[SamplingParams] = []
         bad: dict[int, str] = {}  # index of a rejected line -> why, for its output record
         for i, (lineno, rec) in enumerate(records):
             try:
+                if isinstance(rec, json.JSONDecodeError):
+                    raise ValueError(f"not JSON: {rec}")
                 _check_record(rec)
                 line_params = _params(args, _grammar_from_record(rec, grammar), rec)
                 line_params.validate()  # bad values name their line, before the model loads
@@ -297,6 +300,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         outs = llm.generate(prompts, params, raw_prompt=args.raw_prompt, use_tqdm=True)
         for i, why in bad.items():  # the real reason, not the placeholder's max_tokens error
             outs[i] = RequestOutput.error_output(outs[i].request_id, why)
+        for i, out in enumerate(outs):  # what the engine refused, named by its line too
+            if out.error is not None and i not in bad:
+                print(f"structspec generate: {args.batch}:{records[i][0]}: {out.error}",
+                      file=sys.stderr)
         sink = open(args.out_file, "w") if args.out_file else sys.stdout  # noqa: SIM115
         try:
             for out in outs:

@@ -75,6 +75,8 @@ class _FakeLLM:
             _FakeLLM.seen.append((prompt, p))
             try:
                 p.validate()
+                if prompt == "":
+                    raise ValueError("prompt is empty")  # as the engine refuses it
             except ValueError as e:
                 outs.append(RequestOutput.error_output(f"req-{i}", str(e)))
                 continue
@@ -85,15 +87,17 @@ class _FakeLLM:
 
 
 def _run_batch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
-               lines: list[dict[str, Any]]) -> tuple[int, list[dict[str, Any]], str]:
-    """Runs ``generate --batch`` on ``lines`` with :class:`_FakeLLM`; returns the exit status,
-    the JSONL records written and stderr."""
+               lines: list[Any]) -> tuple[int, list[dict[str, Any]], str]:
+    """Runs ``generate --batch`` on ``lines`` (JSON values, or raw strings written as they
+    are) with :class:`_FakeLLM`; returns the exit status, the JSONL records written and
+    stderr."""
     import structspec.llm as llm_mod
 
     monkeypatch.setattr(llm_mod, "LLM", _FakeLLM)
     _FakeLLM.seen = []
     batch = tmp_path / "batch.jsonl"
-    batch.write_text("".join(json.dumps(rec) + "\n" for rec in lines))
+    batch.write_text("".join((rec if isinstance(rec, str) else json.dumps(rec)) + "\n"
+                             for rec in lines))
     rc = main(["generate", "--batch", str(batch)])
     captured = capsys.readouterr()
     return rc, [json.loads(s) for s in captured.out.splitlines()], captured.err
@@ -178,3 +182,30 @@ def test_bad_flag_value_is_a_bad_command_line(monkeypatch: pytest.MonkeyPatch,
     err = capsys.readouterr().err
     assert rc == 2 and field in err and err.startswith("structspec generate:")
     assert _FakeLLM.seen == []
+
+
+def test_batch_line_that_is_not_json_or_refused_by_the_engine_fails_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A line that does not parse, and a line the engine refuses (empty prompt), fail alone;
+    stderr names each one's line, counting the blank line."""
+    rc, outs, err = _run_batch(tmp_path, monkeypatch, capsys,
+                               [{"prompt": "good"}, "not json", "", {"prompt": ""},
+                                {"prompt": "good too"}])
+    assert rc == 1 and [o["text"] for o in (outs[0], outs[3])] == ["ok", "ok"]
+    assert "not JSON" in outs[1]["error"] and "line 2" in outs[1]["error"]
+    assert outs[2]["error"] == "prompt is empty"
+    assert "batch.jsonl:2: bad record: not JSON" in err
+    assert "batch.jsonl:4: prompt is empty" in err
+
+
+def test_out_file_without_batch_is_a_bad_command_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import structspec.llm as llm_mod
+
+    monkeypatch.setattr(llm_mod, "LLM", _FakeLLM)
+    _FakeLLM.seen = []
+    rc = main(["generate", "--prompt", "hi", "--out-file", str(tmp_path / "o.jsonl")])
+    assert rc == 2 and "--out-file needs --batch" in capsys.readouterr().err
+    assert _FakeLLM.seen == [] and not (tmp_path / "o.jsonl").exists()
