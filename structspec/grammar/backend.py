@@ -212,7 +212,15 @@ class GrammarBackend:
         except GrammarError:
             raise
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError/...
-            raise GrammarError(f"Failed to compile {kind} grammar: {_compiler_message(e)}",
+            message = _compiler_message(e)
+            if isinstance(spec, JsonSchemaSpec):
+                # xgrammar names neither the place nor the rule ("Unsupported type
+                # "objectz"", or an internal check's text): say where the schema breaks its
+                # metaschema, when it does, and keep the compiler's words after it.
+                problem = metaschema_problem(spec)
+                if problem is not None:
+                    message = f"{problem} (compiler: {message})"
+            raise GrammarError(f"Failed to compile {kind} grammar: {message}",
                                param=param) from e
 
     @staticmethod
@@ -233,6 +241,30 @@ def schema_text(spec: JsonSchemaSpec) -> str:
     :meth:`JsonSchemaSpec.canonical_text`, which raises ``ValueError`` for text that is not
     JSON or a schema that is not an object/boolean."""
     return spec.canonical_text()
+
+
+def metaschema_problem(spec: JsonSchemaSpec) -> str | None:
+    """Where ``spec``'s schema breaks its metaschema (the draft its ``$schema`` names, else
+    2020-12), as ``"invalid JSON Schema at <JSON pointer>: <reason>"``; None when it does not,
+    or when the ``jsonschema`` package is missing or cannot check it.
+
+    Used only to explain a compile failure: schemas that xgrammar compiles are never refused
+    for a metaschema violation (it may accept older drafts' forms).
+    """
+    try:
+        import jsonschema
+        from jsonschema.exceptions import best_match
+
+        schema = json.loads(schema_text(spec))
+        cls = jsonschema.validators.validator_for(schema,
+                                                  default=jsonschema.Draft202012Validator)
+        error = best_match(cls(cls.META_SCHEMA).iter_errors(schema))
+    except Exception:  # noqa: BLE001 - an explanation only; the compile error stands alone
+        return None
+    if error is None:
+        return None
+    pointer = "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in error.path)
+    return f"invalid JSON Schema at {pointer or '/'}: {error.message}"
 
 
 def choice_ebnf(choices: Sequence[str]) -> str:

@@ -27,6 +27,13 @@ def _accepts(backend: GrammarBackend, cg: xgr.CompiledGrammar, text: str) -> boo
     (JsonSchemaSpec("[1, 2]"), "response_format.json_schema", "must be a JSON object"),
     (JsonSchemaSpec({"type": "object", "minProperties": 1}), "response_format.json_schema",
      "Failed to compile json_schema grammar: minProperties"),
+    # xgrammar's words alone name no place; the metaschema check adds the JSON pointer
+    (JsonSchemaSpec({"type": "objectz"}), "response_format.json_schema",
+     "invalid JSON Schema at /type: 'objectz' is not valid"),
+    (JsonSchemaSpec({"type": "object", "properties": {"a~b/c": {"type": "string",
+                                                              "minLength": -3}}}),
+     "response_format.json_schema",
+     "invalid JSON Schema at /properties/a~0b~1c/minLength: -3 is less than the minimum of 0"),
     (RegexSpec("(abc"), "regex", "Failed to compile regex grammar"),
     (EbnfSpec('start ::= "a"'), "ebnf", "Failed to compile ebnf grammar"),
     (ChoiceSpec(()), "choice", "non-empty list"),
@@ -129,3 +136,16 @@ def test_property_order_is_kept(backend: GrammarBackend) -> None:
     cg1, cg2 = backend.compile(JsonSchemaSpec(first)), backend.compile(JsonSchemaSpec(second))
     assert _accepts(backend, cg1, '{"z": 1, "a": 2}')
     assert _accepts(backend, cg2, '{"a": 2, "z": 1}')
+
+
+def test_metaschema_violations_that_compile_are_not_refused(backend: GrammarBackend) -> None:
+    """The metaschema only explains compile failures: a schema that breaks it in ways the
+    grammar does not care about (a non-string ``title``, a repeated ``required`` name) is
+    compiled and enforced, not refused."""
+    from structspec.grammar.backend import metaschema_problem
+
+    spec = JsonSchemaSpec({"type": "object", "title": 5,
+                           "properties": {"a": {"type": "string"}}, "required": ["a", "a"]})
+    assert metaschema_problem(spec) is not None  # 2020-12 says it is invalid
+    cg = backend.compile(spec)
+    assert _accepts(backend, cg, '{"a": "x"}') and not _accepts(backend, cg, '{}')
