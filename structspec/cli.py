@@ -226,6 +226,21 @@ def _params(args: argparse.Namespace, grammar: GrammarSpec | None,
     )
 
 
+# SamplingParams fields whose flag is spelled differently from the field (validate() names
+# the field; a command-line error names the flag the user typed).
+_FLAG_OF_FIELD = {"seed": "--request-seed", "max_tokens": "--max-tokens",
+                  "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
+                  "min_p": "--min-p", "stop": "--stop"}
+
+
+def _flag_error(message: str) -> str:
+    """``message`` from :meth:`SamplingParams.validate` with its field named as the flag
+    (``seed must be ...`` -> ``--request-seed: seed must be ...``)."""
+    field = message.split(" ", 1)[0]
+    flag = _FLAG_OF_FIELD.get(field)
+    return f"{flag}: {message}" if flag else message
+
+
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(
         speculative_algorithm=args.speculative_algorithm,
@@ -330,7 +345,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sampling = _params(args, grammar)
         sampling.validate()  # a bad flag value is a bad command line: exit 2, nothing loaded
     except (TypeError, ValueError) as e:
-        print(f"structspec generate: {e}", file=sys.stderr)
+        print(f"structspec generate: {_flag_error(str(e))}", file=sys.stderr)
         return 2
     llm = LLM(args.model, **_engine_kwargs(args))
     out = llm.generate(prompt, sampling, raw_prompt=args.raw_prompt)[0]

@@ -167,13 +167,14 @@ def test_readme_cli_section_lists_every_flag() -> None:
     assert not missing, f"README.md's CLI section lacks {missing}"
 
 
-@pytest.mark.parametrize("flags,field", [(["--max-tokens", "0"], "max_tokens"),
-                                         (["--temperature", "nan"], "temperature")])
+@pytest.mark.parametrize("flags,field", [(["--max-tokens", "0"], "--max-tokens: max_tokens"),
+                                         (["--temperature", "nan"], "--temperature: temperature"),
+                                         (["--request-seed", str(2**64)], "--request-seed: seed")])
 def test_bad_flag_value_is_a_bad_command_line(monkeypatch: pytest.MonkeyPatch,
                                               capsys: pytest.CaptureFixture[str],
                                               flags: list[str], field: str) -> None:
     """A flag value SamplingParams refuses exits 2 before any model loads (the fake LLM
-    would record the call)."""
+    would record the call); the message names the flag, then the field."""
     import structspec.llm as llm_mod
 
     monkeypatch.setattr(llm_mod, "LLM", _FakeLLM)
