@@ -361,7 +361,7 @@ def build_grammar_vocab_mask_pooled(
             states as the workers' mirrors); used for the stop ids and the None check.
         tree, device, barrier, time_limit_s, out: as in :func:`build_grammar_vocab_mask`.
         advance_only, on_verdicts: see :meth:`MaskWorkerPool.build` (mirror-only advances in
-            the same round trip; a callback with the mirrors' verdicts, before ``barrier``).
+            the same round trip; a callback with the predicted verdicts, before ``barrier``).
 
     Returns:
         A :class:`GrammarMaskResult` whose ``bitmask_cpu`` is a view of the pool's slab (valid

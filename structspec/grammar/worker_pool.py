@@ -20,11 +20,14 @@ mirror is kept in step by sending only the ids committed since its last use. Per
    which timed out, and the mirrors' verdicts on the new ids (ids not kept, grammar ended);
 3. meanwhile the host runs what the scheduler gives it. For a device tree that is its own
    grammar barrier (the host matchers advance over the same ids while the tree is still on
-   its way). For a host tree (n-gram) the mirrors *are* the barrier: the scheduler applies
-   their verdicts (:func:`~structspec.scheduler.commit.settle_grammar_advance`) and lets its
+   its way). For a host tree (n-gram) the mirrors *are* the barrier: the scheduler lets its
    own matchers lag, replaying the ids only if a later step walks in process; this takes the
    matcher advance (~0.8 ms per step at batch 64) off the scheduler's thread, whose time
-   bounds the step for small models;
+   bounds the step for small models. It does not wait for the mirrors' verdicts either: it
+   applies the verdicts predicted from the new ids
+   (:func:`~structspec.scheduler.commit.settle_grammar_advance`; committed ids obey the
+   grammar, so only a stop id ends it) and runs its text work while the workers advance and
+   walk; the actual verdicts arrive with the walks and are checked against the prediction;
 4. the host settles the rows (:func:`~structspec.grammar.tree.settle_tree_rows_batch`) and
    uploads from the slab. On CUDA the slab is page-locked (``cudaHostRegister``), so the upload
    is an asynchronous copy like the in-process path's.
@@ -90,6 +93,10 @@ class PoolBuildResult:
         terminated: rows whose mirror has reached the grammar's end.
         worker_busy_ms: per worker that had work, its time from receiving the request to
             sending the reply (the rest of a build's wall time is messaging and wake-ups).
+        mismatched: rows whose mirror's verdict differs from the one predicted for
+            ``on_verdicts`` (see :meth:`MaskWorkerPool.build`): row -> (output ids the mirror
+            has been sent in all, ids of them it did not keep, grammar ended). Empty unless
+            committed ids broke the grammar (a grammar engine fault).
     """
 
     walked: list[int]
@@ -97,6 +104,7 @@ class PoolBuildResult:
     rejected: dict[int, int] = field(default_factory=dict)
     terminated: list[int] = field(default_factory=list)
     worker_busy_ms: list[float] = field(default_factory=list)
+    mismatched: dict[int, tuple[int, int, bool]] = field(default_factory=dict)
 
 
 class MaskWorkerPool:
@@ -143,6 +151,7 @@ class MaskWorkerPool:
         # Fresh interpreters (``python -m``), not fork (the engine may hold CUDA and threads)
         # and not multiprocessing's spawn (it re-runs the user's __main__ module, which
         # builds an engine again unless the script has a main guard); a socketpair each.
+        self._stop_set = frozenset(int(t) for t in stop_token_ids)
         init = (tokenizer_info.serialize_json(), self._shm.name, max_rows, self.width,
                 tuple(int(t) for t in stop_token_ids))
         self._conns: list[Connection] = []
@@ -220,9 +229,13 @@ class MaskWorkerPool:
                 (the scheduler's grammar barrier).
             advance_only: requests outside the batch whose mirrors only advance (no tree),
                 in the same round trip; their verdicts use indices ``bs + j``.
-            on_verdicts: called with the result's verdicts (``rejected``, ``terminated``) as
-                soon as every mirror has advanced, before ``while_waiting`` and while the
-                workers still walk.
+            on_verdicts: called, right after the messages are sent and before
+                ``while_waiting``, with the verdicts *predicted* from the new ids alone, so
+                the caller need not wait for the mirrors to advance: every committed id was
+                chosen under a mask built from the same grammar state, so a mirror keeps all
+                its new ids up to and including the first stop id (which ends the grammar)
+                and no id after it. The mirrors' actual verdicts are in the result; rows
+                where they differ are in ``mismatched``.
 
         Returns:
             :class:`PoolBuildResult`: batch indices walked (mirror not terminated), those
@@ -261,12 +274,15 @@ class MaskWorkerPool:
                   n: int, time_limit_s: float, while_waiting: Any,
                   on_verdicts: Callable[[PoolBuildResult], None] | None) -> PoolBuildResult:
         """Send each worker its requests' new ids (and the ``[3, bs, N]`` tree links: rows
-        ``>= bs`` advance only); gather the verdicts (each worker replies twice: verdicts
-        after advancing, walks after walking), call ``on_verdicts``, run ``while_waiting``,
-        gather the walks."""
+        ``>= bs`` advance only), call ``on_verdicts`` with the predicted verdicts, run
+        ``while_waiting``, gather the replies (one per worker, after it advanced and walked)
+        and check the predictions."""
         if self._closed:
             raise MaskPoolError("the mask worker pool is closed")
         jobs: list[list[tuple]] = [[] for _ in range(self.num_workers)]
+        # per row with new ids: (ids not kept, grammar ended) as predicted, and ids sent in all
+        predicted: dict[int, tuple[int, bool]] = {}
+        sent_total: dict[int, int] = {}
         for b, req in enumerate(requests):
             if req is None:
                 continue
@@ -288,6 +304,9 @@ class MaskWorkerPool:
             new_ids = list(req.output_ids[done:])
             self._synced[req.key] = done + len(new_ids)
             jobs[w].append((b, req.key, gid, grammar, new_ids))
+            if new_ids:
+                sent_total[b] = done + len(new_ids)
+                predicted[b] = self._predict(new_ids)
         busy = []
         for w, job in enumerate(jobs):
             if job or self._released[w]:
@@ -298,29 +317,46 @@ class MaskWorkerPool:
                     raise MaskPoolError(f"mask worker {w} died") from e
                 self._released[w], self._dropped[w] = [], []
                 busy.append(w)
+        guess = PoolBuildResult([], [])
+        for b, (rejected, ended) in predicted.items():
+            if rejected:
+                guess.rejected[b] = rejected
+            if ended:
+                guess.terminated.append(b)
         out = PoolBuildResult([], [])
-        for w in busy:  # the verdicts come first, right after the mirrors advanced
-            rejected, terminated = self._recv(w)
-            out.rejected.update(rejected)
-            out.terminated += terminated
-        out.terminated.sort()
         self._walks_pending = busy[::-1]
         try:
             if on_verdicts is not None:
-                on_verdicts(out)
+                on_verdicts(guess)
             if while_waiting is not None:
                 while_waiting()
-        finally:  # read the second replies even when a callback raised: keep the protocol
+        finally:  # read the replies even when a callback raised: keep the protocol
             self._walks_pending = None
             for w in busy:
-                walked, timed_out, busy_s = self._recv(w)
+                rejected, terminated, walked, timed_out, busy_s = self._recv(w)
+                out.rejected.update(rejected)
+                out.terminated += terminated
                 out.worker_busy_ms.append(busy_s * 1e3)
                 out.walked += walked
                 out.timed_out += timed_out
         self.num_builds += 1
+        ended = set(out.terminated)
+        for b in predicted.keys() | out.rejected.keys() | ended:
+            actual = (out.rejected.get(b, 0), b in ended)
+            if actual != predicted.get(b, (0, False)):
+                out.mismatched[b] = (sent_total.get(b, 0), *actual)
+        out.terminated.sort()
         out.walked.sort()
         out.timed_out.sort()
         return out
+
+    def _predict(self, new_ids: list[int]) -> tuple[int, bool]:
+        """The mirror's verdict on ``new_ids`` when they obey the grammar: all kept up to and
+        including the first stop id, which ends the grammar; none after it."""
+        for i, tok in enumerate(new_ids):
+            if tok in self._stop_set:
+                return len(new_ids) - i - 1, True
+        return 0, False
 
     def walks_ready(self) -> bool:
         """Whether every worker of the build in progress has replied with its walks, so the
@@ -408,8 +444,8 @@ def _worker_main(conn: Connection) -> None:
                 mirrors.pop(key, None)
             for gid in dropped:
                 grammars.pop(gid, None)
-            # Pass 1: advance every mirror and send the verdicts at once (the host applies
-            # them, then does its text work while pass 2 walks the trees).
+            # Pass 1: advance every mirror (the host has already applied the verdicts it
+            # predicted; these check them).
             terminated: list[int] = []
             rejected: dict[int, int] = {}
             live: list[tuple[int, Matcher]] = []
@@ -426,7 +462,6 @@ def _worker_main(conn: Connection) -> None:
                     terminated.append(b)
                 if links is not None and b < bs:  # rows >= bs (or no links): advance only
                     live.append((b, m))
-            conn.send((rejected, terminated))
             # Pass 2: walk the trees into the slab.
             walked, timed_out = [], []
             if live:
@@ -440,7 +475,7 @@ def _worker_main(conn: Connection) -> None:
                 walked.append(b)
                 if not walk_tree(m, nt_all[b], ns_all[b], dt_all[b], rows, time_limit_s):
                     timed_out.append(b)
-            conn.send((walked, timed_out, time.perf_counter() - t0))
+            conn.send((rejected, terminated, walked, timed_out, time.perf_counter() - t0))
         except Exception as e:  # noqa: BLE001 - the parent raises it
             conn.send(e)
     del slab

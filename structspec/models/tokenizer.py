@@ -149,6 +149,7 @@ class IncrementalDetokenizer:
         self._tok = tokenizer
         self._skip = skip_special_tokens
         self._ids: list[int] = list(prompt_ids)
+        self._prompt_len = len(self._ids)
         self._read = len(self._ids)
         self._prefix = max(self._read - _PREFIX_WINDOW, 0)
         self.text = ""  # everything emitted so far
@@ -167,6 +168,16 @@ class IncrementalDetokenizer:
         self._prefix, self._read = self._read, len(self._ids)
         self.text += delta
         return delta
+
+    def restart(self, token_ids: Sequence[int]) -> str:
+        """Forget every generated id, then :meth:`add` ``token_ids``; returns the whole text
+        (for an output whose tail was cut after it was detokenized)."""
+        del self._ids[self._prompt_len :]
+        self._read = self._prompt_len
+        self._prefix = max(self._read - _PREFIX_WINDOW, 0)
+        self.text = ""
+        self.add(token_ids)
+        return self.text
 
     def flush(self) -> str:
         """At the end of the request: return held-back text (e.g. a dangling U+FFFD)."""

@@ -9,9 +9,10 @@ B. The *grammar barrier* (with overlap it runs after the next verify launch, und
    forward): the grammar state advances over the ids committed since the last barrier, exactly
    once. It must run before the next bitmask is built, which reads that state. Either
    :func:`advance_grammar` advances the request's own matcher, or a mask worker's mirror
-   matcher advanced (the worker pool, host trees) and :func:`settle_grammar_advance` applies
-   its verdict; the host matcher then lags behind (``Req.num_grammar_advanced``) and catches up
-   in :func:`advance_grammar` only when the host needs it again.
+   matcher advances (the worker pool, host trees) and :func:`settle_grammar_advance` applies
+   its verdict (predicted from the ids before the mirror has advanced, then checked); the host
+   matcher then lags behind (``Req.num_grammar_advanced``) and catches up in
+   :func:`advance_grammar` only when the host needs it again.
 C. :func:`process_text` (with overlap: after the next launch too): detokenize, apply stop
    strings; ids past a stop string are removed again and rolled back from the matcher, so the
    matcher has accepted exactly the committed ids.

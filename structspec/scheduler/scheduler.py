@@ -265,11 +265,44 @@ class Scheduler:
 
     @staticmethod
     def _apply_verdicts(reqs: Sequence[Req], result: PoolBuildResult) -> None:
-        """Apply the mirrors' verdicts (ids not kept, grammar ended) to ``reqs`` (indexed as
-        the pool saw them); the host matchers lag and replay only when needed."""
+        """Apply the mirrors' verdicts (ids not kept, grammar ended; actual or predicted, see
+        ``MaskWorkerPool.build``) to ``reqs`` (indexed as the pool saw them); the host
+        matchers lag and replay only when needed."""
         terminated = set(result.terminated)
         for b in sorted(terminated | result.rejected.keys()):
             settle_grammar_advance(reqs[b], result.rejected.get(b, 0), b in terminated)
+
+    @staticmethod
+    def _settle_mismatches(reqs: Sequence[Req],
+                           mismatched: dict[int, tuple[int, int, bool]]) -> None:
+        """End the requests whose mirror refused committed ids that the predicted verdict kept
+        (indexed as the pool saw them; see ``PoolBuildResult.mismatched``).
+
+        Committed ids are chosen under the grammar's mask, so this happens only when the
+        grammar engine's mask and its matcher disagree. The request ends with an error, as
+        the host matcher's barrier would end it, and the refused ids are cut before anything
+        is reported: outputs are collected at the end of the step, after this. Their text,
+        which the step's text work may already have made, is rebuilt from the kept ids.
+        """
+        for b, (sent, rejected, _ended) in sorted(mismatched.items()):
+            req = reqs[b]
+            keep = min(len(req.output_ids), sent - rejected)
+            cut = len(req.output_ids) - keep
+            first = req.output_ids[keep] if cut else None
+            logger.error("request %s: the grammar mirror refused %d committed id(s) that the "
+                         "mask had allowed (first: %s); the request ends with an error",
+                         req.request_id, rejected, first)
+            if cut:
+                del req.output_ids[keep:]
+                req.spec.committed_tokens -= cut
+            if req.num_detokenized > keep:
+                req.num_detokenized = keep
+                if req.detokenizer is not None:
+                    req.text = req.detokenizer.restart(req.output_ids)
+            req.finish(FinishReason.ABORT, force=True, error=(
+                f"grammar rejected token {first} after {keep} output tokens" if cut else
+                "the grammar state diverged from the committed tokens"))
+            _trim_logprobs(req)
 
     def _finish_deferred(self) -> None:
         """Run the grammar advance and text processing a previous step deferred."""
@@ -398,9 +431,10 @@ class Scheduler:
         # A host tree is there already: its mask goes first (the forward is waiting for it).
         # With mirror matchers (worker pool, host tree) the pool's build advances this batch's
         # grammar state, and that of the previous step's requests that left the batch in the
-        # same round trip; its verdicts arrive before the walks end, so the text work runs
-        # while the workers walk. Decided once per step, over the batch and those that left
-        # it (a lagging one among them must advance in its mirror too).
+        # same round trip; the verdicts predicted from the new ids are applied as the build
+        # is sent (the mirrors' own arrive with the walks and check them), so the text work
+        # runs while the workers advance and walk. Decided once per step, over the batch and
+        # those that left it (a lagging one among them must advance in its mirror too).
         in_batch = set(map(id, reqs))
         left = [r for r in deferred if id(r) not in in_batch]
         mirrors = self._mirrors_serve([*reqs, *left])
@@ -562,9 +596,11 @@ class Scheduler:
         at least as many constrained requests as it has workers.
 
         ``mirrors``: the pool's mirror matchers are this step's grammar barrier for ``reqs``
-        and ``mirror_extra`` (the previous step's requests that left the batch): their
-        verdicts are applied as soon as they arrive, before ``barrier`` (then the previous
-        step's text work) runs while the workers walk.
+        and ``mirror_extra`` (the previous step's requests that left the batch): the verdicts
+        predicted from the new ids are applied as soon as the build is sent, before
+        ``barrier`` (then the previous step's text work) runs while the workers advance and
+        walk; a mirror's verdict that contradicts its prediction ends that request
+        (:meth:`_settle_mismatches`).
         """
         matchers = [r.matcher for r in reqs]
         pool = self.mask_pool
@@ -578,6 +614,8 @@ class Scheduler:
                     advance_only=[q for q in self._pool_requests(extra) if q is not None],
                     on_verdicts=(lambda res: self._apply_verdicts([*reqs, *extra], res))
                     if mirrors else None)
+                if mirrors and mask is not None and mask.mirror is not None:
+                    self._settle_mismatches([*reqs, *extra], mask.mirror.mismatched)
                 self.timer.phase("mask")
                 return mask
             except MaskPoolError as e:

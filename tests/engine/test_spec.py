@@ -218,6 +218,55 @@ def test_mask_worker_processes_give_identical_outputs(make_llm, draft_paths, alg
         assert host_ids[0] >= constrained, (host_ids[0], constrained)
 
 
+def test_committed_id_the_grammar_forbids_is_never_reported(make_llm,
+                                                             monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    """With mirror matchers the scheduler applies the verdicts it predicts from the new ids
+    and checks the mirrors' own verdicts when the walks arrive. A committed id that breaks
+    the grammar (planted here; in the engine only a mask/matcher disagreement could commit
+    one) contradicts the prediction: that request ends with a grammar error in the same step,
+    the id is cut and its text dropped before anything is reported; the others run on."""
+    from structspec.scheduler import scheduler as sched_mod
+
+    params = [SamplingParams(max_tokens=40, grammar=JsonSchemaSpec(PERSON_SCHEMA))
+              for _ in range(4)]
+    ref = make_llm(**SPEC_CONFIGS["ngram"]({})).generate(PROMPTS[:4], params)
+    with pool_llm(**SPEC_CONFIGS["ngram"]({})) as llm:
+        (newline,) = llm.engine.tokenizer.encode("\n")  # raw newlines break compact JSON
+        commit = sched_mod.commit_tokens
+        planted: dict[str, int] = {}
+
+        def commit_with_a_bad_id(req, run, t):  # type: ignore[no-untyped-def]
+            if not planted and req.matcher is not None and len(req.output_ids) >= 4:
+                planted[req.request_id] = len(req.output_ids) + 1
+                run = run[:1] + [newline]  # the target's first token, then the bad id
+            return commit(req, run, t)
+
+        settle = sched_mod.Scheduler._settle_mismatches
+        seen: list[dict[int, tuple[int, int, bool]]] = []
+
+        def recording_settle(reqs, mismatched) -> None:  # type: ignore[no-untyped-def]
+            if mismatched:
+                seen.append(dict(mismatched))
+            settle(reqs, mismatched)
+
+        monkeypatch.setattr(sched_mod, "commit_tokens", commit_with_a_bad_id)
+        monkeypatch.setattr(sched_mod.Scheduler, "_settle_mismatches",
+                            staticmethod(recording_settle))
+        got = llm.generate(PROMPTS[:4], params)
+    (rid, kept), = planted.items()
+    # the mirrors caught it (the in-process barrier would have ended the request too)
+    assert len(seen) == 1 and [v[1:] for v in seen[0].values()] == [(1, False)], seen
+    for a, b in zip(ref, got, strict=True):
+        if b.request_id == rid:
+            assert b.finish_reason == FinishReason.ABORT, b
+            assert f"grammar rejected token {newline}" in (b.error or ""), b.error
+            assert b.token_ids == a.token_ids[:kept] and newline not in b.token_ids
+            assert "\n" not in b.text and a.text.startswith(b.text)
+        else:
+            assert b.error is None and b.schema_valid in (True, None), b
+
+
 LIST_SCHEMA = {"type": "object", "properties": {"items": {"type": "array",
                                                           "items": {"type": "string"}}},
                "required": ["items"]}

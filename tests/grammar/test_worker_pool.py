@@ -13,7 +13,7 @@ import torch
 from structspec.core import JsonSchemaSpec, RegexSpec
 from structspec.grammar import GrammarBackend, GrammarTree, Matcher, build_grammar_vocab_mask
 from structspec.grammar.tree import build_grammar_vocab_mask_pooled
-from structspec.grammar.worker_pool import MaskWorkerPool, PoolRequest
+from structspec.grammar.worker_pool import MaskWorkerPool, PoolBuildResult, PoolRequest
 from structspec.spec.tree import VerifyTree
 
 from .conftest import STOP_ID
@@ -160,7 +160,8 @@ def test_mirror_verdicts_match_host_matchers(pool: MaskWorkerPool, backend: Gram
                                              hf_tokenizer: Any) -> None:
     """The mirrors' verdicts on new ids (how many not kept, grammar ended) equal the host
     matcher's ``accept_run``, for ``advance`` and for a build's advance-only requests, when
-    the ids arrive in two parts."""
+    the ids arrive in two parts; a build's predicted verdicts equal them unless an id breaks
+    the grammar, and then the row is in ``mismatched``."""
     compiled = backend.compile(JsonSchemaSpec(SCHEMA))
     good = hf_tokenizer.encode(TEXTS[0], add_special_tokens=False)
     probe = backend.create_matcher(compiled)
@@ -171,31 +172,46 @@ def test_mirror_verdicts_match_host_matchers(pool: MaskWorkerPool, backend: Gram
              "rejected": good[:3] + [bad] + good[3:6], "whole": good + [STOP_ID]}
     hosts = {k: backend.create_matcher(compiled) for k in cases}
     splits = {k: len(v) // 2 for k, v in cases.items()}
-    seen_rejected = seen_terminated = False
+    seen_rejected = seen_terminated = seen_mismatch = False
     for part, via_build in ((0, False), (1, True)):
         keys = list(cases)
         reqs = [PoolRequest(f"verdict-{k}", compiled,
                             cases[k][: splits[k]] if part == 0 else cases[k]) for k in keys]
+        guesses: list[PoolBuildResult] = []
         if via_build:
             empty = torch.full((1, N), -1, dtype=torch.int64)
             empty[0, 0] = good[0]
             got = pool.build([None], empty, empty.clamp(max=-1), empty, time_limit_s=1.0,
-                             advance_only=reqs)
+                             advance_only=reqs, on_verdicts=guesses.append)
             offset = 1
         else:
             got = pool.advance(reqs)
             offset = 0
         for j, k in enumerate(keys):
             new = cases[k][: splits[k]] if part == 0 else cases[k][splits[k]:]
+            was_terminated = hosts[k].is_terminated()
             kept = hosts[k].accept_run(new)
             b = j + offset
             assert got.rejected.get(b, 0) == len(new) - kept, (k, part)
             assert (b in got.terminated) == hosts[k].is_terminated(), (k, part)
             seen_rejected |= kept < len(new)
             seen_terminated |= hosts[k].is_terminated()
+            if via_build:
+                # The prediction handed to on_verdicts (before any reply) equals the mirror's
+                # verdict for ids that obey the grammar; where it does not (an id the grammar
+                # forbids), the row is reported with the mirror's verdict.
+                (guess,) = guesses
+                predicted = (guess.rejected.get(b, 0), b in guess.terminated)
+                actual = (len(new) - kept, hosts[k].is_terminated())
+                obeys = kept == len(new) or (hosts[k].is_terminated() and not was_terminated)
+                if obeys:
+                    assert predicted == actual and b not in got.mismatched, (k, part)
+                else:
+                    assert got.mismatched[b] == (len(cases[k]), *actual), (k, part)
+                    seen_mismatch = True
     for k in cases:
         pool.release(f"verdict-{k}")
-    assert seen_rejected and seen_terminated
+    assert seen_rejected and seen_terminated and seen_mismatch
 
 
 def test_walks_ready_turns_true_once_every_walk_is_in(pool: MaskWorkerPool,
