@@ -113,6 +113,23 @@ GrammarSpec = JsonSchemaSpec | JsonObjectSpec | RegexSpec | EbnfSpec | ChoiceSpe
 # ---------------------------------------------------------------------------------------------
 
 
+
+class PromptTooLongError(ValueError):
+    """A prompt refused before tokenization because it cannot fit the context.
+
+    Attributes:
+        min_tokens: a lower bound on its token count.
+        max_tokens: the limit it was checked against.
+    """
+
+    def __init__(self, min_tokens: int, max_tokens: int) -> None:
+        super().__init__(f"the prompt has at least {min_tokens} tokens; at most {max_tokens} "
+                         "fit")
+        self.min_tokens = min_tokens
+        self.max_tokens = max_tokens
+
+_FLOAT32_MAX = 3.4028234663852886e38
+
 def _is_int(value: object) -> bool:
     """An ``int`` that is not a ``bool`` (``True`` is an ``int`` to Python, not to requests)."""
     return isinstance(value, int) and not isinstance(value, bool)
@@ -171,12 +188,17 @@ class SamplingParams:
             raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")  # torch's range
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        # The sampler divides float32 logits by it: a value past float32's range becomes inf
+        # there, and -inf / inf (a masked logit) is NaN.
+        if (not math.isfinite(self.temperature) or self.temperature < 0
+                or self.temperature > _FLOAT32_MAX):
+            raise ValueError(f"temperature must be a finite number >= 0 that fits float32 "
+                             f"(<= 3.4e38), got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 <= self.top_k < 2**31:  # it travels to the device as an int64 column
+            raise ValueError(f"top_k must be in [0, 2**31) (0 disables it; a value >= the "
+                             f"vocabulary size keeps every token), got {self.top_k}")
         if not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if any(not isinstance(s, str) or not s for s in self.stop):

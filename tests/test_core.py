@@ -44,3 +44,20 @@ def test_seed_outside_torch_range_is_refused(seed: int) -> None:
         SamplingParams(seed=seed).validate()
     SamplingParams(seed=2**64 - 1).validate()
     SamplingParams(seed=-(2**63)).validate()
+
+
+@pytest.mark.parametrize("top_k", [2**31, 2**63, 10**20])
+def test_top_k_past_int32_is_refused(top_k: int) -> None:
+    """A top_k that would overflow the sampler's int64 column once crashed the engine loop
+    (and with it the server); it is a ValueError naming the field."""
+    with pytest.raises(ValueError, match=r"^top_k must be in \[0, 2\*\*31\)"):
+        SamplingParams(temperature=1.0, top_k=top_k).validate()
+    SamplingParams(temperature=1.0, top_k=2**31 - 1).validate()
+
+
+@pytest.mark.parametrize("temperature", [1e39, 1e300])
+def test_temperature_past_float32_is_refused(temperature: float) -> None:
+    """Finite as a Python float, inf as float32: masked -inf logits / inf = NaN."""
+    with pytest.raises(ValueError, match="^temperature must be a finite number >= 0 that fits"):
+        SamplingParams(temperature=temperature).validate()
+    SamplingParams(temperature=3.4e38).validate()

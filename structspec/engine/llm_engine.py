@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from structspec.config import EngineConfig, resolve_engine_config
-from structspec.core import ChatMessages, RequestOutput, SamplingParams, now
+from structspec.core import ChatMessages, PromptTooLongError, RequestOutput, SamplingParams, now
 from structspec.engine.model_runner import ModelRunner
 from structspec.grammar.backend import GrammarBackend
 from structspec.models.default_model import resolve_model_path
@@ -120,20 +120,30 @@ class LLMEngine:
         Raises:
             RequestError: empty prompt, or chat messages for a model without a chat template.
         """
+        # A prompt that cannot fit is refused before tokenization (Tokenizer.encode).
+        limit = self.max_model_len - 1
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             ids = list(prompt)
         elif isinstance(prompt, str):
             if not prompt:
                 raise RequestError("prompt is empty", "prompt")
-            if raw or not self.tokenizer.has_chat_template:
-                ids = self.tokenizer.encode(prompt)
-            else:
-                ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            try:
+                if raw or not self.tokenizer.has_chat_template:
+                    ids = self.tokenizer.encode(prompt, max_tokens=limit)
+                else:
+                    ids = self.tokenizer.apply_chat_template(
+                        [{"role": "user", "content": prompt}], max_tokens=limit)
+            except PromptTooLongError as e:
+                raise self._too_long(e.min_tokens, "prompt", at_least=True) from None
+            except ValueError as e:  # not valid Unicode
+                raise RequestError(str(e), "prompt") from None
         elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
             if not self.tokenizer.has_chat_template:
                 raise RequestError("this model has no chat template; send a raw prompt", "messages")
             try:
-                ids = self.tokenizer.apply_chat_template(list(prompt))
+                ids = self.tokenizer.apply_chat_template(list(prompt), max_tokens=limit)
+            except PromptTooLongError as e:
+                raise self._too_long(e.min_tokens, "messages", at_least=True) from None
             except Exception as e:  # the template's own complaint is the useful message
                 raise RequestError(f"chat template failed: {e}", "messages") from e
         else:
@@ -145,6 +155,11 @@ class LLMEngine:
         if bad:
             raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary", "prompt")
         return ids
+
+    def _too_long(self, num_tokens: int, param: str, *, at_least: bool = False) -> RequestError:
+        return RequestError(
+            f"prompt has {'at least ' if at_least else ''}{num_tokens} tokens; the context "
+            f"holds {self.max_model_len} (prompt + at least one new token must fit)", param)
 
     def add_request(
         self,
@@ -167,9 +182,7 @@ class LLMEngine:
             raise RequestError(str(e), _param_of(str(e))) from e
         ids = self.tokenize_prompt(prompt, raw=raw_prompt)
         if len(ids) >= self.max_model_len:
-            raise RequestError(
-                f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
-                "(prompt + at least one new token must fit)", "prompt")
+            raise self._too_long(len(ids), "prompt")
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Iterable, Sequence
@@ -9,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from structspec.core import PromptTooLongError
 
 # Tokens before the first new one that are re-decoded so that spacing/merges come out right.
 _PREFIX_WINDOW = 5
@@ -63,9 +66,38 @@ class Tokenizer:
         """Number of tokens including added ones (``len(hf)``); may be < the model's rows."""
         return len(self.hf)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; ``add_special_tokens`` adds e.g. BOS where the model wants it."""
+    def encode(self, text: str, add_special_tokens: bool = True, *,
+               max_tokens: int | None = None) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` adds e.g. BOS where the model wants it.
+
+        Args:
+            max_tokens: when given, a text that cannot encode to fewer tokens (longer than
+                ``max_tokens`` times the longest token's characters, with a margin of 2) is
+                refused before it is tokenized: tokenizing a 10 MB prompt takes ~20 s of a
+                server's tokenizer thread, which other requests queue behind.
+
+        Raises:
+            ValueError: ``text`` is not valid Unicode (a lone surrogate, e.g. from a JSON
+                ``"\ud800"`` escape), naming the character index.
+            PromptTooLongError: ``text`` is certainly longer than ``max_tokens`` tokens.
+        """
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # the Rust tokenizer's TypeError would not say why
+            raise ValueError(f"text is not valid Unicode: a lone surrogate "
+                             f"(U+{ord(text[e.start]):04X}) at character {e.start}") from None
+        if max_tokens is not None:
+            at_least = len(text) // (2 * self.max_token_chars)
+            if at_least > max_tokens:
+                raise PromptTooLongError(at_least, max_tokens)
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Characters of the longest vocabulary entry, added tokens included (an upper bound
+        on the characters one token covers for byte-level BPE and SentencePiece vocabularies,
+        whose entries spell one character per byte or character)."""
+        return max(1, max(map(len, self.hf.get_vocab())))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids`` (no clean-up of tokenization spaces, so streaming agrees with it).
@@ -97,15 +129,17 @@ class Tokenizer:
         return str(text)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None
+        self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+        max_tokens: int | None = None,
     ) -> list[int]:
         """Token ids of the rendered chat prompt (``add_generation_prompt=True``); the template
         already contains the special tokens, so none are added.
 
         Raises:
-            ValueError: see :meth:`render_chat`.
+            ValueError: see :meth:`render_chat` and :meth:`encode` (``max_tokens`` too).
         """
-        return self.encode(self.render_chat(messages, tools=tools), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, tools=tools), add_special_tokens=False,
+                           max_tokens=max_tokens)
 
     def detokenizer(self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         """A fresh :class:`IncrementalDetokenizer` for one request."""

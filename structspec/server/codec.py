@@ -28,17 +28,25 @@ class Codec(Protocol):
     """Prompt encoding and output decoding for the HTTP layer."""
 
     def encode_chat(self, messages: list[dict[str, Any]],
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+                    tools: list[dict[str, Any]] | None = None,
+                    max_tokens: int | None = None) -> list[int]:
         """Token ids of a chat rendered through the chat template (generation prompt added;
         ``tools`` are passed to the template).
 
         Raises:
-            ValueError: the model has no chat template or it fails to render.
+            PromptTooLongError: the rendered prompt certainly has more than ``max_tokens``
+                tokens (checked before tokenizing it).
+            ValueError: the model has no chat template or it fails to render, or the text is
+                not valid Unicode.
         """
         ...
 
-    def encode_text(self, text: str) -> list[int]:
-        """Token ids of a raw prompt (special tokens such as BOS added as the model wants)."""
+    def encode_text(self, text: str, max_tokens: int | None = None) -> list[int]:
+        """Token ids of a raw prompt (special tokens such as BOS added as the model wants).
+
+        Raises:
+            PromptTooLongError / ValueError: as :meth:`encode_chat`.
+        """
         ...
 
     def decode(self, token_ids: Sequence[int]) -> str:
@@ -71,11 +79,12 @@ class TokenizerCodec:
         self._token_str = lru_cache(maxsize=65536)(self._token_str_uncached)
 
     def encode_chat(self, messages: list[dict[str, Any]],
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
-        return self.tokenizer.apply_chat_template(messages, tools=tools)
+                    tools: list[dict[str, Any]] | None = None,
+                    max_tokens: int | None = None) -> list[int]:
+        return self.tokenizer.apply_chat_template(messages, tools=tools, max_tokens=max_tokens)
 
-    def encode_text(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+    def encode_text(self, text: str, max_tokens: int | None = None) -> list[int]:
+        return self.tokenizer.encode(text, max_tokens=max_tokens)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(token_ids)

@@ -10,6 +10,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from structspec.core import PromptTooLongError
 from structspec.server.errors import bad_request
 from structspec.server.generation import ChoiceState, GenerationRun
 from structspec.server.params import build_sampling_params, per_choice
@@ -42,7 +43,11 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     messages = [_template_message(m, i) for i, m in enumerate(req.messages)]
     tools = _tools(req)
     try:
-        prompt_ids = await in_thread(state.codec.encode_chat, messages, tools)
+        prompt_ids = await in_thread(state.codec.encode_chat, messages, tools,
+                                     state.max_model_len - 1)
+    except PromptTooLongError as e:
+        check_prompt_length(e.min_tokens, state.max_model_len, "messages", at_least=True)
+        raise  # not reached: the check raises
     except ValueError as e:
         raise bad_request(str(e), "messages") from None
     check_prompt_length(len(prompt_ids), state.max_model_len, "messages")

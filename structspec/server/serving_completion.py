@@ -10,7 +10,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from structspec.core import SamplingParams
+from structspec.core import PromptTooLongError, SamplingParams
 from structspec.server.errors import bad_request
 from structspec.server.generation import ChoiceState, GenerationRun
 from structspec.server.params import build_sampling_params, per_choice
@@ -97,7 +97,13 @@ async def _prompt_ids(state: ServerState, req: CompletionRequest) -> list[list[i
         if isinstance(p, str):
             if not p:
                 raise bad_request("prompt must not be empty", param)
-            ids = await in_thread(state.codec.encode_text, p)
+            try:
+                ids = await in_thread(state.codec.encode_text, p, state.max_model_len - 1)
+            except PromptTooLongError as e:
+                check_prompt_length(e.min_tokens, state.max_model_len, param, at_least=True)
+                raise  # not reached: the check raises
+            except ValueError as e:  # not valid Unicode
+                raise bad_request(str(e), param) from None
         else:
             ids = list(p)
             if not ids:

@@ -83,9 +83,17 @@ def test_seeded_sampling_is_reproducible_in_any_batch(make_llm) -> None:
         ("hi", SamplingParams(max_tokens=8, grammar=RegexSpec("([a-z")), "regex"),
         ([17] * 9000, SamplingParams(max_tokens=8), "context"),
         ("hi", SamplingParams(max_tokens=8, temperature=1.0, seed=2**64), "seed"),
+        ("hi", SamplingParams(max_tokens=8, temperature=1.0, top_k=2**63), "top_k"),
+        ("hi", SamplingParams(max_tokens=8, temperature=1e39), "temperature"),
+        ("a\ud800b", SamplingParams(max_tokens=8), "lone surrogate"),
+        ([{"role": "user", "content": "\udc00"}], SamplingParams(max_tokens=8),
+         "lone surrogate"),
+        # refused untokenized (a 4 MB prompt would take seconds to tokenize)
+        ("word " * 800_000, SamplingParams(max_tokens=8), "prompt has at least"),
     ],
     ids=["empty", "max_tokens_0", "max_tokens_neg", "temperature", "schema_json", "regex",
-         "too_long", "seed_range"],
+         "too_long", "seed_range", "top_k_int64", "temperature_float32", "surrogate",
+         "surrogate_chat", "too_long_untokenized"],
 )
 def test_bad_input_is_local(make_llm, prompt: object, params: SamplingParams, needle: str) -> None:
     llm = make_llm()

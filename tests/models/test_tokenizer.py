@@ -10,6 +10,7 @@ from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from structspec.core import PromptTooLongError
 from structspec.models.tokenizer import Tokenizer
 
 TEXTS = [
@@ -109,3 +110,28 @@ def test_backend_decode_equals_transformers_decode(smollm2_dir: Path) -> None:
         for skip in (True, False):
             assert tok.decode(ids, skip) == tok.hf.decode(
                 ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+
+
+def test_lone_surrogate_is_a_value_error_naming_the_index(smollm2_dir: Path) -> None:
+    """A JSON "\\ud800" escape decodes to a lone surrogate, which the Rust tokenizer refuses
+    with a TypeError that does not say why."""
+    tok = Tokenizer(smollm2_dir)
+    with pytest.raises(ValueError, match=r"lone surrogate \(U\+D800\) at character 2"):
+        tok.encode("ab\ud800cd")
+    with pytest.raises(ValueError, match="lone surrogate"):
+        tok.apply_chat_template([{"role": "user", "content": "x\udc00"}])
+
+
+@pytest.mark.parametrize("unit", ["a", " ", "ab ", "日本", "{\"k\": 1}, ", "\n\n\n"])
+def test_max_tokens_refuses_only_prompts_that_cannot_fit(smollm2_dir: Path, unit: str) -> None:
+    """The untokenized check is a true lower bound: a refused text really has more tokens
+    than the limit (checked by tokenizing it), and a text at the limit is never refused."""
+    tok = Tokenizer(smollm2_dir)
+    limit = 50
+    big = unit * (2 * tok.max_token_chars * (limit + 1) // len(unit) + 1)
+    with pytest.raises(PromptTooLongError) as info:
+        tok.encode(big, max_tokens=limit)
+    assert info.value.min_tokens > limit
+    assert len(tok.encode(big)) >= info.value.min_tokens
+    fits = unit * max(1, limit // 4 // len(unit))
+    assert tok.encode(fits, max_tokens=limit) == tok.encode(fits)

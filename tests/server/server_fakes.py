@@ -41,11 +41,12 @@ class FakeCodec:
     """Character-level :class:`~structspec.server.codec.Codec`."""
 
     def encode_chat(self, messages: list[dict[str, Any]],
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+                    tools: list[dict[str, Any]] | None = None,
+                    max_tokens: int | None = None) -> list[int]:
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
         return [ord(c) for c in text]
 
-    def encode_text(self, text: str) -> list[int]:
+    def encode_text(self, text: str, max_tokens: int | None = None) -> list[int]:
         return [ord(c) for c in text]
 
     def decode(self, token_ids: Sequence[int]) -> str:

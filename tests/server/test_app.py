@@ -279,3 +279,52 @@ def test_openai_sdk_errors_for_model_and_max_tokens(client: TestClient) -> None:
     with pytest.raises(openai.BadRequestError) as br:
         oai.completions.create(model="fake", prompt="x", max_tokens=10**9)
     assert br.value.param == "max_tokens" and br.value.code == "context_length_exceeded"
+
+
+class _CheckingCodec(FakeCodec):
+    """The real codec's input checks on the fake's one-token-per-character encoding."""
+
+    @staticmethod
+    def _check(text: str, max_tokens: int | None) -> None:
+        from structspec.core import PromptTooLongError
+
+        text.encode("utf-8")  # a lone surrogate raises UnicodeEncodeError, a ValueError
+        if max_tokens is not None and len(text) > max_tokens:
+            raise PromptTooLongError(len(text), max_tokens)
+
+    def encode_chat(self, messages: list[dict[str, Any]],
+                    tools: list[dict[str, Any]] | None = None,
+                    max_tokens: int | None = None) -> list[int]:
+        ids = super().encode_chat(messages, tools)
+        self._check("".join(map(chr, ids)), max_tokens)
+        return ids
+
+    def encode_text(self, text: str, max_tokens: int | None = None) -> list[int]:
+        self._check(text, max_tokens)
+        return super().encode_text(text)
+
+
+def test_prompts_refused_by_the_codec_are_400s() -> None:
+    """A prompt the codec refuses untokenized is the usual context_length_exceeded 400 with
+    a lower bound; text that is not valid Unicode is a 400 naming its field (it was a 500)."""
+    engine = FakeEngine(max_model_len=50)
+    state = ServerState(engine=engine, codec=_CheckingCodec(), metrics=ServerMetrics(),
+                        model_name="fake")
+    with TestClient(create_app(state)) as c:
+        r = c.post("/v1/chat/completions",
+                   json={"messages": [{"role": "user", "content": "x" * 80}]})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "context_length_exceeded" and err["param"] == "messages"
+        assert "your prompt has at least" in err["message"]
+        r = c.post("/v1/completions", json={"prompt": ["ok", "y" * 60]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt[1]", r.text
+        r = c.post("/v1/completions", content=b'{"prompt": "a\\ud800b", "max_tokens": 2}',
+                   headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "prompt"
+        assert "surrogate" in r.json()["error"]["message"]
+        assert engine.added == []  # nothing refused reached the engine
+        r = c.post("/v1/completions", json={"prompt": "fine", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert [a[1] for a in engine.added] == [[ord(ch) for ch in "fine"]]
