@@ -18,6 +18,7 @@ from structspec.server.codec import Codec
 from structspec.server.engine_client import AsyncEngine
 from structspec.server.errors import APIError, bad_request, model_not_found, unavailable
 from structspec.server.generation import ChoiceState, GenerationRun, LogprobEntry, error_for
+from structspec.server.jsontext import loads_client_json
 from structspec.server.metrics import ServerMetrics
 
 T = TypeVar("T")
@@ -71,13 +72,10 @@ async def read_json(request: Request) -> Any:
     """The request body as JSON.
 
     Raises:
-        APIError: 400 when it is not JSON.
+        APIError: 400 when it is not JSON, or is JSON that Python's parser refuses (nesting
+            too deep, an integer literal over the digit limit: the field is named).
     """
-    body = await request.body()
-    try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"the request body is not valid JSON: {e}") from None
+    return loads_client_json(await request.body(), what="the request body")
 
 
 def dumps(obj: Any) -> str:

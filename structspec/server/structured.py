@@ -22,7 +22,6 @@ the engine process; its error comes back asynchronously and becomes a 400 there.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from structspec.core import (
@@ -34,6 +33,7 @@ from structspec.core import (
     RegexSpec,
 )
 from structspec.server.errors import bad_request
+from structspec.server.jsontext import loads_client_json
 from structspec.server.protocol import ResponseFormat, SamplingRequest, StructuredOutputs
 
 
@@ -149,10 +149,9 @@ def _schema_spec(value: Any, param: str, *, strict: bool | None) -> JsonSchemaSp
     """A JSON Schema given as an object, a boolean, or JSON text."""
     schema = value
     if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as e:
-            raise bad_request(f"{param} is a string but not valid JSON: {e}", param) from None
+        # Any refusal of the parser (not only a JSONDecodeError: deep nesting, huge integer
+        # literals) is the client's input, so a 400 naming the field.
+        schema = loads_client_json(schema, what=f"{param} (a string)", param=param)
     if not isinstance(schema, (dict, bool)):
         raise bad_request(f"{param} must be a JSON Schema object, got {type(schema).__name__}",
                           param)

@@ -279,3 +279,55 @@ def test_openai_sdk_errors_for_model_and_max_tokens(client: TestClient) -> None:
     with pytest.raises(openai.BadRequestError) as br:
         oai.completions.create(model="fake", prompt="x", max_tokens=10**9)
     assert br.value.param == "max_tokens" and br.value.code == "context_length_exceeded"
+
+
+def post_raw(client: TestClient, path: str, raw: str) -> Any:
+    """POST ``raw`` as a JSON body; the response."""
+    return client.post(path, content=raw.encode(), headers={"content-type": "application/json"})
+
+
+CHAT_HEAD = '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, '
+
+
+@pytest.mark.parametrize("path,raw,param,words", [
+    # an integer literal over Python's 4300-digit limit: the field holding it is named
+    ("/v1/chat/completions", CHAT_HEAD + '"seed": ' + "1" * 5000 + "}", "seed",
+     "integer literal of 5000 digits exceeds the limit of 4300 digits"),
+    ("/v1/chat/completions", CHAT_HEAD + '"json_schema": {"properties": {"a": {"maximum": -'
+     + "9" * 4400 + "}}}}", "json_schema.properties.a.maximum", "4400 digits"),
+    ("/v1/completions", '{"prompt": [1, ' + "2" * 5000 + "]}", "prompt[1]", "5000 digits"),
+    # nesting past the recursion limit: no field can be named
+    ("/v1/chat/completions", CHAT_HEAD + '"foo": ' + "[" * 100_000 + "]" * 100_000 + "}", None,
+     "the request body nests arrays/objects too deeply"),
+    ("/v1/completions", '{"prompt": "x", "foo": ' + "{\"a\": " * 100_000 + "1" + "}" * 100_001,
+     None, "too deeply"),
+], ids=["huge-seed", "huge-int-in-schema", "huge-token-id", "deep-chat", "deep-completion"])
+def test_json_python_refuses_is_400_not_500(client: TestClient, path: str, raw: str,
+                                            param: str | None, words: str) -> None:
+    """Valid JSON that ``json.loads`` refuses (digit limit, recursion) is the client's input:
+    a 400 naming the field where there is one, never a 500."""
+    engine: FakeEngine = client.app.state.server.engine  # type: ignore[attr-defined]
+    r = post_raw(client, path, raw)
+    assert r.status_code == 400, r.text[:500]
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param, err
+    assert words in err["message"], err
+    assert engine.added == []
+
+
+@pytest.mark.parametrize("text,words", [
+    ('{"type": "integer", "maximum": ' + "7" * 4400 + "}",
+     "integer literal of 4400 digits exceeds the limit of 4300 digits (at /maximum)"),
+    ('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}", "nests arrays/objects too deeply"),
+    ("{nope", "is not valid JSON"),
+], ids=["huge-int", "deep", "not-json"])
+@pytest.mark.parametrize("field", ["json_schema", "guided_json"])
+def test_schema_string_python_refuses_is_400(client: TestClient, field: str, text: str,
+                                            words: str) -> None:
+    """A JSON Schema sent as a JSON *string* is parsed by the server: the same refusals are a
+    400 naming the field."""
+    r = client.post("/v1/chat/completions", json={"messages": MSGS, field: text})
+    assert r.status_code == 400, r.text[:500]
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == field, err
+    assert words in err["message"] and err["message"].startswith(field), err
