@@ -331,3 +331,30 @@ def test_schema_string_python_refuses_is_400(client: TestClient, field: str, tex
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == field, err
     assert words in err["message"] and err["message"].startswith(field), err
+
+
+@pytest.mark.parametrize("path,base", [
+    ("/v1/chat/completions", {"messages": MSGS, "max_tokens": 2}),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2}),
+])
+@pytest.mark.parametrize("field,value", [
+    ("temperature", "0.5"), ("temperature", True), ("top_p", "1"), ("min_p", False),
+    ("stream", "yes"), ("stream", 1), ("ignore_eos", "true"),
+])
+def test_wrong_scalar_types_are_400_over_http(client: TestClient, path: str,
+                                              base: dict[str, Any], field: str,
+                                              value: Any) -> None:
+    """README: "a known field with the wrong type is a 400 naming it" -- no coercion of
+    strings or booleans to numbers, nor of strings or numbers to booleans (a ``"stream":
+    "yes"`` used to stream)."""
+    engine: FakeEngine = client.app.state.server.engine  # type: ignore[attr-defined]
+    r = client.post(path, json={**base, field: value})
+    assert r.status_code == 400, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == field, err
+    assert err["message"].startswith(f"invalid value for '{field}': Input should be a valid "), err
+    assert engine.added == []
+    r = client.post(path, json={**base, "temperature": 1, "top_p": 1})  # JSON ints are numbers
+    assert r.status_code == 200, r.text
+    assert engine.added[-1][2].temperature == 1.0
