@@ -17,7 +17,7 @@ from starlette.responses import Response, StreamingResponse
 from structspec.server.codec import Codec
 from structspec.server.engine_client import AsyncEngine
 from structspec.server.errors import APIError, bad_request, model_not_found, unavailable
-from structspec.server.generation import ChoiceState, GenerationRun, LogprobEntry, error_for
+from structspec.server.generation import ChoiceState, GenerationRun, LogprobEntry
 from structspec.server.jsontext import loads_client_json
 from structspec.server.metrics import ServerMetrics
 
@@ -262,12 +262,12 @@ async def stream_choices(
         while not run.done:
             c = await run.next()
             if c.finished and c.error is not None:
-                failure = error_for(c.final)  # type: ignore[arg-type]
+                failure = c.failure()
                 break
             for e in progress(c):
                 yield e
         if failure is None:
-            failure = next((error_for(c.final) for c in run.choices  # type: ignore[arg-type]
+            failure = next((c.failure() for c in run.choices
                             if c.final is not None and c.error is not None), None)
         if failure is not None:
             run.abort()
@@ -289,5 +289,5 @@ async def finish_or_error(state: ServerState, request: Request,
         return Response(status_code=499)
     for c in run.choices:
         if c.error is not None:
-            return error_response(error_for(c.final), state.metrics)  # type: ignore[arg-type]
+            return error_response(c.failure(), state.metrics)
     return None

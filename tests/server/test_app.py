@@ -358,3 +358,70 @@ def test_wrong_scalar_types_are_400_over_http(client: TestClient, path: str,
     r = client.post(path, json={**base, "temperature": 1, "top_p": 1})  # JSON ints are numbers
     assert r.status_code == 200, r.text
     assert engine.added[-1][2].temperature == 1.0
+
+
+def test_fake_engine_grammar_params_match_the_engine() -> None:
+    """The fake's kind -> param table and the front end's copy are the grammar layer's."""
+    from structspec.grammar.errors import PARAM_BY_KIND
+    from structspec.server.generation import GRAMMAR_KIND_PARAMS
+    from tests.server.server_fakes import ENGINE_GRAMMAR_PARAM
+
+    assert ENGINE_GRAMMAR_PARAM == PARAM_BY_KIND
+    assert GRAMMAR_KIND_PARAMS == frozenset(PARAM_BY_KIND.values())
+
+
+BAD_SCHEMA = {"type": "object", "properties": {"a": {"pattern": "BAD("}}}
+
+
+@pytest.mark.parametrize("body,param", [
+    # the engine says param='regex' / 'ebnf' / 'choice' / 'response_format.json_schema' by
+    # grammar kind; the error must name the field the client actually sent
+    ({"response_format": {"type": "regex", "regex": "BAD("}}, "response_format.regex"),
+    ({"response_format": {"type": "regex", "pattern": "BAD("}}, "response_format.pattern"),
+    ({"response_format": {"type": "ebnf", "ebnf": "root ::= BAD("}}, "response_format.ebnf"),
+    ({"response_format": {"type": "gbnf", "grammar": "root ::= BAD("}},
+     "response_format.grammar"),
+    ({"response_format": {"type": "choice", "choices": ["BAD("]}}, "response_format.choices"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                 "schema": BAD_SCHEMA}}},
+     "response_format.json_schema"),
+    ({"response_format": {"type": "json", "schema": BAD_SCHEMA}}, "response_format.schema"),
+    ({"json_schema": BAD_SCHEMA}, "json_schema"),
+    ({"json_schema": json.dumps(BAD_SCHEMA)}, "json_schema"),
+    ({"guided_json": BAD_SCHEMA}, "guided_json"),
+    ({"regex": "BAD("}, "regex"),
+    ({"guided_regex": "BAD("}, "guided_regex"),
+    ({"grammar": "root ::= BAD("}, "grammar"),
+    ({"guided_grammar": "root ::= BAD("}, "guided_grammar"),
+    ({"guided_choice": ["ok", "BAD("]}, "guided_choice"),
+    ({"structured_outputs": {"regex": "BAD("}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"json": BAD_SCHEMA}}, "structured_outputs.json"),
+    ({"structured_outputs": {"grammar": "root ::= BAD("}}, "structured_outputs.grammar"),
+])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_grammar_error_names_the_field_sent(client: TestClient, body: dict[str, Any],
+                                           param: str, path: str, stream: bool) -> None:
+    base: dict[str, Any] = {"messages": MSGS} if "chat" in path else {"prompt": "x"}
+    r = client.post(path, json={**base, **body, "stream": stream, "max_tokens": 3})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and "missing ')'" in err["message"], err
+    assert err["param"] == param, err
+
+
+@pytest.mark.parametrize("top_logprobs", [21, -1])
+def test_chat_top_logprobs_range_names_top_logprobs(client: TestClient,
+                                                   top_logprobs: int) -> None:
+    r = client.post("/v1/chat/completions", json={"messages": MSGS, "logprobs": True,
+                                                 "top_logprobs": top_logprobs})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "top_logprobs", err
+    assert err["message"] == f"top_logprobs must be between 0 and 20, got {top_logprobs}"
+    # completions' own field is 'logprobs'
+    r = client.post("/v1/completions", json={"prompt": "x", "logprobs": top_logprobs})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "logprobs", err
+    assert err["message"] == f"logprobs must be between 0 and 20, got {top_logprobs}"
