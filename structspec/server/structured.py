@@ -15,7 +15,8 @@ Accepted shapes (the union of what sglang, vLLM, TensorRT-LLM and llama.cpp clie
 
 At most one constraint per request (a 400 names both otherwise). ``json_schema.strict``
 maps to :attr:`JsonSchemaSpec.strict`; when a client leaves it out we follow OpenAI's default
-(``false``: best effort, the output is checked afterwards and ``schema_valid`` reported).
+(``false``: best effort). With either value the finished output is checked afterwards and
+``schema_valid`` reported.
 Whether a schema / regex / grammar actually compiles is decided by the grammar compiler in
 the engine process; its error comes back asynchronously and becomes a 400 there. The engine
 names the field from the grammar *kind* (``regex``, ``response_format.json_schema``, ...), not
