@@ -32,6 +32,14 @@ LogprobEntry = tuple[int, float, list[tuple[int, float]]]
 
 SHUTDOWN_ERRORS = ("server is shutting down", "engine process exited", "engine crashed")
 
+GRAMMAR_KIND_PARAMS = frozenset({"response_format.json_schema", "response_format", "regex",
+                                 "ebnf", "choice"})
+"""The ``param`` values the engine gives grammar errors: one per grammar *kind*
+(``structspec.grammar.errors.PARAM_BY_KIND``, copied here because importing
+``structspec.grammar`` loads xgrammar, which the front end does not need). The engine cannot
+know which request field the grammar came from; :func:`error_for` replaces these with the
+field the server read it from."""
+
 
 @dataclass
 class ChoiceState:
@@ -42,6 +50,7 @@ class ChoiceState:
     prompt_ids: list[int]
     params: SamplingParams
     detok: Detokenizer
+    grammar_param: str | None = None  # the request field the grammar was read from
     text: str = ""
     sent_chars: int = 0
     token_ids: list[int] = field(default_factory=list)
@@ -114,19 +123,34 @@ class ChoiceState:
         d = self.final
         if d is None or d.error is None or self.token_ids:
             return None
-        return error_for(d)
+        return self.failure()
+
+    def failure(self) -> APIError:
+        """The HTTP error for this finished, failed choice (:func:`error_for`)."""
+        if self.final is None:  # callers ask finished choices only; never report success
+            return server_error(f"request {self.request_id} has not finished")
+        return error_for(self.final, self.grammar_param)
 
 
-def error_for(delta: EngineDelta) -> APIError:
-    """Map a failed engine request to an HTTP error (400 for bad input)."""
+def error_for(delta: EngineDelta, grammar_param: str | None = None) -> APIError:
+    """Map a failed engine request to an HTTP error (400 for bad input).
+
+    Args:
+        grammar_param: the request field the request's grammar was read from; a grammar
+            error (its ``error_param`` one of :data:`GRAMMAR_KIND_PARAMS`) names it instead
+            of the engine's kind-based name (``regex`` for a ``response_format`` regex).
+    """
     msg = delta.error or "request aborted"
     if delta.rejected or delta.error_param is not None:
+        param = delta.error_param
+        if grammar_param is not None and param in GRAMMAR_KIND_PARAMS:
+            param = grammar_param
         code = None
         if "prompt has" in msg and "context" in msg:
             code = "context_length_exceeded"
-        elif delta.error_param is not None and delta.error_param != "prompt":
+        elif param is not None and param != "prompt":
             code = "invalid_request_parameter"
-        return bad_request(msg, delta.error_param, code=code)
+        return bad_request(msg, param, code=code)
     if msg.startswith(SHUTDOWN_ERRORS):
         return unavailable(msg)
     return server_error(msg)
@@ -152,11 +176,13 @@ class GenerationRun:
         request_id: the response id; engine requests are ``{request_id}-{i}``.
         items: ``(prompt_ids, params)`` per choice, in choice order.
         start_s: ``time.perf_counter()`` when the HTTP request arrived.
+        grammar_param: the request field the grammar (if any) was read from, named by its
+            compile errors (:func:`error_for`).
     """
 
     def __init__(self, engine: AsyncEngine, codec: Codec, metrics: ServerMetrics,
                  request_id: str, items: Sequence[tuple[list[int], SamplingParams]],
-                 start_s: float) -> None:
+                 start_s: float, grammar_param: str | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
         self.request_id = request_id
@@ -164,7 +190,7 @@ class GenerationRun:
         self.queue: asyncio.Queue[EngineDelta] = asyncio.Queue()
         self.choices = [
             ChoiceState(index=i, request_id=f"{request_id}-{i}", prompt_ids=ids, params=params,
-                        detok=codec.detokenizer(ids))
+                        detok=codec.detokenizer(ids), grammar_param=grammar_param)
             for i, (ids, params) in enumerate(items)
         ]
         self._by_rid = {c.request_id: c for c in self.choices}

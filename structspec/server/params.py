@@ -34,12 +34,15 @@ def build_sampling_params(
     prompt_len: int,
     max_model_len: int,
     max_tokens_param: str = "max_tokens",
+    logprobs_param: str = "logprobs",
 ) -> SamplingParams:
     """Sampling parameters of choice 0 (see :func:`per_choice` for the others).
 
     Args:
         max_tokens_param: the request field ``max_tokens`` came from (chat's
             ``max_completion_tokens`` when that was sent), named in its errors.
+        logprobs_param: the request field the number of top log-probs came from (chat's
+            ``top_logprobs``; completions' ``logprobs``), named in its errors.
 
     Raises:
         APIError: 400 naming the bad or unsupported field; ``context_length_exceeded``
@@ -59,8 +62,8 @@ def build_sampling_params(
         check_context_length(prompt_len, max_tokens, max_model_len, max_tokens_param,
                              "messages" if isinstance(req, ChatCompletionRequest) else "prompt")
     if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
-        raise bad_request(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {logprobs}",
-                          "logprobs")
+        raise bad_request(f"{logprobs_param} must be between 0 and {MAX_TOP_LOGPROBS}, got "
+                          f"{logprobs}", logprobs_param)
     stop: tuple[str, ...] = ()
     if isinstance(req.stop, str):
         stop = (req.stop,) if req.stop else ()
@@ -85,7 +88,11 @@ def build_sampling_params(
     try:
         params.validate()
     except ValueError as e:
+        # The message starts with the SamplingParams field; name the request field it came
+        # from (chat's max_completion_tokens / top_logprobs are stored as max_tokens /
+        # logprobs).
         field = str(e).split(" ", 1)[0]
+        field = {"max_tokens": max_tokens_param, "logprobs": logprobs_param}.get(field, field)
         raise bad_request(str(e), field if field.isidentifier() else None) from None
     return params
 

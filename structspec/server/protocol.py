@@ -1,7 +1,10 @@
 """Pydantic models of the OpenAI requests the server accepts.
 
 Unknown fields are ignored (``extra="allow"``), as OpenAI does; a known field of the wrong
-type is a 400 naming the field (:func:`parse_request`). Besides the OpenAI fields, requests
+type is a 400 naming the field (:func:`parse_request`). Types are not coerced: integer fields
+take JSON integers only (``StrictInt``), number fields JSON numbers only (:data:`JsonFloat`:
+an integer or a float, never ``"0.5"`` or ``true``), boolean fields ``true``/``false`` only
+(``StrictBool``: never ``"yes"`` or ``1``). Besides the OpenAI fields, requests
 accept the structured-output keys of sglang, vLLM (current ``structured_outputs`` and the
 older ``guided_*``), TensorRT-LLM and llama.cpp; :mod:`structspec.server.structured` maps
 them to one grammar. Responses are plain dicts built in ``serving_*.py``.
@@ -9,13 +12,48 @@ them to one grammar. Responses are plain dicts built in ``serving_*.py``.
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    ValidationError,
+)
+from pydantic_core import PydanticCustomError
 
 from structspec.server.errors import APIError, bad_request
 
-SchemaValue = dict[str, Any] | bool | str
+SchemaValue = dict[str, Any] | StrictBool | str
+"""A JSON Schema: an object, a boolean schema (``true``/``false`` only: a lax bool would
+take ``1`` as ``true``, the schema that allows everything), or JSON text."""
+
+
+def _json_number(value: Any) -> Any:
+    """Let only JSON numbers through to the float validator.
+
+    Pydantic's lax ``float`` also takes numeric strings (``"0.5"``) and booleans (``true`` ->
+    1.0), which would run a request with a value the client never sent as a number. Its
+    ``StrictFloat`` is not used because whether it accepts an ``int`` has varied between
+    pydantic versions, and a JSON ``1`` for ``temperature`` must stay valid. ``bool`` is
+    checked first because it is a subclass of ``int``.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise PydanticCustomError("float_type", "Input should be a valid number")
+    if isinstance(value, int):
+        try:
+            float(value)
+        except OverflowError:  # a JSON number all the same; say why it is refused
+            raise PydanticCustomError("finite_number",
+                                      "Input should be a finite number") from None
+    return value
+
+
+JsonFloat = Annotated[float, BeforeValidator(_json_number)]
+"""A float field that accepts JSON numbers only (int or float; not bool, not a string)."""
 
 
 class OpenAIModel(BaseModel):
@@ -33,7 +71,7 @@ class JsonSchemaFormat(OpenAIModel):
     name: str | None = None
     description: str | None = None
     schema_: SchemaValue | None = Field(default=None, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class ResponseFormat(OpenAIModel):
@@ -46,7 +84,7 @@ class ResponseFormat(OpenAIModel):
     type: str
     json_schema: JsonSchemaFormat | None = None
     schema_: SchemaValue | None = Field(default=None, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
     regex: str | None = None
     pattern: str | None = None
     ebnf: str | None = None
@@ -63,15 +101,15 @@ class StructuredOutputs(OpenAIModel):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
-    json_object: bool | None = None
+    json_object: StrictBool | None = None
     structural_tag: Any = None
 
 
 class StreamOptions(OpenAIModel):
     """``stream_options``: ``include_usage`` adds a final chunk with ``usage``."""
 
-    include_usage: bool | None = False
-    continuous_usage_stats: bool | None = False
+    include_usage: StrictBool | None = False
+    continuous_usage_stats: StrictBool | None = False
 
 
 # --------------------------------------------------------------------------- common fields
@@ -82,21 +120,21 @@ class SamplingRequest(OpenAIModel):
 
     model: str | None = None
     max_tokens: StrictInt | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: JsonFloat | None = None
+    top_p: JsonFloat | None = None
     top_k: StrictInt | None = None
-    min_p: float | None = None
+    min_p: JsonFloat | None = None
     seed: StrictInt | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[StrictInt] | None = None
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     n: StrictInt = 1
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: JsonFloat | None = None
+    frequency_penalty: JsonFloat | None = None
+    repetition_penalty: JsonFloat | None = None
+    logit_bias: dict[str, JsonFloat] | None = None
     user: str | None = None
     # structured outputs, every shape clients send
     response_format: ResponseFormat | None = None
@@ -135,7 +173,7 @@ class ChatCompletionRequest(SamplingRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = None
-    logprobs: bool | None = False
+    logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -147,9 +185,9 @@ class ChatCompletionRequest(SamplingRequest):
 class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``; ``prompt`` is text, token ids, or a list of either."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     logprobs: StrictInt | None = None
-    echo: bool = False
+    echo: StrictBool = False
     suffix: str | None = None
     best_of: StrictInt | None = None
 

@@ -17,7 +17,8 @@ from starlette.responses import Response, StreamingResponse
 from structspec.server.codec import Codec
 from structspec.server.engine_client import AsyncEngine
 from structspec.server.errors import APIError, bad_request, model_not_found, unavailable
-from structspec.server.generation import ChoiceState, GenerationRun, LogprobEntry, error_for
+from structspec.server.generation import ChoiceState, GenerationRun, LogprobEntry
+from structspec.server.jsontext import loads_client_json
 from structspec.server.metrics import ServerMetrics
 
 T = TypeVar("T")
@@ -71,13 +72,10 @@ async def read_json(request: Request) -> Any:
     """The request body as JSON.
 
     Raises:
-        APIError: 400 when it is not JSON.
+        APIError: 400 when it is not JSON, or is JSON that Python's parser refuses (nesting
+            too deep, an integer literal over the digit limit: the field is named).
     """
-    body = await request.body()
-    try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"the request body is not valid JSON: {e}") from None
+    return loads_client_json(await request.body(), what="the request body")
 
 
 def dumps(obj: Any) -> str:
@@ -267,12 +265,12 @@ async def stream_choices(
         while not run.done:
             c = await run.next()
             if c.finished and c.error is not None:
-                failure = error_for(c.final)  # type: ignore[arg-type]
+                failure = c.failure()
                 break
             for e in progress(c):
                 yield e
         if failure is None:
-            failure = next((error_for(c.final) for c in run.choices  # type: ignore[arg-type]
+            failure = next((c.failure() for c in run.choices
                             if c.final is not None and c.error is not None), None)
         if failure is not None:
             run.abort()
@@ -294,5 +292,5 @@ async def finish_or_error(state: ServerState, request: Request,
         return Response(status_code=499)
     for c in run.choices:
         if c.error is not None:
-            return error_response(error_for(c.final), state.metrics)  # type: ignore[arg-type]
+            return error_response(c.failure(), state.metrics)
     return None

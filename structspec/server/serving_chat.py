@@ -28,7 +28,7 @@ from structspec.server.serving import (
     start_stream,
     stream_choices,
 )
-from structspec.server.structured import grammar_from_request
+from structspec.server.structured import grammar_and_field
 
 ROLES = {"system", "user", "assistant", "tool", "developer"}
 
@@ -39,7 +39,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     state.require_ready()
     req = parse_request(ChatCompletionRequest, await read_json(request))
     state.check_model(req.model)
-    grammar = grammar_from_request(req)
+    grammar, grammar_param = grammar_and_field(req)
     messages = [_template_message(m, i) for i, m in enumerate(req.messages)]
     tools = _tools(req)
     try:
@@ -63,10 +63,12 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     params = build_sampling_params(req, grammar=grammar, max_tokens=max_tokens,
                                    logprobs=logprobs, prompt_len=len(prompt_ids),
                                    max_model_len=state.max_model_len,
-                                   max_tokens_param=max_tokens_param)
+                                   max_tokens_param=max_tokens_param,
+                                   logprobs_param="top_logprobs")
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     run = GenerationRun(state.engine, state.codec, state.metrics, rid,
-                        [(prompt_ids, p) for p in per_choice(params, req.n)], start_s)
+                        [(prompt_ids, p) for p in per_choice(params, req.n)], start_s,
+                        grammar_param=grammar_param)
     created = int(time.time())
     if req.stream:
         if not await start_stream(request, run):

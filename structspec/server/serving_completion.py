@@ -28,7 +28,7 @@ from structspec.server.serving import (
     start_stream,
     stream_choices,
 )
-from structspec.server.structured import grammar_from_request
+from structspec.server.structured import grammar_and_field
 
 
 async def create_completion(state: ServerState, request: Request) -> Response:
@@ -43,7 +43,7 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of is not supported (leave it unset or equal to n)", "best_of",
                           code="unsupported")
-    grammar = grammar_from_request(req)
+    grammar, grammar_param = grammar_and_field(req)
     prompts = await _prompt_ids(state, req)
     texts = [p if isinstance(p, str) else None for p in _prompt_list(req)]
     items: list[tuple[list[int], SamplingParams]] = []
@@ -54,7 +54,8 @@ async def create_completion(state: ServerState, request: Request) -> Response:
         items.extend((ids, p) for p in per_choice(params, req.n))
     prompt_tokens = sum(len(ids) for ids in prompts)
     rid = f"cmpl-{uuid.uuid4().hex}"
-    run = GenerationRun(state.engine, state.codec, state.metrics, rid, items, start_s)
+    run = GenerationRun(state.engine, state.codec, state.metrics, rid, items, start_s,
+                        grammar_param=grammar_param)
     created = int(time.time())
     echo = [_echo_text(state, texts[c.index // req.n], c.prompt_ids) if req.echo else ""
             for c in run.choices]

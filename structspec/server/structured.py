@@ -15,14 +15,17 @@ Accepted shapes (the union of what sglang, vLLM, TensorRT-LLM and llama.cpp clie
 
 At most one constraint per request (a 400 names both otherwise). ``json_schema.strict``
 maps to :attr:`JsonSchemaSpec.strict`; when a client leaves it out we follow OpenAI's default
-(``false``: best effort, the output is checked afterwards and ``schema_valid`` reported).
+(``false``: best effort). With either value the finished output is checked afterwards and
+``schema_valid`` reported.
 Whether a schema / regex / grammar actually compiles is decided by the grammar compiler in
-the engine process; its error comes back asynchronously and becomes a 400 there.
+the engine process; its error comes back asynchronously and becomes a 400 there. The engine
+names the field from the grammar *kind* (``regex``, ``response_format.json_schema``, ...), not
+from where the client put it, so :func:`grammar_and_field` also returns the field the grammar
+was read from and :func:`structspec.server.generation.error_for` names that one instead.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from structspec.core import (
@@ -34,96 +37,122 @@ from structspec.core import (
     RegexSpec,
 )
 from structspec.server.errors import bad_request
+from structspec.server.jsontext import loads_client_json
 from structspec.server.protocol import ResponseFormat, SamplingRequest, StructuredOutputs
+
+Found = tuple[GrammarSpec, str]
+"""A grammar and the request field it was read from (the ``param`` of its errors)."""
 
 
 def grammar_from_request(req: SamplingRequest) -> GrammarSpec | None:
-    """The grammar a request asks for.
+    """The grammar a request asks for (see :func:`grammar_and_field`).
+
+    Raises:
+        APIError: as :func:`grammar_and_field`.
+    """
+    return grammar_and_field(req)[0]
+
+
+def grammar_and_field(req: SamplingRequest) -> tuple[GrammarSpec | None, str | None]:
+    """The grammar a request asks for and the request field it was read from, e.g.
+    ``"regex"``, ``"json_schema"``, ``"response_format.regex"``,
+    ``"response_format.json_schema"``, ``"structured_outputs.grammar"``; ``(None, None)``
+    when there is none.
 
     Raises:
         APIError: 400 for an unknown ``response_format.type``, a missing or mistyped
             constraint value, or more than one constraint.
     """
-    found: list[tuple[str, GrammarSpec]] = []
+    found: list[tuple[str, Found]] = []
     if req.response_format is not None:
-        spec = _from_response_format(req.response_format)
-        if spec is not None:
-            found.append(("response_format", spec))
+        got = _from_response_format(req.response_format)
+        if got is not None:
+            found.append(("response_format", got))
     if req.json_schema is not None:
-        found.append(("json_schema", _schema_spec(req.json_schema, "json_schema", strict=None)))
+        found.append(("json_schema", (_schema_spec(req.json_schema, "json_schema", strict=None),
+                                      "json_schema")))
     if req.guided_json is not None:
-        found.append(("guided_json", _schema_spec(req.guided_json, "guided_json", strict=None)))
+        found.append(("guided_json", (_schema_spec(req.guided_json, "guided_json", strict=None),
+                                      "guided_json")))
     for name in ("regex", "guided_regex"):
         value = getattr(req, name)
         if value is not None:
-            found.append((name, _regex_spec(value, name)))
+            found.append((name, (_regex_spec(value, name), name)))
     for name in ("ebnf", "grammar", "guided_grammar"):
         value = getattr(req, name)
         if value is not None:
-            found.append((name, _ebnf_spec(value, name)))
+            found.append((name, (_ebnf_spec(value, name), name)))
     for name in ("choice", "guided_choice"):
         value = getattr(req, name)
         if value is not None:
-            found.append((name, _choice_spec(value, name)))
+            found.append((name, (_choice_spec(value, name), name)))
     if req.structured_outputs is not None:
-        spec = _from_structured_outputs(req.structured_outputs)
-        if spec is not None:
-            found.append(("structured_outputs", spec))
+        got = _from_structured_outputs(req.structured_outputs)
+        if got is not None:
+            found.append(("structured_outputs", got))
     if len(found) > 1:
         names = ", ".join(n for n, _ in found)
         raise bad_request(f"only one structured-output constraint may be given; got {names}",
                           found[1][0])
-    return found[0][1] if found else None
+    return found[0][1] if found else (None, None)
 
 
-def _from_response_format(rf: ResponseFormat) -> GrammarSpec | None:
+def _from_response_format(rf: ResponseFormat) -> Found | None:
     kind = rf.type
     if kind == "text":
         return None
     if kind == "json_object":
         if rf.schema_ is not None:  # llama.cpp: json_object constrained by a schema
-            return _schema_spec(rf.schema_, "response_format.schema", strict=rf.strict)
-        return JsonObjectSpec()
+            return _schema_spec(rf.schema_, "response_format.schema",
+                                strict=rf.strict), "response_format.schema"
+        return JsonObjectSpec(), "response_format"
     if kind == "json_schema":
         js = rf.json_schema
         if js is not None and js.schema_ is not None:
             strict = js.strict if js.strict is not None else rf.strict
-            return _schema_spec(js.schema_, "response_format.json_schema.schema", strict=strict)
+            # Compile errors name the OpenAI object (as OpenAI does), not its 'schema' key.
+            return _schema_spec(js.schema_, "response_format.json_schema.schema",
+                                strict=strict), "response_format.json_schema"
         if rf.schema_ is not None:
-            return _schema_spec(rf.schema_, "response_format.schema", strict=rf.strict)
+            return _schema_spec(rf.schema_, "response_format.schema",
+                                strict=rf.strict), "response_format.schema"
         raise bad_request("response_format type 'json_schema' needs json_schema.schema",
                           "response_format.json_schema")
     if kind == "json":  # TensorRT-LLM
         if rf.schema_ is None:
-            return JsonObjectSpec()
-        return _schema_spec(rf.schema_, "response_format.schema", strict=rf.strict)
+            return JsonObjectSpec(), "response_format"
+        return _schema_spec(rf.schema_, "response_format.schema",
+                            strict=rf.strict), "response_format.schema"
     if kind == "regex":
-        value = rf.regex if rf.regex is not None else rf.pattern
-        if value is None:
+        if rf.regex is None and rf.pattern is None:
             raise bad_request("response_format type 'regex' needs 'regex' (or 'pattern')",
                               "response_format.regex")
-        return _regex_spec(value, "response_format.regex")
+        key = "regex" if rf.regex is not None else "pattern"
+        param = f"response_format.{key}"
+        return _regex_spec(getattr(rf, key), param), param
     if kind in ("ebnf", "grammar", "gbnf"):
-        value = rf.ebnf if rf.ebnf is not None else rf.grammar
-        if value is None:
+        if rf.ebnf is None and rf.grammar is None:
             raise bad_request(f"response_format type {kind!r} needs 'ebnf' (or 'grammar')",
                               "response_format.ebnf")
-        return _ebnf_spec(value, "response_format.ebnf")
+        key = "ebnf" if rf.ebnf is not None else "grammar"
+        param = f"response_format.{key}"
+        return _ebnf_spec(getattr(rf, key), param), param
     if kind == "choice":
-        value = rf.choices if rf.choices is not None else rf.choice
-        if value is None:
+        if rf.choices is None and rf.choice is None:
             raise bad_request("response_format type 'choice' needs 'choices'",
                               "response_format.choices")
-        return _choice_spec(value, "response_format.choices")
+        key = "choices" if rf.choices is not None else "choice"
+        param = f"response_format.{key}"
+        return _choice_spec(getattr(rf, key), param), param
     if kind == "structural_tag":
         raise bad_request("response_format type 'structural_tag' is not supported",
                           "response_format.type", code="unsupported")
     raise bad_request(
         f"unknown response_format type {kind!r}; expected text, json_object, json_schema, "
-        "json, regex, ebnf, grammar or choice", "response_format.type")
+        "json, regex, ebnf, grammar, gbnf or choice", "response_format.type")
 
 
-def _from_structured_outputs(so: StructuredOutputs) -> GrammarSpec | None:
+def _from_structured_outputs(so: StructuredOutputs) -> Found | None:
     found: list[tuple[str, GrammarSpec]] = []
     if so.json_ is not None:
         found.append(("json", _schema_spec(so.json_, "structured_outputs.json", strict=None)))
@@ -142,17 +171,19 @@ def _from_structured_outputs(so: StructuredOutputs) -> GrammarSpec | None:
         names = ", ".join(n for n, _ in found)
         raise bad_request(f"structured_outputs takes one of json, regex, choice, grammar, "
                           f"json_object; got {names}", "structured_outputs")
-    return found[0][1] if found else None
+    if not found:
+        return None
+    key, spec = found[0]
+    return spec, f"structured_outputs.{key}"
 
 
 def _schema_spec(value: Any, param: str, *, strict: bool | None) -> JsonSchemaSpec:
     """A JSON Schema given as an object, a boolean, or JSON text."""
     schema = value
     if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as e:
-            raise bad_request(f"{param} is a string but not valid JSON: {e}", param) from None
+        # Any refusal of the parser (not only a JSONDecodeError: deep nesting, huge integer
+        # literals) is the client's input, so a 400 naming the field.
+        schema = loads_client_json(schema, what=f"{param} (a string)", param=param)
     if not isinstance(schema, (dict, bool)):
         raise bad_request(f"{param} must be a JSON Schema object, got {type(schema).__name__}",
                           param)

@@ -2,8 +2,10 @@
 
 The fake engine "generates" a scripted text one character (= token) per tick, following the
 engine's semantics: stop strings end the request with the text cut before them,
-``max_tokens`` ends it with ``length``, a grammar decides the script, and a regex containing
-``BAD(`` fails to "compile" (an error delta with ``error_param``, before any token).
+``max_tokens`` ends it with ``length``, a grammar decides the script, and a grammar whose
+text contains ``BAD(`` (a regex, an EBNF grammar, a JSON Schema, a choice) fails to "compile":
+an error delta before any token whose ``error_param`` is the one the real engine gives
+(:data:`ENGINE_GRAMMAR_PARAM`, by grammar kind, whatever field the client used).
 """
 
 from __future__ import annotations
@@ -25,6 +27,24 @@ from structspec.core import (
 from structspec.server.ipc import EngineDelta, EngineInfo, EngineStats
 
 EOS = 0
+
+ENGINE_GRAMMAR_PARAM = {"json_schema": "response_format.json_schema",
+                        "json_object": "response_format", "regex": "regex", "ebnf": "ebnf",
+                        "choice": "choice"}
+"""``structspec.grammar.errors.PARAM_BY_KIND`` (checked equal in test_app.py)."""
+
+
+def grammar_text(g: Any) -> str:
+    """The client-written text of a grammar spec (where the fake looks for ``BAD(``)."""
+    if isinstance(g, RegexSpec):
+        return g.pattern
+    if isinstance(g, EbnfSpec):
+        return g.grammar
+    if isinstance(g, JsonSchemaSpec):
+        return json.dumps(g.schema)
+    if isinstance(g, ChoiceSpec):
+        return " ".join(g.choices)
+    return ""
 
 
 class CharDetokenizer:
@@ -135,11 +155,11 @@ class FakeEngine:
                    sink: asyncio.Queue[EngineDelta]) -> None:
         await asyncio.sleep(self.tick_s)
         g = params.grammar
-        if isinstance(g, RegexSpec) and "BAD(" in g.pattern:
+        if g is not None and "BAD(" in grammar_text(g):
             self._finish(rid, sink, EngineDelta(
                 request_id=rid, finished=True, finish_reason="abort", rejected=False,
-                error="Failed to compile regex grammar: missing ')'", error_param="regex",
-                num_prompt_tokens=len(prompt)))
+                error=f"Failed to compile {g.kind} grammar: missing ')'",
+                error_param=ENGINE_GRAMMAR_PARAM[g.kind], num_prompt_tokens=len(prompt)))
             return
         text = script_for(params)
         out: list[int] = []

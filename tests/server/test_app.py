@@ -328,3 +328,149 @@ def test_prompts_refused_by_the_codec_are_400s() -> None:
         r = c.post("/v1/completions", json={"prompt": "fine", "max_tokens": 2})
         assert r.status_code == 200, r.text
         assert [a[1] for a in engine.added] == [[ord(ch) for ch in "fine"]]
+
+
+def post_raw(client: TestClient, path: str, raw: str) -> Any:
+    """POST ``raw`` as a JSON body; the response."""
+    return client.post(path, content=raw.encode(), headers={"content-type": "application/json"})
+
+
+CHAT_HEAD = '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, '
+
+
+@pytest.mark.parametrize("path,raw,param,words", [
+    # an integer literal over Python's 4300-digit limit: the field holding it is named
+    ("/v1/chat/completions", CHAT_HEAD + '"seed": ' + "1" * 5000 + "}", "seed",
+     "integer literal of 5000 digits exceeds the limit of 4300 digits"),
+    ("/v1/chat/completions", CHAT_HEAD + '"json_schema": {"properties": {"a": {"maximum": -'
+     + "9" * 4400 + "}}}}", "json_schema.properties.a.maximum", "4400 digits"),
+    ("/v1/completions", '{"prompt": [1, ' + "2" * 5000 + "]}", "prompt[1]", "5000 digits"),
+    # nesting past the recursion limit: no field can be named
+    ("/v1/chat/completions", CHAT_HEAD + '"foo": ' + "[" * 100_000 + "]" * 100_000 + "}", None,
+     "the request body nests arrays/objects too deeply"),
+    ("/v1/completions", '{"prompt": "x", "foo": ' + "{\"a\": " * 100_000 + "1" + "}" * 100_001,
+     None, "too deeply"),
+], ids=["huge-seed", "huge-int-in-schema", "huge-token-id", "deep-chat", "deep-completion"])
+def test_json_python_refuses_is_400_not_500(client: TestClient, path: str, raw: str,
+                                            param: str | None, words: str) -> None:
+    """Valid JSON that ``json.loads`` refuses (digit limit, recursion) is the client's input:
+    a 400 naming the field where there is one, never a 500."""
+    engine: FakeEngine = client.app.state.server.engine  # type: ignore[attr-defined]
+    r = post_raw(client, path, raw)
+    assert r.status_code == 400, r.text[:500]
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param, err
+    assert words in err["message"], err
+    assert engine.added == []
+
+
+@pytest.mark.parametrize("text,words", [
+    ('{"type": "integer", "maximum": ' + "7" * 4400 + "}",
+     "integer literal of 4400 digits exceeds the limit of 4300 digits (at /maximum)"),
+    ('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}", "nests arrays/objects too deeply"),
+    ("{nope", "is not valid JSON"),
+], ids=["huge-int", "deep", "not-json"])
+@pytest.mark.parametrize("field", ["json_schema", "guided_json"])
+def test_schema_string_python_refuses_is_400(client: TestClient, field: str, text: str,
+                                            words: str) -> None:
+    """A JSON Schema sent as a JSON *string* is parsed by the server: the same refusals are a
+    400 naming the field."""
+    r = client.post("/v1/chat/completions", json={"messages": MSGS, field: text})
+    assert r.status_code == 400, r.text[:500]
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == field, err
+    assert words in err["message"] and err["message"].startswith(field), err
+
+
+@pytest.mark.parametrize("path,base", [
+    ("/v1/chat/completions", {"messages": MSGS, "max_tokens": 2}),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2}),
+])
+@pytest.mark.parametrize("field,value", [
+    ("temperature", "0.5"), ("temperature", True), ("top_p", "1"), ("min_p", False),
+    ("stream", "yes"), ("stream", 1), ("ignore_eos", "true"),
+])
+def test_wrong_scalar_types_are_400_over_http(client: TestClient, path: str,
+                                              base: dict[str, Any], field: str,
+                                              value: Any) -> None:
+    """README: "a known field with the wrong type is a 400 naming it" -- no coercion of
+    strings or booleans to numbers, nor of strings or numbers to booleans (a ``"stream":
+    "yes"`` used to stream)."""
+    engine: FakeEngine = client.app.state.server.engine  # type: ignore[attr-defined]
+    r = client.post(path, json={**base, field: value})
+    assert r.status_code == 400, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == field, err
+    assert err["message"].startswith(f"invalid value for '{field}': Input should be a valid "), err
+    assert engine.added == []
+    r = client.post(path, json={**base, "temperature": 1, "top_p": 1})  # JSON ints are numbers
+    assert r.status_code == 200, r.text
+    assert engine.added[-1][2].temperature == 1.0
+
+
+def test_fake_engine_grammar_params_match_the_engine() -> None:
+    """The fake's kind -> param table and the front end's copy are the grammar layer's."""
+    from structspec.grammar.errors import PARAM_BY_KIND
+    from structspec.server.generation import GRAMMAR_KIND_PARAMS
+    from tests.server.server_fakes import ENGINE_GRAMMAR_PARAM
+
+    assert ENGINE_GRAMMAR_PARAM == PARAM_BY_KIND
+    assert GRAMMAR_KIND_PARAMS == frozenset(PARAM_BY_KIND.values())
+
+
+BAD_SCHEMA = {"type": "object", "properties": {"a": {"pattern": "BAD("}}}
+
+
+@pytest.mark.parametrize("body,param", [
+    # the engine says param='regex' / 'ebnf' / 'choice' / 'response_format.json_schema' by
+    # grammar kind; the error must name the field the client actually sent
+    ({"response_format": {"type": "regex", "regex": "BAD("}}, "response_format.regex"),
+    ({"response_format": {"type": "regex", "pattern": "BAD("}}, "response_format.pattern"),
+    ({"response_format": {"type": "ebnf", "ebnf": "root ::= BAD("}}, "response_format.ebnf"),
+    ({"response_format": {"type": "gbnf", "grammar": "root ::= BAD("}},
+     "response_format.grammar"),
+    ({"response_format": {"type": "choice", "choices": ["BAD("]}}, "response_format.choices"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                 "schema": BAD_SCHEMA}}},
+     "response_format.json_schema"),
+    ({"response_format": {"type": "json", "schema": BAD_SCHEMA}}, "response_format.schema"),
+    ({"json_schema": BAD_SCHEMA}, "json_schema"),
+    ({"json_schema": json.dumps(BAD_SCHEMA)}, "json_schema"),
+    ({"guided_json": BAD_SCHEMA}, "guided_json"),
+    ({"regex": "BAD("}, "regex"),
+    ({"guided_regex": "BAD("}, "guided_regex"),
+    ({"grammar": "root ::= BAD("}, "grammar"),
+    ({"guided_grammar": "root ::= BAD("}, "guided_grammar"),
+    ({"guided_choice": ["ok", "BAD("]}, "guided_choice"),
+    ({"structured_outputs": {"regex": "BAD("}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"json": BAD_SCHEMA}}, "structured_outputs.json"),
+    ({"structured_outputs": {"grammar": "root ::= BAD("}}, "structured_outputs.grammar"),
+])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_grammar_error_names_the_field_sent(client: TestClient, body: dict[str, Any],
+                                           param: str, path: str, stream: bool) -> None:
+    base: dict[str, Any] = {"messages": MSGS} if "chat" in path else {"prompt": "x"}
+    r = client.post(path, json={**base, **body, "stream": stream, "max_tokens": 3})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and "missing ')'" in err["message"], err
+    assert err["param"] == param, err
+
+
+@pytest.mark.parametrize("top_logprobs", [21, -1])
+def test_chat_top_logprobs_range_names_top_logprobs(client: TestClient,
+                                                   top_logprobs: int) -> None:
+    r = client.post("/v1/chat/completions", json={"messages": MSGS, "logprobs": True,
+                                                 "top_logprobs": top_logprobs})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "top_logprobs", err
+    assert err["message"] == f"top_logprobs must be between 0 and 20, got {top_logprobs}"
+    # completions' own field is 'logprobs'
+    r = client.post("/v1/completions", json={"prompt": "x", "logprobs": top_logprobs})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "logprobs", err
+    assert err["message"] == f"logprobs must be between 0 and 20, got {top_logprobs}"

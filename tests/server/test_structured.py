@@ -61,6 +61,9 @@ def test_every_shape_maps_to_one_grammar(body: dict[str, Any], expected: Any) ->
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ({"response_format": {"type": "regex"}}, "response_format.regex"),
+    ({"response_format": {"type": "regex", "pattern": ""}}, "response_format.pattern"),
+    ({"response_format": {"type": "gbnf", "grammar": " "}}, "response_format.grammar"),
+    ({"response_format": {"type": "choice", "choice": []}}, "response_format.choice"),
     ({"response_format": {"type": "nonsense"}}, "response_format.type"),
     ({"response_format": {"type": "structural_tag"}}, "response_format.type"),
     ({"json_schema": "{not json"}, "json_schema"),
@@ -97,12 +100,68 @@ def test_bad_constraints_are_400_naming_the_field(body: dict[str, Any], param: s
     ({"messages": [{"content": "x"}]}, "messages[0].role"),
     ({"stop": 3}, "stop"),
     ({"response_format": "json"}, "response_format"),
+    # numbers: JSON numbers only (no numeric strings, no booleans)
+    ({"temperature": "0.5"}, "temperature"),
+    ({"temperature": True}, "temperature"),
+    ({"temperature": False}, "temperature"),
+    ({"top_p": "1"}, "top_p"),
+    ({"top_p": True}, "top_p"),
+    ({"min_p": "0.1"}, "min_p"),
+    ({"presence_penalty": "0"}, "presence_penalty"),
+    ({"frequency_penalty": False}, "frequency_penalty"),
+    ({"repetition_penalty": "1"}, "repetition_penalty"),
+    ({"logit_bias": {"5": "1"}}, "logit_bias.5"),
+    # booleans: JSON true/false only (no "yes", "true", 1 or 0)
+    ({"stream": "yes"}, "stream"),
+    ({"stream": "true"}, "stream"),
+    ({"stream": 1}, "stream"),
+    ({"ignore_eos": 0}, "ignore_eos"),
+    ({"logprobs": 1}, "logprobs"),
+    ({"logprobs": "true"}, "logprobs"),
+    ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+    ({"stream_options": {"continuous_usage_stats": 1}}, "stream_options.continuous_usage_stats"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}, "strict": "true"}}},
+     "response_format.json_schema.strict"),
+    ({"response_format": {"type": "json", "strict": 1}}, "response_format.strict"),
+    ({"structured_outputs": {"json_object": 1}}, "structured_outputs.json_object"),
+    ({"json_schema": 1}, "json_schema"),  # not the boolean schema true
 ])
 def test_wrong_types_are_400(body: dict[str, Any], param: str) -> None:
     with pytest.raises(APIError) as e:
         parse_request(ChatCompletionRequest, {"messages": MSGS, **body})
     assert e.value.status == 400
     assert e.value.param == param, e.value.message
+
+
+@pytest.mark.parametrize("value,message", [
+    ("0.5", "Input should be a valid number"),
+    (True, "Input should be a valid number"),
+    (10**400, "Input should be a finite number"),
+])
+def test_wrong_number_message(value: Any, message: str) -> None:
+    with pytest.raises(APIError) as e:
+        parse_request(ChatCompletionRequest, {"messages": MSGS, "temperature": value})
+    assert e.value.status == 400 and e.value.param == "temperature"
+    assert e.value.message == f"invalid value for 'temperature': {message}"
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "presence_penalty",
+                                   "frequency_penalty", "repetition_penalty"])
+@pytest.mark.parametrize("value", [0, 1, 0.5])
+def test_number_fields_take_json_ints_and_floats(field: str, value: float) -> None:
+    """A JSON ``1`` is a number too (pydantic's StrictFloat has not always taken ints)."""
+    req = parse_request(ChatCompletionRequest, {"messages": MSGS, field: value})
+    got = getattr(req, field)
+    assert got == value and isinstance(got, float)
+    req = parse_request(CompletionRequest, {"prompt": "x", field: value})
+    assert getattr(req, field) == value
+
+
+@pytest.mark.parametrize("field", ["stream", "ignore_eos", "logprobs"])
+def test_bool_fields_take_json_booleans(field: str) -> None:
+    for value in (True, False):
+        req = parse_request(ChatCompletionRequest, {"messages": MSGS, field: value})
+        assert getattr(req, field) is value
 
 
 def test_unknown_fields_are_ignored() -> None:
@@ -115,6 +174,13 @@ def test_unknown_fields_are_ignored() -> None:
     ({"logprobs": True}, "logprobs"),
     ({"best_of": 2.0}, "best_of"),
     ({"best_of": True}, "best_of"),
+    ({"echo": "yes"}, "echo"),
+    ({"echo": 1}, "echo"),
+    ({"stream": "yes"}, "stream"),
+    ({"temperature": "0.5"}, "temperature"),
+    ({"temperature": True}, "temperature"),
+    ({"prompt": [True, 2]}, "prompt"),  # token ids are JSON integers, as the other int fields
+    ({"prompt": [[1], [2.0]]}, "prompt"),
 ])
 def test_completion_wrong_types_are_400(body: dict[str, Any], param: str) -> None:
     with pytest.raises(APIError) as e:
