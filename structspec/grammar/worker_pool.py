@@ -341,7 +341,9 @@ class MaskWorkerPool:
                 out.timed_out += timed_out
         self.num_builds += 1
         ended = set(out.terminated)
-        for b in predicted.keys() | out.rejected.keys() | ended:
+        # A row sent no new ids reports a mirror that ended earlier: the verdict that ended it
+        # also finished its request, so only rows with ids (or refusals) are checked.
+        for b in predicted.keys() | out.rejected.keys():
             actual = (out.rejected.get(b, 0), b in ended)
             if actual != predicted.get(b, (0, False)):
                 out.mismatched[b] = (sent_total.get(b, 0), *actual)
