@@ -85,13 +85,32 @@ def settle_grammar_advance(req: Req, num_rejected: int, terminated: bool) -> Non
     """
     if num_rejected:
         first_rejected = req.output_ids[len(req.output_ids) - num_rejected]
-        del req.output_ids[len(req.output_ids) - num_rejected:]
+        cut_output(req, len(req.output_ids) - num_rejected)
         if not terminated:
             req.finish(FinishReason.ABORT, force=True, error=f"grammar rejected token "
                        f"{first_rejected} after {len(req.output_ids)} output tokens")
             return
     if terminated:
         req.finish(FinishReason.STOP)
+
+
+def cut_output(req: Req, keep: int) -> int:
+    """Remove the output ids from ``keep`` on, before they are reported; returns how many.
+
+    Ids that were already detokenized (with overlap, the text work of a step may run before
+    the grammar verdict on its ids arrives) have their text rebuilt from the kept ids, so the
+    text never shows a removed id.
+    """
+    cut = len(req.output_ids) - keep
+    if cut <= 0:
+        return 0
+    del req.output_ids[keep:]
+    req.spec.committed_tokens -= cut
+    if req.num_detokenized > keep:
+        req.num_detokenized = keep
+        if req.detokenizer is not None:
+            req.text = req.detokenizer.restart(req.output_ids)
+    return cut
 
 
 def process_text(req: Req) -> None:

@@ -45,6 +45,7 @@ from structspec.layers.sampler import SamplingBatch, sample_rows
 from structspec.scheduler.commit import (
     advance_grammar,
     commit_tokens,
+    cut_output,
     process_text,
     settle_grammar_advance,
 )
@@ -287,18 +288,14 @@ class Scheduler:
         for b, (sent, rejected, _ended) in sorted(mismatched.items()):
             req = reqs[b]
             keep = min(len(req.output_ids), sent - rejected)
-            cut = len(req.output_ids) - keep
-            first = req.output_ids[keep] if cut else None
+            first = req.output_ids[keep] if keep < len(req.output_ids) else None
             logger.error("request %s: the grammar mirror refused %d committed id(s) that the "
-                         "mask had allowed (first: %s); the request ends with an error",
-                         req.request_id, rejected, first)
-            if cut:
-                del req.output_ids[keep:]
-                req.spec.committed_tokens -= cut
-            if req.num_detokenized > keep:
-                req.num_detokenized = keep
-                if req.detokenizer is not None:
-                    req.text = req.detokenizer.restart(req.output_ids)
+                         "mask had allowed (first: %s)", req.request_id, rejected, first)
+            cut = cut_output(req, keep)
+            if not cut and req.finished:
+                # A stop string already cut the refused ids and ended the request; it wins,
+                # as it does when the text work runs after this (its finish is forced).
+                continue
             req.finish(FinishReason.ABORT, force=True, error=(
                 f"grammar rejected token {first} after {keep} output tokens" if cut else
                 "the grammar state diverged from the committed tokens"))

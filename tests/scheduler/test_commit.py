@@ -4,7 +4,12 @@ and the matcher is advanced exactly once per committed token."""
 from __future__ import annotations
 
 from structspec.core import FinishReason, SamplingParams
-from structspec.scheduler.commit import commit_run
+from structspec.scheduler.commit import (
+    commit_run,
+    commit_tokens,
+    process_text,
+    settle_grammar_advance,
+)
 from structspec.scheduler.request import Req
 
 EOS = 2
@@ -38,6 +43,9 @@ class CharDetok:
 
     def add(self, ids: list[int]) -> str:
         return "".join("" if t == EOS else chr(ord("a") + t % 26) for t in ids)
+
+    def restart(self, ids: list[int]) -> str:
+        return self.add(ids)
 
 
 def make_req(**params: object) -> Req:
@@ -92,3 +100,38 @@ def test_grammar_rejection_aborts() -> None:
     commit_run(req, [5, 6, 7], 0.0)
     assert req.finish_reason is FinishReason.ABORT and "grammar rejected token 6" in (req.error or "")
     assert req.output_ids == [5]
+
+
+def test_grammar_cut_after_the_text_work_rebuilds_the_text() -> None:
+    """With overlap the text work of a step can run before the grammar verdict on its ids
+    (predicted verdicts, or the host replay after a mask worker died): ids the verdict
+    removes take their text with them, so the text never shows a removed id."""
+    req = make_req(max_tokens=50)
+    commit_tokens(req, [5, 6, 7, 8], 0.0)
+    req.spec.committed_tokens = 4
+    process_text(req)
+    assert req.text == "fghi" and req.num_detokenized == 4
+    settle_grammar_advance(req, 2, False)  # the grammar refused 7 and 8
+    assert req.output_ids == [5, 6] and req.text == "fg" and req.num_detokenized == 2
+    assert req.spec.committed_tokens == 2
+    assert req.finish_reason is FinishReason.ABORT and "grammar rejected token 7" in req.error
+
+
+def test_mismatch_after_a_stop_string_cut_keeps_the_stop() -> None:
+    """A mirror refuses the last id of a run whose earlier id completed a stop string: the
+    outcome is the stop string's (STOP, no error) whichever of the text work and the
+    mismatch check runs first (the order depends on how fast the mask workers reply)."""
+    from structspec.scheduler.scheduler import Scheduler
+
+    outcomes = []
+    for text_first in (True, False):
+        req = make_req(max_tokens=50, stop=("g",))
+        commit_tokens(req, [5, 6, 7], 0.0)  # "fgh": the stop string ends at 6; 7 is refused
+        if text_first:
+            process_text(req)
+        Scheduler._settle_mismatches([req], {0: (3, 1, False)})
+        if not text_first:
+            process_text(req)
+        outcomes.append((req.output_ids, req.text, req.finish_reason, req.error))
+    # the id that completed the stop string stays (as in process_text), its text does not
+    assert outcomes[0] == outcomes[1] == ([5, 6], "f", FinishReason.STOP, None), outcomes
