@@ -107,11 +107,22 @@ class ChoiceSpec:
 
 GrammarSpec = JsonSchemaSpec | JsonObjectSpec | RegexSpec | EbnfSpec | ChoiceSpec
 
+PARAM_BY_KIND: dict[str, str] = {
+    "json_schema": "response_format.json_schema",
+    "json_object": "response_format",
+    "regex": "regex",
+    "ebnf": "ebnf",
+    "choice": "choice",
+}
+"""The request field each grammar kind comes from (OpenAI-style names; ``regex``, ``ebnf``
+and ``choice`` are the extra body fields of the completions API). Grammar errors carry it as
+their ``param``; here (not in :mod:`structspec.grammar`) so that the HTTP front end can read
+it without importing xgrammar."""
+
 
 # ---------------------------------------------------------------------------------------------
 # Sampling parameters
 # ---------------------------------------------------------------------------------------------
-
 
 
 class PromptTooLongError(ValueError):
@@ -128,7 +139,9 @@ class PromptTooLongError(ValueError):
         self.min_tokens = min_tokens
         self.max_tokens = max_tokens
 
+
 _FLOAT32_MAX = 3.4028234663852886e38
+
 
 def _is_int(value: object) -> bool:
     """An ``int`` that is not a ``bool`` (``True`` is an ``int`` to Python, not to requests)."""

@@ -7,6 +7,10 @@ request goes on.
 
 from __future__ import annotations
 
+from structspec.core import PARAM_BY_KIND
+
+__all__ = ["PARAM_BY_KIND", "GrammarError"]
+
 
 class GrammarError(ValueError):
     """A grammar spec that cannot be compiled or enforced.
@@ -28,14 +32,3 @@ class GrammarError(ValueError):
 
 def _rebuild(message: str, param: str | None) -> GrammarError:
     return GrammarError(message, param=param)
-
-
-PARAM_BY_KIND: dict[str, str] = {
-    "json_schema": "response_format.json_schema",
-    "json_object": "response_format",
-    "regex": "regex",
-    "ebnf": "ebnf",
-    "choice": "choice",
-}
-"""The request field each grammar kind comes from (OpenAI-style names; ``regex``, ``ebnf``
-and ``choice`` are the extra body fields of the completions API)."""

@@ -280,7 +280,8 @@ class MaskWorkerPool:
         if self._closed:
             raise MaskPoolError("the mask worker pool is closed")
         jobs: list[list[tuple]] = [[] for _ in range(self.num_workers)]
-        # per row with new ids: (ids not kept, grammar ended) as predicted, and ids sent in all
+        # per row with new ids, when predictions are wanted: (ids not kept, grammar ended) as
+        # predicted, and the ids sent in all
         predicted: dict[int, tuple[int, bool]] = {}
         sent_total: dict[int, int] = {}
         for b, req in enumerate(requests):
@@ -304,7 +305,7 @@ class MaskWorkerPool:
             new_ids = list(req.output_ids[done:])
             self._synced[req.key] = done + len(new_ids)
             jobs[w].append((b, req.key, gid, grammar, new_ids))
-            if new_ids:
+            if new_ids and on_verdicts is not None:
                 sent_total[b] = done + len(new_ids)
                 predicted[b] = self._predict(new_ids)
         busy = []
@@ -317,17 +318,13 @@ class MaskWorkerPool:
                     raise MaskPoolError(f"mask worker {w} died") from e
                 self._released[w], self._dropped[w] = [], []
                 busy.append(w)
-        guess = PoolBuildResult([], [])
-        for b, (rejected, ended) in predicted.items():
-            if rejected:
-                guess.rejected[b] = rejected
-            if ended:
-                guess.terminated.append(b)
         out = PoolBuildResult([], [])
         self._walks_pending = busy[::-1]
         try:
             if on_verdicts is not None:
-                on_verdicts(guess)
+                on_verdicts(PoolBuildResult(
+                    [], [], rejected={b: r for b, (r, _) in predicted.items() if r},
+                    terminated=[b for b, (_, ended) in predicted.items() if ended]))
             if while_waiting is not None:
                 while_waiting()
         finally:  # read the replies even when a callback raised: keep the protocol
@@ -341,9 +338,9 @@ class MaskWorkerPool:
                 out.timed_out += timed_out
         self.num_builds += 1
         ended = set(out.terminated)
-        # A row sent no new ids reports a mirror that ended earlier: the verdict that ended it
-        # also finished its request, so only rows with ids (or refusals) are checked.
-        for b in predicted.keys() | out.rejected.keys():
+        # Only predictions are checked. A row sent no new ids reports a mirror that ended
+        # earlier: the verdict that ended it also finished its request.
+        for b in predicted.keys() | (out.rejected.keys() if on_verdicts is not None else ()):
             actual = (out.rejected.get(b, 0), b in ended)
             if actual != predicted.get(b, (0, False)):
                 out.mismatched[b] = (sent_total.get(b, 0), *actual)

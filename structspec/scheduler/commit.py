@@ -138,10 +138,7 @@ def process_text(req: Req) -> None:
             continue
         idx, s = hit
         req.text = req.text[:idx]
-        excess = len(req.output_ids) - req.num_detokenized
-        if excess:
-            del req.output_ids[req.num_detokenized :]
-            req.spec.committed_tokens -= excess  # they came from the last verify run
+        if cut_output(req, req.num_detokenized):  # they came from the last verify run
             if req.matcher is not None and req.num_grammar_advanced > len(req.output_ids):
                 # Only ids the host matcher already accepted are rolled back (a mirror
                 # matcher's request finishes here, so its mirror is dropped with it).

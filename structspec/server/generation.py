@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from structspec.core import SamplingParams, SpecMetrics
+from structspec.core import PARAM_BY_KIND, SamplingParams, SpecMetrics
 from structspec.server.codec import Codec, Detokenizer
 from structspec.server.engine_client import AsyncEngine, EngineDeadError
 from structspec.server.errors import APIError, bad_request, server_error, unavailable
@@ -32,13 +32,10 @@ LogprobEntry = tuple[int, float, list[tuple[int, float]]]
 
 SHUTDOWN_ERRORS = ("server is shutting down", "engine process exited", "engine crashed")
 
-GRAMMAR_KIND_PARAMS = frozenset({"response_format.json_schema", "response_format", "regex",
-                                 "ebnf", "choice"})
-"""The ``param`` values the engine gives grammar errors: one per grammar *kind*
-(``structspec.grammar.errors.PARAM_BY_KIND``, copied here because importing
-``structspec.grammar`` loads xgrammar, which the front end does not need). The engine cannot
-know which request field the grammar came from; :func:`error_for` replaces these with the
-field the server read it from."""
+GRAMMAR_KIND_PARAMS = frozenset(PARAM_BY_KIND.values())
+"""The ``param`` values the engine gives grammar errors: one per grammar *kind*. The engine
+cannot know which request field the grammar came from; :func:`error_for` replaces these with
+the field the server read it from."""
 
 
 @dataclass

@@ -186,16 +186,21 @@ async def in_thread(fn: Callable[..., T], *args: Any) -> T:
     return await asyncio.get_running_loop().run_in_executor(_TOKENIZE_POOL, fn, *args)
 
 
-def check_prompt_length(num_tokens: int, max_model_len: int, param: str, *,
-                        at_least: bool = False) -> None:
-    """Raises: APIError 400 ``context_length_exceeded`` when the prompt leaves no room
-    (``at_least``: ``num_tokens`` is a lower bound, from a prompt refused untokenized)."""
+def check_prompt_length(num_tokens: int, max_model_len: int, param: str) -> None:
+    """Raises: APIError 400 ``context_length_exceeded`` when the prompt leaves no room."""
     if num_tokens >= max_model_len:
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, your "
-            f"prompt has {'at least ' if at_least else ''}{num_tokens} tokens, which leaves "
-            "no room for the completion. Please reduce the length of the prompt.", param,
-            code="context_length_exceeded")
+        raise prompt_too_long(num_tokens, max_model_len, param)
+
+
+def prompt_too_long(num_tokens: int, max_model_len: int, param: str, *,
+                    at_least: bool = False) -> APIError:
+    """The 400 ``context_length_exceeded`` for a prompt that leaves no room (``at_least``:
+    ``num_tokens`` is a lower bound, from a prompt refused untokenized)."""
+    return bad_request(
+        f"This model's maximum context length is {max_model_len} tokens. However, your "
+        f"prompt has {'at least ' if at_least else ''}{num_tokens} tokens, which leaves "
+        "no room for the completion. Please reduce the length of the prompt.", param,
+        code="context_length_exceeded")
 
 
 # --------------------------------------------------------------------------- logprobs

@@ -22,6 +22,7 @@ from structspec.server.serving import (
     finish_or_error,
     in_thread,
     json_response,
+    prompt_too_long,
     read_json,
     sse_event,
     sse_response,
@@ -46,8 +47,8 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         prompt_ids = await in_thread(state.codec.encode_chat, messages, tools,
                                      state.max_model_len - 1)
     except PromptTooLongError as e:
-        check_prompt_length(e.min_tokens, state.max_model_len, "messages", at_least=True)
-        raise  # not reached: the check raises
+        raise prompt_too_long(e.min_tokens, state.max_model_len, "messages",
+                              at_least=True) from None
     except ValueError as e:
         raise bad_request(str(e), "messages") from None
     check_prompt_length(len(prompt_ids), state.max_model_len, "messages")

@@ -22,6 +22,7 @@ from structspec.server.serving import (
     finish_or_error,
     in_thread,
     json_response,
+    prompt_too_long,
     read_json,
     sse_event,
     sse_response,
@@ -101,8 +102,8 @@ async def _prompt_ids(state: ServerState, req: CompletionRequest) -> list[list[i
             try:
                 ids = await in_thread(state.codec.encode_text, p, state.max_model_len - 1)
             except PromptTooLongError as e:
-                check_prompt_length(e.min_tokens, state.max_model_len, param, at_least=True)
-                raise  # not reached: the check raises
+                raise prompt_too_long(e.min_tokens, state.max_model_len, param,
+                                      at_least=True) from None
             except ValueError as e:  # not valid Unicode
                 raise bad_request(str(e), param) from None
         else:

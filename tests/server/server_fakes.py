@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from structspec.core import (
+    PARAM_BY_KIND,
     ChoiceSpec,
     EbnfSpec,
     JsonObjectSpec,
@@ -28,10 +29,8 @@ from structspec.server.ipc import EngineDelta, EngineInfo, EngineStats
 
 EOS = 0
 
-ENGINE_GRAMMAR_PARAM = {"json_schema": "response_format.json_schema",
-                        "json_object": "response_format", "regex": "regex", "ebnf": "ebnf",
-                        "choice": "choice"}
-"""``structspec.grammar.errors.PARAM_BY_KIND`` (checked equal in test_app.py)."""
+ENGINE_GRAMMAR_PARAM = PARAM_BY_KIND
+"""The engine's grammar error ``param`` by grammar kind (checked equal in test_app.py)."""
 
 
 def grammar_text(g: Any) -> str:
