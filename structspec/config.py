@@ -8,6 +8,7 @@ so a config can not disagree with itself. "auto" choices are resolved once by
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -247,6 +248,11 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
         raise ValueError("kernels='triton' needs a CUDA device and the triton package")
     if config.load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format={config.load_format!r}: expected auto or dummy")
+    timeout = config.grammar.compile_timeout_s
+    if (isinstance(timeout, bool) or not isinstance(timeout, int | float)
+            or not math.isfinite(timeout) or timeout <= 0):
+        raise ValueError(f"grammar_compile_timeout_s={timeout!r}: expected a finite number of "
+                         "seconds > 0")
     if config.scheduler.max_batch_size < 1:
         raise ValueError("max_batch_size must be >= 1")
     if config.max_model_len is not None and config.max_model_len < 1:

@@ -63,3 +63,12 @@ def test_grammar_workers_auto(monkeypatch: pytest.MonkeyPatch, device: str, core
     assert GrammarConfig().mask_build_workers is None
     resolved = resolve_engine_config(EngineConfig(device="cpu"))
     assert resolved.grammar.mask_build_workers == 0
+
+
+@pytest.mark.parametrize("value", [-1.0, 0, float("nan"), float("inf"), "30", True])
+def test_bad_grammar_compile_timeout_is_refused(value: object) -> None:
+    """A negative timeout failed every grammar as "exceeded 0s"; NaN switched the limit off."""
+    with pytest.raises(ValueError, match="grammar_compile_timeout_s="):
+        resolve_engine_config(EngineConfig(
+            device="cpu", grammar=GrammarConfig(compile_timeout_s=value)))  # type: ignore[arg-type]
+    resolve_engine_config(EngineConfig(device="cpu", grammar=GrammarConfig(compile_timeout_s=0.5)))

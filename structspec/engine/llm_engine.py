@@ -18,7 +18,7 @@ from structspec.engine.model_runner import ModelRunner
 from structspec.grammar.backend import GrammarBackend
 from structspec.models.default_model import resolve_model_path
 from structspec.models.loader import load_model
-from structspec.models.tokenizer import IncrementalDetokenizer, Tokenizer
+from structspec.models.tokenizer import IncrementalDetokenizer, Tokenizer, check_unicode
 from structspec.scheduler.request import Req
 from structspec.scheduler.scheduler import Scheduler
 from structspec.spec.registry import create_drafter
@@ -128,6 +128,7 @@ class LLMEngine:
             if not prompt:
                 raise RequestError("prompt is empty", "prompt")
             try:
+                check_unicode(prompt, "prompt")  # before a template shifts the index
                 if raw or not self.tokenizer.has_chat_template:
                     ids = self.tokenizer.encode(prompt, max_tokens=limit)
                 else:

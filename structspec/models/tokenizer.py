@@ -81,11 +81,7 @@ class Tokenizer:
                 ``"\ud800"`` escape), naming the character index.
             PromptTooLongError: ``text`` is certainly longer than ``max_tokens`` tokens.
         """
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:  # the Rust tokenizer's TypeError would not say why
-            raise ValueError(f"text is not valid Unicode: a lone surrogate "
-                             f"(U+{ord(text[e.start]):04X}) at character {e.start}") from None
+        check_unicode(text, "text")  # the Rust tokenizer's TypeError would not say why
         if max_tokens is not None:
             at_least = len(text) // (2 * self.max_token_chars)
             if at_least > max_tokens:
@@ -115,10 +111,15 @@ class Tokenizer:
         """The prompt text for ``messages`` with the assistant generation prompt appended.
 
         Raises:
-            ValueError: the model has no chat template, or the template fails to render.
+            ValueError: the model has no chat template, the template fails to render, or a
+                message's text is not valid Unicode (named by message, with its index there).
         """
         if not self.has_chat_template:
             raise ValueError("this model has no chat template; send a plain-text prompt instead")
+        for i, message in enumerate(messages):
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):  # checked here: the rendered text's index means nothing
+                check_unicode(content, f"messages[{i}].content")
         kwargs: dict[str, Any] = {"tools": tools} if tools else {}
         try:
             text = self.hf.apply_chat_template(
@@ -161,6 +162,16 @@ def _eos_ids(path: Path, hf: PreTrainedTokenizerFast) -> tuple[int, ...]:
     if hf.eos_token_id is not None and hf.eos_token_id not in ids:
         ids.append(int(hf.eos_token_id))
     return tuple(ids)
+
+
+def check_unicode(text: str, what: str) -> None:
+    """Raise ``ValueError`` naming ``what`` and the character index when ``text`` holds a lone
+    surrogate (e.g. from a JSON ``"\ud800"`` escape), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode: a lone surrogate "
+                         f"(U+{ord(text[e.start]):04X}) at character {e.start}") from None
 
 
 class IncrementalDetokenizer:

@@ -85,7 +85,8 @@ def test_seeded_sampling_is_reproducible_in_any_batch(make_llm) -> None:
         ("hi", SamplingParams(max_tokens=8, temperature=1.0, seed=2**64), "seed"),
         ("hi", SamplingParams(max_tokens=8, temperature=1.0, top_k=2**63), "top_k"),
         ("hi", SamplingParams(max_tokens=8, temperature=1e39), "temperature"),
-        ("a\ud800b", SamplingParams(max_tokens=8), "lone surrogate"),
+        ("a\ud800b", SamplingParams(max_tokens=8), "prompt is not valid Unicode: a lone "
+         "surrogate (U+D800) at character 1"),
         ([{"role": "user", "content": "\udc00"}], SamplingParams(max_tokens=8),
          "lone surrogate"),
         # refused untokenized (a 4 MB prompt would take seconds to tokenize)

@@ -135,3 +135,12 @@ def test_max_tokens_refuses_only_prompts_that_cannot_fit(smollm2_dir: Path, unit
     assert len(tok.encode(big)) >= info.value.min_tokens
     fits = unit * max(1, limit // 4 // len(unit))
     assert tok.encode(fits, max_tokens=limit) == tok.encode(fits)
+
+
+def test_surrogate_in_a_chat_message_names_the_message_and_its_index(smollm2_dir: Path) -> None:
+    """The index is the one in the message's own text, not in the rendered template."""
+    tok = Tokenizer(smollm2_dir)
+    with pytest.raises(ValueError, match=r"^messages\[1\]\.content is not valid Unicode: a "
+                                         r"lone surrogate \(U\+D800\) at character 1$"):
+        tok.apply_chat_template([{"role": "user", "content": "ok"},
+                                 {"role": "user", "content": "a\ud800b"}])
