@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -148,8 +149,8 @@ def breakdown(tag: str, s: dict[str, float]) -> str:
     """``tag.key=value`` pairs of the step summary that explain a step time (ms)."""
     keys = ("gpu_forward_ms", "gpu_busy_ms", "gpu_idle_before_ms", "gpu_grammar_stall_ms",
             "cpu_draft_ms", "cpu_launch_ms", "cpu_barrier_ms", "cpu_mask_ms", "cpu_text_ms",
-            "cpu_wait_ms", "cpu_commit_ms")
-    return " ".join(f"{tag}.{k[:-3]}={s[k]:.3f}" for k in keys if k in s)
+            "cpu_wait_ms", "cpu_commit_ms", "pool_workers", "pool_send_ms", "pool_worker_max_ms")
+    return " ".join(f"{tag}.{k.removesuffix('_ms')}={s[k]:.3f}" for k in keys if k in s)
 
 
 def main() -> None:
@@ -209,9 +210,14 @@ def main() -> None:
                     plain = step_ms(llm, prompts_all[:bs], False, args.steps, max_tokens)
                     gram = step_ms(llm, prompts_all[:bs], True, args.steps, max_tokens)
                     pairs.append((gram["event_ms"] / plain["event_ms"], plain, gram))
+                # the median of each side's step times, over all its runs: steadier than any
+                # one pair when the host's speed drifts
+                med_plain = statistics.median(p[1]["event_ms"] for p in pairs)
+                med_gram = statistics.median(p[2]["event_ms"] for p in pairs)
                 pairs.sort(key=lambda p: p[0])
                 _, plain, gram = pairs[len(pairs) // 2]
                 spread = (f"ratio_min={pairs[0][0]:.3f} ratio_max={pairs[-1][0]:.3f} "
+                          f"ratio_of_medians={med_gram / med_plain:.3f} "
                           f"repeats={len(pairs)} " if len(pairs) > 1 else "")
                 print(f"grammar_overlap model={model_name} kernels={kernels} algo={algo} "
                       f"workers={llm.engine.config.grammar.mask_build_workers} "

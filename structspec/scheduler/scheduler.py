@@ -611,8 +611,10 @@ class Scheduler:
                     advance_only=[q for q in self._pool_requests(extra) if q is not None],
                     on_verdicts=(lambda res: self._apply_verdicts([*reqs, *extra], res))
                     if mirrors else None)
-                if mirrors and mask is not None and mask.mirror is not None:
-                    self._settle_mismatches([*reqs, *extra], mask.mirror.mismatched)
+                if mask is not None and mask.mirror is not None:
+                    self.timer.pool(mask.mirror.send_ms, mask.mirror.worker_busy_ms)
+                    if mirrors:
+                        self._settle_mismatches([*reqs, *extra], mask.mirror.mismatched)
                 self.timer.phase("mask")
                 return mask
             except MaskPoolError as e:

@@ -23,7 +23,10 @@ class StepRecord:
             detokenization / stop strings), ``wait`` (host blocked on the step's results),
             ``commit`` (results committed, drafter updated).
         gpu_draft_ms, gpu_forward_ms, gpu_grammar_stall_ms, gpu_post_ms, gpu_idle_before_ms:
-            see the module docstring.
+            see :mod:`structspec.scheduler.step_stats`.
+        pool_workers, pool_send_ms, pool_worker_max_ms: when the mask worker pool built the
+            step's tree bitmask, the workers messaged, the host time spent sending to them,
+            and the busiest worker's time from message to reply (None otherwise).
     """
 
     batch_size: int
@@ -36,6 +39,9 @@ class StepRecord:
     gpu_grammar_stall_ms: float | None = None
     gpu_post_ms: float | None = None
     gpu_idle_before_ms: float | None = None
+    pool_workers: int | None = None
+    pool_send_ms: float | None = None
+    pool_worker_max_ms: float | None = None
 
     @property
     def gpu_busy_ms(self) -> float | None:

@@ -21,6 +21,7 @@ the GPU did not overlap.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import fields
 
 import torch
@@ -81,6 +82,16 @@ class StepTimer:
         t = time.perf_counter()
         rec.cpu_ms[name] = rec.cpu_ms.get(name, 0.0) + (t - self._t_mark) * 1e3
         self._t_mark = t
+
+    def pool(self, send_ms: float, worker_busy_ms: Sequence[float]) -> None:
+        """Note the step's mask worker pool build: host time sending the messages (ms) and
+        each messaged worker's busy time (ms)."""
+        rec = self._current
+        if rec is None:
+            return
+        rec.pool_workers = len(worker_busy_ms)
+        rec.pool_send_ms = send_ms
+        rec.pool_worker_max_ms = max(worker_busy_ms, default=0.0)
 
     def event(self, name: str) -> None:
         """Record the CUDA event ``name`` (``fwd_start``, ``fwd_end``, ``post``, ``end``)."""
@@ -151,8 +162,9 @@ class StepTimer:
     def summary(self) -> dict[str, float]:
         """Mean of every timing over the kept records (ms), plus ``steps``.
 
-        Keys: ``wall_ms``, ``cpu_<phase>_ms`` for :data:`CPU_PHASES`, and on CUDA
-        ``gpu_busy_ms`` and ``<interval>_ms`` for :data:`GPU_INTERVALS`.
+        Keys: ``wall_ms``, ``cpu_<phase>_ms`` for :data:`CPU_PHASES`, on CUDA ``gpu_busy_ms``
+        and ``<interval>_ms`` for :data:`GPU_INTERVALS`, and for the steps that used the mask
+        worker pool ``pool_workers``, ``pool_send_ms`` and ``pool_worker_max_ms``.
         """
         self.flush()
         recs = self.records
@@ -162,7 +174,7 @@ class StepTimer:
         out["wall_ms"] = sum(r.wall_ms for r in recs) / len(recs)
         for p in CPU_PHASES:
             out[f"cpu_{p}_ms"] = sum(r.cpu_ms.get(p, 0.0) for r in recs) / len(recs)
-        names = [f.name for f in fields(StepRecord) if f.name.startswith("gpu_")]
+        names = [f.name for f in fields(StepRecord) if f.name.startswith(("gpu_", "pool_"))]
         for name in names:
             vals = [getattr(r, name) for r in recs if getattr(r, name) is not None]
             if vals:

@@ -254,3 +254,21 @@ def test_walks_ready_turns_true_once_every_walk_is_in(pool: MaskWorkerPool,
     assert seen == [True] and not pool.walks_ready()
     assert pooled is not None and ref is not None
     assert torch.equal(pooled.bitmask_cpu, ref.bitmask_cpu)
+
+
+def test_new_requests_go_to_the_least_loaded_worker(backend: GrammarBackend) -> None:
+    """Placement keeps the shares even as requests come and go: after worker 0's requests
+    finish, the next new request goes to worker 0 (round-robin would put it next to worker
+    1's). Counted by the workers each round trip messages."""
+    compiled = backend.compile(JsonSchemaSpec(SCHEMA))
+    pool = MaskWorkerPool(backend.tokenizer_info, num_workers=2, vocab_size=backend.vocab_size,
+                          max_rows=8, stop_token_ids=[STOP_ID])
+    try:
+        a, b, c, d = (PoolRequest(f"place{i}", compiled, []) for i in range(4))
+        assert len(pool.advance([a, b, c]).worker_busy_ms) == 2  # a, c: worker 0; b: 1
+        pool.release(a.key)
+        pool.release(c.key)
+        assert len(pool.advance([]).worker_busy_ms) == 1  # worker 0 drops its mirrors
+        assert len(pool.advance([b, d]).worker_busy_ms) == 2  # d: worker 0 (0 live vs 1)
+    finally:
+        pool.close()
