@@ -1,21 +1,22 @@
 #!/usr/bin/env bash
 # Everything measured on the lent H200 (after `source .gpu/setup.sh`), in stages named on the
 # command line so that each fits one device call:
-#   bash benchmarks/gpu_suite.sh tests smol peer llama8b maskbench   (default: all of them)
+#   bash benchmarks/gpu_suite.sh tests smol peer llama8b llama8b_overlap maskbench   (default: all)
 #   tests     GPU tests (kernels, CUDA graphs, engine: overlap on/off, bf16 spec vs plain, sync)
 #   smol      SmolLM2: host mask-build cost by threads, CUDA-graph step times, grammar overlap
 #             (ngram and draft_model, batch 1/8/32/64, N=8, with / without grammar and overlap)
 #   peer      the peer table: HF generate (+ xgrammar) vs structspec, batch 1 and 64
 #   llama8b   Llama-3-8B shape (random bf16 weights, real Llama-3 tokenizer): HBM floor, decode
-#             step vs floor (skinny GEMM and cuBLAS), per-layer GEMM micro-benchmark, grammar
-#             overlap (ngram and draft_model with a 1B-shape draft)
+#             step vs floor (skinny GEMM and cuBLAS), per-layer GEMM micro-benchmark
+#   llama8b_overlap  the 8B shape's grammar overlap (ngram and draft_model with a 1B-shape
+#             draft, 2 repeats)
 #   maskbench MaskBench end to end (120 schemas)
 # Logs go to $OUT (or ./out); each step is time-bounded so one failure does not hide the others.
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
 run() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$? $name"; grep -E "^(grammar_overlap|mask_build|decode|peer|hbm|floor|[0-9]+ passed|FAILED|ERROR)|passed|failed" "$OUT/$name.log" | tail -n 40; }
-stages=${*:-tests smol peer llama8b maskbench}
+stages=${*:-tests smol peer llama8b llama8b_overlap maskbench}
 L8=benchmarks/assets/llama3-8b-shape
 python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())'
 for s in $stages; do case $s in
@@ -24,15 +25,16 @@ for s in $stages; do case $s in
   smol)
     run mask_build 60 python3 benchmarks/mask_build.py --batch 1 8 32 64 --threads 1 2 4 8 --reps 10
     run gpu_decode 60 python3 benchmarks/gpu_decode.py --skip-eager --skip-fold
-    run grammar_overlap 420 python3 benchmarks/grammar_overlap.py --device cuda --batch 1 8 32 64 --steps 100 --algorithms ngram draft_model ;;
+    run grammar_overlap 450 python3 benchmarks/grammar_overlap.py --device cuda --batch 1 8 32 64 --steps 100 --algorithms ngram draft_model --repeats 2 ;;
   peer)
     run peer_compare 200 python3 benchmarks/peer_compare.py --device cuda --num-requests 8 ;;
   llama8b)
     run hbm_floor_8b 60 python3 benchmarks/hbm_floor.py --model $L8 --batch 1 8 32 64 --context 512
     run gpu_decode_8b 150 python3 benchmarks/gpu_decode.py --model $L8 --load-format dummy --nodes 1 8 --skip-fold --skip-eager
     STRUCTSPEC_GEMV=0 run gpu_decode_8b_cublas 90 python3 benchmarks/gpu_decode.py --model $L8 --load-format dummy --batch 1 --nodes 1 8 --skip-fold --skip-eager
-    run gemv_micro 90 python3 benchmarks/kernels_micro.py --gemv
-    run grammar_overlap_8b 420 python3 benchmarks/grammar_overlap.py --device cuda --model $L8 --load-format dummy --batch 1 8 32 64 --steps 100 --algorithms ngram draft_model --draft-model benchmarks/assets/llama3-1b-draft-shape ;;
+    run gemv_micro 90 python3 benchmarks/kernels_micro.py --gemv ;;
+  llama8b_overlap)
+    run grammar_overlap_8b 560 python3 benchmarks/grammar_overlap.py --device cuda --model $L8 --load-format dummy --batch 1 8 32 64 --steps 100 --algorithms ngram draft_model --overlap on --repeats 2 --draft-model benchmarks/assets/llama3-1b-draft-shape ;;
   maskbench)
     run maskbench 170 python3 benchmarks/maskbench_e2e.py --device cuda --speculative-algorithm ngram --limit 120 --max-tokens 1024 --skip-slow-compile --out "$OUT/maskbench.jsonl" ;;
   *) echo "unknown stage $s" ;;
