@@ -293,9 +293,9 @@ class MaskWorkerPool:
                   n: int, time_limit_s: float, while_waiting: Any,
                   on_verdicts: Callable[[PoolBuildResult], None] | None) -> PoolBuildResult:
         """Send each worker its requests' new ids (``links``: the shared ``[3, bs, N]`` tree
-        links hold a tree to walk; rows ``>= bs`` advance only), call ``on_verdicts`` with the predicted verdicts, run
-        ``while_waiting``, gather the replies (one per worker, after it advanced and walked)
-        and check the predictions."""
+        links hold a tree to walk; rows ``>= bs`` advance only), call ``on_verdicts`` with the
+        predicted verdicts, run ``while_waiting``, gather the replies (one per worker, after it
+        advanced and walked) and check the predictions."""
         if self._closed:
             raise MaskPoolError("the mask worker pool is closed")
         jobs: list[list[tuple]] = [[] for _ in range(self.num_workers)]

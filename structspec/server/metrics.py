@@ -98,6 +98,14 @@ class ServerMetrics:
             p + "verify_step_grammar_stall_ms",
             "GPU time between the verify forward's end and the grammar mask's arrival",
             buckets=STEP_MS_BUCKETS, registry=r)
+        self.step_pool_send = Histogram(
+            p + "verify_step_mask_worker_send_ms",
+            "Host time sending a verify step's tree-mask build to the grammar worker processes",
+            buckets=STEP_MS_BUCKETS, registry=r)
+        self.step_pool_worker = Histogram(
+            p + "verify_step_mask_worker_busiest_ms",
+            "Busiest grammar worker's time per verify step (message received to reply sent)",
+            buckets=STEP_MS_BUCKETS, registry=r)
         self.step_cpu = Counter(p + "verify_step_cpu_ms", "Host time of verify steps by phase "
                                 "(draft, launch, barrier, mask, text, wait, commit)",
                                 ["phase"], registry=r)
@@ -126,6 +134,9 @@ class ServerMetrics:
                 self.step_gpu_idle.observe(step.gpu_idle_before_ms)
             if step.gpu_grammar_stall_ms is not None:
                 self.step_grammar_stall.observe(step.gpu_grammar_stall_ms)
+            if step.pool_send_ms is not None and step.pool_worker_max_ms is not None:
+                self.step_pool_send.observe(step.pool_send_ms)
+                self.step_pool_worker.observe(step.pool_worker_max_ms)
 
     def on_finished(self, choice: ChoiceState, elapsed_s: float) -> None:
         """Record one finished engine request (``elapsed_s`` since the HTTP request)."""

@@ -208,6 +208,10 @@ def test_mask_worker_processes_give_identical_outputs(make_llm, draft_paths, alg
         monkeypatch.setattr(Matcher, "accept_run", counting_accept_run)  # this process only
         got = llm.generate(PROMPTS[:8], params)
         assert llm.engine.scheduler.mask_pool.num_builds > 0
+        # the steps the pool served carry its timings (averaged over those steps only)
+        stats = llm.engine.step_stats()
+        assert 1 <= stats["pool_workers"] <= 2
+        assert stats["pool_send_ms"] > 0 and stats["pool_worker_max_ms"] > 0
     for a, b in zip(ref, got, strict=True):
         assert a.token_ids == b.token_ids and a.text == b.text
         assert a.finish_reason == b.finish_reason

@@ -11,7 +11,8 @@ def test_step_records_become_metrics() -> None:
     m = ServerMetrics()
     gpu = StepRecord(4, 8, 4, wall_ms=3.0, cpu_ms={"draft": 0.5, "mask": 1.25},
                      gpu_draft_ms=0.0, gpu_forward_ms=2.0, gpu_grammar_stall_ms=0.25,
-                     gpu_post_ms=0.75, gpu_idle_before_ms=0.5)
+                     gpu_post_ms=0.75, gpu_idle_before_ms=0.5, pool_workers=2,
+                     pool_send_ms=0.125, pool_worker_max_ms=0.375)
     cpu = StepRecord(1, 1, 0, wall_ms=7.0, cpu_ms={"launch": 6.0})  # no GPU fields on CPU
     m.on_engine_stats(EngineStats(steps=(gpu, cpu)))
     text = m.render().decode()
@@ -22,3 +23,7 @@ def test_step_records_become_metrics() -> None:
     assert 'structspec_verify_step_gpu_busy_ms_sum 2.5' in text  # 2.0 + 0.75 - 0.25
     assert 'structspec_verify_step_gpu_idle_gap_ms_sum 0.5' in text
     assert 'structspec_verify_step_grammar_stall_ms_sum 0.25' in text
+    # mask worker pool timings: only the step that used the pool
+    assert 'structspec_verify_step_mask_worker_send_ms_count 1.0' in text
+    assert 'structspec_verify_step_mask_worker_send_ms_sum 0.125' in text
+    assert 'structspec_verify_step_mask_worker_busiest_ms_sum 0.375' in text
