@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from structspec.core import (
+    ChatMessageError,
     ChoiceSpec,
     EbnfSpec,
     GrammarSpec,
@@ -18,6 +19,7 @@ from structspec.core import (
     RegexSpec,
     RequestOutput,
     SamplingParams,
+    check_chat_messages,
 )
 
 
@@ -226,6 +228,26 @@ def _params(args: argparse.Namespace, grammar: GrammarSpec | None,
     )
 
 
+def _batch_request(args: argparse.Namespace, rec: Any,
+                   default_grammar: GrammarSpec | None) -> tuple[Any, SamplingParams]:
+    """The prompt (text, or checked chat messages) and sampling params of one parsed
+    ``--batch`` line, checked before the model loads so that a bad line names its line.
+
+    Raises:
+        ValueError / TypeError: the line is not JSON (``rec`` is the parse error), has bad
+            keys or values (see :func:`_check_record`, :meth:`SamplingParams.validate`), or
+            malformed ``messages`` (:class:`ChatMessageError`, naming the message field).
+    """
+    if isinstance(rec, json.JSONDecodeError):
+        raise ValueError(f"not JSON: {rec}")
+    _check_record(rec)
+    params = _params(args, _grammar_from_record(rec, default_grammar), rec)
+    params.validate()
+    if "messages" in rec:
+        return check_chat_messages(rec["messages"]), params
+    return rec.get("prompt", ""), params
+
+
 # SamplingParams fields whose flag is spelled differently from the field (validate() names
 # the field; a command-line error names the flag the user typed).
 _FLAG_OF_FIELD = {"seed": "--request-seed", "max_tokens": "--max-tokens",
@@ -298,19 +320,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         bad: dict[int, str] = {}  # index of a rejected line -> why, for its output record
         for i, (lineno, rec) in enumerate(records):
             try:
-                if isinstance(rec, json.JSONDecodeError):
-                    raise ValueError(f"not JSON: {rec}")
-                _check_record(rec)
-                line_params = _params(args, _grammar_from_record(rec, grammar), rec)
-                line_params.validate()  # bad values name their line, before the model loads
-                params.append(line_params)
+                line_prompt, line_params = _batch_request(args, rec, grammar)
             except (TypeError, ValueError) as e:
-                params.append(SamplingParams(max_tokens=-1))  # rejected per request below
+                line_prompt, line_params = "", SamplingParams(max_tokens=-1)  # rejected below
                 bad[i] = f"bad record at line {lineno}: {e}"
                 print(f"structspec generate: {args.batch}:{lineno}: bad record: {e}",
                       file=sys.stderr)
-            prompts.append("" if i in bad else
-                           rec["messages"] if "messages" in rec else rec.get("prompt", ""))
+            prompts.append(line_prompt)
+            params.append(line_params)
         llm = LLM(args.model, **_engine_kwargs(args))
         outs = llm.generate(prompts, params, raw_prompt=args.raw_prompt, use_tqdm=True)
         for i, why in bad.items():  # the real reason, not the placeholder's max_tokens error
@@ -334,9 +351,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     prompt: Any
     if args.messages:
-        try:
-            prompt = json.loads(Path(args.messages).read_text())
-        except (OSError, json.JSONDecodeError) as e:
+        try:  # a malformed message is a bad command line: exit 2, nothing loaded
+            prompt = check_chat_messages(json.loads(Path(args.messages).read_text()))
+        except (OSError, json.JSONDecodeError, ChatMessageError) as e:
             print(f"structspec generate: --messages: {e}", file=sys.stderr)
             return 2
     else:

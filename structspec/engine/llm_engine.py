@@ -13,7 +13,15 @@ from typing import Any
 import torch
 
 from structspec.config import EngineConfig, resolve_engine_config
-from structspec.core import ChatMessages, PromptTooLongError, RequestOutput, SamplingParams, now
+from structspec.core import (
+    ChatMessageError,
+    ChatMessages,
+    PromptTooLongError,
+    RequestOutput,
+    SamplingParams,
+    now,
+    type_name,
+)
 from structspec.engine.model_runner import ModelRunner
 from structspec.grammar.backend import GrammarBackend
 from structspec.models.default_model import resolve_model_path
@@ -118,7 +126,9 @@ class LLMEngine:
         through it too (as one user message) unless ``raw`` or the model has none.
 
         Raises:
-            RequestError: empty prompt, or chat messages for a model without a chat template.
+            RequestError: empty prompt, malformed chat messages (``param`` names the field,
+                e.g. ``messages[1].content``), or chat messages for a model without a chat
+                template.
         """
         # A prompt that cannot fit is refused before tokenization (Tokenizer.encode).
         limit = self.max_model_len - 1
@@ -138,18 +148,21 @@ class LLMEngine:
                 raise self._too_long(e.min_tokens, "prompt", at_least=True) from None
             except ValueError as e:  # not valid Unicode
                 raise RequestError(str(e), "prompt") from None
-        elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+        elif isinstance(prompt, (list, tuple)) and prompt:
+            # Not all token ids: a chat, whose malformed messages render_chat names.
             if not self.tokenizer.has_chat_template:
                 raise RequestError("this model has no chat template; send a raw prompt", "messages")
             try:
                 ids = self.tokenizer.apply_chat_template(list(prompt), max_tokens=limit)
             except PromptTooLongError as e:
                 raise self._too_long(e.min_tokens, "messages", at_least=True) from None
-            except Exception as e:  # the template's own complaint is the useful message
-                raise RequestError(f"chat template failed: {e}", "messages") from e
+            except ChatMessageError as e:
+                raise RequestError(str(e), e.param) from None
+            except Exception as e:  # e.g. the template's own complaint, already prefixed
+                raise RequestError(str(e), "messages") from e
         else:
             raise RequestError("prompt must be a non-empty string, token id list or chat "
-                               "message list", "prompt")
+                               f"message list, got {_describe(prompt)}", "prompt")
         if not ids:
             raise RequestError("prompt is empty after tokenization", "prompt")
         bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
@@ -282,6 +295,13 @@ class LLMEngine:
                     if progress is not None:
                         progress.update(1)
         return [results[r] for r in order]
+
+
+def _describe(prompt: object) -> str:
+    """What a refused prompt was, for its error: an empty list, or the type's name."""
+    if isinstance(prompt, (list, tuple)) and not prompt:
+        return f"an empty {type(prompt).__name__}"
+    return type_name(prompt)
 
 
 def _param_of(message: str) -> str | None:
