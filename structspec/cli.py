@@ -113,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--output", choices=["text", "json"], default="text",
                      help="text: the completion; json: one record per request")
     gen.add_argument("--out-file", default=None,
-                     help="--batch only: write JSONL results here (default: stdout)")
+                     help="--batch only: write JSONL results here (default: stdout); each "
+                          "record has the 'line' of its input line")
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
                          description="Serve the OpenAI API (chat/completions, structured "
@@ -338,8 +339,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
                       file=sys.stderr)
         sink = open(args.out_file, "w") if args.out_file else sys.stdout  # noqa: SIM115
         try:
-            for out in outs:
-                print(json.dumps(out.to_dict()), file=sink, flush=True)
+            for (lineno, _), out in zip(records, outs, strict=True):
+                # "line": the input line (1-based, blank lines counted), so that a record,
+                # above all an error, can be matched to its line without stderr
+                print(json.dumps({"line": lineno, **out.to_dict()}), file=sink, flush=True)
         finally:
             if sink is not sys.stdout:
                 sink.close()

@@ -244,6 +244,36 @@ def test_batch_line_that_is_not_json_or_refused_by_the_engine_fails_alone(
     assert "batch.jsonl:4: prompt is empty" in err
 
 
+def test_every_batch_record_carries_its_input_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """An error the engine reports (empty prompt) used to reach the output without its line
+    (only stderr had it); now every record has ``line``, blank lines counted, and the good
+    lines around the bad ones still succeed."""
+    rc, outs, err = _run_batch(tmp_path, monkeypatch, capsys,
+                               [{"prompt": "good"}, "", {"prompt": ""}, {"prompt": "good too"},
+                                {"prompt": "x", "top_k": -1}, "", {"prompt": "last"}])
+    assert rc == 1
+    assert [o["line"] for o in outs] == [1, 3, 4, 5, 7]
+    assert [o["error"] for o in outs if o["line"] in (1, 4, 7)] == [None, None, None]
+    assert [o["text"] for o in outs if o["line"] in (1, 4, 7)] == ["ok", "ok", "ok"]
+    engine_refused, bad_record = outs[1], outs[3]
+    assert engine_refused["error"] == "prompt is empty" and "batch.jsonl:3: prompt is empty" in err
+    assert bad_record["finish_reason"] == "abort" and "top_k" in bad_record["error"]
+
+
+def test_out_file_records_carry_the_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    import structspec.llm as llm_mod
+
+    monkeypatch.setattr(llm_mod, "LLM", _FakeLLM)
+    batch, out = tmp_path / "batch.jsonl", tmp_path / "out.jsonl"
+    batch.write_text('\n{"prompt": ""}\n{"prompt": "b"}\n')
+    assert main(["generate", "--batch", str(batch), "--out-file", str(out)]) == 1
+    records = [json.loads(s) for s in out.read_text().splitlines()]
+    assert [(r["line"], r["error"]) for r in records] == [(2, "prompt is empty"), (3, None)]
+
+
 def test_out_file_without_batch_is_a_bad_command_line(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
