@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache size in tokens; requests wait when it is full (default: "
                         "32768 on CPU, 262144 on CUDA)")
     g.add_argument("--max-model-len", type=int, default=None,
-                   help="context length limit (default: the model's)")
+                   help="context length limit (default: the model's; more than the model's "
+                        "is refused; lowered, with a warning, to what the KV cache holds)")
     g.add_argument("--grammar-compile-timeout", type=float, default=30.0,
                    help="seconds a grammar may take to compile before its request fails")
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
@@ -256,11 +258,25 @@ _FLAG_OF_FIELD = {"seed": "--request-seed", "max_tokens": "--max-tokens",
                   "min_p": "--min-p", "stop": "--stop"}
 
 
-def _flag_error(message: str) -> str:
-    """``message`` from :meth:`SamplingParams.validate` with its field named as the flag
-    (``seed must be ...`` -> ``--request-seed: seed must be ...``)."""
-    field = message.split(" ", 1)[0]
-    flag = _FLAG_OF_FIELD.get(field)
+# Engine options whose errors (resolve_engine_config, LLMEngine) start with the option's
+# name, e.g. ``max_model_len=... is greater than the model's context length``.
+_FLAG_OF_ENGINE_FIELD = {"max_model_len": "--max-model-len", "device": "--device",
+                         "dtype": "--dtype", "max_batch_size": "--max-batch-size",
+                         "kv_capacity_tokens": "--kv-capacity-tokens",
+                         "grammar_compile_timeout_s": "--grammar-compile-timeout",
+                         "grammar_workers": "--grammar-workers", "kernels": "--kernels",
+                         "load_format": "--load-format",
+                         "speculative_algorithm": "--speculative-algorithm",
+                         "num_draft_tokens": "--num-draft-tokens",
+                         "speculative_depth": "--speculative-depth"}
+
+
+def _flag_error(message: str, flag_of_field: dict[str, str] = _FLAG_OF_FIELD) -> str:
+    """``message`` (from :meth:`SamplingParams.validate`, or with ``_FLAG_OF_ENGINE_FIELD``
+    from the engine's config checks) with its field named as the flag (``seed must be ...``
+    -> ``--request-seed: seed must be ...``)."""
+    field = re.split(r"\W", message, maxsplit=1)[0]  # "max_model_len=5 is ..." -> max_model_len
+    flag = flag_of_field.get(field)
     return f"{flag}: {message}" if flag else message
 
 
@@ -391,7 +407,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return cmd_generate(args)
         except (FileNotFoundError, ValueError, MemoryError) as e:
-            print(f"structspec generate: {e}", file=sys.stderr)
+            print(f"structspec generate: {_flag_error(str(e), _FLAG_OF_ENGINE_FIELD)}",
+                  file=sys.stderr)
             return 2
     if args.command == "serve":
         from structspec.server.launch import serve

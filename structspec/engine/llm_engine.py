@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from structspec.config import EngineConfig, resolve_engine_config
+from structspec.config import EngineConfig, check_max_model_len, resolve_engine_config
 from structspec.core import (
     ChatMessageError,
     ChatMessages,
@@ -25,7 +25,7 @@ from structspec.core import (
 from structspec.engine.model_runner import ModelRunner
 from structspec.grammar.backend import GrammarBackend
 from structspec.models.default_model import resolve_model_path
-from structspec.models.loader import load_model
+from structspec.models.loader import load_model, load_model_config
 from structspec.models.tokenizer import IncrementalDetokenizer, Tokenizer, check_unicode
 from structspec.scheduler.request import Req
 from structspec.scheduler.scheduler import Scheduler
@@ -53,7 +53,9 @@ class LLMEngine:
             seeded random weights (seed ``config.seed``) built on the device from config.json.
 
     Raises:
-        FileNotFoundError / ValueError: on a bad model path or config, naming what is wrong.
+        FileNotFoundError / ValueError: on a bad model path or config, naming what is wrong
+            (e.g. a ``max_model_len`` above the model's context length, with both numbers:
+            :func:`structspec.config.check_max_model_len`).
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -66,16 +68,16 @@ class LLMEngine:
             # before the first torch op spawns the OpenMP pool.
             torch.set_flush_denormal(True)
         self.model_path = resolve_model_path(config.model)
+        # From config.json alone: a context the model does not have fails before the weights
+        # load.
+        self.max_model_len = check_max_model_len(
+            config.max_model_len, load_model_config(self.model_path).max_position_embeddings)
         device, dtype = config.torch_device, config.torch_dtype
         torch.manual_seed(config.seed)
         model, model_config = load_model(self.model_path, device=device, dtype=dtype,
                                          load_format=config.load_format, seed=config.seed)
         self.model_config = model_config
         self.tokenizer = Tokenizer(self.model_path)
-        self.max_model_len = min(
-            config.max_model_len or model_config.max_position_embeddings,
-            model_config.max_position_embeddings,
-        )
         self.runner = ModelRunner(model, model_config, config.cache, device=device, dtype=dtype,
                                   use_cuda_graph=config.cuda_graph,
                                   max_model_len=self.max_model_len + config.spec.tree_size,
