@@ -1,6 +1,7 @@
 """structspec: structured generation with speculative decoding.
 
-Public API: :class:`LLM`, :class:`SamplingParams`, the grammar specs, :class:`RequestOutput`.
+Public API: :class:`LLM`, :class:`SamplingParams`, the grammar specs, :class:`RequestOutput`,
+:class:`ChatMessageError` (malformed chat messages).
 Heavy modules load lazily, so ``import structspec`` stays cheap.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from structspec.core import (
+    ChatMessageError,
     ChoiceSpec,
     EbnfSpec,
     FinishReason,
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LLM",
+    "ChatMessageError",
     "ChoiceSpec",
     "EbnfSpec",
     "FinishReason",

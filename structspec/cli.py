@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
 from structspec.core import (
+    ChatMessageError,
     ChoiceSpec,
     EbnfSpec,
     GrammarSpec,
@@ -18,6 +20,7 @@ from structspec.core import (
     RegexSpec,
     RequestOutput,
     SamplingParams,
+    check_chat_messages,
 )
 
 
@@ -34,7 +37,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache size in tokens; requests wait when it is full (default: "
                         "32768 on CPU, 262144 on CUDA)")
     g.add_argument("--max-model-len", type=int, default=None,
-                   help="context length limit (default: the model's)")
+                   help="context length limit (default: the model's; more than the model's "
+                        "is refused; lowered, with a warning, to what the KV cache holds)")
     g.add_argument("--grammar-compile-timeout", type=float, default=30.0,
                    help="seconds a grammar may take to compile before its request fails")
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
@@ -111,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--output", choices=["text", "json"], default="text",
                      help="text: the completion; json: one record per request")
     gen.add_argument("--out-file", default=None,
-                     help="--batch only: write JSONL results here (default: stdout)")
+                     help="--batch only: write JSONL results here (default: stdout); each "
+                          "record has the 'line' of its input line")
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
                          description="Serve the OpenAI API (chat/completions, structured "
@@ -226,6 +231,26 @@ def _params(args: argparse.Namespace, grammar: GrammarSpec | None,
     )
 
 
+def _batch_request(args: argparse.Namespace, rec: Any,
+                   default_grammar: GrammarSpec | None) -> tuple[Any, SamplingParams]:
+    """The prompt (text, or checked chat messages) and sampling params of one parsed
+    ``--batch`` line, checked before the model loads so that a bad line names its line.
+
+    Raises:
+        ValueError / TypeError: the line is not JSON (``rec`` is the parse error), has bad
+            keys or values (see :func:`_check_record`, :meth:`SamplingParams.validate`), or
+            malformed ``messages`` (:class:`ChatMessageError`, naming the message field).
+    """
+    if isinstance(rec, json.JSONDecodeError):
+        raise ValueError(f"not JSON: {rec}")
+    _check_record(rec)
+    params = _params(args, _grammar_from_record(rec, default_grammar), rec)
+    params.validate()
+    if "messages" in rec:
+        return check_chat_messages(rec["messages"]), params
+    return rec.get("prompt", ""), params
+
+
 # SamplingParams fields whose flag is spelled differently from the field (validate() names
 # the field; a command-line error names the flag the user typed).
 _FLAG_OF_FIELD = {"seed": "--request-seed", "max_tokens": "--max-tokens",
@@ -233,11 +258,25 @@ _FLAG_OF_FIELD = {"seed": "--request-seed", "max_tokens": "--max-tokens",
                   "min_p": "--min-p", "stop": "--stop"}
 
 
-def _flag_error(message: str) -> str:
-    """``message`` from :meth:`SamplingParams.validate` with its field named as the flag
-    (``seed must be ...`` -> ``--request-seed: seed must be ...``)."""
-    field = message.split(" ", 1)[0]
-    flag = _FLAG_OF_FIELD.get(field)
+# Engine options whose errors (resolve_engine_config, LLMEngine) start with the option's
+# name, e.g. ``max_model_len=... is greater than the model's context length``.
+_FLAG_OF_ENGINE_FIELD = {"max_model_len": "--max-model-len", "device": "--device",
+                         "dtype": "--dtype", "max_batch_size": "--max-batch-size",
+                         "kv_capacity_tokens": "--kv-capacity-tokens",
+                         "grammar_compile_timeout_s": "--grammar-compile-timeout",
+                         "grammar_workers": "--grammar-workers", "kernels": "--kernels",
+                         "load_format": "--load-format",
+                         "speculative_algorithm": "--speculative-algorithm",
+                         "num_draft_tokens": "--num-draft-tokens",
+                         "speculative_depth": "--speculative-depth"}
+
+
+def _flag_error(message: str, flag_of_field: dict[str, str] = _FLAG_OF_FIELD) -> str:
+    """``message`` (from :meth:`SamplingParams.validate`, or with ``_FLAG_OF_ENGINE_FIELD``
+    from the engine's config checks) with its field named as the flag (``seed must be ...``
+    -> ``--request-seed: seed must be ...``)."""
+    field = re.split(r"\W", message, maxsplit=1)[0]  # "max_model_len=5 is ..." -> max_model_len
+    flag = flag_of_field.get(field)
     return f"{flag}: {message}" if flag else message
 
 
@@ -298,19 +337,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         bad: dict[int, str] = {}  # index of a rejected line -> why, for its output record
         for i, (lineno, rec) in enumerate(records):
             try:
-                if isinstance(rec, json.JSONDecodeError):
-                    raise ValueError(f"not JSON: {rec}")
-                _check_record(rec)
-                line_params = _params(args, _grammar_from_record(rec, grammar), rec)
-                line_params.validate()  # bad values name their line, before the model loads
-                params.append(line_params)
+                line_prompt, line_params = _batch_request(args, rec, grammar)
             except (TypeError, ValueError) as e:
-                params.append(SamplingParams(max_tokens=-1))  # rejected per request below
+                line_prompt, line_params = "", SamplingParams(max_tokens=-1)  # rejected below
                 bad[i] = f"bad record at line {lineno}: {e}"
                 print(f"structspec generate: {args.batch}:{lineno}: bad record: {e}",
                       file=sys.stderr)
-            prompts.append("" if i in bad else
-                           rec["messages"] if "messages" in rec else rec.get("prompt", ""))
+            prompts.append(line_prompt)
+            params.append(line_params)
         llm = LLM(args.model, **_engine_kwargs(args))
         outs = llm.generate(prompts, params, raw_prompt=args.raw_prompt, use_tqdm=True)
         for i, why in bad.items():  # the real reason, not the placeholder's max_tokens error
@@ -321,8 +355,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
                       file=sys.stderr)
         sink = open(args.out_file, "w") if args.out_file else sys.stdout  # noqa: SIM115
         try:
-            for out in outs:
-                print(json.dumps(out.to_dict()), file=sink, flush=True)
+            for (lineno, _), out in zip(records, outs, strict=True):
+                # "line": the input line (1-based, blank lines counted), so that a record,
+                # above all an error, can be matched to its line without stderr
+                print(json.dumps({"line": lineno, **out.to_dict()}), file=sink, flush=True)
         finally:
             if sink is not sys.stdout:
                 sink.close()
@@ -334,9 +370,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     prompt: Any
     if args.messages:
-        try:
-            prompt = json.loads(Path(args.messages).read_text())
-        except (OSError, json.JSONDecodeError) as e:
+        try:  # a malformed message is a bad command line: exit 2, nothing loaded
+            prompt = check_chat_messages(json.loads(Path(args.messages).read_text()))
+        except (OSError, json.JSONDecodeError, ChatMessageError) as e:
             print(f"structspec generate: --messages: {e}", file=sys.stderr)
             return 2
     else:
@@ -371,7 +407,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return cmd_generate(args)
         except (FileNotFoundError, ValueError, MemoryError) as e:
-            print(f"structspec generate: {e}", file=sys.stderr)
+            print(f"structspec generate: {_flag_error(str(e), _FLAG_OF_ENGINE_FIELD)}",
+                  file=sys.stderr)
             return 2
     if args.command == "serve":
         from structspec.server.launch import serve

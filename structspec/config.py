@@ -186,7 +186,9 @@ class EngineConfig:
     model: str | None = None  # local HF directory or .gguf file; None = the default model
     device: str = "auto"  # "auto" = cuda when available else cpu
     dtype: str = "auto"  # "auto" = bfloat16 on cuda, float32 on cpu
-    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    # None = the model's max_position_embeddings; a larger value is refused
+    # (check_max_model_len). The result is lowered, with a warning, to what the KV cache holds.
+    max_model_len: int | None = None
     seed: int = 0
     cuda_graph: bool = True  # capture/replay verify forwards on CUDA (ignored on CPU)
     # "auto" = fused Triton kernels on CUDA when triton imports, else the torch reference;
@@ -282,6 +284,28 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
         raise ValueError("kv_capacity_tokens must hold at least one page")
     return dataclasses.replace(config, device=device, dtype=dtype, cache=cache, kernels=kernels,
                                grammar=grammar)
+
+
+def check_max_model_len(max_model_len: int | None, model_limit: int) -> int:
+    """The context length an engine serves, before the KV cache's cap: ``max_model_len``, or
+    the model's own ``model_limit`` (``max_position_embeddings``) when it is None.
+
+    An explicit value above the model's is refused, as vLLM refuses it ("User-specified
+    max_model_len (X) is greater than the derived max_model_len (max_position_embeddings=Y
+    ...)"): the model was never trained on positions past its own (RoPE models emit garbage
+    there), and quietly serving less than was asked for hides a typo such as 10**12.
+
+    Raises:
+        ValueError: ``max_model_len`` > ``model_limit``, naming both numbers.
+    """
+    if max_model_len is None:
+        return model_limit
+    if max_model_len > model_limit:
+        raise ValueError(f"max_model_len={max_model_len} is greater than the model's context "
+                         f"length ({model_limit} tokens, max_position_embeddings in its "
+                         f"config.json); give at most {model_limit}, or leave it unset for the "
+                         "model's")
+    return max_model_len
 
 
 def default_grammar_workers(device: str) -> int:

@@ -365,6 +365,115 @@ Role = Literal["system", "user", "assistant", "tool"]
 ChatMessages = Sequence[dict[str, Any]]
 
 
+# ---------------------------------------------------------------------------------------------
+# Chat messages (checked once, before any chat template sees them)
+# ---------------------------------------------------------------------------------------------
+
+
+class ChatMessageError(ValueError):
+    """A malformed chat message list, refused before the chat template renders it (a
+    template's own error, e.g. "'dict object' has no attribute 'content'", names no field).
+
+    The message is ``"<param>: <reason>"``, e.g. ``messages[1].content: expected a string or
+    a list of text parts, got int``.
+
+    Attributes:
+        param: the field at fault (``messages``, ``messages[1].role``, ...): an HTTP 400's
+            ``param``.
+        code: ``"unsupported"`` for a message OpenAI accepts but structspec does not serve
+            (an image part, an assistant turn that only carries tool calls); else None.
+    """
+
+    def __init__(self, param: str, reason: str, code: str | None = None) -> None:
+        super().__init__(f"{param}: {reason}")
+        self.param = param
+        self.code = code
+
+
+def type_name(value: object) -> str:
+    """A value's type as error messages name it (``null`` for None, as JSON spells it)."""
+    return "null" if value is None else type(value).__name__
+
+
+def check_chat_messages(messages: object) -> list[dict[str, Any]]:
+    """Check an OpenAI-style chat and return it as chat templates expect it.
+
+    The one check that every path taking messages goes through (the Python API and the CLI
+    via :meth:`structspec.models.tokenizer.Tokenizer.render_chat`, the HTTP server before it
+    tokenizes). Accepted, as OpenAI accepts it: a non-empty list of objects, each with a
+    non-empty string ``role`` and a ``content`` that is a string or a list of ``{"type":
+    "text", "text": ...}`` parts (joined into one string); ``name``, when given, is a string.
+    Other keys pass through to the template.
+
+    Returns:
+        New message dicts (the input is not modified) whose ``content`` is a string.
+
+    Raises:
+        ChatMessageError: naming the field; with code ``unsupported`` for a non-text content
+            part, and for a ``content`` of null or left out on an assistant message with
+            ``tool_calls`` (OpenAI's shape for a pure tool call: tool calls are not supported).
+    """
+    if not isinstance(messages, (list, tuple)):
+        raise ChatMessageError("messages", f"expected a list of messages, got "
+                                           f"{type_name(messages)}")
+    if not messages:
+        raise ChatMessageError("messages", "expected at least one message, got an empty list")
+    return [_check_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
+
+
+def _check_message(message: object, where: str) -> dict[str, Any]:
+    if not isinstance(message, dict):
+        raise ChatMessageError(where, "expected a message object with 'role' and 'content', "
+                                      f"got {type_name(message)}")
+    if "role" not in message:
+        raise ChatMessageError(f"{where}.role", "missing (expected a string such as 'user')")
+    role = message["role"]
+    if not isinstance(role, str):
+        raise ChatMessageError(f"{where}.role", f"expected a string, got {type_name(role)}")
+    if not role:
+        raise ChatMessageError(f"{where}.role", "expected a non-empty string, got ''")
+    name = message.get("name")
+    if name is not None and not isinstance(name, str):
+        raise ChatMessageError(f"{where}.name", f"expected a string, got {type_name(name)}")
+    out = dict(message)
+    out["content"] = _message_text(message, where)
+    return out
+
+
+def _message_text(message: dict[str, Any], where: str) -> str:
+    """The text of ``message["content"]``: a string, or its text parts joined."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(_part_text(part, f"{where}.content[{j}]")
+                       for j, part in enumerate(content))
+    if content is None and message["role"] == "assistant" and (
+            message.get("tool_calls") or message.get("function_call")):
+        raise ChatMessageError(f"{where}.content", "an assistant message with tool_calls and "
+                               "no content is not supported (structspec does not support tool "
+                               "calls); send the turn as text content", code="unsupported")
+    if "content" not in message:
+        raise ChatMessageError(f"{where}.content", "missing (expected a string or a list of "
+                                                   "text parts)")
+    raise ChatMessageError(f"{where}.content", "expected a string or a list of text parts, "
+                                               f"got {type_name(content)}")
+
+
+def _part_text(part: object, where: str) -> str:
+    if not isinstance(part, dict):
+        raise ChatMessageError(where, "expected a content part object ({\"type\": \"text\", "
+                                      f"\"text\": ...}}), got {type_name(part)}")
+    kind = part.get("type")
+    if kind != "text":
+        raise ChatMessageError(f"{where}.type", f"content part type {kind!r} is not supported "
+                                                "(text parts only)", code="unsupported")
+    text = part.get("text")
+    if not isinstance(text, str):
+        raise ChatMessageError(f"{where}.text", f"expected a string, got {type_name(text)}")
+    return text
+
+
 def now() -> float:
     """Monotonic wall clock in seconds (all request timings use it)."""
     return time.perf_counter()

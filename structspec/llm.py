@@ -14,7 +14,7 @@ from structspec.config import (
     SpecAlgorithmName,
     SpecConfig,
 )
-from structspec.core import ChatMessages, RequestOutput, SamplingParams
+from structspec.core import ChatMessages, RequestOutput, SamplingParams, check_chat_messages
 from structspec.engine.llm_engine import LLMEngine, PromptInput
 
 
@@ -138,8 +138,15 @@ class LLM:
         self, messages: ChatMessages | Sequence[ChatMessages],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, **kw: Any,
     ) -> list[RequestOutput]:
-        """Like :meth:`generate` for chat conversations (lists of ``{role, content}``)."""
-        return self.generate(messages, sampling_params, **kw)
+        """Like :meth:`generate` for chat conversations: one conversation (a list of
+        ``{role, content}`` messages) or a list of conversations. A conversation with a
+        malformed message comes back as an ``abort`` output whose error names the field
+        (``messages[1].content: ...``; see :func:`structspec.core.check_chat_messages`).
+
+        Raises:
+            ChatMessageError: ``messages`` is not a list, or is empty (a ValueError).
+        """
+        return self.generate(_as_chat_list(messages), sampling_params, **kw)
 
     def close(self) -> None:
         """Stop the engine's worker processes and threads (:meth:`LLMEngine.close`)."""
@@ -161,6 +168,22 @@ def _as_prompt_list(prompts: Any) -> list[PromptInput]:
         return [prompts]
     if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one token-id prompt
-    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(m, dict) for m in prompts):
-        return [list(prompts)]  # one chat
+    if isinstance(prompts, (list, tuple)) and prompts and any(isinstance(m, dict) for m in prompts):
+        # One chat: a dict is never a prompt of its own, so a chat with a bad element (a
+        # string among the messages) is refused as a chat, naming that element.
+        return [list(prompts)]
     return list(prompts)
+
+
+def _as_chat_list(messages: Any) -> list[PromptInput]:
+    """``LLM.chat``'s argument as a list of conversations: a list whose items are all lists
+    is several, any other list is one (checked per message by the engine).
+
+    Raises:
+        ChatMessageError: ``messages`` is not a list or tuple, or is empty.
+    """
+    if not isinstance(messages, (list, tuple)) or not messages:
+        check_chat_messages(messages)  # raises, naming `messages`
+    if all(isinstance(c, (list, tuple)) for c in messages):
+        return [list(c) for c in messages]
+    return [list(messages)]

@@ -68,8 +68,10 @@ class _FakeLLM:
     def __init__(self, model: str | None, **kwargs: Any) -> None:
         pass
 
-    def generate(self, prompts: list[Any], params: list[SamplingParams],
+    def generate(self, prompts: Any, params: list[SamplingParams] | SamplingParams,
                  **kwargs: Any) -> list[RequestOutput]:
+        if isinstance(params, SamplingParams):  # one request (--prompt / --messages)
+            prompts, params = [prompts], [params]
         outs = []
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             _FakeLLM.seen.append((prompt, p))
@@ -128,6 +130,12 @@ def test_batch_good_lines_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     ({"prompt": "a", "top_k": 2.5}, ["top_k", "integer"]),
     ({"prompt": "a", "seed": True}, ["seed", "integer"]),
     ({"prompt": "a", "temperature": "hot"}, ["temperature", "number"]),
+    # malformed messages: refused before the model loads, naming the message field
+    ({"messages": [{"role": "user", "content": 5}]},
+     ["messages[0].content: expected a string or a list of text parts, got int"]),
+    ({"messages": [{"role": "user"}]}, ["messages[0].content: missing"]),
+    ({"messages": "hi"}, ["messages: expected a list of messages, got str"]),  # not a prompt
+    ({"messages": []}, ["messages: expected at least one message"]),
 ])
 def test_batch_bad_line_fails_alone_naming_line_and_keys(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
@@ -185,6 +193,42 @@ def test_bad_flag_value_is_a_bad_command_line(monkeypatch: pytest.MonkeyPatch,
     assert _FakeLLM.seen == []
 
 
+@pytest.mark.parametrize(("messages", "field"), [
+    ([{"role": "system", "content": "x"}, {"role": "user"}], "messages[1].content: missing"),
+    ([{"role": "user", "content": [{"type": "text", "text": 1}]}],
+     "messages[0].content[0].text: expected a string, got int"),
+    ({"role": "user", "content": "hi"}, "messages: expected a list of messages, got dict"),
+])
+def test_malformed_messages_file_is_a_bad_command_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        messages: Any, field: str) -> None:
+    """``--messages FILE`` with a malformed message exits 2 naming the flag and the field,
+    before any model loads (a dict used to run its keys as two prompts)."""
+    import structspec.llm as llm_mod
+
+    monkeypatch.setattr(llm_mod, "LLM", _FakeLLM)
+    _FakeLLM.seen = []
+    path = tmp_path / "messages.json"
+    path.write_text(json.dumps(messages))
+    rc = main(["generate", "--messages", str(path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith(f"structspec generate: --messages: {field}"), err
+    assert _FakeLLM.seen == []
+
+
+def test_messages_file_text_parts_reach_the_engine_joined(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import structspec.llm as llm_mod
+
+    monkeypatch.setattr(llm_mod, "LLM", _FakeLLM)
+    _FakeLLM.seen = []
+    path = tmp_path / "messages.json"
+    path.write_text(json.dumps([{"role": "user", "content": [
+        {"type": "text", "text": "Say "}, {"type": "text", "text": "hi."}]}]))
+    assert main(["generate", "--messages", str(path)]) == 0
+    assert [prompt for prompt, _ in _FakeLLM.seen] == [[{"role": "user", "content": "Say hi."}]]
+
+
 def test_batch_line_that_is_not_json_or_refused_by_the_engine_fails_alone(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
@@ -198,6 +242,36 @@ def test_batch_line_that_is_not_json_or_refused_by_the_engine_fails_alone(
     assert outs[2]["error"] == "prompt is empty"
     assert "batch.jsonl:2: bad record: not JSON" in err
     assert "batch.jsonl:4: prompt is empty" in err
+
+
+def test_every_batch_record_carries_its_input_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """An error the engine reports (empty prompt) used to reach the output without its line
+    (only stderr had it); now every record has ``line``, blank lines counted, and the good
+    lines around the bad ones still succeed."""
+    rc, outs, err = _run_batch(tmp_path, monkeypatch, capsys,
+                               [{"prompt": "good"}, "", {"prompt": ""}, {"prompt": "good too"},
+                                {"prompt": "x", "top_k": -1}, "", {"prompt": "last"}])
+    assert rc == 1
+    assert [o["line"] for o in outs] == [1, 3, 4, 5, 7]
+    assert [o["error"] for o in outs if o["line"] in (1, 4, 7)] == [None, None, None]
+    assert [o["text"] for o in outs if o["line"] in (1, 4, 7)] == ["ok", "ok", "ok"]
+    engine_refused, bad_record = outs[1], outs[3]
+    assert engine_refused["error"] == "prompt is empty" and "batch.jsonl:3: prompt is empty" in err
+    assert bad_record["finish_reason"] == "abort" and "top_k" in bad_record["error"]
+
+
+def test_out_file_records_carry_the_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    import structspec.llm as llm_mod
+
+    monkeypatch.setattr(llm_mod, "LLM", _FakeLLM)
+    batch, out = tmp_path / "batch.jsonl", tmp_path / "out.jsonl"
+    batch.write_text('\n{"prompt": ""}\n{"prompt": "b"}\n')
+    assert main(["generate", "--batch", str(batch), "--out-file", str(out)]) == 1
+    records = [json.loads(s) for s in out.read_text().splitlines()]
+    assert [(r["line"], r["error"]) for r in records] == [(2, "prompt is empty"), (3, None)]
 
 
 def test_out_file_without_batch_is_a_bad_command_line(

@@ -47,6 +47,61 @@ def test_context_is_capped_by_the_kv_cache() -> None:
         gc.collect()
 
 
+def test_max_model_len_rule() -> None:
+    """None is the model's context length; an explicit value up to it is kept; above it is
+    refused naming both numbers (vLLM's rule: it used to be capped silently)."""
+    from structspec.config import check_max_model_len
+
+    assert check_max_model_len(None, 8192) == 8192
+    assert check_max_model_len(8192, 8192) == 8192 and check_max_model_len(100, 8192) == 100
+    with pytest.raises(ValueError, match=r"^max_model_len=8193 is greater than the model's "
+                                         r"context length \(8192 tokens"):
+        check_max_model_len(8193, 8192)
+
+
+def test_max_model_len_above_the_models_is_refused_before_the_weights_load(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import structspec.engine.llm_engine as engine_mod
+    from structspec import LLM
+
+    def no_load(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the weights loaded before max_model_len was checked")
+
+    monkeypatch.setattr(engine_mod, "load_model", no_load)
+    with pytest.raises(ValueError) as e:
+        LLM(device="cpu", max_model_len=10**12)
+    assert str(e.value).startswith(f"max_model_len={10**12} is greater than")
+    assert "8192" in str(e.value)  # SmolLM2's max_position_embeddings
+
+
+def test_cli_max_model_len_above_the_models_exits_2_naming_the_flag(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from structspec.cli import main
+
+    rc = main(["generate", "--device", "cpu", "--prompt", "hi", "--max-model-len",
+               str(10**12)])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith(f"structspec generate: --max-model-len: max_model_len={10**12} ")
+    assert "(8192 tokens" in err
+
+
+def test_explicit_max_model_len_the_kv_cache_cannot_hold_is_lowered_with_a_warning(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Allowed by the model but not by a 512-token KV cache: lowered (as the default is),
+    with a warning naming both numbers, not refused."""
+    from structspec import LLM
+
+    with caplog.at_level("WARNING", logger="structspec.engine.llm_engine"):
+        llm = LLM(device="cpu", dtype="float32", kv_capacity_tokens=512, max_model_len=4096)
+    try:
+        assert llm.engine.max_model_len == 511  # 32 pages of 16 slots, minus one tree node
+        assert any("max_model_len 4096 lowered to 511" in r.getMessage() for r in caplog.records)
+    finally:
+        del llm
+        gc.collect()
+
+
 @pytest.mark.parametrize(("device", "cores", "expected"),
                          [("cuda", 16, 8), ("cuda:1", 64, 8), ("cuda", 6, 3), ("cuda", 3, 0),
                           ("cpu", 16, 0)])

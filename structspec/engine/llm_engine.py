@@ -12,12 +12,20 @@ from typing import Any
 
 import torch
 
-from structspec.config import EngineConfig, resolve_engine_config
-from structspec.core import ChatMessages, PromptTooLongError, RequestOutput, SamplingParams, now
+from structspec.config import EngineConfig, check_max_model_len, resolve_engine_config
+from structspec.core import (
+    ChatMessageError,
+    ChatMessages,
+    PromptTooLongError,
+    RequestOutput,
+    SamplingParams,
+    now,
+    type_name,
+)
 from structspec.engine.model_runner import ModelRunner
 from structspec.grammar.backend import GrammarBackend
 from structspec.models.default_model import resolve_model_path
-from structspec.models.loader import load_model
+from structspec.models.loader import load_model, load_model_config
 from structspec.models.tokenizer import IncrementalDetokenizer, Tokenizer, check_unicode
 from structspec.scheduler.request import Req
 from structspec.scheduler.scheduler import Scheduler
@@ -45,7 +53,9 @@ class LLMEngine:
             seeded random weights (seed ``config.seed``) built on the device from config.json.
 
     Raises:
-        FileNotFoundError / ValueError: on a bad model path or config, naming what is wrong.
+        FileNotFoundError / ValueError: on a bad model path or config, naming what is wrong
+            (e.g. a ``max_model_len`` above the model's context length, with both numbers:
+            :func:`structspec.config.check_max_model_len`).
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -58,16 +68,16 @@ class LLMEngine:
             # before the first torch op spawns the OpenMP pool.
             torch.set_flush_denormal(True)
         self.model_path = resolve_model_path(config.model)
+        # From config.json alone: a context the model does not have fails before the weights
+        # load.
+        self.max_model_len = check_max_model_len(
+            config.max_model_len, load_model_config(self.model_path).max_position_embeddings)
         device, dtype = config.torch_device, config.torch_dtype
         torch.manual_seed(config.seed)
         model, model_config = load_model(self.model_path, device=device, dtype=dtype,
                                          load_format=config.load_format, seed=config.seed)
         self.model_config = model_config
         self.tokenizer = Tokenizer(self.model_path)
-        self.max_model_len = min(
-            config.max_model_len or model_config.max_position_embeddings,
-            model_config.max_position_embeddings,
-        )
         self.runner = ModelRunner(model, model_config, config.cache, device=device, dtype=dtype,
                                   use_cuda_graph=config.cuda_graph,
                                   max_model_len=self.max_model_len + config.spec.tree_size,
@@ -118,7 +128,9 @@ class LLMEngine:
         through it too (as one user message) unless ``raw`` or the model has none.
 
         Raises:
-            RequestError: empty prompt, or chat messages for a model without a chat template.
+            RequestError: empty prompt, malformed chat messages (``param`` names the field,
+                e.g. ``messages[1].content``), or chat messages for a model without a chat
+                template.
         """
         # A prompt that cannot fit is refused before tokenization (Tokenizer.encode).
         limit = self.max_model_len - 1
@@ -138,18 +150,21 @@ class LLMEngine:
                 raise self._too_long(e.min_tokens, "prompt", at_least=True) from None
             except ValueError as e:  # not valid Unicode
                 raise RequestError(str(e), "prompt") from None
-        elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+        elif isinstance(prompt, (list, tuple)) and prompt:
+            # Not all token ids: a chat, whose malformed messages render_chat names.
             if not self.tokenizer.has_chat_template:
                 raise RequestError("this model has no chat template; send a raw prompt", "messages")
             try:
                 ids = self.tokenizer.apply_chat_template(list(prompt), max_tokens=limit)
             except PromptTooLongError as e:
                 raise self._too_long(e.min_tokens, "messages", at_least=True) from None
-            except Exception as e:  # the template's own complaint is the useful message
-                raise RequestError(f"chat template failed: {e}", "messages") from e
+            except ChatMessageError as e:
+                raise RequestError(str(e), e.param) from None
+            except Exception as e:  # e.g. the template's own complaint, already prefixed
+                raise RequestError(str(e), "messages") from e
         else:
             raise RequestError("prompt must be a non-empty string, token id list or chat "
-                               "message list", "prompt")
+                               f"message list, got {_describe(prompt)}", "prompt")
         if not ids:
             raise RequestError("prompt is empty after tokenization", "prompt")
         bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
@@ -282,6 +297,13 @@ class LLMEngine:
                     if progress is not None:
                         progress.update(1)
         return [results[r] for r in order]
+
+
+def _describe(prompt: object) -> str:
+    """What a refused prompt was, for its error: an empty list, or the type's name."""
+    if isinstance(prompt, (list, tuple)) and not prompt:
+        return f"an empty {type(prompt).__name__}"
+    return type_name(prompt)
 
 
 def _param_of(message: str) -> str | None:

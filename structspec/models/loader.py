@@ -96,6 +96,24 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
             raise ValueError(f"{f}: cannot read safetensors file: {e}") from e
 
 
+def load_model_config(path: str) -> ModelConfig:
+    """The :class:`ModelConfig` of a checkpoint from its config.json alone (no weights are
+    read), for checks that should fail before the weights load.
+
+    Raises:
+        FileNotFoundError / ValueError: as :func:`load_model` for the path and config.json.
+    """
+    model_dir = Path(resolve_model_path(path))
+    return _model_config(model_dir, read_hf_config(model_dir))
+
+
+def _model_config(model_dir: Path, hf_cfg: dict[str, Any]) -> ModelConfig:
+    try:
+        return ModelConfig.from_hf_config(hf_cfg)
+    except ValueError as e:
+        raise ValueError(f"{model_dir / 'config.json'}: {e}") from e
+
+
 def load_model(
     path: str,
     *,
@@ -135,10 +153,7 @@ def load_model(
     """
     model_dir = Path(resolve_model_path(path))
     hf_cfg = read_hf_config(model_dir)
-    try:
-        config = ModelConfig.from_hf_config(hf_cfg)
-    except ValueError as e:
-        raise ValueError(f"{model_dir / 'config.json'}: {e}") from e
+    config = _model_config(model_dir, hf_cfg)
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r}: expected one of {', '.join(LOAD_FORMATS)}")
     files = find_weight_files(model_dir) if load_format == "auto" else []

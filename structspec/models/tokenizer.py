@@ -11,7 +11,7 @@ from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from structspec.core import PromptTooLongError
+from structspec.core import PromptTooLongError, check_chat_messages
 
 # Tokens before the first new one that are re-decoded so that spacing/merges come out right.
 _PREFIX_WINDOW = 5
@@ -110,16 +110,20 @@ class Tokenizer:
     def render_chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None) -> str:
         """The prompt text for ``messages`` with the assistant generation prompt appended.
 
+        ``messages`` are checked first (:func:`structspec.core.check_chat_messages`: text
+        content parts are joined), so the template only ever sees string contents.
+
         Raises:
+            ChatMessageError: malformed messages (a ValueError naming the field, e.g.
+                ``messages[1].content``).
             ValueError: the model has no chat template, the template fails to render, or a
                 message's text is not valid Unicode (named by message, with its index there).
         """
         if not self.has_chat_template:
             raise ValueError("this model has no chat template; send a plain-text prompt instead")
-        for i, message in enumerate(messages):
-            content = message.get("content") if isinstance(message, dict) else None
-            if isinstance(content, str):  # checked here: the rendered text's index means nothing
-                check_unicode(content, f"messages[{i}].content")
+        messages = check_chat_messages(messages)
+        for i, message in enumerate(messages):  # here: the rendered text's index means nothing
+            check_unicode(message["content"], f"messages[{i}].content")
         kwargs: dict[str, Any] = {"tools": tools} if tools else {}
         try:
             text = self.hf.apply_chat_template(

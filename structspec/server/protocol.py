@@ -153,25 +153,15 @@ class SamplingRequest(OpenAIModel):
 # --------------------------------------------------------------------------- chat
 
 
-class ContentPart(OpenAIModel):
-    """One part of a multi-part message content (only ``text`` parts are supported)."""
-
-    type: str
-    text: str | None = None
-
-
-class ChatMessage(OpenAIModel):
-    """One chat message; extra fields (``tool_calls``, ...) pass through to the template."""
-
-    role: str
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-
-
 class ChatCompletionRequest(SamplingRequest):
-    """``POST /v1/chat/completions``."""
+    """``POST /v1/chat/completions``.
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    ``messages`` is taken as sent and checked by the endpoint with
+    :func:`structspec.core.check_chat_messages`, the check the Python API and the CLI use
+    too, so that every path names a malformed message's field the same way.
+    """
+
+    messages: Any
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = None

@@ -10,11 +10,11 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from structspec.core import PromptTooLongError
+from structspec.core import ChatMessageError, PromptTooLongError, check_chat_messages
 from structspec.server.errors import bad_request
 from structspec.server.generation import ChoiceState, GenerationRun
 from structspec.server.params import build_sampling_params, per_choice
-from structspec.server.protocol import ChatCompletionRequest, ChatMessage, parse_request
+from structspec.server.protocol import ChatCompletionRequest, parse_request
 from structspec.server.serving import (
     ServerState,
     chat_logprobs,
@@ -41,7 +41,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     req = parse_request(ChatCompletionRequest, await read_json(request))
     state.check_model(req.model)
     grammar, grammar_param = grammar_and_field(req)
-    messages = [_template_message(m, i) for i, m in enumerate(req.messages)]
+    messages = _template_messages(req.messages)
     tools = _tools(req)
     try:
         prompt_ids = await in_thread(state.codec.encode_chat, messages, tools,
@@ -145,26 +145,25 @@ async def _stream(state: ServerState, run: GenerationRun, rid: str, created: int
         run.abort()  # a closed outer generator does not close the inner one right away
 
 
-def _template_message(m: ChatMessage, i: int) -> dict[str, Any]:
-    """A message as the chat template expects it (text parts joined; developer -> system)."""
-    if m.role not in ROLES:
-        raise bad_request(f"unknown role {m.role!r}; expected one of {sorted(ROLES)}",
-                          f"messages[{i}].role")
-    content = m.content
-    if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            if part.type != "text" or part.text is None:
-                raise bad_request(f"content part type {part.type!r} is not supported (text only)",
-                                  f"messages[{i}].content[{j}].type", code="unsupported")
-            texts.append(part.text)
-        content = "".join(texts)
-    out: dict[str, Any] = dict(m.model_extra or {})
-    out["role"] = "system" if m.role == "developer" else m.role
-    out["content"] = content if content is not None else ""
-    if m.name is not None:
-        out["name"] = m.name
-    return out
+def _template_messages(messages: Any) -> list[dict[str, Any]]:
+    """The request's messages as the chat template expects them: checked (and text parts
+    joined) by :func:`check_chat_messages`, roles limited to OpenAI's, developer -> system.
+
+    Raises:
+        APIError: 400 naming the field (``code`` ``unsupported`` for an image part or a tool
+            call turn).
+    """
+    try:
+        checked = check_chat_messages(messages)
+    except ChatMessageError as e:
+        raise bad_request(str(e), e.param, code=e.code) from None
+    for i, m in enumerate(checked):
+        if m["role"] not in ROLES:
+            raise bad_request(f"messages[{i}].role: unknown role {m['role']!r}; expected one of "
+                              f"{sorted(ROLES)}", f"messages[{i}].role")
+        if m["role"] == "developer":
+            m["role"] = "system"
+    return checked
 
 
 def _tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:

@@ -8,6 +8,7 @@ import jsonschema
 import pytest
 
 from structspec import (
+    ChatMessageError,
     ChoiceSpec,
     FinishReason,
     JsonSchemaSpec,
@@ -104,6 +105,60 @@ def test_bad_input_is_local(make_llm, prompt: object, params: SamplingParams, ne
     assert needle.lower() in (outs[1].error or "").lower(), outs[1].error
     for ok in (outs[0], outs[2]):
         assert ok.error is None and ok.finish_reason is FinishReason.LENGTH
+
+
+@pytest.mark.parametrize(("messages", "param", "needle"), [
+    ([{"role": "system", "content": "Be brief."}, {"role": "user"}], "messages[1].content",
+     "messages[1].content: missing"),
+    ([{"role": "user", "content": 5}], "messages[0].content",
+     "messages[0].content: expected a string or a list of text parts, got int"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+     "messages[0].content[0].type", "not supported"),
+    ([{"role": 1, "content": "hi"}], "messages[0].role",
+     "messages[0].role: expected a string, got int"),
+    ([{"content": "hi"}], "messages[0].role", "messages[0].role: missing"),
+    ([{"role": "user", "content": "hi"}, "and more"], "messages[1]",
+     "messages[1]: expected a message object"),
+])
+def test_malformed_chat_messages_fail_alone_naming_the_field(
+        make_llm, messages: list, param: str, needle: str) -> None:
+    """Refused before the chat template renders (its own error named no field and came
+    prefixed twice), with ``error_param`` set; the neighbours run."""
+    llm = make_llm()
+    good = SamplingParams(max_tokens=2)
+    outs = llm.generate([PROMPTS[0], messages, PROMPTS[1]], good)
+    assert outs[1].finish_reason is FinishReason.ABORT and outs[1].error_param == param
+    error = outs[1].error or ""
+    assert error.startswith(f"{param}: ") and needle in error, error
+    assert "chat template" not in (outs[1].error or "")
+    assert [o.error for o in (outs[0], outs[2])] == [None, None]
+
+
+def test_chat_takes_text_parts_and_refuses_what_is_not_a_conversation(make_llm) -> None:
+    llm = make_llm()
+    sp = SamplingParams(max_tokens=3)
+    text = llm.chat([{"role": "user", "content": "Say hi."}], sp)[0]
+    parts = llm.chat([{"role": "user", "content": [{"type": "text", "text": "Say "},
+                                                   {"type": "text", "text": "hi."}]}], sp)[0]
+    assert parts.error is None and parts.prompt_token_ids == text.prompt_token_ids
+    assert parts.token_ids == text.token_ids
+    two = llm.chat([[{"role": "user", "content": "Say hi."}], [{"role": "user"}]], sp)
+    assert two[0].token_ids == text.token_ids
+    assert two[1].error_param == "messages[0].content"
+    for bad, reason in [({"role": "user", "content": "hi"}, "got dict"), ("hi", "got str"),
+                        ([], "at least one message")]:
+        with pytest.raises(ChatMessageError, match=f"^messages: .*{reason}"):
+            llm.chat(bad, sp)
+
+
+def test_chat_template_error_is_prefixed_once(make_llm, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A template's own failure (here raise_exception) keeps one "chat template failed"."""
+    llm = make_llm()
+    monkeypatch.setattr(llm.engine.tokenizer.hf, "chat_template",
+                        "{{ raise_exception('only user turns, please') }}")
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2))[0]
+    assert out.error == "chat template failed to render: only user turns, please"
+    assert out.error_param == "messages"
 
 
 def test_failed_add_leaves_no_trace(make_llm, monkeypatch: pytest.MonkeyPatch) -> None:

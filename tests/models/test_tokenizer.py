@@ -10,7 +10,7 @@ from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from structspec.core import PromptTooLongError
+from structspec.core import ChatMessageError, PromptTooLongError
 from structspec.models.tokenizer import Tokenizer
 
 TEXTS = [
@@ -144,3 +144,24 @@ def test_surrogate_in_a_chat_message_names_the_message_and_its_index(smollm2_dir
                                          r"lone surrogate \(U\+D800\) at character 1$"):
         tok.apply_chat_template([{"role": "user", "content": "ok"},
                                  {"role": "user", "content": "a\ud800b"}])
+
+
+def test_malformed_message_is_refused_before_the_template(smollm2_dir: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """render_chat checks messages first: the error names the field, and the template is
+    never called (its own error, "can only concatenate str (not "int") to str", did not)."""
+    tok = Tokenizer(smollm2_dir)
+
+    def no_render(*args: object, **kwargs: object) -> str:
+        raise AssertionError("the template rendered malformed messages")
+
+    with monkeypatch.context() as m:
+        m.setattr(tok.hf, "apply_chat_template", no_render)
+        with pytest.raises(ChatMessageError, match=r"^messages\[1\]\.content: expected a string "
+                                                   r"or a list of text parts, got int$") as e:
+            tok.apply_chat_template([{"role": "user", "content": "ok"},
+                                     {"role": "user", "content": 5}])
+    assert e.value.param == "messages[1].content"
+    parts = [{"type": "text", "text": "o"}, {"type": "text", "text": "k"}]
+    assert tok.render_chat([{"role": "user", "content": parts}]) == tok.render_chat(
+        [{"role": "user", "content": "ok"}])

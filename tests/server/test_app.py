@@ -153,6 +153,48 @@ def test_bad_json_and_types_are_400(client: TestClient) -> None:
     assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported"
 
 
+@pytest.mark.parametrize(("messages", "param", "code"), [
+    ("hi", "messages", None),
+    ([], "messages", None),
+    ([{"content": "x"}], "messages[0].role", None),
+    ([{"role": 1, "content": "x"}], "messages[0].role", None),
+    ([{"role": "robot", "content": "x"}], "messages[0].role", None),
+    ([{"role": "system", "content": "x"}, {"role": "user"}], "messages[1].content", None),
+    ([{"role": "user", "content": None}], "messages[0].content", None),
+    ([{"role": "user", "content": 5}], "messages[0].content", None),
+    ([{"role": "user", "content": [1, 2]}], "messages[0].content[0]", None),
+    ([{"role": "user", "content": [{"type": "text", "text": 5}]}],
+     "messages[0].content[0].text", None),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+     "messages[0].content[0].type", "unsupported"),
+    ([MSGS[0], {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}],
+     "messages[1].content", "unsupported"),
+])
+def test_malformed_messages_are_400_naming_the_field(
+        client: TestClient, messages: Any, param: str, code: str | None) -> None:
+    """Checked by the same function as the Python API and the CLI, before the template: a
+    missing or null user content is refused (it used to render as ""), as is an assistant
+    turn that only carries tool calls."""
+    engine: FakeEngine = client.app.state.server.engine  # type: ignore[attr-defined]
+    r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["code"] == code
+    assert err["message"].startswith(f"{param}: ") and err["type"] == "invalid_request_error"
+    assert engine.added == []
+
+
+def test_text_content_parts_are_joined(client: TestClient) -> None:
+    engine: FakeEngine = client.app.state.server.engine  # type: ignore[attr-defined]
+    parts = [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]
+    r = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "developer", "content": "be"}, {"role": "user", "content": parts}],
+        "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    assert "".join(map(chr, engine.added[-1][1])) == "<system>be\n<user>hi\n<assistant>"
+
+
 def test_api_key() -> None:
     with make_client(api_key="sekrit") as c:
         r = c.post("/v1/chat/completions", json={"messages": MSGS})

@@ -31,3 +31,12 @@ def test_bad_model_path_is_reported_before_http_starts() -> None:
     assert code == 1
     assert "the engine failed to start" in out and "/nonexistent/model-dir" in out
     assert "Uvicorn running" not in out and "Application startup" not in out
+
+
+def test_max_model_len_above_the_models_is_reported_before_http_starts() -> None:
+    """It used to be capped silently to the model's 8192 and served."""
+    code, out, _ = run("--device", "cpu", "--max-model-len", str(10**12), timeout=90)
+    assert code == 1
+    assert f"the engine failed to start: ValueError: max_model_len={10**12} is greater" in out
+    assert "(8192 tokens" in out
+    assert "Uvicorn running" not in out and "Application startup" not in out

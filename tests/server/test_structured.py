@@ -96,8 +96,6 @@ def test_bad_constraints_are_400_naming_the_field(body: dict[str, Any], param: s
     ({"stop_token_ids": [2.0]}, "stop_token_ids[0]"),
     ({"stop_token_ids": [True]}, "stop_token_ids[0]"),
     ({"seed": "1"}, "seed"),
-    ({"messages": "hi"}, "messages"),
-    ({"messages": [{"content": "x"}]}, "messages[0].role"),
     ({"stop": 3}, "stop"),
     ({"response_format": "json"}, "response_format"),
     # numbers: JSON numbers only (no numeric strings, no booleans)
@@ -166,7 +164,7 @@ def test_bool_fields_take_json_booleans(field: str) -> None:
 
 def test_unknown_fields_are_ignored() -> None:
     req = parse_request(ChatCompletionRequest, {"messages": MSGS, "frobnicate": {"x": 1}})
-    assert req.messages[0].content == "hi"
+    assert req.messages[0]["content"] == "hi"
 
 
 @pytest.mark.parametrize("body,param", [
