@@ -85,27 +85,25 @@ class ServerMetrics:
         self.spec_accept_length_hist = Histogram(
             p + "spec_request_accept_length", "Per-request committed tokens per verify step",
             buckets=ACCEPT_BUCKETS, registry=r)
-        self.step_wall = Histogram(p + "verify_step_ms", "Host wall time of a verify step",
-                                   buckets=STEP_MS_BUCKETS, registry=r)
-        self.step_gpu_busy = Histogram(
-            p + "verify_step_gpu_busy_ms", "GPU busy time of a verify step (CUDA events)",
-            buckets=STEP_MS_BUCKETS, registry=r)
-        self.step_gpu_idle = Histogram(
-            p + "verify_step_gpu_idle_gap_ms",
-            "GPU idle gap before a verify step (previous step's end to this step's start)",
-            buckets=STEP_MS_BUCKETS, registry=r)
-        self.step_grammar_stall = Histogram(
-            p + "verify_step_grammar_stall_ms",
-            "GPU time between the verify forward's end and the grammar mask's arrival",
-            buckets=STEP_MS_BUCKETS, registry=r)
-        self.step_pool_send = Histogram(
-            p + "verify_step_mask_worker_send_ms",
-            "Host time sending a verify step's tree-mask build to the grammar worker processes",
-            buckets=STEP_MS_BUCKETS, registry=r)
-        self.step_pool_worker = Histogram(
-            p + "verify_step_mask_worker_busiest_ms",
-            "Busiest grammar worker's time per verify step (message received to reply sent)",
-            buckets=STEP_MS_BUCKETS, registry=r)
+        def step_ms(name: str, doc: str) -> Histogram:
+            """A per-verify-step timing histogram (milliseconds)."""
+            return Histogram(p + name, doc, buckets=STEP_MS_BUCKETS, registry=r)
+
+        self.step_wall = step_ms("verify_step_ms", "Host wall time of a verify step")
+        self.step_gpu_busy = step_ms("verify_step_gpu_busy_ms",
+                                     "GPU busy time of a verify step (CUDA events)")
+        self.step_gpu_idle = step_ms(
+            "verify_step_gpu_idle_gap_ms",
+            "GPU idle gap before a verify step (previous step's end to this step's start)")
+        self.step_grammar_stall = step_ms(
+            "verify_step_grammar_stall_ms",
+            "GPU time between the verify forward's end and the grammar mask's arrival")
+        self.step_pool_send = step_ms(
+            "verify_step_mask_worker_send_ms",
+            "Host time sending a verify step's tree-mask build to the grammar worker processes")
+        self.step_pool_worker = step_ms(
+            "verify_step_mask_worker_busiest_ms",
+            "Busiest grammar worker's time per verify step (message received to reply sent)")
         self.step_cpu = Counter(p + "verify_step_cpu_ms", "Host time of verify steps by phase "
                                 "(draft, launch, barrier, mask, text, wait, commit)",
                                 ["phase"], registry=r)
