@@ -32,9 +32,11 @@ from structspec.core import (
     JsonSchemaSpec,
     RegexSpec,
 )
+from structspec.grammar.bitmask import allocate_bitmask
 from structspec.grammar.errors import PARAM_BY_KIND, GrammarError
 from structspec.grammar.matcher import Matcher
 from structspec.grammar.schema_check import find_unenforceable
+from structspec.schema_structure import find_structure_problem
 
 CacheKey = tuple[str, str]
 
@@ -194,18 +196,22 @@ class GrammarBackend:
         try:
             if isinstance(spec, JsonSchemaSpec):
                 text = schema_text(spec)
+                problem = find_structure_problem(json.loads(text))
+                if problem is not None:
+                    raise GrammarError(f"json_schema cannot be served: {problem}", param=param)
                 if spec.strict:
                     self._check_enforceable(json.loads(text), param)
-                return self._compiler.compile_json_schema(
-                    text, any_whitespace=self.config.any_whitespace, strict_mode=True)
+                return self._accepts_output(self._compiler.compile_json_schema(
+                    text, any_whitespace=self.config.any_whitespace, strict_mode=True), param)
             if isinstance(spec, JsonObjectSpec):
                 return self._compiler.compile_json_schema(
                     '{"type": "object"}', any_whitespace=self.config.any_whitespace,
                     strict_mode=True)
             if isinstance(spec, RegexSpec):
-                return self._compiler.compile_regex(spec.pattern)
+                return self._accepts_output(self._compiler.compile_regex(spec.pattern), param)
             if isinstance(spec, EbnfSpec):
-                return self._compiler.compile_grammar(spec.grammar, root_rule_name="root")
+                return self._accepts_output(
+                    self._compiler.compile_grammar(spec.grammar, root_rule_name="root"), param)
             if isinstance(spec, ChoiceSpec):
                 return self._compiler.compile_grammar(choice_ebnf(spec.choices))
             raise GrammarError(f"unknown grammar kind {kind!r}", param=param)
@@ -222,6 +228,24 @@ class GrammarBackend:
                     message = f"{problem} (compiler: {message})"
             raise GrammarError(f"Failed to compile {kind} grammar: {message}",
                                param=param) from e
+
+    def _accepts_output(self, compiled: xgr.CompiledGrammar,
+                        param: str | None) -> xgr.CompiledGrammar:
+        """``compiled``, unless its start state allows no token at all (not even a stop
+        token): a grammar whose language is empty, e.g. a schema whose ``$ref`` cycle has no
+        base case. Such a request would otherwise fail at its first token with a
+        "grammar rejected token" error that looks like an engine fault.
+
+        Raises:
+            GrammarError: the grammar accepts no output.
+        """
+        bitmask = allocate_bitmask(1, self.vocab_size, pin=False)
+        self.create_matcher(compiled).fill_bitmask(bitmask, 0)
+        if not bool(bitmask.any()):
+            raise GrammarError("the grammar accepts no output at all (for a JSON Schema: a "
+                               "$ref cycle with no way out, or contradictory constraints)",
+                               param=param)
+        return compiled
 
     @staticmethod
     def _check_enforceable(schema: Any, param: str | None) -> None:

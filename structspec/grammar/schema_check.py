@@ -43,6 +43,9 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+from structspec.schema_structure import escape_pointer_token as _escape
+from structspec.schema_structure import resolve_local_ref as _resolve
+
 ANNOTATIONS = frozenset({
     "title", "description", "default", "examples", "example", "$comment", "deprecated",
     "readOnly", "writeOnly", "$schema", "$id", "id", "$anchor", "definitions", "$defs",
@@ -111,28 +114,6 @@ def find_unenforceable(schema: dict[str, Any] | bool) -> list[tuple[str, str]]:
 # ---------------------------------------------------------------------------------------------
 # Walking
 # ---------------------------------------------------------------------------------------------
-
-
-def _escape(token: str) -> str:
-    return token.replace("~", "~0").replace("/", "~1")
-
-
-def _resolve(root: Any, ref: str) -> tuple[str, Any] | None:
-    """Resolve a local ``#/a/b`` reference; ``None`` for remote or dangling references."""
-    if not ref.startswith("#"):
-        return None
-    pointer = ref[1:]
-    node = root
-    if pointer:
-        for raw in pointer.lstrip("/").split("/"):
-            token = raw.replace("~1", "/").replace("~0", "~")
-            if isinstance(node, dict) and token in node:
-                node = node[token]
-            elif isinstance(node, list) and token.isdigit() and int(token) < len(node):
-                node = node[int(token)]
-            else:
-                return None
-    return pointer, node
 
 
 def _walk(node: Any, root: Any, pointer: str, seen: set[str]) -> Iterator[tuple[str, dict]]:
@@ -347,3 +328,4 @@ def _provably_disjoint(branches: list[Any], root: Any) -> bool:
 
 def _value_key(v: Any) -> str:
     return json.dumps(v, sort_keys=True)
+

@@ -11,7 +11,10 @@ def check_schema_output(spec: GrammarSpec, text: str) -> bool | None:
     """True/False when the spec is JSON-typed and ``text`` does/doesn't validate; else None.
 
     JSON Schema outputs are checked with the ``jsonschema`` package (the draft named by the
-    schema's ``$schema``, else the latest it knows).
+    schema's ``$schema``, else the latest it knows), with an empty reference registry: a
+    ``$ref`` is never retrieved over the network (jsonschema's default would fetch it, with
+    no timeout, from a URL the client chose). A schema the validator cannot use gives no
+    verdict (None) instead of an exception: this check runs inside the engine's step.
     """
     if not isinstance(spec, (JsonSchemaSpec, JsonObjectSpec)):
         return None
@@ -26,12 +29,14 @@ def check_schema_output(spec: GrammarSpec, text: str) -> bool | None:
     except ImportError:  # optional at run time (e.g. a GPU host without it): no verdict
         return None
 
-    schema = json.loads(spec.canonical_text())
+    import referencing
+
     try:
+        schema = json.loads(spec.canonical_text())
         validator_cls = jsonschema.validators.validator_for(schema)
-        validator_cls(schema).validate(value)
+        validator_cls(schema, registry=referencing.Registry()).validate(value)
     except jsonschema.ValidationError:
         return False
-    except (jsonschema.SchemaError, RecursionError, ValueError, TypeError):
-        return None  # the schema itself cannot be checked by the validator
+    except Exception:  # noqa: BLE001 - unresolvable $ref, bad schema, recursion: no verdict
+        return None
     return True

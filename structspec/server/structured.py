@@ -36,6 +36,7 @@ from structspec.core import (
     JsonSchemaSpec,
     RegexSpec,
 )
+from structspec.schema_structure import find_structure_problem
 from structspec.server.errors import bad_request
 from structspec.server.jsontext import loads_client_json
 from structspec.server.protocol import ResponseFormat, SamplingRequest, StructuredOutputs
@@ -189,6 +190,11 @@ def _schema_spec(value: Any, param: str, *, strict: bool | None) -> JsonSchemaSp
                           param)
     if isinstance(schema, bool):
         schema = {} if schema else {"not": {}}
+    # Before the request is pickled to the engine process (a very deep schema overflowed it)
+    # and before any remote reference could be looked at.
+    problem = find_structure_problem(schema)
+    if problem is not None:
+        raise bad_request(f"{param} cannot be served: {problem}", param)
     return JsonSchemaSpec(schema, strict=bool(strict))
 
 

@@ -38,6 +38,19 @@ def _accepts(backend: GrammarBackend, cg: xgr.CompiledGrammar, text: str) -> boo
     (EbnfSpec('start ::= "a"'), "ebnf", "Failed to compile ebnf grammar"),
     (ChoiceSpec(()), "choice", "non-empty list"),
     (ChoiceSpec(("a", "")), "choice", "non-empty list"),
+    # refused in every mode, before xgrammar (which would ignore them) and before any
+    # output check could try to fetch them
+    (JsonSchemaSpec({"properties": {"a": {"$ref": "http://127.0.0.1:9/s.json"}}},
+                    strict=False),
+     "response_format.json_schema",
+     "/properties/a/$ref: $ref 'http://127.0.0.1:9/s.json' is not a local reference"),
+    (JsonSchemaSpec({"$ref": "#/$defs/missing"}), "response_format.json_schema",
+     "/$ref: $ref '#/$defs/missing' points to nothing"),
+    # a $ref cycle with no way out: compiles in xgrammar, but no output can satisfy it (the
+    # request used to die at its first token with "grammar rejected token")
+    (JsonSchemaSpec({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}},
+                    strict=False),
+     "response_format.json_schema", "the grammar accepts no output at all"),
 ])
 def test_errors_name_the_field(backend: GrammarBackend, spec: Any, param: str,
                                fragment: str) -> None:

@@ -116,6 +116,28 @@ def test_completions_text_and_token_prompts(client: TestClient) -> None:
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == "Hell"
 
 
+def test_schema_the_engine_cannot_serve_is_400_before_the_engine(client: TestClient) -> None:
+    """A remote $ref and a schema too deep to send are refused by the front end (400 naming
+    the field). The deep one used to overflow the pickling to the engine process and stall
+    every later request; the remote one made the engine fetch the URL."""
+    deep: dict = {}
+    cur = deep
+    for _ in range(300):
+        cur["properties"] = {"a": {}}
+        cur = cur["properties"]["a"]
+    for schema, fragment in (({"$ref": "http://127.0.0.1:9/s.json"}, "not a local reference"),
+                             (deep, "nests deeper than 128 levels")):
+        body = {"messages": MSGS, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "response_format.json_schema.schema", err
+        assert fragment in err["message"], err
+    r = client.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 4})
+    assert r.status_code == 200, r.text  # and the server goes on serving
+
+
 def test_grammar_error_before_tokens_is_400(client: TestClient) -> None:
     for stream in (False, True):
         r = client.post("/v1/chat/completions", json={"messages": MSGS, "regex": "BAD(",

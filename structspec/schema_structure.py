@@ -1,0 +1,106 @@
+"""JSON Schema structure the engine refuses in every mode: too deep, or referring outside
+itself. Torch- and xgrammar-free, so the server's front end can check a request before it
+pickles it to the engine process (a schema ~250 levels deep overflowed that pickling and
+stalled the front end's sender thread)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def escape_pointer_token(token: str) -> str:
+    """A key as a JSON Pointer token (RFC 6901: ``~`` -> ``~0``, ``/`` -> ``~1``)."""
+    return token.replace("~", "~0").replace("/", "~1")
+
+
+def resolve_local_ref(root: Any, ref: str) -> tuple[str, Any] | None:
+    """Resolve a local ``#/a/b`` reference; ``None`` for remote or dangling references."""
+    if not ref.startswith("#"):
+        return None
+    pointer = ref[1:]
+    node = root
+    if pointer:
+        for raw in pointer.lstrip("/").split("/"):
+            token = raw.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and token in node:
+                node = node[token]
+            elif isinstance(node, list) and token.isdigit() and int(token) < len(node):
+                node = node[int(token)]
+            else:
+                return None
+    return pointer, node
+
+
+#: Deepest JSON nesting (objects and arrays) a schema may have. Each schema level is about two
+#: JSON levels (``properties`` -> name -> subschema); a schema ~250 levels deep overflowed
+#: pickling between the server's processes, and no real schema comes near 128.
+MAX_SCHEMA_NESTING = 128
+
+_REF_KEYS = ("$ref", "$dynamicRef", "$recursiveRef")
+# keywords whose values are instance data, not subschemas: a "$ref" key there is just data
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+
+
+def find_structure_problem(schema: Any) -> str | None:
+    """The first reason the engine cannot serve ``schema`` at all, or None.
+
+    Checked in every mode, before the schema is compiled, sent between processes or used to
+    validate an output:
+
+    - nesting deeper than :data:`MAX_SCHEMA_NESTING` JSON levels;
+    - a ``$ref`` that is not a local reference (``#...``) into the same schema: the engine
+      never fetches a schema (a URL would make it issue network requests chosen by the
+      client), and xgrammar silently ignores references it cannot resolve;
+    - a local ``$ref`` JSON pointer (``#/...``) whose target does not exist.
+
+    The walk is iterative (a deep schema cannot overflow Python's stack here).
+
+    Args:
+        schema: a parsed JSON Schema (any JSON value).
+
+    Returns:
+        ``"<json pointer>: <reason>"`` (pointer ``/`` for the root), or None.
+    """
+    stack: list[tuple[Any, str, int]] = [(schema, "", 1)]
+    while stack:
+        node, pointer, depth = stack.pop()
+        if not isinstance(node, (dict, list)):
+            continue
+        if depth > MAX_SCHEMA_NESTING:
+            return (f"{pointer or '/'}: the schema nests deeper than {MAX_SCHEMA_NESTING} "
+                    "levels")
+        if isinstance(node, list):
+            stack.extend((child, f"{pointer}/{i}", depth + 1)
+                         for i, child in reversed(list(enumerate(node))))
+            continue
+        for key in _REF_KEYS:
+            ref = node.get(key)
+            if not isinstance(ref, str):
+                continue
+            where = f"{pointer}/{escape_pointer_token(key)}"
+            if not ref.startswith("#"):
+                return (f"{where}: {key} {ref!r} is not a local reference ('#/...'); "
+                        "structspec does not fetch schemas, put the definition under $defs")
+            # "#/a/b" is a JSON pointer; "#name" an anchor (not resolved here)
+            if (key == "$ref" and ref[1:2] in ("", "/")
+                    and resolve_local_ref(schema, ref) is None):
+                return f"{where}: {key} {ref!r} points to nothing in the schema"
+        for name, child in reversed(list(node.items())):
+            if name not in _DATA_KEYWORDS:
+                stack.append((child, f"{pointer}/{escape_pointer_token(name)}", depth + 1))
+            elif depth + _nesting(child) > MAX_SCHEMA_NESTING:  # data: depth only
+                return (f"{pointer}/{escape_pointer_token(name)}: the schema nests deeper than "
+                        f"{MAX_SCHEMA_NESTING} levels")
+    return None
+
+
+def _nesting(value: Any) -> int:
+    """JSON nesting depth of instance data (iterative; capped just past the limit)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)) and depth <= MAX_SCHEMA_NESTING:
+            deepest = max(deepest, depth)
+            stack.extend((v, depth + 1) for v in (node.values() if isinstance(node, dict)
+                                                 else node))
+    return deepest

@@ -1,0 +1,68 @@
+"""find_structure_problem: what the engine refuses in every mode (remote or dangling $ref,
+nesting too deep), and check_schema_output never fetching a $ref nor raising."""
+
+from __future__ import annotations
+
+import urllib.request
+from typing import Any
+
+import pytest
+
+from structspec.core import JsonSchemaSpec
+from structspec.scheduler.validate import check_schema_output
+from structspec.schema_structure import MAX_SCHEMA_NESTING, find_structure_problem
+
+
+def _nested(levels: int) -> dict[str, Any]:
+    root: dict[str, Any] = {}
+    cur = root
+    for _ in range(levels):
+        cur["properties"] = {"a": {}}
+        cur = cur["properties"]["a"]
+    return root
+
+
+@pytest.mark.parametrize("schema, expected", [
+    ({"$ref": "urn:foo"}, "/$ref: $ref 'urn:foo' is not a local reference"),
+    ({"items": [{"type": "string"}, {"$ref": "https://example.com/s.json#/a"}]},
+     "/items/1/$ref: $ref 'https://example.com/s.json#/a' is not a local reference"),
+    ({"properties": {"a/b": {"$dynamicRef": "other.json"}}},
+     "/properties/a~1b/$dynamicRef: $dynamicRef 'other.json' is not a local reference"),
+    ({"$ref": "#/$defs/missing", "$defs": {}}, "/$ref: $ref '#/$defs/missing' points to nothing"),
+    (_nested(MAX_SCHEMA_NESTING), "the schema nests deeper than 128 levels"),
+    ({"default": _nested(MAX_SCHEMA_NESTING)}, "/default: the schema nests deeper"),
+])
+def test_refused_structure_names_the_pointer(schema: Any, expected: str) -> None:
+    problem = find_structure_problem(schema)
+    assert problem is not None and expected in problem, problem
+
+
+@pytest.mark.parametrize("schema", [
+    {"$defs": {"n": {"type": "object", "properties": {"next": {"anyOf": [
+        {"$ref": "#/$defs/n"}, {"type": "null"}]}}}}, "$ref": "#/$defs/n"},
+    {"$ref": "#"},
+    {"$ref": "#node", "$anchor": "node"},  # anchors are not resolved here
+    {"const": {"$ref": "http://not.a.reference/"}},  # instance data, not a subschema
+    {"properties": {"$ref": {"type": "string"}}},  # a property named "$ref"
+    _nested(MAX_SCHEMA_NESTING // 2 - 1),
+    True,
+])
+def test_servable_schemas_pass(schema: Any) -> None:
+    assert find_structure_problem(schema) is None
+
+
+def test_output_check_never_fetches_a_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """jsonschema's default registry would GET a remote $ref (from the engine's step, with no
+    timeout); the check has none to use and gives no verdict instead of raising."""
+    def no_network(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"network access: {args}")
+
+    monkeypatch.setattr(urllib.request, "urlopen", no_network)
+    spec = JsonSchemaSpec({"type": "object",
+                           "properties": {"a": {"$ref": "http://127.0.0.1:9/s.json"}}})
+    assert check_schema_output(spec, '{"a": 1}') is None
+    assert check_schema_output(JsonSchemaSpec({"$ref": "urn:foo"}), "1") is None
+    # a usable schema still gives a verdict
+    ok = JsonSchemaSpec({"type": "object", "required": ["a"]})
+    assert check_schema_output(ok, '{"a": 1}') is True
+    assert check_schema_output(ok, "{}") is False
