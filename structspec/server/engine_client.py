@@ -18,6 +18,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
 from typing import TYPE_CHECKING, Protocol
 
 from structspec.server.ipc import (
@@ -109,7 +110,8 @@ class EngineClient:
         self._stats = EngineStats()
         self._sinks: dict[str, DeltaSink] = {}
         self._listeners: list[StatsListener] = []
-        self._outbox: queue.SimpleQueue[ToEngine | None] = queue.SimpleQueue()
+        # control messages, and requests pickled by add_request (bytes)
+        self._outbox: queue.SimpleQueue[ToEngine | bytes | None] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead: str | None = None
         self._closing = False
@@ -236,8 +238,12 @@ class EngineClient:
                     params: SamplingParams, sink: DeltaSink) -> None:
         if not self.ready:
             raise EngineDeadError(self._dead or "the engine is not serving")
+        # Pickled here, on the caller's side: a request that cannot be pickled (e.g. nested
+        # past the recursion limit) then fails alone instead of killing the sender thread,
+        # which would leave every later request waiting forever.
+        data = bytes(ForkingPickler.dumps(AddRequest(request_id, prompt_token_ids, params)))
         self._sinks[request_id] = sink
-        self._outbox.put(AddRequest(request_id, prompt_token_ids, params))
+        self._outbox.put(data)
 
     def abort_request(self, request_id: str) -> None:
         if request_id in self._sinks and self._dead is None:
@@ -260,9 +266,16 @@ class EngineClient:
             if msg is None:
                 return
             try:
-                self._to_engine_w.send(msg)
+                self._send(msg)
             except (OSError, ValueError):
                 return  # the engine is gone; the reader reports it
+
+    def _send(self, msg: object) -> None:
+        """One outbox item to the engine: pre-pickled bytes (requests) or a control message."""
+        if isinstance(msg, bytes):
+            self._to_engine_w.send_bytes(msg)
+        else:
+            self._to_engine_w.send(msg)
 
     def _flush_outbox(self) -> None:
         while True:
@@ -273,7 +286,7 @@ class EngineClient:
             if msg is None:
                 continue
             try:
-                self._to_engine_w.send(msg)
+                self._send(msg)
             except (OSError, ValueError):
                 return
 

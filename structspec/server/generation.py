@@ -201,7 +201,8 @@ class GenerationRun:
         """Queue every choice in the engine.
 
         Raises:
-            APIError: 503 when the engine is not serving.
+            APIError: 503 when the engine is not serving; 400 when the request cannot be
+                pickled for the engine process (nested past the recursion limit).
         """
         for c in self.choices:
             try:
@@ -209,6 +210,10 @@ class GenerationRun:
             except EngineDeadError as e:
                 self.abort()
                 raise unavailable(f"the engine is not serving: {e}") from None
+            except RecursionError:
+                self.abort()
+                raise bad_request("the request is nested too deeply to pass to the engine "
+                                  "process") from None
             self._started.append(c)
 
     async def next(self) -> ChoiceState:
