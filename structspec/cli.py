@@ -141,11 +141,19 @@ def _read_text_arg(value: str) -> str:
 def grammar_from_args(args: argparse.Namespace) -> GrammarSpec | None:
     """The grammar selected by CLI flags (``--json-schema``, ``--regex``, ...).
 
+    A flag given with an empty value (``--regex ""``, an empty ``--ebnf`` file) is refused:
+    tested for truthiness, it used to drop the constraint and run unconstrained.
+
     Raises:
-        ValueError: unreadable file or schema that is not JSON, naming the flag.
+        ValueError: an empty value, unreadable file or schema that is not JSON, naming the
+            flag.
     """
-    if args.json_schema:
+    if args.json_schema is not None:
+        if not args.json_schema.strip():
+            raise ValueError("--json-schema: empty schema")
         text = _read_text_arg(args.json_schema)
+        if not text.strip():
+            raise ValueError(f"--json-schema: empty schema file {args.json_schema!r}")
         if text is args.json_schema and text.strip()[:1] not in ("{", "[", "t", "f") and (
                 text.endswith(".json") or "/" in text):
             raise ValueError(f"--json-schema: no such file {text!r}")
@@ -156,14 +164,24 @@ def grammar_from_args(args: argparse.Namespace) -> GrammarSpec | None:
         return JsonSchemaSpec(schema, strict=not args.no_strict)
     if args.json_object:
         return JsonObjectSpec()
-    if args.regex:
+    if args.regex is not None:
+        if not args.regex:
+            raise ValueError("--regex: empty pattern")
         return RegexSpec(args.regex)
-    if args.ebnf:
+    if args.ebnf is not None:
+        if not args.ebnf.strip():
+            raise ValueError("--ebnf: empty grammar file name")
         path = Path(args.ebnf)
         if not path.is_file():
             raise ValueError(f"--ebnf: no such file {args.ebnf!r}")
-        return EbnfSpec(path.read_text())
-    if args.choice:
+        grammar = path.read_text()
+        if not grammar.strip():
+            raise ValueError(f"--ebnf: empty grammar in {args.ebnf!r}")
+        return EbnfSpec(grammar)
+    if args.choice is not None:
+        empty = [i for i, c in enumerate(args.choice) if not c]
+        if empty:  # "" would be a choice of no text; the backend refuses it, unnamed
+            raise ValueError(f"--choice: empty choice (position {empty[0] + 1})")
         return ChoiceSpec(tuple(args.choice))
     return None
 
@@ -193,22 +211,80 @@ def _check_record(rec: Any) -> None:
                          "give at most one")
     if "prompt" in rec and "messages" in rec:
         raise ValueError("both 'prompt' and 'messages'; give one")
+    _check_field_types(rec)
+
+
+def _is_token_id(value: object) -> bool:
+    """An ``int`` that is not a ``bool`` (JSON ``true`` is not token id 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_field_types(rec: dict[str, Any]) -> None:
+    """Refuse grammar / prompt fields of the wrong JSON type instead of coercing them:
+    ``str()`` made ``null`` the regex "None", ``"abc"`` the choices a/b/c and ``"false"`` a
+    true ``strict``. (Sampling fields are checked by :meth:`SamplingParams.validate`.)
+
+    Raises:
+        ValueError: naming the key and the value's JSON type.
+    """
+    for key in ("strict", "json_object"):
+        if key in rec and not isinstance(rec[key], bool):
+            raise ValueError(f"{key!r} must be true or false, got {_shown(rec[key])}")
+    if "json_schema" in rec and not isinstance(rec["json_schema"], (dict, bool)):
+        # dict or a boolean schema: what JsonSchemaSpec.canonical_text accepts
+        raise ValueError(f"'json_schema' must be a JSON Schema object (or true/false), got "
+                         f"{_json_type(rec['json_schema'])}")
+    for key in ("regex", "ebnf"):
+        if key in rec and (not isinstance(rec[key], str) or not rec[key].strip()):
+            raise ValueError(f"{key!r} must be a non-empty string, got {_shown(rec[key])}")
+    if "choice" in rec:
+        choice = rec["choice"]
+        if (not isinstance(choice, list) or not choice
+                or any(not isinstance(c, str) or not c for c in choice)):
+            raise ValueError(f"'choice' must be a non-empty list of non-empty strings, got "
+                             f"{_shown(choice)}")
+    if "prompt" in rec:
+        prompt = rec["prompt"]
+        if isinstance(prompt, str):
+            return
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            return  # a chat: checked (and named) by check_chat_messages in _batch_request
+        if isinstance(prompt, list) and prompt and all(_is_token_id(t) for t in prompt):
+            return
+        raise ValueError("'prompt' must be a string, a non-empty list of integer token ids "
+                         f"or a list of chat messages, got {_shown(prompt)}")
+
+
+def _shown(value: object, limit: int = 80) -> str:
+    """``value`` as the JSON it was on the line (``null``, ``"false"``, ``[true]``), cut to
+    ``limit`` characters so that a long prompt does not flood the error."""
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _json_type(value: object) -> str:
+    """The JSON name of ``value``'s type (``null``, ``string``, ...), for error messages."""
+    if value is None:
+        return "null"
+    return {bool: "boolean", int: "number", float: "number", str: "string", list: "array",
+            dict: "object"}.get(type(value), type(value).__name__)
 
 
 def _grammar_from_record(rec: dict[str, Any], default: GrammarSpec | None) -> GrammarSpec | None:
-    strict = bool(rec.get("strict", True))
+    # Types were checked by _check_field_types: nothing here is coerced.
+    strict = rec.get("strict", True)
     if "json_schema" in rec:
         schema = rec["json_schema"]
-        return JsonSchemaSpec(schema if isinstance(schema, (dict, str)) else json.dumps(schema),
+        return JsonSchemaSpec(schema if isinstance(schema, dict) else json.dumps(schema),
                               strict=strict)
     if rec.get("json_object"):
         return JsonObjectSpec()
     if "regex" in rec:
-        return RegexSpec(str(rec["regex"]))
+        return RegexSpec(rec["regex"])
     if "ebnf" in rec:
-        return EbnfSpec(str(rec["ebnf"]))
+        return EbnfSpec(rec["ebnf"])
     if "choice" in rec:
-        return ChoiceSpec(tuple(str(c) for c in rec["choice"]))
+        return ChoiceSpec(tuple(rec["choice"]))
     return default
 
 
@@ -243,12 +319,20 @@ def _batch_request(args: argparse.Namespace, rec: Any,
     """
     if isinstance(rec, json.JSONDecodeError):
         raise ValueError(f"not JSON: {rec}")
+    if isinstance(rec, ValueError):  # the line's bytes did not decode (see _read_batch)
+        raise rec
     _check_record(rec)
     params = _params(args, _grammar_from_record(rec, default_grammar), rec)
     params.validate()
     if "messages" in rec:
         return check_chat_messages(rec["messages"]), params
-    return rec.get("prompt", ""), params
+    prompt = rec.get("prompt", "")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+        try:  # a chat given as 'prompt' (LLM.generate accepts one): checked like messages
+            return check_chat_messages(prompt), params
+        except ChatMessageError as e:
+            raise ValueError(f"'prompt': {e}") from e
+    return prompt, params
 
 
 # SamplingParams fields whose flag is spelled differently from the field (validate() names
@@ -311,27 +395,85 @@ def _print_output(out: RequestOutput, fmt: str, file: Any = sys.stdout) -> None:
         print(out.text, file=file, flush=True)
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
+def _check_out_file(path: str) -> None:
+    """Refuse an ``--out-file`` that cannot be written, before the model loads and the batch
+    runs (it used to fail only when the results were written, losing them all). The file is
+    not opened here: a run that fails to start must not truncate an earlier results file.
+
+    Raises:
+        ValueError: naming ``--out-file``: a directory, or a missing / unwritable parent.
+    """
+    out = Path(path)
+    parent = out.parent
+    if out.is_dir():
+        raise ValueError(f"--out-file: {path!r} is a directory")
+    if not parent.is_dir():
+        raise ValueError(f"--out-file: directory {str(parent)!r} does not exist")
+    if not os.access(parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise ValueError(f"--out-file: {path!r} is not writable")
+
+
+def _read_batch(path: str) -> list[tuple[int, Any]]:
+    """The non-blank lines of the ``--batch`` file: (1-based line number, the parsed JSON, or
+    the decode/parse error, which fails that line alone).
+
+    The file is read as bytes and decoded line by line, so that one line of invalid UTF-8
+    fails alone instead of aborting the batch; a UTF-8 BOM before line 1 is skipped
+    (``utf-8-sig``), as editors on Windows write one.
+
+    Raises:
+        ValueError: the file cannot be read (missing, a directory, no permission), naming
+            ``--batch``.
+    """
     try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ValueError(f"--batch: cannot read {path!r}: {e.strerror or e}") from e
+    records: list[tuple[int, Any]] = []
+    for lineno, raw in enumerate(data.splitlines(keepends=True), 1):
+        try:
+            line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+        except UnicodeDecodeError as e:
+            records.append((lineno, ValueError(f"not UTF-8: {e}")))
+            continue
+        if not line.strip():
+            continue
+        try:
+            records.append((lineno, json.loads(line)))
+        except json.JSONDecodeError as e:
+            records.append((lineno, e))  # fails alone, like any other bad line
+    return records
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """``structspec generate``; returns the exit status (0 ok, 1 a request failed, 2 bad
+    command line).
+
+    Raises:
+        ValueError / FileNotFoundError / MemoryError: from loading the model (``main`` turns
+            them into exit status 2).
+    """
+    # imported here, not at the top: structspec.config imports torch, which `--help` and
+    # the `serve` front end should not wait for
+    from structspec.config import check_device
+
+    try:
+        # every command-line check comes before the model loads
+        check_device(args.device)
         grammar = grammar_from_args(args)
+        if args.out_file is not None and not args.batch:
+            raise ValueError("--out-file needs --batch")
+        if args.out_file is not None:
+            _check_out_file(args.out_file)
+        records: list[tuple[int, Any]] = _read_batch(args.batch) if args.batch else []
     except ValueError as e:
-        print(f"structspec generate: {e}", file=sys.stderr)
+        print(f"structspec generate: {_flag_error(str(e), _FLAG_OF_ENGINE_FIELD)}",
+              file=sys.stderr)
         return 2
     from structspec.llm import LLM
 
-    if args.out_file and not args.batch:
-        print("structspec generate: --out-file needs --batch", file=sys.stderr)
-        return 2
     if args.batch:
-        records: list[tuple[int, Any]] = []  # (line number, parsed line or the parse error)
-        with open(args.batch) as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    records.append((lineno, json.loads(line)))
-                except json.JSONDecodeError as e:
-                    records.append((lineno, e))  # fails alone, like any other bad line
         prompts: list[Any] = []
         params: list[SamplingParams] = []
         bad: dict[int, str] = {}  # index of a rejected line -> why, for its output record

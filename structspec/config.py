@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -213,13 +214,34 @@ class EngineConfig:
         ]
 
 
+_DEVICE_RE = re.compile(r"cpu|cuda|cuda:\d+|auto")
+
+
+def check_device(device: object) -> str:
+    """``device`` if it is one of the accepted forms: ``cpu``, ``cuda``, ``cuda:N`` or
+    ``auto``. The one place the device string is checked (``resolve_engine_config`` and the
+    CLI, before any model loads, both call it).
+
+    torch.device alone would accept ``mps``, ``meta`` or ``xpu``, which the engine's kernels,
+    KV cache and CUDA graphs do not support, and fail later with a raw traceback; ``None``
+    used to reach ``device.startswith`` as an AttributeError.
+
+    Raises:
+        ValueError: starting with ``device=`` (the CLI maps it to ``--device``), naming the
+            accepted forms.
+    """
+    if not isinstance(device, str) or not _DEVICE_RE.fullmatch(device):
+        raise ValueError(f"device={device!r}: expected cpu, cuda, cuda:N or auto")
+    return device
+
+
 def resolve_engine_config(config: EngineConfig) -> EngineConfig:
     """Resolve every "auto" choice once and return a new config.
 
     Raises:
         ValueError: naming the field whose value is invalid.
     """
-    device = config.device
+    device = check_device(config.device)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():

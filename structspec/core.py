@@ -93,9 +93,31 @@ class EbnfSpec:
 
 @dataclass(frozen=True)
 class ChoiceSpec:
-    """Output must be exactly one of ``choices``."""
+    """Output must be exactly one of ``choices``.
+
+    A list is stored as a tuple (the spec is frozen and hashed as a grammar cache key). An
+    empty tuple or an empty choice is left to the grammar backend, which refuses it as a
+    request error (``choice_ebnf``).
+
+    Raises:
+        ValueError: ``choices`` is a bare string (it would be split into its characters),
+            not a list/tuple, or holds an item that is not a string; naming ``choices``.
+    """
 
     choices: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        choices: object = self.choices
+        # A str is a Sequence of str: ChoiceSpec("abc") used to mean the choices a / b / c.
+        if not isinstance(choices, (list, tuple)):
+            raise ValueError(f"choices must be a list or tuple of strings, got "
+                             f"{type(choices).__name__} {choices!r}")
+        for i, c in enumerate(choices):
+            if not isinstance(c, str):  # str(None) / str(1) would become a choice
+                raise ValueError(f"choices[{i}] must be a string, got {type(c).__name__} "
+                                 f"{c!r}")
+        if not isinstance(choices, tuple):
+            object.__setattr__(self, "choices", tuple(choices))
 
     @property
     def kind(self) -> str:

@@ -284,3 +284,173 @@ def test_out_file_without_batch_is_a_bad_command_line(
     rc = main(["generate", "--prompt", "hi", "--out-file", str(tmp_path / "o.jsonl")])
     assert rc == 2 and "--out-file needs --batch" in capsys.readouterr().err
     assert _FakeLLM.seen == [] and not (tmp_path / "o.jsonl").exists()
+
+
+def _run_generate(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                  argv: list[str]) -> tuple[int, str, str]:
+    """``main(argv)`` with :class:`_FakeLLM`; returns the exit status, stdout and stderr."""
+    import structspec.llm as llm_mod
+
+    monkeypatch.setattr(llm_mod, "LLM", _FakeLLM)
+    _FakeLLM.seen = []
+    rc = main(argv)
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--regex", ""], "--regex: empty pattern"),
+    (["--json-schema", ""], "--json-schema: empty schema"),
+    (["--json-schema", "  "], "--json-schema: empty schema"),
+    (["--ebnf", ""], "--ebnf: empty"),
+    (["--choice", ""], "--choice: empty choice"),
+    (["--choice", "yes", ""], "--choice: empty choice"),
+])
+def test_empty_grammar_flag_is_a_bad_command_line(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        flags: list[str], message: str) -> None:
+    """An empty grammar value used to drop the constraint (``if args.regex:``) and run
+    unconstrained with exit 0; now exit 2 naming the flag, before any model loads."""
+    rc, _, err = _run_generate(monkeypatch, capsys, ["generate", "--prompt", "hi", *flags])
+    assert rc == 2 and err.startswith(f"structspec generate: {message}"), err
+    assert _FakeLLM.seen == []
+
+
+@pytest.mark.parametrize("flag,content", [("--ebnf", ""), ("--ebnf", " \n"),
+                                          ("--json-schema", "\n")])
+def test_empty_grammar_file_is_a_bad_command_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        flag: str, content: str) -> None:
+    path = tmp_path / "grammar.txt"
+    path.write_text(content)
+    rc, _, err = _run_generate(monkeypatch, capsys, ["generate", "--prompt", "hi", flag,
+                                                     str(path)])
+    assert rc == 2 and err.startswith(f"structspec generate: {flag}: empty"), err
+    assert _FakeLLM.seen == []
+
+
+def test_batch_line_of_invalid_utf8_fails_alone_and_a_bom_is_skipped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Bytes that are not UTF-8 on line 2 used to abort the whole batch (exit 2, no
+    records); now that line fails alone with its line number. A BOM before line 1 is not
+    part of line 1's JSON."""
+    batch = tmp_path / "batch.jsonl"
+    batch.write_bytes(b'\xef\xbb\xbf{"prompt": "a"}\n{"prompt": "\xff\xfe"}\n{"prompt": "c"}\n')
+    rc, out, err = _run_generate(monkeypatch, capsys, ["generate", "--batch", str(batch)])
+    outs = [json.loads(s) for s in out.splitlines()]
+    assert rc == 1 and [o["line"] for o in outs] == [1, 2, 3]
+    assert [o["text"] for o in (outs[0], outs[2])] == ["ok", "ok"]
+    assert outs[0]["error"] is None and outs[2]["error"] is None
+    assert "line 2" in outs[1]["error"] and "not UTF-8" in outs[1]["error"]
+    assert "batch.jsonl:2: bad record: not UTF-8" in err
+    assert [prompt for prompt, _ in _FakeLLM.seen if prompt] == ["a", "c"]
+
+
+def test_batch_that_is_a_directory_is_a_bad_command_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--batch DIR`` used to end in an IsADirectoryError traceback (exit 1)."""
+    rc, _, err = _run_generate(monkeypatch, capsys, ["generate", "--batch", str(tmp_path)])
+    assert rc == 2 and err.startswith("structspec generate: --batch:"), err
+    assert _FakeLLM.seen == []
+
+
+@pytest.mark.parametrize("rec,words", [
+    ({"prompt": "a", "choice": "abc"}, ["'choice'", "non-empty list", '"abc"']),
+    ({"prompt": "a", "choice": ["a", 1, None]}, ["'choice'", "[\"a\", 1, null]"]),
+    ({"prompt": "a", "choice": {"x": 1}}, ["'choice'"]),
+    ({"prompt": "a", "choice": []}, ["'choice'"]),
+    ({"prompt": "a", "regex": None}, ["'regex'", "non-empty string", "null"]),
+    ({"prompt": "a", "regex": 123}, ["'regex'", "123"]),
+    ({"prompt": "a", "regex": ""}, ["'regex'"]),
+    ({"prompt": "a", "ebnf": None}, ["'ebnf'", "null"]),
+    ({"prompt": "a", "ebnf": ["root ::= \"x\""]}, ["'ebnf'"]),
+    ({"prompt": "a", "json_object": "false"}, ["'json_object'", "true or false", '"false"']),
+    ({"prompt": "a", "json_schema": {}, "strict": "false"}, ["'strict'", '"false"']),
+    ({"prompt": "a", "strict": 0}, ["'strict'"]),
+    ({"prompt": "a", "json_schema": 5}, ["'json_schema'", "number"]),
+    ({"prompt": "a", "json_schema": [{"type": "object"}]}, ["'json_schema'", "array"]),
+    ({"prompt": [True, False]}, ["'prompt'", "token ids", "[true, false]"]),
+    ({"prompt": None}, ["'prompt'", "null"]),
+    ({"prompt": [1, "2"]}, ["'prompt'"]),
+    ({"prompt": []}, ["'prompt'"]),
+    ({"prompt": {"role": "user", "content": "a"}}, ["'prompt'"]),
+    ({"prompt": [{"role": "user"}]}, ["'prompt'", "messages[0].content: missing"]),
+])
+def test_batch_field_of_the_wrong_type_is_refused_not_coerced(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        rec: Any, words: list[str]) -> None:
+    """``"abc"`` used to become the choices a/b/c, ``null`` the regex "None", ``"false"``
+    a true ``strict``, ``[true, false]`` token ids; now the line fails alone, naming the line
+    and the key."""
+    rc, outs, err = _run_batch(tmp_path, monkeypatch, capsys,
+                               [{"prompt": "good"}, rec, {"prompt": "good too"}])
+    assert rc == 1 and [o["text"] for o in (outs[0], outs[2])] == ["ok", "ok"]
+    assert outs[1]["finish_reason"] == "abort"
+    assert "batch.jsonl:2: bad record" in err
+    for word in words:
+        assert word in outs[1]["error"] and word in err, (word, outs[1]["error"])
+    assert "line 2" in outs[1]["error"]
+
+
+def test_batch_valid_field_forms_still_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """The forms the type checks keep: token ids, a chat as 'prompt', boolean schemas,
+    ``strict: false``, ``json_object: false``."""
+    rc, outs, err = _run_batch(tmp_path, monkeypatch, capsys, [
+        {"prompt": [1, 2, 3]},
+        {"prompt": [{"role": "user", "content": "hi"}], "choice": ["a", "b"]},
+        {"prompt": "a", "json_schema": True},
+        {"prompt": "a", "json_schema": {"type": "object"}, "strict": False},
+        {"prompt": "a", "json_object": False, "regex": "x+"},
+    ])
+    assert rc == 0 and err == "" and [o["error"] for o in outs] == [None] * 5
+    prompts = [prompt for prompt, _ in _FakeLLM.seen]
+    assert prompts[:2] == [[1, 2, 3], [{"role": "user", "content": "hi"}]]
+    grammars = [p.grammar for _, p in _FakeLLM.seen]
+    assert grammars[1] == ChoiceSpec(("a", "b")) and grammars[4] == RegexSpec("x+")
+    assert isinstance(grammars[2], JsonSchemaSpec) and grammars[2].canonical_text() == "true"
+    assert isinstance(grammars[3], JsonSchemaSpec) and grammars[3].strict is False
+
+
+@pytest.mark.parametrize("device", ["xyz", "", "mps", "meta", "cuda:", "cuda:x", "CPU"])
+def test_bad_device_is_a_bad_command_line(monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str],
+                                          device: str) -> None:
+    """A device torch would parse (``mps``, ``meta``) or not (``xyz``) used to end in a
+    traceback, exit 1; now exit 2 naming ``--device`` and the accepted forms, before any
+    model loads."""
+    rc, _, err = _run_generate(monkeypatch, capsys,
+                               ["generate", "--prompt", "hi", "--device", device])
+    assert rc == 2 and err.startswith("structspec generate: --device:"), err
+    assert "cpu, cuda, cuda:N or auto" in err and _FakeLLM.seen == []
+
+
+@pytest.mark.parametrize("device", ["cpu", "auto", "cuda", "cuda:1"])
+def test_good_device_passes_the_check(device: str) -> None:
+    from structspec.config import check_device
+
+    assert check_device(device) == device
+
+
+def test_llm_device_none_is_a_value_error_naming_device() -> None:
+    """``LLM(device=None)`` used to fail with an AttributeError (``None.startswith``)."""
+    from structspec.llm import LLM
+
+    with pytest.raises(ValueError, match=r"^device=None: expected cpu, cuda, cuda:N or auto"):
+        LLM(device=None)  # type: ignore[arg-type]
+
+
+def test_out_file_in_a_missing_directory_is_refused_before_the_batch_runs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """It used to be found only when writing the results, after the whole batch ran."""
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text('{"prompt": "a"}\n')
+    for out_file, words in [(tmp_path / "missing" / "o.jsonl", "does not exist"),
+                            (tmp_path, "is a directory")]:
+        rc, _, err = _run_generate(monkeypatch, capsys, ["generate", "--batch", str(batch),
+                                                         "--out-file", str(out_file)])
+        assert rc == 2 and err.startswith("structspec generate: --out-file:"), err
+        assert words in err and _FakeLLM.seen == []

@@ -3,6 +3,7 @@ field's name (the engine and the server take the field from there)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -61,3 +62,26 @@ def test_temperature_past_float32_is_refused(temperature: float) -> None:
     with pytest.raises(ValueError, match="^temperature must be a finite number >= 0 that fits"):
         SamplingParams(temperature=temperature).validate()
     SamplingParams(temperature=3.4e38).validate()
+
+
+@pytest.mark.parametrize("choices,where", [("abc", "choices must be a list or tuple"),
+                                           (None, "choices must be a list or tuple"),
+                                           ({"x": 1}, "choices must be a list or tuple"),
+                                           (("a", 1), "choices[1] must be a string"),
+                                           (["a", None], "choices[1] must be a string")])
+def test_choice_spec_refuses_a_bare_string_and_non_string_items(choices: Any,
+                                                                where: str) -> None:
+    """``ChoiceSpec("abc")`` used to mean the choices a / b / c (a str is a sequence)."""
+    from structspec.core import ChoiceSpec
+
+    with pytest.raises(ValueError, match=re.escape(where)):
+        ChoiceSpec(choices)
+
+
+def test_choice_spec_keeps_valid_uses() -> None:
+    from structspec.core import ChoiceSpec
+
+    assert ChoiceSpec(("a", "b")).choices == ("a", "b")
+    assert ChoiceSpec(["a", "b"]) == ChoiceSpec(("a", "b"))  # a list is stored as a tuple
+    assert hash(ChoiceSpec(["a"])) == hash(ChoiceSpec(("a",)))
+    assert ChoiceSpec(()).choices == ()  # empty: refused by the grammar backend, as before
