@@ -196,11 +196,12 @@ class GrammarBackend:
         try:
             if isinstance(spec, JsonSchemaSpec):
                 text = schema_text(spec)
-                problem = find_structure_problem(json.loads(text))
+                schema = json.loads(text)
+                problem = find_structure_problem(schema)
                 if problem is not None:
                     raise GrammarError(f"json_schema cannot be served: {problem}", param=param)
                 if spec.strict:
-                    self._check_enforceable(json.loads(text), param)
+                    self._check_enforceable(schema, param)
                 return self._accepts_output(self._compiler.compile_json_schema(
                     text, any_whitespace=self.config.any_whitespace, strict_mode=True), param)
             if isinstance(spec, JsonObjectSpec):

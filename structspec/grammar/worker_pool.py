@@ -289,10 +289,10 @@ class MaskWorkerPool:
         """
         return self._dispatch(requests, False, 0, 0, 0.0, None, None)
 
-    def _dispatch(self, requests: Sequence[PoolRequest | None], links: bool, bs: int,
+    def _dispatch(self, requests: Sequence[PoolRequest | None], has_tree: bool, bs: int,
                   n: int, time_limit_s: float, while_waiting: Any,
                   on_verdicts: Callable[[PoolBuildResult], None] | None) -> PoolBuildResult:
-        """Send each worker its requests' new ids (``links``: the shared ``[3, bs, N]`` tree
+        """Send each worker its requests' new ids (``has_tree``: the shared ``[3, bs, N]`` tree
         links hold a tree to walk; rows ``>= bs`` advance only), call ``on_verdicts`` with the
         predicted verdicts, run ``while_waiting``, gather the replies (one per worker, after it
         advanced and walked) and check the predictions."""
@@ -334,7 +334,7 @@ class MaskWorkerPool:
             if job or self._released[w]:
                 try:
                     self._conns[w].send((job, self._released[w], self._dropped[w], bs, n,
-                                         links, time_limit_s))
+                                         has_tree, time_limit_s))
                 except OSError as e:  # a dead worker's socket: broken pipe / reset
                     raise MaskPoolError(f"mask worker {w} died") from e
                 self._released[w], self._dropped[w] = [], []
@@ -472,7 +472,7 @@ def _worker_main(conn: Connection) -> None:
         if msg is None:
             break
         t0 = time.perf_counter()
-        jobs, released, dropped, bs, n, links, time_limit_s = msg
+        jobs, released, dropped, bs, n, has_tree, time_limit_s = msg
         try:
             for key in released:
                 mirrors.pop(key, None)
@@ -494,7 +494,7 @@ def _worker_main(conn: Connection) -> None:
                     rejected[b] = len(new_ids) - kept
                 if m.is_terminated():
                     terminated.append(b)
-                if links and b < bs:  # rows >= bs (or no links): advance only
+                if has_tree and b < bs:  # rows >= bs (or no tree): advance only
                     live.append((b, m))
             # Pass 2: walk the trees into the slab.
             walked, timed_out = [], []
