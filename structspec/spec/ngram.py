@@ -307,14 +307,37 @@ class NgramDrafter(Drafter):
 
     def propose(self, reqs: Sequence[DraftRequest]) -> VerifyTree:
         """Host trees ``[B, num_nodes]`` for the batch: one batched lookup over all histories
-        (:func:`continuation_starts_batch`), then a trie merge per request; the same trees as
+        (:func:`continuation_starts_batch`), then per request either a slice copy (the best
+        continuation alone fills the tree: a chain) or the trie merge; the same trees as
         :meth:`build_tree` on each request alone."""
         histories = self.sync_histories(reqs)
         starts, offsets = continuation_starts_batch(
             histories, min_window=self.min_window, max_window=self.max_window)
+        n, bsz = self.num_nodes, len(histories)
+        tokens = np.full((bsz, n), -1, dtype=np.int64)
+        parents = np.zeros((bsz, n), dtype=np.int64)
+        # Chain fast path: when the best continuation alone fills the budget, the trie is that
+        # continuation's first n - 1 tokens in a chain (it is merged first, into an empty
+        # trie, and the budget runs out inside it). On repetitive output (JSON) that is most
+        # requests, and one slice copy replaces ~20-60 us of dict walking per request.
+        chain = np.zeros(bsz, dtype=bool)
+        if n > 1 and self.branch_length >= n - 1 and starts.size:
+            lens = np.fromiter(map(len, histories), dtype=np.int64, count=bsz)
+            has = offsets[1:] > offsets[:-1]
+            first = starts[np.minimum(offsets[:-1], starts.size - 1)]
+            chain = has & (first + (n - 1) <= lens)
+            parents[chain] = np.arange(-1, n - 1)
         flat, off = starts.tolist(), offsets.tolist()
-        return pack_trees([self.merge_continuations(hist, flat[off[b]: off[b + 1]])
-                           for b, hist in enumerate(histories)], self.num_nodes)
+        for b, hist in enumerate(histories):
+            if chain[b]:
+                s = flat[off[b]]
+                tokens[b, 0] = hist[-1]
+                tokens[b, 1:] = hist[s: s + n - 1]
+                continue
+            toks, pars = self.merge_continuations(hist, flat[off[b]: off[b + 1]])
+            tokens[b, : len(toks)] = toks
+            parents[b, : len(pars)] = pars
+        return VerifyTree.from_parents(torch.from_numpy(tokens), torch.from_numpy(parents))
 
     def release(self, request_id: str) -> None:
         self._histories.pop(request_id, None)

@@ -148,12 +148,12 @@ def _reference_tree(drafter: NgramDrafter, reqs: list[DraftRequest]) -> VerifyTr
 
 def test_propose_equals_per_request_build_tree() -> None:
     rng = np.random.default_rng(11)
-    drafts = 0
+    drafts = chains = 0
     for trial in range(60):
         spec = SpecConfig(algorithm="ngram", num_draft_tokens=int(rng.integers(2, 12)),
                           ngram_min_window=int(rng.integers(1, 4)),
                           ngram_max_window=int(rng.integers(3, 10)),
-                          ngram_branch_length=int(rng.integers(1, 8)))
+                          ngram_branch_length=int(rng.integers(1, 14)))
         drafter = NgramDrafter(spec)
         bsz = int(rng.integers(0, 10))
         ids = [rng.integers(0, 5, size=int(rng.choice([1, 2, 5, 40, 200]))).tolist()
@@ -166,5 +166,9 @@ def test_propose_equals_per_request_build_tree() -> None:
                           "ancestor_mask"):
                 assert torch.equal(getattr(got, field), getattr(want, field)), (trial, field)
             drafts += int((want.draft_tokens[:, 1:] >= 0).sum())
+            full = (want.draft_tokens >= 0).all(dim=1)  # the chain fast path's trees
+            chains += int((full & (want.parents == torch.arange(-1, drafter.num_nodes - 1))
+                           .all(dim=1)).sum())
             ids = [h + rng.integers(0, 5, size=int(rng.integers(0, 4))).tolist() for h in ids]
     assert drafts > 1000  # most trees had drafts, not only roots
+    assert chains > 50  # full single-chain trees (propose's slice-copy path) were compared
