@@ -16,6 +16,10 @@ GPU and ``L`` is long, the KV axis is cut into ``S`` chunks handled by separate 
 write float32 partial outputs and log-sum-exps; a second kernel merges them. ``S`` depends
 only on tensor shapes, so the launch is the same on every replay of a CUDA graph: no host
 syncs, no data-dependent shapes.
+
+``TritonAttentionBackend(batch_invariant=True)`` fixes ``BLOCK_M`` and cuts the KV axis into
+fixed :data:`INVARIANT_KV_CHUNK`-key splits merged in order, so a row's output does not depend
+on the batch or the query count (a verify forward's first-chain nodes match plain decodes).
 """
 
 from __future__ import annotations

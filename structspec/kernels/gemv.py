@@ -33,6 +33,10 @@ call reads HBM), M=1: qkv 15.1 -> 14.1 us, o 13.3 -> 10.3, gate_up 56.9 -> 54.4,
 32.0 -> 28.8, lm_head 246 -> 231 (3.3-4.5 TB/s); M=2..16: 1.0-1.16x cuBLAS at every shape.
 The Llama-3-8B decode step (B=1, CUDA graph) went from 4.79 to 4.38 ms (HBM floor 3.50).
 
+:func:`invariant_linear` is the batch-invariant variant (``EngineConfig.batch_invariant``):
+any ``M``, always the ``tl.dot`` path on 16-row tiles (a third grid axis) with a launch
+configuration that ignores ``M``, so each row's bits do not depend on the other rows.
+
 ``ENABLED`` (module global, default on; environment ``STRUCTSPEC_GEMV=0`` turns it off at
 import) makes :func:`linear` fall back to ``torch.nn.functional.linear`` for A/B runs.
 """
@@ -293,7 +297,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     # invariant_linear, where each tile runs the same code on its 16 rows whatever M is.
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, block_m))](
         x, weight, bias_arg, out, part, m, n, k, k_per_split,
-        x.stride(0), weight.stride(0), out.stride(0),
+        # A 1-row x may carry any row stride; the kernel assumes a multiple of 8 (only
+        # masked rows would use it), so pass K (a multiple of 8) instead.
+        x.stride(0) if m > 1 else k, weight.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=use_dot,
         EVEN_K=even_k, SPLIT=split > 1, HAS_BIAS=bias is not None, PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
