@@ -53,6 +53,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kernels", default="auto", choices=["auto", "triton", "torch"],
                    help="forward kernels: fused Triton kernels (CUDA), the torch reference, "
                         "or auto (Triton on CUDA when available)")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="batch-invariant Triton kernels (needs CUDA + triton): a token's "
+                        "logits do not depend on the batch, so greedy output with speculation "
+                        "equals greedy output without it, bit for bit; slower")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="auto: read the checkpoint's weights; dummy: seeded random weights "
                         "built on the device from config.json alone (benchmarks; also applies "
@@ -349,6 +353,7 @@ _FLAG_OF_ENGINE_FIELD = {"max_model_len": "--max-model-len", "device": "--device
                          "kv_capacity_tokens": "--kv-capacity-tokens",
                          "grammar_compile_timeout_s": "--grammar-compile-timeout",
                          "grammar_workers": "--grammar-workers", "kernels": "--kernels",
+                         "batch_invariant": "--batch-invariant",
                          "load_format": "--load-format",
                          "speculative_algorithm": "--speculative-algorithm",
                          "num_draft_tokens": "--num-draft-tokens",
@@ -381,6 +386,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         overlap=not args.no_overlap,
         cuda_graph=not args.no_cuda_graph,
         kernels=args.kernels,
+        batch_invariant=args.batch_invariant,
         load_format=args.load_format,
         grammar_workers=args.grammar_workers,
     )

@@ -195,6 +195,15 @@ class EngineConfig:
     # "auto" = fused Triton kernels on CUDA when triton imports, else the torch reference;
     # "triton" = require them; "torch" = the reference ops everywhere (resolved once).
     kernels: str = "auto"
+    # True = batch-invariant kernels for the target model (needs kernels "triton"): every
+    # linear runs 16-row Triton tiles with an M-independent launch (gemv.invariant_linear)
+    # and attention uses fixed blocks and fixed KV-chunk splits, so a token's logits do not
+    # depend on how many rows shared its forward. cuBLAS and the default kernels choose
+    # algorithms per row count, so a tree-verify forward (batch x tree rows) and a plain
+    # decode (batch rows) round differently and spec-on / spec-off greedy outputs drift apart
+    # in bf16. Off by default: slower (sglang --enable-deterministic-inference, vLLM
+    # VLLM_BATCH_INVARIANT; Thinking Machines, "Defeating Nondeterminism in LLM Inference").
+    batch_invariant: bool = False
     # "auto" = read the checkpoint's weights; "dummy" = seeded random weights from config.json
     # only (vLLM's --load-format dummy: benchmarks of large shapes without their files).
     load_format: str = "auto"
@@ -270,6 +279,9 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
         kernels = "triton" if device.startswith("cuda") and _triton_available() else "torch"
     elif kernels == "triton" and not (device.startswith("cuda") and _triton_available()):
         raise ValueError("kernels='triton' needs a CUDA device and the triton package")
+    if config.batch_invariant and kernels != "triton":
+        raise ValueError(f"batch_invariant=True needs the Triton kernels (a CUDA device and "
+                         f"the triton package): kernels resolved to {kernels!r}")
     if config.load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format={config.load_format!r}: expected auto or dummy")
     timeout = config.grammar.compile_timeout_s

@@ -37,6 +37,11 @@ class LLM:
             least as many constrained requests as workers.
         kernels: ``auto`` (fused Triton kernels on CUDA when triton imports, else torch),
             ``triton`` (required; ValueError without CUDA + triton) or ``torch`` (reference).
+        batch_invariant: batch-invariant Triton kernels for the target model (needs
+            ``kernels`` to resolve to ``triton``, else ValueError): a token's logits no longer
+            depend on how many rows shared its forward, so with greedy decoding speculation
+            on gives bitwise the output of speculation off (and of other batch sizes).
+            Slower; see ``EngineConfig.batch_invariant``.
         load_format: ``auto`` reads the checkpoint's weights; ``dummy`` builds seeded random
             weights (``seed``) on the device from ``config.json`` alone, for the target and a
             ``draft_model`` draft model (benchmarks of large shapes without their weights).
@@ -71,6 +76,7 @@ class LLM:
         overlap: bool = True,
         cuda_graph: bool = True,
         kernels: str = "auto",
+        batch_invariant: bool = False,
         load_format: str = "auto",
         grammar_workers: int | None = None,
     ) -> None:
@@ -82,6 +88,7 @@ class LLM:
             seed=seed,
             cuda_graph=cuda_graph,
             kernels=kernels,
+            batch_invariant=batch_invariant,
             load_format=load_format,
             cache=CacheConfig(page_size=page_size, kv_capacity_tokens=kv_capacity_tokens),
             spec=SpecConfig(algorithm=speculative_algorithm, num_draft_tokens=num_draft_tokens,

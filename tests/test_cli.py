@@ -454,3 +454,33 @@ def test_out_file_in_a_missing_directory_is_refused_before_the_batch_runs(
                                                          "--out-file", str(out_file)])
         assert rc == 2 and err.startswith("structspec generate: --out-file:"), err
         assert words in err and _FakeLLM.seen == []
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_batch_invariant_flag(command: str) -> None:
+    from structspec.server.launch import build_engine_config
+
+    extra = ["--prompt", "hi"] if command == "generate" else []
+    parser = build_parser()
+    kw = _engine_kwargs(parser.parse_args([command, *extra]))
+    assert kw["batch_invariant"] is False
+    assert build_engine_config("some/dir", **kw).batch_invariant is False
+    kw = _engine_kwargs(parser.parse_args([command, *extra, "--batch-invariant"]))
+    assert kw["batch_invariant"] is True
+    assert build_engine_config("some/dir", **kw).batch_invariant is True
+
+
+def test_llm_passes_batch_invariant(monkeypatch: pytest.MonkeyPatch) -> None:
+    import structspec.llm as llm_mod
+
+    seen = {}
+
+    class FakeEngine:
+        def __init__(self, config: object) -> None:
+            seen["config"] = config
+
+    monkeypatch.setattr(llm_mod, "LLMEngine", FakeEngine)
+    llm_mod.LLM("x", batch_invariant=True)
+    assert seen["config"].batch_invariant is True
+    llm_mod.LLM("x")
+    assert seen["config"].batch_invariant is False

@@ -127,3 +127,21 @@ def test_bad_grammar_compile_timeout_is_refused(value: object) -> None:
         resolve_engine_config(EngineConfig(
             device="cpu", grammar=GrammarConfig(compile_timeout_s=value)))  # type: ignore[arg-type]
     resolve_engine_config(EngineConfig(device="cpu", grammar=GrammarConfig(compile_timeout_s=0.5)))
+
+
+@pytest.mark.parametrize("kernels", ["torch", "auto"])
+def test_batch_invariant_needs_the_triton_kernels(kernels: str) -> None:
+    """On CPU ``auto`` resolves to the torch reference, which has no batch-invariant mode."""
+    resolve_engine_config(EngineConfig(device="cpu", kernels=kernels))  # fine without it
+    with pytest.raises(ValueError, match=r"^batch_invariant=True needs the Triton kernels"):
+        resolve_engine_config(EngineConfig(device="cpu", kernels=kernels, batch_invariant=True))
+
+
+def test_cli_batch_invariant_on_cpu_exits_2_naming_the_flag(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from structspec.cli import main
+
+    rc = main(["generate", "--device", "cpu", "--prompt", "hi", "--batch-invariant"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert err.startswith("structspec generate: --batch-invariant: batch_invariant=True needs")

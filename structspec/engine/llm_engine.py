@@ -81,7 +81,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, model_config, config.cache, device=device, dtype=dtype,
                                   use_cuda_graph=config.cuda_graph,
                                   max_model_len=self.max_model_len + config.spec.tree_size,
-                                  kernels=config.kernels)
+                                  kernels=config.kernels,
+                                  batch_invariant=config.batch_invariant)
         # One request must fit in the KV cache with its draft tree (Scheduler.add): a longer
         # context could only be refused per request, so advertise what fits (like sglang).
         kv_limit = ((self.runner.kv_pool.num_pages - 1) * self.runner.page_size

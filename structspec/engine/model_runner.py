@@ -89,6 +89,10 @@ class ModelRunner:
         kernels: ``"torch"`` (reference ops) or ``"triton"`` (fused Triton kernels, CUDA): the
             resolved ``EngineConfig.kernels``, passed to ``model.set_kernels``; None = keep the
             model's current choice. Drafters read ``runner.kernels`` to pick the same.
+        batch_invariant: ``EngineConfig.batch_invariant``: passed to ``model.set_kernels``
+            with ``kernels="triton"`` (batch-invariant linears and attention, so verify and
+            decode forwards give a token the same bits). Drafters do not copy it: they only
+            propose, and the target's verify decides every emitted token.
 
     Verify outputs on CUDA with graphs are views of static graph buffers: valid until the next
     :meth:`verify` call.
@@ -106,10 +110,19 @@ class ModelRunner:
         cuda_graph_batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
         max_model_len: int | None = None,
         kernels: str | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         self.model = model
+        if batch_invariant and (kernels != "triton" or not hasattr(model, "set_kernels")):
+            raise ValueError(f"batch_invariant=True needs kernels='triton' and a model with "
+                             f"Triton kernels (got kernels={kernels!r}, "
+                             f"{type(model).__name__})")
         if kernels is not None and hasattr(model, "set_kernels"):
-            model.set_kernels(kernels)  # before any graph capture bakes the implementation in
+            # before any graph capture bakes the implementation in
+            if batch_invariant:
+                model.set_kernels(kernels, batch_invariant=True)
+            else:
+                model.set_kernels(kernels)
         #: the forward implementation in use, "torch" or "triton".
         self.kernels: str = kernels or getattr(model, "kernels", "torch")
         self.model_config = model_config

@@ -6,7 +6,8 @@
 * :mod:`.attention` - :class:`~structspec.kernels.attention.TritonAttentionBackend`, masked
   paged attention (prefill, decode, tree verify) with an optional split-KV reduce.
 * :mod:`.bitmask` - grammar token-bitmask application to logits.
-* :mod:`.gemv` - skinny GEMM / GEMV for forwards of at most 16 rows (decode, small verify).
+* :mod:`.gemv` - skinny GEMM / GEMV for forwards of at most 16 rows (decode, small verify),
+  and its batch-invariant variant for any row count (``EngineConfig.batch_invariant``).
 
 Importing this package does not import triton; the submodules do. The torch reference ops in
 :mod:`structspec.layers` remain the CPU path and the numerical reference. Under

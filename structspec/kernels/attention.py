@@ -16,6 +16,10 @@ GPU and ``L`` is long, the KV axis is cut into ``S`` chunks handled by separate 
 write float32 partial outputs and log-sum-exps; a second kernel merges them. ``S`` depends
 only on tensor shapes, so the launch is the same on every replay of a CUDA graph: no host
 syncs, no data-dependent shapes.
+
+``TritonAttentionBackend(batch_invariant=True)`` fixes ``BLOCK_M`` and cuts the KV axis into
+fixed :data:`INVARIANT_KV_CHUNK`-key splits merged in order, so a row's output does not depend
+on the batch or the query count (a verify forward's first-chain nodes match plain decodes).
 """
 
 from __future__ import annotations
@@ -31,6 +35,11 @@ from structspec.kvcache.pool import KVPool
 from structspec.layers.forward_batch import ForwardBatch
 
 _LOG2E = 1.4426950408889634
+
+INVARIANT_KV_CHUNK = 1024
+"""Keys per KV split in batch-invariant mode (a multiple of every ``BLOCK_N``): the splits
+of a forward are ``cdiv(L, INVARIANT_KV_CHUNK)`` fixed column ranges, so where a key's
+partial sum starts and ends never depends on the batch, the query count or the GPU."""
 
 
 @triton.jit
@@ -138,6 +147,36 @@ def _combine_kernel(
     tl.store(Out + r * HEAD_DIM + d, out.to(Out.dtype.element_ty), mask=d_ok)
 
 
+@triton.jit
+def _combine_ordered_kernel(
+    Part, Lse, Out, num_splits, stride_ps, stride_ls,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """The split merge of batch-invariant mode: the splits are visited one at a time in
+    order (no tree reduction whose shape follows ``next_pow2(num_splits)``), so a row whose
+    keys lie in the first ``j`` chunks gets the same bits for any ``num_splits >= j``: a
+    chunk that saw no key has ``lse = -inf`` and a zero partial, hence weight exactly 0 and
+    ``den + 0 == den``, ``acc + 0 * 0 == acc``; with one non-empty chunk the weight is
+    ``exp2(0) == 1`` and the result is that chunk's ``acc / l``, exactly what the unsplit
+    kernel stores."""
+    r = tl.program_id(0).to(tl.int64)  # flattened (b, q, h) row
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    mx = tl.load(Lse + r)
+    for s in range(1, num_splits):
+        mx = tl.maximum(mx, tl.load(Lse + s * stride_ls + r))
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    den = 0.0
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s in range(0, num_splits):
+        w = tl.exp2(tl.load(Lse + s * stride_ls + r) - mx)
+        part = tl.load(Part + s * stride_ps + r * HEAD_DIM + d, mask=d_ok, other=0.0)
+        den += w
+        acc += w * part
+    den = tl.where(den == 0.0, 1.0, den)
+    tl.store(Out + r * HEAD_DIM + d, (acc / den).to(Out.dtype.element_ty), mask=d_ok)
+
+
 class TritonAttentionBackend:
     """Triton attention with the interface of
     :class:`~structspec.layers.attention.TorchAttentionBackend`.
@@ -147,14 +186,35 @@ class TritonAttentionBackend:
             split only when the ``(row block, request, KV head)`` programs would not fill the
             GPU and ``L`` spans several KV blocks.
         max_splits: upper bound on the heuristic's splits.
+        batch_invariant: make every output row bitwise independent of the batch (which
+            other requests, how many query tokens): ``BLOCK_M`` 16 always, ``BLOCK_N`` from
+            ``D`` only, and the KV axis cut into fixed ``kv_chunk``-column splits (``S =
+            cdiv(L, kv_chunk)``) merged in order by :func:`_combine_ordered_kernel`. A
+            row's softmax then visits the same key tiles, in the same chunks, in the same
+            order in a decode forward (``Q = 1``) as in a tree-verify forward (``Q`` nodes,
+            a larger ``L`` bucket): columns it may not see give ``s = -inf``, ``p = 0``,
+            which leave ``m``, ``l`` and ``acc`` bitwise unchanged (``alpha = exp2(0) = 1``,
+            ``x * 1 + 0 == x``), whole masked tiles and empty chunks likewise. This is the
+            attention half of the "batch-invariant ops" of Thinking Machines' "Defeating
+            Nondeterminism in LLM Inference" (cf. sglang ``--enable-deterministic-inference``,
+            vLLM ``VLLM_BATCH_INVARIANT``). Slower on short batches (fewer, fixed splits).
+        kv_chunk: keys per split in batch-invariant mode (a multiple of 64; tests shrink it).
 
     Runs on CUDA (or on CPU tensors under ``TRITON_INTERPRET=1``). Launch shapes depend only
     on tensor shapes, so forwards can be captured in CUDA graphs.
     """
 
-    def __init__(self, num_splits: int | None = None, max_splits: int = 32) -> None:
+    def __init__(self, num_splits: int | None = None, max_splits: int = 32, *,
+                 batch_invariant: bool = False, kv_chunk: int = INVARIANT_KV_CHUNK) -> None:
+        if batch_invariant and (kv_chunk <= 0 or kv_chunk % 64):
+            raise ValueError(f"kv_chunk={kv_chunk}: expected a positive multiple of 64")
+        if batch_invariant and num_splits is not None:
+            raise ValueError("num_splits cannot be forced with batch_invariant=True: the "
+                             "splits are fixed kv_chunk column ranges")
         self.num_splits = num_splits
         self.max_splits = max_splits
+        self.batch_invariant = batch_invariant
+        self.kv_chunk = kv_chunk
 
     def _splits(self, programs: int, kv_len: int, block_n: int, device: torch.device) -> int:
         if self.num_splits is not None:
@@ -201,12 +261,17 @@ class TritonAttentionBackend:
         if out.numel() == 0:
             return out
         rows = nq * group
-        block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
         block_n = 64 if d <= 128 else 32
         block_d = max(16, next_pow2(d))
+        if self.batch_invariant:  # nothing below may depend on B or Q (see the class doc)
+            block_m = 16
+            chunk = self.kv_chunk
+        else:
+            block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+            splits = self._splits(triton.cdiv(rows, block_m) * bsz * hkv, kv_len, block_n,
+                                  q.device)
+            chunk = triton.cdiv(triton.cdiv(kv_len, splits), block_n) * block_n
         m_blocks = triton.cdiv(rows, block_m)
-        splits = self._splits(m_blocks * bsz * hkv, kv_len, block_n, q.device)
-        chunk = triton.cdiv(triton.cdiv(kv_len, splits), block_n) * block_n
         splits = triton.cdiv(kv_len, chunk)
         ieee = q.dtype == torch.float32
         qk_scale = _LOG2E / math.sqrt(d)
@@ -230,6 +295,12 @@ class TritonAttentionBackend:
             lse.stride(0), lse.stride(1), lse.stride(2),
             nq, kv_len, chunk, qk_scale, SPLIT=True, **meta,
         )
+        if self.batch_invariant:
+            _combine_ordered_kernel[(bsz * nq * hq,)](
+                part, lse, out, splits, part.stride(0), lse.stride(0),
+                HEAD_DIM=d, BLOCK_D=block_d, num_warps=1,
+            )
+            return out
         _combine_kernel[(bsz * nq * hq,)](
             part, lse, out, splits, part.stride(0), lse.stride(0),
             HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=next_pow2(splits), num_warps=1,

@@ -33,6 +33,10 @@ call reads HBM), M=1: qkv 15.1 -> 14.1 us, o 13.3 -> 10.3, gate_up 56.9 -> 54.4,
 32.0 -> 28.8, lm_head 246 -> 231 (3.3-4.5 TB/s); M=2..16: 1.0-1.16x cuBLAS at every shape.
 The Llama-3-8B decode step (B=1, CUDA graph) went from 4.79 to 4.38 ms (HBM floor 3.50).
 
+:func:`invariant_linear` is the batch-invariant variant (``EngineConfig.batch_invariant``):
+any ``M``, always the ``tl.dot`` path on 16-row tiles (a third grid axis) with a launch
+configuration that ignores ``M``, so each row's bits do not depend on the other rows.
+
 ``ENABLED`` (module global, default on; environment ``STRUCTSPEC_GEMV=0`` turns it off at
 import) makes :func:`linear` fall back to ``torch.nn.functional.linear`` for A/B runs.
 """
@@ -88,6 +92,7 @@ def _gemv_kernel(
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)  # tiles of BLOCK_M rows: always 0 except in invariant_linear
     # K and both row strides are multiples of 8 (checked on the host): 16-byte vector loads.
     stride_wn = tl.multiple_of(stride_wn, 8)
     stride_xm = tl.multiple_of(stride_xm, 8)
@@ -96,7 +101,7 @@ def _gemv_kernel(
     # Out-of-range rows re-read row N-1 (valid memory) instead of masking the W load, so the
     # loads stay unmasked along N; those columns are dropped at the store.
     rows_w = tl.minimum(offs_n, N - 1).to(tl.int64)
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # global rows of x / P / Y
     m_ok = offs_m < M
     offs_k = tl.arange(0, BLOCK_K)
     if SPLIT:
@@ -109,7 +114,7 @@ def _gemv_kernel(
     if BLOCK_M == 1:
         x_ptr = X + offs_k[None, :]
     else:  # padded rows (m >= M) are masked to zero (no memory traffic)
-        x_ptr = X + offs_m[:, None] * stride_xm + offs_k[None, :]
+        x_ptr = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     elif BLOCK_M == 1:
@@ -141,12 +146,13 @@ def _gemv_kernel(
     mask = n_ok[:, None] & m_ok[None, :]
     if SPLIT:
         # Partials P[pid_k, m, n] in float32; _splitk_reduce_kernel sums them.
-        p_ptr = P + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None]
+        # int64: invariant_linear serves prefill-sized M, where M * N can pass 2**31.
+        p_ptr = P + (pid_k * M + offs_m[None, :].to(tl.int64)) * N + offs_n[:, None]
         tl.store(p_ptr, acc, mask=mask)
     else:
         if HAS_BIAS:
             acc += tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        y_ptr = Y + offs_m[None, :] * stride_ym + offs_n[:, None]
+        y_ptr = Y + offs_m[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
         tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -155,7 +161,7 @@ def _splitk_reduce_kernel(
     P, Bias, Y, M, N, stride_ym,
     SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
-    m = tl.program_id(0)
+    m = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -208,6 +214,31 @@ def config_for(m: int, n: int, k: int, device: torch.device,
     return _config(m, n, k, sm_count(device), dtype.itemsize)
 
 
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           out_dtype: torch.dtype | None) -> torch.Tensor:
+    """Validate the arguments of :func:`skinny_linear` / :func:`invariant_linear` (``x`` 2-D);
+    returns ``x`` with unit stride along ``K`` and a row stride that is a multiple of 8."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"expected x [M, K] and weight [N, K]: got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    k = x.shape[1]
+    n = weight.shape[0]
+    if x.dtype != weight.dtype or x.dtype not in _DTYPES or x.device != weight.device:
+        raise ValueError(f"x and weight must share a float16/bfloat16/float32 dtype and a "
+                         f"device: {x.dtype}@{x.device} vs {weight.dtype}@{weight.device}")
+    if not weight.is_contiguous() or k % 8:
+        raise ValueError(f"weight must be contiguous with K % 8 == 0 (K={k})")
+    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype
+                             or bias.device != x.device):
+        raise ValueError(f"bias must be [{n}] of {x.dtype} on {x.device}: got "
+                         f"{tuple(bias.shape)} {bias.dtype}@{bias.device}")
+    if out_dtype is not None and out_dtype not in _DTYPES:
+        raise ValueError(f"out_dtype={out_dtype}: expected float16, bfloat16 or float32")
+    if x.stride(1) != 1 or x.stride(0) % 8:
+        x = x.contiguous()
+    return x
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   config: Config | None = None, out_dtype: torch.dtype | None = None
                   ) -> torch.Tensor:
@@ -232,26 +263,11 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         ValueError: wrong ranks, mismatched ``K`` / dtypes / devices, ``M > MAX_ROWS``,
             a non-contiguous weight, an unsupported dtype, or ``K`` not a multiple of 8.
     """
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"expected x [M, K] and weight [N, K]: got {tuple(x.shape)} and "
-                         f"{tuple(weight.shape)}")
-    m, k = x.shape
-    n = weight.shape[0]
+    m, k = x.shape if x.dim() == 2 else (0, 0)
     if m > MAX_ROWS:
         raise ValueError(f"M={m} rows > MAX_ROWS={MAX_ROWS}: use F.linear")
-    if x.dtype != weight.dtype or x.dtype not in _DTYPES or x.device != weight.device:
-        raise ValueError(f"x and weight must share a float16/bfloat16/float32 dtype and a "
-                         f"device: {x.dtype}@{x.device} vs {weight.dtype}@{weight.device}")
-    if not weight.is_contiguous() or k % 8:
-        raise ValueError(f"weight must be contiguous with K % 8 == 0 (K={k})")
-    if bias is not None and (bias.shape != (n,) or bias.dtype != x.dtype
-                             or bias.device != x.device):
-        raise ValueError(f"bias must be [{n}] of {x.dtype} on {x.device}: got "
-                         f"{tuple(bias.shape)} {bias.dtype}@{bias.device}")
-    if out_dtype is not None and out_dtype not in _DTYPES:
-        raise ValueError(f"out_dtype={out_dtype}: expected float16, bfloat16 or float32")
-    if x.stride(1) != 1 or x.stride(0) % 8:
-        x = x.contiguous()
+    x = _check(x, weight, bias, out_dtype)
+    n = weight.shape[0]
     return _launch(x, weight, bias, config or config_for(m, n, k, x.device, x.dtype),
                    out_dtype or x.dtype)
 
@@ -277,9 +293,13 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             else out)
     bias_arg = bias if bias is not None else out
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
+    # Third axis: tiles of block_m rows. 1 for M <= MAX_ROWS (skinny_linear); more only in
+    # invariant_linear, where each tile runs the same code on its 16 rows whatever M is.
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, block_m))](
         x, weight, bias_arg, out, part, m, n, k, k_per_split,
-        x.stride(0), weight.stride(0), out.stride(0),
+        # A 1-row x may carry any row stride; the kernel assumes a multiple of 8 (only
+        # masked rows would use it), so pass K (a multiple of 8) instead.
+        x.stride(0) if m > 1 else k, weight.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=use_dot,
         EVEN_K=even_k, SPLIT=split > 1, HAS_BIAS=bias is not None, PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -347,3 +367,54 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     k = x.shape[-1]
     y = skinny_linear(x.reshape(-1, k), weight, bias, out_dtype=out_dtype)
     return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def invariant_config(n: int, k: int, device: torch.device,
+                     dtype: torch.dtype = torch.bfloat16) -> Config:
+    """The launch configuration of :func:`invariant_linear` for ``W [n, k]``: the
+    :func:`_config` table entry for 16 rows (``tl.dot`` path, ``split_k`` included), so it
+    depends on ``(n, k, dtype, SM count)`` only, never on the number of rows."""
+    return _config(MAX_ROWS, n, k, sm_count(device), dtype.itemsize)._replace(use_dot=True)
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Batch-invariant ``F.linear(x, weight, bias)``: every output row is bitwise the same
+    whatever the other rows are, and however many (``M >= 1``, any size).
+
+    Why: cuBLAS (and :func:`linear`'s own M-dependent choice between the FMA kernel, the
+    16-row ``tl.dot`` kernel and cuBLAS) pick a different algorithm, tile shape and split-K
+    per ``M``, so a token's hidden state depends on how many rows shared its forward. With
+    speculative decoding a verify forward has ``batch x tree`` rows where plain decode has
+    ``batch`` rows, so greedy outputs drift apart. Following the batch-invariant ops of
+    Thinking Machines' "Defeating Nondeterminism in LLM Inference" (He et al., 2025), as in
+    sglang's ``--enable-deterministic-inference`` and vLLM's ``VLLM_BATCH_INVARIANT``, this
+    always runs the skinny kernel's ``tl.dot`` path on tiles of exactly 16 rows (rows past
+    ``M`` are zero-masked and dropped), with the launch configuration of
+    :func:`invariant_config` (independent of ``M``): each row then goes through the same
+    instructions, K order and split-K reduction order whatever ``M`` is. The price: ``W``
+    is streamed once per 16-row tile, so large ``M`` (prefill) is much slower than cuBLAS.
+
+    Args:
+        x: ``[..., K]`` (leading dims flattened into ``M`` rows), float16/bfloat16/float32,
+            CUDA (or CPU float32 under ``TRITON_INTERPRET=1``).
+        weight: ``[N, K]`` contiguous, ``K % 8 == 0``, ``x``'s dtype and device.
+        bias: optional ``[N]`` of ``x``'s dtype, added in float32 before the final rounding.
+        out_dtype: float16/bfloat16/float32; None = ``x``'s dtype. float32 keeps the
+            float32 accumulator unrounded (the LM head).
+
+    Returns:
+        ``[..., N]`` of ``out_dtype`` on ``x``'s device.
+
+    Raises:
+        ValueError: as :func:`skinny_linear` (except that any ``M`` is accepted).
+    """
+    if x.dim() < 1 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"expected x [..., K] and weight [N, K]: got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    k = x.shape[-1]
+    x2 = _check(x.reshape(-1, k), weight, bias, out_dtype)
+    n = weight.shape[0]
+    y = _launch(x2, weight, bias, invariant_config(n, k, x.device, x.dtype),
+                out_dtype or x.dtype)
+    return y.view(*x.shape[:-1], n)

@@ -41,18 +41,22 @@ __all__ = ["LlamaForCausalLM", "ModelOutput", "Qwen2ForCausalLM", "Qwen3ForCausa
 def _triton_ops() -> SimpleNamespace:
     """The fused kernels, imported on first use (triton is optional; CPU CI lacks it)."""
     from structspec.kernels.activation import silu_and_mul
-    from structspec.kernels.gemv import linear
+    from structspec.kernels.gemv import invariant_linear, linear
     from structspec.kernels.norm import fused_add_rmsnorm, rmsnorm
     from structspec.kernels.rotary import rotary_and_store_kv
 
     return SimpleNamespace(silu_and_mul=silu_and_mul, fused_add_rmsnorm=fused_add_rmsnorm,
                            rmsnorm=rmsnorm, rotary_and_store_kv=rotary_and_store_kv,
-                           linear=linear)
+                           linear=linear, invariant_linear=invariant_linear)
 
 
-def _linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def _linear(layer: nn.Linear, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
     """``layer(x)`` on the Triton path: :func:`structspec.kernels.gemv.linear`, the skinny
-    GEMV for few rows (decode), ``F.linear`` otherwise or with ``STRUCTSPEC_GEMV=0``."""
+    GEMV for few rows (decode), ``F.linear`` otherwise or with ``STRUCTSPEC_GEMV=0``; with
+    ``batch_invariant`` :func:`structspec.kernels.gemv.invariant_linear` (any row count, each
+    row's bits independent of the others; see :meth:`LlamaForCausalLM.set_kernels`)."""
+    if batch_invariant:
+        return _triton_ops().invariant_linear(x, layer.weight, layer.bias)
     return _triton_ops().linear(x, layer.weight, layer.bias)
 
 
@@ -77,6 +81,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=_o_proj_bias(config))
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.batch_invariant = False  # set by LlamaForCausalLM.set_kernels
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch,
@@ -105,8 +110,8 @@ class LlamaAttention(nn.Module):
         """
         ops = _triton_ops()
         b, s, _ = x.shape
-        q, k, v = _linear(self.qkv_proj, x).split([self.q_size, self.kv_size, self.kv_size],
-                                                  dim=-1)
+        q, k, v = _linear(self.qkv_proj, x, self.batch_invariant).split(
+            [self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(b, s, self.num_heads, self.head_dim)  # strided views of the qkv output
         k = k.view(b, s, self.num_kv_heads, self.head_dim)
         v = v.view(b, s, self.num_kv_heads, self.head_dim)
@@ -116,7 +121,7 @@ class LlamaAttention(nn.Module):
         ops.rotary_and_store_kv(q, k, v, cos, sin, kv_pool.k_cache[self.layer_id],
                                 kv_pool.v_cache[self.layer_id], fb.out_slots)  # q rotated in place
         out = backend.forward(q, self.layer_id, fb, kv_pool)
-        return _linear(self.o_proj, out.reshape(b, s, self.q_size))
+        return _linear(self.o_proj, out.reshape(b, s, self.q_size), self.batch_invariant)
 
 
 class LlamaMLP(nn.Module):
@@ -127,6 +132,7 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.batch_invariant = False  # set by LlamaForCausalLM.set_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., H]`` -> ``[..., H]``."""
@@ -135,7 +141,9 @@ class LlamaMLP(nn.Module):
 
     def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
         """:meth:`forward` with the Triton ``silu_and_mul`` (CUDA): ``[..., H]`` -> ``[..., H]``."""
-        return _linear(self.down_proj, _triton_ops().silu_and_mul(_linear(self.gate_up_proj, x)))
+        inv = self.batch_invariant
+        return _linear(self.down_proj,
+                       _triton_ops().silu_and_mul(_linear(self.gate_up_proj, x, inv)), inv)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -194,6 +202,8 @@ class LlamaForCausalLM(nn.Module):
             ``set_kernels("triton")``.
         kernels: ``"torch"`` (reference ops) or ``"triton"`` (fused kernels); see
             :meth:`set_kernels`.
+        batch_invariant: whether the Triton forward uses batch-invariant kernels; see
+            :meth:`set_kernels`.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -215,8 +225,9 @@ class LlamaForCausalLM(nn.Module):
         self.tie_weights()
         self.attn_backend: AttentionBackend = TorchAttentionBackend()
         self.kernels = "torch"
+        self.batch_invariant = False
 
-    def set_kernels(self, kernels: str) -> None:
+    def set_kernels(self, kernels: str, batch_invariant: bool = False) -> None:
         """Choose the forward's implementation (``EngineConfig.kernels``, resolved).
 
         Args:
@@ -224,20 +235,33 @@ class LlamaForCausalLM(nn.Module):
                 path, bit-identical to HF in fp32). ``"triton"``: fused Triton kernels and
                 :class:`~structspec.kernels.attention.TritonAttentionBackend` (CUDA; CPU only
                 under ``TRITON_INTERPRET=1``); needs the triton package.
+            batch_invariant: with ``"triton"`` (``EngineConfig.batch_invariant``): every
+                linear, the LM head included, runs
+                :func:`~structspec.kernels.gemv.invariant_linear` and attention runs
+                ``TritonAttentionBackend(batch_invariant=True)``, so a token's logits are
+                bitwise the same whether its forward has 1 row per request (decode) or a
+                draft tree's (verify). The norm, rotary, SwiGLU and bitmask kernels are
+                already per row (their launch shapes depend on the hidden sizes only).
 
         Raises:
-            ValueError: any other value.
+            ValueError: any other value, or ``batch_invariant`` with ``"torch"``.
         """
+        if batch_invariant and kernels != "triton":
+            raise ValueError(f"batch_invariant=True needs kernels='triton', got {kernels!r}")
         if kernels == "triton":
             from structspec.kernels.attention import TritonAttentionBackend
 
-            self.attn_backend = TritonAttentionBackend()
+            self.attn_backend = TritonAttentionBackend(batch_invariant=batch_invariant)
         elif kernels == "torch":
             if not isinstance(self.attn_backend, TorchAttentionBackend):
                 self.attn_backend = TorchAttentionBackend()
         else:
             raise ValueError(f"kernels={kernels!r}: expected 'torch' or 'triton'")
         self.kernels = kernels
+        self.batch_invariant = batch_invariant
+        for module in self.modules():
+            if isinstance(module, LlamaAttention | LlamaMLP):
+                module.batch_invariant = batch_invariant
 
     def tie_weights(self) -> None:
         """Share ``lm_head.weight`` with ``embed_tokens.weight`` when the config ties them."""
@@ -309,8 +333,9 @@ class LlamaForCausalLM(nn.Module):
         verify) pick different argmaxes; it is also one pass instead of a GEMM plus a cast.
         """
         if self.kernels == "triton":
-            return _triton_ops().linear(hidden_rows, self.lm_head.weight,
-                                        out_dtype=torch.float32)
+            linear = (_triton_ops().invariant_linear if self.batch_invariant
+                      else _triton_ops().linear)
+            return linear(hidden_rows, self.lm_head.weight, out_dtype=torch.float32)
         return linear_fp32_out(hidden_rows, self.lm_head.weight)
 
     def weight_names(self) -> dict[str, tuple[str, int, int]]:

@@ -56,6 +56,7 @@ def build_engine_config(model: str | None = None, **kwargs: Any) -> Any:
         seed=kwargs.get("seed", 0),
         cuda_graph=kwargs.get("cuda_graph", True),
         kernels=kwargs.get("kernels", "auto"),
+        batch_invariant=kwargs.get("batch_invariant", False),
         load_format=kwargs.get("load_format", "auto"),
         cache=CacheConfig(page_size=kwargs.get("page_size", 16),
                           kv_capacity_tokens=kwargs.get("kv_capacity_tokens", 65536)),
