@@ -147,6 +147,8 @@ def main() -> None:
                          "memory on large models)")
     ap.add_argument("--skip-fold", action="store_true",
                     help="skip the fold_gqa attention variant (always skipped with triton)")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="batch-invariant kernels (EngineConfig.batch_invariant): its cost")
     ap.add_argument("--floor-gib", type=float, default=4.0,
                     help="size of the device-to-device copy measuring HBM bandwidth (0: skip)")
     args = ap.parse_args()
@@ -164,7 +166,7 @@ def main() -> None:
         from structspec.kernels import triton_available
 
         kernels = "triton" if triton_available() else "torch"
-    runner_kw = {"kernels": kernels}
+    runner_kw = {"kernels": kernels, "batch_invariant": args.batch_invariant}
 
     def runner(graph: bool) -> ModelRunner:
         return ModelRunner(model, cfg, cache, device=dev, dtype=dtype, use_cuda_graph=graph,
@@ -185,7 +187,8 @@ def main() -> None:
             vc.normal_()
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} bf16 {model_name} "
           f"{cfg.num_hidden_layers} layers hidden {cfg.hidden_size} vocab {cfg.vocab_size}, "
-          f"kernels {getattr(model, 'kernels', 'torch')}, context {args.context}, "
+          f"kernels {getattr(model, 'kernels', 'torch')}"
+          f"{' batch-invariant' if args.batch_invariant else ''}, context {args.context}, "
           f"page_size {ps}")
     if bw is not None:
         print(bw.describe())
