@@ -68,6 +68,7 @@ def test_spec_matches_plain_up_to_near_ties(cuda_llms) -> None:
     # decode (skinny GEMM) and a 144-row verify (cuBLAS). Measured on the H200: 6/22 diverge,
     # at gaps 0.0015-0.078 (two above the 0.05 the issue expected); one bf16 step of a logit
     # in [16, 32) is 0.125, and before the float32 LM head the gaps read 0 or 0.125.
+    # ``batch_invariant=True`` removes them (test_batch_invariant_spec_matches_plain).
     assert all(g < 0.1 for g in gaps), gaps
     assert len(diverged) <= len(PROMPTS) // 2
 
@@ -101,5 +102,6 @@ def test_batch_invariant_spec_matches_plain(invariant_llms) -> None:
         gaps.append(top[0][1] - top[1][1])
         print(f"batch-invariant prompt {i}: diverged at token {j}, top-2 gap {gaps[-1]:.4f}")
     print(f"batch-invariant bf16 spec-vs-plain divergences: {len(diverged)}/{len(PROMPTS)}")
-    assert all(g < 0.05 for g in gaps), gaps
-    assert len(diverged) <= 2
+    # Measured on the H200: 0/22 (the default kernels: 6/22). The kernels are deterministic,
+    # so this is not a flaky bound: a divergence here means a path lost its invariance.
+    assert not diverged, gaps
