@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything measured on the lent H200 (after `source .gpu/setup.sh`), in stages named on the
 # command line so that each fits one device call:
-#   bash benchmarks/gpu_suite.sh tests smol peer llama8b llama8b_overlap maskbench   (default: all)
+#   bash benchmarks/gpu_suite.sh tests smol peer llama8b llama8b_overlap invariant maskbench
+#   (default: all)
 #   tests     GPU tests (kernels, CUDA graphs, engine: overlap on/off, bf16 spec vs plain, sync)
 #   smol      SmolLM2: host mask-build cost by threads, CUDA-graph step times, grammar overlap
 #             (ngram and draft_model, batch 1/8/32/64, N=8, with / without grammar and overlap)
@@ -10,13 +11,15 @@
 #             step vs floor (skinny GEMM and cuBLAS), per-layer GEMM micro-benchmark
 #   llama8b_overlap  the 8B shape's grammar overlap (ngram and draft_model with a 1B-shape
 #             draft, 2 repeats)
+#   invariant the cost of --batch-invariant (decode / verify step times, SmolLM2 and 8B shapes;
+#             the default mode's are in smol / llama8b)
 #   maskbench MaskBench end to end (120 schemas)
 # Logs go to $OUT (or ./out); each step is time-bounded so one failure does not hide the others.
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
 run() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$? $name"; grep -E "^(grammar_overlap|mask_build|decode|peer|hbm|floor|[0-9]+ passed|FAILED|ERROR)|passed|failed" "$OUT/$name.log" | tail -n 40; }
-stages=${*:-tests smol peer llama8b llama8b_overlap maskbench}
+stages=${*:-tests smol peer llama8b llama8b_overlap invariant maskbench}
 L8=benchmarks/assets/llama3-8b-shape
 python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())'
 for s in $stages; do case $s in
@@ -35,6 +38,9 @@ for s in $stages; do case $s in
     run gemv_micro 90 python3 benchmarks/kernels_micro.py --gemv ;;
   llama8b_overlap)
     run grammar_overlap_8b 560 python3 benchmarks/grammar_overlap.py --device cuda --model $L8 --load-format dummy --batch 1 8 32 64 --steps 100 --algorithms ngram draft_model --overlap on --repeats 2 --draft-model benchmarks/assets/llama3-1b-draft-shape ;;
+  invariant)
+    run gpu_decode_invariant 120 python3 benchmarks/gpu_decode.py --batch 1 8 32 64 --nodes 1 9 --skip-eager --skip-fold --floor-gib 0 --batch-invariant
+    run gpu_decode_8b_invariant 200 python3 benchmarks/gpu_decode.py --model $L8 --load-format dummy --batch 1 8 32 64 --nodes 1 9 --skip-eager --skip-fold --floor-gib 0 --batch-invariant ;;
   maskbench)
     run maskbench 170 python3 benchmarks/maskbench_e2e.py --device cuda --speculative-algorithm ngram --limit 120 --max-tokens 1024 --skip-slow-compile --out "$OUT/maskbench.jsonl" ;;
   *) echo "unknown stage $s" ;;
