@@ -357,7 +357,8 @@ _FLAG_OF_ENGINE_FIELD = {"max_model_len": "--max-model-len", "device": "--device
                          "load_format": "--load-format",
                          "speculative_algorithm": "--speculative-algorithm",
                          "num_draft_tokens": "--num-draft-tokens",
-                         "speculative_depth": "--speculative-depth"}
+                         "speculative_depth": "--speculative-depth",
+                         "speculative_topk": "--speculative-topk"}
 
 
 def _flag_error(message: str, flag_of_field: dict[str, str] = _FLAG_OF_FIELD) -> str:

@@ -155,6 +155,19 @@ class SpecConfig:
         return 1 if self.algorithm == "none" else self.num_draft_tokens
 
 
+MAX_DRAFT_TOKENS = 128
+"""Largest verify tree (``num_draft_tokens``) accepted. Every step verifies ``batch x N`` rows
+and keeps an ``N x N`` ancestor mask per request; real trees are 4-64 nodes (sglang's EAGLE
+defaults use 4-64), and a typo such as 100000 would otherwise try to allocate the draft KV
+and CUDA-graph buffers for it (hundreds of GB) before failing."""
+
+MAX_DRAFT_DEPTH = 64
+"""Largest ``speculative_depth`` (draft_model / eagle expansion steps) accepted."""
+
+MAX_DRAFT_TOPK = 64
+"""Largest ``speculative_topk`` (children kept per expanded node) accepted."""
+
+
 @dataclass(frozen=True)
 class GrammarConfig:
     """Grammar compilation and enforcement (xgrammar)."""
@@ -264,14 +277,16 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
     if spec.algorithm not in ("none", "ngram", "draft_model", "eagle"):
         raise ValueError(f"speculative_algorithm={spec.algorithm!r}: expected none, ngram, "
                          "draft_model or eagle")
-    if spec.algorithm != "none" and spec.num_draft_tokens < 2:
-        raise ValueError("num_draft_tokens must be >= 2 when speculation is on")
+    if spec.algorithm != "none" and not 2 <= spec.num_draft_tokens <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"num_draft_tokens={spec.num_draft_tokens}: expected 2.."
+                         f"{MAX_DRAFT_TOKENS} when speculation is on")
     if spec.algorithm in ("draft_model", "eagle") and not spec.draft_model:
         raise ValueError(f"speculative_algorithm={spec.algorithm!r} needs draft_model=PATH")
-    if spec.algorithm in ("draft_model", "eagle") and (spec.depth < 1 or spec.topk < 1):
-        # checked here, before the target model loads
-        raise ValueError(f"speculative_depth ({spec.depth}) and speculative_topk ({spec.topk}) "
-                         "must be >= 1")
+    if spec.algorithm in ("draft_model", "eagle"):  # checked before the target model loads
+        if not 1 <= spec.depth <= MAX_DRAFT_DEPTH:
+            raise ValueError(f"speculative_depth={spec.depth}: expected 1..{MAX_DRAFT_DEPTH}")
+        if not 1 <= spec.topk <= MAX_DRAFT_TOPK:
+            raise ValueError(f"speculative_topk={spec.topk}: expected 1..{MAX_DRAFT_TOPK}")
     kernels = config.kernels
     if kernels not in ("auto", "triton", "torch"):
         raise ValueError(f"kernels={kernels!r}: expected auto, triton or torch")

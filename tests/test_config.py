@@ -15,12 +15,27 @@ def test_max_model_len_below_one_is_refused(value: int) -> None:
         resolve_engine_config(EngineConfig(device="cpu", max_model_len=value))
 
 
-@pytest.mark.parametrize(("depth", "topk"), [(0, 2), (4, 0)])
-def test_bad_draft_tree_shape_is_refused_before_loading(depth: int, topk: int) -> None:
+@pytest.mark.parametrize(("depth", "topk", "field"), [
+    (0, 2, "speculative_depth=0"), (4, 0, "speculative_topk=0"), (65, 2, "speculative_depth=65"),
+    (4, 100_000, "speculative_topk=100000")])
+def test_bad_draft_tree_shape_is_refused_before_loading(depth: int, topk: int,
+                                                        field: str) -> None:
     spec = SpecConfig(algorithm="draft_model", draft_model="/nonexistent", depth=depth,
                       topk=topk)
-    with pytest.raises(ValueError, match="speculative_depth"):
+    with pytest.raises(ValueError, match=field):
         resolve_engine_config(EngineConfig(device="cpu", spec=spec))
+
+
+@pytest.mark.parametrize("value", [1, 129, 100_000])
+def test_tree_size_outside_2_to_128_is_refused(value: int) -> None:
+    spec = SpecConfig(algorithm="ngram", num_draft_tokens=value)
+    with pytest.raises(ValueError, match=f"num_draft_tokens={value}"):
+        resolve_engine_config(EngineConfig(device="cpu", spec=spec))
+
+
+def test_largest_tree_size_is_accepted() -> None:
+    spec = SpecConfig(algorithm="ngram", num_draft_tokens=128)
+    assert resolve_engine_config(EngineConfig(device="cpu", spec=spec)).spec.num_draft_tokens == 128
 
 
 @pytest.mark.parametrize("value", [-1, "2", 2.5, True, 10_000])
