@@ -7,6 +7,7 @@ import json
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,22 @@ from structspec.core import (
     SamplingParams,
     check_chat_messages,
 )
+
+
+def _int_range(low: int, high: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer in ``[low, high]``, else a usage error (exit 2) that
+    argparse prefixes with the flag."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is outside {low}..{high}")
+        return value
+
+    return parse
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -41,7 +58,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "is refused; lowered, with a warning, to what the KV cache holds)")
     g.add_argument("--grammar-compile-timeout", type=float, default=30.0,
                    help="seconds a grammar may take to compile before its request fails")
-    g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
+    g.add_argument("--seed", type=_int_range(0, 2**63 - 1), default=0,
+                   help="engine seed for unseeded sampling")
     g.add_argument("--grammar-workers", type=int, default=None,
                    help="worker processes that build the draft trees' grammar bitmasks "
                         "(0: in the engine process; default: min(8, cores // 2) on CUDA, "
@@ -128,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
                          formatter_class=_DefaultsHelpFormatter)
     _add_engine_args(srv)
     srv.add_argument("--host", default="127.0.0.1", help="bind address")
-    srv.add_argument("--port", type=int, default=8000, help="TCP port")
+    srv.add_argument("--port", type=_int_range(0, 65535), default=8000,
+                     help="TCP port (0: any free port)")
     srv.add_argument("--api-key", default=os.environ.get("STRUCTSPEC_API_KEY"),
                      help="require 'Authorization: Bearer KEY' (env STRUCTSPEC_API_KEY)")
     srv.add_argument("--served-model-name", default=None, help="model id in the API")

@@ -193,6 +193,19 @@ def test_bad_flag_value_is_a_bad_command_line(monkeypatch: pytest.MonkeyPatch,
     assert _FakeLLM.seen == []
 
 
+@pytest.mark.parametrize("argv", [["generate", "--prompt", "hi", "--seed", str(10**23)],
+                                  ["generate", "--prompt", "hi", "--seed", "-1"],
+                                  ["serve", "--port", "-1"], ["serve", "--port", "70000"]])
+def test_out_of_range_int_flag_is_a_usage_error(capsys: pytest.CaptureFixture[str],
+                                                argv: list[str]) -> None:
+    """Engine seed and port are range-checked by argparse (exit 2 naming the flag); they used
+    to fail later, with a traceback (port) or an error naming no flag (seed)."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"argument {argv[-2]}: {argv[-1]} is outside" in err, err
+
+
 @pytest.mark.parametrize(("messages", "field"), [
     ([{"role": "system", "content": "x"}, {"role": "user"}], "messages[1].content: missing"),
     ([{"role": "user", "content": [{"type": "text", "text": 1}]}],
