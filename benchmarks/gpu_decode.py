@@ -152,6 +152,14 @@ def main() -> None:
     ap.add_argument("--floor-gib", type=float, default=4.0,
                     help="size of the device-to-device copy measuring HBM bandwidth (0: skip)")
     args = ap.parse_args()
+    kernels = args.kernels
+    if kernels == "auto":
+        from structspec.kernels import triton_available
+
+        kernels = "triton" if triton_available() else "torch"
+    if args.batch_invariant and kernels != "triton":
+        ap.error("--batch-invariant needs the Triton kernels (--kernels triton, or auto with "
+                 "triton installed)")
     dev = torch.device("cuda")
     dtype = torch.bfloat16
     # bandwidth first, while the device memory is still empty
@@ -161,11 +169,6 @@ def main() -> None:
     max_b = max(args.batch)
     num_pages = max_b * (-(-args.context // ps) + 1) + 2
     cache = CacheConfig(page_size=ps, num_pages=num_pages)
-    kernels = args.kernels
-    if kernels == "auto":
-        from structspec.kernels import triton_available
-
-        kernels = "triton" if triton_available() else "torch"
     runner_kw = {"kernels": kernels, "batch_invariant": args.batch_invariant}
 
     def runner(graph: bool) -> ModelRunner:

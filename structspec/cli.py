@@ -74,7 +74,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-invariant", action="store_true",
                    help="batch-invariant Triton kernels (needs CUDA + triton): a token's "
                         "logits do not depend on the batch, so greedy output with speculation "
-                        "equals greedy output without it, bit for bit; slower")
+                        "equals greedy output without it, bit for bit, while accepted paths "
+                        "follow the draft tree's first chain; slower (debugging, "
+                        "reproducibility)")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="auto: read the checkpoint's weights; dummy: seeded random weights "
                         "built on the device from config.json alone (benchmarks; also applies "
@@ -377,7 +379,8 @@ _FLAG_OF_ENGINE_FIELD = {"max_model_len": "--max-model-len", "device": "--device
                          "speculative_algorithm": "--speculative-algorithm",
                          "num_draft_tokens": "--num-draft-tokens",
                          "speculative_depth": "--speculative-depth",
-                         "speculative_topk": "--speculative-topk"}
+                         "speculative_topk": "--speculative-topk",
+                         "cuda_graph": "--no-cuda-graph", "overlap": "--no-overlap"}
 
 
 def _flag_error(message: str, flag_of_field: dict[str, str] = _FLAG_OF_FIELD) -> str:

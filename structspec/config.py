@@ -294,6 +294,10 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
         kernels = "triton" if device.startswith("cuda") and _triton_available() else "torch"
     elif kernels == "triton" and not (device.startswith("cuda") and _triton_available()):
         raise ValueError("kernels='triton' needs a CUDA device and the triton package")
+    for name, flag in (("batch_invariant", config.batch_invariant),
+                       ("cuda_graph", config.cuda_graph), ("overlap", config.scheduler.overlap)):
+        if not isinstance(flag, bool):  # "false" is truthy: it would turn the option on
+            raise ValueError(f"{name}={flag!r}: expected True or False")
     if config.batch_invariant and kernels != "triton":
         raise ValueError(f"batch_invariant=True needs the Triton kernels (a CUDA device and "
                          f"the triton package): kernels resolved to {kernels!r}")

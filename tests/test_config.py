@@ -152,6 +152,38 @@ def test_batch_invariant_needs_the_triton_kernels(kernels: str) -> None:
         resolve_engine_config(EngineConfig(device="cpu", kernels=kernels, batch_invariant=True))
 
 
+@pytest.mark.parametrize("field", ["batch_invariant", "cuda_graph", "overlap"])
+@pytest.mark.parametrize("value", ["false", 1, None])
+def test_switches_must_be_booleans(field: str, value: object) -> None:
+    """``batch_invariant="false"`` is truthy: it used to turn the (slow) mode on, and None was
+    kept as is; every on/off option is now checked for a bool."""
+    from structspec.config import SchedulerConfig
+
+    config = (EngineConfig(device="cpu", scheduler=SchedulerConfig(overlap=value))
+              if field == "overlap" else EngineConfig(device="cpu", **{field: value}))
+    with pytest.raises(ValueError, match=f"^{field}={value!r}: expected True or False"):
+        resolve_engine_config(config)  # type: ignore[arg-type]
+
+
+def test_serve_refuses_a_bad_engine_option_before_spawning(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``serve --batch-invariant`` on CPU exits 2 naming the flag, as ``generate`` does, and
+    spawns no engine process (it used to exit 1 after the engine failed to start)."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from structspec.cli import main
+    from structspec.server import engine_client
+
+    def no_spawn(self: object) -> None:
+        raise AssertionError("an engine process was spawned")
+
+    monkeypatch.setattr(engine_client.EngineClient, "spawn", no_spawn)
+    rc = main(["serve", "--device", "cpu", "--port", "0", "--batch-invariant"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith("structspec serve: --batch-invariant: batch_invariant=True needs"), err
+
+
 def test_cli_batch_invariant_on_cpu_exits_2_naming_the_flag(
         capsys: pytest.CaptureFixture[str]) -> None:
     from structspec.cli import main

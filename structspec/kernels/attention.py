@@ -206,7 +206,8 @@ class TritonAttentionBackend:
 
     def __init__(self, num_splits: int | None = None, max_splits: int = 32, *,
                  batch_invariant: bool = False, kv_chunk: int = INVARIANT_KV_CHUNK) -> None:
-        if batch_invariant and (kv_chunk <= 0 or kv_chunk % 64):
+        if batch_invariant and (not isinstance(kv_chunk, int) or isinstance(kv_chunk, bool)
+                                or kv_chunk <= 0 or kv_chunk % 64):
             raise ValueError(f"kv_chunk={kv_chunk}: expected a positive multiple of 64")
         if batch_invariant and num_splits is not None:
             raise ValueError("num_splits cannot be forced with batch_invariant=True: the "

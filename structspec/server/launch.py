@@ -123,14 +123,19 @@ def serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
 
-    from structspec.cli import _engine_kwargs
+    from structspec.cli import _FLAG_OF_ENGINE_FIELD, _engine_kwargs, _flag_error
+    from structspec.config import resolve_engine_config
     from structspec.server.engine_client import EngineClient, EngineStartupError
 
     try:
         config = build_engine_config(args.model, **_engine_kwargs(args))
+        # The engine process resolves it again; checking here refuses a bad option with exit
+        # 2 naming its flag, before an engine process is spawned (as ``generate`` does).
+        resolve_engine_config(config)
     except (TypeError, ValueError) as e:
         sock.close()
-        print(f"structspec serve: {e}", file=sys.stderr)
+        print(f"structspec serve: {_flag_error(str(e), _FLAG_OF_ENGINE_FIELD)}",
+              file=sys.stderr)
         return 2
     client = EngineClient(config)
     logger.info("starting the engine process (model: %s)", args.model or "default")

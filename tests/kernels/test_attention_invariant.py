@@ -135,7 +135,8 @@ def test_split_count_follows_kv_len_only(dev: torch.device,
 
 
 def test_invalid_arguments() -> None:
-    with pytest.raises(ValueError, match="multiple of 64"):
-        TritonAttentionBackend(batch_invariant=True, kv_chunk=100)
+    for bad in (100, 0, -64, 64.0, "1024", True):
+        with pytest.raises(ValueError, match="multiple of 64"):
+            TritonAttentionBackend(batch_invariant=True, kv_chunk=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="num_splits"):
         TritonAttentionBackend(num_splits=2, batch_invariant=True)
