@@ -9,7 +9,8 @@ constrained for the whole window.
 
 Equal work on both sides (``--workload records``, the default): each prompt is a chat turn
 asking for copies of a record, followed by the start of the answer (``{"items": [`` and three
-copies), so the unconstrained model keeps copying records too. Both runs then commit about the
+copies), so the unconstrained model keeps copying records too; prompts it answers otherwise
+without a grammar are dropped up front (:func:`record_prompts`). Both runs then commit about the
 same tokens per verify step (printed for each), and the host work that grows with them
 (drafting over a repetitive history, detokenization) is the same; only the grammar differs.
 ``--workload extraction`` sends the bare extraction prompt: without a grammar SmolLM2 then
