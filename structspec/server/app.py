@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from structspec.server.errors import APIError, error_body, server_error
@@ -64,6 +64,17 @@ def create_app(state: ServerState,
         state.metrics.on_http_error(exc.status_code)
         return json_response(error_body(str(exc.detail), type="invalid_request_error",
                                         code=str(exc.status_code)), exc.status_code)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, exc: ClientDisconnect) -> Response:
+        # The client closed the connection before its whole request body arrived: not a
+        # server fault, and nobody reads the reply. Counted under 499, nginx's "client closed
+        # request" (it used to fall through to the handler below: a logged traceback and a
+        # 500 in the error metrics).
+        logger.info("client disconnected before sending its whole request body (%s %s)",
+                    request.method, request.url.path)
+        state.metrics.on_http_error(499)
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:

@@ -538,3 +538,36 @@ def test_chat_top_logprobs_range_names_top_logprobs(client: TestClient,
     err = r.json()["error"]
     assert err["param"] == "logprobs", err
     assert err["message"] == f"logprobs must be between 0 and 20, got {top_logprobs}"
+
+
+def test_client_disconnect_mid_body_is_499_not_500() -> None:
+    """A client that hangs up before its request body arrived is counted under 499 (nginx's
+    "client closed request"), not as a server error, and the app keeps serving."""
+    import asyncio
+
+    state = ServerState(engine=FakeEngine(), codec=FakeCodec(), metrics=ServerMetrics(),
+                        model_name="fake", api_key=None)
+    app = create_app(state)
+    incoming = [{"type": "http.request", "body": b'{"model": "fa', "more_body": True},
+                {"type": "http.disconnect"}]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return incoming.pop(0) if incoming else {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/chat/completions",
+             "raw_path": b"/v1/chat/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", b"100")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000)}
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
+    metrics = state.metrics.render().decode()
+    assert 'http_errors_total{status="499"} 1.0' in metrics
+    assert 'status="500"' not in metrics
+    with TestClient(app) as client:  # the next request is served as usual
+        assert client.post("/v1/chat/completions",
+                           json={"model": "fake", "messages": MSGS}).status_code == 200
