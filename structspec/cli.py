@@ -173,7 +173,7 @@ def grammar_from_args(args: argparse.Namespace) -> GrammarSpec | None:
         ValueError: an empty value, unreadable file or schema that is not JSON, naming the
             flag.
     """
-    if getattr(args, "no_strict", False) and args.json_schema is None:
+    if args.no_strict and args.json_schema is None:
         # strictness is a JSON Schema option; with another grammar (or none) the flag would be
         # ignored silently (--batch records carry their own "strict")
         raise ValueError("--no-strict: applies to --json-schema only")

@@ -119,10 +119,7 @@ class ModelRunner:
                              f"{type(model).__name__})")
         if kernels is not None and hasattr(model, "set_kernels"):
             # before any graph capture bakes the implementation in
-            if batch_invariant:
-                model.set_kernels(kernels, batch_invariant=True)
-            else:
-                model.set_kernels(kernels)
+            model.set_kernels(kernels, batch_invariant=batch_invariant)
         #: the forward implementation in use, "torch" or "triton".
         self.kernels: str = kernels or getattr(model, "kernels", "torch")
         self.model_config = model_config

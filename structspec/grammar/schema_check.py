@@ -328,4 +328,3 @@ def _provably_disjoint(branches: list[Any], root: Any) -> bool:
 
 def _value_key(v: Any) -> str:
     return json.dumps(v, sort_keys=True)
-
