@@ -23,12 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.grammar_overlap import LONG_SCHEMA  # noqa: E402
 from benchmarks.mask_build import sample_text  # noqa: E402
-from structspec.core import JsonSchemaSpec  # noqa: E402
+from structspec.constraints import JsonSchemaConstraint  # noqa: E402
+from structspec.draft_tree.layout import VerifyTree  # noqa: E402
 from structspec.grammar.backend import GrammarBackend  # noqa: E402
 from structspec.grammar.bitmask import allocate_bitmask  # noqa: E402
 from structspec.models.default_model import resolve_model_path  # noqa: E402
 from structspec.models.tokenizer import Tokenizer  # noqa: E402
-from structspec.spec.tree import VerifyTree  # noqa: E402
 
 N = 8
 
@@ -62,7 +62,7 @@ def main() -> None:
     args = ap.parse_args()
     tok = Tokenizer(resolve_model_path(None))
     backend = GrammarBackend(tok.hf, vocab_size=49152, stop_token_ids=list(tok.eos_token_ids))
-    compiled = backend.compile(JsonSchemaSpec(LONG_SCHEMA))
+    compiled = backend.compile(JsonSchemaConstraint(LONG_SCHEMA))
     ids = tok.hf.encode(sample_text(200), add_special_tokens=False)
     a, b = (make_batch(backend, compiled, ids, args.batch) for _ in range(2))
     walk(a, 2)

@@ -55,10 +55,10 @@ from benchmarks.hbm_floor import (  # noqa: E402
     step_read_bytes,
 )
 from structspec.config import CacheConfig, ModelConfig  # noqa: E402
-from structspec.engine.model_runner import ModelRunner  # noqa: E402
+from structspec.draft_tree.layout import VerifyTree  # noqa: E402
 from structspec.layers.attention import TorchAttentionBackend  # noqa: E402
 from structspec.models.llama import LlamaForCausalLM  # noqa: E402
-from structspec.spec.tree import VerifyTree  # noqa: E402
+from structspec.runner.model_runner import ModelRunner  # noqa: E402
 
 
 def smol_model(device: torch.device, dtype: torch.dtype) -> tuple[LlamaForCausalLM, ModelConfig]:

@@ -48,7 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.workloads import extraction_prompts  # noqa: E402
-from structspec import LLM, JsonSchemaSpec, SamplingParams  # noqa: E402
+from structspec import LLM, JsonSchemaConstraint, SamplingParams  # noqa: E402
 
 LONG_SCHEMA = {
     "type": "object",
@@ -122,7 +122,7 @@ def step_ms(llm: LLM, prompts: Sequence[str | list[int]], grammar: bool, steps: 
     """
     engine = llm.engine
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True,
-                        grammar=JsonSchemaSpec(LONG_SCHEMA) if grammar else None)
+                        grammar=JsonSchemaConstraint(LONG_SCHEMA) if grammar else None)
     for p in prompts:
         engine.add_request(p, sp)
     sched = engine.scheduler

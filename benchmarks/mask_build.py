@@ -24,9 +24,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.grammar_overlap import LONG_SCHEMA  # noqa: E402
-from structspec.core import JsonSchemaSpec  # noqa: E402
+from structspec.constraints import JsonSchemaConstraint  # noqa: E402
+from structspec.draft_tree.layout import VerifyTree  # noqa: E402
 from structspec.grammar.backend import GrammarBackend  # noqa: E402
-from structspec.grammar.tree import (  # noqa: E402
+from structspec.grammar.tree_mask import (  # noqa: E402
     GrammarTree,
     build_grammar_vocab_mask,
     build_grammar_vocab_mask_pooled,
@@ -34,7 +35,6 @@ from structspec.grammar.tree import (  # noqa: E402
 from structspec.grammar.worker_pool import MaskWorkerPool, PoolRequest  # noqa: E402
 from structspec.models.default_model import resolve_model_path  # noqa: E402
 from structspec.models.tokenizer import Tokenizer  # noqa: E402
-from structspec.spec.tree import VerifyTree  # noqa: E402
 
 LLAMA3_DIR = Path(__file__).resolve().parent / "assets" / "llama3-8b-shape"
 
@@ -49,7 +49,7 @@ def run_tokenizer(name: str, model_dir: str, vocab_size: int, args: argparse.Nam
     tok = Tokenizer(model_dir)
     backend = GrammarBackend(tok.hf, vocab_size=vocab_size,
                              stop_token_ids=list(tok.eos_token_ids))
-    compiled = backend.compile(JsonSchemaSpec(LONG_SCHEMA))
+    compiled = backend.compile(JsonSchemaConstraint(LONG_SCHEMA))
     ids = tok.hf.encode(sample_text(200), add_special_tokens=False)
     n = args.num_nodes
     for bs in args.batch:

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.workloads import maskbench_cases, schema_prompt  # noqa: E402
-from structspec import LLM, FinishReason, JsonSchemaSpec, SamplingParams  # noqa: E402
+from structspec import LLM, FinishReason, JsonSchemaConstraint, SamplingParams  # noqa: E402
 
 
 def validate(schema: dict, text: str) -> bool | None:
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> dict:
               kv_capacity_tokens=args.kv_capacity_tokens,
               grammar_compile_timeout_s=args.compile_timeout)
     prompts = [schema_prompt(c["schema"]) for c in cases]
-    params = [SamplingParams(max_tokens=args.max_tokens, grammar=JsonSchemaSpec(c["schema"]),
+    params = [SamplingParams(max_tokens=args.max_tokens, grammar=JsonSchemaConstraint(c["schema"]),
                              temperature=args.temperature, top_p=args.top_p, seed=i)
               for i, c in enumerate(cases)]
     t0 = time.perf_counter()

@@ -17,12 +17,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.workloads import EXTRACTION_SCHEMA, extraction_prompts  # noqa: E402
-from structspec import LLM, FinishReason, JsonSchemaSpec, SamplingParams  # noqa: E402
+from structspec import LLM, FinishReason, JsonSchemaConstraint, SamplingParams  # noqa: E402
 
 
 def run_config(llm: LLM, prompts: list[str], *, grammar: bool, max_tokens: int) -> dict:
     params = SamplingParams(max_tokens=max_tokens,
-                            grammar=JsonSchemaSpec(EXTRACTION_SCHEMA) if grammar else None)
+                            grammar=JsonSchemaConstraint(EXTRACTION_SCHEMA) if grammar else None)
     llm.generate(prompts[:2], params)  # warm-up (grammar compile, allocator, kernels)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)

@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.workloads import EXTRACTION_SCHEMA, extraction_prompts  # noqa: E402
-from structspec import LLM, JsonSchemaSpec, SamplingParams  # noqa: E402
+from structspec import LLM, JsonSchemaConstraint, SamplingParams  # noqa: E402
 from structspec.models.default_model import resolve_model_path  # noqa: E402
 
 
@@ -88,7 +88,7 @@ def structspec_rows(prompts: list[str], max_tokens: int, device: str, batch64: i
                                 max_batch_size=64)
         llm = engines[algo]
         sp = SamplingParams(max_tokens=max_tokens,
-                            grammar=JsonSchemaSpec(EXTRACTION_SCHEMA) if grammar else None)
+                            grammar=JsonSchemaConstraint(EXTRACTION_SCHEMA) if grammar else None)
         work = prompts if bs == 1 else (prompts * (-(-batch64 // len(prompts))))[:batch64]
         # Warm-up outside the clock: grammar compile, Triton JIT, and the CUDA graphs of every
         # KV-length bucket of this batch size (captured lazily they would cost ~0.3 s each

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.grammar_overlap import LONG_SCHEMA, draft_for  # noqa: E402
 from benchmarks.workloads import extraction_prompts  # noqa: E402
-from structspec import LLM, JsonSchemaSpec, SamplingParams  # noqa: E402
+from structspec import LLM, JsonSchemaConstraint, SamplingParams  # noqa: E402
 
 
 def main() -> None:
@@ -33,7 +33,7 @@ def main() -> None:
               load_format=args.load_format, draft_model=draft_for(args.algorithm, args))
     eng = llm.engine
     sp = SamplingParams(max_tokens=(args.steps + 8) * 8 + 64, ignore_eos=True,
-                        grammar=JsonSchemaSpec(LONG_SCHEMA) if args.grammar else None)
+                        grammar=JsonSchemaConstraint(LONG_SCHEMA) if args.grammar else None)
     for p, _ in extraction_prompts(args.batch, seed=3):
         eng.add_request(p, sp)
     eng.step()  # prefill

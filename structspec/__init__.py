@@ -1,6 +1,6 @@
 """structspec: structured generation with speculative decoding.
 
-Public API: :class:`LLM`, :class:`SamplingParams`, the grammar specs, :class:`RequestOutput`,
+Public API: :class:`LLM`, :class:`SamplingParams`, the grammar constraints, :class:`RequestOutput`,
 :class:`ChatMessageError` (malformed chat messages).
 Heavy modules load lazily, so ``import structspec`` stays cheap.
 """
@@ -9,15 +9,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from structspec.constraints import (
+    ChoiceConstraint,
+    EbnfConstraint,
+    GrammarConstraint,
+    JsonObjectConstraint,
+    JsonSchemaConstraint,
+    RegexConstraint,
+)
 from structspec.core import (
     ChatMessageError,
-    ChoiceSpec,
-    EbnfSpec,
     FinishReason,
-    GrammarSpec,
-    JsonObjectSpec,
-    JsonSchemaSpec,
-    RegexSpec,
     RequestOutput,
     SamplingParams,
     SpecMetrics,
@@ -29,13 +31,13 @@ if TYPE_CHECKING:
 __all__ = [
     "LLM",
     "ChatMessageError",
-    "ChoiceSpec",
-    "EbnfSpec",
+    "ChoiceConstraint",
+    "EbnfConstraint",
     "FinishReason",
-    "GrammarSpec",
-    "JsonObjectSpec",
-    "JsonSchemaSpec",
-    "RegexSpec",
+    "GrammarConstraint",
+    "JsonObjectConstraint",
+    "JsonSchemaConstraint",
+    "RegexConstraint",
     "RequestOutput",
     "SamplingParams",
     "SpecMetrics",
@@ -47,4 +49,10 @@ def __getattr__(name: str) -> Any:
         from structspec.llm import LLM
 
         return LLM
+    from structspec.core import deprecated_constraint_name
+
+    try:
+        return deprecated_constraint_name(name)
+    except AttributeError:
+        pass
     raise AttributeError(f"module 'structspec' has no attribute {name!r}")

@@ -11,18 +11,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from structspec.core import (
-    ChatMessageError,
-    ChoiceSpec,
-    EbnfSpec,
-    GrammarSpec,
-    JsonObjectSpec,
-    JsonSchemaSpec,
-    RegexSpec,
-    RequestOutput,
-    SamplingParams,
-    check_chat_messages,
+from structspec.constraints import (
+    ChoiceConstraint,
+    EbnfConstraint,
+    GrammarConstraint,
+    JsonObjectConstraint,
+    JsonSchemaConstraint,
+    RegexConstraint,
 )
+from structspec.core import ChatMessageError, RequestOutput, SamplingParams, check_chat_messages
 
 
 def _int_range(low: int, high: int) -> Callable[[str], int]:
@@ -163,7 +160,7 @@ def _read_text_arg(value: str) -> str:
     return value
 
 
-def grammar_from_args(args: argparse.Namespace) -> GrammarSpec | None:
+def grammar_from_args(args: argparse.Namespace) -> GrammarConstraint | None:
     """The grammar selected by CLI flags (``--json-schema``, ``--regex``, ...).
 
     A flag given with an empty value (``--regex ""``, an empty ``--ebnf`` file) is refused:
@@ -190,13 +187,13 @@ def grammar_from_args(args: argparse.Namespace) -> GrammarSpec | None:
             schema = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"--json-schema is neither a file nor valid JSON: {e}") from e
-        return JsonSchemaSpec(schema, strict=not args.no_strict)
+        return JsonSchemaConstraint(schema, strict=not args.no_strict)
     if args.json_object:
-        return JsonObjectSpec()
+        return JsonObjectConstraint()
     if args.regex is not None:
         if not args.regex:
             raise ValueError("--regex: empty pattern")
-        return RegexSpec(args.regex)
+        return RegexConstraint(args.regex)
     if args.ebnf is not None:
         if not args.ebnf.strip():
             raise ValueError("--ebnf: empty grammar file name")
@@ -206,12 +203,12 @@ def grammar_from_args(args: argparse.Namespace) -> GrammarSpec | None:
         grammar = path.read_text()
         if not grammar.strip():
             raise ValueError(f"--ebnf: empty grammar in {args.ebnf!r}")
-        return EbnfSpec(grammar)
+        return EbnfConstraint(grammar)
     if args.choice is not None:
         empty = [i for i, c in enumerate(args.choice) if not c]
         if empty:  # "" would be a choice of no text; the backend refuses it, unnamed
             raise ValueError(f"--choice: empty choice (position {empty[0] + 1})")
-        return ChoiceSpec(tuple(args.choice))
+        return ChoiceConstraint(tuple(args.choice))
     return None
 
 
@@ -260,7 +257,7 @@ def _check_field_types(rec: dict[str, Any]) -> None:
         if key in rec and not isinstance(rec[key], bool):
             raise ValueError(f"{key!r} must be true or false, got {_shown(rec[key])}")
     if "json_schema" in rec and not isinstance(rec["json_schema"], (dict, bool)):
-        # dict or a boolean schema: what JsonSchemaSpec.canonical_text accepts
+        # dict or a boolean schema: what JsonSchemaConstraint.canonical_text accepts
         raise ValueError(f"'json_schema' must be a JSON Schema object (or true/false), got "
                          f"{_json_type(rec['json_schema'])}")
     for key in ("regex", "ebnf"):
@@ -299,25 +296,25 @@ def _json_type(value: object) -> str:
             dict: "object"}.get(type(value), type(value).__name__)
 
 
-def _grammar_from_record(rec: dict[str, Any], default: GrammarSpec | None) -> GrammarSpec | None:
+def _grammar_from_record(rec: dict[str, Any], default: GrammarConstraint | None) -> GrammarConstraint | None:
     # Types were checked by _check_field_types: nothing here is coerced.
     strict = rec.get("strict", True)
     if "json_schema" in rec:
         schema = rec["json_schema"]
-        return JsonSchemaSpec(schema if isinstance(schema, dict) else json.dumps(schema),
+        return JsonSchemaConstraint(schema if isinstance(schema, dict) else json.dumps(schema),
                               strict=strict)
     if rec.get("json_object"):
-        return JsonObjectSpec()
+        return JsonObjectConstraint()
     if "regex" in rec:
-        return RegexSpec(rec["regex"])
+        return RegexConstraint(rec["regex"])
     if "ebnf" in rec:
-        return EbnfSpec(rec["ebnf"])
+        return EbnfConstraint(rec["ebnf"])
     if "choice" in rec:
-        return ChoiceSpec(tuple(rec["choice"]))
+        return ChoiceConstraint(tuple(rec["choice"]))
     return default
 
 
-def _params(args: argparse.Namespace, grammar: GrammarSpec | None,
+def _params(args: argparse.Namespace, grammar: GrammarConstraint | None,
             rec: dict[str, Any] | None = None) -> SamplingParams:
     rec = rec or {}
     stop = rec.get("stop", args.stop)
@@ -337,7 +334,7 @@ def _params(args: argparse.Namespace, grammar: GrammarSpec | None,
 
 
 def _batch_request(args: argparse.Namespace, rec: Any,
-                   default_grammar: GrammarSpec | None) -> tuple[Any, SamplingParams]:
+                   default_grammar: GrammarConstraint | None) -> tuple[Any, SamplingParams]:
     """The prompt (text, or checked chat messages) and sampling params of one parsed
     ``--batch`` line, checked before the model loads so that a bad line names its line.
 

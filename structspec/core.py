@@ -6,141 +6,13 @@ Nothing here touches torch devices: these are plain host-side records.
 from __future__ import annotations
 
 import enum
-import json
 import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-# ---------------------------------------------------------------------------------------------
-# Grammar specifications (what a request asks for; compiled by structspec.grammar)
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class JsonSchemaSpec:
-    """Output must be JSON valid under ``schema`` (a JSON Schema, as a dict or JSON text).
-
-    ``strict=True`` (OpenAI's ``json_schema.strict``) rejects schemas that use keywords the
-    grammar cannot enforce; ``strict=False`` generates best effort and validates afterwards.
-    """
-
-    schema: str | dict[str, Any]
-    strict: bool = True
-
-    @property
-    def kind(self) -> str:
-        return "json_schema"
-
-    def canonical_text(self) -> str:
-        """The schema re-serialised compactly, key order kept (xgrammar emits properties in
-        declaration order, so order is part of the grammar).
-
-        Raises:
-            ValueError: when ``schema`` is text that is not JSON, or not a JSON object/bool.
-        """
-        schema = self.schema
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"json_schema is not valid JSON: {e}") from e
-        if not isinstance(schema, (dict, bool)):
-            raise ValueError(f"json_schema must be a JSON object, got {type(schema).__name__}")
-        return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
-
-
-@dataclass(frozen=True)
-class JsonObjectSpec:
-    """Output must be any JSON object (OpenAI's ``response_format={"type": "json_object"}``)."""
-
-    @property
-    def kind(self) -> str:
-        return "json_object"
-
-    def canonical_text(self) -> str:
-        return ""
-
-
-@dataclass(frozen=True)
-class RegexSpec:
-    """Output must fully match ``pattern``."""
-
-    pattern: str
-
-    @property
-    def kind(self) -> str:
-        return "regex"
-
-    def canonical_text(self) -> str:
-        return self.pattern
-
-
-@dataclass(frozen=True)
-class EbnfSpec:
-    """Output must be a sentence of the GBNF grammar ``grammar`` (start symbol ``root``)."""
-
-    grammar: str
-
-    @property
-    def kind(self) -> str:
-        return "ebnf"
-
-    def canonical_text(self) -> str:
-        return self.grammar
-
-
-@dataclass(frozen=True)
-class ChoiceSpec:
-    """Output must be exactly one of ``choices``.
-
-    A list is stored as a tuple (the spec is frozen and hashed as a grammar cache key). An
-    empty tuple or an empty choice is left to the grammar backend, which refuses it as a
-    request error (``choice_ebnf``).
-
-    Raises:
-        ValueError: ``choices`` is a bare string (it would be split into its characters),
-            not a list/tuple, or holds an item that is not a string; naming ``choices``.
-    """
-
-    choices: tuple[str, ...]
-
-    def __post_init__(self) -> None:
-        choices: object = self.choices
-        # A str is a Sequence of str: ChoiceSpec("abc") used to mean the choices a / b / c.
-        if not isinstance(choices, (list, tuple)):
-            raise ValueError(f"choices must be a list or tuple of strings, got "
-                             f"{type(choices).__name__} {choices!r}")
-        for i, c in enumerate(choices):
-            if not isinstance(c, str):  # str(None) / str(1) would become a choice
-                raise ValueError(f"choices[{i}] must be a string, got {type(c).__name__} "
-                                 f"{c!r}")
-        if not isinstance(choices, tuple):
-            object.__setattr__(self, "choices", tuple(choices))
-
-    @property
-    def kind(self) -> str:
-        return "choice"
-
-    def canonical_text(self) -> str:
-        return json.dumps(list(self.choices))
-
-
-GrammarSpec = JsonSchemaSpec | JsonObjectSpec | RegexSpec | EbnfSpec | ChoiceSpec
-
-PARAM_BY_KIND: dict[str, str] = {
-    "json_schema": "response_format.json_schema",
-    "json_object": "response_format",
-    "regex": "regex",
-    "ebnf": "ebnf",
-    "choice": "choice",
-}
-"""The request field each grammar kind comes from (OpenAI-style names; ``regex``, ``ebnf``
-and ``choice`` are the extra body fields of the completions API). Grammar errors carry it as
-their ``param``; here (not in :mod:`structspec.grammar`) so that the HTTP front end can read
-it without importing xgrammar."""
-
+from structspec.constraints import ChoiceConstraint, GrammarConstraint
 
 # ---------------------------------------------------------------------------------------------
 # Sampling parameters
@@ -191,7 +63,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    grammar: GrammarSpec | None = None
+    grammar: GrammarConstraint | None = None
     logprobs: int | None = None  # None: none; k >= 0: chosen token's logprob plus top-k
 
     def __post_init__(self) -> None:
@@ -242,7 +114,7 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be non-negative integers")
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
-        if isinstance(self.grammar, ChoiceSpec):
+        if isinstance(self.grammar, ChoiceConstraint):
             if not self.grammar.choices or any(not c for c in self.grammar.choices):
                 raise ValueError("choice must be a non-empty list of non-empty strings")
 
@@ -499,3 +371,40 @@ def _part_text(part: object, where: str) -> str:
 def now() -> float:
     """Monotonic wall clock in seconds (all request timings use it)."""
     return time.perf_counter()
+
+
+_DEPRECATED_NAMES = {
+    "JsonSchemaSpec": "JsonSchemaConstraint",
+    "JsonObjectSpec": "JsonObjectConstraint",
+    "RegexSpec": "RegexConstraint",
+    "EbnfSpec": "EbnfConstraint",
+    "ChoiceSpec": "ChoiceConstraint",
+    "GrammarSpec": "GrammarConstraint",
+}
+"""Names of the grammar constraint types before 0.2 (``*Spec``), still importable from here
+and from :mod:`structspec` with a :class:`DeprecationWarning`."""
+
+
+def deprecated_constraint_name(name: str) -> Any:
+    """The constraint type an old ``*Spec`` name stands for, with a DeprecationWarning.
+
+    Raises:
+        AttributeError: ``name`` is not one of the old names.
+    """
+    new = _DEPRECATED_NAMES.get(name)
+    if new is None:
+        raise AttributeError(name)
+    import warnings
+
+    from structspec import constraints
+
+    warnings.warn(f"{name} is deprecated; use structspec.{new}", DeprecationWarning,
+                  stacklevel=3)
+    return getattr(constraints, new)
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        return deprecated_constraint_name(name)
+    except AttributeError:
+        raise AttributeError(f"module 'structspec.core' has no attribute {name!r}") from None

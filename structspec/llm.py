@@ -53,7 +53,7 @@ class LLM:
 
         llm = LLM()
         out = llm.generate("Give me a JSON person", SamplingParams(
-            max_tokens=64, grammar=JsonSchemaSpec({"type": "object"})))[0]
+            max_tokens=64, grammar=JsonSchemaConstraint({"type": "object"})))[0]
     """
 
     def __init__(

@@ -12,14 +12,8 @@ from typing import Any
 import pytest
 
 from structspec.cli import _engine_kwargs, build_parser, main
-from structspec.core import (
-    ChoiceSpec,
-    FinishReason,
-    JsonSchemaSpec,
-    RegexSpec,
-    RequestOutput,
-    SamplingParams,
-)
+from structspec.constraints import ChoiceConstraint, JsonSchemaConstraint, RegexConstraint
+from structspec.core import FinishReason, RequestOutput, SamplingParams
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])
@@ -114,7 +108,7 @@ def test_batch_good_lines_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         {"prompt": "c", "json_object": False, "choice": ["yes", "no"]},  # false: no grammar
     ])
     assert rc == 0 and err == "" and [o["text"] for o in outs] == ["ok", "ok", "ok"]
-    assert [type(p.grammar) for _, p in _FakeLLM.seen] == [RegexSpec, JsonSchemaSpec, ChoiceSpec]
+    assert [type(p.grammar) for _, p in _FakeLLM.seen] == [RegexConstraint, JsonSchemaConstraint, ChoiceConstraint]
 
 
 @pytest.mark.parametrize("rec,words", [
@@ -438,9 +432,9 @@ def test_batch_valid_field_forms_still_run(tmp_path: Path, monkeypatch: pytest.M
     prompts = [prompt for prompt, _ in _FakeLLM.seen]
     assert prompts[:2] == [[1, 2, 3], [{"role": "user", "content": "hi"}]]
     grammars = [p.grammar for _, p in _FakeLLM.seen]
-    assert grammars[1] == ChoiceSpec(("a", "b")) and grammars[4] == RegexSpec("x+")
-    assert isinstance(grammars[2], JsonSchemaSpec) and grammars[2].canonical_text() == "true"
-    assert isinstance(grammars[3], JsonSchemaSpec) and grammars[3].strict is False
+    assert grammars[1] == ChoiceConstraint(("a", "b")) and grammars[4] == RegexConstraint("x+")
+    assert isinstance(grammars[2], JsonSchemaConstraint) and grammars[2].canonical_text() == "true"
+    assert isinstance(grammars[3], JsonSchemaConstraint) and grammars[3].strict is False
 
 
 @pytest.mark.parametrize("device", ["xyz", "", "mps", "meta", "cuda:", "cuda:x", "CPU"])

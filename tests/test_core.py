@@ -71,17 +71,17 @@ def test_temperature_past_float32_is_refused(temperature: float) -> None:
                                            (["a", None], "choices[1] must be a string")])
 def test_choice_spec_refuses_a_bare_string_and_non_string_items(choices: Any,
                                                                 where: str) -> None:
-    """``ChoiceSpec("abc")`` used to mean the choices a / b / c (a str is a sequence)."""
-    from structspec.core import ChoiceSpec
+    """``ChoiceConstraint("abc")`` used to mean the choices a / b / c (a str is a sequence)."""
+    from structspec.constraints import ChoiceConstraint
 
     with pytest.raises(ValueError, match=re.escape(where)):
-        ChoiceSpec(choices)
+        ChoiceConstraint(choices)
 
 
 def test_choice_spec_keeps_valid_uses() -> None:
-    from structspec.core import ChoiceSpec
+    from structspec.constraints import ChoiceConstraint
 
-    assert ChoiceSpec(("a", "b")).choices == ("a", "b")
-    assert ChoiceSpec(["a", "b"]) == ChoiceSpec(("a", "b"))  # a list is stored as a tuple
-    assert hash(ChoiceSpec(["a"])) == hash(ChoiceSpec(("a",)))
-    assert ChoiceSpec(()).choices == ()  # empty: refused by the grammar backend, as before
+    assert ChoiceConstraint(("a", "b")).choices == ("a", "b")
+    assert ChoiceConstraint(["a", "b"]) == ChoiceConstraint(("a", "b"))  # a list is stored as a tuple
+    assert hash(ChoiceConstraint(["a"])) == hash(ChoiceConstraint(("a",)))
+    assert ChoiceConstraint(()).choices == ()  # empty: refused by the grammar backend, as before

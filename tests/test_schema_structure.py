@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from structspec.core import JsonSchemaSpec
+from structspec.constraints import JsonSchemaConstraint
 from structspec.scheduler.validate import check_schema_output
 from structspec.schema_structure import MAX_SCHEMA_NESTING, find_structure_problem
 
@@ -58,11 +58,11 @@ def test_output_check_never_fetches_a_reference(monkeypatch: pytest.MonkeyPatch)
         raise AssertionError(f"network access: {args}")
 
     monkeypatch.setattr(urllib.request, "urlopen", no_network)
-    spec = JsonSchemaSpec({"type": "object",
+    spec = JsonSchemaConstraint({"type": "object",
                            "properties": {"a": {"$ref": "http://127.0.0.1:9/s.json"}}})
     assert check_schema_output(spec, '{"a": 1}') is None
-    assert check_schema_output(JsonSchemaSpec({"$ref": "urn:foo"}), "1") is None
+    assert check_schema_output(JsonSchemaConstraint({"$ref": "urn:foo"}), "1") is None
     # a usable schema still gives a verdict
-    ok = JsonSchemaSpec({"type": "object", "required": ["a"]})
+    ok = JsonSchemaConstraint({"type": "object", "required": ["a"]})
     assert check_schema_output(ok, '{"a": 1}') is True
     assert check_schema_output(ok, "{}") is False

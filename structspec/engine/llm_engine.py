@@ -22,14 +22,14 @@ from structspec.core import (
     now,
     type_name,
 )
-from structspec.engine.model_runner import ModelRunner
 from structspec.grammar.backend import GrammarBackend
 from structspec.models.default_model import resolve_model_path
 from structspec.models.loader import load_model, load_model_config
 from structspec.models.tokenizer import IncrementalDetokenizer, Tokenizer, check_unicode
+from structspec.runner.model_runner import ModelRunner
 from structspec.scheduler.request import Req
 from structspec.scheduler.scheduler import Scheduler
-from structspec.spec.registry import create_drafter
+from structspec.speculative.registry import create_drafter
 
 logger = logging.getLogger(__name__)
 

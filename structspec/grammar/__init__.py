@@ -12,7 +12,7 @@ from structspec.grammar.bitmask import allocate_bitmask, apply_bitmask_, bitmask
 from structspec.grammar.errors import GrammarError
 from structspec.grammar.matcher import Matcher
 from structspec.grammar.schema_check import find_unenforceable
-from structspec.grammar.tree import GrammarMaskResult, GrammarTree, build_grammar_vocab_mask
+from structspec.grammar.tree_mask import GrammarMaskResult, GrammarTree, build_grammar_vocab_mask
 
 __all__ = [
     "GrammarBackend",

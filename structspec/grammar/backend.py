@@ -24,13 +24,13 @@ from typing import Any
 import xgrammar as xgr
 
 from structspec.config import GrammarConfig
-from structspec.core import (
-    ChoiceSpec,
-    EbnfSpec,
-    GrammarSpec,
-    JsonObjectSpec,
-    JsonSchemaSpec,
-    RegexSpec,
+from structspec.constraints import (
+    ChoiceConstraint,
+    EbnfConstraint,
+    GrammarConstraint,
+    JsonObjectConstraint,
+    JsonSchemaConstraint,
+    RegexConstraint,
 )
 from structspec.grammar.bitmask import allocate_bitmask
 from structspec.grammar.errors import PARAM_BY_KIND, GrammarError
@@ -124,7 +124,7 @@ class GrammarBackend:
 
     # -- compilation ----------------------------------------------------------------------
 
-    def submit(self, spec: GrammarSpec) -> GrammarFuture:
+    def submit(self, spec: GrammarConstraint) -> GrammarFuture:
         """Start compiling ``spec`` (or reuse a cached / in-flight compile); never blocks.
 
         Errors (invalid spec, compile failure, unenforceable schema) surface from
@@ -150,7 +150,7 @@ class GrammarBackend:
         return GrammarFuture(fut, timeout_s=self.config.compile_timeout_s, submitted_at=now,
                              kind=kind)
 
-    def compile(self, spec: GrammarSpec, timeout: float | None = None) -> xgr.CompiledGrammar:
+    def compile(self, spec: GrammarConstraint, timeout: float | None = None) -> xgr.CompiledGrammar:
         """Blocking convenience: ``submit(spec).result(timeout)``.
 
         Raises:
@@ -175,8 +175,8 @@ class GrammarBackend:
     # -- internals ----------------------------------------------------------------------
 
     @staticmethod
-    def _key(spec: GrammarSpec) -> CacheKey:
-        if isinstance(spec, JsonSchemaSpec):
+    def _key(spec: GrammarConstraint) -> CacheKey:
+        if isinstance(spec, JsonSchemaConstraint):
             # The strict check may fail where the non-strict compile succeeds: separate keys.
             return ("json_schema:strict" if spec.strict else "json_schema"), schema_text(spec)
         return spec.kind, spec.canonical_text()
@@ -189,12 +189,12 @@ class GrammarBackend:
         for key in [k for k, f in self._cache.items() if f.done()][:excess]:
             del self._cache[key]
 
-    def _compile_now(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+    def _compile_now(self, spec: GrammarConstraint) -> xgr.CompiledGrammar:
         """Runs on a compile thread; every failure becomes a :class:`GrammarError`."""
         kind = spec.kind
         param = PARAM_BY_KIND.get(kind)
         try:
-            if isinstance(spec, JsonSchemaSpec):
+            if isinstance(spec, JsonSchemaConstraint):
                 text = schema_text(spec)
                 schema = json.loads(text)
                 problem = find_structure_problem(schema)
@@ -204,23 +204,23 @@ class GrammarBackend:
                     self._check_enforceable(schema, param)
                 return self._accepts_output(self._compiler.compile_json_schema(
                     text, any_whitespace=self.config.any_whitespace, strict_mode=True), param)
-            if isinstance(spec, JsonObjectSpec):
+            if isinstance(spec, JsonObjectConstraint):
                 return self._compiler.compile_json_schema(
                     '{"type": "object"}', any_whitespace=self.config.any_whitespace,
                     strict_mode=True)
-            if isinstance(spec, RegexSpec):
+            if isinstance(spec, RegexConstraint):
                 return self._accepts_output(self._compiler.compile_regex(spec.pattern), param)
-            if isinstance(spec, EbnfSpec):
+            if isinstance(spec, EbnfConstraint):
                 return self._accepts_output(
                     self._compiler.compile_grammar(spec.grammar, root_rule_name="root"), param)
-            if isinstance(spec, ChoiceSpec):
+            if isinstance(spec, ChoiceConstraint):
                 return self._compiler.compile_grammar(choice_ebnf(spec.choices))
             raise GrammarError(f"unknown grammar kind {kind!r}", param=param)
         except GrammarError:
             raise
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError/...
             message = _compiler_message(e)
-            if isinstance(spec, JsonSchemaSpec):
+            if isinstance(spec, JsonSchemaConstraint):
                 # xgrammar names neither the place nor the rule ("Unsupported type
                 # "objectz"", or an internal check's text): say where the schema breaks its
                 # metaschema, when it does, and keep the compiler's words after it.
@@ -261,14 +261,14 @@ class GrammarBackend:
                 + ". Remove these keywords or set strict to false (best effort).", param=param)
 
 
-def schema_text(spec: JsonSchemaSpec) -> str:
+def schema_text(spec: JsonSchemaConstraint) -> str:
     """The schema as compact JSON text, key order kept (the compile input and cache key):
-    :meth:`JsonSchemaSpec.canonical_text`, which raises ``ValueError`` for text that is not
+    :meth:`JsonSchemaConstraint.canonical_text`, which raises ``ValueError`` for text that is not
     JSON or a schema that is not an object/boolean."""
     return spec.canonical_text()
 
 
-def metaschema_problem(spec: JsonSchemaSpec) -> str | None:
+def metaschema_problem(spec: JsonSchemaConstraint) -> str | None:
     """Where ``spec``'s schema breaks its metaschema (the draft its ``$schema`` names, else
     2020-12), as ``"invalid JSON Schema at <JSON pointer>: <reason>"``; None when it does not,
     or when the ``jsonschema`` package is missing or cannot check it.

@@ -7,7 +7,7 @@ request goes on.
 
 from __future__ import annotations
 
-from structspec.core import PARAM_BY_KIND
+from structspec.constraints import PARAM_BY_KIND
 
 __all__ = ["PARAM_BY_KIND", "GrammarError"]
 

@@ -2,7 +2,7 @@
 
 The scheduler owns one :class:`Matcher` per constrained request. :meth:`Matcher.accept_run` is
 *the* single place a committed run of tokens advances it (invariant 3: one advance per
-committed token); the tree traversal in :mod:`structspec.grammar.tree` advances and rolls back
+committed token); the tree traversal in :mod:`structspec.grammar.tree_mask` advances and rolls back
 the underlying matcher inside C++ and leaves it as it found it.
 """
 

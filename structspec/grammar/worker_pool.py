@@ -29,7 +29,7 @@ mirror is kept in step by sending only the ids committed since its last use. Per
    (:func:`~structspec.scheduler.commit.settle_grammar_advance`; committed ids obey the
    grammar, so only a stop id ends it) and runs its text work while the workers advance and
    walk; the actual verdicts arrive with the walks and are checked against the prediction;
-4. the host settles the rows (:func:`~structspec.grammar.tree.settle_tree_rows_batch`) and
+4. the host settles the rows (:func:`~structspec.grammar.tree_mask.settle_tree_rows_batch`) and
    uploads from the slab. On CUDA the slab is page-locked (``cudaHostRegister``), so the upload
    is an asynchronous copy like the in-process path's.
 
@@ -61,7 +61,7 @@ import xgrammar as xgr
 
 from structspec.grammar.bitmask import bitmask_width
 from structspec.grammar.matcher import Matcher
-from structspec.grammar.tree import walk_tree
+from structspec.grammar.tree_mask import walk_tree
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from structspec.spec.verify import VerifyResult
+from structspec.draft_tree.verify import VerifyResult
 
 
 @dataclass

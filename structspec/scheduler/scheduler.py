@@ -1,6 +1,6 @@
 """Continuous-batching scheduler: admission, prefill and speculative verify steps.
 
-This is the only module that knows both :mod:`structspec.grammar` and :mod:`structspec.spec`.
+This is the only module that knows both :mod:`structspec.grammar` and :mod:`structspec.speculative`.
 One decode step (DESIGN.md "One speculative step with a grammar"):
 
 1. the drafter proposes a :class:`VerifyTree` per running request;
@@ -24,11 +24,12 @@ import torch
 
 from structspec.config import EngineConfig
 from structspec.core import FinishReason, RequestOutput, TokenLogprob, now
-from structspec.engine.model_runner import ModelRunner, VerifyForwardOutput
+from structspec.draft_tree.layout import VerifyTree
+from structspec.draft_tree.verify import verify_tree
 from structspec.grammar.backend import GrammarBackend
 from structspec.grammar.bitmask import apply_bitmask_
 from structspec.grammar.errors import GrammarError
-from structspec.grammar.tree import (
+from structspec.grammar.tree_mask import (
     GrammarMaskResult,
     GrammarTree,
     build_grammar_vocab_mask,
@@ -42,6 +43,7 @@ from structspec.grammar.worker_pool import (
 )
 from structspec.kvcache.allocator import PageAllocator
 from structspec.layers.sampler import SamplingBatch, sample_rows
+from structspec.runner.model_runner import ModelRunner, VerifyForwardOutput
 from structspec.scheduler.commit import (
     advance_grammar,
     commit_tokens,
@@ -53,9 +55,7 @@ from structspec.scheduler.pending import PendingStep
 from structspec.scheduler.request import Req, ReqStatus
 from structspec.scheduler.step_stats import StepTimer
 from structspec.scheduler.validate import check_schema_output
-from structspec.spec.base import Drafter, DraftRequest, TokenHistory
-from structspec.spec.tree import VerifyTree
-from structspec.spec.verify import verify_tree
+from structspec.speculative.base import Drafter, DraftRequest, TokenHistory
 
 logger = logging.getLogger(__name__)
 

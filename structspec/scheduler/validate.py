@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
-from structspec.core import GrammarSpec, JsonObjectSpec, JsonSchemaSpec
+from structspec.constraints import GrammarConstraint, JsonObjectConstraint, JsonSchemaConstraint
 
 
-def check_schema_output(spec: GrammarSpec, text: str) -> bool | None:
+def check_schema_output(spec: GrammarConstraint, text: str) -> bool | None:
     """True/False when the spec is JSON-typed and ``text`` does/doesn't validate; else None.
 
     JSON Schema outputs are checked with the ``jsonschema`` package (the draft named by the
@@ -16,13 +16,13 @@ def check_schema_output(spec: GrammarSpec, text: str) -> bool | None:
     no timeout, from a URL the client chose). A schema the validator cannot use gives no
     verdict (None) instead of an exception: this check runs inside the engine's step.
     """
-    if not isinstance(spec, (JsonSchemaSpec, JsonObjectSpec)):
+    if not isinstance(spec, (JsonSchemaConstraint, JsonObjectConstraint)):
         return None
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
         return False
-    if isinstance(spec, JsonObjectSpec):
+    if isinstance(spec, JsonObjectConstraint):
         return isinstance(value, dict)
     try:
         import jsonschema

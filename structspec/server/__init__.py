@@ -12,7 +12,7 @@ Modules (one job each):
 - :mod:`~structspec.server.engine_process`: the engine process's entry point and loop.
 - :mod:`~structspec.server.engine_client`: the front end's handle on that process.
 - :mod:`~structspec.server.protocol`: pydantic models of the OpenAI requests.
-- :mod:`~structspec.server.structured`: request fields -> :data:`~structspec.core.GrammarSpec`.
+- :mod:`~structspec.server.structured`: request fields -> :data:`~structspec.core.GrammarConstraint`.
 - :mod:`~structspec.server.params`: request fields -> :class:`~structspec.core.SamplingParams`.
 - :mod:`~structspec.server.codec`: tokenization and incremental detokenization.
 - :mod:`~structspec.server.generation`: the n engine requests behind one HTTP request.

@@ -19,7 +19,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from structspec.core import PARAM_BY_KIND, SamplingParams, SpecMetrics
+from structspec.constraints import PARAM_BY_KIND
+from structspec.core import SamplingParams, SpecMetrics
 from structspec.server.codec import Codec, Detokenizer
 from structspec.server.engine_client import AsyncEngine, EngineDeadError
 from structspec.server.errors import APIError, bad_request, server_error, unavailable

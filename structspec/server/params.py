@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from structspec.core import GrammarSpec, SamplingParams
+from structspec.constraints import GrammarConstraint
+from structspec.core import SamplingParams
 from structspec.server.errors import bad_request
 from structspec.server.protocol import ChatCompletionRequest, SamplingRequest
 
@@ -28,7 +29,7 @@ MAX_TOP_LOGPROBS = 20
 def build_sampling_params(
     req: SamplingRequest,
     *,
-    grammar: GrammarSpec | None,
+    grammar: GrammarConstraint | None,
     max_tokens: int | None,
     logprobs: int | None,
     prompt_len: int,

@@ -1,4 +1,4 @@
-"""Request fields -> one :data:`~structspec.core.GrammarSpec` (or none).
+"""Request fields -> one :data:`~structspec.core.GrammarConstraint` (or none).
 
 Accepted shapes (the union of what sglang, vLLM, TensorRT-LLM and llama.cpp clients send):
 
@@ -14,7 +14,7 @@ Accepted shapes (the union of what sglang, vLLM, TensorRT-LLM and llama.cpp clie
   (vLLM >= 0.12).
 
 At most one constraint per request (a 400 names both otherwise). ``json_schema.strict``
-maps to :attr:`JsonSchemaSpec.strict`; when a client leaves it out we follow OpenAI's default
+maps to :attr:`JsonSchemaConstraint.strict`; when a client leaves it out we follow OpenAI's default
 (``false``: best effort). With either value the finished output is checked afterwards and
 ``schema_valid`` reported.
 Whether a schema / regex / grammar actually compiles is decided by the grammar compiler in
@@ -28,24 +28,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from structspec.core import (
-    ChoiceSpec,
-    EbnfSpec,
-    GrammarSpec,
-    JsonObjectSpec,
-    JsonSchemaSpec,
-    RegexSpec,
+from structspec.constraints import (
+    ChoiceConstraint,
+    EbnfConstraint,
+    GrammarConstraint,
+    JsonObjectConstraint,
+    JsonSchemaConstraint,
+    RegexConstraint,
 )
 from structspec.schema_structure import find_structure_problem
 from structspec.server.errors import bad_request
 from structspec.server.jsontext import loads_client_json
 from structspec.server.protocol import ResponseFormat, SamplingRequest, StructuredOutputs
 
-Found = tuple[GrammarSpec, str]
+Found = tuple[GrammarConstraint, str]
 """A grammar and the request field it was read from (the ``param`` of its errors)."""
 
 
-def grammar_from_request(req: SamplingRequest) -> GrammarSpec | None:
+def grammar_from_request(req: SamplingRequest) -> GrammarConstraint | None:
     """The grammar a request asks for (see :func:`grammar_and_field`).
 
     Raises:
@@ -54,7 +54,7 @@ def grammar_from_request(req: SamplingRequest) -> GrammarSpec | None:
     return grammar_and_field(req)[0]
 
 
-def grammar_and_field(req: SamplingRequest) -> tuple[GrammarSpec | None, str | None]:
+def grammar_and_field(req: SamplingRequest) -> tuple[GrammarConstraint | None, str | None]:
     """The grammar a request asks for and the request field it was read from, e.g.
     ``"regex"``, ``"json_schema"``, ``"response_format.regex"``,
     ``"response_format.json_schema"``, ``"structured_outputs.grammar"``; ``(None, None)``
@@ -106,7 +106,7 @@ def _from_response_format(rf: ResponseFormat) -> Found | None:
         if rf.schema_ is not None:  # llama.cpp: json_object constrained by a schema
             return _schema_spec(rf.schema_, "response_format.schema",
                                 strict=rf.strict), "response_format.schema"
-        return JsonObjectSpec(), "response_format"
+        return JsonObjectConstraint(), "response_format"
     if kind == "json_schema":
         js = rf.json_schema
         if js is not None and js.schema_ is not None:
@@ -121,7 +121,7 @@ def _from_response_format(rf: ResponseFormat) -> Found | None:
                           "response_format.json_schema")
     if kind == "json":  # TensorRT-LLM
         if rf.schema_ is None:
-            return JsonObjectSpec(), "response_format"
+            return JsonObjectConstraint(), "response_format"
         return _schema_spec(rf.schema_, "response_format.schema",
                             strict=rf.strict), "response_format.schema"
     if kind == "regex":
@@ -154,7 +154,7 @@ def _from_response_format(rf: ResponseFormat) -> Found | None:
 
 
 def _from_structured_outputs(so: StructuredOutputs) -> Found | None:
-    found: list[tuple[str, GrammarSpec]] = []
+    found: list[tuple[str, GrammarConstraint]] = []
     if so.json_ is not None:
         found.append(("json", _schema_spec(so.json_, "structured_outputs.json", strict=None)))
     if so.regex is not None:
@@ -164,7 +164,7 @@ def _from_structured_outputs(so: StructuredOutputs) -> Found | None:
     if so.grammar is not None:
         found.append(("grammar", _ebnf_spec(so.grammar, "structured_outputs.grammar")))
     if so.json_object:
-        found.append(("json_object", JsonObjectSpec()))
+        found.append(("json_object", JsonObjectConstraint()))
     if so.structural_tag is not None:
         raise bad_request("structured_outputs.structural_tag is not supported",
                           "structured_outputs.structural_tag", code="unsupported")
@@ -178,7 +178,7 @@ def _from_structured_outputs(so: StructuredOutputs) -> Found | None:
     return spec, f"structured_outputs.{key}"
 
 
-def _schema_spec(value: Any, param: str, *, strict: bool | None) -> JsonSchemaSpec:
+def _schema_spec(value: Any, param: str, *, strict: bool | None) -> JsonSchemaConstraint:
     """A JSON Schema given as an object, a boolean, or JSON text."""
     schema = value
     if isinstance(schema, str):
@@ -195,23 +195,23 @@ def _schema_spec(value: Any, param: str, *, strict: bool | None) -> JsonSchemaSp
     problem = find_structure_problem(schema)
     if problem is not None:
         raise bad_request(f"{param} cannot be served: {problem}", param)
-    return JsonSchemaSpec(schema, strict=bool(strict))
+    return JsonSchemaConstraint(schema, strict=bool(strict))
 
 
-def _regex_spec(value: Any, param: str) -> RegexSpec:
+def _regex_spec(value: Any, param: str) -> RegexConstraint:
     if not isinstance(value, str) or not value:
         raise bad_request(f"{param} must be a non-empty string", param)
-    return RegexSpec(value)
+    return RegexConstraint(value)
 
 
-def _ebnf_spec(value: Any, param: str) -> EbnfSpec:
+def _ebnf_spec(value: Any, param: str) -> EbnfConstraint:
     if not isinstance(value, str) or not value.strip():
         raise bad_request(f"{param} must be a non-empty grammar string", param)
-    return EbnfSpec(value)
+    return EbnfConstraint(value)
 
 
-def _choice_spec(value: Any, param: str) -> ChoiceSpec:
+def _choice_spec(value: Any, param: str) -> ChoiceConstraint:
     if (not isinstance(value, list) or not value
             or any(not isinstance(c, str) or not c for c in value)):
         raise bad_request(f"{param} must be a non-empty list of non-empty strings", param)
-    return ChoiceSpec(tuple(value))
+    return ChoiceConstraint(tuple(value))

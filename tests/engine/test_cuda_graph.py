@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from structspec.config import CacheConfig, ModelConfig
-from structspec.engine.cuda_graph import VerifyGraph, kv_len_buckets, pick_bucket
-from structspec.engine.model_runner import ModelRunner, VerifyForwardOutput
+from structspec.draft_tree.layout import VerifyTree
+from structspec.draft_tree.verify import verify_tree
 from structspec.grammar.bitmask import apply_bitmask_, bitmask_width
 from structspec.models.llama import LlamaForCausalLM
-from structspec.spec.tree import VerifyTree
-from structspec.spec.verify import verify_tree
+from structspec.runner.cuda_graph import VerifyGraph, kv_len_buckets, pick_bucket
+from structspec.runner.model_runner import ModelRunner, VerifyForwardOutput
 
 
 def smol_config(num_layers: int = 30) -> ModelConfig:
@@ -76,7 +76,7 @@ def build_runner(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, *,
 
 
 class _HostRing:
-    """CPU stand-in for :class:`~structspec.engine.staging.PinnedRing` (plain copies)."""
+    """CPU stand-in for :class:`~structspec.staging.PinnedRing` (plain copies)."""
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype

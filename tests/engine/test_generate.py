@@ -9,10 +9,10 @@ import pytest
 
 from structspec import (
     ChatMessageError,
-    ChoiceSpec,
+    ChoiceConstraint,
     FinishReason,
-    JsonSchemaSpec,
-    RegexSpec,
+    JsonSchemaConstraint,
+    RegexConstraint,
     SamplingParams,
 )
 from structspec.engine.llm_engine import RequestError
@@ -22,7 +22,7 @@ from tests.engine.conftest import PERSON_SCHEMA, PROMPTS
 def test_greedy_same_alone_and_in_mixed_batch(make_llm) -> None:
     llm = make_llm()
     params = [SamplingParams(max_tokens=16 + 4 * (i % 3)) for i in range(6)]
-    params[2] = SamplingParams(max_tokens=20, grammar=JsonSchemaSpec(PERSON_SCHEMA))
+    params[2] = SamplingParams(max_tokens=20, grammar=JsonSchemaConstraint(PERSON_SCHEMA))
     batch = llm.generate(PROMPTS[:6], params)
     for prompt, sp, got in zip(PROMPTS[:6], params, batch, strict=True):
         alone = llm.generate(prompt, sp)[0]
@@ -33,7 +33,7 @@ def test_greedy_same_alone_and_in_mixed_batch(make_llm) -> None:
 def test_result_fields_and_json_schema(make_llm) -> None:
     llm = make_llm()
     out = llm.generate("Make up a person: name, age and city as JSON.",
-                       SamplingParams(max_tokens=64, grammar=JsonSchemaSpec(PERSON_SCHEMA)))[0]
+                       SamplingParams(max_tokens=64, grammar=JsonSchemaConstraint(PERSON_SCHEMA)))[0]
     assert out.finish_reason is FinishReason.STOP, out
     jsonschema.validate(json.loads(out.text), PERSON_SCHEMA)
     assert out.schema_valid is True
@@ -47,8 +47,8 @@ def test_regex_and_choice(make_llm) -> None:
     llm = make_llm()
     outs = llm.generate(
         ["Give a date in ISO format.", "Is the sky blue? Answer yes or no."],
-        [SamplingParams(max_tokens=20, grammar=RegexSpec(r"\d{4}-\d{2}-\d{2}")),
-         SamplingParams(max_tokens=8, grammar=ChoiceSpec(("yes", "no")))],
+        [SamplingParams(max_tokens=20, grammar=RegexConstraint(r"\d{4}-\d{2}-\d{2}")),
+         SamplingParams(max_tokens=8, grammar=ChoiceConstraint(("yes", "no")))],
     )
     assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", outs[0].text), outs[0].text
     assert outs[1].text in ("yes", "no")
@@ -80,8 +80,8 @@ def test_seeded_sampling_is_reproducible_in_any_batch(make_llm) -> None:
         ("hi", SamplingParams(max_tokens=0), "max_tokens"),
         ("hi", SamplingParams(max_tokens=-3), "max_tokens"),
         ("hi", SamplingParams(max_tokens=8, temperature=-1), "temperature"),
-        ("hi", SamplingParams(max_tokens=8, grammar=JsonSchemaSpec("{not json")), "JSON"),
-        ("hi", SamplingParams(max_tokens=8, grammar=RegexSpec("([a-z")), "regex"),
+        ("hi", SamplingParams(max_tokens=8, grammar=JsonSchemaConstraint("{not json")), "JSON"),
+        ("hi", SamplingParams(max_tokens=8, grammar=RegexConstraint("([a-z")), "regex"),
         ([17] * 9000, SamplingParams(max_tokens=8), "context"),
         ("hi", SamplingParams(max_tokens=8, temperature=1.0, seed=2**64), "seed"),
         ("hi", SamplingParams(max_tokens=8, temperature=1.0, top_k=2**63), "top_k"),
@@ -165,7 +165,7 @@ def test_failed_add_leaves_no_trace(make_llm, monkeypatch: pytest.MonkeyPatch) -
     """A request whose add fails after validation (here the grammar submit raises) is not
     left registered: its id can be used again, and the engine serves it."""
     engine = make_llm().engine
-    params = SamplingParams(max_tokens=2, grammar=RegexSpec("[0-9]+"))
+    params = SamplingParams(max_tokens=2, grammar=RegexConstraint("[0-9]+"))
 
     def broken_submit(spec: object) -> None:
         raise RuntimeError("compile pool is down")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from structspec import JsonSchemaSpec, SamplingParams
+from structspec import JsonSchemaConstraint, SamplingParams
 from tests.engine.conftest import PERSON_SCHEMA, PROMPTS
 
 pytestmark = [pytest.mark.gpu,
@@ -27,7 +27,7 @@ def cuda_llms():
 def test_decode_steps_do_not_sync(cuda_llms) -> None:
     engine = cuda_llms["ngram"].engine
     for i, p in enumerate(PROMPTS[:6]):
-        grammar = JsonSchemaSpec(PERSON_SCHEMA) if i % 2 else None
+        grammar = JsonSchemaConstraint(PERSON_SCHEMA) if i % 2 else None
         engine.add_request(p, SamplingParams(max_tokens=40, grammar=grammar))
     # Prefill steps (and grammar compiles) first; then only verify steps remain.
     while engine.scheduler.waiting or engine.scheduler.grammar_queue:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from structspec import JsonSchemaSpec, SamplingParams
+from structspec import JsonSchemaConstraint, SamplingParams
 from tests.engine.conftest import PERSON_SCHEMA, PROMPTS
 
 
@@ -12,7 +12,7 @@ def test_logprobs_with_and_without_grammar(make_llm) -> None:
     llm = make_llm(speculative_algorithm="ngram", num_draft_tokens=8)
     free, constrained = llm.generate(PROMPTS[:2], [
         SamplingParams(max_tokens=12, logprobs=5),
-        SamplingParams(max_tokens=40, logprobs=5, grammar=JsonSchemaSpec(PERSON_SCHEMA)),
+        SamplingParams(max_tokens=40, logprobs=5, grammar=JsonSchemaConstraint(PERSON_SCHEMA)),
     ])
     for out in (free, constrained):
         assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from benchmarks.workloads import maskbench_cases, schema_prompt
-from structspec import FinishReason, JsonSchemaSpec, SamplingParams
+from structspec import FinishReason, JsonSchemaConstraint, SamplingParams
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "maskbench"
 
@@ -24,7 +24,7 @@ def test_stop_outputs_validate_on_real_schemas(make_llm) -> None:
     cases = [c for c in cases if c["_name"].startswith(("Glaiveai2K", "BFCL_simple"))][:8]
     llm = make_llm()
     outs = llm.generate([schema_prompt(c["schema"]) for c in cases],
-                        [SamplingParams(max_tokens=160, grammar=JsonSchemaSpec(c["schema"]))
+                        [SamplingParams(max_tokens=160, grammar=JsonSchemaConstraint(c["schema"]))
                          for c in cases])
     stopped = 0
     for case, out in zip(cases, outs, strict=True):

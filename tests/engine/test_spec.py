@@ -10,7 +10,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from structspec import LLM, EbnfSpec, FinishReason, JsonSchemaSpec, RegexSpec, SamplingParams
+from structspec import (
+    LLM,
+    EbnfConstraint,
+    FinishReason,
+    JsonSchemaConstraint,
+    RegexConstraint,
+    SamplingParams,
+)
 from tests.engine.conftest import PERSON_SCHEMA, PROMPTS
 
 GBNF = 'root ::= "Answer: " ("yes" | "no") " because " [a-z ]+ "."'
@@ -20,8 +27,8 @@ def mixed_params(n: int) -> list[SamplingParams]:
     """A mix of unconstrained and grammar-constrained requests (JSON Schema, regex, EBNF)."""
     out = []
     for i in range(n):
-        grammar = [None, JsonSchemaSpec(PERSON_SCHEMA), RegexSpec(r"[A-Z][a-z]+( [a-z]+){2,6}\."),
-                   EbnfSpec(GBNF)][i % 4]
+        grammar = [None, JsonSchemaConstraint(PERSON_SCHEMA), RegexConstraint(r"[A-Z][a-z]+( [a-z]+){2,6}\."),
+                   EbnfConstraint(GBNF)][i % 4]
         out.append(SamplingParams(max_tokens=32, grammar=grammar))
     return out
 
@@ -53,7 +60,7 @@ def draft_paths(smol_dir, smol_first_layers_dir, tmp_path_factory) -> dict[str, 
     from pathlib import Path
 
     from structspec.config import ModelConfig
-    from structspec.spec.eagle import build_random_eagle_head
+    from structspec.speculative.eagle import build_random_eagle_head
 
     eagle_dir = tmp_path_factory.mktemp("eagle")
     target_cfg = ModelConfig.from_hf_config(json.loads((Path(smol_dir) / "config.json").read_text()))
@@ -85,7 +92,7 @@ def test_exactly_once_advance_per_committed_token(make_llm) -> None:
     llm = make_llm(speculative_algorithm="ngram", num_draft_tokens=8)
     engine = llm.engine
     sched = engine.scheduler
-    params = SamplingParams(max_tokens=60, grammar=JsonSchemaSpec(PERSON_SCHEMA))
+    params = SamplingParams(max_tokens=60, grammar=JsonSchemaConstraint(PERSON_SCHEMA))
     prompt = ("Copy as JSON: {\"name\": \"Ann Lee\", \"age\": 41, \"city\": \"Oslo\"} and again "
               "{\"name\": \"Ann Lee\", \"age\": 41, \"city\": \"Oslo\"}")
     ids = [engine.add_request(prompt, params) for _ in range(3)]
@@ -139,7 +146,7 @@ def test_ngram_extraction_accept_length(make_llm) -> None:
     llm = make_llm(speculative_algorithm="ngram", num_draft_tokens=8)
     prompts = [p for p, _ in extraction_prompts(6, seed=1)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=160,
-                                                grammar=JsonSchemaSpec(EXTRACTION_SCHEMA)))
+                                                grammar=JsonSchemaConstraint(EXTRACTION_SCHEMA)))
     steps = sum(o.spec.verify_steps for o in outs)
     committed = sum(o.spec.committed_tokens for o in outs)
     assert committed / steps > 1.5, committed / steps
@@ -152,7 +159,7 @@ def test_overlap_on_and_off_give_identical_outputs(make_llm, draft_paths, algo: 
     the deferred text work runs while the tree is still on its way) alike."""
     params = mixed_params(8)
     params[1] = SamplingParams(max_tokens=32, stop=[" the"], grammar=None)
-    params[5] = SamplingParams(max_tokens=32, stop=["a"], grammar=JsonSchemaSpec(PERSON_SCHEMA))
+    params[5] = SamplingParams(max_tokens=32, stop=["a"], grammar=JsonSchemaConstraint(PERSON_SCHEMA))
     outs = []
     for overlap in (True, False):  # overlap on is the default: reuse the module's engine
         kw = SPEC_CONFIGS[algo](draft_paths)
@@ -195,7 +202,7 @@ def test_mask_worker_processes_give_identical_outputs(make_llm, draft_paths, alg
     from structspec.grammar.matcher import Matcher
 
     params = mixed_params(8)
-    params[2] = SamplingParams(max_tokens=32, stop=["a"], grammar=JsonSchemaSpec(PERSON_SCHEMA))
+    params[2] = SamplingParams(max_tokens=32, stop=["a"], grammar=JsonSchemaConstraint(PERSON_SCHEMA))
     ref = make_llm(**SPEC_CONFIGS[algo](draft_paths)).generate(PROMPTS[:8], params)
     host_ids = [0]
     accept_run = Matcher.accept_run
@@ -232,7 +239,7 @@ def test_committed_id_the_grammar_forbids_is_never_reported(make_llm,
     the id is cut and its text dropped before anything is reported; the others run on."""
     from structspec.scheduler import scheduler as sched_mod
 
-    params = [SamplingParams(max_tokens=40, grammar=JsonSchemaSpec(PERSON_SCHEMA))
+    params = [SamplingParams(max_tokens=40, grammar=JsonSchemaConstraint(PERSON_SCHEMA))
               for _ in range(4)]
     ref = make_llm(**SPEC_CONFIGS["ngram"]({})).generate(PROMPTS[:4], params)
     with pool_llm(**SPEC_CONFIGS["ngram"]({})) as llm:
@@ -290,13 +297,13 @@ def _staggered_outputs(engine) -> dict[str, tuple[list[int], object]]:  # type: 
     for m in (4, 3, 5, 6, 9):
         engine.add_request("Copy this list as JSON items: red, green, blue, red, green, blue, red, "
                            "green",
-                           SamplingParams(max_tokens=m, grammar=JsonSchemaSpec(LIST_SCHEMA)),
+                           SamplingParams(max_tokens=m, grammar=JsonSchemaConstraint(LIST_SCHEMA)),
                            request_id=f"A{m}")
         while (a := sched.requests.get(f"A{m}")) is not None and not a.finished and len(
                 a.output_ids) < 2:
             step()
         engine.add_request("Give me a JSON person: name Bob, age 40, city Paris.",
-                           SamplingParams(max_tokens=40, grammar=JsonSchemaSpec(PERSON_SCHEMA)),
+                           SamplingParams(max_tokens=40, grammar=JsonSchemaConstraint(PERSON_SCHEMA)),
                            request_id=f"B{m}")
         while engine.has_unfinished_requests():
             step()
@@ -325,7 +332,7 @@ def test_dead_mask_worker_falls_back_in_process(make_llm, when: str,
     from structspec.scheduler.scheduler import Scheduler
 
     params = mixed_params(8)
-    params[2] = SamplingParams(max_tokens=32, stop=["a"], grammar=JsonSchemaSpec(PERSON_SCHEMA))
+    params[2] = SamplingParams(max_tokens=32, stop=["a"], grammar=JsonSchemaConstraint(PERSON_SCHEMA))
     ref = make_llm(**SPEC_CONFIGS["ngram"]({})).generate(PROMPTS[:8], params)
     with pool_llm(**SPEC_CONFIGS["ngram"]({})) as llm:
         sched = llm.engine.scheduler

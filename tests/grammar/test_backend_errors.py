@@ -11,7 +11,13 @@ import pytest
 import xgrammar as xgr
 
 from structspec.config import GrammarConfig
-from structspec.core import ChoiceSpec, EbnfSpec, JsonObjectSpec, JsonSchemaSpec, RegexSpec
+from structspec.constraints import (
+    ChoiceConstraint,
+    EbnfConstraint,
+    JsonObjectConstraint,
+    JsonSchemaConstraint,
+    RegexConstraint,
+)
 from structspec.grammar import GrammarBackend, GrammarError
 
 from .conftest import STOP_ID
@@ -23,32 +29,32 @@ def _accepts(backend: GrammarBackend, cg: xgr.CompiledGrammar, text: str) -> boo
 
 
 @pytest.mark.parametrize("spec, param, fragment", [
-    (JsonSchemaSpec("{not json"), "response_format.json_schema", "not valid JSON"),
-    (JsonSchemaSpec("[1, 2]"), "response_format.json_schema", "must be a JSON object"),
-    (JsonSchemaSpec({"type": "object", "minProperties": 1}), "response_format.json_schema",
+    (JsonSchemaConstraint("{not json"), "response_format.json_schema", "not valid JSON"),
+    (JsonSchemaConstraint("[1, 2]"), "response_format.json_schema", "must be a JSON object"),
+    (JsonSchemaConstraint({"type": "object", "minProperties": 1}), "response_format.json_schema",
      "Failed to compile json_schema grammar: minProperties"),
     # xgrammar's words alone name no place; the metaschema check adds the JSON pointer
-    (JsonSchemaSpec({"type": "objectz"}), "response_format.json_schema",
+    (JsonSchemaConstraint({"type": "objectz"}), "response_format.json_schema",
      "invalid JSON Schema at /type: 'objectz' is not valid"),
-    (JsonSchemaSpec({"type": "object", "properties": {"a~b/c": {"type": "string",
+    (JsonSchemaConstraint({"type": "object", "properties": {"a~b/c": {"type": "string",
                                                               "minLength": -3}}}),
      "response_format.json_schema",
      "invalid JSON Schema at /properties/a~0b~1c/minLength: -3 is less than the minimum of 0"),
-    (RegexSpec("(abc"), "regex", "Failed to compile regex grammar"),
-    (EbnfSpec('start ::= "a"'), "ebnf", "Failed to compile ebnf grammar"),
-    (ChoiceSpec(()), "choice", "non-empty list"),
-    (ChoiceSpec(("a", "")), "choice", "non-empty list"),
+    (RegexConstraint("(abc"), "regex", "Failed to compile regex grammar"),
+    (EbnfConstraint('start ::= "a"'), "ebnf", "Failed to compile ebnf grammar"),
+    (ChoiceConstraint(()), "choice", "non-empty list"),
+    (ChoiceConstraint(("a", "")), "choice", "non-empty list"),
     # refused in every mode, before xgrammar (which would ignore them) and before any
     # output check could try to fetch them
-    (JsonSchemaSpec({"properties": {"a": {"$ref": "http://127.0.0.1:9/s.json"}}},
+    (JsonSchemaConstraint({"properties": {"a": {"$ref": "http://127.0.0.1:9/s.json"}}},
                     strict=False),
      "response_format.json_schema",
      "/properties/a/$ref: $ref 'http://127.0.0.1:9/s.json' is not a local reference"),
-    (JsonSchemaSpec({"$ref": "#/$defs/missing"}), "response_format.json_schema",
+    (JsonSchemaConstraint({"$ref": "#/$defs/missing"}), "response_format.json_schema",
      "/$ref: $ref '#/$defs/missing' points to nothing"),
     # a $ref cycle with no way out: compiles in xgrammar, but no output can satisfy it (the
     # request used to die at its first token with "grammar rejected token")
-    (JsonSchemaSpec({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}},
+    (JsonSchemaConstraint({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}},
                     strict=False),
      "response_format.json_schema", "the grammar accepts no output at all"),
 ])
@@ -65,12 +71,12 @@ def test_errors_name_the_field(backend: GrammarBackend, spec: Any, param: str,
 def test_strict_rejection_names_keyword_and_pointer(backend: GrammarBackend) -> None:
     schema = {"type": "object", "properties": {"n": {"type": "integer", "not": {"const": 3}}}}
     with pytest.raises(GrammarError, match="/properties/n: 'not'"):
-        backend.compile(JsonSchemaSpec(schema, strict=True))
-    backend.compile(JsonSchemaSpec(schema, strict=False))  # best effort compiles
+        backend.compile(JsonSchemaConstraint(schema, strict=True))
+    backend.compile(JsonSchemaConstraint(schema, strict=False))  # best effort compiles
 
 
 def test_cached_failure_is_fast(backend: GrammarBackend) -> None:
-    spec = RegexSpec("[unclosed")
+    spec = RegexConstraint("[unclosed")
     with pytest.raises(GrammarError) as first:
         backend.compile(spec)
     t0 = time.perf_counter()
@@ -82,15 +88,15 @@ def test_cached_failure_is_fast(backend: GrammarBackend) -> None:
 
 
 def test_kinds_accept_what_they_should(backend: GrammarBackend) -> None:
-    obj = backend.compile(JsonObjectSpec())
+    obj = backend.compile(JsonObjectConstraint())
     assert _accepts(backend, obj, '{"a": [1, {"b": null}]}') and _accepts(backend, obj, "{}")
     assert not _accepts(backend, obj, "[1]") and not _accepts(backend, obj, '"s"')
-    rx = backend.compile(RegexSpec(r"[0-9]{3}-[a-z]+"))
+    rx = backend.compile(RegexConstraint(r"[0-9]{3}-[a-z]+"))
     assert _accepts(backend, rx, "123-abc") and not _accepts(backend, rx, "12-abc")
-    eb = backend.compile(EbnfSpec('root ::= "yes" | "no" rest\nrest ::= [0-9]*'))
+    eb = backend.compile(EbnfConstraint('root ::= "yes" | "no" rest\nrest ::= [0-9]*'))
     assert _accepts(backend, eb, "no42") and not _accepts(backend, eb, "yes1")
     choices = ('say "hi"', "back\\slash", "two\nlines", "tab\there", "plain", "a|b(c)*")
-    ch = backend.compile(ChoiceSpec(choices))
+    ch = backend.compile(ChoiceConstraint(choices))
     for c in choices:
         assert _accepts(backend, ch, c), c
     for c in ("say hi", "plai", "plainx", "a", "ab(c)"):
@@ -113,7 +119,7 @@ def test_timeout_expired_and_dedupe(hf_tokenizer: Any) -> None:
         return real(spec)
 
     b._compile_now = slow  # type: ignore[method-assign]
-    spec = RegexSpec("slow[0-9]+")
+    spec = RegexConstraint("slow[0-9]+")
     fut = b.submit(spec)
     twin = b.submit(spec)
     assert twin._future is fut._future and b.cache_size() == 1  # in-flight dedupe
@@ -133,7 +139,7 @@ def test_lru_bound(hf_tokenizer: Any) -> None:
     b = GrammarBackend(hf_tokenizer, vocab_size=len(hf_tokenizer), stop_token_ids=[STOP_ID],
                        config=GrammarConfig(cache_max_entries=2, num_compile_threads=1))
     for p in ("a+", "b+", "c+"):
-        b.compile(RegexSpec(p))
+        b.compile(RegexConstraint(p))
     assert b.cache_size() == 2
     keys = [k for k, _ in b._cache.items()]
     assert keys == [("regex", "b+"), ("regex", "c+")]
@@ -146,7 +152,7 @@ def test_property_order_is_kept(backend: GrammarBackend) -> None:
              "required": ["z", "a"]}
     second = {"type": "object", "properties": {"a": {"type": "integer"}, "z": {"type": "integer"}},
               "required": ["z", "a"]}
-    cg1, cg2 = backend.compile(JsonSchemaSpec(first)), backend.compile(JsonSchemaSpec(second))
+    cg1, cg2 = backend.compile(JsonSchemaConstraint(first)), backend.compile(JsonSchemaConstraint(second))
     assert _accepts(backend, cg1, '{"z": 1, "a": 2}')
     assert _accepts(backend, cg2, '{"a": 2, "z": 1}')
 
@@ -157,7 +163,7 @@ def test_metaschema_violations_that_compile_are_not_refused(backend: GrammarBack
     compiled and enforced, not refused."""
     from structspec.grammar.backend import metaschema_problem
 
-    spec = JsonSchemaSpec({"type": "object", "title": 5,
+    spec = JsonSchemaConstraint({"type": "object", "title": 5,
                            "properties": {"a": {"type": "string"}}, "required": ["a", "a"]})
     assert metaschema_problem(spec) is not None  # 2020-12 says it is invalid
     cg = backend.compile(spec)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from structspec.core import JsonSchemaSpec
+from structspec.constraints import JsonSchemaConstraint
 from structspec.grammar import GrammarBackend, allocate_bitmask, apply_bitmask_
 
 from .conftest import STOP_ID
@@ -63,7 +63,7 @@ def test_apply_cuda_no_sync() -> None:
 
 
 def test_matcher_accept_run_and_rollback(backend: GrammarBackend, hf_tokenizer: Any) -> None:
-    cg = backend.compile(JsonSchemaSpec({"type": "object", "properties": {
+    cg = backend.compile(JsonSchemaConstraint({"type": "object", "properties": {
         "a": {"type": "integer"}}, "required": ["a"]}))
     ids = hf_tokenizer.encode('{"a": 12}', add_special_tokens=False)
     m = backend.create_matcher(cg)

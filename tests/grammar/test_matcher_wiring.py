@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import xgrammar as xgr
 
-from structspec.core import JsonSchemaSpec
+from structspec.constraints import JsonSchemaConstraint
 from structspec.grammar import GrammarBackend, GrammarError, find_unenforceable
 
 from .conftest import STOP_ID, fast_compile_names
@@ -25,7 +25,7 @@ def _run(backend: GrammarBackend, hf_tokenizer: Any,
     bare_compiler = xgr.GrammarCompiler(info, max_threads=2)
     # Ours: strict where the check allows it (the engine's path), else best effort; both
     # compile with strict_mode=True, any_whitespace=False.
-    ours = [(n, c, backend.submit(JsonSchemaSpec(c["schema"],
+    ours = [(n, c, backend.submit(JsonSchemaConstraint(c["schema"],
                                                  strict=not find_unenforceable(c["schema"]))))
             for n, c in cases]
 

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import xgrammar as xgr
 
-from structspec.core import JsonSchemaSpec
+from structspec.constraints import JsonSchemaConstraint
 from structspec.grammar import GrammarBackend, GrammarError, find_unenforceable
 
 from .conftest import STOP_ID, fast_compile_names
@@ -112,15 +112,15 @@ def _accepts(compiled: xgr.CompiledGrammar, instance: Any) -> bool:
 def test_rule_shows_weakening_and_is_narrow(backend: GrammarBackend, rule: str) -> None:
     schema, invalid, variant = RULES[rule]
     assert not _is_valid(schema, invalid)
-    weak = backend.compile(JsonSchemaSpec(schema, strict=False))
+    weak = backend.compile(JsonSchemaConstraint(schema, strict=False))
     assert _accepts(weak, invalid), f"{rule}: xgrammar no longer weakens this; drop the rule"
     assert find_unenforceable(schema), rule
     with pytest.raises(GrammarError) as info:
-        backend.compile(JsonSchemaSpec(schema, strict=True))
+        backend.compile(JsonSchemaConstraint(schema, strict=True))
     assert info.value.param == "response_format.json_schema"
     assert "strict" in str(info.value)
     assert find_unenforceable(variant) == [], rule
-    backend.compile(JsonSchemaSpec(variant, strict=True))  # compiles
+    backend.compile(JsonSchemaConstraint(variant, strict=True))  # compiles
 
 
 def test_reports_pointer_and_keyword() -> None:
@@ -136,7 +136,7 @@ def test_reports_pointer_and_keyword() -> None:
 def _sweep(backend: GrammarBackend, cases: list[tuple[str, dict[str, Any]]]) -> dict[str, int]:
     t0 = time.perf_counter()
     passing = [(n, c) for n, c in cases if not find_unenforceable(c["schema"])]
-    futures = [(n, c, backend.submit(JsonSchemaSpec(c["schema"], strict=True)))
+    futures = [(n, c, backend.submit(JsonSchemaConstraint(c["schema"], strict=True)))
                for n, c in passing]
     compiled = invalid = accepted = 0
     bad = []

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from structspec.core import JsonSchemaSpec
+from structspec.constraints import JsonSchemaConstraint
 from structspec.grammar import (
     GrammarBackend,
     GrammarTree,
@@ -19,7 +19,7 @@ from structspec.grammar import (
     allocate_bitmask,
     build_grammar_vocab_mask,
 )
-from structspec.grammar.tree import settle_tree_rows
+from structspec.grammar.tree_mask import settle_tree_rows
 
 from .conftest import STOP_ID
 
@@ -41,7 +41,7 @@ DRAFT = [None, 36, 18, 34, 109, STOP_ID, 36, 28, 109, 33]
 
 @pytest.fixture(scope="module")
 def compiled(backend: GrammarBackend) -> Any:
-    return backend.compile(JsonSchemaSpec(SCHEMA))
+    return backend.compile(JsonSchemaConstraint(SCHEMA))
 
 
 def _prefix_matcher(backend: GrammarBackend, compiled: Any, hf_tokenizer: Any,
@@ -245,7 +245,7 @@ def test_parallel_traversal_speedup(backend: GrammarBackend, hf_tokenizer: Any) 
     """Requests traverse in parallel (xgrammar releases the GIL); print the speedup."""
     schema = {"type": "object", "properties": {
         f"field_{i}": {"type": "string", "pattern": "^[a-z]{2,8}$"} for i in range(12)}}
-    cg = backend.compile(JsonSchemaSpec(schema))
+    cg = backend.compile(JsonSchemaConstraint(schema))
     text = '{"field_0": "abc", "field_1": "de'
     bs, n = 32, 48
     rng = random.Random(1)

@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import torch
 
-from structspec.core import JsonSchemaSpec, RegexSpec
+from structspec.constraints import JsonSchemaConstraint, RegexConstraint
+from structspec.draft_tree.layout import VerifyTree
 from structspec.grammar import GrammarBackend, GrammarTree, Matcher, build_grammar_vocab_mask
-from structspec.grammar.tree import build_grammar_vocab_mask_pooled
+from structspec.grammar.tree_mask import build_grammar_vocab_mask_pooled
 from structspec.grammar.worker_pool import MaskWorkerPool, PoolBuildResult, PoolRequest
-from structspec.spec.tree import VerifyTree
 
 from .conftest import STOP_ID
 from .test_tree_mask import PREFIX as TM_PREFIX
@@ -77,8 +77,8 @@ def _barrier(reqs: list[_Req]) -> None:
 
 def test_pooled_build_equals_in_process(pool: MaskWorkerPool, backend: GrammarBackend,
                                         hf_tokenizer: Any) -> None:
-    json_g = backend.compile(JsonSchemaSpec(SCHEMA))
-    regex_g = backend.compile(RegexSpec(r"[A-Z][a-z]+( [a-z]+){2,8}\."))
+    json_g = backend.compile(JsonSchemaConstraint(SCHEMA))
+    regex_g = backend.compile(RegexConstraint(r"[A-Z][a-z]+( [a-z]+){2,8}\."))
     pool_ids = hf_tokenizer.encode('"name": "x", 12} abc ,.', add_special_tokens=False)
     texts = TEXTS + ["Hello big bright world today."]
     rng = random.Random(0)
@@ -128,7 +128,7 @@ def test_pooled_timeout_falls_back_like_in_process(pool: MaskWorkerPool,
                                                    backend: GrammarBackend,
                                                    hf_tokenizer: Any) -> None:
     """A walk over its time limit: rows reset, row 0 exact, no drafts accepted (both paths)."""
-    compiled = backend.compile(JsonSchemaSpec(TM_SCHEMA))
+    compiled = backend.compile(JsonSchemaConstraint(TM_SCHEMA))
     ids = hf_tokenizer.encode(TM_PREFIX, add_special_tokens=False)
     host = backend.create_matcher(compiled)
     nt, ns, dt = tm_tree(ids[-1])
@@ -162,7 +162,7 @@ def test_mirror_verdicts_match_host_matchers(pool: MaskWorkerPool, backend: Gram
     matcher's ``accept_run``, for ``advance`` and for a build's advance-only requests, when
     the ids arrive in two parts; a build's predicted verdicts equal them unless an id breaks
     the grammar, and then the row is in ``mismatched``."""
-    compiled = backend.compile(JsonSchemaSpec(SCHEMA))
+    compiled = backend.compile(JsonSchemaConstraint(SCHEMA))
     good = hf_tokenizer.encode(TEXTS[0], add_special_tokens=False)
     probe = backend.create_matcher(compiled)
     probe.accept_run(good[:3])
@@ -223,7 +223,7 @@ def test_walks_ready_turns_true_once_every_walk_is_in(pool: MaskWorkerPool,
     import time
     from multiprocessing.connection import wait
 
-    compiled = backend.compile(JsonSchemaSpec(SCHEMA))
+    compiled = backend.compile(JsonSchemaConstraint(SCHEMA))
     ids = hf_tokenizer.encode(TEXTS[0], add_special_tokens=False)
     reqs = [_Req(f"ready{i}", backend, compiled, ids + [STOP_ID]) for i in range(4)]
     trees = [r.tree(random.Random(i), ids) for i, r in enumerate(reqs)]
@@ -260,7 +260,7 @@ def test_new_requests_go_to_the_least_loaded_worker(backend: GrammarBackend) -> 
     """Placement keeps the shares even as requests come and go: after worker 0's requests
     finish, the next new request goes to worker 0 (round-robin would put it next to worker
     1's). Counted by the workers each round trip messages."""
-    compiled = backend.compile(JsonSchemaSpec(SCHEMA))
+    compiled = backend.compile(JsonSchemaConstraint(SCHEMA))
     pool = MaskWorkerPool(backend.tokenizer_info, num_workers=2, vocab_size=backend.vocab_size,
                           max_rows=8, stop_token_ids=[STOP_ID])
     try:

@@ -16,13 +16,13 @@ import torch
 pytest.importorskip("triton")
 
 from structspec.config import CacheConfig, ModelConfig  # noqa: E402
-from structspec.engine.model_runner import ModelRunner  # noqa: E402
+from structspec.draft_tree.layout import VerifyTree  # noqa: E402
 from structspec.kernels.attention import TritonAttentionBackend  # noqa: E402
 from structspec.kvcache.pool import KVPool  # noqa: E402
 from structspec.layers.attention import TorchAttentionBackend  # noqa: E402
 from structspec.layers.forward_batch import ForwardBatch  # noqa: E402
 from structspec.models.llama import LlamaForCausalLM  # noqa: E402
-from structspec.spec.tree import VerifyTree  # noqa: E402
+from structspec.runner.model_runner import ModelRunner  # noqa: E402
 from tests.graph_check import assert_no_sync_and_graph_replay
 from tests.kernels.conftest import tol  # noqa: E402
 from tests.models.conftest import (  # noqa: E402

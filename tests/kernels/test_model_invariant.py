@@ -12,10 +12,10 @@ import torch
 pytest.importorskip("triton")
 
 from structspec.config import CacheConfig, ModelConfig  # noqa: E402
-from structspec.engine.model_runner import ModelRunner  # noqa: E402
+from structspec.draft_tree.layout import VerifyTree  # noqa: E402
 from structspec.kernels.attention import TritonAttentionBackend  # noqa: E402
 from structspec.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP  # noqa: E402
-from structspec.spec.tree import VerifyTree  # noqa: E402
+from structspec.runner.model_runner import ModelRunner  # noqa: E402
 from tests.models.conftest import PAGE, randomize  # noqa: E402
 
 CFG = ModelConfig(architecture="Qwen2ForCausalLM", attention_bias=True, vocab_size=128,

@@ -14,7 +14,8 @@ import pytest
 
 from benchmarks.make_llama3_assets import CONFIG_1B, CONFIG_8B, parse_reference
 from structspec.config import ModelConfig
-from structspec.core import FinishReason, JsonSchemaSpec, SamplingParams
+from structspec.constraints import JsonSchemaConstraint
+from structspec.core import FinishReason, SamplingParams
 from structspec.models.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -134,7 +135,7 @@ def test_xgrammar_json_schema_on_llama3_vocab(tok: Tokenizer) -> None:
     backend = GrammarBackend(tok.hf, vocab_size=128256, stop_token_ids=list(tok.eos_token_ids))
     try:
         assert backend.tokenizer_info.vocab_size == 128256
-        compiled = backend.compile(JsonSchemaSpec(SCHEMA), timeout=120)
+        compiled = backend.compile(JsonSchemaConstraint(SCHEMA), timeout=120)
         good = {"name": "Zoë Việt", "age": 42, "ok": True, "tag": "green"}
         text = json.dumps(good, ensure_ascii=False)  # ", " and ": ": xgrammar's compact form
         ids = tok.encode(text, add_special_tokens=False)
@@ -180,7 +181,7 @@ def test_dummy_engine_generates_schema_valid_json(tiny_llm: Any) -> None:
     assert tiny_llm.engine.model_config.vocab_size == 128256
     prompts = ["Make up a person as JSON.", "Another one, please."]
     outs = tiny_llm.generate(prompts, SamplingParams(max_tokens=64,
-                                                     grammar=JsonSchemaSpec(SCHEMA)))
+                                                     grammar=JsonSchemaConstraint(SCHEMA)))
     for out in outs:
         assert out.error is None and out.finish_reason is FinishReason.STOP, out
         jsonschema.validate(json.loads(out.text), SCHEMA)

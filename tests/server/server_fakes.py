@@ -15,16 +15,15 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from structspec.core import (
+from structspec.constraints import (
     PARAM_BY_KIND,
-    ChoiceSpec,
-    EbnfSpec,
-    JsonObjectSpec,
-    JsonSchemaSpec,
-    RegexSpec,
-    SamplingParams,
-    SpecMetrics,
+    ChoiceConstraint,
+    EbnfConstraint,
+    JsonObjectConstraint,
+    JsonSchemaConstraint,
+    RegexConstraint,
 )
+from structspec.core import SamplingParams, SpecMetrics
 from structspec.server.ipc import EngineDelta, EngineInfo, EngineStats
 
 EOS = 0
@@ -35,13 +34,13 @@ ENGINE_GRAMMAR_PARAM = PARAM_BY_KIND
 
 def grammar_text(g: Any) -> str:
     """The client-written text of a grammar spec (where the fake looks for ``BAD(``)."""
-    if isinstance(g, RegexSpec):
+    if isinstance(g, RegexConstraint):
         return g.pattern
-    if isinstance(g, EbnfSpec):
+    if isinstance(g, EbnfConstraint):
         return g.grammar
-    if isinstance(g, JsonSchemaSpec):
+    if isinstance(g, JsonSchemaConstraint):
         return json.dumps(g.schema)
-    if isinstance(g, ChoiceSpec):
+    if isinstance(g, ChoiceConstraint):
         return " ".join(g.choices)
     return ""
 
@@ -81,15 +80,15 @@ class FakeCodec:
 def script_for(params: SamplingParams) -> str:
     """What the fake model writes for ``params``."""
     g = params.grammar
-    if isinstance(g, ChoiceSpec):
+    if isinstance(g, ChoiceConstraint):
         return g.choices[-1]
-    if isinstance(g, JsonSchemaSpec):
+    if isinstance(g, JsonSchemaConstraint):
         return json.dumps({"name": "Ada", "age": 36})
-    if isinstance(g, JsonObjectSpec):
+    if isinstance(g, JsonObjectConstraint):
         return json.dumps({"ok": True})
-    if isinstance(g, RegexSpec):
+    if isinstance(g, RegexConstraint):
         return "2024-01-02"
-    if isinstance(g, EbnfSpec):
+    if isinstance(g, EbnfConstraint):
         return "yes"
     return "Hello world! STOP here. " * 20
 

@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from structspec.config import EngineConfig
-from structspec.core import JsonSchemaSpec, SamplingParams
+from structspec.constraints import JsonSchemaConstraint
+from structspec.core import SamplingParams
 from structspec.server.engine_client import EngineClient
 from structspec.server.ipc import AddRequest
 
@@ -22,7 +23,7 @@ def test_unpicklable_request_fails_alone_and_the_next_one_is_sent() -> None:
         for _ in range(5000):  # past the recursion limit of pickle
             cur["a"] = {}
             cur = cur["a"]
-        bad = SamplingParams(max_tokens=4, grammar=JsonSchemaSpec(deep, strict=False))
+        bad = SamplingParams(max_tokens=4, grammar=JsonSchemaConstraint(deep, strict=False))
         with pytest.raises(RecursionError):
             client.add_request("bad", [1, 2], bad, sink=lambda delta: None)  # type: ignore[arg-type]
         assert client.num_inflight == 0  # nothing registered, nothing queued

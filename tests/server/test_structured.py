@@ -6,7 +6,13 @@ from typing import Any
 
 import pytest
 
-from structspec.core import ChoiceSpec, EbnfSpec, JsonObjectSpec, JsonSchemaSpec, RegexSpec
+from structspec.constraints import (
+    ChoiceConstraint,
+    EbnfConstraint,
+    JsonObjectConstraint,
+    JsonSchemaConstraint,
+    RegexConstraint,
+)
 from structspec.server.errors import APIError
 from structspec.server.params import DEFAULT_MAX_TOKENS, build_sampling_params, per_choice
 from structspec.server.protocol import ChatCompletionRequest, CompletionRequest, parse_request
@@ -23,34 +29,34 @@ def grammar(**body: Any) -> Any:
 @pytest.mark.parametrize("body,expected", [
     ({}, None),
     ({"response_format": {"type": "text"}}, None),
-    ({"response_format": {"type": "json_object"}}, JsonObjectSpec()),
+    ({"response_format": {"type": "json_object"}}, JsonObjectConstraint()),
     ({"response_format": {"type": "json_schema",
                           "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}},
-     JsonSchemaSpec(SCHEMA, strict=True)),
+     JsonSchemaConstraint(SCHEMA, strict=True)),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}},
-     JsonSchemaSpec(SCHEMA, strict=False)),
-    ({"response_format": {"type": "json_object", "schema": SCHEMA}}, JsonSchemaSpec(SCHEMA, False)),
-    ({"response_format": {"type": "json", "schema": SCHEMA}}, JsonSchemaSpec(SCHEMA, False)),
-    ({"response_format": {"type": "regex", "regex": "a+"}}, RegexSpec("a+")),
-    ({"response_format": {"type": "regex", "pattern": "b+"}}, RegexSpec("b+")),
-    ({"response_format": {"type": "ebnf", "ebnf": 'root ::= "x"'}}, EbnfSpec('root ::= "x"')),
-    ({"response_format": {"type": "ebnf", "grammar": 'root ::= "y"'}}, EbnfSpec('root ::= "y"')),
-    ({"response_format": {"type": "choice", "choices": ["a", "b"]}}, ChoiceSpec(("a", "b"))),
-    ({"regex": "[0-9]+"}, RegexSpec("[0-9]+")),
-    ({"ebnf": 'root ::= "z"'}, EbnfSpec('root ::= "z"')),
-    ({"grammar": 'root ::= "z"'}, EbnfSpec('root ::= "z"')),
-    ({"json_schema": SCHEMA}, JsonSchemaSpec(SCHEMA, strict=False)),
-    ({"json_schema": '{"type": "object"}'}, JsonSchemaSpec({"type": "object"}, strict=False)),
-    ({"choice": ["yes", "no"]}, ChoiceSpec(("yes", "no"))),
-    ({"guided_json": SCHEMA}, JsonSchemaSpec(SCHEMA, strict=False)),
-    ({"guided_regex": "x"}, RegexSpec("x")),
-    ({"guided_choice": ["p", "q"]}, ChoiceSpec(("p", "q"))),
-    ({"guided_grammar": 'root ::= "g"'}, EbnfSpec('root ::= "g"')),
-    ({"structured_outputs": {"json": SCHEMA}}, JsonSchemaSpec(SCHEMA, strict=False)),
-    ({"structured_outputs": {"regex": "r"}}, RegexSpec("r")),
-    ({"structured_outputs": {"choice": ["c"]}}, ChoiceSpec(("c",))),
-    ({"structured_outputs": {"grammar": 'root ::= "s"'}}, EbnfSpec('root ::= "s"')),
-    ({"structured_outputs": {"json_object": True}}, JsonObjectSpec()),
+     JsonSchemaConstraint(SCHEMA, strict=False)),
+    ({"response_format": {"type": "json_object", "schema": SCHEMA}}, JsonSchemaConstraint(SCHEMA, False)),
+    ({"response_format": {"type": "json", "schema": SCHEMA}}, JsonSchemaConstraint(SCHEMA, False)),
+    ({"response_format": {"type": "regex", "regex": "a+"}}, RegexConstraint("a+")),
+    ({"response_format": {"type": "regex", "pattern": "b+"}}, RegexConstraint("b+")),
+    ({"response_format": {"type": "ebnf", "ebnf": 'root ::= "x"'}}, EbnfConstraint('root ::= "x"')),
+    ({"response_format": {"type": "ebnf", "grammar": 'root ::= "y"'}}, EbnfConstraint('root ::= "y"')),
+    ({"response_format": {"type": "choice", "choices": ["a", "b"]}}, ChoiceConstraint(("a", "b"))),
+    ({"regex": "[0-9]+"}, RegexConstraint("[0-9]+")),
+    ({"ebnf": 'root ::= "z"'}, EbnfConstraint('root ::= "z"')),
+    ({"grammar": 'root ::= "z"'}, EbnfConstraint('root ::= "z"')),
+    ({"json_schema": SCHEMA}, JsonSchemaConstraint(SCHEMA, strict=False)),
+    ({"json_schema": '{"type": "object"}'}, JsonSchemaConstraint({"type": "object"}, strict=False)),
+    ({"choice": ["yes", "no"]}, ChoiceConstraint(("yes", "no"))),
+    ({"guided_json": SCHEMA}, JsonSchemaConstraint(SCHEMA, strict=False)),
+    ({"guided_regex": "x"}, RegexConstraint("x")),
+    ({"guided_choice": ["p", "q"]}, ChoiceConstraint(("p", "q"))),
+    ({"guided_grammar": 'root ::= "g"'}, EbnfConstraint('root ::= "g"')),
+    ({"structured_outputs": {"json": SCHEMA}}, JsonSchemaConstraint(SCHEMA, strict=False)),
+    ({"structured_outputs": {"regex": "r"}}, RegexConstraint("r")),
+    ({"structured_outputs": {"choice": ["c"]}}, ChoiceConstraint(("c",))),
+    ({"structured_outputs": {"grammar": 'root ::= "s"'}}, EbnfConstraint('root ::= "s"')),
+    ({"structured_outputs": {"json_object": True}}, JsonObjectConstraint()),
 ])
 def test_every_shape_maps_to_one_grammar(body: dict[str, Any], expected: Any) -> None:
     assert grammar(**body) == expected

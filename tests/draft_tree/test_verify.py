@@ -6,8 +6,8 @@ import random
 
 import torch
 
-from structspec.spec.tree import VerifyTree
-from structspec.spec.verify import verify_tree
+from structspec.draft_tree.layout import VerifyTree
+from structspec.draft_tree.verify import verify_tree
 
 
 def reference_walk(tokens: list[int], parents: list[int], target: list[int]) -> list[int]:

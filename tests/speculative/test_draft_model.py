@@ -11,15 +11,15 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from structspec.config import CacheConfig, SpecConfig
-from structspec.engine.batch_builder import build_prefill_batch
-from structspec.engine.model_runner import ModelRunner
+from structspec.draft_tree.layout import VerifyTree
+from structspec.draft_tree.verify import verify_tree
 from structspec.kvcache.pool import KVPool
 from structspec.models.loader import load_model
-from structspec.spec.base import DraftRequest
-from structspec.spec.draft_model import DraftModelDrafter
-from structspec.spec.expand import expand_tree
-from structspec.spec.tree import VerifyTree
-from structspec.spec.verify import verify_tree
+from structspec.runner.batch_builder import build_prefill_batch
+from structspec.runner.model_runner import ModelRunner
+from structspec.speculative.base import DraftRequest
+from structspec.speculative.draft_model import DraftModelDrafter
+from structspec.speculative.expand import expand_tree
 
 CPU = torch.device("cpu")
 VOCAB = 96

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from structspec.spec.tree import VerifyTree
+from structspec.draft_tree.layout import VerifyTree
 
 
 def test_links_match_sglang_example() -> None:

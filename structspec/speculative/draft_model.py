@@ -4,7 +4,7 @@ Speculative decoding with a separate draft model (Leviathan et al., 2023, "Fast 
 Transformers via Speculative Decoding"; Chen et al., 2023, "Accelerating Large Language Model
 Decoding with Speculative Sampling"), drafting a dynamic tree as in EAGLE-2 (Li et al., 2024,
 arXiv:2406.16858). The expansion, the draft KV bookkeeping and the batched forwards live in
-:mod:`structspec.spec.expand`; this module only says what a committed entry is (one per history
+:mod:`structspec.speculative.expand`; this module only says what a committed entry is (one per history
 token: entry ``p`` holds the draft KV of ``token_ids[p]``) and runs the draft model.
 
 Per propose there are ``1 + (depth - 1)`` batched draft forwards (two catch-up forwards when a
@@ -23,8 +23,8 @@ import torch
 from structspec.config import SpecConfig
 from structspec.kvcache.pool import KVPool
 from structspec.layers.forward_batch import ForwardBatch
-from structspec.spec.base import DraftRequest
-from structspec.spec.expand import TreeDrafter, default_draft_pages, target_graph_options
+from structspec.speculative.base import DraftRequest
+from structspec.speculative.expand import TreeDrafter, default_draft_pages, target_graph_options
 
 
 class DraftModelDrafter(TreeDrafter):
@@ -34,7 +34,7 @@ class DraftModelDrafter(TreeDrafter):
         spec: ``draft_model`` (path of the draft checkpoint, loaded with
             :func:`structspec.models.loader.load_model`), ``num_draft_tokens``, ``depth``,
             ``topk``.
-        target: the target :class:`~structspec.engine.model_runner.ModelRunner` (page size and
+        target: the target :class:`~structspec.runner.model_runner.ModelRunner` (page size and
             pool size are copied from it; its vocabulary must be that of the draft model).
         device: where the draft model and its KV pool live.
         dtype: draft model and KV dtype.
@@ -49,7 +49,7 @@ class DraftModelDrafter(TreeDrafter):
             seed the draft then equals the target).
         seed: the ``dummy`` seed.
         use_cuda_graph: replay proposes from CUDA graphs (CUDA only, and only when the target
-            uses graphs too; see :func:`~structspec.spec.expand.target_graph_options`).
+            uses graphs too; see :func:`~structspec.speculative.expand.target_graph_options`).
         cuda_graph_batch_sizes: graph batch buckets (default: the target's).
 
     Raises:

@@ -1,4 +1,4 @@
-"""Propose graphs of the model-based drafters (:mod:`structspec.spec.draft_graph`).
+"""Propose graphs of the model-based drafters (:mod:`structspec.speculative.draft_graph`).
 
 CPU: the graph path (bucket lookup, one staged int buffer, eager prefixes of long catch-ups,
 dummy rows, the static forward) runs with :meth:`DraftGraph.forward` executed eagerly instead of
@@ -18,19 +18,19 @@ import pytest
 import torch
 
 from structspec.config import CacheConfig, SpecConfig
-from structspec.engine.model_runner import ModelRunner
+from structspec.draft_tree.layout import VerifyTree
 from structspec.models.loader import load_model
-from structspec.spec.base import DraftRequest
-from structspec.spec.draft_graph import (
+from structspec.runner.model_runner import ModelRunner
+from structspec.speculative.base import DraftRequest
+from structspec.speculative.draft_graph import (
     DraftGraph,
     DraftGraphCache,
     build_catch_up_batch,
     draft_page_buckets,
 )
-from structspec.spec.draft_model import DraftModelDrafter
-from structspec.spec.eagle import EagleDrafter, build_random_eagle_head
-from structspec.spec.expand import TreeDrafter, build_extend_batch
-from structspec.spec.tree import VerifyTree
+from structspec.speculative.draft_model import DraftModelDrafter
+from structspec.speculative.eagle import EagleDrafter, build_random_eagle_head
+from structspec.speculative.expand import TreeDrafter, build_extend_batch
 from tests.spec.test_draft_model import PAGE, VOCAB, tiny_llama
 
 CPU = torch.device("cpu")

@@ -10,7 +10,7 @@ Static inputs (device, per graph): ``seq_lens [B]``, ``page_table [B, P]``,
 ``draft_tokens [B, N]``, ``depth [B, N]``, ``parents [B, N]`` (one flat int64 buffer, so one
 H2D copy fills the host-made part) and ``ancestor_mask [B, N, N]`` bool. The ForwardBatch
 (slots, positions, mask) is built *inside* the graph from them by
-:func:`~structspec.engine.batch_builder.build_verify_batch_from_tensors`.
+:func:`~structspec.runner.batch_builder.build_verify_batch_from_tensors`.
 
 Post graphs: for greedy batches everything after the forward is a second, small graph per
 bucket (and per "masked" flag): apply the grammar bitmask (static ``[B*N, W]`` int32 input,
@@ -37,10 +37,10 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from structspec.engine.batch_builder import accepted_kv_moves, build_verify_batch_from_tensors
+from structspec.draft_tree.verify import VerifyResult, verify_paths
 from structspec.grammar.bitmask import apply_bitmask_, bitmask_width
 from structspec.kvcache.pool import KVPool
-from structspec.spec.verify import VerifyResult, verify_paths
+from structspec.runner.batch_builder import accepted_kv_moves, build_verify_batch_from_tensors
 
 DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 MIN_KV_BUCKET = 256
@@ -173,7 +173,7 @@ class VerifyGraph:
     ) -> tuple[VerifyResult, torch.Tensor]:
         """Greedy post-forward work on the static buffers, run eagerly (what the post graph
         records): mask the logits in place (``masked``: with ``bitmask`` and ``cap``), argmax
-        each row, verify every tree (:func:`~structspec.spec.verify.verify_paths`), count the
+        each row, verify every tree (:func:`~structspec.draft_tree.verify.verify_paths`), count the
         real drafts and compact the accepted paths' KV (dummy rows move sink slots only).
 
         Returns:

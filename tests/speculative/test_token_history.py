@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from structspec.spec.base import TokenHistory
+from structspec.speculative.base import TokenHistory
 
 
 @pytest.mark.parametrize(("num_prompt", "num_output"), [(0, 5), (5, 0), (1, 1), (7, 12)])

@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from structspec.config import SpecConfig
-from structspec.spec.base import DraftRequest
-from structspec.spec.ngram import (
+from structspec.draft_tree.layout import VerifyTree
+from structspec.speculative.base import DraftRequest
+from structspec.speculative.ngram import (
     NgramDrafter,
     continuation_starts,
     continuation_starts_batch,
     find_continuations,
 )
-from structspec.spec.tree import VerifyTree
 
 
 def test_longest_match_first_then_recent() -> None:

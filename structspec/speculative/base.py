@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from structspec.spec.tree import VerifyTree
+from structspec.draft_tree.layout import VerifyTree
 
 
 class TokenHistory(Sequence[int]):

@@ -24,7 +24,7 @@ ancestor-closed and ties are deterministic.
 
 Draft KV layout per request (pages from the drafter's own :class:`PageAllocator`): the drafter
 owns ``E`` *committed entries* at positions ``0..E-1`` (draft model: one per history token;
-EAGLE: one per (token, target feature) pair, see :mod:`structspec.spec.eagle`), followed by a
+EAGLE: one per (token, target feature) pair, see :mod:`structspec.speculative.eagle`), followed by a
 scratch area of ``(depth - 1) * topk`` slots where frontier node ``j`` of step ``s`` writes its
 KV at position ``E + (s - 1) * topk + j`` (its rotary position is ``E + s - 1``). After verify
 the committed history only grows by appending, so entries ``0..kv_len-1`` stay valid and the
@@ -32,7 +32,7 @@ next propose re-feeds entries ``kv_len..E-1`` (at least the last one, whose outp
 root's children) in one batched causal *catch-up* forward.
 
 On CUDA the catch-up and the whole expansion of a propose are one CUDA-graph replay per
-(batch, page-table width) bucket; see :mod:`structspec.spec.draft_graph`.
+(batch, page-table width) bucket; see :mod:`structspec.speculative.draft_graph`.
 """
 
 from __future__ import annotations
@@ -45,19 +45,19 @@ from typing import Any
 import torch
 
 from structspec.config import SpecConfig
-from structspec.engine.batch_builder import page_table_tensor
-from structspec.engine.cuda_graph import DEFAULT_BATCH_SIZES
+from structspec.draft_tree.layout import VerifyTree
 from structspec.kvcache.allocator import PageAllocator, slots_for_positions
 from structspec.kvcache.pool import KVPool
 from structspec.layers.forward_batch import ForwardBatch
-from structspec.spec.base import Drafter, DraftRequest
-from structspec.spec.draft_graph import (
+from structspec.runner.batch_builder import page_table_tensor
+from structspec.runner.cuda_graph import DEFAULT_BATCH_SIZES
+from structspec.speculative.base import Drafter, DraftRequest
+from structspec.speculative.draft_graph import (
     DraftGraph,
     DraftGraphCache,
     ProposePlan,
     draft_page_buckets,
 )
-from structspec.spec.tree import VerifyTree
 
 #: ``step_fn(step, tokens, parent, scratch_mask) -> logp``: run the draft over the frontier of
 #: ``step`` (1-based): ``tokens [B, k]`` int64 (target vocabulary), ``parent [B, k]`` int64
@@ -365,7 +365,7 @@ class TreeDrafter(Drafter):
     work is per-request bookkeeping and the catch-up batch layout.
 
     On CUDA (with ``use_cuda_graph``) a propose is one CUDA-graph replay of the catch-up and the
-    whole expansion (:mod:`structspec.spec.draft_graph`), its inputs staged with one pinned
+    whole expansion (:mod:`structspec.speculative.draft_graph`), its inputs staged with one pinned
     buffer and one non-blocking copy; batches or page tables above the largest bucket run the
     eager path (one H2D per catch-up tensor, then the expansion's kernels one by one). A tree
     returned from a graph is a view of static buffers: valid until the next :meth:`propose`.
@@ -376,7 +376,7 @@ class TreeDrafter(Drafter):
         device: where the draft network and its pool live.
         use_cuda_graph: replay proposes from CUDA graphs (ignored off CUDA).
         cuda_graph_batch_sizes: batch-size buckets (default: the target's, else
-            :data:`~structspec.engine.cuda_graph.DEFAULT_BATCH_SIZES`).
+            :data:`~structspec.runner.cuda_graph.DEFAULT_BATCH_SIZES`).
         cuda_graph_max_model_len: longest sequence a graph covers (default: the target graphs'
             largest KV bucket, else 8192); longer ones run eagerly.
     """

@@ -4,8 +4,8 @@ Inputs are host-side descriptions (token lists, page lists, a verify tree); outp
 device until the scheduler copies what it needs.
 
 On CUDA, ``verify`` replays a captured CUDA graph per (batch, tree size, KV length) bucket
-(:mod:`structspec.engine.cuda_graph`) and stages its small host inputs through pinned buffers
-with non-blocking copies (:mod:`structspec.engine.staging`): no host sync on the way in. On CPU
+(:mod:`structspec.runner.cuda_graph`) and stages its small host inputs through pinned buffers
+with non-blocking copies (:mod:`structspec.staging`): no host sync on the way in. On CPU
 it runs the same eager code as always.
 """
 
@@ -19,7 +19,12 @@ import torch
 from torch import nn
 
 from structspec.config import CacheConfig, ModelConfig
-from structspec.engine.batch_builder import (
+from structspec.draft_tree.layout import VerifyTree
+from structspec.draft_tree.verify import VerifyResult
+from structspec.kvcache.pool import KVPool
+from structspec.layers.forward_batch import ForwardBatch
+from structspec.memory import check_fits
+from structspec.runner.batch_builder import (
     accepted_kv_moves,
     build_prefill_batch,
     build_verify_batch,
@@ -27,13 +32,8 @@ from structspec.engine.batch_builder import (
     page_rows,
     page_table_tensor,
 )
-from structspec.engine.cuda_graph import DEFAULT_BATCH_SIZES, VerifyGraph, VerifyGraphCache
-from structspec.engine.staging import Staging
-from structspec.kvcache.pool import KVPool
-from structspec.layers.forward_batch import ForwardBatch
-from structspec.memory import check_fits
-from structspec.spec.tree import VerifyTree
-from structspec.spec.verify import VerifyResult
+from structspec.runner.cuda_graph import DEFAULT_BATCH_SIZES, VerifyGraph, VerifyGraphCache
+from structspec.staging import Staging
 
 
 @dataclass
@@ -351,7 +351,7 @@ class ModelRunner:
         max_accept_cpu: torch.Tensor | None = None,
     ) -> tuple[VerifyResult, torch.Tensor]:
         """Greedy selection, tree verification and KV compaction for a graph-replayed
-        ``fwd`` as one post-graph replay (see :mod:`structspec.engine.cuda_graph`).
+        ``fwd`` as one post-graph replay (see :mod:`structspec.runner.cuda_graph`).
 
         Equivalent to ``apply_bitmask_`` + ``argmax`` + :func:`verify_tree` +
         :meth:`commit_accepted_kv` (do not call the latter again).

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from structspec.config import SpecConfig
-from structspec.spec.base import Drafter, NoDrafter
+from structspec.speculative.base import Drafter, NoDrafter
 
 
 def create_drafter(spec: SpecConfig, **kwargs: Any) -> Drafter:
@@ -24,15 +24,15 @@ def create_drafter(spec: SpecConfig, **kwargs: Any) -> Drafter:
     if spec.algorithm == "none":
         return NoDrafter()
     if spec.algorithm == "ngram":
-        from structspec.spec.ngram import NgramDrafter
+        from structspec.speculative.ngram import NgramDrafter
 
         return NgramDrafter(spec)
     if spec.algorithm == "draft_model":
-        from structspec.spec.draft_model import DraftModelDrafter
+        from structspec.speculative.draft_model import DraftModelDrafter
 
         return DraftModelDrafter(spec, **kwargs, **model_kwargs)
     if spec.algorithm == "eagle":
-        from structspec.spec.eagle import EagleDrafter
+        from structspec.speculative.eagle import EagleDrafter
 
         return EagleDrafter(spec, **kwargs)
     raise ValueError(f"unknown speculative_algorithm {spec.algorithm!r}")

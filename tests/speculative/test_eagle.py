@@ -12,18 +12,18 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from structspec.config import CacheConfig, SpecConfig
-from structspec.engine.batch_builder import (
+from structspec.draft_tree.layout import VerifyTree
+from structspec.draft_tree.verify import VerifyResult
+from structspec.kvcache.pool import KVPool
+from structspec.models.loader import load_model
+from structspec.runner.batch_builder import (
     build_prefill_batch,
     build_verify_batch,
     page_table_tensor,
 )
-from structspec.engine.model_runner import ModelRunner, VerifyForwardOutput
-from structspec.kvcache.pool import KVPool
-from structspec.models.loader import load_model
-from structspec.spec.base import DraftRequest
-from structspec.spec.eagle import EagleDrafter, build_random_eagle_head, load_eagle_head
-from structspec.spec.tree import VerifyTree
-from structspec.spec.verify import VerifyResult
+from structspec.runner.model_runner import ModelRunner, VerifyForwardOutput
+from structspec.speculative.base import DraftRequest
+from structspec.speculative.eagle import EagleDrafter, build_random_eagle_head, load_eagle_head
 
 CPU = torch.device("cpu")
 VOCAB = 96

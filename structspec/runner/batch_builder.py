@@ -10,9 +10,9 @@ from collections.abc import Sequence
 
 import torch
 
+from structspec.draft_tree.layout import VerifyTree
 from structspec.kvcache.allocator import slots_for_positions
 from structspec.layers.forward_batch import ForwardBatch
-from structspec.spec.tree import VerifyTree
 
 
 def page_table_tensor(pages: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:

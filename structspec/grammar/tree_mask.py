@@ -160,7 +160,7 @@ def parents_from_links(next_token: torch.Tensor, next_sibling: torch.Tensor) -> 
 
     Returns:
         ``int64 [bs, N]``: -1 for the root; unlinked (padding) nodes get 0, as in
-        :class:`~structspec.spec.tree.VerifyTree`.
+        :class:`~structspec.draft_tree.layout.VerifyTree`.
     """
     bs, n = next_token.shape
     out = [[0] * n for _ in range(bs)]
@@ -410,7 +410,7 @@ def settle_tree_rows_batch(bitmask: torch.Tensor, draft_tokens: torch.Tensor,
     A node is *reached* when its parent was expanded: the root always is; a draft node is
     expanded when it is reached, allowed by its parent's row and not a stop token. The walk is
     vectorised over ``requests`` (one numpy pass per tree column; parents precede children,
-    the :class:`~structspec.spec.tree.VerifyTree` order), so its cost barely grows with the
+    the :class:`~structspec.draft_tree.layout.VerifyTree` order), so its cost barely grows with the
     batch (~0.1 ms for 64 x 8 nodes against ~0.8 ms for a per-request Python walk).
 
     Args:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from structspec.spec.tree import VerifyTree
+from structspec.draft_tree.layout import VerifyTree
 
 
 @dataclass

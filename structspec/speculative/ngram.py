@@ -28,8 +28,8 @@ import torch
 from numpy.lib.stride_tricks import as_strided
 
 from structspec.config import SpecConfig
-from structspec.spec.base import Drafter, DraftRequest
-from structspec.spec.tree import VerifyTree
+from structspec.draft_tree.layout import VerifyTree
+from structspec.speculative.base import Drafter, DraftRequest
 
 
 def continuation_starts(

@@ -17,15 +17,15 @@ largest ``B`` bucket or a page table wider than the largest ``P`` bucket runs ea
 
 Static inputs: one flat int64 device buffer ``roots [B] | start [B] | qlen [B] | tokens [B, Q]
 | page_table [B, P]``, filled by ONE pinned host buffer and ONE non-blocking H2D copy per
-propose (:class:`~structspec.engine.staging.PinnedRing`). Everything else (catch-up slots,
+propose (:class:`~structspec.staging.PinnedRing`). Everything else (catch-up slots,
 positions, masks, ``logits_indices``, the frontier batches) is built inside the graph by
-:func:`build_catch_up_batch` and :func:`~structspec.spec.expand.build_frontier_batch`.
+:func:`build_catch_up_batch` and :func:`~structspec.speculative.expand.build_frontier_batch`.
 
 Row kinds:
 
 * real row: appends entries ``start .. start + qlen - 1`` (``1 <= qlen <= Q``) after ``start``
   cached entries; query rows past ``qlen`` are padding rows (write slot 0, attend column 0),
-  exactly as :func:`~structspec.spec.expand.build_extend_batch` lays them out;
+  exactly as :func:`~structspec.speculative.expand.build_extend_batch` lays them out;
 * dummy row (``qlen = 0``: batch padding, or a request that is not drafted this step): treated
   as one token at position 0 with an all-zero page-table row, so its catch-up and frontier KV
   writes all land in page 0, the sink that :class:`~structspec.kvcache.allocator.PageAllocator`
@@ -52,16 +52,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from structspec.engine.batch_builder import page_rows
-from structspec.engine.cuda_graph import kv_len_buckets, pick_bucket
-from structspec.engine.staging import PinnedRing
+from structspec.draft_tree.layout import VerifyTree
 from structspec.kvcache.allocator import slots_for_positions
 from structspec.layers.forward_batch import ForwardBatch
-from structspec.spec.base import DraftRequest
-from structspec.spec.tree import VerifyTree
+from structspec.runner.batch_builder import page_rows
+from structspec.runner.cuda_graph import kv_len_buckets, pick_bucket
+from structspec.speculative.base import DraftRequest
+from structspec.staging import PinnedRing
 
 if TYPE_CHECKING:
-    from structspec.spec.expand import TreeDrafter
+    from structspec.speculative.expand import TreeDrafter
 
 
 @dataclass
@@ -91,7 +91,7 @@ def build_catch_up_batch(
 ) -> ForwardBatch:
     """Fixed-shape causal catch-up built on the device (no host sync, capturable).
 
-    Same layout as :func:`~structspec.spec.expand.build_extend_batch` with ``Q`` query rows per
+    Same layout as :func:`~structspec.speculative.expand.build_extend_batch` with ``Q`` query rows per
     request: row ``b`` appends ``tokens[b, :qlen[b]]`` at positions ``start[b]..``; a dummy row
     (``qlen == 0``) is fed as one token at position 0 (its page-table row must be all page 0).
 
@@ -201,7 +201,7 @@ class DraftGraph:
 
 
 class _HostRing:
-    """CPU stand-in for :class:`~structspec.engine.staging.PinnedRing` (plain copies)."""
+    """CPU stand-in for :class:`~structspec.staging.PinnedRing` (plain copies)."""
 
     def acquire(self, numel: int) -> torch.Tensor:
         return torch.empty(numel, dtype=torch.int64)

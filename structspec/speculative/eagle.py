@@ -2,7 +2,7 @@
 
 Sources: EAGLE (Li et al., 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature
 Uncertainty", arXiv:2401.15077), EAGLE-2 (Li et al., 2024, arXiv:2406.16858: dynamic draft
-trees, see :mod:`structspec.spec.expand`), EAGLE-3 (Li et al., 2025, "EAGLE-3: Scaling up
+trees, see :mod:`structspec.speculative.expand`), EAGLE-3 (Li et al., 2025, "EAGLE-3: Scaling up
 Inference Acceleration of Large Language Models via Training-Time Test", arXiv:2503.01840).
 Checkpoint layouts follow the public EAGLE repository and sglang's ``llama_eagle.py`` /
 ``llama_eagle3.py`` as publicly documented (written from those descriptions).
@@ -28,7 +28,7 @@ Supported head formats (a directory with ``config.json`` + ``*.safetensors`` or
   pre-norm output back as the next ``h`` (EAGLE-3's training-time test). Not supported:
   multi-layer EAGLE-3 heads, heads with their own trained embeddings.
 
-Committed entries (see :mod:`structspec.spec.expand`): head entry ``p`` pairs token
+Committed entries (see :mod:`structspec.speculative.expand`): head entry ``p`` pairs token
 ``x_{p+1}`` with target feature ``f_p`` (the target hidden state at position ``p``, which
 predicted ``x_{p+1}``), at rotary position ``p``. With ``L`` history tokens the head holds
 ``L - 1`` entries; the output of the last one (``~f_{L-1}``) gives the root's children and is
@@ -55,7 +55,6 @@ from safetensors.torch import save_file
 from torch import nn
 
 from structspec.config import ModelConfig, SpecConfig
-from structspec.engine.batch_builder import page_table_tensor
 from structspec.kvcache.allocator import slots_for_positions
 from structspec.kvcache.pool import KVPool
 from structspec.layers.attention import AttentionBackend, TorchAttentionBackend
@@ -63,8 +62,9 @@ from structspec.layers.forward_batch import ForwardBatch
 from structspec.layers.norm import RMSNorm
 from structspec.layers.rotary import RotaryEmbedding
 from structspec.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
-from structspec.spec.base import DraftRequest
-from structspec.spec.expand import (
+from structspec.runner.batch_builder import page_table_tensor
+from structspec.speculative.base import DraftRequest
+from structspec.speculative.expand import (
     TreeDrafter,
     default_draft_pages,
     host_to_device,
@@ -436,7 +436,7 @@ class EagleDrafter(TreeDrafter):
 
     Args:
         spec: ``draft_model`` = the head directory, ``num_draft_tokens``, ``depth``, ``topk``.
-        target: the target :class:`~structspec.engine.model_runner.ModelRunner` (its
+        target: the target :class:`~structspec.runner.model_runner.ModelRunner` (its
             ``model.embed_tokens``, ``model.compute_logits``, ``model_config``, ``page_size``,
             ``kv_pool.num_pages`` are used).
         device, dtype: where and in which dtype the head, its KV and the features live.
@@ -445,7 +445,7 @@ class EagleDrafter(TreeDrafter):
         max_batch_size: used only for the default ``num_pages``.
         head: an already built head (tests) instead of loading ``spec.draft_model``.
         use_cuda_graph: replay proposes from CUDA graphs (CUDA only, and only when the target
-            uses graphs too; see :func:`~structspec.spec.expand.target_graph_options`).
+            uses graphs too; see :func:`~structspec.speculative.expand.target_graph_options`).
         cuda_graph_batch_sizes: graph batch buckets (default: the target's).
     """
 

@@ -1,0 +1,138 @@
+"""Grammar constraints: what output shape a request asks for (compiled by
+:mod:`structspec.grammar`).
+
+Plain frozen records with no torch or xgrammar import, so the HTTP front end, the CLI and the
+Python API can build and check them cheaply. ``kind`` names the grammar family and
+``canonical_text()`` is the compile-cache key. (These were called ``*Spec`` before 0.2; the old
+names stay importable from :mod:`structspec` and :mod:`structspec.core` as deprecated aliases.)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class JsonSchemaConstraint:
+    """Output must be JSON valid under ``schema`` (a JSON Schema, as a dict or JSON text).
+
+    ``strict=True`` (OpenAI's ``json_schema.strict``) rejects schemas that use keywords the
+    grammar cannot enforce; ``strict=False`` generates best effort and validates afterwards.
+    """
+
+    schema: str | dict[str, Any]
+    strict: bool = True
+
+    @property
+    def kind(self) -> str:
+        return "json_schema"
+
+    def canonical_text(self) -> str:
+        """The schema re-serialised compactly, key order kept (xgrammar emits properties in
+        declaration order, so order is part of the grammar).
+
+        Raises:
+            ValueError: when ``schema`` is text that is not JSON, or not a JSON object/bool.
+        """
+        schema = self.schema
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"json_schema is not valid JSON: {e}") from e
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError(f"json_schema must be a JSON object, got {type(schema).__name__}")
+        return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+
+
+@dataclass(frozen=True)
+class JsonObjectConstraint:
+    """Output must be any JSON object (OpenAI's ``response_format={"type": "json_object"}``)."""
+
+    @property
+    def kind(self) -> str:
+        return "json_object"
+
+    def canonical_text(self) -> str:
+        return ""
+
+
+@dataclass(frozen=True)
+class RegexConstraint:
+    """Output must fully match ``pattern``."""
+
+    pattern: str
+
+    @property
+    def kind(self) -> str:
+        return "regex"
+
+    def canonical_text(self) -> str:
+        return self.pattern
+
+
+@dataclass(frozen=True)
+class EbnfConstraint:
+    """Output must be a sentence of the GBNF grammar ``grammar`` (start symbol ``root``)."""
+
+    grammar: str
+
+    @property
+    def kind(self) -> str:
+        return "ebnf"
+
+    def canonical_text(self) -> str:
+        return self.grammar
+
+
+@dataclass(frozen=True)
+class ChoiceConstraint:
+    """Output must be exactly one of ``choices``.
+
+    A list is stored as a tuple (the constraint is frozen and hashed as a grammar cache key). An
+    empty tuple or an empty choice is left to the grammar backend, which refuses it as a
+    request error (``choice_ebnf``).
+
+    Raises:
+        ValueError: ``choices`` is a bare string (it would be split into its characters),
+            not a list/tuple, or holds an item that is not a string; naming ``choices``.
+    """
+
+    choices: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        choices: object = self.choices
+        # A str is a Sequence of str: ChoiceConstraint("abc") used to mean the choices a / b / c.
+        if not isinstance(choices, (list, tuple)):
+            raise ValueError(f"choices must be a list or tuple of strings, got "
+                             f"{type(choices).__name__} {choices!r}")
+        for i, c in enumerate(choices):
+            if not isinstance(c, str):  # str(None) / str(1) would become a choice
+                raise ValueError(f"choices[{i}] must be a string, got {type(c).__name__} "
+                                 f"{c!r}")
+        if not isinstance(choices, tuple):
+            object.__setattr__(self, "choices", tuple(choices))
+
+    @property
+    def kind(self) -> str:
+        return "choice"
+
+    def canonical_text(self) -> str:
+        return json.dumps(list(self.choices))
+
+
+GrammarConstraint = JsonSchemaConstraint | JsonObjectConstraint | RegexConstraint | EbnfConstraint | ChoiceConstraint
+
+PARAM_BY_KIND: dict[str, str] = {
+    "json_schema": "response_format.json_schema",
+    "json_object": "response_format",
+    "regex": "regex",
+    "ebnf": "ebnf",
+    "choice": "choice",
+}
+"""The request field each grammar kind comes from (OpenAI-style names; ``regex``, ``ebnf``
+and ``choice`` are the extra body fields of the completions API). Grammar errors carry it as
+their ``param``; here (not in :mod:`structspec.grammar`) so that the HTTP front end can read
+it without importing xgrammar."""
