@@ -56,6 +56,7 @@ from structspec.scheduler.request import Req, ReqStatus
 from structspec.scheduler.step_stats import StepTimer
 from structspec.scheduler.validate import check_schema_output
 from structspec.speculative.base import Drafter, DraftRequest, TokenHistory
+from structspec.staging import stack_to_device, to_device
 
 logger = logging.getLogger(__name__)
 
@@ -391,26 +392,19 @@ class Scheduler:
                                        tree.parents)
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """Host tensor to the model device: on CUDA through the runner's pinned staging
-        (non_blocking, no host sync); on CPU as is."""
-        if self.runner.staging is not None:
-            return self.runner.staging.to_device(host)
-        return host.to(self.runner.device)
+        """Host tensor to the model device (pinned staging on CUDA; see :mod:`staging`)."""
+        return to_device(host, self.runner.device, self.runner.staging)
 
     def _tree_to_device(self, tree: VerifyTree) -> VerifyTree:
-        """A host tree on the model device. On CUDA the five int64 fields travel in one pinned
-        buffer and one non-blocking H2D copy (and the bool ancestor mask in a second): each
-        staged copy costs ~50 us of host time, which matters at batch 1."""
+        """A host tree on the model device: the five int64 fields in one staged copy, the bool
+        ancestor mask in a second."""
         if tree.device == self.runner.device or tree.device.type != "cpu":
             return tree
         fields = ("draft_tokens", "parents", "depth", "next_token", "next_sibling")
-        staging = self.runner.staging
-        if staging is None:
-            return VerifyTree(**{f: getattr(tree, f).to(self.runner.device)
-                                 for f in (*fields, "ancestor_mask")})
-        ints = staging.to_device(torch.stack([getattr(tree, f) for f in fields]))
-        return VerifyTree(**dict(zip(fields, ints.unbind(0), strict=True)),
-                          ancestor_mask=staging.to_device(tree.ancestor_mask))
+        dev, staging = self.runner.device, self.runner.staging
+        ints = stack_to_device([getattr(tree, f) for f in fields], dev, staging)
+        return VerifyTree(**dict(zip(fields, ints, strict=True)),
+                          ancestor_mask=to_device(tree.ancestor_mask, dev, staging))
 
     def _run_verify(self, reqs: list[Req]) -> None:
         timer = self.timer

@@ -115,6 +115,30 @@ class Drafter(ABC):
     def propose(self, reqs: Sequence[DraftRequest]) -> VerifyTree:
         """Return ``[B, num_nodes]`` trees (host tensors if ``tree_on_host``, else device)."""
 
+    #: target decoder layers whose outputs this drafter reads (EAGLE-3 features); the target
+    #: forwards return them as ``aux_hidden_states``. Empty: none.
+    aux_hidden_layers: tuple[int, ...] = ()
+
+    def on_target_hidden(  # noqa: B027
+        self,
+        reqs: Sequence[DraftRequest],
+        hidden_states: torch.Tensor,
+        rows: torch.Tensor | None,
+        num_rows: Sequence[int],
+        aux_hidden_states: Sequence[torch.Tensor] = (),
+    ) -> None:
+        """Hook after every target forward (prefill and verify) with its hidden states, for
+        drafters that read target features (EAGLE); a no-op by default.
+
+        Args:
+            reqs: the forward's requests (after a prefill: ``DraftRequest(id, prompt, 0)``).
+            hidden_states: ``[B, Q, H]`` final target hidden states (device).
+            rows: ``[B, R]`` int64 query row per newly committed position (device), or None
+                (row j = position j, after a prefill).
+            num_rows: host ints, valid entries of ``rows[b]`` (the committed run lengths).
+            aux_hidden_states: the outputs of :attr:`aux_hidden_layers`, each ``[B, Q, H]``.
+        """
+
     def on_verified(self, reqs: Sequence[DraftRequest], committed: Sequence[list[int]]) -> None:  # noqa: B027
         """Hook after commit: ``committed[b]`` are the tokens request b kept this step."""
 

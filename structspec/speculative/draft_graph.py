@@ -58,7 +58,7 @@ from structspec.layers.forward_batch import ForwardBatch
 from structspec.runner.batch_builder import page_rows
 from structspec.runner.cuda_graph import kv_len_buckets, pick_bucket
 from structspec.speculative.base import DraftRequest
-from structspec.staging import PinnedRing
+from structspec.staging import HostRing, PinnedRing
 
 if TYPE_CHECKING:
     from structspec.speculative.expand import TreeDrafter
@@ -200,16 +200,6 @@ class DraftGraph:
         self.graph.replay()
 
 
-class _HostRing:
-    """CPU stand-in for :class:`~structspec.staging.PinnedRing` (plain copies)."""
-
-    def acquire(self, numel: int) -> torch.Tensor:
-        return torch.empty(numel, dtype=torch.int64)
-
-    def copy_to(self, host: torch.Tensor, dst: torch.Tensor) -> None:
-        dst.copy_(host.view(dst.shape))
-
-
 def draft_page_buckets(max_model_len: int, scratch: int, page_size: int) -> tuple[int, ...]:
     """Page-table widths: the target's KV-length buckets in pages, the last one widened by the
     expansion scratch (a request of ``E`` entries needs ``E + scratch + 1`` positions)."""
@@ -241,8 +231,8 @@ class DraftGraphCache:
         self.device = torch.device(device)
         on_cuda = self.device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if on_cuda else None
-        self.ring: PinnedRing | _HostRing = (
-            PinnedRing(self.device, torch.int64, depth=8) if on_cuda else _HostRing())
+        self.ring: PinnedRing | HostRing = (
+            PinnedRing(self.device, torch.int64, depth=8) if on_cuda else HostRing())
         self.graphs: dict[tuple[int, int], DraftGraph] = {}
         #: proposes served by a graph (replays on CUDA, eager static forwards on CPU).
         self.runs = 0

@@ -8,6 +8,11 @@ from structspec.config import SpecConfig
 from structspec.speculative.base import Drafter, NoDrafter
 
 
+def drafter_names() -> tuple[str, ...]:
+    """The ``--speculative-algorithm`` names the engine knows, in registry order."""
+    return ("none", "ngram", "draft_model", "eagle")
+
+
 def create_drafter(spec: SpecConfig, **kwargs: Any) -> Drafter:
     """Build the drafter named by ``spec.algorithm``.
 

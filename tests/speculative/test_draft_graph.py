@@ -31,7 +31,7 @@ from structspec.speculative.draft_graph import (
 from structspec.speculative.draft_model import DraftModelDrafter
 from structspec.speculative.eagle import EagleDrafter, build_random_eagle_head
 from structspec.speculative.expand import TreeDrafter, build_extend_batch
-from tests.spec.test_draft_model import PAGE, VOCAB, tiny_llama
+from tests.speculative.test_draft_model import PAGE, VOCAB, tiny_llama
 
 CPU = torch.device("cpu")
 CUDA_ONLY = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
