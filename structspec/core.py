@@ -8,10 +8,12 @@ from __future__ import annotations
 import enum
 import math
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import structspec.constraints
 from structspec.constraints import ChoiceConstraint, GrammarConstraint
 
 # ---------------------------------------------------------------------------------------------
@@ -394,13 +396,9 @@ def deprecated_constraint_name(name: str) -> Any:
     new = _DEPRECATED_NAMES.get(name)
     if new is None:
         raise AttributeError(name)
-    import warnings
-
-    from structspec import constraints
-
     warnings.warn(f"{name} is deprecated; use structspec.{new}", DeprecationWarning,
                   stacklevel=3)
-    return getattr(constraints, new)
+    return getattr(structspec.constraints, new)
 
 
 def __getattr__(name: str) -> Any:

@@ -11,16 +11,32 @@ start, like sglang's.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from structspec.core import SpecMetrics
-from structspec.server.ipc import EngineStats
+from structspec.server.ipc import EngineDelta, EngineStats
 
-if TYPE_CHECKING:
-    from structspec.server.generation import ChoiceState
+
+class FinishedChoice(Protocol):
+    """What the metrics read of one response choice (``server.generation.ChoiceState``; a
+    protocol here so that this module does not import the generation module back)."""
+
+    @property
+    def prompt_ids(self) -> Sequence[int]: ...
+
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def first_token_s(self) -> float | None: ...
+
+    @property
+    def final(self) -> EngineDelta | None: ...
+
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 300.0)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0)
@@ -136,7 +152,7 @@ class ServerMetrics:
                 self.step_pool_send.observe(step.pool_send_ms)
                 self.step_pool_worker.observe(step.pool_worker_max_ms)
 
-    def on_finished(self, choice: ChoiceState, elapsed_s: float) -> None:
+    def on_finished(self, choice: FinishedChoice, elapsed_s: float) -> None:
         """Record one finished engine request (``elapsed_s`` since the HTTP request)."""
         final = choice.final
         assert final is not None
@@ -160,7 +176,7 @@ class ServerMetrics:
             self.spec_accept_length.set(self._spec_total.accept_length)
             self.spec_accept_rate.set(self._spec_total.accept_rate)
 
-    def on_abandoned(self, choice: ChoiceState) -> None:
+    def on_abandoned(self, choice: FinishedChoice) -> None:
         """An unfinished request was aborted by the front end (client gone, error)."""
         self.requests.labels(finish_reason="abort").inc()
         self.prompt_tokens.inc(len(choice.prompt_ids))
