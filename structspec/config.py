@@ -60,7 +60,7 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Build from a parsed HF ``config.json``; see the class docstring for errors."""
-        from structspec.models.registry import SUPPORTED_ARCHITECTURES
+        from structspec.models.architectures import SUPPORTED_ARCHITECTURES
 
         archs = cfg.get("architectures") or []
         if not archs:

@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 
-from structspec.cli import _engine_kwargs, build_parser, main
+from structspec.cli import build_parser, main
 from structspec.constraints import ChoiceConstraint, JsonSchemaConstraint, RegexConstraint
 from structspec.core import FinishReason, RequestOutput, SamplingParams
+from structspec.engine_args import engine_kwargs
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])
@@ -23,11 +24,11 @@ def test_kernels_and_load_format_flags(command: str) -> None:
     extra = ["--prompt", "hi"] if command == "generate" else []
     parser = build_parser()
     args = parser.parse_args([command, *extra])
-    kw = _engine_kwargs(args)
+    kw = engine_kwargs(args)
     assert kw["kernels"] == "auto" and kw["load_format"] == "auto"
     args = parser.parse_args([command, *extra, "--kernels", "torch", "--load-format", "dummy",
                               "--no-cuda-graph"])
-    kw = _engine_kwargs(args)
+    kw = engine_kwargs(args)
     assert kw["kernels"] == "torch" and kw["load_format"] == "dummy"
     config = build_engine_config("some/dir", **kw)  # what `serve` hands the engine process
     assert (config.kernels, config.load_format, config.cuda_graph) == ("torch", "dummy", False)
@@ -485,10 +486,10 @@ def test_batch_invariant_flag(command: str) -> None:
 
     extra = ["--prompt", "hi"] if command == "generate" else []
     parser = build_parser()
-    kw = _engine_kwargs(parser.parse_args([command, *extra]))
+    kw = engine_kwargs(parser.parse_args([command, *extra]))
     assert kw["batch_invariant"] is False
     assert build_engine_config("some/dir", **kw).batch_invariant is False
-    kw = _engine_kwargs(parser.parse_args([command, *extra, "--batch-invariant"]))
+    kw = engine_kwargs(parser.parse_args([command, *extra, "--batch-invariant"]))
     assert kw["batch_invariant"] is True
     assert build_engine_config("some/dir", **kw).batch_invariant is True
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset(
-    {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
-)
+from structspec.models.architectures import SUPPORTED_ARCHITECTURES
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "get_model_class"]
 
 
 def get_model_class(arch: str) -> type:

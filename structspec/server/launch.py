@@ -31,6 +31,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from structspec.engine_args import engine_kwargs, flag_error
+
 GRACEFUL_TIMEOUT_S = 5.0
 ENGINE_JOIN_TIMEOUT_S = 10.0
 
@@ -39,7 +41,8 @@ logger = logging.getLogger("structspec.server")
 
 def build_engine_config(model: str | None = None, **kwargs: Any) -> Any:
     """An :class:`~structspec.config.EngineConfig` from ``LLM``-style keyword options (the
-    output of ``structspec.cli._engine_kwargs``), built exactly as ``LLM.__init__`` does."""
+    output of :func:`structspec.engine_args.engine_kwargs`), built exactly as ``LLM.__init__``
+    does."""
     from structspec.config import (
         CacheConfig,
         EngineConfig,
@@ -123,19 +126,17 @@ def serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
 
-    from structspec.cli import _FLAG_OF_ENGINE_FIELD, _engine_kwargs, _flag_error
     from structspec.config import resolve_engine_config
     from structspec.server.engine_client import EngineClient, EngineStartupError
 
     try:
-        config = build_engine_config(args.model, **_engine_kwargs(args))
+        config = build_engine_config(args.model, **engine_kwargs(args))
         # The engine process resolves it again; checking here refuses a bad option with exit
         # 2 naming its flag, before an engine process is spawned (as ``generate`` does).
         resolve_engine_config(config)
     except (TypeError, ValueError) as e:
         sock.close()
-        print(f"structspec serve: {_flag_error(str(e), _FLAG_OF_ENGINE_FIELD)}",
-              file=sys.stderr)
+        print(f"structspec serve: {flag_error(str(e))}", file=sys.stderr)
         return 2
     client = EngineClient(config)
     logger.info("starting the engine process (model: %s)", args.model or "default")

