@@ -1,11 +1,19 @@
-"""Pinned host staging for host->device copies in the decode/verify hot path (invariant 6).
+"""Every host<->device copy of the hot path, and every pinned host buffer behind them
+(docs/architecture.md, invariant 6: no blocking copies in the hot path).
 
-Every small host tensor the verify forward needs (committed lengths, page tables, a host
-drafter's tree) goes to the device through a :class:`PinnedRing`: the host fills a pinned
-buffer, one ``copy_(..., non_blocking=True)`` per destination is queued on the *current*
-stream, and a CUDA event is recorded right after it.
+Nothing outside this module allocates page-locked memory, queues a ``non_blocking`` copy,
+records a copy's event or waits on one. Its pieces, in step order:
 
-Stream/event ordering:
+* **H2D ring** (:class:`PinnedRing`, :class:`Staging`, :func:`to_device`,
+  :func:`stack_to_device`): small host tensors the verify forward reads (committed lengths,
+  page tables, a host drafter's tree, the draft graphs' inputs).
+* **D2H pending copy** (:class:`DeviceToHost` -> :class:`PendingCopy`): the drafted tree for
+  the grammar mask build and the step's accepted tokens for the commit.
+* **Pinned uploads** (:func:`pinned_full`, :func:`upload_pinned`, :func:`page_lock`): the tree
+  bitmask, built on the host in a pinned buffer (or in the mask workers' page-locked
+  shared-memory slab) and uploaded behind the verify forward.
+
+Stream/event ordering, H2D ring:
 
 * The H2D copy is queued on the same stream as the forward (eager kernels or a CUDA graph
   replay) that reads its destination, so stream order alone guarantees the forward sees the
@@ -20,14 +28,133 @@ Stream/event ordering:
 * Device destinations are owned by the caller (static CUDA graph inputs or fresh tensors from
   the caching allocator, which is stream ordered).
 
-On CPU there is nothing to stage: :meth:`PinnedRing.to_device` falls back to plain copies.
+Stream/event ordering, D2H pending copy:
+
+* :meth:`DeviceToHost.launch` queues one ``non_blocking`` copy per source into a pinned host
+  buffer on the *current* stream, right behind the kernels that produced the sources, and
+  records **one** event after the last of them. Nothing waits there.
+* The host waits in :meth:`PendingCopy.wait` (``cudaEventSynchronize`` on that event: it blocks
+  until those copies are done, never for work queued after the event, and it is neither a
+  stream nor a device sync), at the one planned point of its step: the drafted tree's copies
+  are launched *before* the verify forward and waited for *after* its launch (so the wait
+  covers the small copies only, not the forward); the step's results are waited for once, when
+  the scheduler commits them.
+* ``record_stream`` (the grammar tree's copies): the copy reads its source later on the
+  current stream; recording that stream keeps the caching allocator from handing the source's
+  memory to another stream's kernels before the copy has read it, if the source was allocated
+  on another stream (a no-op when it was allocated on the current one).
+* Buffer reuse: a :class:`DeviceToHost` keeps one pinned buffer per ``(slot, shape, dtype)``
+  and reuses it on every launch, so its caller must have waited for and read the previous
+  launch's buffers before launching again (the scheduler's results: a step is always waited
+  for before the next one is launched). A :class:`DeviceToHost` made per launch allocates
+  fresh buffers each time, which the grammar tree's copies have always done (what a fresh
+  pinned allocation costs: :func:`pinned_full`).
+
+Stream ordering, pinned uploads:
+
+* :func:`upload_pinned` queues one ``non_blocking`` H2D copy on the current stream; stream
+  order puts it before the kernels queued after it that read the destination (the mask
+  application), so no event is needed on the device side.
+* The source must not change until the copy ran. An in-process bitmask is a fresh
+  :func:`pinned_full` buffer per step (torch's caching host allocator records the copy's event
+  on the block and does not hand it out again before that event completed). The mask
+  workers' slab is page-locked once (:func:`page_lock`) and rewritten only by the next step's
+  build, which starts after the scheduler waited for this step's results, queued behind the
+  upload on the same stream.
+
+CPU fallbacks: on a machine without CUDA nothing is staged. :func:`to_device` /
+:func:`stack_to_device` without a :class:`Staging` and :class:`HostRing` make plain copies,
+:meth:`DeviceToHost.launch` of CPU tensors returns host clones with no event,
+:func:`pinned_full` returns pageable memory, :func:`page_lock` is a no-op and
+:func:`upload_pinned` to the CPU is a plain copy into ``out`` (or returns the host tensor).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
+
+#: Key of a :class:`DeviceToHost` buffer: ``(slot, shape, dtype)``.
+BufferKey = tuple[int, tuple[int, ...], torch.dtype]
+
+
+# ------------------------------------------------------------------------ pinned host memory
+
+
+def pinned_full(shape: Sequence[int], fill: int | float, dtype: torch.dtype, *,
+                pin: bool = True) -> torch.Tensor:
+    """A host tensor filled with ``fill``, page-locked when ``pin`` and CUDA is available, so
+    that :func:`upload_pinned` is truly asynchronous (a pageable source makes CUDA stage the
+    copy and block the host).
+
+    A fresh page-locked allocation per call: it goes through torch's caching host allocator,
+    which reuses a freed block once the copies recorded on it completed, so a steady per-step
+    allocation of one size costs a free-list lookup and the fill, not a ``cudaHostAlloc``
+    (only a new size, or more buffers in flight than ever before, allocates).
+
+    Args:
+        shape: the tensor's shape.
+        fill: the value of every element.
+        dtype: its dtype.
+        pin: False for a pageable buffer (one that is never uploaded asynchronously).
+
+    Returns:
+        A CPU tensor of ``shape`` and ``dtype``.
+    """
+    pin = pin and torch.cuda.is_available()
+    return torch.full(tuple(shape), fill, dtype=dtype, pin_memory=pin)
+
+
+def upload_pinned(host: torch.Tensor, device: torch.device | str, *,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """Queue an H2D copy of a page-locked host tensor on the current stream; no host wait.
+
+    The caller keeps ``host`` unchanged until the copy ran (module doc, "pinned uploads").
+
+    Args:
+        host: a CPU tensor (page-locked for an asynchronous copy: :func:`pinned_full` or
+            :func:`page_lock`).
+        device: the destination device; ``"cpu"`` returns ``host`` itself when ``out`` is None.
+        out: a device tensor of ``host``'s shape and dtype to copy into (e.g. a view of a CUDA
+            graph's static input), or None for a fresh tensor from the caching allocator.
+
+    Returns:
+        ``out``, or the fresh device tensor.
+    """
+    if out is None:
+        return host.to(device, non_blocking=True)
+    out.copy_(host, non_blocking=True)
+    return out
+
+
+def page_lock(host: torch.Tensor) -> int | None:
+    """Page-lock the memory of an existing host tensor in place (``cudaHostRegister``), e.g. a
+    shared-memory segment another process writes, so uploads out of it are asynchronous.
+
+    Args:
+        host: a contiguous CPU tensor; its whole storage range ``[data_ptr, + nbytes)`` is
+            registered. Release it with :func:`page_unlock` before its memory is freed.
+
+    Returns:
+        None without CUDA (nothing to lock; the memory stays pageable), 0 when locked, or the
+        CUDA error code of a failed registration (the memory stays pageable and uploads out of
+        it block the host).
+    """
+    if not torch.cuda.is_available():
+        return None
+    nbytes = host.numel() * host.element_size()
+    return int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, 0))
+
+
+def page_unlock(data_ptr: int) -> None:
+    """Undo :func:`page_lock` (``cudaHostUnregister``) for the tensor whose ``data_ptr()`` was
+    ``data_ptr``; call it only after a :func:`page_lock` that returned 0."""
+    torch.cuda.cudart().cudaHostUnregister(data_ptr)
+
+
+# ------------------------------------------------------------------------------- H2D ring
 
 
 class PinnedRing:
@@ -166,3 +293,89 @@ def stack_to_device(hosts: Sequence[torch.Tensor], device: torch.device,
     if staging is None:
         return [h.to(device) for h in hosts]
     return list(staging.to_device(torch.stack(list(hosts))).unbind(0))
+
+
+# ----------------------------------------------------------------------- D2H pending copy
+
+
+@dataclass
+class PendingCopy:
+    """Host copies of device tensors, possibly still in flight (see :class:`DeviceToHost`).
+
+    Attributes:
+        hosts: one CPU tensor per source, in source order (page-locked on CUDA). Read them
+            only after :meth:`wait`.
+        event: CUDA event recorded after the copies, or None when the sources were on the CPU
+            (then ``hosts`` are already final).
+    """
+
+    hosts: tuple[torch.Tensor, ...]
+    event: torch.cuda.Event | None = None
+    _waited: bool = field(default=False, repr=False)
+
+    @property
+    def from_device(self) -> bool:
+        """Whether the copies came from a CUDA device (an event guards them)."""
+        return self.event is not None
+
+    def wait(self) -> tuple[torch.Tensor, ...]:
+        """Block until the copies landed (once; later calls return at once) and return
+        :attr:`hosts`. The only host wait of a D2H copy (module doc, "D2H pending copy")."""
+        if not self._waited:
+            if self.event is not None:
+                self.event.synchronize()
+            self._waited = True
+        return self.hosts
+
+
+class DeviceToHost:
+    """Asynchronous D2H copies of a fixed list of sources ("slots") into pinned host buffers,
+    one event after them.
+
+    Args:
+        buffers: where the reusable pinned buffers live, keyed by ``(slot, shape, dtype)``;
+            pass a dict that outlives this object to reuse buffers across objects. None = a
+            dict of this object's own (reused by its later launches).
+        record_stream: protect each source with ``record_stream`` on the current stream (for
+            sources that may have been allocated on another stream; module doc).
+
+    A buffer is reused by the next launch with the same key: wait for and read a launch's
+    :class:`PendingCopy` before launching again with the same ``buffers``.
+    """
+
+    def __init__(self, buffers: dict[BufferKey, torch.Tensor] | None = None, *,
+                 record_stream: bool = False) -> None:
+        self.buffers: dict[BufferKey, torch.Tensor] = {} if buffers is None else buffers
+        self.record_stream = record_stream
+
+    def launch(self, srcs: Sequence[torch.Tensor], *,
+               dtype: torch.dtype | None = None) -> PendingCopy:
+        """Queue the copies of ``srcs`` behind the kernels that made them; no host wait.
+
+        Args:
+            srcs: tensors of any shapes on one device. On CUDA each is copied ``non_blocking``
+                into a pinned buffer on the current stream, then one event is recorded; on the
+                CPU each is cloned (no event).
+            dtype: the host dtype (e.g. ``torch.int64`` for int32 sources); None = each
+                source's own.
+
+        Returns:
+            A :class:`PendingCopy` whose ``hosts`` follow ``srcs``' order.
+        """
+        if srcs[0].device.type != "cuda":
+            return PendingCopy(tuple(t.clone() if dtype in (None, t.dtype) else t.to(dtype)
+                                     for t in srcs))
+        stream = torch.cuda.current_stream(srcs[0].device)
+        hosts = []
+        for slot, t in enumerate(srcs):
+            key = (slot, tuple(t.shape), t.dtype if dtype is None else dtype)
+            host = self.buffers.get(key)
+            if host is None:
+                host = self.buffers[key] = torch.empty(key[1], dtype=key[2], pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            if self.record_stream:
+                t.record_stream(stream)
+            hosts.append(host)
+        event = torch.cuda.Event()
+        event.record(stream)  # after the copies: waiting on it waits for them and no more
+        return PendingCopy(tuple(hosts), event)

@@ -7,8 +7,7 @@ fewer than N-1 drafts pads with *padding nodes*: token -1, parent 0, linked into
 sibling chain, so they can never be accepted and the grammar never visits them.
 
 Layout after sglang's EAGLE verify inputs (``retrieve_next_token`` / ``retrieve_next_sibling``,
-first-child / next-sibling links with -1 = none), see ../shared/reference/sglang-grammar-spec.md
-section 2.2; written from the description, not the code.
+first-child / next-sibling links with -1 = none); written from the description, not the code.
 """
 
 from __future__ import annotations
@@ -162,11 +161,12 @@ class VerifyTree:
                    ancestor_mask=torch.ones(tokens.shape[0], 1, 1, dtype=torch.bool,
                                             device=tokens.device))
 
-    def to(self, device: torch.device, *, non_blocking: bool = False) -> VerifyTree:
-        """Copy every field to ``device`` (H2D from pinned memory is async with non_blocking)."""
+    def to(self, device: torch.device) -> VerifyTree:
+        """Copy every field to ``device`` (plain copies: the hot path stages a host tree
+        through :mod:`structspec.staging` instead)."""
         return VerifyTree(
             **{
-                name: getattr(self, name).to(device, non_blocking=non_blocking)
+                name: getattr(self, name).to(device)
                 for name in ("draft_tokens", "parents", "depth", "next_token", "next_sibling",
                              "ancestor_mask")
             }

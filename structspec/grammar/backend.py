@@ -7,7 +7,7 @@ result into a per-request :class:`~.matcher.Matcher` with :meth:`GrammarBackend.
 
 Source of the design: sglang's xgrammar backend and grammar manager (compile on a thread pool
 keyed by ``(kind, text)``, cache the compiled prototype and the failures, dedupe in-flight
-compiles); see ``shared/reference/sglang-grammar-spec.md`` §1.3-1.5.
+compiles).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Token bitmasks: allocation (pinned host memory) and in-place application to logits.
+"""Token bitmasks: allocation (pinned host memory, :func:`structspec.staging.pinned_full`) and
+in-place application to logits.
 
 Layout (xgrammar's): ``int32 [rows, W]`` with ``W = ceil(vocab_size / 32)``; token ``t`` is
 allowed in a row when bit ``t % 32`` of word ``t // 32`` is set. ``-1`` (all bits) = no
@@ -12,6 +13,8 @@ from collections.abc import Callable
 
 import torch
 
+from structspec.staging import pinned_full
+
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -23,18 +26,21 @@ def bitmask_width(vocab_size: int) -> int:
 def allocate_bitmask(rows: int, vocab_size: int, *, pin: bool) -> torch.Tensor:
     """A fresh host bitmask with every token allowed.
 
+    The in-process mask build calls it once per verify step (a fresh page-locked buffer each
+    time, which keeps the upload free of overwrite hazards; see
+    :func:`~structspec.staging.pinned_full` for what the allocation costs).
+
     Args:
         rows: number of rows (e.g. ``bs * tree_size``).
         vocab_size: the logits width (which may exceed the tokenizer's size).
-        pin: allocate in page-locked memory when CUDA is available, so that
-            ``.to(device, non_blocking=True)`` is truly asynchronous (a pageable source makes
-            CUDA stage the copy and block the host).
+        pin: allocate in page-locked memory when CUDA is available, so that the upload
+            (:func:`~structspec.staging.upload_pinned`) is truly asynchronous (a pageable
+            source makes CUDA stage the copy and block the host).
 
     Returns:
         ``int32 [rows, ceil(vocab_size / 32)]`` on the CPU, filled with -1.
     """
-    pin = pin and torch.cuda.is_available()
-    return torch.full((rows, bitmask_width(vocab_size)), -1, dtype=torch.int32, pin_memory=pin)
+    return pinned_full((rows, bitmask_width(vocab_size)), -1, torch.int32, pin=pin)
 
 
 def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """Per-request grammar state: a thin wrapper around ``xgrammar.GrammarMatcher``.
 
 The scheduler owns one :class:`Matcher` per constrained request. :meth:`Matcher.accept_run` is
-*the* single place a committed run of tokens advances it (invariant 3: one advance per
-committed token); the tree traversal in :mod:`structspec.grammar.tree_mask` advances and rolls back
-the underlying matcher inside C++ and leaves it as it found it.
+*the* single place a committed run of tokens advances it (docs/architecture.md, invariant 3:
+one matcher advance per committed token); the tree traversal in
+:mod:`structspec.grammar.tree_mask` advances and rolls back the underlying matcher inside C++
+and leaves it as it found it.
 """
 
 from __future__ import annotations

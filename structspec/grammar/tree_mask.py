@@ -1,20 +1,22 @@
 """The grammar mask over a verify tree: host staging of the tree and the parallel mask build.
 
-Per speculative step (DESIGN.md, "One speculative step with a grammar"):
+Per speculative step (docs/architecture.md, the step timeline):
 
 1. ``GrammarTree.from_device(...)`` *before* the verify launch: the device->host copies of the
    tree are queued on the current stream right behind the drafter's kernels, and an event is
-   recorded after them. Nothing waits yet.
+   recorded after them (:class:`~structspec.staging.DeviceToHost`). Nothing waits yet.
 2. The verify forward is launched (asynchronous).
 3. ``build_grammar_vocab_mask(...)`` *after* the launch, while the GPU runs: the barrier
    advances the matchers over the previous step's committed runs, ``tree.resolve()`` waits on
    the event (the copies finished long ago, behind the draft, so this is short), the bitmask is
    built on the host (xgrammar ``traverse_draft_tree``: accept, fill row, recurse, roll back),
-   and a pinned -> device ``non_blocking`` copy is queued; stream order puts it before the
-   mask is applied to the verify logits.
+   and a pinned -> device asynchronous copy is queued
+   (:func:`~structspec.staging.upload_pinned`); stream order puts it before the mask is
+   applied to the verify logits.
 
 Source of the design: sglang ``spec_utils.py`` (``GrammarTree``, ``build_grammar_vocab_mask``,
-``traverse_tree``); see ``shared/reference/sglang-grammar-spec.md`` §3 and §5.4.
+``traverse_tree``): the tree is staged for the host before the verify launch and its bitmask
+is built while the verify forward runs.
 """
 
 from __future__ import annotations
@@ -22,27 +24,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from structspec.grammar.bitmask import allocate_bitmask
 from structspec.grammar.matcher import Matcher
-
-if TYPE_CHECKING:
-    from structspec.grammar.worker_pool import MaskWorkerPool, PoolBuildResult, PoolRequest
-
-
-def _to_host_async(t: torch.Tensor) -> torch.Tensor:
-    """Queue a D2H copy of ``t`` (int64) into a fresh pinned buffer; no host wait."""
-    host = torch.empty(t.shape, dtype=torch.int64, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    # The copy runs later on the current stream: keep the caching allocator from handing the
-    # source's memory to another stream's kernels before the copy has read it.
-    t.record_stream(torch.cuda.current_stream(t.device))
-    return host
+from structspec.grammar.pool_types import PoolBuildResult, PoolRequest
+from structspec.grammar.worker_pool import MaskWorkerPool
+from structspec.staging import DeviceToHost, PendingCopy, upload_pinned
 
 
 @dataclass
@@ -55,15 +46,14 @@ class GrammarTree:
         draft_tokens_cpu: ``int64 [bs, N]`` token id at each node (-1 = padding node).
         parents_cpu: ``int64 [bs, N]`` parent of each node (-1 for the root), or None: then
             :meth:`resolve` derives it from the links (a host walk; drafters pass it).
-        event: CUDA event recorded after the D2H copies (None for host trees).
+        copy: the D2H copies of a device tree (their event), or None for host trees.
     """
 
     next_token_cpu: torch.Tensor
     next_sibling_cpu: torch.Tensor
     draft_tokens_cpu: torch.Tensor
     parents_cpu: torch.Tensor | None = None
-    event: torch.cuda.Event | None = None
-    _resolved: bool = field(default=False, repr=False)
+    copy: PendingCopy | None = None
 
     @classmethod
     def from_device(cls, next_token: torch.Tensor, next_sibling: torch.Tensor,
@@ -77,21 +67,22 @@ class GrammarTree:
             parents: ``[bs, N]`` parent indices on the same device (optional; saves a host
                 walk in :meth:`resolve`).
 
-        On CUDA: each tensor is copied with ``non_blocking=True`` into pinned host memory and
-        ``record_stream`` protects the source; one event is recorded after the copies, so
-        :meth:`resolve` later waits only for them (not for the verify forward queued after).
-        On the CPU: plain int64 views, no event.
+        On CUDA: each tensor is copied asynchronously into fresh pinned int64 host memory, its
+        source protected by ``record_stream``, and one event is recorded after the copies
+        (:class:`~structspec.staging.DeviceToHost`), so :meth:`resolve` later waits only for
+        them (not for the verify forward queued after). On the CPU: plain int64 views, no event.
         """
         bs, n = next_token.shape
         draft_tokens = draft_tokens.reshape(bs, n)
         if next_token.device.type != "cuda":
             return cls.from_host(next_token, next_sibling, draft_tokens, parents)
         srcs = [next_token, next_sibling, draft_tokens] + ([] if parents is None else [parents])
-        hosts = [_to_host_async(t) for t in srcs]
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(next_token.device))
+        # A DeviceToHost per tree: fresh pinned buffers per step, as the tree has always had
+        # (a steady-state pinned allocation is a caching-host-allocator lookup).
+        copy = DeviceToHost(record_stream=True).launch(srcs, dtype=torch.int64)
+        hosts = copy.hosts
         return cls(hosts[0], hosts[1], hosts[2], hosts[3] if parents is not None else None,
-                   event=event)
+                   copy=copy)
 
     @classmethod
     def from_host(cls, next_token: torch.Tensor, next_sibling: torch.Tensor,
@@ -106,7 +97,7 @@ class GrammarTree:
         bs, n = next_token.shape
         return cls(next_token.to(torch.int64), next_sibling.to(torch.int64),
                    draft_tokens.reshape(bs, n).to(torch.int64),
-                   None if parents is None else parents.to(torch.int64), _resolved=True)
+                   None if parents is None else parents.to(torch.int64))
 
     @classmethod
     def from_linear_chain(cls, ids: torch.Tensor) -> GrammarTree:
@@ -137,10 +128,8 @@ class GrammarTree:
         Call it *after* the verify launch: the event was recorded before the launch, so this
         waits only for the small tree copies, never for the verify forward. Idempotent.
         """
-        if not self._resolved:
-            if self.event is not None:
-                self.event.synchronize()
-            self._resolved = True
+        if self.copy is not None:
+            self.copy.wait()
         return self.next_token_cpu, self.next_sibling_cpu, self.draft_tokens_cpu
 
     def parents(self) -> torch.Tensor:
@@ -181,9 +170,10 @@ class GrammarMaskResult:
     Attributes:
         bitmask_device: ``int32 [bs * N, W]`` on the verify device (row ``i * N + j`` =
             allowed tokens after the path to node ``j`` of request ``i``); the H2D copy is
-            queued ``non_blocking`` on the current stream.
-        bitmask_cpu: the pinned host source (keep it alive until the copy ran: a fresh buffer
-            per step, so no overwrite hazard).
+            queued asynchronously on the current stream
+            (:func:`~structspec.staging.upload_pinned`).
+        bitmask_cpu: the pinned host source (a fresh buffer per step, or the worker pool's
+            slab, reused only after the next wait; so no overwrite hazard).
         max_accept_cpu: ``int32 [bs]`` the most draft tokens the verifier may accept per
             request: ``N - 1`` normally, ``0`` for a request whose traversal timed out (its row
             0 is exact, every other row unconstrained: only the bonus token may be taken).
@@ -315,7 +305,7 @@ def _settle_and_upload(bitmask: torch.Tensor, matchers: Sequence[Matcher | None]
                        device: torch.device | str, out: torch.Tensor | None,
                        t0: float) -> GrammarMaskResult:
     """The common tail of both builds: settle the walked rows, cap timed-out requests, queue
-    the ``non_blocking`` upload (into ``out[:bs * N]`` when given)."""
+    the asynchronous upload (into ``out[:bs * N]`` when given)."""
     draft_tokens = tree.draft_tokens_cpu
     bs, n = draft_tokens.shape
     settle = sorted(set(walked) - set(timed_out))
@@ -325,11 +315,7 @@ def _settle_and_upload(bitmask: torch.Tensor, matchers: Sequence[Matcher | None]
     max_accept = torch.full((bs,), n - 1, dtype=torch.int32)
     for i in timed_out:
         max_accept[i] = 0
-    if out is None:
-        bitmask_device = bitmask.to(device, non_blocking=True)
-    else:
-        bitmask_device = out[: bs * n]
-        bitmask_device.copy_(bitmask, non_blocking=True)
+    bitmask_device = upload_pinned(bitmask, device, out=None if out is None else out[: bs * n])
     return GrammarMaskResult(bitmask_device, bitmask, max_accept, sorted(timed_out),
                              rejected_np.tolist(), time.perf_counter() - t0)
 
@@ -377,7 +363,7 @@ def build_grammar_vocab_mask_pooled(
         if barrier is not None:
             barrier()
         return None
-    device_tree = tree.event is not None
+    device_tree = tree.copy is not None
     if device_tree and barrier is not None:
         barrier()
         barrier = None

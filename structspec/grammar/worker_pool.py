@@ -1,4 +1,6 @@
-"""Tree-bitmask builds sharded over worker processes.
+"""Tree-bitmask builds sharded over worker processes: the parent side (the workers' loop is
+:mod:`structspec.grammar.mask_worker`; the types both sides share are in
+:mod:`structspec.grammar.pool_types`).
 
 Why processes: the bitmask of a verify tree costs ~6 us per node inside xgrammar's
 ``traverse_draft_tree`` (one C++ call per request, ~35 us for an 8-node tree), and the host
@@ -10,9 +12,10 @@ benchmarks/README.md). Separate processes share nothing but memory.
 Design. Each worker process owns *mirror matchers*: for every constrained request sent to it, a
 matcher over the same compiled grammar (shipped once per worker as xgrammar's JSON
 serialization) that has accepted exactly the request's committed output ids. A matcher's state
-is a function of those ids alone (the engine's invariant: the matcher accepts each committed id
-once, and ids are only ever appended while the request runs; a stop cut finishes it), so a
-mirror is kept in step by sending only the ids committed since its last use. Per build:
+is a function of those ids alone (docs/architecture.md, invariant 3: the matcher accepts each
+committed id once, and ids are only ever appended while the request runs; a stop cut finishes
+it), so a mirror is kept in step by sending only the ids committed since its last use. Per
+build:
 
 1. the host writes the batch's tree links into the shared segment once and sends each worker
    its requests' new ids (a small message);
@@ -30,8 +33,9 @@ mirror is kept in step by sending only the ids committed since its last use. Per
    grammar, so only a stop id ends it) and runs its text work while the workers advance and
    walk; the actual verdicts arrive with the walks and are checked against the prediction;
 4. the host settles the rows (:func:`~structspec.grammar.tree_mask.settle_tree_rows_batch`) and
-   uploads from the slab. On CUDA the slab is page-locked (``cudaHostRegister``), so the upload
-   is an asynchronous copy like the in-process path's.
+   uploads from the slab. On CUDA the slab is page-locked
+   (:func:`structspec.staging.page_lock`), so the upload is an asynchronous copy like the
+   in-process path's.
 
 Placement. A request goes, on first sight, to the worker with the fewest live mirrors (the
 lowest-numbered on a tie) and stays there until it finishes, so the shares stay even as
@@ -50,8 +54,6 @@ import sys
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any
@@ -60,58 +62,20 @@ import torch
 import xgrammar as xgr
 
 from structspec.grammar.bitmask import bitmask_width
-from structspec.grammar.matcher import Matcher
-from structspec.grammar.tree_mask import walk_tree
+from structspec.grammar.pool_types import (
+    MaskPoolError,
+    PoolBuildResult,
+    PoolRequest,
+    links_offset,
+)
+from structspec.staging import page_lock, page_unlock
+
+__all__ = ["MaskPoolError", "MaskWorkerPool", "PoolBuildResult", "PoolRequest"]
 
 logger = logging.getLogger(__name__)
 
-
-class MaskPoolError(RuntimeError):
-    """The worker pool cannot serve a build: a worker died, failed, or the pool is closed.
-    The scheduler then drops the pool and builds in its own process."""
-
-
-@dataclass
-class PoolRequest:
-    """What the pool needs of one constrained request of a batch.
-
-    Attributes:
-        key: the request's id (stable while it runs).
-        compiled: its compiled grammar (shipped to a worker on first use).
-        output_ids: every output id committed so far (the pool sends the new tail).
-    """
-
-    key: str
-    compiled: xgr.CompiledGrammar
-    output_ids: Sequence[int]
-
-
-@dataclass
-class PoolBuildResult:
-    """Outcome of :meth:`MaskWorkerPool.build` / :meth:`MaskWorkerPool.advance` (batch indices).
-
-    Attributes:
-        walked: rows whose tree was walked (mirror not terminated; empty for ``advance``).
-        timed_out: rows whose walk hit the time limit.
-        rejected: row -> how many of the ids sent this time the mirror did not keep (past the
-            grammar's end, or from the first rejected id on); rows that kept all are absent.
-        terminated: rows whose mirror has reached the grammar's end.
-        worker_busy_ms: per worker that had work, its time from receiving the request to
-            sending the reply (the rest of a build's wall time is messaging and wake-ups).
-        send_ms: host time spent pickling and writing the messages (ms).
-        mismatched: rows whose mirror's verdict differs from the one predicted for
-            ``on_verdicts`` (see :meth:`MaskWorkerPool.build`): row -> (output ids the mirror
-            has been sent in all, ids of them it did not keep, grammar ended). Empty unless
-            committed ids broke the grammar (a grammar engine fault).
-    """
-
-    walked: list[int]
-    timed_out: list[int]
-    rejected: dict[int, int] = field(default_factory=dict)
-    terminated: list[int] = field(default_factory=list)
-    worker_busy_ms: list[float] = field(default_factory=list)
-    send_ms: float = 0.0
-    mismatched: dict[int, tuple[int, int, bool]] = field(default_factory=dict)
+#: the worker processes' module (run as ``python -m``; see :mod:`~.mask_worker`)
+_WORKER_MODULE = "structspec.grammar.mask_worker"
 
 
 class MaskWorkerPool:
@@ -144,8 +108,8 @@ class MaskWorkerPool:
         self.num_workers = num_workers
         self.width = bitmask_width(vocab_size)
         self.max_rows = max_rows
-        links_offset = _links_offset(max_rows, self.width)
-        self._shm = SharedMemory(create=True, size=links_offset + 3 * max_rows * 8)
+        links_at = links_offset(max_rows, self.width)
+        self._shm = SharedMemory(create=True, size=links_at + 3 * max_rows * 8)
         #: ``int32 [max_rows, W]`` host view of the shared slab (rows ``[:bs * N]`` per build).
         self.slab = torch.frombuffer(self._shm.buf, dtype=torch.int32,
                                      count=max_rows * self.width).view(max_rows, self.width)
@@ -154,15 +118,14 @@ class MaskWorkerPool:
         # (a numpy view of a torch view: np.frombuffer would export the buffer, and the
         # segment cannot be closed while an export lives)
         self._links = torch.frombuffer(self._shm.buf, dtype=torch.int64, count=3 * max_rows,
-                                       offset=links_offset).numpy()
+                                       offset=links_at).numpy()
         self.pinned = False
-        if pin and torch.cuda.is_available():
-            err = torch.cuda.cudart().cudaHostRegister(self.slab.data_ptr(),
-                                                       self.slab.numel() * 4, 0)
-            self.pinned = int(err) == 0
-            if not self.pinned:  # uploads from pageable memory block the host
-                logger.warning("mask worker slab could not be page-locked (cudaHostRegister "
-                               "error %s): bitmask uploads will be synchronous", int(err))
+        if pin:
+            err = page_lock(self.slab)  # None without CUDA: nothing to lock
+            self.pinned = err == 0
+            if err:  # uploads from pageable memory block the host
+                logger.warning("mask worker slab could not be page-locked (CUDA error %s): "
+                               "bitmask uploads will be synchronous", err)
         # Fresh interpreters (``python -m``), not fork (the engine may hold CUDA and threads)
         # and not multiprocessing's spawn (it re-runs the user's __main__ module, which
         # builds an engine again unless the script has a main guard); a socketpair each.
@@ -175,8 +138,9 @@ class MaskWorkerPool:
         try:
             for _ in range(num_workers):
                 ours, theirs = socket.socketpair()
-                proc = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno())],
-                                        pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", _WORKER_MODULE, str(theirs.fileno())],
+                    pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
                 theirs.close()
                 conn = Connection(ours.detach())
                 self._conns.append(conn)
@@ -411,14 +375,10 @@ class MaskWorkerPool:
         self._finalizer()
 
 
-def _links_offset(max_rows: int, width: int) -> int:
-    """Byte offset of the tree links in the shared segment: after the ``[max_rows, width]``
-    int32 slab, 8-byte aligned (parent and workers compute it alike)."""
-    return (max_rows * width * 4 + 7) // 8 * 8
-
-
 def _shutdown(conns: list[Connection], procs: list[subprocess.Popen[bytes]], shm: SharedMemory,
               pinned_ptr: int) -> None:
+    """Stop the workers, unlock the slab (``pinned_ptr``: its address, 0 when not locked) and
+    free the shared segment (the pool's finalizer)."""
     for conn in conns:
         try:
             conn.send(None)
@@ -431,93 +391,6 @@ def _shutdown(conns: list[Connection], procs: list[subprocess.Popen[bytes]], shm
         except subprocess.TimeoutExpired:
             proc.kill()
     if pinned_ptr:
-        torch.cuda.cudart().cudaHostUnregister(pinned_ptr)
+        page_unlock(pinned_ptr)
     shm.close()
     shm.unlink()
-
-
-# ----------------------------------------------------------------------------- worker side
-
-
-def _worker_main(conn: Connection) -> None:
-    """Worker loop: keep mirror matchers, walk trees into the shared slab, reply."""
-    torch.set_num_threads(1)
-    try:
-        tok_json, shm_name, max_rows, width, stop_token_ids = conn.recv()
-        tokenizer_info = xgr.TokenizerInfo.deserialize_json(tok_json)
-        shm = SharedMemory(name=shm_name)
-        # The parent owns the segment: keep this process's resource tracker from unlinking
-        # it at exit (Python < 3.13 registers every attach).
-        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-        slab = torch.frombuffer(shm.buf, dtype=torch.int32,
-                                count=max_rows * width).view(max_rows, width)
-        slab_np = slab.numpy()
-        links_all = torch.frombuffer(shm.buf, dtype=torch.int64, count=3 * max_rows,
-                                     offset=_links_offset(max_rows, width))
-    except Exception as e:  # noqa: BLE001 - reported to the parent, which raises
-        conn.send(repr(e))
-        return
-    conn.send("ready")
-    grammars: dict[int, xgr.CompiledGrammar] = {}
-    mirrors: dict[str, Matcher] = {}
-    # (bs, N) -> per batch row: its next_token / next_sibling / draft_tokens views of the
-    # shared links and its [N, W] slab rows. Built once per shape: torch slicing costs a few
-    # us per view, paid per request and step otherwise.
-    row_views: dict[tuple[int, int], list[tuple[torch.Tensor, ...]]] = {}
-    while True:
-        try:
-            msg = conn.recv()
-        except EOFError:
-            break
-        if msg is None:
-            break
-        t0 = time.perf_counter()
-        jobs, released, dropped, bs, n, has_tree, time_limit_s = msg
-        try:
-            for key in released:
-                mirrors.pop(key, None)
-            for gid in dropped:
-                grammars.pop(gid, None)
-            # Pass 1: advance every mirror (the host has already applied the verdicts it
-            # predicted; these check them).
-            terminated: list[int] = []
-            rejected: dict[int, int] = {}
-            live: list[tuple[int, Matcher]] = []
-            for b, key, gid, grammar, new_ids in jobs:
-                if grammar is not None:
-                    grammars[gid] = xgr.CompiledGrammar.deserialize_json(grammar, tokenizer_info)
-                m = mirrors.get(key)
-                if m is None:  # the host's Matcher class: the same accept and stop rules
-                    m = mirrors[key] = Matcher(grammars[gid], stop_token_ids=stop_token_ids)
-                kept = m.accept_run(new_ids)
-                if kept < len(new_ids):
-                    rejected[b] = len(new_ids) - kept
-                if m.is_terminated():
-                    terminated.append(b)
-                if has_tree and b < bs:  # rows >= bs (or no tree): advance only
-                    live.append((b, m))
-            # Pass 2: walk the trees into the slab.
-            walked, timed_out = [], []
-            views = row_views.get((bs, n)) if live else None
-            if live and views is None:
-                nt_all, ns_all, dt_all = links_all[: 3 * bs * n].view(3, bs, n).unbind(0)
-                views = row_views[(bs, n)] = [
-                    (nt_all[b], ns_all[b], dt_all[b], slab[b * n : (b + 1) * n])
-                    for b in range(bs)]
-            for b, m in live:
-                slab_np[b * n : (b + 1) * n] = -1  # numpy: half a torch fill_'s overhead
-                if m.is_terminated():
-                    continue
-                walked.append(b)
-                nt, ns, dt, rows = views[b]  # type: ignore[index]
-                if not walk_tree(m, nt, ns, dt, rows, time_limit_s):
-                    timed_out.append(b)
-            conn.send((rejected, terminated, walked, timed_out, time.perf_counter() - t0))
-        except Exception as e:  # noqa: BLE001 - the parent raises it
-            conn.send(e)
-    del slab, slab_np, links_all, row_views
-    shm.close()
-
-
-if __name__ == "__main__":
-    _worker_main(Connection(int(sys.argv[1])))

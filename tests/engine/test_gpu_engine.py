@@ -1,7 +1,10 @@
-"""The engine on CUDA: no host syncs in decode/verify steps, and spec-on equals spec-off
-except at bf16 near-ties (counted, with their logit gap)."""
+"""The engine on CUDA: no host syncs in decode/verify steps (with every drafter), and spec-on
+equals spec-off except at bf16 near-ties (counted, with their logit gap)."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,8 +27,30 @@ def cuda_llms():
         llm.close()
 
 
-def test_decode_steps_do_not_sync(cuda_llms) -> None:
-    engine = cuda_llms["ngram"].engine
+@pytest.fixture(scope="module")
+def drafter_llms(cuda_llms, smol_dir, smol_first_layers_dir, tmp_path_factory):
+    """``cuda_llms`` plus one engine per model-based drafter: ``draft_model`` (SmolLM2's first
+    4 layers as the draft) and ``eagle`` (a random EAGLE head over SmolLM2)."""
+    from structspec import LLM
+    from structspec.config import ModelConfig
+    from structspec.speculative.eagle import build_random_eagle_head
+
+    eagle_dir = tmp_path_factory.mktemp("eagle_gpu")
+    hf_config = json.loads((Path(smol_dir) / "config.json").read_text())
+    build_random_eagle_head(ModelConfig.from_hf_config(hf_config), str(eagle_dir), seed=0)
+    drafts = {"draft_model": smol_first_layers_dir, "eagle": str(eagle_dir)}
+    llms = {algo: LLM(device="cuda", speculative_algorithm=algo, draft_model=path,
+                      num_draft_tokens=8, max_batch_size=16) for algo, path in drafts.items()}
+    yield {**cuda_llms, **llms}
+    for llm in llms.values():
+        llm.close()
+
+
+@pytest.mark.parametrize("algo", ["none", "ngram", "draft_model", "eagle"])
+def test_decode_steps_do_not_sync(drafter_llms, algo: str) -> None:
+    """Whole engine steps (draft, stage, verify, grammar mask, commit) with each drafter make
+    no blocking host sync: every host<->device copy goes through structspec.staging."""
+    engine = drafter_llms[algo].engine
     for i, p in enumerate(PROMPTS[:6]):
         grammar = JsonSchemaConstraint(PERSON_SCHEMA) if i % 2 else None
         engine.add_request(p, SamplingParams(max_tokens=40, grammar=grammar))

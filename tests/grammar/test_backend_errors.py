@@ -152,7 +152,8 @@ def test_property_order_is_kept(backend: GrammarBackend) -> None:
              "required": ["z", "a"]}
     second = {"type": "object", "properties": {"a": {"type": "integer"}, "z": {"type": "integer"}},
               "required": ["z", "a"]}
-    cg1, cg2 = backend.compile(JsonSchemaConstraint(first)), backend.compile(JsonSchemaConstraint(second))
+    cg1 = backend.compile(JsonSchemaConstraint(first))
+    cg2 = backend.compile(JsonSchemaConstraint(second))
     assert _accepts(backend, cg1, '{"z": 1, "a": 2}')
     assert _accepts(backend, cg2, '{"a": 2, "z": 1}')
 

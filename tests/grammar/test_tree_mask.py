@@ -241,6 +241,28 @@ def test_linear_chain() -> None:
     assert torch.equal(dt, ids) and t.resolve()[2] is dt  # idempotent
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_tree_staging_does_not_sync() -> None:
+    """A CUDA tree (int32 links) staged and resolved under ``set_sync_debug_mode("error")``:
+    the D2H copies are asynchronous and the one wait is on their event."""
+    nt = torch.tensor([NEXT_TOKEN] * 2, dtype=torch.int32)
+    ns = torch.tensor([NEXT_SIBLING] * 2, dtype=torch.int32)
+    dt = torch.tensor([[0 if d is None else d for d in DRAFT]] * 2, dtype=torch.int32)
+    dev = [t.cuda() for t in (nt, ns, dt)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tree = GrammarTree.from_device(dev[0], dev[1], dev[2].reshape(-1))
+        got = tree.resolve()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert tree.copy is not None and tree.copy.from_device
+    for host, ref in zip(got, (nt, ns, dt), strict=True):
+        assert host.dtype == torch.int64 and host.is_pinned() and torch.equal(host, ref.long())
+    assert tree.parents().tolist() == GrammarTree.from_host(nt, ns, dt).parents().tolist()
+
+
 def test_parallel_traversal_speedup(backend: GrammarBackend, hf_tokenizer: Any) -> None:
     """Requests traverse in parallel (xgrammar releases the GIL); print the speedup."""
     schema = {"type": "object", "properties": {

@@ -1,0 +1,102 @@
+"""The mask worker process (see :mod:`structspec.grammar.worker_pool`, which starts it as
+``python -m structspec.grammar.mask_worker FD``): it keeps mirror matchers, walks the trees of
+its requests into the shared slab and replies on the socket ``FD``."""
+
+from __future__ import annotations
+
+import sys
+import time
+from multiprocessing import resource_tracker
+from multiprocessing.connection import Connection
+from multiprocessing.shared_memory import SharedMemory
+
+import torch
+import xgrammar as xgr
+
+from structspec.grammar.matcher import Matcher
+from structspec.grammar.pool_types import links_offset
+from structspec.grammar.tree_mask import walk_tree
+
+
+def _worker_main(conn: Connection) -> None:
+    """Worker loop: keep mirror matchers, walk trees into the shared slab, reply."""
+    torch.set_num_threads(1)
+    try:
+        tok_json, shm_name, max_rows, width, stop_token_ids = conn.recv()
+        tokenizer_info = xgr.TokenizerInfo.deserialize_json(tok_json)
+        shm = SharedMemory(name=shm_name)
+        # The parent owns the segment: keep this process's resource tracker from unlinking
+        # it at exit (Python < 3.13 registers every attach).
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+        slab = torch.frombuffer(shm.buf, dtype=torch.int32,
+                                count=max_rows * width).view(max_rows, width)
+        slab_np = slab.numpy()
+        links_all = torch.frombuffer(shm.buf, dtype=torch.int64, count=3 * max_rows,
+                                     offset=links_offset(max_rows, width))
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which raises
+        conn.send(repr(e))
+        return
+    conn.send("ready")
+    grammars: dict[int, xgr.CompiledGrammar] = {}
+    mirrors: dict[str, Matcher] = {}
+    # (bs, N) -> per batch row: its next_token / next_sibling / draft_tokens views of the
+    # shared links and its [N, W] slab rows. Built once per shape: torch slicing costs a few
+    # us per view, paid per request and step otherwise.
+    row_views: dict[tuple[int, int], list[tuple[torch.Tensor, ...]]] = {}
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            break
+        if msg is None:
+            break
+        t0 = time.perf_counter()
+        jobs, released, dropped, bs, n, has_tree, time_limit_s = msg
+        try:
+            for key in released:
+                mirrors.pop(key, None)
+            for gid in dropped:
+                grammars.pop(gid, None)
+            # Pass 1: advance every mirror (the host has already applied the verdicts it
+            # predicted; these check them).
+            terminated: list[int] = []
+            rejected: dict[int, int] = {}
+            live: list[tuple[int, Matcher]] = []
+            for b, key, gid, grammar, new_ids in jobs:
+                if grammar is not None:
+                    grammars[gid] = xgr.CompiledGrammar.deserialize_json(grammar, tokenizer_info)
+                m = mirrors.get(key)
+                if m is None:  # the host's Matcher class: the same accept and stop rules
+                    m = mirrors[key] = Matcher(grammars[gid], stop_token_ids=stop_token_ids)
+                kept = m.accept_run(new_ids)
+                if kept < len(new_ids):
+                    rejected[b] = len(new_ids) - kept
+                if m.is_terminated():
+                    terminated.append(b)
+                if has_tree and b < bs:  # rows >= bs (or no tree): advance only
+                    live.append((b, m))
+            # Pass 2: walk the trees into the slab.
+            walked, timed_out = [], []
+            views = row_views.get((bs, n)) if live else None
+            if live and views is None:
+                nt_all, ns_all, dt_all = links_all[: 3 * bs * n].view(3, bs, n).unbind(0)
+                views = row_views[(bs, n)] = [
+                    (nt_all[b], ns_all[b], dt_all[b], slab[b * n : (b + 1) * n])
+                    for b in range(bs)]
+            for b, m in live:
+                slab_np[b * n : (b + 1) * n] = -1  # numpy: half a torch fill_'s overhead
+                if m.is_terminated():
+                    continue
+                walked.append(b)
+                nt, ns, dt, rows = views[b]  # type: ignore[index]
+                if not walk_tree(m, nt, ns, dt, rows, time_limit_s):
+                    timed_out.append(b)
+            conn.send((rejected, terminated, walked, timed_out, time.perf_counter() - t0))
+        except Exception as e:  # noqa: BLE001 - the parent raises it
+            conn.send(e)
+    del slab, slab_np, links_all, row_views
+    shm.close()
+
+
+if __name__ == "__main__":
+    _worker_main(Connection(int(sys.argv[1])))

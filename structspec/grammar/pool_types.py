@@ -1,0 +1,65 @@
+"""What the mask worker pool's parent side (:mod:`structspec.grammar.worker_pool`), the
+worker processes (:mod:`structspec.grammar.mask_worker`) and the in-process mask build
+(:mod:`structspec.grammar.tree_mask`) share: the request and result types, the pool's error,
+and the layout of the shared-memory segment."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import xgrammar as xgr
+
+
+class MaskPoolError(RuntimeError):
+    """The worker pool cannot serve a build: a worker died, failed, or the pool is closed.
+    The scheduler then drops the pool and builds in its own process."""
+
+
+@dataclass
+class PoolRequest:
+    """What the pool needs of one constrained request of a batch.
+
+    Attributes:
+        key: the request's id (stable while it runs).
+        compiled: its compiled grammar (shipped to a worker on first use).
+        output_ids: every output id committed so far (the pool sends the new tail).
+    """
+
+    key: str
+    compiled: xgr.CompiledGrammar
+    output_ids: Sequence[int]
+
+
+@dataclass
+class PoolBuildResult:
+    """Outcome of :meth:`MaskWorkerPool.build` / :meth:`MaskWorkerPool.advance` (batch indices).
+
+    Attributes:
+        walked: rows whose tree was walked (mirror not terminated; empty for ``advance``).
+        timed_out: rows whose walk hit the time limit.
+        rejected: row -> how many of the ids sent this time the mirror did not keep (past the
+            grammar's end, or from the first rejected id on); rows that kept all are absent.
+        terminated: rows whose mirror has reached the grammar's end.
+        worker_busy_ms: per worker that had work, its time from receiving the request to
+            sending the reply (the rest of a build's wall time is messaging and wake-ups).
+        send_ms: host time spent pickling and writing the messages (ms).
+        mismatched: rows whose mirror's verdict differs from the one predicted for
+            ``on_verdicts`` (see :meth:`MaskWorkerPool.build`): row -> (output ids the mirror
+            has been sent in all, ids of them it did not keep, grammar ended). Empty unless
+            committed ids broke the grammar (a grammar engine fault).
+    """
+
+    walked: list[int]
+    timed_out: list[int]
+    rejected: dict[int, int] = field(default_factory=dict)
+    terminated: list[int] = field(default_factory=list)
+    worker_busy_ms: list[float] = field(default_factory=list)
+    send_ms: float = 0.0
+    mismatched: dict[int, tuple[int, int, bool]] = field(default_factory=dict)
+
+
+def links_offset(max_rows: int, width: int) -> int:
+    """Byte offset of the tree links in the shared segment: after the ``[max_rows, width]``
+    int32 slab, 8-byte aligned (parent and workers compute it alike)."""
+    return (max_rows * width * 4 + 7) // 8 * 8
