@@ -14,11 +14,15 @@
 #   invariant the cost of --batch-invariant (decode / verify step times, SmolLM2 and 8B shapes;
 #             the default mode's are in smol / llama8b)
 #   maskbench MaskBench end to end (120 schemas)
+#   ab_overlap, ab_peer  this checkout against another one at $OLD (e.g. `git archive` of an
+#             earlier commit), alternated back to back (benchmarks/ab_compare.py): grammar
+#             overlap (ngram, batch 1/32/64, overlap on) and the structspec peer-table rows;
+#             not in the default list
 # Logs go to $OUT (or ./out); each step is time-bounded so one failure does not hide the others.
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
-run() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$? $name"; grep -E "^(grammar_overlap|mask_build|decode|peer|hbm|floor|[0-9]+ passed|FAILED|ERROR)|passed|failed" "$OUT/$name.log" | tail -n 40; }
+run() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$? $name"; grep -E "^(ab_compare|grammar_overlap|mask_build|decode|peer|hbm|floor|[0-9]+ passed|FAILED|ERROR)|passed|failed" "$OUT/$name.log" | tail -n 40; }
 stages=${*:-tests smol peer llama8b llama8b_overlap invariant maskbench}
 L8=benchmarks/assets/llama3-8b-shape
 python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())'
@@ -43,5 +47,9 @@ for s in $stages; do case $s in
     run gpu_decode_8b_invariant 200 python3 benchmarks/gpu_decode.py --model $L8 --load-format dummy --batch 1 8 32 64 --nodes 1 9 --skip-eager --skip-fold --floor-gib 0 --batch-invariant ;;
   maskbench)
     run maskbench 170 python3 benchmarks/maskbench_e2e.py --device cuda --speculative-algorithm ngram --limit 120 --max-tokens 1024 --skip-slow-compile --out "$OUT/maskbench.jsonl" ;;
+  ab_overlap)
+    run ab_overlap 560 python3 benchmarks/ab_compare.py --old "$OLD" --new . --rounds 2 -- benchmarks/grammar_overlap.py --device cuda --batch 1 32 64 --steps 100 --algorithms ngram --overlap on ;;
+  ab_peer)
+    run ab_peer 560 python3 benchmarks/ab_compare.py --old "$OLD" --new . --rounds 2 -- benchmarks/peer_compare.py --device cuda --num-requests 8 --skip-hf ;;
   *) echo "unknown stage $s" ;;
 esac; done
