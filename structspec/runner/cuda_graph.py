@@ -13,12 +13,13 @@ H2D copy fills the host-made part) and ``ancestor_mask [B, N, N]`` bool. The For
 :func:`~structspec.runner.batch_builder.build_verify_batch_from_tensors`.
 
 Post graphs: for greedy batches everything after the forward is a second, small graph per
-bucket (and per "masked" flag): the scheduler's select/verify function (:class:`SelectVerify`:
-apply the grammar bitmask, a static ``[B*N, W]`` int32 input shared by the buckets of one
-``(B, N)``; argmax; tree verification; the count of real drafts), then the accepted-path KV
-compaction. The runner knows neither the grammar nor the drafters: the scheduler hands it
-that function and the bitmask width (:meth:`ModelRunner.set_select_verify`), so the graph
-records the very function the eager path calls. Run eagerly these are ~60 small kernels whose launches
+bucket (and per "masked" flag): the scheduler's select/verify function
+(:class:`SelectVerify`: apply the grammar bitmask, a static ``[B*N, W]`` int32 input shared
+by the buckets of one ``(B, N)``; argmax; tree verification; the count of real drafts), then
+the accepted-path KV compaction. The runner knows neither the grammar nor the drafters: the
+scheduler hands it that function and the bitmask width
+(:meth:`ModelRunner.set_select_verify`), so the graph records the very function the eager
+path calls. Run eagerly these are ~60 small kernels whose launches
 cost ~1 ms of host time per step on an H200 host (more than SmolLM2's whole verify forward);
 replayed they are one launch. The post graph is separate from the forward graph because the
 bitmask is built on the host *while the forward runs* and is uploaded just before the post

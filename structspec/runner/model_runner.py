@@ -284,8 +284,8 @@ class ModelRunner:
 
         ``seq_lens | page_table`` (and a host tree's tokens/depth/parents) go in one pinned
         buffer and one non-blocking H2D copy; a host tree's ancestor mask in a second. A device
-        tree is copied device to device into rows ``[:B]``; its dummy rows keep a valid earlier tree,
-        harmless since their ``seq_len``/page rows are 0 (writes go to the sink page).
+        tree is copied device to device into rows ``[:B]``; its dummy rows keep a valid earlier
+        tree, harmless since their ``seq_len``/page rows are 0 (writes go to the sink page).
         All copies are on the current stream, ahead of the replay that reads them.
         """
         assert self.staging is not None
