@@ -114,9 +114,9 @@ class VerifyStep:
         step's requests, whose deferred work runs under this step's forward."""
         timer = self.timer
         timer.begin(len(reqs), self.drafter.num_nodes, sum(r.matcher is not None for r in reqs))
-        proposal = self._propose(reqs)
+        proposal = self._propose(reqs)  # 1. propose
         timer.event("fwd_start")
-        staged = self._stage_tree(proposal, previous)
+        staged = self._stage_tree(proposal, previous)  # 2. stage tree, plan the barrier
         # A device tree reaches the host only when the draft kernels finish; the mask build
         # blocks on that copy, so the previous step's text work goes first, into that wait.
         # A host tree is there already: its mask goes first (the forward is waiting for it),
@@ -126,20 +126,21 @@ class VerifyStep:
         work = PreviousStepWork(staged.plan, self.grammar, timer, text_first=text_first,
                                 mask_build=staged.grammar_tree is not None)
         early_mask = self._mask_before_launch(proposal, staged, work)
-        fwd = self._launch_verify(proposal)
+        fwd = self._launch_verify(proposal)  # 3. launch verify
         # From here the GPU runs the verify forward; the host work below hides under it.
         selection = self.select.prepare(reqs, proposal.tree.num_nodes, fwd.logits.device, fwd)
         mask = early_mask if staged.mask_before_launch else self._grammar_mask(
-            proposal, staged, work, selection.graph_bitmask)
+            proposal, staged, work, selection.graph_bitmask)  # 4. barrier + grammar mask
         timer.event("post")
-        pending = self.select.launch(reqs, proposal.tree, fwd.logits, fwd, selection, mask)
+        pending = self.select.launch(reqs, proposal.tree, fwd.logits, fwd, selection,
+                                     mask)  # 5. select/verify, D2H copy queued
         timer.event("end")
         timer.phase("launch")
-        touched = work.finish_text()  # the previous step's text work left
+        touched = work.finish_text()  # 6. the previous step's text work left
         timer.phase("text")
-        runs = pending.wait()  # the one planned host wait of the step
+        runs = pending.wait()  # 7. the one planned host wait of the step
         timer.phase("wait")
-        self._commit(proposal, fwd, pending, runs)
+        self._commit(proposal, fwd, pending, runs)  # 8. commit
         timer.phase("commit")
         outcome = StepOutcome(touched, reqs)
         if not self.overlap:
