@@ -107,7 +107,7 @@ def test_explicit_max_model_len_the_kv_cache_cannot_hold_is_lowered_with_a_warni
     with a warning naming both numbers, not refused."""
     from structspec import LLM
 
-    with caplog.at_level("WARNING", logger="structspec.engine.llm_engine"):
+    with caplog.at_level("WARNING", logger="structspec.engine.build"):
         llm = LLM(device="cpu", dtype="float32", kv_capacity_tokens=512, max_model_len=4096)
     try:
         assert llm.engine.max_model_len == 511  # 32 pages of 16 slots, minus one tree node

@@ -1,18 +1,16 @@
-"""LLMEngine: turns prompts into requests and steps the scheduler.
+"""LLMEngine: the request-level loop (validate and add requests, abort, step, outputs).
 
 Used directly by the offline :class:`structspec.LLM` and, in ``serve``, inside the engine
-process. Everything here runs on the scheduler's thread.
+process. Everything here runs on the scheduler's thread. What the engine runs on (model
+runner, grammar, drafter, scheduler) is built in one place, :mod:`structspec.engine.build`.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
-from structspec.config import EngineConfig, check_max_model_len, resolve_engine_config
+from structspec.config import EngineConfig
 from structspec.core import (
     ChatMessageError,
     ChatMessages,
@@ -22,16 +20,9 @@ from structspec.core import (
     now,
     type_name,
 )
-from structspec.grammar.backend import GrammarBackend
-from structspec.models.default_model import resolve_model_path
-from structspec.models.loader import load_model, load_model_config
-from structspec.models.tokenizer import IncrementalDetokenizer, Tokenizer, check_unicode
-from structspec.runner.model_runner import ModelRunner
+from structspec.engine.build import build_engine
+from structspec.models.tokenizer import IncrementalDetokenizer, check_unicode
 from structspec.scheduler.request import Req
-from structspec.scheduler.scheduler import Scheduler
-from structspec.speculative.registry import create_drafter
-
-logger = logging.getLogger(__name__)
 
 PromptInput = str | list[int] | ChatMessages
 
@@ -45,12 +36,18 @@ class RequestError(ValueError):
 
 
 class LLMEngine:
-    """Loads the model, tokenizer, grammar backend and drafter; runs the scheduler.
+    """Validates and queues requests, steps the scheduler, reports outputs.
 
     Args:
-        config: engine configuration ("auto" fields are resolved here). With
-            ``load_format="dummy"`` the target (and a ``draft_model`` drafter's model) get
-            seeded random weights (seed ``config.seed``) built on the device from config.json.
+        config: engine configuration, built into the engine's parts by
+            :func:`structspec.engine.build.build_engine` ("auto" fields are resolved there).
+            With ``load_format="dummy"`` the target (and a ``draft_model`` drafter's model)
+            get seeded random weights (seed ``config.seed``) built on the device from
+            config.json.
+
+    Attributes:
+        config, model_path, max_model_len, model_config, tokenizer, runner, grammar, drafter,
+        scheduler: the parts (see :class:`~structspec.engine.build.EngineParts`).
 
     Raises:
         FileNotFoundError / ValueError: on a bad model path or config, naming what is wrong
@@ -59,62 +56,16 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config = resolve_engine_config(config)
-        if config.torch_device.type == "cpu":
-            # Activations of these models underflow into float32 denormals, which x86 cores
-            # process ~20x slower (measured: a 120-token SmolLM2 forward takes 3.1 s with
-            # denormals, 0.15 s flushed). Flushing them to zero changes logits by < 1e-30.
-            # NOTE: the flag is per thread and threads inherit it when created, so it is set
-            # before the first torch op spawns the OpenMP pool.
-            torch.set_flush_denormal(True)
-        self.model_path = resolve_model_path(config.model)
-        # From config.json alone: a context the model does not have fails before the weights
-        # load.
-        self.max_model_len = check_max_model_len(
-            config.max_model_len, load_model_config(self.model_path).max_position_embeddings)
-        device, dtype = config.torch_device, config.torch_dtype
-        torch.manual_seed(config.seed)
-        model, model_config = load_model(self.model_path, device=device, dtype=dtype,
-                                         load_format=config.load_format, seed=config.seed)
-        self.model_config = model_config
-        self.tokenizer = Tokenizer(self.model_path)
-        self.runner = ModelRunner(model, model_config, config.cache, device=device, dtype=dtype,
-                                  use_cuda_graph=config.cuda_graph,
-                                  max_model_len=self.max_model_len + config.spec.tree_size,
-                                  kernels=config.kernels,
-                                  batch_invariant=config.batch_invariant)
-        # One request must fit in the KV cache with its draft tree (Scheduler.add): a longer
-        # context could only be refused per request, so advertise what fits (like sglang).
-        kv_limit = ((self.runner.kv_pool.num_pages - 1) * self.runner.page_size
-                    - config.spec.tree_size)
-        if kv_limit < 1:
-            raise ValueError(f"kv_capacity_tokens is too small for one request with a "
-                             f"{config.spec.tree_size}-node draft tree")
-        if kv_limit < self.max_model_len:
-            logger.warning("max_model_len %d lowered to %d: the KV cache (%d tokens) must hold "
-                           "one whole request and its draft tree; raise kv_capacity_tokens "
-                           "for more", self.max_model_len, kv_limit,
-                           (self.runner.kv_pool.num_pages - 1) * self.runner.page_size)
-            self.max_model_len = kv_limit
-        self.grammar = GrammarBackend(
-            self.tokenizer.hf,
-            vocab_size=model_config.vocab_size,
-            stop_token_ids=list(self.tokenizer.eos_token_ids),
-            config=config.grammar,
-        )
-        self.drafter = create_drafter(config.spec, target=self.runner, device=device, dtype=dtype,
-                                      max_batch_size=config.scheduler.max_batch_size,
-                                      load_format=config.load_format, seed=config.seed)
-        self.scheduler = Scheduler(config, self.runner, self.grammar, self.drafter)
-        if config.grammar.mask_build_workers > 0:
-            from structspec.grammar.worker_pool import MaskWorkerPool
-
-            self.scheduler.mask_pool = MaskWorkerPool(
-                self.grammar.tokenizer_info, num_workers=config.grammar.mask_build_workers,
-                vocab_size=model_config.vocab_size,
-                max_rows=config.scheduler.max_batch_size * self.drafter.num_nodes,
-                stop_token_ids=list(self.tokenizer.eos_token_ids),
-                pin=device.type == "cuda")
+        parts = build_engine(config)
+        self.config = parts.config
+        self.model_path = parts.model_path
+        self.max_model_len = parts.max_model_len
+        self.model_config = parts.model_config
+        self.tokenizer = parts.tokenizer
+        self.runner = parts.runner
+        self.grammar = parts.grammar
+        self.drafter = parts.drafter
+        self.scheduler = parts.scheduler
         self._next_id = 0
         #: set by :meth:`close`; a closed engine takes no requests and runs no steps
         self.closed = False
@@ -244,10 +195,7 @@ class LLMEngine:
         raise RuntimeError; requests still running are dropped. Without it the workers stop
         when the engine is garbage-collected or the interpreter exits."""
         self.closed = True
-        pool, self.scheduler.mask_pool = self.scheduler.mask_pool, None
-        if pool is not None:
-            pool.close()
-        self.grammar.shutdown()
+        self.scheduler.close()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self.scheduler._finished_unreported)

@@ -12,6 +12,7 @@ import torch
 
 from structspec.draft_tree.layout import VerifyTree
 from structspec.kvcache.allocator import slots_for_positions
+from structspec.kvcache.pool import KVPool
 from structspec.layers.forward_batch import ForwardBatch
 
 
@@ -174,3 +175,30 @@ def accepted_kv_moves(
     src = torch.where(valid, slots_for_positions(page_table, src_pos, page_size), 0)
     dst = torch.where(valid, slots_for_positions(page_table, dst_pos, page_size), 0)
     return src.flatten(), dst.flatten()
+
+
+def compact_accepted_kv(
+    kv_pool: KVPool,
+    accept_nodes: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_table: torch.Tensor,
+    *,
+    page_size: int,
+) -> None:
+    """Move each accepted path's KV to consecutive positions (:func:`accepted_kv_moves` and
+    one :meth:`KVPool.copy_slots`); rejected nodes' KV is left in slots past the new length,
+    where the next step overwrites it. No host sync, so a CUDA graph can record it.
+
+    Args:
+        kv_pool: the target KV pool.
+        accept_nodes: ``[B, N]`` int64 accepted node per depth, -1 past the path (device).
+        seq_lens: ``[B]`` int64 committed lengths the verify forward ran with (device).
+        page_table: ``[B, P]`` int64 pages the forward wrote through (device).
+        page_size: tokens per KV page.
+
+    With ``N == 1`` (plain decode) nothing moves: node 0 is already in place.
+    """
+    if accept_nodes.shape[1] <= 1:
+        return
+    src, dst = accepted_kv_moves(accept_nodes, seq_lens, page_table, page_size=page_size)
+    kv_pool.copy_slots(src, dst)

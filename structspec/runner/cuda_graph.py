@@ -13,9 +13,13 @@ H2D copy fills the host-made part) and ``ancestor_mask [B, N, N]`` bool. The For
 :func:`~structspec.runner.batch_builder.build_verify_batch_from_tensors`.
 
 Post graphs: for greedy batches everything after the forward is a second, small graph per
-bucket (and per "masked" flag): apply the grammar bitmask (static ``[B*N, W]`` int32 input,
-shared by the buckets of one ``(B, N)``), argmax, tree verification, the count of real drafts
-and the accepted-path KV compaction. Run eagerly these are ~60 small kernels whose launches
+bucket (and per "masked" flag): the scheduler's select/verify function
+(:class:`SelectVerify`: apply the grammar bitmask, a static ``[B*N, W]`` int32 input shared
+by the buckets of one ``(B, N)``; argmax; tree verification; the count of real drafts), then
+the accepted-path KV compaction. The runner knows neither the grammar nor the drafters: the
+scheduler hands it that function and the bitmask width
+(:meth:`ModelRunner.set_select_verify`), so the graph records the very function the eager
+path calls. Run eagerly these are ~60 small kernels whose launches
 cost ~1 ms of host time per step on an H200 host (more than SmolLM2's whole verify forward);
 replayed they are one launch. The post graph is separate from the forward graph because the
 bitmask is built on the host *while the forward runs* and is uploaded just before the post
@@ -33,14 +37,14 @@ graph sharing the pool, so a verify output is valid until the next ``verify()`` 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 from torch import nn
 
-from structspec.draft_tree.verify import VerifyResult, verify_paths
-from structspec.grammar.bitmask import apply_bitmask_, bitmask_width
+from structspec.draft_tree.verify import VerifyResult
 from structspec.kvcache.pool import KVPool
-from structspec.runner.batch_builder import accepted_kv_moves, build_verify_batch_from_tensors
+from structspec.runner.batch_builder import build_verify_batch_from_tensors, compact_accepted_kv
 
 DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 MIN_KV_BUCKET = 256
@@ -67,6 +71,23 @@ def pick_bucket(value: int, buckets: Sequence[int]) -> int | None:
 
 
 GraphKey = tuple[int, int, int, tuple[int, ...]]
+
+
+class SelectVerify(Protocol):
+    """Target selection and tree verification after a verify forward, as the scheduler
+    composes it (:func:`structspec.scheduler.select_verify.select_verify`).
+
+    Called with ``(logits [R, V] float32, bitmask [R, W] int32 or None, draft_tokens,
+    parents, depth [B, N] int64, ancestor_mask [B, N, N] bool, max_accept_drafts [B] int64
+    or None)``, all on one device, ``R = B * N``: masks ``logits`` in place, picks each row's
+    argmax and verifies the trees. Returns ``(VerifyResult [B, N] / [B], num_real [B] int64
+    real drafts per request)``. No host sync: a CUDA graph records it.
+    """
+
+    def __call__(self, logits: torch.Tensor, bitmask: torch.Tensor | None,
+                 draft_tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor,
+                 ancestor_mask: torch.Tensor, max_accept_drafts: torch.Tensor | None,
+                 /) -> tuple[VerifyResult, torch.Tensor]: ...
 
 
 class VerifyGraph:
@@ -169,35 +190,30 @@ class VerifyGraph:
         self.graph.replay()
 
     def post_forward(
-        self, kv_pool: KVPool, page_size: int, masked: bool
+        self, kv_pool: KVPool, page_size: int, masked: bool, select_verify: SelectVerify
     ) -> tuple[VerifyResult, torch.Tensor]:
         """Greedy post-forward work on the static buffers, run eagerly (what the post graph
-        records): mask the logits in place (``masked``: with ``bitmask`` and ``cap``), argmax
-        each row, verify every tree (:func:`~structspec.draft_tree.verify.verify_paths`), count the
-        real drafts and compact the accepted paths' KV (dummy rows move sink slots only).
+        records): ``select_verify`` (mask the logits in place, with ``bitmask`` and ``cap``
+        when ``masked``; argmax each row; verify every tree; count the real drafts), then
+        compact the accepted paths' KV (dummy rows move sink slots only).
 
         Returns:
             ``(VerifyResult with [B, N] / [B] tensors, num_real [B] int64)``, fresh tensors.
         """
         assert self.logits is not None, "capture() the forward first"
-        bsz, n = self.bsz, self.num_nodes
-        cap = None
+        bitmask = cap = None
         if masked:
             assert self.bitmask is not None and self.cap is not None
-            apply_bitmask_(self.logits, self.bitmask)
-            cap = self.cap
-        targets = self.logits.argmax(dim=-1).view(bsz, n)
-        result = verify_paths(self.draft_tokens, self.parents, self.depth, self.ancestor_mask,
-                              targets, cap)
-        num_real = (self.draft_tokens[:, 1:] >= 0).sum(dim=1)
-        if n > 1:
-            src, dst = accepted_kv_moves(result.accept_nodes, self.seq_lens, self.page_table,
-                                         page_size=page_size)
-            kv_pool.copy_slots(src, dst)
+            bitmask, cap = self.bitmask, self.cap
+        result, num_real = select_verify(self.logits, bitmask, self.draft_tokens, self.parents,
+                                         self.depth, self.ancestor_mask, cap)
+        compact_accepted_kv(kv_pool, result.accept_nodes, self.seq_lens, self.page_table,
+                            page_size=page_size)
         return result, num_real
 
     def run_post(
-        self, kv_pool: KVPool, page_size: int, masked: bool, pool: tuple
+        self, kv_pool: KVPool, page_size: int, masked: bool, pool: tuple,
+        select_verify: SelectVerify,
     ) -> tuple[VerifyResult, torch.Tensor]:
         """Replay the post graph (capturing it on first use); returns its ``[B, ...]`` outputs.
 
@@ -211,10 +227,10 @@ class VerifyGraph:
         if graph is not None:
             graph.replay()
             return self.post_out[masked]
-        out = self.post_forward(kv_pool, page_size, masked)
+        out = self.post_forward(kv_pool, page_size, masked, select_verify)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            self.post_out[masked] = self.post_forward(kv_pool, page_size, masked)
+            self.post_out[masked] = self.post_forward(kv_pool, page_size, masked, select_verify)
         self.post_graphs[masked] = graph
         return out
 
@@ -247,6 +263,10 @@ class VerifyGraphCache:
         self.graphs: dict[GraphKey, VerifyGraph] = {}
         self._post_inputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._cap_dirty: set[tuple[int, int]] = set()  # caps holding real values
+        #: the post graphs' function and the bitmask width (int32 words per row), both from
+        #: the scheduler (:meth:`ModelRunner.set_select_verify`); None = no post graphs yet
+        self.select_verify: SelectVerify | None = None
+        self.bitmask_width: int | None = None
 
     def lookup(
         self, bsz: int, num_nodes: int, need_pages: int, aux_layers: tuple[int, ...]
@@ -274,11 +294,11 @@ class VerifyGraphCache:
         first use and shared by every bucket of the same ``(B, N)`` (only one graph runs at a
         time). A fresh bitmask allows everything; a fresh cap is ``N`` (no cap)."""
         assert g.logits is not None, "capture the forward first"
+        assert self.bitmask_width is not None, "ModelRunner.set_select_verify() first"
         key = (g.bsz, g.num_nodes)
         if key not in self._post_inputs:
-            width = bitmask_width(g.logits.shape[1])
             self._post_inputs[key] = (
-                torch.full((g.bsz * g.num_nodes, width), -1, dtype=torch.int32,
+                torch.full((g.bsz * g.num_nodes, self.bitmask_width), -1, dtype=torch.int32,
                            device=self.device),
                 torch.full((g.bsz,), g.num_nodes, dtype=torch.int64, device=self.device),
             )
@@ -297,6 +317,7 @@ class VerifyGraphCache:
                 ``[bsz]`` caps into the given ``cap[:bsz]`` view (non_blocking H2D); None = no
                 cap this step (the buffer is reset to ``N`` if a previous step wrote caps).
         """
+        assert self.select_verify is not None, "ModelRunner.set_select_verify() first"
         if masked:
             _, cap = self.post_inputs(g)
             key = (g.bsz, g.num_nodes)
@@ -306,4 +327,4 @@ class VerifyGraphCache:
             elif key in self._cap_dirty:
                 cap.fill_(g.num_nodes)
                 self._cap_dirty.discard(key)
-        return g.run_post(self.kv_pool, self.page_size, masked, self.pool)
+        return g.run_post(self.kv_pool, self.page_size, masked, self.pool, self.select_verify)

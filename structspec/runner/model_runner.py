@@ -25,14 +25,19 @@ from structspec.kvcache.pool import KVPool
 from structspec.layers.forward_batch import ForwardBatch
 from structspec.memory import check_fits
 from structspec.runner.batch_builder import (
-    accepted_kv_moves,
     build_prefill_batch,
     build_verify_batch,
     build_verify_batch_from_tensors,
+    compact_accepted_kv,
     page_rows,
     page_table_tensor,
 )
-from structspec.runner.cuda_graph import DEFAULT_BATCH_SIZES, VerifyGraph, VerifyGraphCache
+from structspec.runner.cuda_graph import (
+    DEFAULT_BATCH_SIZES,
+    SelectVerify,
+    VerifyGraph,
+    VerifyGraphCache,
+)
 from structspec.staging import Staging
 
 
@@ -47,7 +52,7 @@ class VerifyForwardOutput:
         hidden_states: ``[B, N, H]`` final hidden states (EAGLE drafters read them).
         aux_hidden_states: outputs of ``ModelRunner.aux_hidden_layers``, each ``[B, N, H]``.
         graph: the CUDA-graph bucket that produced it (None when eager); enables
-            :meth:`ModelRunner.greedy_verify`.
+            :meth:`ModelRunner.greedy_verify` (once a select/verify function is installed).
     """
 
     logits: torch.Tensor
@@ -95,7 +100,10 @@ class ModelRunner:
             propose, and the target's verify decides every emitted token.
 
     Verify outputs on CUDA with graphs are views of static graph buffers: valid until the next
-    :meth:`verify` call.
+    :meth:`verify` call. What follows a greedy graph-replayed verify (mask, selection, tree
+    verification, KV compaction) is a second graph recording the function that the scheduler
+    installs with :meth:`set_select_verify`; the runner itself knows neither the grammar nor
+    the drafters.
     """
 
     def __init__(
@@ -145,12 +153,26 @@ class ModelRunner:
         on_cuda = device.type == "cuda"
         self.staging: Staging | None = Staging(device) if on_cuda else None
         self.graphs: VerifyGraphCache | None = None
+        #: the post-forward select/verify function (:meth:`set_select_verify`)
+        self.select_verify: SelectVerify | None = None
         if on_cuda and use_cuda_graph:
             self.graphs = VerifyGraphCache(
                 model, self.kv_pool, page_size=self.page_size,
                 max_model_len=max_model_len or model_config.max_position_embeddings,
                 batch_sizes=cuda_graph_batch_sizes, device=device,
             )
+
+    def set_select_verify(self, select_verify: SelectVerify, *, bitmask_width: int) -> None:
+        """Install the function that the post-forward CUDA graphs record (the scheduler's
+        mask application, target selection, tree verification and real-draft count; see
+        :class:`~structspec.runner.cuda_graph.SelectVerify`) and the grammar bitmask width
+        (int32 words per logits row) of their static bitmask input. Until it is called,
+        :meth:`graph_bitmask` returns None (greedy batches then run the eager path) and
+        :meth:`warmup_cuda_graphs` captures only the forwards."""
+        self.select_verify = select_verify
+        if self.graphs is not None:
+            self.graphs.select_verify = select_verify
+            self.graphs.bitmask_width = bitmask_width
 
     @property
     def use_cuda_graph(self) -> bool:
@@ -262,8 +284,8 @@ class ModelRunner:
 
         ``seq_lens | page_table`` (and a host tree's tokens/depth/parents) go in one pinned
         buffer and one non-blocking H2D copy; a host tree's ancestor mask in a second. A device
-        tree is copied device to device into rows ``[:B]``; its dummy rows keep a valid earlier tree,
-        harmless since their ``seq_len``/page rows are 0 (writes go to the sink page).
+        tree is copied device to device into rows ``[:B]``; its dummy rows keep a valid earlier
+        tree, harmless since their ``seq_len``/page rows are 0 (writes go to the sink page).
         All copies are on the current stream, ahead of the replay that reads them.
         """
         assert self.staging is not None
@@ -309,7 +331,8 @@ class ModelRunner:
         kv_lens: Sequence[int] | None = None,
     ) -> int:
         """Capture verify graphs ahead of time (largest first), with dummy rows only (their
-        writes go to the sink page). No-op without graphs.
+        writes go to the sink page), and their post graphs once :meth:`set_select_verify` was
+        called. No-op without graphs.
 
         Args:
             num_nodes: tree size ``N`` the engine verifies with (1 = plain decode).
@@ -332,16 +355,18 @@ class ModelRunner:
                     continue
                 g.reset_dummy()
                 self.graphs.ensure_captured(g)
-                for masked in (False, True):  # dummy rows only: KV moves stay in the sink
-                    self.graphs.run_post(g, masked, None)
+                if self.select_verify is not None:
+                    for masked in (False, True):  # dummy rows only: KV moves stay in the sink
+                        self.graphs.run_post(g, masked, None)
                 count += 1
         return count
 
     def graph_bitmask(self, fwd: VerifyForwardOutput) -> torch.Tensor | None:
         """The static ``[B_bucket * N, W]`` int32 device bitmask that :meth:`greedy_verify`
         applies for ``fwd`` (upload a step's tree bitmask into its first ``B * N`` rows), or
-        None when ``fwd`` did not come from a CUDA graph."""
-        if fwd.graph is None or self.graphs is None:
+        None when ``fwd`` did not come from a CUDA graph or no select/verify function is
+        installed (:meth:`set_select_verify`)."""
+        if fwd.graph is None or self.graphs is None or self.select_verify is None:
             return None
         return self.graphs.post_inputs(fwd.graph)[0]
 
@@ -353,8 +378,9 @@ class ModelRunner:
         """Greedy selection, tree verification and KV compaction for a graph-replayed
         ``fwd`` as one post-graph replay (see :mod:`structspec.runner.cuda_graph`).
 
-        Equivalent to ``apply_bitmask_`` + ``argmax`` + :func:`verify_tree` +
-        :meth:`commit_accepted_kv` (do not call the latter again).
+        Equivalent to the installed select/verify function (:meth:`set_select_verify`) on
+        ``fwd``'s logits and tree, then :meth:`commit_accepted_kv` (do not call the latter
+        again).
 
         Args:
             fwd: the output of the :meth:`verify` just launched (``fwd.graph`` not None).
@@ -367,11 +393,14 @@ class ModelRunner:
             static buffers valid until the next verify.
 
         Raises:
-            ValueError: ``fwd`` was not produced by a CUDA graph.
+            ValueError: ``fwd`` was not produced by a CUDA graph, or no select/verify function
+                is installed.
         """
         g = fwd.graph
         if g is None or self.graphs is None or self.staging is None:
             raise ValueError("greedy_verify needs a verify output replayed from a CUDA graph")
+        if self.select_verify is None:
+            raise ValueError("greedy_verify needs set_select_verify() first")
         bsz = fwd.seq_lens.shape[0]
         staged_cap = None
         if max_accept_cpu is not None:
@@ -391,8 +420,5 @@ class ModelRunner:
     def commit_accepted_kv(self, fwd: VerifyForwardOutput, result: VerifyResult) -> None:
         """Move each accepted path's KV to consecutive positions; rejected nodes' KV is left
         in slots past the new length, where the next step overwrites it."""
-        if result.accept_nodes.shape[1] <= 1:
-            return  # plain decode: node 0 is already in place
-        src, dst = accepted_kv_moves(result.accept_nodes, fwd.seq_lens, fwd.page_table,
-                                     page_size=self.page_size)
-        self.kv_pool.copy_slots(src, dst)
+        compact_accepted_kv(self.kv_pool, result.accept_nodes, fwd.seq_lens, fwd.page_table,
+                            page_size=self.page_size)

@@ -1,6 +1,6 @@
 """Committing a verify step's accepted run to a request: the only place outputs grow.
 
-Three phases per request and step (invariants 3 and 4 of DESIGN.md):
+Three phases per request and step (docs/architecture.md, invariants 3 and 4):
 
 A. :func:`commit_tokens` (right after the step's results reach the host): trim the run at
    token-level stops (EOS, stop token ids, max_tokens) and append the kept ids. The next

@@ -18,6 +18,7 @@ from structspec.grammar.bitmask import apply_bitmask_, bitmask_width
 from structspec.models.llama import LlamaForCausalLM
 from structspec.runner.cuda_graph import VerifyGraph, kv_len_buckets, pick_bucket
 from structspec.runner.model_runner import ModelRunner, VerifyForwardOutput
+from structspec.scheduler.select_verify import select_verify
 
 
 def smol_config(num_layers: int = 30) -> ModelConfig:
@@ -55,7 +56,8 @@ def batch_pages(seq_lens: list[int], n: int, page_size: int, start: int = 1) -> 
 def build_runner(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, *,
                  num_pages: int, use_cuda_graph: bool, seed: int = 0,
                  model: LlamaForCausalLM | None = None) -> ModelRunner:
-    """Runner over a random-weight model (shared when ``model`` is given); KV pool random."""
+    """Runner over a random-weight model (shared when ``model`` is given); KV pool random;
+    the scheduler's select/verify function installed (post graphs)."""
     if model is None:
         torch.manual_seed(seed)
         model = LlamaForCausalLM(cfg)
@@ -68,6 +70,7 @@ def build_runner(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, *,
         model.rotary.reset_inv_freq()
     runner = ModelRunner(model, cfg, CacheConfig(page_size=16, num_pages=num_pages),
                          device=device, dtype=dtype, use_cuda_graph=use_cuda_graph)
+    runner.set_select_verify(select_verify, bitmask_width=bitmask_width(cfg.vocab_size))
     g = torch.Generator(device="cpu").manual_seed(seed + 1)
     for k, v in zip(runner.kv_pool.k_cache, runner.kv_pool.v_cache, strict=True):
         k.copy_(torch.randn(k.shape, generator=g).to(dtype))
@@ -169,7 +172,7 @@ def test_post_forward_matches_eager_cpu(n: int, masked: bool) -> None:
     g.bitmask[::2] = -1  # every other row unconstrained, so drafts still get accepted
     g.cap = torch.tensor([n, 0, 1, n], dtype=torch.int64)
     kv_before = runner.kv_pool.kv_buffer.clone()
-    result, num_real = g.post_forward(runner.kv_pool, runner.page_size, masked)
+    result, num_real = g.post_forward(runner.kv_pool, runner.page_size, masked, select_verify)
     kv_graph = runner.kv_pool.kv_buffer.clone()
     runner.kv_pool.kv_buffer.copy_(kv_before)
 

@@ -237,14 +237,15 @@ def test_committed_id_the_grammar_forbids_is_never_reported(make_llm,
     the grammar (planted here; in the engine only a mask/matcher disagreement could commit
     one) contradicts the prediction: that request ends with a grammar error in the same step,
     the id is cut and its text dropped before anything is reported; the others run on."""
-    from structspec.scheduler import scheduler as sched_mod
+    from structspec.scheduler import verify_step as step_mod
+    from structspec.scheduler.grammar_service import GrammarService
 
     params = [SamplingParams(max_tokens=40, grammar=JsonSchemaConstraint(PERSON_SCHEMA))
               for _ in range(4)]
     ref = make_llm(**SPEC_CONFIGS["ngram"]({})).generate(PROMPTS[:4], params)
     with pool_llm(**SPEC_CONFIGS["ngram"]({})) as llm:
         (newline,) = llm.engine.tokenizer.encode("\n")  # raw newlines break compact JSON
-        commit = sched_mod.commit_tokens
+        commit = step_mod.commit_tokens
         planted: dict[str, int] = {}
 
         def commit_with_a_bad_id(req, run, t):  # type: ignore[no-untyped-def]
@@ -253,7 +254,7 @@ def test_committed_id_the_grammar_forbids_is_never_reported(make_llm,
                 run = run[:1] + [newline]  # the target's first token, then the bad id
             return commit(req, run, t)
 
-        settle = sched_mod.Scheduler._settle_mismatches
+        settle = GrammarService._settle_mismatches
         seen: list[dict[int, tuple[int, int, bool]]] = []
 
         def recording_settle(reqs, mismatched) -> None:  # type: ignore[no-untyped-def]
@@ -261,9 +262,8 @@ def test_committed_id_the_grammar_forbids_is_never_reported(make_llm,
                 seen.append(dict(mismatched))
             settle(reqs, mismatched)
 
-        monkeypatch.setattr(sched_mod, "commit_tokens", commit_with_a_bad_id)
-        monkeypatch.setattr(sched_mod.Scheduler, "_settle_mismatches",
-                            staticmethod(recording_settle))
+        monkeypatch.setattr(step_mod, "commit_tokens", commit_with_a_bad_id)
+        monkeypatch.setattr(GrammarService, "_settle_mismatches", staticmethod(recording_settle))
         got = llm.generate(PROMPTS[:4], params)
     (rid, kept), = planted.items()
     # the mirrors caught it (the in-process barrier would have ended the request too)
@@ -329,7 +329,7 @@ def test_dead_mask_worker_falls_back_in_process(make_llm, when: str,
     were applied and before its walks arrive): the engine drops the pool, its host matchers
     replay what the mirrors had advanced, and every output equals the in-process run."""
     from structspec.grammar.worker_pool import MaskWorkerPool
-    from structspec.scheduler.scheduler import Scheduler
+    from structspec.scheduler.grammar_service import GrammarService
 
     params = mixed_params(8)
     params[2] = SamplingParams(max_tokens=32, stop=["a"], grammar=JsonSchemaConstraint(PERSON_SCHEMA))
@@ -355,7 +355,7 @@ def test_dead_mask_worker_falls_back_in_process(make_llm, when: str,
 
             monkeypatch.setattr(MaskWorkerPool, "build", build_then_die)
         else:
-            apply = Scheduler._apply_verdicts
+            apply = GrammarService._apply_verdicts
 
             def apply_then_die(reqs, result) -> None:  # type: ignore[no-untyped-def]
                 apply(reqs, result)
@@ -363,7 +363,7 @@ def test_dead_mask_worker_falls_back_in_process(make_llm, when: str,
                 if calls[0] == 3:
                     kill_worker()
 
-            monkeypatch.setattr(Scheduler, "_apply_verdicts", staticmethod(apply_then_die))
+            monkeypatch.setattr(GrammarService, "_apply_verdicts", staticmethod(apply_then_die))
         got = llm.generate(PROMPTS[:8], params)
     assert calls[0] >= 3 and sched.mask_pool is None
     for a, b in zip(ref, got, strict=True):

@@ -121,7 +121,7 @@ def test_mismatch_after_a_stop_string_cut_keeps_the_stop() -> None:
     """A mirror refuses the last id of a run whose earlier id completed a stop string: the
     outcome is the stop string's (STOP, no error) whichever of the text work and the
     mismatch check runs first (the order depends on how fast the mask workers reply)."""
-    from structspec.scheduler.scheduler import Scheduler
+    from structspec.scheduler.grammar_service import GrammarService
 
     outcomes = []
     for text_first in (True, False):
@@ -129,7 +129,7 @@ def test_mismatch_after_a_stop_string_cut_keeps_the_stop() -> None:
         commit_tokens(req, [5, 6, 7], 0.0)  # "fgh": the stop string ends at 6; 7 is refused
         if text_first:
             process_text(req)
-        Scheduler._settle_mismatches([req], {0: (3, 1, False)})
+        GrammarService._settle_mismatches([req], {0: (3, 1, False)})
         if not text_first:
             process_text(req)
         outcomes.append((req.output_ids, req.text, req.finish_reason, req.error))

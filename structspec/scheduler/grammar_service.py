@@ -1,0 +1,303 @@
+"""The grammar side of the engine behind one API: compile, barrier, tree bitmask.
+
+:class:`GrammarService` owns the grammar backend and, when
+``GrammarConfig.mask_build_workers > 0``, the :class:`MaskWorkerPool`. Everything about *how*
+the grammar work is served is decided here, not in the step: the tree walks run in this
+process or in the worker processes; the workers' mirror matchers stand in for the host
+matchers (the grammar barrier of a host tree) or not; the verdicts predicted from the new ids
+are applied as a build is sent and checked when the walks arrive; a failed pool is dropped
+and the host matchers replay what the mirrors had advanced. The verify step sees four calls:
+:meth:`~GrammarService.stage_tree` (before the launch), :meth:`~GrammarService.plan_step`
+(a :class:`GrammarPlan`), :meth:`~GrammarService.advance_previous` (the barrier) and
+:meth:`~GrammarService.build_mask` (barrier, then the bitmask, queued to the device).
+Every committed id is advanced exactly once (docs/architecture.md, invariant 3).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import xgrammar as xgr
+
+from structspec.constraints import GrammarConstraint
+from structspec.core import FinishReason
+from structspec.draft_tree.layout import VerifyTree
+from structspec.grammar.backend import GrammarBackend, GrammarFuture
+from structspec.grammar.matcher import Matcher
+from structspec.grammar.tree_mask import (
+    GrammarMaskResult,
+    GrammarTree,
+    build_grammar_vocab_mask,
+    build_grammar_vocab_mask_pooled,
+)
+from structspec.grammar.worker_pool import (
+    MaskPoolError,
+    MaskWorkerPool,
+    PoolBuildResult,
+    PoolRequest,
+)
+from structspec.scheduler.commit import advance_grammar, cut_output, settle_grammar_advance
+from structspec.scheduler.logprobs import trim_logprobs
+from structspec.scheduler.request import Req
+from structspec.scheduler.step_stats import StepTimer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GrammarPlan:
+    """How one verify step's grammar barrier is served, decided once per step over the batch
+    and the previous step's requests that left it (:meth:`GrammarService.plan_step`).
+
+    Attributes:
+        previous: the previous step's requests, whose committed ids the barrier advances.
+        barrier_in_workers: the mask workers' mirror matchers advance the grammar state of
+            the batch and of ``extra`` (host trees only): the previous step's text work may
+            run while they advance and walk.
+        extra: previous-step requests that left the batch, advanced in the workers in the
+            same round trip (empty unless ``barrier_in_workers``).
+        poll_walks: when the workers serve the barrier, a non-blocking check whether every
+            walk of the build in progress has arrived; None otherwise.
+    """
+
+    previous: tuple[Req, ...]
+    barrier_in_workers: bool
+    extra: tuple[Req, ...]
+    poll_walks: Callable[[], bool] | None
+
+
+class GrammarService:
+    """Grammar compile, grammar barrier and tree bitmask for the scheduler (module doc).
+
+    Args:
+        backend: grammar backend for this model's tokenizer.
+        device: where the verify logits live (the bitmask is uploaded there).
+        vocab_size: the logits width.
+        tree_on_host: the drafter builds its trees on the host (n-gram, none).
+        timer: the scheduler's step timer (phase ``mask`` and the pool's timings).
+        live_requests: the requests whose host matchers replay their mirrors' lead when the
+            pool is dropped (the scheduler's running and deferred requests).
+        pool: the tree-bitmask worker pool, or None (walk in this process).
+    """
+
+    def __init__(self, backend: GrammarBackend, *, device: torch.device, vocab_size: int,
+                 tree_on_host: bool, timer: StepTimer,
+                 live_requests: Callable[[], Sequence[Req]],
+                 pool: MaskWorkerPool | None = None) -> None:
+        self.backend = backend
+        self.pool = pool
+        self._device = device
+        self._vocab_size = vocab_size
+        self._tree_on_host = tree_on_host
+        self._timer = timer
+        self._live_requests = live_requests
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, constraint: GrammarConstraint) -> GrammarFuture:
+        """Start compiling a request's grammar (never awaited here)."""
+        return self.backend.submit(constraint)
+
+    def create_matcher(self, compiled: xgr.CompiledGrammar) -> Matcher:
+        """A fresh matcher for a compiled grammar."""
+        return self.backend.create_matcher(compiled)
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request (its mirror matcher, if any)."""
+        if self.pool is not None:
+            self.pool.release(request_id)
+
+    def close(self) -> None:
+        """Stop the worker processes (freeing their shared memory), then the compile
+        threads. Idempotent."""
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            pool.close()
+        self.backend.shutdown()
+
+    # ------------------------------------------------------------------ one step
+
+    def stage_tree(self, reqs: Sequence[Req], tree: VerifyTree) -> GrammarTree | None:
+        """Stage the tree for the host-side mask build, *before* the verify launch: a device
+        tree's D2H copies are queued right behind the draft kernels (with an event); a host
+        tree needs no copy. None when no request of the batch is constrained."""
+        if all(r.matcher is None for r in reqs):
+            return None
+        if tree.device.type == "cpu":
+            return GrammarTree.from_host(tree.next_token, tree.next_sibling, tree.draft_tokens,
+                                         tree.parents)
+        return GrammarTree.from_device(tree.next_token, tree.next_sibling, tree.draft_tokens,
+                                       tree.parents)
+
+    def plan_step(self, reqs: Sequence[Req], previous: Sequence[Req]) -> GrammarPlan:
+        """Decide, once per verify step, who advances the grammar over ``previous``'s
+        committed ids: with mirror matchers (worker pool, host tree) the pool's build advances
+        the batch and the previous step's requests that left it in the same round trip; the
+        verdicts predicted from the new ids are applied as the build is sent (the mirrors' own
+        arrive with the walks and check them). Decided over the batch and those that left it
+        (a lagging one among them must advance in its mirror too)."""
+        in_batch = set(map(id, reqs))
+        left = [r for r in previous if id(r) not in in_batch]
+        mirrors = self._mirrors_serve([*reqs, *left])
+        pool = self.pool if mirrors else None
+        return GrammarPlan(previous=tuple(previous), barrier_in_workers=mirrors,
+                           extra=tuple(left) if mirrors else (),
+                           poll_walks=None if pool is None else pool.walks_ready)
+
+    def advance_previous(self, plan: GrammarPlan, *, in_mask_build: bool) -> None:
+        """The grammar barrier of a verify step over ``plan.previous``: on the host matchers,
+        unless the mirrors serve it (then a mask build advances them, or, when the step builds
+        no mask, a mirror-only round trip)."""
+        if not plan.barrier_in_workers:  # no request lags its mirror: host advance
+            for req in plan.previous:
+                advance_grammar(req)
+        elif not in_mask_build:  # no request of the batch is constrained: no mask build, so
+            self.barrier(list(plan.previous))  # the mirrors advance on their own
+
+    def barrier(self, reqs: Sequence[Req]) -> None:
+        """Advance every request's grammar state over its committed-but-unadvanced ids
+        (exactly once): in the worker pool's mirrors when they stand in for the host
+        matchers (:meth:`_mirrors_serve`), else on the host matchers."""
+        if self._mirrors_serve(reqs):
+            pool = self.pool
+            assert pool is not None
+            try:
+                self._apply_verdicts(reqs, pool.advance(self._pool_requests(reqs)))
+                return
+            except MaskPoolError as e:  # the host matchers replay the mirrors' share below
+                self._drop_pool(pool, e)
+        for req in reqs:
+            advance_grammar(req)
+
+    def build_mask(self, reqs: Sequence[Req], gtree: GrammarTree, *,
+                   plan: GrammarPlan | None, while_walking: Callable[[], None] | None,
+                   out: torch.Tensor | None = None) -> GrammarMaskResult | None:
+        """Barrier, then the tree bitmask (queued to the device ``non_blocking``, into ``out``
+        when given); the tree walks run in the worker pool when there is one and the batch
+        has at least as many constrained requests as it has workers, or when ``plan`` says
+        the mirrors serve the barrier.
+
+        ``while_walking`` (the step's barrier and the previous step's text work) runs before
+        the walks in process, or while the workers walk. With mirrors, the verdicts predicted
+        from the new ids are applied as soon as the build is sent, before ``while_walking``;
+        a mirror's verdict that contradicts its prediction ends that request
+        (:meth:`_settle_mismatches`). ``plan`` None: a prefill (no barrier, no mirrors).
+        """
+        mirrors = plan is not None and plan.barrier_in_workers
+        mirror_extra = plan.extra if plan is not None else ()
+        matchers = [r.matcher for r in reqs]
+        pool = self.pool
+        if pool is not None and (mirrors or
+                                 sum(m is not None for m in matchers) >= pool.num_workers):
+            extra = [r for r in mirror_extra if r.matcher is not None]
+            try:
+                mask = build_grammar_vocab_mask_pooled(
+                    pool, self._pool_requests(reqs), matchers, gtree, device=self._device,
+                    barrier=while_walking, out=out,
+                    advance_only=[q for q in self._pool_requests(extra) if q is not None],
+                    on_verdicts=(lambda res: self._apply_verdicts([*reqs, *extra], res))
+                    if mirrors else None)
+                if mask is not None and mask.mirror is not None:
+                    self._timer.pool(mask.mirror.send_ms, mask.mirror.worker_busy_ms)
+                    if mirrors:
+                        self._settle_mismatches([*reqs, *extra], mask.mirror.mismatched)
+                self._timer.phase("mask")
+                return mask
+            except MaskPoolError as e:
+                # Drop the pool and build in process: the host matchers replay whatever the
+                # mirrors had advanced (or apply what they had not; ``_drop_pool`` covers the
+                # running requests, ``extra`` left them), then ``while_walking`` runs again
+                # (the grammar advance and the text work are idempotent).
+                self._drop_pool(pool, e)
+                for req in extra:
+                    advance_grammar(req)
+
+        def barrier_then_catch_up() -> None:
+            if while_walking is not None:
+                while_walking()
+            # An in-process walk starts from the host matchers: replay any lag behind a mirror
+            # (those ids already had the mirror's verdict, so nothing is dropped here).
+            for req in reqs:
+                advance_grammar(req)
+
+        mask = build_grammar_vocab_mask(matchers, gtree, vocab_size=self._vocab_size,
+                                        device=self._device, barrier=barrier_then_catch_up,
+                                        out=out)
+        self._timer.phase("mask")
+        return mask
+
+    # ------------------------------------------------------------------ mirrors and pool
+
+    def _mirrors_serve(self, reqs: Sequence[Req]) -> bool:
+        """Whether the worker pool's mirror matchers advance these requests' grammar state
+        (the barrier) in place of the host matchers.
+
+        Only for host trees (n-gram): a device tree's barrier already hides in the wait for
+        the drafted tree. The pool serves a batch with at least as many constrained requests
+        as it has workers (below that its round trip costs more than it saves), and any batch
+        holding a request whose host matcher lags its mirror (a host replay of that lag would
+        stall the step).
+        """
+        pool = self.pool
+        if pool is None or not self._tree_on_host:
+            return False
+        constrained = [r for r in reqs if r.matcher is not None]
+        if not constrained:
+            return False
+        return len(constrained) >= pool.num_workers or any(
+            pool.num_synced(r.request_id) > r.num_grammar_advanced for r in constrained)
+
+    def _drop_pool(self, pool: MaskWorkerPool, error: MaskPoolError) -> None:
+        """A worker died or failed: serve the grammar in this process from now on (the
+        live requests' host matchers replay what their mirrors had advanced)."""
+        logger.error("grammar mask worker pool failed (%s); the engine process does the grammar "
+                     "work from now on", error)
+        self.pool = None
+        pool.close()
+        for req in self._live_requests():  # replay every mirror's lead now
+            advance_grammar(req)
+
+    @staticmethod
+    def _pool_requests(reqs: Sequence[Req]) -> list[PoolRequest | None]:
+        return [None if r.matcher is None else
+                PoolRequest(r.request_id, r.matcher.compiled, r.output_ids) for r in reqs]
+
+    @staticmethod
+    def _apply_verdicts(reqs: Sequence[Req], result: PoolBuildResult) -> None:
+        """Apply the mirrors' verdicts (ids not kept, grammar ended; actual or predicted, see
+        ``MaskWorkerPool.build``) to ``reqs`` (indexed as the pool saw them); the host
+        matchers lag and replay only when needed."""
+        terminated = set(result.terminated)
+        for b in sorted(terminated | result.rejected.keys()):
+            settle_grammar_advance(reqs[b], result.rejected.get(b, 0), b in terminated)
+
+    @staticmethod
+    def _settle_mismatches(reqs: Sequence[Req],
+                           mismatched: dict[int, tuple[int, int, bool]]) -> None:
+        """End the requests whose mirror refused committed ids that the predicted verdict kept
+        (indexed as the pool saw them; see ``PoolBuildResult.mismatched``).
+
+        Committed ids are chosen under the grammar's mask, so this happens only when the
+        grammar engine's mask and its matcher disagree. The request ends with an error, as
+        the host matcher's barrier would end it, and the refused ids are cut before anything
+        is reported: outputs are collected at the end of the step, after this. Their text,
+        which the step's text work may already have made, is rebuilt from the kept ids.
+        """
+        for b, (sent, rejected, _ended) in sorted(mismatched.items()):
+            req = reqs[b]
+            keep = min(len(req.output_ids), sent - rejected)
+            first = req.output_ids[keep] if keep < len(req.output_ids) else None
+            logger.error("request %s: the grammar mirror refused %d committed id(s) that the "
+                         "mask had allowed (first: %s)", req.request_id, rejected, first)
+            cut = cut_output(req, keep)
+            if not cut and req.finished:
+                # A stop string already cut the refused ids and ended the request; it wins,
+                # as it does when the text work runs after this (its finish is forced).
+                continue
+            req.finish(FinishReason.ABORT, force=True, error=(
+                f"grammar rejected token {first} after {keep} output tokens" if cut else
+                "the grammar state diverged from the committed tokens"))
+            trim_logprobs(req)

@@ -1,0 +1,180 @@
+"""Target selection and tree verification after a forward: the one implementation.
+
+:func:`select_verify` is the function the scheduler composes once (grammar mask application +
+target selection + :func:`~structspec.draft_tree.verify.verify_paths` + the real-draft count)
+and hands to the runner (:meth:`ModelRunner.set_select_verify`), whose post-forward CUDA graph
+records it for greedy graph-replayed verifies. :class:`SelectVerifyPhase` runs the step's
+selection phase: that graph replay, or the same function eagerly (sampling, eager forwards,
+prefill) with :func:`~structspec.layers.sampler.sample_rows` as the selection; then the
+accepted KV is compacted (the runner's) and the results start their way to the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from structspec.draft_tree.layout import VerifyTree
+from structspec.draft_tree.verify import VerifyResult, verify_paths
+from structspec.grammar.bitmask import apply_bitmask_
+from structspec.grammar.tree_mask import GrammarMaskResult
+from structspec.layers.sampler import SamplingBatch, sample_rows
+from structspec.runner.model_runner import ModelRunner, VerifyForwardOutput
+from structspec.scheduler.logprobs import record_logprobs
+from structspec.scheduler.pending import PendingStep
+from structspec.scheduler.request import Req
+from structspec.staging import stack_to_device, to_device
+
+
+def select_verify(
+    logits: torch.Tensor,
+    bitmask: torch.Tensor | None,
+    draft_tokens: torch.Tensor,
+    parents: torch.Tensor,
+    depth: torch.Tensor,
+    ancestor_mask: torch.Tensor,
+    max_accept_drafts: torch.Tensor | None,
+    select: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[VerifyResult, torch.Tensor]:
+    """Mask, choose a target token per node row, verify the trees. No host sync.
+
+    Args:
+        logits: ``[B * N, V]`` float32 (row ``b * N + i`` = node i of request b), on the
+            device; masked in place.
+        bitmask: ``[B * N, W]`` int32 grammar bitmask on the same device, or None (no mask).
+        draft_tokens, parents, depth: ``[B, N]`` int64 tree fields (see
+            :class:`~structspec.draft_tree.layout.VerifyTree`).
+        ancestor_mask: ``[B, N, N]`` bool.
+        max_accept_drafts: ``[B]`` int64 cap on accepted drafts (a grammar walk timed out),
+            or None.
+        select: ``[R, V] -> [R]`` int64 target per row; None = argmax (greedy; what the
+            post-forward CUDA graph records).
+
+    Returns:
+        ``(VerifyResult, num_real [B] int64 real, non-padding drafts per request)``.
+    """
+    if bitmask is not None:
+        apply_bitmask_(logits, bitmask)
+    bsz, n = draft_tokens.shape
+    targets = (logits.argmax(dim=-1) if select is None else select(logits)).view(bsz, n)
+    result = verify_paths(draft_tokens, parents, depth, ancestor_mask, targets, max_accept_drafts)
+    num_real = (draft_tokens[:, 1:] >= 0).sum(dim=1)
+    return result, num_real
+
+
+@dataclass(frozen=True)
+class Selection:
+    """How a step's targets are chosen, decided before its mask is built.
+
+    Attributes:
+        sampling: per-row sampling parameters (device tensors unless all greedy).
+        graph_bitmask: for a greedy batch whose verify forward was a CUDA-graph replay, the
+            post graph's static ``[B_bucket * N, W]`` int32 bitmask (the mask build uploads
+            straight into it); None = the eager path.
+    """
+
+    sampling: SamplingBatch
+    graph_bitmask: torch.Tensor | None
+
+
+class SelectVerifyPhase:
+    """Runs the selection phase of prefill and verify steps (see the module doc).
+
+    Args:
+        runner: the target runner (KV compaction, post-forward graphs, staging).
+        generator: the engine's generator, for requests without their own seed.
+    """
+
+    def __init__(self, runner: ModelRunner, generator: torch.Generator) -> None:
+        self.runner = runner
+        self._generator = generator
+        self._pinned_pool: dict[tuple, torch.Tensor] = {}  # D2H buffers of PendingStep
+
+    def prepare(self, reqs: Sequence[Req], num_nodes: int, device: torch.device,
+                fwd: VerifyForwardOutput | None) -> Selection:
+        """The step's :class:`Selection` (``fwd`` None for a prefill: always eager)."""
+        sb = self._sampling_batch(reqs, num_nodes, device)
+        graph_bitmask = None
+        if fwd is not None and sb.all_greedy:
+            graph_bitmask = self.runner.graph_bitmask(fwd)
+        return Selection(sb, graph_bitmask)
+
+    def launch(self, reqs: Sequence[Req], tree: VerifyTree, logits: torch.Tensor,
+               fwd: VerifyForwardOutput | None, selection: Selection,
+               mask: GrammarMaskResult | None) -> PendingStep:
+        """Choose the targets under ``mask``, verify the trees, compact the accepted KV
+        (verify steps); start the D2H copy of the results.
+
+        A greedy graph-replayed verify runs all of it as one post-graph replay
+        (:meth:`ModelRunner.greedy_verify`); other steps run :func:`select_verify` eagerly
+        with :func:`sample_rows` as the selection, then :meth:`ModelRunner.commit_accepted_kv`.
+        """
+        n = tree.num_nodes
+        cap_cpu = None
+        if mask is not None:
+            if mask.truncated_requests:  # a tree walk timed out: bonus token only
+                cap_cpu = mask.max_accept_cpu
+            for req, rejected in zip(reqs, mask.rejected_by_grammar, strict=True):
+                req.spec.draft_tokens_rejected_by_grammar += rejected
+        graph_bitmask = selection.graph_bitmask
+        if graph_bitmask is not None:
+            assert fwd is not None
+            if mask is not None and mask.bitmask_device.data_ptr() != graph_bitmask.data_ptr():
+                graph_bitmask[: mask.bitmask_device.shape[0]].copy_(mask.bitmask_device)
+            result, num_real = self.runner.greedy_verify(fwd, masked=mask is not None,
+                                                         max_accept_cpu=cap_cpu)
+        else:
+            tree_dev = self._tree_to_device(tree)
+            cap = None if cap_cpu is None else self._to_device(cap_cpu.to(torch.int64))
+            sb = selection.sampling
+            result, num_real = select_verify(
+                logits, None if mask is None else mask.bitmask_device, tree_dev.draft_tokens,
+                tree_dev.parents, tree_dev.depth, tree_dev.ancestor_mask, cap,
+                select=lambda rows: sample_rows(rows, sb))
+            if fwd is not None:
+                self.runner.commit_accepted_kv(fwd, result)
+        step = PendingStep.launch(result, num_real, self._pinned_pool)
+        if any(r.params.logprobs is not None for r in reqs):
+            step.on_wait = lambda runs: record_logprobs(
+                reqs, logits.view(len(reqs), n, -1), result.accept_nodes, runs)
+        return step
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """Host tensor to the model device (pinned staging on CUDA; see :mod:`staging`)."""
+        return to_device(host, self.runner.device, self.runner.staging)
+
+    def _tree_to_device(self, tree: VerifyTree) -> VerifyTree:
+        """A host tree on the model device: the five int64 fields in one staged copy, the bool
+        ancestor mask in a second."""
+        if tree.device == self.runner.device or tree.device.type != "cpu":
+            return tree
+        fields = ("draft_tokens", "parents", "depth", "next_token", "next_sibling")
+        dev, staging = self.runner.device, self.runner.staging
+        ints = stack_to_device([getattr(tree, f) for f in fields], dev, staging)
+        return VerifyTree(**dict(zip(fields, ints, strict=True)),
+                          ancestor_mask=to_device(tree.ancestor_mask, dev, staging))
+
+    def _sampling_batch(self, reqs: Sequence[Req], n: int, device: torch.device) -> SamplingBatch:
+        ps = [r.params for r in reqs]
+        all_greedy = all(p.is_greedy for p in ps)
+
+        def col(values: list[float], dtype: torch.dtype) -> torch.Tensor:
+            if all_greedy:  # never read: sample_rows returns the argmax first
+                return torch.empty(0, dtype=dtype)
+            return self._to_device(torch.tensor(values, dtype=dtype).repeat_interleave(n))
+
+        return SamplingBatch(
+            temperature=col([p.temperature for p in ps], torch.float32),
+            top_k=col([p.top_k for p in ps], torch.int64),
+            top_p=col([p.top_p for p in ps], torch.float32),
+            min_p=col([p.min_p for p in ps], torch.float32),
+            generators=[r.generator or self._generator for r in reqs],
+            rows_per_request=n,
+            all_greedy=all_greedy,
+            use_top_k=any(p.top_k > 0 for p in ps),
+            use_top_p=any(p.top_p < 1.0 for p in ps),
+            use_min_p=any(p.min_p > 0 for p in ps),
+            top_k_max=max(p.top_k for p in ps) if all(p.top_k > 0 for p in ps) else 0,
+        )

@@ -1,0 +1,230 @@
+"""One speculative verify step, phase by phase (docs/architecture.md, "The step timeline").
+
+:meth:`VerifyStep.run` reads top to bottom; each phase hands the next a named record:
+
+1. **propose** (:class:`Proposal`): the drafter proposes a :class:`VerifyTree` per request;
+2. **stage tree** (:class:`StagedTree`), before the launch: the tree is staged for the host
+   (a device tree's D2H copy queued behind the draft kernels) and the grammar service plans
+   the barrier (:class:`~structspec.scheduler.grammar_service.GrammarPlan`);
+3. **launch verify**: the target verify forward is queued (a drafter that cannot overlap
+   gets its mask built first, the GPU idling meanwhile);
+4. **grammar mask**, under the forward: the previous step's grammar barrier and, where it
+   pays, its text work (:class:`~structspec.scheduler.deferred_work.PreviousStepWork`), then
+   the tree bitmask, queued to the device;
+5. **select/verify** (:class:`~structspec.scheduler.select_verify.Selection`, then a
+   :class:`~structspec.scheduler.pending.PendingStep`): mask, targets, tree verification and
+   KV compaction, one post-graph replay or eager; the results' D2H copy starts;
+6. **text**: the previous step's text work left, still under the GPU step;
+7. **wait**: the step's one planned host wait (docs/architecture.md, invariant 6);
+8. **commit**: accepted runs are committed (:mod:`structspec.scheduler.commit`); this step's
+   grammar barrier and text work are deferred to the next step (:class:`StepOutcome`).
+
+Timer phases (``draft``, ``launch``, ``barrier``, ``text``, ``mask``, ``wait``, ``commit``)
+and events (``fwd_start``, ``fwd_end``, ``post``, ``end``) mark these boundaries
+(:mod:`structspec.scheduler.step_stats`; ``/metrics`` reads them by name).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from structspec.core import now
+from structspec.draft_tree.layout import VerifyTree
+from structspec.grammar.tree_mask import GrammarMaskResult, GrammarTree
+from structspec.runner.model_runner import ModelRunner, VerifyForwardOutput
+from structspec.scheduler.commit import commit_tokens
+from structspec.scheduler.deferred_work import PreviousStepWork, finish_deferred
+from structspec.scheduler.grammar_service import GrammarPlan, GrammarService
+from structspec.scheduler.logprobs import trim_logprobs
+from structspec.scheduler.pending import PendingStep
+from structspec.scheduler.request import Req
+from structspec.scheduler.select_verify import SelectVerifyPhase
+from structspec.scheduler.step_stats import StepTimer
+from structspec.speculative.base import Drafter, DraftRequest, TokenHistory
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Phase 1: the running batch and its drafted trees (``tree``: ``[B, N]``, on the host
+    for host drafters, else on the device)."""
+
+    reqs: list[Req]
+    draft_reqs: list[DraftRequest]
+    tree: VerifyTree
+
+
+@dataclass(frozen=True)
+class StagedTree:
+    """Phase 2, before the launch: the host's view of the tree and the grammar plan.
+
+    Attributes:
+        grammar_tree: the staged tree, or None when no request of the batch is constrained.
+        plan: who serves this step's grammar barrier.
+        mask_before_launch: the drafter cannot overlap the mask build with the forward: the
+            barrier and the mask build finish before the launch.
+    """
+
+    grammar_tree: GrammarTree | None
+    plan: GrammarPlan
+    mask_before_launch: bool
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What a verify step leaves the scheduler.
+
+    Attributes:
+        touched: requests whose progress the step's outputs report, in order.
+        deferred: requests whose grammar barrier and text work the next step runs.
+    """
+
+    touched: list[Req]
+    deferred: list[Req]
+
+
+class VerifyStep:
+    """Runs verify steps (see the module doc).
+
+    Args:
+        runner: the target runner.
+        drafter: the speculative drafter.
+        grammar: the grammar service.
+        select: the selection phase (shared with prefill).
+        timer: the scheduler's step timer.
+        overlap: ``SchedulerConfig.overlap``: defer a step's barrier and text work to the
+            next step's forward (else finish them at the end of the step).
+        feeds_hidden: the drafter reads target hidden states (``on_target_hidden``).
+    """
+
+    def __init__(self, runner: ModelRunner, drafter: Drafter, grammar: GrammarService,
+                 select: SelectVerifyPhase, timer: StepTimer, *, overlap: bool,
+                 feeds_hidden: bool) -> None:
+        self.runner = runner
+        self.drafter = drafter
+        self.grammar = grammar
+        self.select = select
+        self.timer = timer
+        self.overlap = overlap
+        self.feeds_hidden = feeds_hidden
+
+    def run(self, reqs: list[Req], previous: list[Req]) -> StepOutcome:
+        """One verify step over ``reqs`` (running, unfinished); ``previous`` are the last
+        step's requests, whose deferred work runs under this step's forward."""
+        timer = self.timer
+        timer.begin(len(reqs), self.drafter.num_nodes, sum(r.matcher is not None for r in reqs))
+        proposal = self._propose(reqs)  # 1. propose
+        timer.event("fwd_start")
+        staged = self._stage_tree(proposal, previous)  # 2. stage tree, plan the barrier
+        # A device tree reaches the host only when the draft kernels finish; the mask build
+        # blocks on that copy, so the previous step's text work goes first, into that wait.
+        # A host tree is there already: its mask goes first (the forward is waiting for it),
+        # unless the mask workers advance the grammar (then the text work runs while they
+        # advance and walk).
+        text_first = not self.drafter.tree_on_host or staged.plan.barrier_in_workers
+        work = PreviousStepWork(staged.plan, self.grammar, timer, text_first=text_first,
+                                mask_build=staged.grammar_tree is not None)
+        early_mask = self._mask_before_launch(proposal, staged, work)
+        fwd = self._launch_verify(proposal)  # 3. launch verify
+        # From here the GPU runs the verify forward; the host work below hides under it.
+        selection = self.select.prepare(reqs, proposal.tree.num_nodes, fwd.logits.device, fwd)
+        mask = early_mask if staged.mask_before_launch else self._grammar_mask(
+            proposal, staged, work, selection.graph_bitmask)  # 4. barrier + grammar mask
+        timer.event("post")
+        pending = self.select.launch(reqs, proposal.tree, fwd.logits, fwd, selection,
+                                     mask)  # 5. select/verify, D2H copy queued
+        timer.event("end")
+        timer.phase("launch")
+        touched = work.finish_text()  # 6. the previous step's text work left
+        timer.phase("text")
+        runs = pending.wait()  # 7. the one planned host wait of the step
+        timer.phase("wait")
+        self._commit(proposal, fwd, pending, runs)  # 8. commit
+        timer.phase("commit")
+        outcome = StepOutcome(touched, reqs)
+        if not self.overlap:
+            finish_deferred(self.grammar, timer, reqs)
+            outcome = StepOutcome([*touched, *reqs], [])
+        for req in reqs:
+            trim_logprobs(req)
+        timer.end()
+        return outcome
+
+    # ------------------------------------------------------------------ phases
+
+    def _propose(self, reqs: list[Req]) -> Proposal:
+        """Phase 1 (timer phase ``draft``)."""
+        draft_reqs = [DraftRequest(r.request_id, TokenHistory(r.prompt_ids, r.output_ids),
+                                   r.seq_len) for r in reqs]
+        tree = self.drafter.propose(draft_reqs)
+        self.timer.phase("draft")
+        return Proposal(reqs, draft_reqs, tree)
+
+    def _stage_tree(self, proposal: Proposal, previous: list[Req]) -> StagedTree:
+        """Phase 2: stage the tree for the mask build before the launch; plan the barrier."""
+        gtree = self.grammar.stage_tree(proposal.reqs, proposal.tree)
+        plan = self.grammar.plan_step(proposal.reqs, previous)
+        before = gtree is not None and not self.drafter.supports_grammar_overlap
+        return StagedTree(gtree, plan, mask_before_launch=before)
+
+    def _mask_before_launch(self, proposal: Proposal, staged: StagedTree,
+                            work: PreviousStepWork) -> GrammarMaskResult | None:
+        """Synchronous fallback for drafters that cannot overlap: the barrier and the mask
+        build finish before the verify launch (the GPU idles meanwhile)."""
+        if not staged.mask_before_launch:
+            return None
+        assert staged.grammar_tree is not None
+        return self.grammar.build_mask(proposal.reqs, staged.grammar_tree, plan=staged.plan,
+                                       while_walking=work.barrier_and_text)
+
+    def _launch_verify(self, proposal: Proposal) -> VerifyForwardOutput:
+        """Phase 3 (timer event ``fwd_end``, phase ``launch``). A host tree goes to the runner
+        as is: a graph replay stages it into the graph's static inputs with one pinned copy;
+        only the eager path needs a device copy."""
+        reqs = proposal.reqs
+        fwd = self.runner.verify(proposal.tree, [r.seq_len for r in reqs], [r.pages for r in reqs])
+        self.timer.event("fwd_end")
+        self.timer.phase("launch")
+        return fwd
+
+    def _grammar_mask(self, proposal: Proposal, staged: StagedTree, work: PreviousStepWork,
+                      graph_bitmask: torch.Tensor | None) -> GrammarMaskResult | None:
+        """Phase 4, under the forward: the barrier (and text work), then the tree bitmask,
+        uploaded into the post graph's static bitmask when there is one. Without a
+        constrained request in the batch only the barrier runs."""
+        if staged.grammar_tree is None:
+            work.barrier_and_text()
+            return None
+        return self.grammar.build_mask(proposal.reqs, staged.grammar_tree, plan=staged.plan,
+                                       while_walking=work.barrier_and_text,
+                                       out=graph_bitmask)
+
+    def _commit(self, proposal: Proposal, fwd: VerifyForwardOutput, pending: PendingStep,
+                runs: list[list[int]]) -> None:
+        """Phase 8: commit each accepted run (stops trim it), count the speculation metrics,
+        tell the drafter."""
+        reqs, draft_reqs = proposal.reqs, proposal.draft_reqs
+        if self.feeds_hidden:
+            # Features of node 0 and the accepted drafts (the bonus has no KV yet).
+            self.drafter.on_target_hidden(draft_reqs, fwd.hidden_states,
+                                          pending.result.accept_nodes, [len(r) for r in runs],
+                                          fwd.aux_hidden_states)
+        t = now()
+        committed: list[list[int]] = []
+        num_real = pending.num_real_drafts
+        for i, (req, run) in enumerate(zip(reqs, runs, strict=True)):
+            if req.finished:  # ended by a stop string found after this step was launched
+                committed.append([])
+                continue
+            req.spec.verify_steps += 1
+            req.spec.draft_tokens_proposed += num_real[i]
+            req.spec.draft_tokens_accepted += len(run) - 1
+            kept = commit_tokens(req, run, t)
+            req.spec.committed_tokens += len(kept)
+            req.seq_len += len(run)
+            committed.append(kept)
+        self.drafter.on_verified(draft_reqs, committed)
+        for req in reqs:
+            if req.finished:
+                self.drafter.release(req.request_id)
