@@ -19,13 +19,14 @@ Static inputs: one flat int64 device buffer ``roots [B] | start [B] | qlen [B] |
 | page_table [B, P]``, filled by ONE pinned host buffer and ONE non-blocking H2D copy per
 propose (:class:`~structspec.staging.PinnedRing`). Everything else (catch-up slots,
 positions, masks, ``logits_indices``, the frontier batches) is built inside the graph by
-:func:`build_catch_up_batch` and :func:`~structspec.speculative.expand.build_frontier_batch`.
+:func:`~structspec.speculative.draft_batches.build_catch_up_batch` and
+:func:`~structspec.speculative.draft_batches.build_frontier_batch`.
 
 Row kinds:
 
 * real row: appends entries ``start .. start + qlen - 1`` (``1 <= qlen <= Q``) after ``start``
   cached entries; query rows past ``qlen`` are padding rows (write slot 0, attend column 0),
-  exactly as :func:`~structspec.speculative.expand.build_extend_batch` lays them out;
+  exactly as :func:`~structspec.speculative.draft_batches.build_extend_batch` lays them out;
 * dummy row (``qlen = 0``: batch padding, or a request that is not drafted this step): treated
   as one token at position 0 with an all-zero page-table row, so its catch-up and frontier KV
   writes all land in page 0, the sink that :class:`~structspec.kvcache.allocator.PageAllocator`
@@ -53,15 +54,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from structspec.draft_tree.layout import VerifyTree
-from structspec.kvcache.allocator import slots_for_positions
-from structspec.layers.forward_batch import ForwardBatch
 from structspec.runner.batch_builder import page_rows
 from structspec.runner.cuda_graph import kv_len_buckets, pick_bucket
 from structspec.speculative.base import DraftRequest
+from structspec.speculative.draft_batches import build_catch_up_batch
 from structspec.staging import HostRing, PinnedRing
 
 if TYPE_CHECKING:
-    from structspec.speculative.expand import TreeDrafter
+    from structspec.speculative.tree_drafter import TreeDrafter
 
 
 @dataclass
@@ -79,50 +79,6 @@ class ProposePlan:
     active: list[int]
     starts: list[int]
     ends: list[int]
-
-
-def build_catch_up_batch(
-    tokens: torch.Tensor,
-    start: torch.Tensor,
-    qlen: torch.Tensor,
-    page_table: torch.Tensor,
-    *,
-    page_size: int,
-) -> ForwardBatch:
-    """Fixed-shape causal catch-up built on the device (no host sync, capturable).
-
-    Same layout as :func:`~structspec.speculative.expand.build_extend_batch` with ``Q`` query rows per
-    request: row ``b`` appends ``tokens[b, :qlen[b]]`` at positions ``start[b]..``; a dummy row
-    (``qlen == 0``) is fed as one token at position 0 (its page-table row must be all page 0).
-
-    Args:
-        tokens: ``[B, Q]`` int64 entry tokens (0 past ``qlen``).
-        start: ``[B]`` int64 entries already cached.
-        qlen: ``[B]`` int64 entries to append (``0 <= qlen <= Q``).
-        page_table: ``[B, P]`` int64 covering ``start + max(qlen, 1)`` positions.
-
-    Returns:
-        The ForwardBatch (``[B, Q]`` queries over ``[B, P * page_size]`` KV slots) on the inputs'
-        device; ``logits_indices [B]`` = the flat row of each request's last new entry.
-    """
-    bsz, q = tokens.shape
-    device = tokens.device
-    length = qlen.clamp(min=1)
-    col = torch.arange(q, device=device).expand(bsz, q)
-    valid = col < length.unsqueeze(1)
-    zeros = torch.zeros_like(col)
-    positions = torch.where(valid, start.unsqueeze(1) + col, zeros)
-    out_slots = torch.where(valid, slots_for_positions(page_table, positions, page_size), zeros)
-    kv_len = int(page_table.shape[1]) * page_size  # static per bucket
-    kv_pos = torch.arange(kv_len, device=device).expand(bsz, kv_len)
-    total = (start + length).unsqueeze(1)
-    kv_slots = slots_for_positions(page_table, torch.minimum(kv_pos, total - 1), page_size)
-    kv_slots = torch.where(kv_pos < total, kv_slots, torch.zeros_like(kv_slots))
-    mask = (kv_pos.unsqueeze(1) <= positions.unsqueeze(2)) & valid.unsqueeze(2)
-    mask[:, :, 0] |= ~valid  # padding rows attend to column 0 only
-    logits_indices = torch.arange(bsz, device=device) * q + length - 1
-    return ForwardBatch(input_ids=tokens, positions=positions, out_slots=out_slots,
-                        kv_slots=kv_slots, attn_mask=mask, logits_indices=logits_indices)
 
 
 class DraftGraph:
@@ -293,7 +249,7 @@ class DraftGraphCache:
         flat = roots + start + qlen + toks + page_rows(table, width, g.bsz)
         buf = self.ring.acquire(len(flat))
         buf.copy_(torch.tensor(flat, dtype=torch.int64))
-        self.ring.copy_to(buf, g.ints)  # non_blocking H2D, ordered before the replay
+        self.ring.copy_to(buf, g.ints)  # one async H2D copy, stream-ordered before the replay
         self.run(g, drafter)
         assert g.tree is not None
         t = g.tree
