@@ -311,6 +311,16 @@ def load_eagle_head(
 ) -> EagleHead:
     """Load an EAGLE-1/2 or EAGLE-3 head directory (see the module docstring).
 
+    Args:
+        path: the head directory (``config.json`` and the weights).
+        target_config: the target model's config (the head shares its hidden size, and its
+            defaults fill fields the head's config.json leaves out).
+        device, dtype: where and in which dtype the head's parameters live (``d2t`` stays
+            int64).
+
+    Returns:
+        The head in eval mode, without gradients.
+
     Raises:
         FileNotFoundError: missing directory, config.json or weights.
         ValueError: malformed or incompatible head (message names the problem).
@@ -348,6 +358,14 @@ def build_random_eagle_head(
     norm. EAGLE-3 layout: ``fc`` over 3H, ``midlayer.*``, ``norm``, ``lm_head`` over
     ``draft_vocab_size`` (default ``vocab // 2``) target ids chosen at random, ``d2t`` offsets
     and ``t2d``. A random head is a draft the target mostly rejects: for tests only.
+
+    Args:
+        target_config: the target the head drafts for.
+        path: output directory (created).
+        seed: seed of the CPU generator the weights are drawn from.
+        version: 1 (EAGLE-1 layout) or 3 (EAGLE-3).
+        draft_vocab_size: EAGLE-3 draft vocabulary size (default ``vocab // 2``).
+        aux_hidden_layers: EAGLE-3 target layers (default ``(1, L//2 - 1, L - 4)`` clamped).
 
     Returns:
         ``path`` (created), holding ``config.json`` and ``model.safetensors`` (float32).

@@ -47,21 +47,65 @@ rows ``[:batch]``: valid until the next propose.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from structspec.draft_tree.layout import VerifyTree
+from structspec.layers.forward_batch import ForwardBatch
 from structspec.runner.batch_builder import page_rows
 from structspec.runner.cuda_graph import kv_len_buckets, pick_bucket
 from structspec.speculative.base import DraftRequest
 from structspec.speculative.draft_batches import build_catch_up_batch
+from structspec.speculative.expansion import ExpandedTree
 from structspec.staging import HostRing, PinnedRing
 
-if TYPE_CHECKING:
-    from structspec.speculative.tree_drafter import TreeDrafter
+
+class _HasPages(Protocol):
+    """A request's drafter bookkeeping, as far as the graphs read it."""
+
+    @property
+    def pages(self) -> list[int]: ...
+
+
+class GraphDrafter(Protocol):
+    """What the propose graphs need of their drafter
+    (:class:`~structspec.speculative.tree_drafter.TreeDrafter` is the one implementation; a
+    protocol, so that this module does not import it back).
+
+    Attributes:
+        page_size: KV slots per draft page.
+        graph_keeps_root_logp: keep ``root_logp`` as a static graph output.
+        states: request id -> its bookkeeping (``pages`` in the draft KV pool).
+        last_root_logp: ``[B, V']`` float32 of the last propose, or None (set here).
+    """
+
+    page_size: int
+    graph_keeps_root_logp: bool
+    last_root_logp: torch.Tensor | None
+
+    @property
+    def states(self) -> Mapping[str, _HasPages]: ...
+
+    def extend_forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Catch-up forward: ``(root_logp [B, V'] float32, root_state [B, ...] or None)``."""
+        ...
+
+    def expand(self, root_logp: torch.Tensor, root_state: torch.Tensor | None,
+               base_len: torch.Tensor, table: torch.Tensor) -> ExpandedTree:
+        """EAGLE-2 expansion from the catch-up's output (device ops only)."""
+        ...
+
+    def write_prefix(self, reqs: Sequence[DraftRequest], starts: Sequence[int],
+                     ends: Sequence[int]) -> None:
+        """Eager causal extend of entries ``starts[b]..ends[b]-1`` (draft KV only)."""
+        ...
+
+    def entry_tokens(self, req: DraftRequest, start: int, end: int) -> list[int]:
+        """Input tokens of entries ``start..end-1``."""
+        ...
 
 
 @dataclass
@@ -116,7 +160,7 @@ class DraftGraph:
         """Make every row a dummy row (a device op; before an ahead-of-time capture)."""
         self.ints.zero_()
 
-    def forward(self, drafter: TreeDrafter) -> tuple[torch.Tensor, VerifyTree]:
+    def forward(self, drafter: GraphDrafter) -> tuple[torch.Tensor, VerifyTree]:
         """The whole propose on the static inputs, run eagerly (what the graph records).
 
         Returns:
@@ -133,7 +177,7 @@ class DraftGraph:
         parents = torch.where(active, expanded.parents, torch.zeros_like(expanded.parents))
         return root_logp, VerifyTree.from_parents(tokens, parents)
 
-    def capture(self, drafter: TreeDrafter, pool: tuple, keep_root_logp: bool) -> None:
+    def capture(self, drafter: GraphDrafter, pool: tuple, keep_root_logp: bool) -> None:
         """Warm up once on a side stream, then capture into ``pool``. Syncs the device (only
         here, never in replay). The warm-up writes the same KV the replay will write."""
         cur = torch.cuda.current_stream()
@@ -205,7 +249,7 @@ class DraftGraphCache:
             g = self.graphs[(bb, pp)] = DraftGraph(bb, pp, self.query_len, self.device)
         return g
 
-    def run(self, g: DraftGraph, drafter: TreeDrafter) -> None:
+    def run(self, g: DraftGraph, drafter: GraphDrafter) -> None:
         """Compute ``g``'s outputs from its staged inputs: capture if needed, then replay (on
         the current stream, after the staging copy). On CPU: the eager static forward."""
         if self.pool is None:
@@ -217,7 +261,7 @@ class DraftGraphCache:
         self.runs += 1
 
     def propose(
-        self, g: DraftGraph, drafter: TreeDrafter, reqs: Sequence[DraftRequest],
+        self, g: DraftGraph, drafter: GraphDrafter, reqs: Sequence[DraftRequest],
         plan: ProposePlan,
     ) -> VerifyTree:
         """Draft ``reqs`` through ``g`` (``len(reqs) <= g.bsz``, every active request's pages
@@ -260,7 +304,7 @@ class DraftGraphCache:
                           ancestor_mask=t.ancestor_mask[:bsz])
 
     def warmup(
-        self, drafter: TreeDrafter, min_pages: int, *, batch_sizes: Sequence[int] | None = None,
+        self, drafter: GraphDrafter, min_pages: int, *, batch_sizes: Sequence[int] | None = None,
         pages: Sequence[int] | None = None,
     ) -> int:
         """Capture graphs ahead of time (largest first) with dummy rows only (their writes go

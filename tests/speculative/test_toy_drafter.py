@@ -95,6 +95,9 @@ def test_registry_lists_checks_and_unregisters() -> None:
     assert drafter_names()[:4] == ("none", "ngram", "draft_model", "eagle")
     assert drafter_info("eagle").needs_draft_model and drafter_info("eagle").expands_tree
     assert not drafter_info("ngram").needs_draft_model
+    plain = create_drafter(SpecConfig())  # "none", imported on first use
+    assert plain.num_nodes == 1 and plain.aux_hidden_layers == ()
+    assert plain.warmup_cuda_graphs() == 0  # optional hooks are base-class no-ops
     register_drafter("toy", create_toy_drafter)
     try:
         assert drafter_names()[-1] == "toy"
