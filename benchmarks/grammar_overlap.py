@@ -131,8 +131,9 @@ def step_ms(llm: LLM, prompts: Sequence[str | list[int]], grammar: bool, steps: 
     # Capture every KV-length bucket of this batch size now: the window's sequences grow by
     # ~N tokens per step and would otherwise capture (and JIT-compile kernels) inside it.
     engine.runner.warmup_cuda_graphs(engine.drafter.num_nodes, batch_sizes=[len(prompts)])
-    # The draft model's propose graphs (catch-up + expansion) likewise.
-    getattr(engine.drafter, "warmup_cuda_graphs", lambda **_: 0)(batch_sizes=[len(prompts)])
+    # The draft model's propose graphs (catch-up + expansion) likewise (a no-op for drafters
+    # without graphs).
+    engine.drafter.warmup_cuda_graphs(batch_sizes=[len(prompts)])
     for _ in range(3):  # warm-up steps (Triton kernels outside the graphs compile here)
         engine.step()
     cuda = torch.cuda.is_available() and engine.runner.device.type == "cuda"

@@ -12,11 +12,16 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-SpecAlgorithmName = Literal["none", "ngram", "draft_model", "eagle"]
+from structspec.speculative.registry import drafter_info, drafter_names
+
+SpecAlgorithmName = str
+"""A drafter name registered in :mod:`structspec.speculative.registry` (``none``, ``ngram``,
+``draft_model``, ``eagle``, or one added with ``register_drafter``); checked by
+:func:`resolve_engine_config`."""
 
 
 @dataclass(frozen=True)
@@ -141,7 +146,7 @@ class SpecConfig:
     proposes at most N-1 draft tokens. ``none`` is the degenerate tree of one node.
     """
 
-    algorithm: SpecAlgorithmName = "none"
+    algorithm: str = "none"  # a registered drafter name (structspec.speculative.registry)
     num_draft_tokens: int = 8
     depth: int = 4  # draft_model / eagle: expansion steps
     topk: int = 2  # draft_model / eagle: children kept per expanded node
@@ -274,15 +279,17 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype={dtype!r}: expected float32, bfloat16, float16 or auto")
     spec = config.spec
-    if spec.algorithm not in ("none", "ngram", "draft_model", "eagle"):
-        raise ValueError(f"speculative_algorithm={spec.algorithm!r}: expected none, ngram, "
-                         "draft_model or eagle")
+    names = drafter_names()
+    if spec.algorithm not in names:
+        raise ValueError(f"speculative_algorithm={spec.algorithm!r}: expected "
+                         f"{_one_of(names)}")
+    drafter = drafter_info(spec.algorithm)
     if spec.algorithm != "none" and not 2 <= spec.num_draft_tokens <= MAX_DRAFT_TOKENS:
         raise ValueError(f"num_draft_tokens={spec.num_draft_tokens}: expected 2.."
                          f"{MAX_DRAFT_TOKENS} when speculation is on")
-    if spec.algorithm in ("draft_model", "eagle") and not spec.draft_model:
+    if drafter.needs_draft_model and not spec.draft_model:
         raise ValueError(f"speculative_algorithm={spec.algorithm!r} needs draft_model=PATH")
-    if spec.algorithm in ("draft_model", "eagle"):  # checked before the target model loads
+    if drafter.expands_tree:  # checked before the target model loads
         if not 1 <= spec.depth <= MAX_DRAFT_DEPTH:
             raise ValueError(f"speculative_depth={spec.depth}: expected 1..{MAX_DRAFT_DEPTH}")
         if not 1 <= spec.topk <= MAX_DRAFT_TOPK:
@@ -376,6 +383,13 @@ def default_grammar_workers(device: str) -> int:
         return 0
     cores = os.cpu_count() or 1
     return min(8, cores // 2) if cores >= 4 else 0
+
+
+def _one_of(names: tuple[str, ...]) -> str:
+    """``"a, b, c or d"`` (``"a"`` for one name), as the config errors list choices."""
+    if len(names) <= 1:
+        return names[0] if names else "a registered drafter (none is registered)"
+    return f"{', '.join(names[:-1])} or {names[-1]}"
 
 
 def _triton_available() -> bool:

@@ -1,10 +1,16 @@
-"""Drafter interface and registry: every speculative algorithm proposes a :class:`VerifyTree`."""
+"""Drafter interface: every speculative algorithm proposes a :class:`VerifyTree`.
+
+A drafter subclasses :class:`Drafter` and is registered by name in
+:mod:`structspec.speculative.registry`. The optional hooks (target features, commit
+notifications, graph warm-up) are no-op methods here, so the scheduler and the benchmarks call
+them on every drafter without looking them up.
+"""
 
 from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -96,8 +102,13 @@ class DraftRequest:
 class Drafter(ABC):
     """Proposes draft trees. Capability flags tell the scheduler how to overlap work.
 
+    Subclasses implement :meth:`propose` and may override the optional hooks
+    (:attr:`aux_hidden_layers`, :meth:`on_target_hidden`, :meth:`on_verified`,
+    :meth:`release`, :meth:`warmup_cuda_graphs`), which do nothing here.
+
     Attributes:
         name: registry key (``--speculative-algorithm``).
+        num_nodes: ``N``, nodes per proposed tree, node 0 (the last committed token) included.
         tree_on_host: the tree is built on the CPU before the verify launch (ngram, none), so
             its grammar bitmask can be built without a device-to-host copy.
         supports_grammar_overlap: the grammar mask for this drafter's tree may be built while the
@@ -113,7 +124,17 @@ class Drafter(ABC):
 
     @abstractmethod
     def propose(self, reqs: Sequence[DraftRequest]) -> VerifyTree:
-        """Return ``[B, num_nodes]`` trees (host tensors if ``tree_on_host``, else device)."""
+        """Draft one tree per request.
+
+        Args:
+            reqs: the ``B`` running requests of this verify step (their histories are valid
+                for this call only, see :class:`TokenHistory`).
+
+        Returns:
+            ``[B, num_nodes]`` trees: int64 CPU tensors if ``tree_on_host``, else on the model
+            device. Node 0 of row b is ``reqs[b].token_ids[-1]``; unused nodes are padding
+            (token -1).
+        """
 
     #: target decoder layers whose outputs this drafter reads (EAGLE-3 features); the target
     #: forwards return them as ``aux_hidden_states``. Empty: none.
@@ -139,11 +160,29 @@ class Drafter(ABC):
             aux_hidden_states: the outputs of :attr:`aux_hidden_layers`, each ``[B, Q, H]``.
         """
 
-    def on_verified(self, reqs: Sequence[DraftRequest], committed: Sequence[list[int]]) -> None:  # noqa: B027
-        """Hook after commit: ``committed[b]`` are the tokens request b kept this step."""
+    def on_verified(  # noqa: B027
+        self, reqs: Sequence[DraftRequest], committed: Sequence[list[int]]
+    ) -> None:
+        """Hook after commit: ``committed[b]`` are the tokens request b kept this step (host
+        ints: accepted drafts then the bonus token); a no-op by default."""
 
     def release(self, request_id: str) -> None:  # noqa: B027
-        """Forget a finished request's drafter state."""
+        """Forget a finished request's drafter state; a no-op by default."""
+
+    def warmup_cuda_graphs(
+        self, batch_sizes: Sequence[int] | None = None, kv_lens: Sequence[int] | None = None
+    ) -> int:
+        """Capture the drafter's own CUDA graphs ahead of time (before timing); drafters
+        without graphs capture nothing.
+
+        Args:
+            batch_sizes: batch sizes to capture the buckets of (default: all).
+            kv_lens: committed lengths to capture the buckets of (default: all).
+
+        Returns:
+            The number of graphs captured by this call (0 here).
+        """
+        return 0
 
 
 class NoDrafter(Drafter):
@@ -157,13 +196,12 @@ class NoDrafter(Drafter):
         super().__init__(1)
 
     def propose(self, reqs: Sequence[DraftRequest]) -> VerifyTree:
+        """Host ``[B, 1]`` trees of the last committed tokens (int64, CPU)."""
         last = torch.tensor([r.token_ids[-1] for r in reqs], dtype=torch.int64)
         return VerifyTree.root_only(last)
 
 
-DRAFTERS: dict[str, Callable[..., Drafter]] = {"none": NoDrafter}
-
-
-def register_drafter(name: str, factory: Callable[..., Drafter]) -> None:
-    """Add a drafter factory under ``name`` (used by ``--speculative-algorithm``)."""
-    DRAFTERS[name] = factory
+def create_no_drafter(spec: Any, **context: Any) -> NoDrafter:
+    """Registry factory of ``"none"`` (:mod:`structspec.speculative.registry`): needs neither
+    the spec nor the engine ``context``."""
+    return NoDrafter()

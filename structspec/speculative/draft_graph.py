@@ -19,13 +19,14 @@ Static inputs: one flat int64 device buffer ``roots [B] | start [B] | qlen [B] |
 | page_table [B, P]``, filled by ONE pinned host buffer and ONE non-blocking H2D copy per
 propose (:class:`~structspec.staging.PinnedRing`). Everything else (catch-up slots,
 positions, masks, ``logits_indices``, the frontier batches) is built inside the graph by
-:func:`build_catch_up_batch` and :func:`~structspec.speculative.expand.build_frontier_batch`.
+:func:`~structspec.speculative.draft_batches.build_catch_up_batch` and
+:func:`~structspec.speculative.draft_batches.build_frontier_batch`.
 
 Row kinds:
 
 * real row: appends entries ``start .. start + qlen - 1`` (``1 <= qlen <= Q``) after ``start``
   cached entries; query rows past ``qlen`` are padding rows (write slot 0, attend column 0),
-  exactly as :func:`~structspec.speculative.expand.build_extend_batch` lays them out;
+  exactly as :func:`~structspec.speculative.draft_batches.build_extend_batch` lays them out;
 * dummy row (``qlen = 0``: batch padding, or a request that is not drafted this step): treated
   as one token at position 0 with an all-zero page-table row, so its catch-up and frontier KV
   writes all land in page 0, the sink that :class:`~structspec.kvcache.allocator.PageAllocator`
@@ -46,22 +47,65 @@ rows ``[:batch]``: valid until the next propose.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from structspec.draft_tree.layout import VerifyTree
-from structspec.kvcache.allocator import slots_for_positions
 from structspec.layers.forward_batch import ForwardBatch
 from structspec.runner.batch_builder import page_rows
 from structspec.runner.cuda_graph import kv_len_buckets, pick_bucket
 from structspec.speculative.base import DraftRequest
+from structspec.speculative.draft_batches import build_catch_up_batch
+from structspec.speculative.expansion import ExpandedTree
 from structspec.staging import HostRing, PinnedRing
 
-if TYPE_CHECKING:
-    from structspec.speculative.expand import TreeDrafter
+
+class _HasPages(Protocol):
+    """A request's drafter bookkeeping, as far as the graphs read it."""
+
+    @property
+    def pages(self) -> list[int]: ...
+
+
+class GraphDrafter(Protocol):
+    """What the propose graphs need of their drafter
+    (:class:`~structspec.speculative.tree_drafter.TreeDrafter` is the one implementation; a
+    protocol, so that this module does not import it back).
+
+    Attributes:
+        page_size: KV slots per draft page.
+        graph_keeps_root_logp: keep ``root_logp`` as a static graph output.
+        states: request id -> its bookkeeping (``pages`` in the draft KV pool).
+        last_root_logp: ``[B, V']`` float32 of the last propose, or None (set here).
+    """
+
+    page_size: int
+    graph_keeps_root_logp: bool
+    last_root_logp: torch.Tensor | None
+
+    @property
+    def states(self) -> Mapping[str, _HasPages]: ...
+
+    def extend_forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Catch-up forward: ``(root_logp [B, V'] float32, root_state [B, ...] or None)``."""
+        ...
+
+    def expand(self, root_logp: torch.Tensor, root_state: torch.Tensor | None,
+               base_len: torch.Tensor, table: torch.Tensor) -> ExpandedTree:
+        """EAGLE-2 expansion from the catch-up's output (device ops only)."""
+        ...
+
+    def write_prefix(self, reqs: Sequence[DraftRequest], starts: Sequence[int],
+                     ends: Sequence[int]) -> None:
+        """Eager causal extend of entries ``starts[b]..ends[b]-1`` (draft KV only)."""
+        ...
+
+    def entry_tokens(self, req: DraftRequest, start: int, end: int) -> list[int]:
+        """Input tokens of entries ``start..end-1``."""
+        ...
 
 
 @dataclass
@@ -79,50 +123,6 @@ class ProposePlan:
     active: list[int]
     starts: list[int]
     ends: list[int]
-
-
-def build_catch_up_batch(
-    tokens: torch.Tensor,
-    start: torch.Tensor,
-    qlen: torch.Tensor,
-    page_table: torch.Tensor,
-    *,
-    page_size: int,
-) -> ForwardBatch:
-    """Fixed-shape causal catch-up built on the device (no host sync, capturable).
-
-    Same layout as :func:`~structspec.speculative.expand.build_extend_batch` with ``Q`` query rows per
-    request: row ``b`` appends ``tokens[b, :qlen[b]]`` at positions ``start[b]..``; a dummy row
-    (``qlen == 0``) is fed as one token at position 0 (its page-table row must be all page 0).
-
-    Args:
-        tokens: ``[B, Q]`` int64 entry tokens (0 past ``qlen``).
-        start: ``[B]`` int64 entries already cached.
-        qlen: ``[B]`` int64 entries to append (``0 <= qlen <= Q``).
-        page_table: ``[B, P]`` int64 covering ``start + max(qlen, 1)`` positions.
-
-    Returns:
-        The ForwardBatch (``[B, Q]`` queries over ``[B, P * page_size]`` KV slots) on the inputs'
-        device; ``logits_indices [B]`` = the flat row of each request's last new entry.
-    """
-    bsz, q = tokens.shape
-    device = tokens.device
-    length = qlen.clamp(min=1)
-    col = torch.arange(q, device=device).expand(bsz, q)
-    valid = col < length.unsqueeze(1)
-    zeros = torch.zeros_like(col)
-    positions = torch.where(valid, start.unsqueeze(1) + col, zeros)
-    out_slots = torch.where(valid, slots_for_positions(page_table, positions, page_size), zeros)
-    kv_len = int(page_table.shape[1]) * page_size  # static per bucket
-    kv_pos = torch.arange(kv_len, device=device).expand(bsz, kv_len)
-    total = (start + length).unsqueeze(1)
-    kv_slots = slots_for_positions(page_table, torch.minimum(kv_pos, total - 1), page_size)
-    kv_slots = torch.where(kv_pos < total, kv_slots, torch.zeros_like(kv_slots))
-    mask = (kv_pos.unsqueeze(1) <= positions.unsqueeze(2)) & valid.unsqueeze(2)
-    mask[:, :, 0] |= ~valid  # padding rows attend to column 0 only
-    logits_indices = torch.arange(bsz, device=device) * q + length - 1
-    return ForwardBatch(input_ids=tokens, positions=positions, out_slots=out_slots,
-                        kv_slots=kv_slots, attn_mask=mask, logits_indices=logits_indices)
 
 
 class DraftGraph:
@@ -160,7 +160,7 @@ class DraftGraph:
         """Make every row a dummy row (a device op; before an ahead-of-time capture)."""
         self.ints.zero_()
 
-    def forward(self, drafter: TreeDrafter) -> tuple[torch.Tensor, VerifyTree]:
+    def forward(self, drafter: GraphDrafter) -> tuple[torch.Tensor, VerifyTree]:
         """The whole propose on the static inputs, run eagerly (what the graph records).
 
         Returns:
@@ -177,7 +177,7 @@ class DraftGraph:
         parents = torch.where(active, expanded.parents, torch.zeros_like(expanded.parents))
         return root_logp, VerifyTree.from_parents(tokens, parents)
 
-    def capture(self, drafter: TreeDrafter, pool: tuple, keep_root_logp: bool) -> None:
+    def capture(self, drafter: GraphDrafter, pool: tuple, keep_root_logp: bool) -> None:
         """Warm up once on a side stream, then capture into ``pool``. Syncs the device (only
         here, never in replay). The warm-up writes the same KV the replay will write."""
         cur = torch.cuda.current_stream()
@@ -249,7 +249,7 @@ class DraftGraphCache:
             g = self.graphs[(bb, pp)] = DraftGraph(bb, pp, self.query_len, self.device)
         return g
 
-    def run(self, g: DraftGraph, drafter: TreeDrafter) -> None:
+    def run(self, g: DraftGraph, drafter: GraphDrafter) -> None:
         """Compute ``g``'s outputs from its staged inputs: capture if needed, then replay (on
         the current stream, after the staging copy). On CPU: the eager static forward."""
         if self.pool is None:
@@ -261,7 +261,7 @@ class DraftGraphCache:
         self.runs += 1
 
     def propose(
-        self, g: DraftGraph, drafter: TreeDrafter, reqs: Sequence[DraftRequest],
+        self, g: DraftGraph, drafter: GraphDrafter, reqs: Sequence[DraftRequest],
         plan: ProposePlan,
     ) -> VerifyTree:
         """Draft ``reqs`` through ``g`` (``len(reqs) <= g.bsz``, every active request's pages
@@ -293,7 +293,7 @@ class DraftGraphCache:
         flat = roots + start + qlen + toks + page_rows(table, width, g.bsz)
         buf = self.ring.acquire(len(flat))
         buf.copy_(torch.tensor(flat, dtype=torch.int64))
-        self.ring.copy_to(buf, g.ints)  # non_blocking H2D, ordered before the replay
+        self.ring.copy_to(buf, g.ints)  # one async H2D copy, stream-ordered before the replay
         self.run(g, drafter)
         assert g.tree is not None
         t = g.tree
@@ -304,7 +304,7 @@ class DraftGraphCache:
                           ancestor_mask=t.ancestor_mask[:bsz])
 
     def warmup(
-        self, drafter: TreeDrafter, min_pages: int, *, batch_sizes: Sequence[int] | None = None,
+        self, drafter: GraphDrafter, min_pages: int, *, batch_sizes: Sequence[int] | None = None,
         pages: Sequence[int] | None = None,
     ) -> int:
         """Capture graphs ahead of time (largest first) with dummy rows only (their writes go

@@ -3,9 +3,11 @@
 Speculative decoding with a separate draft model (Leviathan et al., 2023, "Fast Inference from
 Transformers via Speculative Decoding"; Chen et al., 2023, "Accelerating Large Language Model
 Decoding with Speculative Sampling"), drafting a dynamic tree as in EAGLE-2 (Li et al., 2024,
-arXiv:2406.16858). The expansion, the draft KV bookkeeping and the batched forwards live in
-:mod:`structspec.speculative.expand`; this module only says what a committed entry is (one per history
-token: entry ``p`` holds the draft KV of ``token_ids[p]``) and runs the draft model.
+arXiv:2406.16858). The expansion (:mod:`structspec.speculative.expansion`), the draft KV
+bookkeeping (:mod:`structspec.speculative.tree_drafter`) and the batched forwards
+(:mod:`structspec.speculative.draft_batches`) are shared with EAGLE; this module only says what
+a committed entry is (one per history token: entry ``p`` holds the draft KV of
+``token_ids[p]``) and runs the draft model.
 
 Per propose there are ``1 + (depth - 1)`` batched draft forwards (two catch-up forwards when a
 request is seen for the first time next to running ones): a causal catch-up over the tokens
@@ -24,7 +26,11 @@ from structspec.config import SpecConfig
 from structspec.kvcache.pool import KVPool
 from structspec.layers.forward_batch import ForwardBatch
 from structspec.speculative.base import DraftRequest
-from structspec.speculative.expand import TreeDrafter, default_draft_pages, target_graph_options
+from structspec.speculative.tree_drafter import (
+    TreeDrafter,
+    default_draft_pages,
+    target_graph_options,
+)
 
 
 class DraftModelDrafter(TreeDrafter):
@@ -49,7 +55,7 @@ class DraftModelDrafter(TreeDrafter):
             seed the draft then equals the target).
         seed: the ``dummy`` seed.
         use_cuda_graph: replay proposes from CUDA graphs (CUDA only, and only when the target
-            uses graphs too; see :func:`~structspec.speculative.expand.target_graph_options`).
+            uses graphs too; see :func:`~structspec.speculative.tree_drafter.target_graph_options`).
         cuda_graph_batch_sizes: graph batch buckets (default: the target's).
 
     Raises:
@@ -107,6 +113,7 @@ class DraftModelDrafter(TreeDrafter):
         return len(req.token_ids)
 
     def entry_tokens(self, req: DraftRequest, start: int, end: int) -> list[int]:
+        """Entry p's input token is ``token_ids[p]``."""
         return list(req.token_ids[start:end])
 
     def extend_forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -125,3 +132,14 @@ class DraftModelDrafter(TreeDrafter):
         h = out.hidden_states
         logits = self.model.compute_logits(h.reshape(-1, h.shape[-1]))
         return torch.log_softmax(logits, dim=-1).view(h.shape[0], h.shape[1], -1)
+
+
+def create_draft_model_drafter(
+    spec: SpecConfig, *, target: Any, device: torch.device | str, dtype: torch.dtype,
+    max_batch_size: int = 64, load_format: str = "auto", seed: int = 0, **context: Any,
+) -> DraftModelDrafter:
+    """Registry factory of ``"draft_model"`` (:mod:`structspec.speculative.registry`): the
+    draft model at ``spec.draft_model`` is loaded like the target (the engine's
+    ``load_format`` and ``seed``); other ``context`` keywords are ignored."""
+    return DraftModelDrafter(spec, target=target, device=device, dtype=dtype,
+                             max_batch_size=max_batch_size, load_format=load_format, seed=seed)

@@ -2,34 +2,13 @@
 
 Sources: EAGLE (Li et al., 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature
 Uncertainty", arXiv:2401.15077), EAGLE-2 (Li et al., 2024, arXiv:2406.16858: dynamic draft
-trees, see :mod:`structspec.speculative.expand`), EAGLE-3 (Li et al., 2025, "EAGLE-3: Scaling up
-Inference Acceleration of Large Language Models via Training-Time Test", arXiv:2503.01840).
-Checkpoint layouts follow the public EAGLE repository and sglang's ``llama_eagle.py`` /
-``llama_eagle3.py`` as publicly documented (written from those descriptions).
+trees, see :mod:`structspec.speculative.expansion`), EAGLE-3 (Li et al., 2025, "EAGLE-3:
+Scaling up Inference Acceleration of Large Language Models via Training-Time Test",
+arXiv:2503.01840). The head network, its checkpoint formats (EAGLE-1/2 and EAGLE-3) and its
+loader live beside the other models, in :mod:`structspec.models.eagle_head`.
 
-Supported head formats (a directory with ``config.json`` + ``*.safetensors`` or
-``pytorch_model.bin``; a leading ``model.`` in tensor names is stripped):
-
-* **EAGLE-1/2** (``architectures`` without "Eagle3"): ``fc`` = Linear(2H -> H, bias optional)
-  over ``[embed(token); target feature]``, then ``num_hidden_layers`` (normally 1) Llama
-  decoder layers ``layers.{i}.*`` whose ``input_layernorm`` is optional (EAGLE-1 drops it on
-  layer 0), an optional final ``norm.weight``; logits through the TARGET's ``lm_head``; token
-  embeddings are the TARGET's (a stored ``embed_tokens.weight`` is ignored). The target
-  feature is the target's final hidden state (after its final norm, what its ``lm_head``
-  reads).
-* **EAGLE-3** (``architectures`` containing "Eagle3", or ``midlayer.*`` tensors): target
-  features are three decoder-layer outputs (low, mid, high: ``eagle_config.
-  eagle_aux_hidden_state_layer_ids`` in config.json, default ``(1, L//2 - 1, L - 4)``, i.e.
-  the inputs of layers 2, L//2, L-3 as sglang captures them), concatenated to 3H and projected
-  by ``fc`` (Linear(3H -> H)); one ``midlayer`` whose attention reads
-  ``[input_layernorm(embed); hidden_norm(h)]`` (2H) with the residual on ``h``; final ``norm``;
-  its own ``lm_head`` over a reduced draft vocabulary mapped to target ids by ``d2t``
-  (``target = draft + d2t[draft]``; no ``d2t`` = identity). Drafted steps feed the midlayer's
-  pre-norm output back as the next ``h`` (EAGLE-3's training-time test). Not supported:
-  multi-layer EAGLE-3 heads, heads with their own trained embeddings.
-
-Committed entries (see :mod:`structspec.speculative.expand`): head entry ``p`` pairs token
-``x_{p+1}`` with target feature ``f_p`` (the target hidden state at position ``p``, which
+Committed entries (see :mod:`structspec.speculative.draft_batches`): head entry ``p`` pairs
+token ``x_{p+1}`` with target feature ``f_p`` (the target hidden state at position ``p``, which
 predicted ``x_{p+1}``), at rotary position ``p``. With ``L`` history tokens the head holds
 ``L - 1`` entries; the output of the last one (``~f_{L-1}``) gives the root's children and is
 fed, paired with each child token, to the first expansion step.
@@ -42,388 +21,25 @@ device ops.
 
 from __future__ import annotations
 
-import dataclasses
-import json
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
-from torch import nn
 
-from structspec.config import ModelConfig, SpecConfig
+from structspec.config import SpecConfig
 from structspec.kvcache.allocator import slots_for_positions
 from structspec.kvcache.pool import KVPool
-from structspec.layers.attention import AttentionBackend, TorchAttentionBackend
 from structspec.layers.forward_batch import ForwardBatch
-from structspec.layers.norm import RMSNorm
-from structspec.layers.rotary import RotaryEmbedding
-from structspec.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+from structspec.models.eagle_head import EagleHead, load_eagle_head
 from structspec.runner.batch_builder import page_table_tensor
 from structspec.speculative.base import DraftRequest
-from structspec.speculative.expand import (
+from structspec.speculative.tree_drafter import (
+    DraftReqState,
     TreeDrafter,
     default_draft_pages,
-    host_to_device,
     target_graph_options,
 )
-
-IGNORED_TENSORS = ("embed_tokens.weight", "t2d")
-
-
-@dataclass(frozen=True)
-class EagleHeadConfig:
-    """What a head checkpoint is.
-
-    Attributes:
-        version: 1 (EAGLE-1/2 layout) or 3 (EAGLE-3).
-        layer: dimensions of the head's decoder layer(s) (``vocab_size`` = the target's).
-        fc_in: input width of ``fc`` (2H for EAGLE-1, 3H for EAGLE-3).
-        fc_bias: ``fc`` has a bias.
-        input_norm: per layer, whether ``input_layernorm.weight`` exists (EAGLE-1).
-        final_norm: a final ``norm.weight`` exists.
-        draft_vocab_size: rows of the head's own ``lm_head`` (EAGLE-3), else the target's.
-        aux_hidden_layers: target decoder layers whose outputs form the EAGLE-3 feature.
-    """
-
-    version: int
-    layer: ModelConfig
-    fc_in: int
-    fc_bias: bool
-    input_norm: tuple[bool, ...]
-    final_norm: bool
-    draft_vocab_size: int
-    aux_hidden_layers: tuple[int, ...]
-
-
-def _read_head_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a head checkpoint (CPU), names without a leading ``model.``.
-
-    Raises:
-        FileNotFoundError: no ``*.safetensors`` or ``pytorch_model.bin`` in ``path``.
-    """
-    from structspec.models.loader import find_weight_files, iter_safetensors
-
-    items: Iterator[tuple[str, torch.Tensor]]
-    if list(path.glob("*.safetensors")):
-        items = iter_safetensors(find_weight_files(path))
-    elif (path / "pytorch_model.bin").is_file():
-        items = iter(torch.load(path / "pytorch_model.bin", map_location="cpu",
-                                weights_only=True).items())
-    else:
-        raise FileNotFoundError(f"{path}: no *.safetensors or pytorch_model.bin EAGLE weights")
-    return {n.removeprefix("model."): t for n, t in items}
-
-
-def parse_eagle_config(
-    cfg: dict[str, Any], names: Sequence[str], target: ModelConfig
-) -> EagleHeadConfig:
-    """Build an :class:`EagleHeadConfig` from ``config.json`` and the tensor names.
-
-    Raises:
-        ValueError: hidden size differs from the target's, or a required field is missing.
-    """
-    archs = " ".join(cfg.get("architectures") or [])
-    version = 3 if ("Eagle3" in archs or any(n.startswith("midlayer.") for n in names)) else 1
-    hidden = int(cfg.get("hidden_size", target.hidden_size))
-    if hidden != target.hidden_size:
-        raise ValueError(f"EAGLE head hidden_size {hidden} != target hidden_size "
-                         f"{target.hidden_size}")
-    heads = int(cfg.get("num_attention_heads", target.num_attention_heads))
-    rope_scaling = cfg.get("rope_scaling")
-    if isinstance(rope_scaling, dict) and rope_scaling.get(
-        "rope_type", rope_scaling.get("type")
-    ) in (None, "default"):
-        rope_scaling = None
-    layers = 1 if version == 3 else int(cfg.get("num_hidden_layers", 1))
-    layer = dataclasses.replace(
-        target,
-        hidden_size=hidden,
-        intermediate_size=int(cfg.get("intermediate_size", target.intermediate_size)),
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", target.rms_norm_eps)),
-        rope_theta=float(cfg.get("rope_theta", target.rope_theta)),
-        rope_scaling=(tuple(sorted(rope_scaling.items())) if rope_scaling
-                      else (None if "rope_theta" in cfg else target.rope_scaling)),
-        attention_bias=False, qk_norm=False, tie_word_embeddings=False,
-    )
-    nl = target.num_hidden_layers
-    aux: tuple[int, ...] = ()
-    if version == 3:
-        ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        default = (1, nl // 2 - 1, nl - 4)
-        aux = tuple(min(max(int(i), 0), nl - 1) for i in (ids if ids else default))
-    return EagleHeadConfig(
-        version=version,
-        layer=layer,
-        fc_in=(len(aux) if version == 3 else 2) * hidden,
-        fc_bias="fc.bias" in names,
-        input_norm=tuple(f"layers.{i}.input_layernorm.weight" in names for i in range(layers)),
-        final_norm="norm.weight" in names,
-        draft_vocab_size=int(cfg.get("draft_vocab_size") or target.vocab_size)
-        if version == 3 else target.vocab_size,
-        aux_hidden_layers=aux,
-    )
-
-
-class Eagle3DecoderLayer(nn.Module):
-    """EAGLE-3 ``midlayer``: attention over ``[input_layernorm(embed); hidden_norm(h)]``."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        hidden = cfg.hidden_size
-        self.input_layernorm = RMSNorm(hidden, cfg.rms_norm_eps)
-        self.hidden_norm = RMSNorm(hidden, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(dataclasses.replace(cfg, hidden_size=2 * hidden), 0)
-        self.self_attn.o_proj = nn.Linear(cfg.q_size, hidden, bias=False)
-        self.post_attention_layernorm = RMSNorm(hidden, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
-
-    def forward(
-        self, embeds: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        fb: ForwardBatch, kv_pool: KVPool, backend: AttentionBackend,
-    ) -> torch.Tensor:
-        """``embeds, h [B, Q, H]`` -> ``[B, Q, H]`` (pre-norm residual stream)."""
-        x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(h)), dim=-1)
-        h = h + self.self_attn(x, cos, sin, fb, kv_pool, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class EagleHead(nn.Module):
-    """The draft head (no embeddings; the caller passes the target's token embeddings).
-
-    Attributes:
-        config: the :class:`EagleHeadConfig`.
-        fc: Linear(``fc_in`` -> H).
-        layers: EAGLE-1 decoder layers (empty for EAGLE-3).
-        midlayer: the EAGLE-3 layer (None for EAGLE-1).
-        norm: final RMSNorm or None.
-        lm_head: EAGLE-3's Linear(H -> draft vocab) or None (EAGLE-1 uses the target's).
-        d2t: ``[draft vocab]`` int64 buffer, absolute target id of each draft id (EAGLE-3).
-    """
-
-    def __init__(self, config: EagleHeadConfig) -> None:
-        super().__init__()
-        c = config.layer
-        self.config = config
-        self.fc = nn.Linear(config.fc_in, c.hidden_size, bias=config.fc_bias)
-        self.layers = nn.ModuleList()
-        self.midlayer: Eagle3DecoderLayer | None = None
-        if config.version == 3:
-            self.midlayer = Eagle3DecoderLayer(c)
-        else:
-            for i in range(c.num_hidden_layers):
-                layer = LlamaDecoderLayer(c, i)
-                if not config.input_norm[i]:
-                    layer.input_layernorm = nn.Identity()  # type: ignore[assignment]
-                self.layers.append(layer)
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if config.final_norm else None
-        self.lm_head = (nn.Linear(c.hidden_size, config.draft_vocab_size, bias=False)
-                        if config.version == 3 else None)
-        self.register_buffer("d2t", torch.arange(config.draft_vocab_size), persistent=False)
-        self.rotary = RotaryEmbedding(
-            head_dim=c.head_dim, rope_theta=c.rope_theta,
-            max_position_embeddings=c.max_position_embeddings, rope_scaling=c.rope_scaling_dict,
-        )
-        self.backend: AttentionBackend = TorchAttentionBackend()
-
-    @property
-    def num_layers(self) -> int:
-        return 1 if self.midlayer is not None else len(self.layers)
-
-    def project_target(self, features: torch.Tensor) -> torch.Tensor:
-        """Target feature ``[..., F]`` -> the ``[..., H]`` stored per position (EAGLE-3: ``fc``
-        over the concatenated aux layers; EAGLE-1: unchanged, ``fc`` runs per entry)."""
-        return self.fc(features) if self.config.version == 3 else features
-
-    def forward(
-        self, fb: ForwardBatch, kv_pool: KVPool, embeds: torch.Tensor, h: torch.Tensor
-    ) -> torch.Tensor:
-        """Run the head over ``fb``'s ``[B, Q]`` block; writes its KV at ``fb.out_slots``.
-
-        Args:
-            embeds: ``[B, Q, H]`` target embeddings of ``fb.input_ids``.
-            h: ``[B, Q, H]`` paired features (stored target features or fed-back head outputs).
-
-        Returns:
-            ``[B, Q, H]`` pre-norm output (fed back as the children's feature).
-        """
-        cos, sin = self.rotary(fb.positions, embeds.dtype)
-        if self.midlayer is not None:
-            return self.midlayer(embeds, h, cos, sin, fb, kv_pool, self.backend)
-        x = self.fc(torch.cat((embeds, h), dim=-1))
-        for layer in self.layers:
-            x = layer(x, cos, sin, fb, kv_pool, self.backend)
-        return x
-
-    @torch.no_grad()
-    def load_tensors(self, tensors: dict[str, torch.Tensor], *, source: str) -> None:
-        """Copy checkpoint tensors into the parameters (fused qkv / gate_up like llama.py).
-
-        Raises:
-            ValueError: unexpected, missing or mis-shaped tensors (named in the message).
-        """
-        c = self.config.layer
-        qkv = {"q": (0, c.q_size), "k": (c.q_size, c.kv_size), "v": (c.q_size + c.kv_size, c.kv_size)}
-        names: dict[str, tuple[str, int, int]] = {"fc.weight": ("fc.weight", 0, 0)}
-        if self.config.fc_bias:
-            names["fc.bias"] = ("fc.bias", 0, 0)
-        if self.norm is not None:
-            names["norm.weight"] = ("norm.weight", 0, 0)
-        prefixes = ["midlayer."] if self.midlayer is not None else [
-            f"layers.{i}." for i in range(len(self.layers))]
-        for i, pre in enumerate(prefixes):
-            norms = ["post_attention_layernorm"]
-            if self.midlayer is not None:
-                norms += ["input_layernorm", "hidden_norm"]
-                names["lm_head.weight"] = ("lm_head.weight", 0, 0)
-            elif self.config.input_norm[i]:
-                norms.append("input_layernorm")
-            for nm in norms:
-                names[f"{pre}{nm}.weight"] = (f"{pre}{nm}.weight", 0, 0)
-            for p, (off, size) in qkv.items():
-                names[f"{pre}self_attn.{p}_proj.weight"] = (f"{pre}self_attn.qkv_proj.weight", off, size)
-            names[f"{pre}self_attn.o_proj.weight"] = (f"{pre}self_attn.o_proj.weight", 0, 0)
-            inter = c.intermediate_size
-            names[f"{pre}mlp.gate_proj.weight"] = (f"{pre}mlp.gate_up_proj.weight", 0, inter)
-            names[f"{pre}mlp.up_proj.weight"] = (f"{pre}mlp.gate_up_proj.weight", inter, inter)
-            names[f"{pre}mlp.down_proj.weight"] = (f"{pre}mlp.down_proj.weight", 0, 0)
-        params = dict(self.named_parameters())
-        pending = set(names)
-        unexpected = []
-        for name, t in tensors.items():
-            if name == "d2t" and self.midlayer is not None:
-                if t.numel() != self.config.draft_vocab_size:
-                    raise ValueError(f"{source}: d2t has {t.numel()} entries, expected "
-                                     f"{self.config.draft_vocab_size}")
-                self.d2t.copy_(torch.arange(t.numel()) + t.to(torch.int64).cpu())
-                continue
-            if name in names:
-                pname, off, size = names[name]
-                dst = params[pname].data
-                dst = dst if size == 0 else dst.narrow(0, off, size)
-                if tuple(t.shape) != tuple(dst.shape):
-                    raise ValueError(f"{source}: tensor {name!r} has shape {tuple(t.shape)}, "
-                                     f"expected {tuple(dst.shape)}")
-                dst.copy_(t)
-                pending.discard(name)
-            elif not (name in IGNORED_TENSORS or name.endswith("rotary_emb.inv_freq")):
-                unexpected.append(name)
-        if unexpected or pending:
-            raise ValueError(f"{source}: EAGLE-{self.config.version} head: unexpected tensors "
-                             f"{sorted(unexpected)[:8]}, missing tensors {sorted(pending)[:8]}")
-
-
-def load_eagle_head(
-    path: str | Path, target_config: ModelConfig, *, device: torch.device, dtype: torch.dtype
-) -> EagleHead:
-    """Load an EAGLE-1/2 or EAGLE-3 head directory (see the module docstring).
-
-    Raises:
-        FileNotFoundError: missing directory, config.json or weights.
-        ValueError: malformed or incompatible head (message names the problem).
-    """
-    p = Path(path).expanduser()
-    cfg_path = p / "config.json"
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"{cfg_path}: not found; an EAGLE head needs config.json")
-    cfg = json.loads(cfg_path.read_text())
-    tensors = _read_head_tensors(p)
-    config = parse_eagle_config(cfg, list(tensors), target_config)
-    head = EagleHead(config)
-    head.load_tensors(tensors, source=str(p))
-    head.to(device=device, dtype=dtype)
-    head.d2t = head.d2t.to(device=device, dtype=torch.int64)
-    head.rotary.reset_inv_freq()
-    head.eval().requires_grad_(False)
-    if int(head.d2t.max()) >= target_config.vocab_size or int(head.d2t.min()) < 0:
-        raise ValueError(f"{p}: d2t maps draft ids outside the target vocabulary")
-    return head
-
-
-def build_random_eagle_head(
-    target_config: ModelConfig,
-    path: str | Path,
-    seed: int = 0,
-    *,
-    version: int = 1,
-    draft_vocab_size: int | None = None,
-    aux_hidden_layers: Sequence[int] | None = None,
-) -> Path:
-    """Write a randomly initialised head for ``target_config`` in the EAGLE checkpoint format.
-
-    EAGLE-1 layout: ``fc`` (with bias), ``layers.0.*`` without ``input_layernorm``, no final
-    norm. EAGLE-3 layout: ``fc`` over 3H, ``midlayer.*``, ``norm``, ``lm_head`` over
-    ``draft_vocab_size`` (default ``vocab // 2``) target ids chosen at random, ``d2t`` offsets
-    and ``t2d``. A random head is a draft the target mostly rejects: for tests only.
-
-    Returns:
-        ``path`` (created), holding ``config.json`` and ``model.safetensors`` (float32).
-    """
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    g = torch.Generator().manual_seed(seed)
-    c = target_config
-    hidden, inter, q, kv = c.hidden_size, c.intermediate_size, c.q_size, c.kv_size
-
-    def w(rows: int, cols: int) -> torch.Tensor:
-        return torch.randn(rows, cols, generator=g) / cols**0.5
-
-    def ln() -> torch.Tensor:
-        return 1.0 + 0.1 * torch.randn(hidden, generator=g)
-
-    cfg: dict[str, Any] = dict(
-        hidden_size=hidden, intermediate_size=inter, num_hidden_layers=1,
-        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
-        head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
-        max_position_embeddings=c.max_position_embeddings, vocab_size=c.vocab_size,
-        hidden_act="silu", torch_dtype="float32",
-    )
-    if c.rope_scaling is not None:
-        cfg["rope_scaling"] = dict(c.rope_scaling)
-    t: dict[str, torch.Tensor] = {}
-    if version == 3:
-        nl = c.num_hidden_layers
-        aux = list(aux_hidden_layers) if aux_hidden_layers is not None else [
-            min(max(i, 0), nl - 1) for i in (1, nl // 2 - 1, nl - 4)]
-        dv = draft_vocab_size or max(1, c.vocab_size // 2)
-        ids = torch.randperm(c.vocab_size, generator=g)[:dv].sort().values
-        cfg.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=dv,
-                   eagle_config={"eagle_aux_hidden_state_layer_ids": aux})
-        pre = "midlayer."
-        t["fc.weight"] = w(hidden, len(aux) * hidden)
-        t[f"{pre}input_layernorm.weight"] = ln()
-        t[f"{pre}hidden_norm.weight"] = ln()
-        attn_in = 2 * hidden
-        t["norm.weight"] = ln()
-        t["lm_head.weight"] = 4.0 * w(dv, hidden)
-        t["d2t"] = ids - torch.arange(dv)
-        t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
-        t2d[ids] = True
-        t["t2d"] = t2d
-    else:
-        cfg.update(architectures=["LlamaForCausalLM"])
-        pre = "layers.0."
-        t["fc.weight"] = w(hidden, 2 * hidden)
-        t["fc.bias"] = 0.02 * torch.randn(hidden, generator=g)
-        attn_in = hidden
-    t[f"{pre}self_attn.q_proj.weight"] = w(q, attn_in)
-    t[f"{pre}self_attn.k_proj.weight"] = w(kv, attn_in)
-    t[f"{pre}self_attn.v_proj.weight"] = w(kv, attn_in)
-    t[f"{pre}self_attn.o_proj.weight"] = w(hidden, q)
-    t[f"{pre}post_attention_layernorm.weight"] = ln()
-    t[f"{pre}mlp.gate_proj.weight"] = w(inter, hidden)
-    t[f"{pre}mlp.up_proj.weight"] = w(inter, hidden)
-    t[f"{pre}mlp.down_proj.weight"] = w(hidden, inter)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    save_file({k: v.contiguous() for k, v in t.items()}, str(out / "model.safetensors"))
-    return out
 
 
 class EagleDrafter(TreeDrafter):
@@ -445,7 +61,7 @@ class EagleDrafter(TreeDrafter):
         max_batch_size: used only for the default ``num_pages``.
         head: an already built head (tests) instead of loading ``spec.draft_model``.
         use_cuda_graph: replay proposes from CUDA graphs (CUDA only, and only when the target
-            uses graphs too; see :func:`~structspec.speculative.expand.target_graph_options`).
+            uses graphs too; see :func:`~structspec.speculative.tree_drafter.target_graph_options`).
         cuda_graph_batch_sizes: graph batch buckets (default: the target's).
     """
 
@@ -559,7 +175,7 @@ class EagleDrafter(TreeDrafter):
         seq = torch.tensor([r.seq_len for r in reqs], dtype=torch.int64)
         pos = torch.where(valid, seq.unsqueeze(1) + torch.arange(width), 0)
         slots = torch.where(valid, slots_for_positions(table, pos, self.page_size), 0)
-        self.features.index_copy_(0, host_to_device(slots.flatten(), self.device),
+        self.features.index_copy_(0, self._to_device(slots.flatten()),
                                   stored.reshape(-1, stored.shape[-1]))
 
     # -- TreeDrafter interface ---------------------------------------------------------------
@@ -569,9 +185,11 @@ class EagleDrafter(TreeDrafter):
         return len(req.token_ids) - 1
 
     def entry_tokens(self, req: DraftRequest, start: int, end: int) -> list[int]:
+        """Entry p's input token is ``token_ids[p + 1]``."""
         return list(req.token_ids[start + 1 : end + 1])
 
-    def ready(self, req: Any, state: Any, num_entries: int) -> bool:
+    def ready(self, req: DraftRequest, state: DraftReqState, num_entries: int) -> bool:
+        """Drafted only once every entry's target feature has been stored."""
         return num_entries >= 1 and state.feat_len >= num_entries
 
     def _logp(self, out: torch.Tensor) -> torch.Tensor:
@@ -610,3 +228,14 @@ class EagleDrafter(TreeDrafter):
         out = self.head(fb, self.kv_pool, embeds, feats)
         self._prev_out = out
         return self._logp(out)
+
+
+def create_eagle_drafter(
+    spec: SpecConfig, *, target: Any, device: torch.device | str, dtype: torch.dtype,
+    max_batch_size: int = 64, **context: Any,
+) -> EagleDrafter:
+    """Registry factory of ``"eagle"`` (:mod:`structspec.speculative.registry`): the head is
+    read from ``spec.draft_model``; the engine's ``load_format`` and ``seed`` do not apply
+    (``context`` is ignored)."""
+    return EagleDrafter(spec, target=target, device=device, dtype=dtype,
+                        max_batch_size=max_batch_size)

@@ -10,10 +10,10 @@ vectorised scan over the history (numpy), rebuilt each step, with no global corp
 
 :meth:`NgramDrafter.propose` matches the whole batch at once
 (:func:`continuation_starts_batch`: a constant number of numpy calls over the concatenated
-histories), because per request the lookup is ~10 small numpy calls whose fixed overhead, not
-the data, is the cost (~31 us a request on the H200 host, ~2 ms at batch 64). Only the trie merge runs per
-request, in Python (:meth:`NgramDrafter.merge_continuations`, shared with the single-request
-:meth:`NgramDrafter.build_tree`).
+histories), because per request the lookup is ~10 small numpy calls whose fixed overhead,
+not the data, is the cost (~31 us a request on the H200 host, ~2 ms at batch 64). Only the
+trie merge runs per request, in Python (:meth:`NgramDrafter.merge_continuations`, shared with
+the single-request :meth:`NgramDrafter.build_tree`).
 
 The tree is built on the host before the verify launch, so its grammar bitmask can be built
 under the verify forward too (``supports_grammar_overlap``).
@@ -22,6 +22,7 @@ under the verify forward too (``supports_grammar_overlap``).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -76,9 +77,9 @@ def continuation_starts_batch(
 
     Per request, :func:`continuation_starts` is ~10 numpy calls on a few hundred elements, so
     numpy's per-call overhead, not the data, is the cost (~31 us a request at ~900 tokens on
-    the H200 host, ~2 ms at batch 64). Here all histories are matched together with a constant number of numpy
-    calls, whatever the batch size (prompt lookup decoding, Saxena 2023; sglang's n-gram tree
-    drafter):
+    the H200 host, ~2 ms at batch 64). Here all histories are matched together with a
+    constant number of numpy calls, whatever the batch size (prompt lookup decoding, Saxena
+    2023; sglang's n-gram tree drafter):
 
     1. ``flat`` = ``max_window - 1`` padding tokens (-1), then every history followed by one
        separator (-1). ``win`` is its ``[T, max_window]`` sliding-window view: row ``r`` is the
@@ -336,3 +337,9 @@ class NgramDrafter(Drafter):
 
     def release(self, request_id: str) -> None:
         self._histories.pop(request_id, None)
+
+
+def create_ngram_drafter(spec: SpecConfig, **context: Any) -> NgramDrafter:
+    """Registry factory of ``"ngram"`` (:mod:`structspec.speculative.registry`): reads only
+    the ``ngram_*`` fields and ``num_draft_tokens`` of ``spec``; ``context`` is ignored."""
+    return NgramDrafter(spec)

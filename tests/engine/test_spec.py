@@ -60,7 +60,7 @@ def draft_paths(smol_dir, smol_first_layers_dir, tmp_path_factory) -> dict[str, 
     from pathlib import Path
 
     from structspec.config import ModelConfig
-    from structspec.speculative.eagle import build_random_eagle_head
+    from structspec.models.eagle_head import build_random_eagle_head
 
     eagle_dir = tmp_path_factory.mktemp("eagle")
     target_cfg = ModelConfig.from_hf_config(json.loads((Path(smol_dir) / "config.json").read_text()))

@@ -19,18 +19,15 @@ import torch
 
 from structspec.config import CacheConfig, SpecConfig
 from structspec.draft_tree.layout import VerifyTree
+from structspec.models.eagle_head import build_random_eagle_head
 from structspec.models.loader import load_model
 from structspec.runner.model_runner import ModelRunner
 from structspec.speculative.base import DraftRequest
-from structspec.speculative.draft_graph import (
-    DraftGraph,
-    DraftGraphCache,
-    build_catch_up_batch,
-    draft_page_buckets,
-)
+from structspec.speculative.draft_batches import build_catch_up_batch, build_extend_batch
+from structspec.speculative.draft_graph import DraftGraph, DraftGraphCache, draft_page_buckets
 from structspec.speculative.draft_model import DraftModelDrafter
-from structspec.speculative.eagle import EagleDrafter, build_random_eagle_head
-from structspec.speculative.expand import TreeDrafter, build_extend_batch
+from structspec.speculative.eagle import EagleDrafter
+from structspec.speculative.tree_drafter import TreeDrafter
 from tests.speculative.test_draft_model import PAGE, VOCAB, tiny_llama
 
 CPU = torch.device("cpu")

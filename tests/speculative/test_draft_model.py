@@ -19,7 +19,7 @@ from structspec.runner.batch_builder import build_prefill_batch
 from structspec.runner.model_runner import ModelRunner
 from structspec.speculative.base import DraftRequest
 from structspec.speculative.draft_model import DraftModelDrafter
-from structspec.speculative.expand import expand_tree
+from structspec.speculative.expansion import expand_tree
 
 CPU = torch.device("cpu")
 VOCAB = 96

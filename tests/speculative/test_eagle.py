@@ -15,6 +15,7 @@ from structspec.config import CacheConfig, SpecConfig
 from structspec.draft_tree.layout import VerifyTree
 from structspec.draft_tree.verify import VerifyResult
 from structspec.kvcache.pool import KVPool
+from structspec.models.eagle_head import build_random_eagle_head, load_eagle_head
 from structspec.models.loader import load_model
 from structspec.runner.batch_builder import (
     build_prefill_batch,
@@ -23,7 +24,7 @@ from structspec.runner.batch_builder import (
 )
 from structspec.runner.model_runner import ModelRunner, VerifyForwardOutput
 from structspec.speculative.base import DraftRequest
-from structspec.speculative.eagle import EagleDrafter, build_random_eagle_head, load_eagle_head
+from structspec.speculative.eagle import EagleDrafter
 
 CPU = torch.device("cpu")
 VOCAB = 96

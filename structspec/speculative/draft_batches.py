@@ -1,0 +1,195 @@
+"""Forward batches of the model-based drafters' draft network (draft model, EAGLE).
+
+Draft KV layout per request (pages from the drafter's own
+:class:`~structspec.kvcache.allocator.PageAllocator`): the drafter owns ``E`` *committed
+entries* at positions ``0..E-1`` (draft model: one per history token; EAGLE: one per (token,
+target feature) pair, see :mod:`structspec.speculative.eagle`), followed by a scratch area of
+``(depth - 1) * topk`` slots where frontier node ``j`` of expansion step ``s`` writes its KV at
+position ``E + (s - 1) * topk + j`` (its rotary position is ``E + s - 1``). After verify the
+committed history only grows by appending, so entries ``0..kv_len-1`` stay valid and the next
+propose re-feeds entries ``kv_len..E-1`` (at least the last one, whose output seeds the root's
+children) in one batched causal *catch-up* forward.
+
+Three layouts, all :class:`~structspec.layers.forward_batch.ForwardBatch`:
+
+* :func:`build_extend_batch`: the eager catch-up, laid out on the host and staged to the device
+  (one non-blocking H2D copy per tensor on CUDA, through the drafter's
+  :class:`~structspec.staging.Staging`);
+* :func:`build_catch_up_batch`: the same layout with a fixed query width, built on the device
+  from a few staged ints (what the propose CUDA graph records,
+  :mod:`structspec.speculative.draft_graph`);
+* :func:`build_frontier_batch`: one expansion step over the frontier (tree attention into the
+  scratch area), built on the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from structspec.kvcache.allocator import slots_for_positions
+from structspec.layers.forward_batch import ForwardBatch
+from structspec.staging import Staging, to_device
+
+
+def build_extend_batch(
+    token_ids: Sequence[Sequence[int]],
+    starts: Sequence[int],
+    page_table: torch.Tensor,
+    *,
+    page_size: int,
+    device: torch.device,
+    staging: Staging | None = None,
+) -> ForwardBatch:
+    """Causal extend: request b appends ``token_ids[b]`` at positions ``starts[b]..`` after
+    ``starts[b]`` entries already in the draft KV (a prefill when ``starts[b] == 0``).
+
+    The layout is computed on the host; each of its six tensors then goes to ``device``
+    through ``staging`` (a pinned ring slot and one non-blocking H2D copy, stream ordered
+    before the draft forward that reads it; no host sync), or by a plain copy without it.
+
+    Args:
+        token_ids: per request, the non-empty tokens to append.
+        starts: per request, the number of entries already cached.
+        page_table: ``[B, P]`` int64 host page table covering ``starts[b] + len(token_ids[b])``.
+        page_size: KV slots per page.
+        device: the draft network's device.
+        staging: the drafter's pinned staging on CUDA, None on CPU.
+
+    Returns:
+        A ForwardBatch on ``device``, ``Q = max(len(token_ids[b]))``: ``input_ids``,
+        ``positions``, ``out_slots`` ``[B, Q]`` int64, ``kv_slots`` ``[B, P * page_size]``
+        int64, ``attn_mask`` ``[B, Q, P * page_size]`` bool, ``logits_indices`` ``[B]`` int64
+        (the flat row of each request's last new token). Padding query rows write slot 0 and
+        attend column 0 only.
+    """
+    lens = torch.tensor([len(t) for t in token_ids], dtype=torch.int64)
+    start = torch.tensor(list(starts), dtype=torch.int64)
+    bsz, q = len(token_ids), int(lens.max())
+    input_ids = torch.zeros((bsz, q), dtype=torch.int64)
+    for i, t in enumerate(token_ids):
+        input_ids[i, : len(t)] = torch.tensor(list(t), dtype=torch.int64)
+    col = torch.arange(q).expand(bsz, q)
+    valid = col < lens.unsqueeze(1)
+    positions = torch.where(valid, start.unsqueeze(1) + col, torch.zeros_like(col))
+    out_slots = torch.where(valid, slots_for_positions(page_table, positions, page_size), 0)
+    kv_len = int(page_table.shape[1]) * page_size
+    kv_pos = torch.arange(kv_len).expand(bsz, kv_len)
+    total = (start + lens).unsqueeze(1)
+    kv_slots = slots_for_positions(page_table, torch.minimum(kv_pos, total - 1), page_size)
+    kv_slots = torch.where(kv_pos < total, kv_slots, torch.zeros_like(kv_slots))
+    mask = (kv_pos.unsqueeze(1) <= positions.unsqueeze(2)) & valid.unsqueeze(2)
+    mask[:, :, 0] |= ~valid  # padding rows attend to column 0 only
+    logits_indices = torch.arange(bsz) * q + lens - 1
+    return ForwardBatch(
+        input_ids=to_device(input_ids, device, staging),
+        positions=to_device(positions, device, staging),
+        out_slots=to_device(out_slots, device, staging),
+        kv_slots=to_device(kv_slots, device, staging),
+        attn_mask=to_device(mask, device, staging),
+        logits_indices=to_device(logits_indices, device, staging),
+    )
+
+
+def build_frontier_batch(
+    tokens: torch.Tensor,
+    base_len: torch.Tensor,
+    step: int,
+    scratch_mask: torch.Tensor,
+    page_table: torch.Tensor,
+    *,
+    page_size: int,
+) -> ForwardBatch:
+    """One expansion step's draft forward over the frontier (all on the device, no syncs).
+
+    Frontier node j of step ``s`` (depth ``s``) has rotary position ``base_len + s - 1`` and
+    writes its KV at position ``base_len + (s - 1) * k + j``; it sees the ``base_len``
+    committed entries and the scratch columns set in ``scratch_mask`` (its ancestors and
+    itself).
+
+    Args:
+        tokens: ``[B, k]`` int64 frontier tokens.
+        base_len: ``[B]`` int64 committed draft entries per request.
+        step: 1-based expansion step.
+        scratch_mask: ``[B, k, S]`` bool, S = scratch columns.
+        page_table: ``[B, P]`` int64, covering ``base_len + S`` positions.
+        page_size: KV slots per page.
+
+    All tensors on the draft device.
+
+    Returns:
+        The ForwardBatch on that device: ``input_ids``, ``positions``, ``out_slots`` ``[B, k]``
+        int64, ``kv_slots`` ``[B, P * page_size]`` int64, ``attn_mask``
+        ``[B, k, P * page_size]`` bool, no ``logits_indices`` (every row is read).
+    """
+    bsz, k = tokens.shape
+    device = tokens.device
+    scratch = scratch_mask.shape[2]
+    node = torch.arange(k, device=device)
+    out_pos = base_len.unsqueeze(1) + (step - 1) * k + node
+    out_slots = slots_for_positions(page_table, out_pos, page_size)
+    kv_len = int(page_table.shape[1]) * page_size
+    kv_pos = torch.arange(kv_len, device=device).expand(bsz, kv_len)
+    total = (base_len + scratch).unsqueeze(1)
+    kv_slots = slots_for_positions(page_table, torch.minimum(kv_pos, total - 1), page_size)
+    kv_slots = torch.where(kv_pos < total, kv_slots, torch.zeros_like(kv_slots))
+    prefix = kv_pos < base_len.unsqueeze(1)
+    col = kv_pos - base_len.unsqueeze(1)
+    in_scratch = (col >= 0) & (col < scratch)
+    seen = torch.gather(
+        scratch_mask, 2, col.clamp(0, max(scratch - 1, 0)).unsqueeze(1).expand(bsz, k, kv_len)
+    )
+    mask = prefix.unsqueeze(1) | (seen & in_scratch.unsqueeze(1))
+    return ForwardBatch(
+        input_ids=tokens,
+        positions=(base_len + step - 1).unsqueeze(1).expand(bsz, k).contiguous(),
+        out_slots=out_slots,
+        kv_slots=kv_slots,
+        attn_mask=mask,
+        logits_indices=None,
+    )
+
+
+def build_catch_up_batch(
+    tokens: torch.Tensor,
+    start: torch.Tensor,
+    qlen: torch.Tensor,
+    page_table: torch.Tensor,
+    *,
+    page_size: int,
+) -> ForwardBatch:
+    """Fixed-shape causal catch-up built on the device (no host sync, capturable).
+
+    Same layout as :func:`build_extend_batch` with ``Q`` query rows per
+    request: row ``b`` appends ``tokens[b, :qlen[b]]`` at positions ``start[b]..``; a dummy row
+    (``qlen == 0``) is fed as one token at position 0 (its page-table row must be all page 0).
+
+    Args:
+        tokens: ``[B, Q]`` int64 entry tokens (0 past ``qlen``).
+        start: ``[B]`` int64 entries already cached.
+        qlen: ``[B]`` int64 entries to append (``0 <= qlen <= Q``).
+        page_table: ``[B, P]`` int64 covering ``start + max(qlen, 1)`` positions.
+
+    Returns:
+        The ForwardBatch (``[B, Q]`` queries over ``[B, P * page_size]`` KV slots) on the inputs'
+        device; ``logits_indices [B]`` = the flat row of each request's last new entry.
+    """
+    bsz, q = tokens.shape
+    device = tokens.device
+    length = qlen.clamp(min=1)
+    col = torch.arange(q, device=device).expand(bsz, q)
+    valid = col < length.unsqueeze(1)
+    zeros = torch.zeros_like(col)
+    positions = torch.where(valid, start.unsqueeze(1) + col, zeros)
+    out_slots = torch.where(valid, slots_for_positions(page_table, positions, page_size), zeros)
+    kv_len = int(page_table.shape[1]) * page_size  # static per bucket
+    kv_pos = torch.arange(kv_len, device=device).expand(bsz, kv_len)
+    total = (start + length).unsqueeze(1)
+    kv_slots = slots_for_positions(page_table, torch.minimum(kv_pos, total - 1), page_size)
+    kv_slots = torch.where(kv_pos < total, kv_slots, torch.zeros_like(kv_slots))
+    mask = (kv_pos.unsqueeze(1) <= positions.unsqueeze(2)) & valid.unsqueeze(2)
+    mask[:, :, 0] |= ~valid  # padding rows attend to column 0 only
+    logits_indices = torch.arange(bsz, device=device) * q + length - 1
+    return ForwardBatch(input_ids=tokens, positions=positions, out_slots=out_slots,
+                        kv_slots=kv_slots, attn_mask=mask, logits_indices=logits_indices)

@@ -1,0 +1,177 @@
+"""EAGLE-2 dynamic draft-tree expansion: the maths, independent of any draft network.
+
+Tree expansion follows EAGLE-2 (Li et al., 2024, "EAGLE-2: Faster Inference of Language Models
+with Dynamic Draft Trees", arXiv:2406.16858) in the form sglang implements it (written from
+that public description):
+
+* step 0: the ``topk`` most likely children of the root (node 0, the last committed token),
+  scored by their log-probability;
+* steps ``1 .. depth-1``: ONE batched draft forward over every request's ``topk`` frontier
+  nodes (tree attention: each frontier node sees the committed prefix, its ancestors and
+  itself); each frontier node proposes its ``topk`` children, scored by the cumulative
+  log-probability of their path; the ``topk`` best of those ``topk * topk`` form the next
+  frontier;
+* finally the ``N - 1`` candidates with the highest cumulative score over all steps become
+  nodes 1..N-1, ordered by candidate index (parents before children).
+
+Cumulative scores are sums of log-probabilities (the log of EAGLE-2's product of
+probabilities). Ranking is by ``(score descending, candidate index ascending)``; since a child's
+score never exceeds its parent's (a log-probability is ``<= 0`` and float rounding of
+``x + l`` with ``l <= 0`` never exceeds ``x``) and a parent's candidate index is smaller than
+its children's, every selected node's parent ranks strictly earlier, so the selected set is
+ancestor-closed and ties are deterministic.
+
+The draft forwards themselves are a callback (:data:`StepFn`); the drafters that run them
+(draft model, EAGLE) share :class:`~structspec.speculative.tree_drafter.TreeDrafter`, and their
+forward batches come from :mod:`structspec.speculative.draft_batches`. Everything here is
+device ops only (no host syncs), so it can be recorded in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+#: ``step_fn(step, tokens, parent, scratch_mask) -> logp``: run the draft over the frontier of
+#: ``step`` (1-based): ``tokens [B, k]`` int64 (target vocabulary), ``parent [B, k]`` int64
+#: index of each node's parent in the previous frontier (step 1: zeros, the root),
+#: ``scratch_mask [B, k, S]`` bool scratch columns each node may see; returns ``[B, k, V']``
+#: float32 log-probabilities of the nodes' children (draft vocabulary).
+StepFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class ExpandedTree:
+    """Result of :func:`expand_tree`, on the device of the inputs.
+
+    Attributes:
+        tokens: ``[B, N]`` int64; column 0 is -1 here (the caller puts the root token there);
+            -1 for padding nodes.
+        parents: ``[B, N]`` int64 parent node index (-1 for node 0, 0 for padding nodes).
+        scores: ``[B, N]`` float32 cumulative log-probability of each node (0 for node 0,
+            ``-inf`` for padding).
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    scores: torch.Tensor
+
+
+def rank_order(scores: torch.Tensor) -> torch.Tensor:
+    """Candidate indices sorted by ``(score descending, index ascending)``.
+
+    Args:
+        scores: ``[B, C]`` float.
+
+    Returns:
+        ``[B, C]`` int64. NaN scores rank last.
+    """
+    clean = torch.nan_to_num(scores.float(), nan=float("-inf"))
+    # A stable ascending sort of the negated scores keeps equal scores in index order.
+    return torch.sort(-clean, dim=1, stable=True).indices
+
+
+def select_top_nodes(
+    scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, num_nodes: int
+) -> ExpandedTree:
+    """Pick the ``num_nodes - 1`` best candidates and lay them out as tree nodes 1..N-1.
+
+    Args:
+        scores: ``[B, C]`` float32 cumulative log-probabilities of all candidates.
+        tokens: ``[B, C]`` int64 candidate tokens.
+        parents: ``[B, C]`` int64 candidate index of each candidate's parent (-1 = the root);
+            ``parents[b, c] < c`` and ``scores[b, c] <= scores[b, parents[b, c]]``.
+        num_nodes: ``N`` (node 0 included).
+
+    Returns:
+        :class:`ExpandedTree` with ``N`` columns; when ``C < N - 1`` the tail is padding.
+    """
+    bsz, c = scores.shape
+    device = scores.device
+    m = min(num_nodes - 1, c)
+    sel = rank_order(scores)[:, :m].sort(dim=1).values  # [B, m], ancestry order
+    sel_tokens = torch.gather(tokens, 1, sel)
+    sel_scores = torch.gather(scores.float(), 1, sel)
+    par_cand = torch.gather(parents, 1, sel)
+    # A selected parent's node index is its rank among the selected candidates, plus 1.
+    par_node = torch.searchsorted(sel.contiguous(), par_cand.clamp(min=0).contiguous()) + 1
+    par_node = torch.where(par_cand < 0, torch.zeros_like(par_node), par_node)
+    out_tokens = torch.full((bsz, num_nodes), -1, dtype=torch.int64, device=device)
+    out_parents = torch.zeros((bsz, num_nodes), dtype=torch.int64, device=device)
+    out_scores = torch.full((bsz, num_nodes), float("-inf"), dtype=torch.float32, device=device)
+    out_tokens[:, 1 : m + 1] = sel_tokens
+    out_parents[:, 1 : m + 1] = par_node
+    out_scores[:, 1 : m + 1] = sel_scores
+    out_parents[:, 0] = -1
+    out_scores[:, 0] = 0.0
+    return ExpandedTree(tokens=out_tokens, parents=out_parents, scores=out_scores)
+
+
+def expand_tree(
+    root_logp: torch.Tensor,
+    step_fn: StepFn,
+    *,
+    topk: int,
+    depth: int,
+    num_nodes: int,
+    vocab_map: torch.Tensor | None = None,
+) -> ExpandedTree:
+    """EAGLE-2 dynamic tree expansion (see the module docstring). No host syncs.
+
+    Args:
+        root_logp: ``[B, V']`` float32 log-probabilities of the root's children (draft vocab).
+        step_fn: runs one batched draft forward over a frontier (:data:`StepFn`).
+        topk: children kept per expanded node and frontier width (``>= 1``).
+        depth: expansion depth (``>= 1``): drafts reach depth ``depth``; ``depth - 1`` calls
+            of ``step_fn``.
+        num_nodes: ``N``, tree size including node 0.
+        vocab_map: optional ``[V']`` int64 target token id of each draft-vocabulary id
+            (EAGLE-3's reduced vocabulary); None = identity.
+
+    Returns:
+        :class:`ExpandedTree` ``[B, N]``.
+    """
+    bsz = root_logp.shape[0]
+    device = root_logp.device
+    k = min(topk, root_logp.shape[1])
+    scratch = (depth - 1) * k
+
+    def to_target(ids: torch.Tensor) -> torch.Tensor:
+        return ids if vocab_map is None else vocab_map[ids]
+
+    top = torch.topk(root_logp.float(), k, dim=1)
+    scores = [top.values]  # per step: [B, k] then [B, k*k]
+    tokens = [to_target(top.indices)]
+    parents = [torch.full((bsz, k), -1, dtype=torch.int64, device=device)]
+    front_scores = top.values  # [B, k]
+    front_tokens = tokens[0]  # [B, k]
+    front_cand = torch.arange(k, device=device).expand(bsz, k)  # candidate index of each node
+    front_parent = torch.zeros((bsz, k), dtype=torch.int64, device=device)
+    cols = torch.arange(scratch, device=device)
+    front_anc = torch.zeros((bsz, k, scratch), dtype=torch.bool, device=device)
+    offset = k
+    for step in range(1, depth):
+        # Frontier node j of this step writes scratch column (step-1)*k + j.
+        own = cols.view(1, 1, -1) == ((step - 1) * k + torch.arange(k, device=device)).view(1, k, 1)
+        front_anc = front_anc | own
+        logp = step_fn(step, front_tokens, front_parent, front_anc)  # [B, k, V']
+        child = torch.topk(logp.float(), k, dim=2)
+        cum = front_scores.unsqueeze(2) + child.values  # [B, k, k]
+        flat_scores = cum.reshape(bsz, k * k)
+        flat_tokens = to_target(child.indices).reshape(bsz, k * k)
+        flat_parents = front_cand.unsqueeze(2).expand(bsz, k, k).reshape(bsz, k * k)
+        scores.append(flat_scores)
+        tokens.append(flat_tokens)
+        parents.append(flat_parents)
+        keep = rank_order(flat_scores)[:, :k]  # [B, k] local indices of the new frontier
+        front_scores = torch.gather(flat_scores, 1, keep)
+        front_tokens = torch.gather(flat_tokens, 1, keep)
+        front_parent = torch.div(keep, k, rounding_mode="floor")
+        front_cand = offset + keep
+        front_anc = torch.gather(front_anc, 1, front_parent.unsqueeze(2).expand(bsz, k, scratch))
+        offset += k * k
+    return select_top_nodes(
+        torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1), num_nodes
+    )
