@@ -157,6 +157,11 @@ def page_unlock(data_ptr: int) -> None:
 # ------------------------------------------------------------------------------- H2D ring
 
 
+MAX_RETAINED_BYTES = 8 << 20
+"""Largest buffer a :class:`PinnedRing` slot keeps between copies (larger copies get a one-off
+pinned buffer)."""
+
+
 class PinnedRing:
     """A ring of pinned host buffers of one dtype, each guarded by the event of its last copy.
 
@@ -190,10 +195,18 @@ class PinnedRing:
         if ev is not None and not ev.query():
             ev.synchronize()
         self._events[i] = None
-        if self._bufs[i].numel() < numel:
-            self._bufs[i] = torch.empty(max(numel, 2 * self._bufs[i].numel()), dtype=self.dtype,
-                                        pin_memory=True)
         self._current = i
+        if numel * self._bufs[i].element_size() > MAX_RETAINED_BYTES:
+            # A rare large copy (a long prompt's catch-up mask can be ~100 MB) gets a one-off
+            # buffer from torch's pinned caching allocator instead of growing a slot for good:
+            # every slot of every ring would otherwise end up holding the largest copy ever
+            # seen. The allocator keeps the block until the copy queued from it has finished
+            # (it records an event on non_blocking copies out of pinned memory).
+            return torch.empty(numel, dtype=self.dtype, pin_memory=True)
+        if self._bufs[i].numel() < numel:
+            grown = min(max(numel, 2 * self._bufs[i].numel()),
+                        MAX_RETAINED_BYTES // self._bufs[i].element_size())
+            self._bufs[i] = torch.empty(grown, dtype=self.dtype, pin_memory=True)
         return self._bufs[i][:numel]
 
     def copy_to(self, host: torch.Tensor, dst: torch.Tensor) -> None:

@@ -15,6 +15,7 @@ import torch
 from structspec.draft_tree.verify import VerifyResult
 from structspec.scheduler.pending import PendingStep
 from structspec.staging import (
+    MAX_RETAINED_BYTES,
     DeviceToHost,
     HostRing,
     PendingCopy,
@@ -185,6 +186,21 @@ def test_h2d_ring_and_d2h_round_trip_do_not_sync(depth: int) -> None:
     for k, (a, b, c) in enumerate(got):
         assert torch.equal(a, hosts[k]) and torch.equal(b, hosts[k] + 1) and int(c) == k
     assert len(d2h.buffers) == 3 and all(b.is_pinned() for b in d2h.buffers.values())
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA
+def test_ring_keeps_no_slot_above_the_retained_size() -> None:
+    """A copy larger than MAX_RETAINED_BYTES travels correctly and leaves no slot that big."""
+    dev = torch.device("cuda")
+    staging = Staging(dev, depth=2)
+    big = torch.arange(MAX_RETAINED_BYTES // 8 + 1000, dtype=torch.int64)
+    small = torch.arange(10, dtype=torch.int64)
+    got = [to_device(t, dev, staging) for t in (big, small, big)]
+    assert torch.equal(got[0].cpu(), big) and torch.equal(got[1].cpu(), small)
+    assert torch.equal(got[2].cpu(), big)
+    ring = staging.ring(torch.int64)
+    assert all(b.numel() * 8 <= MAX_RETAINED_BYTES for b in ring._bufs)
 
 
 @pytest.mark.gpu
