@@ -33,7 +33,7 @@ def drafter_llms(cuda_llms, smol_dir, smol_first_layers_dir, tmp_path_factory):
     4 layers as the draft) and ``eagle`` (a random EAGLE head over SmolLM2)."""
     from structspec import LLM
     from structspec.config import ModelConfig
-    from structspec.speculative.eagle import build_random_eagle_head
+    from structspec.models.eagle_head import build_random_eagle_head
 
     eagle_dir = tmp_path_factory.mktemp("eagle_gpu")
     hf_config = json.loads((Path(smol_dir) / "config.json").read_text())
