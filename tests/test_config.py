@@ -76,7 +76,7 @@ def test_max_model_len_rule() -> None:
 
 def test_max_model_len_above_the_models_is_refused_before_the_weights_load(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import structspec.engine.llm_engine as engine_mod
+    import structspec.engine.build as engine_mod
     from structspec import LLM
 
     def no_load(*args: object, **kwargs: object) -> None:
