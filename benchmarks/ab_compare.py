@@ -83,8 +83,11 @@ def main() -> None:
     for r in range(args.rounds):
         for side in ("old", "new"):
             root = (args.old if side == "old" else args.new).resolve()
-            runs[side].append(run_once(root, command, args.timeout_s))
-            print(f"# round {r + 1} {side} done", flush=True)
+            found = run_once(root, command, args.timeout_s)
+            runs[side].append(found)
+            # each run's figures at once: a run cut short by a time limit keeps what it had
+            print(f"# round {r + 1} {side} " + " ".join(
+                f"{k.replace(' ', ':')}={v:.3f}" for k, v in found.items()), flush=True)
     for key in runs["new"][0]:
         old = statistics.median(f[key] for f in runs["old"] if key in f)
         new = statistics.median(f[key] for f in runs["new"] if key in f)
