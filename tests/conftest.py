@@ -2,7 +2,22 @@
 
 from __future__ import annotations
 
-import torch
+import os
+import sys
+import warnings
+
+# Idle OpenMP threads sleep instead of spinning. Must be set before torch loads libgomp (it
+# reads the variable once, then): on a 2-core machine shared with anything else (the server
+# and mask-worker processes these tests start, or other jobs) spinning threads steal the
+# cores their partners need, and a batch of CPU forwards took ~10x the CPU time (55 s vs 5 s
+# for 8 x 32 greedy tokens of SmolLM2 beside other jobs). Child processes inherit it.
+# Numerics are unchanged: it only decides how a thread waits for work.
+if "torch" in sys.modules:  # a plugin loaded it first: the setting would come too late
+    warnings.warn("torch was imported before tests/conftest.py: OMP_WAIT_POLICY not applied",
+                  stacklevel=1)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 # Same as LLMEngine on CPU: flush float32 denormals before torch starts its thread pool
 # (threads inherit the flag), so CPU forwards in tests run at full speed.

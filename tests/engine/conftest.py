@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -83,23 +84,55 @@ def smol_first_layers_dir(smol_dir: str, tmp_path_factory: pytest.TempPathFactor
     return str(out)
 
 
-@pytest.fixture(scope="module")
-def make_llm() -> Iterator[Callable[..., Any]]:
-    """``make_llm(**kw)`` -> an LLM on CPU in float32 for those options, cached per module
-    (each engine holds its weights and KV pool; dropping them per module bounds memory)."""
-    from structspec import LLM
+# Engines kept alive at once by ``make_llm``. Each SmolLM2 engine holds its weights (plus a
+# draft model's) and a 12288-token fp32 KV pool, about 1-2 GB; a test uses at most two at a
+# time, and the tests that share a configuration sit next to each other, so three keeps the
+# rebuilds rare while bounding the suite's peak memory.
+MAX_LIVE_ENGINES = 3
 
-    cache: dict[tuple, Any] = {}
 
-    def make(**kw: Any) -> Any:
+class EngineCache:
+    """An LRU of CPU fp32 :class:`~structspec.LLM` engines keyed by their options.
+
+    Building an engine costs seconds of CPU (weights, KV pool, grammar backend) and its memory
+    only goes when the last reference does, so engines are built once per session and shared
+    by every test that asks for the same options; the least recently used one is dropped when
+    more than ``capacity`` are alive (a test still holding it keeps it until it ends)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._engines: OrderedDict[tuple, Any] = OrderedDict()
+
+    def get(self, **kw: Any) -> Any:
+        from structspec import LLM
+
         key = tuple(sorted(kw.items()))
-        if key not in cache:
-            opts = dict(device="cpu", dtype="float32", kv_capacity_tokens=12288,
-                        max_batch_size=32)
-            opts.update(kw)
-            cache[key] = LLM(**opts)
-        return cache[key]
+        if key in self._engines:
+            self._engines.move_to_end(key)
+            return self._engines[key]
+        while len(self._engines) >= self.capacity:
+            self._engines.popitem(last=False)
+            gc.collect()  # engines hold reference cycles: free their tensors now
+        opts: dict[str, Any] = dict(device="cpu", dtype="float32", kv_capacity_tokens=12288,
+                                    max_batch_size=32)
+        opts.update(kw)
+        self._engines[key] = llm = LLM(**opts)
+        return llm
 
-    yield make
+    def clear(self) -> None:
+        self._engines.clear()
+        gc.collect()
+
+
+@pytest.fixture(scope="session")
+def engine_cache() -> Iterator[EngineCache]:
+    cache = EngineCache(MAX_LIVE_ENGINES)
+    yield cache
     cache.clear()
-    gc.collect()
+
+
+@pytest.fixture(scope="session")
+def make_llm(engine_cache: EngineCache) -> Callable[..., Any]:
+    """``make_llm(**kw)`` -> an LLM on CPU in float32 for those options, shared by the whole
+    session (see :class:`EngineCache`)."""
+    return engine_cache.get

@@ -73,41 +73,62 @@ def test_seeded_sampling_is_reproducible_in_any_batch(make_llm) -> None:
     assert alone.token_ids == mixed.token_ids
 
 
-@pytest.mark.parametrize(
-    ("prompt", "params", "needle"),
-    [
-        ("", SamplingParams(max_tokens=8), "prompt is empty"),
-        ("hi", SamplingParams(max_tokens=0), "max_tokens"),
-        ("hi", SamplingParams(max_tokens=-3), "max_tokens"),
-        ("hi", SamplingParams(max_tokens=8, temperature=-1), "temperature"),
-        ("hi", SamplingParams(max_tokens=8, grammar=JsonSchemaConstraint("{not json")), "JSON"),
-        ("hi", SamplingParams(max_tokens=8, grammar=RegexConstraint("([a-z")), "regex"),
-        ([17] * 9000, SamplingParams(max_tokens=8), "context"),
-        ("hi", SamplingParams(max_tokens=8, temperature=1.0, seed=2**64), "seed"),
-        ("hi", SamplingParams(max_tokens=8, temperature=1.0, top_k=2**63), "top_k"),
-        ("hi", SamplingParams(max_tokens=8, temperature=1e39), "temperature"),
-        ("a\ud800b", SamplingParams(max_tokens=8), "prompt is not valid Unicode: a lone "
-         "surrogate (U+D800) at character 1"),
-        ([{"role": "user", "content": "\udc00"}], SamplingParams(max_tokens=8),
-         "lone surrogate"),
-        # refused untokenized (a 4 MB prompt would take seconds to tokenize)
-        ("word " * 800_000, SamplingParams(max_tokens=8), "prompt has at least"),
-    ],
-    ids=["empty", "max_tokens_0", "max_tokens_neg", "temperature", "schema_json", "regex",
-         "too_long", "seed_range", "top_k_int64", "temperature_float32", "surrogate",
-         "surrogate_chat", "too_long_untokenized"],
-)
-def test_bad_input_is_local(make_llm, prompt: object, params: SamplingParams, needle: str) -> None:
-    llm = make_llm()
-    good = SamplingParams(max_tokens=6)
-    outs = llm.generate([PROMPTS[0], prompt, PROMPTS[1]], [good, params, good])
+BAD_INPUTS: list[tuple[object, SamplingParams, str]] = [
+    ("", SamplingParams(max_tokens=8), "prompt is empty"),
+    ("hi", SamplingParams(max_tokens=0), "max_tokens"),
+    ("hi", SamplingParams(max_tokens=-3), "max_tokens"),
+    ("hi", SamplingParams(max_tokens=8, temperature=-1), "temperature"),
+    ("hi", SamplingParams(max_tokens=8, grammar=JsonSchemaConstraint("{not json")), "JSON"),
+    ("hi", SamplingParams(max_tokens=8, grammar=RegexConstraint("([a-z")), "regex"),
+    ([17] * 9000, SamplingParams(max_tokens=8), "context"),
+    ("hi", SamplingParams(max_tokens=8, temperature=1.0, seed=2**64), "seed"),
+    ("hi", SamplingParams(max_tokens=8, temperature=1.0, top_k=2**63), "top_k"),
+    ("hi", SamplingParams(max_tokens=8, temperature=1e39), "temperature"),
+    ("a\ud800b", SamplingParams(max_tokens=8), "prompt is not valid Unicode: a lone "
+     "surrogate (U+D800) at character 1"),
+    ([{"role": "user", "content": "\udc00"}], SamplingParams(max_tokens=8),
+     "lone surrogate"),
+    # refused untokenized (a 4 MB prompt would take seconds to tokenize)
+    ("word " * 800_000, SamplingParams(max_tokens=8), "prompt has at least"),
+]
+BAD_INPUT_IDS = ["empty", "max_tokens_0", "max_tokens_neg", "temperature", "schema_json", "regex",
+                 "too_long", "seed_range", "top_k_int64", "temperature_float32", "surrogate",
+                 "surrogate_chat", "too_long_untokenized"]
+
+
+def between_good_requests(bad: list[object], bad_params: list[SamplingParams],
+                          good: SamplingParams) -> tuple[list[object], list[SamplingParams]]:
+    """``[good, bad[0], good, bad[1], ..., good]``: every bad request sits between two good
+    ones (PROMPTS[0] and PROMPTS[1]), so one generate checks every case for locality
+    (the good outputs of case ``i`` are at ``2i`` and ``2i + 2``, the bad one at ``2i + 1``)."""
+    prompts: list[object] = [PROMPTS[0]]
+    params = [good]
+    for i, (prompt, sp) in enumerate(zip(bad, bad_params, strict=True)):
+        prompts += [prompt, PROMPTS[(i + 1) % 2]]
+        params += [sp, good]
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def bad_input_outputs(make_llm) -> list:
+    """Every BAD_INPUTS case in one batch (see :func:`between_good_requests`): a decode run per
+    case cost seconds each on CPU."""
+    prompts, params = between_good_requests([b[0] for b in BAD_INPUTS],
+                                            [b[1] for b in BAD_INPUTS], SamplingParams(max_tokens=6))
+    return make_llm().generate(prompts, params)
+
+
+@pytest.mark.parametrize("case", range(len(BAD_INPUTS)), ids=BAD_INPUT_IDS)
+def test_bad_input_is_local(bad_input_outputs: list, case: int) -> None:
+    needle = BAD_INPUTS[case][2]
+    outs = bad_input_outputs[2 * case:2 * case + 3]
     assert outs[1].finish_reason is FinishReason.ABORT
     assert needle.lower() in (outs[1].error or "").lower(), outs[1].error
     for ok in (outs[0], outs[2]):
         assert ok.error is None and ok.finish_reason is FinishReason.LENGTH
 
 
-@pytest.mark.parametrize(("messages", "param", "needle"), [
+MALFORMED_CHATS: list[tuple[list, str, str]] = [
     ([{"role": "system", "content": "Be brief."}, {"role": "user"}], "messages[1].content",
      "messages[1].content: missing"),
     ([{"role": "user", "content": 5}], "messages[0].content",
@@ -119,14 +140,25 @@ def test_bad_input_is_local(make_llm, prompt: object, params: SamplingParams, ne
     ([{"content": "hi"}], "messages[0].role", "messages[0].role: missing"),
     ([{"role": "user", "content": "hi"}, "and more"], "messages[1]",
      "messages[1]: expected a message object"),
-])
-def test_malformed_chat_messages_fail_alone_naming_the_field(
-        make_llm, messages: list, param: str, needle: str) -> None:
+]
+
+
+@pytest.fixture(scope="module")
+def malformed_chat_outputs(make_llm) -> list:
+    """Every MALFORMED_CHATS case in one batch, each between two good prompts."""
+    good = SamplingParams(max_tokens=2)
+    prompts, params = between_good_requests([m[0] for m in MALFORMED_CHATS],
+                                            [good] * len(MALFORMED_CHATS), good)
+    return make_llm().generate(prompts, params)
+
+
+@pytest.mark.parametrize("case", range(len(MALFORMED_CHATS)))
+def test_malformed_chat_messages_fail_alone_naming_the_field(malformed_chat_outputs: list,
+                                                             case: int) -> None:
     """Refused before the chat template renders (its own error named no field and came
     prefixed twice), with ``error_param`` set; the neighbours run."""
-    llm = make_llm()
-    good = SamplingParams(max_tokens=2)
-    outs = llm.generate([PROMPTS[0], messages, PROMPTS[1]], good)
+    _, param, needle = MALFORMED_CHATS[case]
+    outs = malformed_chat_outputs[2 * case:2 * case + 3]
     assert outs[1].finish_reason is FinishReason.ABORT and outs[1].error_param == param
     error = outs[1].error or ""
     assert error.startswith(f"{param}: ") and needle in error, error

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -66,6 +66,32 @@ def draft_paths(smol_dir, smol_first_layers_dir, tmp_path_factory) -> dict[str, 
     target_cfg = ModelConfig.from_hf_config(json.loads((Path(smol_dir) / "config.json").read_text()))
     build_random_eagle_head(target_cfg, str(eagle_dir), seed=0)
     return {"first_layers": smol_first_layers_dir, "self": smol_dir, "eagle": str(eagle_dir)}
+
+
+def cut_params() -> list[SamplingParams]:
+    """The 8-request mix of the overlap, mask-worker and dead-worker tests: every grammar kind
+    and unconstrained requests, with a stop string cutting a free run ([1]) and a JSON run
+    ([2]), so stop strings and grammar ends both end runs."""
+    params = mixed_params(8)
+    params[1] = SamplingParams(max_tokens=32, stop=[" the"], grammar=None)
+    params[2] = SamplingParams(max_tokens=32, stop=["a"], grammar=JsonSchemaConstraint(PERSON_SCHEMA))
+    return params
+
+
+@pytest.fixture(scope="module")
+def in_process_outputs(make_llm, draft_paths) -> Callable[[str], list]:
+    """``get(algo)``: PROMPTS[:8] under :func:`cut_params` with the algorithm's default engine
+    (overlap on, masks built in-process), generated once per module: the reference that the
+    overlap-off, mask-worker and dead-worker runs must equal."""
+    done: dict[str, list] = {}
+
+    def get(algo: str) -> list:
+        if algo not in done:
+            llm = make_llm(**SPEC_CONFIGS[algo](draft_paths))
+            done[algo] = llm.generate(PROMPTS[:8], cut_params())
+        return done[algo]
+
+    return get
 
 
 @pytest.mark.parametrize("name", list(SPEC_CONFIGS))
@@ -154,18 +180,14 @@ def test_ngram_extraction_accept_length(make_llm) -> None:
 
 
 @pytest.mark.parametrize("algo", ["ngram", "draft_model_first_layers"])
-def test_overlap_on_and_off_give_identical_outputs(make_llm, draft_paths, algo: str) -> None:
+def test_overlap_on_and_off_give_identical_outputs(make_llm, draft_paths, in_process_outputs,
+                                                    algo: str) -> None:
     """Host trees (ngram: mask before the deferred text work) and device trees (draft model:
     the deferred text work runs while the tree is still on its way) alike."""
-    params = mixed_params(8)
-    params[1] = SamplingParams(max_tokens=32, stop=[" the"], grammar=None)
-    params[5] = SamplingParams(max_tokens=32, stop=["a"], grammar=JsonSchemaConstraint(PERSON_SCHEMA))
-    outs = []
-    for overlap in (True, False):  # overlap on is the default: reuse the module's engine
-        kw = SPEC_CONFIGS[algo](draft_paths)
-        llm = make_llm(**kw) if overlap else make_llm(**kw, overlap=False)
-        outs.append(llm.generate(PROMPTS[:8], params))
-    for a, b in zip(*outs, strict=True):
+    on = in_process_outputs(algo)  # overlap on is the default
+    off = make_llm(**SPEC_CONFIGS[algo](draft_paths), overlap=False).generate(PROMPTS[:8],
+                                                                              cut_params())
+    for a, b in zip(on, off, strict=True):
         assert a.token_ids == b.token_ids and a.text == b.text
         assert a.finish_reason == b.finish_reason and a.stop_reason == b.stop_reason
 
@@ -193,7 +215,8 @@ def pool_llm(**kwargs: object) -> Iterator[LLM]:
 
 
 @pytest.mark.parametrize("algo", ["ngram", "draft_model_first_layers"])
-def test_mask_worker_processes_give_identical_outputs(make_llm, draft_paths, algo: str,
+def test_mask_worker_processes_give_identical_outputs(draft_paths, in_process_outputs,
+                                                      algo: str,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Tree bitmasks built in two worker processes (mirror matchers) give the same outputs as
     the in-process build, with stop strings and grammar ends cutting runs. For host trees
@@ -201,9 +224,8 @@ def test_mask_worker_processes_give_identical_outputs(make_llm, draft_paths, alg
     almost none of the committed ids; for device trees they advance over all of them."""
     from structspec.grammar.matcher import Matcher
 
-    params = mixed_params(8)
-    params[2] = SamplingParams(max_tokens=32, stop=["a"], grammar=JsonSchemaConstraint(PERSON_SCHEMA))
-    ref = make_llm(**SPEC_CONFIGS[algo](draft_paths)).generate(PROMPTS[:8], params)
+    params = cut_params()
+    ref = in_process_outputs(algo)
     host_ids = [0]
     accept_run = Matcher.accept_run
 
@@ -323,7 +345,7 @@ def test_mask_workers_with_staggered_arrivals_match_in_process(make_llm) -> None
 
 
 @pytest.mark.parametrize("when", ["before_build", "after_verdicts"])
-def test_dead_mask_worker_falls_back_in_process(make_llm, when: str,
+def test_dead_mask_worker_falls_back_in_process(in_process_outputs, when: str,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """A mask worker killed mid-run (before a build's messages, or after its mirrors' verdicts
     were applied and before its walks arrive): the engine drops the pool, its host matchers
@@ -331,9 +353,8 @@ def test_dead_mask_worker_falls_back_in_process(make_llm, when: str,
     from structspec.grammar.worker_pool import MaskWorkerPool
     from structspec.scheduler.grammar_service import GrammarService
 
-    params = mixed_params(8)
-    params[2] = SamplingParams(max_tokens=32, stop=["a"], grammar=JsonSchemaConstraint(PERSON_SCHEMA))
-    ref = make_llm(**SPEC_CONFIGS["ngram"]({})).generate(PROMPTS[:8], params)
+    params = cut_params()
+    ref = in_process_outputs("ngram")
     with pool_llm(**SPEC_CONFIGS["ngram"]({})) as llm:
         sched = llm.engine.scheduler
         pool = sched.mask_pool
