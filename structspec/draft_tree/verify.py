@@ -28,7 +28,8 @@ class VerifyResult:
     Attributes:
         accept_tokens: ``[B, N]`` int64; the first ``accept_len[b]`` entries are the committed
             run (accepted drafts, then the bonus token); the rest are -1.
-        accept_len: ``[B]`` int64, committed tokens including the bonus (>= 1).
+        accept_len: ``[B]`` int64, committed tokens including the bonus (>= 1; the
+            scheduler's selection sets 0 for a request whose logits were not finite).
         accept_nodes: ``[B, N]`` int64 node index at each depth of the accepted path (entry 0
             is node 0), -1 beyond ``accept_len``.
     """

@@ -1,10 +1,17 @@
 """The mask worker process (see :mod:`structspec.grammar.worker_pool`, which starts it as
-``python -m structspec.grammar.mask_worker FD``): it keeps mirror matchers, walks the trees of
-its requests into the shared slab and replies on the socket ``FD``."""
+``python -m structspec.grammar.mask_worker FD SHIP_FD``): it keeps mirror matchers, walks the
+trees of its requests into the shared slab and replies on the socket ``FD``.
+
+Compiled grammars arrive on the second socket, ``SHIP_FD``, and are loaded by a thread of their
+own (:func:`_load_grammars`): deserializing one takes ~3-30 ms (MaskBench schemas), which in the
+main loop would hold up a build reply, and so the whole verify step. The loader acknowledges
+each grammar once it is usable; the parent sends jobs for a grammar only after that.
+"""
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
@@ -18,7 +25,33 @@ from structspec.grammar.pool_types import links_offset
 from structspec.grammar.tree_mask import walk_tree
 
 
-def _worker_main(conn: Connection) -> None:
+def _load_grammars(ship: Connection, tokenizer_info: xgr.TokenizerInfo,
+                   grammars: dict[int, xgr.CompiledGrammar]) -> None:
+    """Loader thread: deserialize each shipped grammar ``(wire id, xgrammar JSON)`` into
+    ``grammars`` (shared with the main loop; a dict store is atomic under the GIL), then
+    acknowledge it as ``(wire id, None)``, or ``(wire id, error text)`` when it cannot be
+    loaded. Ends when the parent closes the socket or sends None."""
+    while True:
+        try:
+            msg = ship.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        wire_id, text = msg
+        try:
+            grammars[wire_id] = xgr.CompiledGrammar.deserialize_json(text, tokenizer_info)
+            error = None
+        except Exception as e:  # noqa: BLE001 - the parent keeps that grammar's masks local
+            error = repr(e)
+        del text, msg  # a large string: free it before the next one arrives
+        try:
+            ship.send((wire_id, error))
+        except OSError:
+            return
+
+
+def _worker_main(conn: Connection, ship: Connection) -> None:
     """Worker loop: keep mirror matchers, walk trees into the shared slab, reply."""
     torch.set_num_threads(1)
     try:
@@ -36,8 +69,10 @@ def _worker_main(conn: Connection) -> None:
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises
         conn.send(repr(e))
         return
-    conn.send("ready")
     grammars: dict[int, xgr.CompiledGrammar] = {}
+    threading.Thread(target=_load_grammars, args=(ship, tokenizer_info, grammars),
+                     name="grammar-loader", daemon=True).start()
+    conn.send("ready")
     mirrors: dict[str, Matcher] = {}
     # (bs, N) -> per batch row: its next_token / next_sibling / draft_tokens views of the
     # shared links and its [N, W] slab rows. Built once per shape: torch slicing costs a few
@@ -62,9 +97,7 @@ def _worker_main(conn: Connection) -> None:
             terminated: list[int] = []
             rejected: dict[int, int] = {}
             live: list[tuple[int, Matcher]] = []
-            for b, key, gid, grammar, new_ids in jobs:
-                if grammar is not None:
-                    grammars[gid] = xgr.CompiledGrammar.deserialize_json(grammar, tokenizer_info)
+            for b, key, gid, new_ids in jobs:
                 m = mirrors.get(key)
                 if m is None:  # the host's Matcher class: the same accept and stop rules
                     m = mirrors[key] = Matcher(grammars[gid], stop_token_ids=stop_token_ids)
@@ -99,4 +132,4 @@ def _worker_main(conn: Connection) -> None:
 
 
 if __name__ == "__main__":
-    _worker_main(Connection(int(sys.argv[1])))
+    _worker_main(Connection(int(sys.argv[1])), Connection(int(sys.argv[2])))

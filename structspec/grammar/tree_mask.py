@@ -332,22 +332,28 @@ def build_grammar_vocab_mask_pooled(
     out: torch.Tensor | None = None,
     advance_only: Sequence[PoolRequest] = (),
     on_verdicts: Callable[[PoolBuildResult], None] | None = None,
+    local: Sequence[int] = (),
 ) -> GrammarMaskResult | None:
     """:func:`build_grammar_vocab_mask` with the tree walks in ``pool``'s worker processes.
 
     The same result, row for row. Order: for a host tree the workers start first and the
     ``barrier`` (the host matchers' advance over the same ids) runs while they walk; for a
     device tree the barrier runs first, while the drafted tree is still on its way to the
-    host (:meth:`GrammarTree.resolve` waits for it), then the workers walk.
+    host (:meth:`GrammarTree.resolve` waits for it), then the workers walk. The ``local`` rows
+    are walked here, from the host matchers, after the barrier and while the workers walk.
 
     Args:
         pool: the worker pool (its slab holds the rows; on CUDA it is page-locked).
-        requests: per batch row, what the pool needs (None = unconstrained).
+        requests: per batch row, what the pool needs (None = unconstrained, or ``local``).
         matchers: the host matchers in batch order (after the barrier they hold the same
-            states as the workers' mirrors); used for the stop ids and the None check.
+            states as the workers' mirrors); used for the stop ids, the None check and the
+            ``local`` walks.
         tree, device, barrier, time_limit_s, out: as in :func:`build_grammar_vocab_mask`.
         advance_only, on_verdicts: see :meth:`MaskWorkerPool.build` (mirror-only advances in
             the same round trip; a callback with the predicted verdicts, before ``barrier``).
+        local: rows of constrained requests whose grammar is not on their worker yet
+            (:meth:`MaskWorkerPool.ready`): their ``requests`` entry is None and their host
+            matcher, current after ``barrier``, walks their tree in this process.
 
     Returns:
         A :class:`GrammarMaskResult` whose ``bitmask_cpu`` is a view of the pool's slab (valid
@@ -372,11 +378,33 @@ def build_grammar_vocab_mask_pooled(
     if len(matchers) != bs or len(requests) != bs:
         raise ValueError(f"{len(matchers)} matchers / {len(requests)} requests for a tree "
                          f"batch of {bs}")
+    local_walked: list[int] = []
+    local_timed_out: list[int] = []
+    host_side = barrier
+    if local:
+        rows_of = pool.slab[: bs * n].split(n)
+
+        def host_side() -> None:
+            if barrier is not None:
+                barrier()
+            for i in local:
+                m = matchers[i]
+                assert m is not None
+                rows_of[i].fill_(-1)
+                if m.is_terminated():
+                    continue
+                local_walked.append(i)
+                if not walk_tree(m, next_token[i], next_sibling[i], draft_tokens[i],
+                                 rows_of[i], time_limit_s):
+                    local_timed_out.append(i)
+
     result = pool.build(requests, next_token, next_sibling, draft_tokens,
-                        time_limit_s=time_limit_s, while_waiting=barrier,
-                        advance_only=advance_only, on_verdicts=on_verdicts)
-    mask = _settle_and_upload(pool.slab[: bs * n], matchers, tree, result.walked,
-                              result.timed_out, device=device, out=out, t0=t0)
+                        time_limit_s=time_limit_s, while_waiting=host_side,
+                        advance_only=advance_only, on_verdicts=on_verdicts, host_rows=local)
+    mask = _settle_and_upload(pool.slab[: bs * n], matchers, tree,
+                              sorted(result.walked + local_walked),
+                              sorted(result.timed_out + local_timed_out), device=device,
+                              out=out, t0=t0)
     mask.mirror = result
     return mask
 

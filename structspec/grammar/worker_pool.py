@@ -43,17 +43,36 @@ requests come and go. Spreading beats packing: the busiest worker's time is the 
 critical path, and a message costs the host only ~20 us (measured on the H200 host, batch 8:
 one request on each of 8 workers gave a JSON/no-grammar step ratio of 1.02, four on each of 2
 workers 1.07, all 8 on one worker 1.16; see benchmarks/README.md).
+
+Shipping grammars. A worker needs the request's compiled grammar before it can keep a mirror.
+Serializing one costs ~5-30 ms (a MaskBench schema; xgrammar's JSON with its token-mask cache,
+~0.1-0.4 MB) and deserializing ~3-30 ms, so on traffic where every request brings its own
+schema, shipping them inside the build messages stalled the step loop for most of the run
+(300 distinct MaskBench schemas, batch 64, H200: 76.9 s with 8 workers against 27.6 s in
+process). So grammars travel on a second socket per worker, off the step loop: on first sight
+(:meth:`MaskWorkerPool.ready`) a request is placed and, when its worker lacks its grammar, the
+grammar is queued to the pool's shipping thread (serialize, send); the worker's loader thread
+deserializes it and acknowledges. Until the acknowledgement has been seen
+(:meth:`MaskWorkerPool.collect_shipped`, polled once per step) the request is not *ready*: the
+caller keeps its grammar work in process (its own matcher, the in-process walk), which gives the
+same bitmask. Each shipped grammar has a wire id that is never reused, so a drop and a later
+shipment of the same grammar cannot be confused by the two sockets' orders.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import queue
 import socket
 import subprocess
 import sys
+import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any
@@ -76,6 +95,65 @@ logger = logging.getLogger(__name__)
 
 #: the worker processes' module (run as ``python -m``; see :mod:`~.mask_worker`)
 _WORKER_MODULE = "structspec.grammar.mask_worker"
+
+#: serialized grammars the shipping thread keeps for the next worker that needs the same one
+#: (a schema shared by many requests reaches every worker once; serializing it again would
+#: cost the thread, and through the GIL the step loop, ~5-30 ms each time)
+_SHIP_CACHE_SIZE = 8
+
+#: how long a direct caller (tests, tools) of :meth:`MaskWorkerPool.build` waits for a grammar
+#: its request needs before the pool counts the worker as failed (s)
+_SHIP_WAIT_S = 120.0
+
+
+@dataclass
+class _Shipment:
+    """One compiled grammar on (or on its way to) one worker.
+
+    Attributes:
+        compiled: the grammar (held so that ``id(compiled)``, the key, is not reused while
+            the worker may hold it).
+        wire_id: the worker's key for it (unique over the pool's life).
+        live: requests placed on the worker that use it.
+        state: ``"shipping"`` (queued or in flight), ``"loaded"`` (acknowledged: jobs may
+            name it) or ``"failed"`` (the worker could not load it: those requests stay in
+            process).
+    """
+
+    compiled: xgr.CompiledGrammar
+    wire_id: int
+    live: int = 0
+    state: str = "shipping"
+
+
+def _ship_loop(jobs: queue.SimpleQueue[tuple[int, int, xgr.CompiledGrammar] | None],
+               conns: list[Connection], busy_s: list[float]) -> None:
+    """The pool's shipping thread: serialize each queued grammar (xgrammar releases the GIL for
+    most of it) and send it on its worker's grammar socket. ``busy_s[0]`` accumulates the
+    thread's time (metrics). A dead worker's socket is skipped: the step loop's own messages
+    find the death and report it."""
+    cache: OrderedDict[int, tuple[xgr.CompiledGrammar, str]] = OrderedDict()
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        w, wire_id, compiled = job
+        t0 = time.perf_counter()
+        hit = cache.get(id(compiled))
+        if hit is not None and hit[0] is compiled:
+            text = hit[1]
+            cache.move_to_end(id(compiled))
+        else:
+            text = compiled.serialize_json()
+            cache[id(compiled)] = (compiled, text)
+            if len(cache) > _SHIP_CACHE_SIZE:
+                cache.popitem(last=False)
+        try:
+            conns[w].send((wire_id, text))
+        except (OSError, ValueError):
+            pass
+        del job, compiled, text
+        busy_s[0] += time.perf_counter() - t0
 
 
 class MaskWorkerPool:
@@ -106,6 +184,10 @@ class MaskWorkerPool:
             raise ValueError(f"num_workers ({num_workers!r}) and max_rows ({max_rows!r}) must "
                              "be integers >= 1")
         self.num_workers = num_workers
+        # what a replacement pool is built from (:meth:`replacement`)
+        self._spawn_args = (tokenizer_info, dict(num_workers=num_workers, vocab_size=vocab_size,
+                                                 max_rows=max_rows,
+                                                 stop_token_ids=tuple(stop_token_ids), pin=pin))
         self.width = bitmask_width(vocab_size)
         self.max_rows = max_rows
         links_at = links_offset(max_rows, self.width)
@@ -133,17 +215,26 @@ class MaskWorkerPool:
         init = (tokenizer_info.serialize_json(), self._shm.name, max_rows, self.width,
                 tuple(int(t) for t in stop_token_ids))
         self._conns: list[Connection] = []
+        self._ship_conns: list[Connection] = []  # per worker: grammars out, acks back
         self._procs: list[subprocess.Popen[bytes]] = []
         pinned_ptr = self.slab.data_ptr() if self.pinned else 0
+        self._ship_jobs: queue.SimpleQueue[tuple[int, int, xgr.CompiledGrammar] | None] = (
+            queue.SimpleQueue())
+        self._ship_busy_s = [0.0]
+        self._shipper: threading.Thread | None = None
         try:
             for _ in range(num_workers):
                 ours, theirs = socket.socketpair()
+                ship_ours, ship_theirs = socket.socketpair()
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", _WORKER_MODULE, str(theirs.fileno())],
-                    pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+                    [sys.executable, "-m", _WORKER_MODULE, str(theirs.fileno()),
+                     str(ship_theirs.fileno())],
+                    pass_fds=[theirs.fileno(), ship_theirs.fileno()], stdin=subprocess.DEVNULL)
                 theirs.close()
+                ship_theirs.close()
                 conn = Connection(ours.detach())
                 self._conns.append(conn)
+                self._ship_conns.append(Connection(ship_ours.detach()))
                 self._procs.append(proc)
                 conn.send(init)
             for conn in self._conns:
@@ -151,15 +242,31 @@ class MaskWorkerPool:
                 if reply != "ready":
                     raise RuntimeError(f"a mask worker failed to start: {reply!r}")
         except (OSError, EOFError, RuntimeError) as e:  # a worker died at startup
-            _shutdown(self._conns, self._procs, self._shm, pinned_ptr)
+            _shutdown(self._conns, self._ship_conns, self._procs, self._shm, pinned_ptr,
+                      self._ship_jobs, None)
             if isinstance(e, RuntimeError):
                 raise
             raise RuntimeError(f"a mask worker failed to start: {e!r}") from e
-        self._assigned: dict[str, tuple[int, int]] = {}  # request key -> (worker, grammar id)
+        # The thread gets the queue and the sockets, never the pool: the pool's finalizer must
+        # still run when the pool is dropped.
+        self._shipper = threading.Thread(
+            target=_ship_loop, args=(self._ship_jobs, self._ship_conns, self._ship_busy_s),
+            name="grammar-shipper", daemon=True)
+        self._shipper.start()
+        # request key -> (worker, its grammar's shipment to that worker)
+        self._assigned: dict[str, tuple[int, _Shipment]] = {}
         self._synced: dict[str, int] = {}  # request key -> output ids its mirror accepted
-        # per worker: grammar id -> (compiled grammar, live mirrors); holding the object keeps
-        # its id from being reused while the worker caches it
-        self._known: list[dict[int, list[Any]]] = [{} for _ in range(num_workers)]
+        # per worker: id(compiled grammar) -> its shipment (which holds the object, so the id
+        # is not reused while the worker may hold the grammar)
+        self._known: list[dict[int, _Shipment]] = [{} for _ in range(num_workers)]
+        self._in_flight: list[dict[int, _Shipment]] = [{} for _ in range(num_workers)]
+        self._wire_ids = itertools.count()
+        #: host time the caller's thread spent on shipping grammars (queueing, reading the
+        #: acknowledgements, and any wait of a direct ``build``/``advance`` caller for a grammar
+        #: not yet loaded; the scheduler never waits), ms
+        self.ship_ms = 0.0
+        #: grammars shipped (one per grammar and worker)
+        self.num_shipped = 0
         self._released: list[list[str]] = [[] for _ in range(num_workers)]
         self._dropped: list[list[int]] = [[] for _ in range(num_workers)]
         self._live = [0] * num_workers  # live mirrors per worker (placement)
@@ -169,8 +276,10 @@ class MaskWorkerPool:
         self._walks_pending: list[int] | None = None
         #: builds run so far (metrics, tests)
         self.num_builds = 0
-        self._finalizer = weakref.finalize(self, _shutdown, self._conns, self._procs, self._shm,
-                                           self.slab.data_ptr() if self.pinned else 0)
+        self._finalizer = weakref.finalize(self, _shutdown, self._conns, self._ship_conns,
+                                           self._procs, self._shm,
+                                           self.slab.data_ptr() if self.pinned else 0,
+                                           self._ship_jobs, self._shipper)
 
     def release(self, key: str) -> None:
         """Forget a finished request (its mirror is dropped with the worker's next message)."""
@@ -178,14 +287,119 @@ class MaskWorkerPool:
         self._synced.pop(key, None)
         if entry is None:
             return
-        w, gid = entry
+        w, ship = entry
         self._live[w] -= 1
         self._released[w].append(key)
-        known = self._known[w][gid]
-        known[1] -= 1
-        if known[1] == 0:  # no live mirror uses it: the worker drops its copy too
-            del self._known[w][gid]
-            self._dropped[w].append(gid)
+        ship.live -= 1
+        if ship.live == 0 and ship.state != "shipping":
+            self._forget(w, ship)
+        # a grammar still in flight is forgotten when its acknowledgement arrives
+
+    def _forget(self, w: int, ship: _Shipment) -> None:
+        """Worker ``w`` no longer needs ``ship``'s grammar: drop its copy with the next
+        message (a failed one was never stored there)."""
+        del self._known[w][id(ship.compiled)]
+        if ship.state == "loaded":
+            self._dropped[w].append(ship.wire_id)
+
+    def ready(self, key: str, compiled: xgr.CompiledGrammar) -> bool:
+        """Whether the request's worker holds its grammar, so that :meth:`build` and
+        :meth:`advance` can serve it without waiting. On first sight the request is placed
+        (module doc, "Placement") and its grammar queued for that worker's shipment; never
+        blocks (~1 us). The answer changes only in :meth:`collect_shipped`, so a caller that
+        asks once per step gets one consistent split of its batch.
+
+        Args:
+            key: the request's id (stable while it runs).
+            compiled: its compiled grammar.
+        """
+        entry = self._assigned.get(key)
+        if entry is None:
+            t0 = time.perf_counter()
+            entry = self._place(key, compiled)
+            self.ship_ms += (time.perf_counter() - t0) * 1e3
+        return entry[1].state == "loaded"
+
+    def _place(self, key: str, compiled: xgr.CompiledGrammar) -> tuple[int, _Shipment]:
+        """Place a new request on the least loaded worker; queue its grammar when that worker
+        has not got it."""
+        w = self._live.index(min(self._live))  # least loaded (module docstring)
+        self._live[w] += 1
+        self._synced[key] = 0
+        ship = self._known[w].get(id(compiled))
+        if ship is None:
+            ship = self._known[w][id(compiled)] = _Shipment(compiled, next(self._wire_ids))
+            self._in_flight[w][ship.wire_id] = ship
+            self._ship_jobs.put((w, ship.wire_id, compiled))
+            self.num_shipped += 1
+        ship.live += 1
+        entry = self._assigned[key] = (w, ship)
+        return entry
+
+    def collect_shipped(self) -> int:
+        """Read the workers' acknowledgements of shipped grammars without blocking (a poll per
+        worker with a grammar in flight; nothing when none is); returns how many arrived.
+        A grammar a worker could not load stays ``failed``: its requests keep being served in
+        process (logged once).
+
+        Raises:
+            MaskPoolError: a worker's grammar socket broke (the worker died).
+        """
+        if not any(self._in_flight):
+            return 0
+        t0 = time.perf_counter()
+        got = 0
+        try:
+            for w, flight in enumerate(self._in_flight):
+                conn = self._ship_conns[w]
+                while flight and conn.poll():
+                    self._acknowledge(w, *conn.recv())
+                    got += 1
+        except (EOFError, OSError) as e:
+            raise MaskPoolError(f"mask worker {w} died") from e
+        finally:
+            self.ship_ms += (time.perf_counter() - t0) * 1e3
+        return got
+
+    def _acknowledge(self, w: int, wire_id: int, error: str | None) -> None:
+        ship = self._in_flight[w].pop(wire_id)
+        if error is None:
+            ship.state = "loaded"
+        else:
+            ship.state = "failed"
+            logger.warning("mask worker %d could not load a grammar (%s); its requests' masks "
+                           "are built in the engine process", w, error)
+        if ship.live == 0:  # every request using it finished while it was on its way
+            self._forget(w, ship)
+
+    def _wait_loaded(self, w: int, ship: _Shipment) -> None:
+        """Block until ``ship`` is acknowledged (direct callers of :meth:`build` and
+        :meth:`advance` only; the scheduler asks :meth:`ready` and never waits).
+
+        Raises:
+            MaskPoolError: the worker died, could not load the grammar, or did not answer
+                within ``_SHIP_WAIT_S``.
+        """
+        t0 = time.perf_counter()
+        try:
+            conn = self._ship_conns[w]
+            while ship.state == "shipping":
+                if not conn.poll(_SHIP_WAIT_S):
+                    raise MaskPoolError(f"mask worker {w} did not load a grammar in "
+                                        f"{_SHIP_WAIT_S:.0f} s")
+                self._acknowledge(w, *conn.recv())
+        except (EOFError, OSError) as e:
+            raise MaskPoolError(f"mask worker {w} died") from e
+        finally:
+            self.ship_ms += (time.perf_counter() - t0) * 1e3
+        if ship.state != "loaded":
+            raise MaskPoolError(f"mask worker {w} could not load a grammar")
+
+    @property
+    def ship_thread_ms(self) -> float:
+        """Time the shipping thread spent serializing and sending grammars (ms; it runs beside
+        the step loop, not in it)."""
+        return self._ship_busy_s[0] * 1e3
 
     def num_synced(self, key: str) -> int:
         """Output ids the request's mirror has been sent (0 when it has none)."""
@@ -195,13 +409,15 @@ class MaskWorkerPool:
               next_sibling: torch.Tensor, draft_tokens: torch.Tensor, *,
               time_limit_s: float, while_waiting: Any = None,
               advance_only: Sequence[PoolRequest] = (),
-              on_verdicts: Callable[[PoolBuildResult], None] | None = None) -> PoolBuildResult:
+              on_verdicts: Callable[[PoolBuildResult], None] | None = None,
+              host_rows: Sequence[int] = ()) -> PoolBuildResult:
         """Advance the mirrors over the new ids, then fill ``slab[:bs * N]`` with the batch's
         tree bitmasks (unsettled, as the walk leaves them); rows of unconstrained requests are
         all ones.
 
         Args:
-            requests: one per batch row (None = unconstrained).
+            requests: one per batch row (None = unconstrained, or in ``host_rows``). A request
+                not :meth:`ready` makes the build wait for its grammar to load.
             next_token, next_sibling, draft_tokens: ``int64 [bs, N]`` host tree links.
             time_limit_s: per-request walk limit; a request over it gets its rows reset and
                 row 0 exact (from the state before the tree), as in the in-process path.
@@ -216,6 +432,8 @@ class MaskWorkerPool:
                 its new ids up to and including the first stop id (which ends the grammar)
                 and no id after it. The mirrors' actual verdicts are in the result; rows
                 where they differ are in ``mismatched``.
+            host_rows: batch rows (with None in ``requests``) that the caller walks itself
+                into the slab, in ``while_waiting``: left as the caller writes them.
 
         Returns:
             :class:`PoolBuildResult`: batch indices walked (mirror not terminated), those
@@ -236,7 +454,8 @@ class MaskWorkerPool:
             links[i] = part.numpy()
         result = self._dispatch([*requests, *advance_only], True, bs, n, time_limit_s,
                                 while_waiting, on_verdicts)
-        unconstrained = [b for b, req in enumerate(requests) if req is None]
+        skip = set(host_rows)
+        unconstrained = [b for b, req in enumerate(requests) if req is None and b not in skip]
         if unconstrained:
             self.slab[: bs * n].view(bs, n, self.width)[unconstrained] = -1
         return result
@@ -270,25 +489,16 @@ class MaskWorkerPool:
         for b, req in enumerate(requests):
             if req is None:
                 continue
-            gid = id(req.compiled)
-            grammar = None
             entry = self._assigned.get(req.key)
             if entry is None:
-                w = self._live.index(min(self._live))  # least loaded (module docstring)
-                self._live[w] += 1
-                self._assigned[req.key] = (w, gid)
-                self._synced[req.key] = 0
-                known = self._known[w].get(gid)
-                if known is None:
-                    known = self._known[w][gid] = [req.compiled, 0]
-                    grammar = req.compiled.serialize_json()
-                known[1] += 1
-            else:
-                w = entry[0]
+                entry = self._place(req.key, req.compiled)
+            w, ship = entry
+            if ship.state != "loaded":  # a direct caller that did not ask ready(): wait
+                self._wait_loaded(w, ship)
             done = self._synced[req.key]
             new_ids = list(req.output_ids[done:])
             self._synced[req.key] = done + len(new_ids)
-            jobs[w].append((b, req.key, gid, grammar, new_ids))
+            jobs[w].append((b, req.key, ship.wire_id, new_ids))
             if new_ids and on_verdicts is not None:
                 sent_total[b] = done + len(new_ids)
                 predicted[b] = self._predict(new_ids)
@@ -369,19 +579,40 @@ class MaskWorkerPool:
             raise MaskPoolError(f"mask worker {w} failed: {reply!r}") from reply
         return reply
 
+    def replacement(self) -> MaskWorkerPool:
+        """A new pool with this one's settings and fresh workers (no request placed): what the
+        scheduler starts, off its thread, after this pool failed. Takes about as long as a
+        worker's start (~1-2 s).
+
+        Raises:
+            RuntimeError: a worker failed to start.
+        """
+        tokenizer_info, kwargs = self._spawn_args
+        return MaskWorkerPool(tokenizer_info, **kwargs)
+
     def close(self) -> None:
         """Stop the workers and free the slab (idempotent)."""
         self._closed = True
         self._finalizer()
 
 
-def _shutdown(conns: list[Connection], procs: list[subprocess.Popen[bytes]], shm: SharedMemory,
-              pinned_ptr: int) -> None:
-    """Stop the workers, unlock the slab (``pinned_ptr``: its address, 0 when not locked) and
-    free the shared segment (the pool's finalizer)."""
+def _shutdown(conns: list[Connection], ship_conns: list[Connection],
+              procs: list[subprocess.Popen[bytes]], shm: SharedMemory, pinned_ptr: int,
+              ship_jobs: queue.SimpleQueue[Any], shipper: threading.Thread | None) -> None:
+    """Stop the shipping thread and the workers, unlock the slab (``pinned_ptr``: its address,
+    0 when not locked) and free the shared segment (the pool's finalizer)."""
+    ship_jobs.put(None)
+    if shipper is not None:
+        # a send to a live worker finishes quickly; one to a wedged worker is cut off below
+        shipper.join(timeout=2)
     for conn in conns:
         try:
             conn.send(None)
+            conn.close()
+        except (OSError, ValueError):
+            pass
+    for conn in ship_conns:
+        try:
             conn.close()
         except (OSError, ValueError):
             pass

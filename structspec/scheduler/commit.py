@@ -44,9 +44,22 @@ def cut_run(req: Req, run: list[int]) -> tuple[list[int], FinishReason | None, i
     return run, None, None
 
 
+#: the error of a request whose step found its logits not finite (select_verify committed no
+#: token for it); the other requests of the batch are not affected
+NON_FINITE_LOGITS_ERROR = ("the model produced non-finite logits (NaN or inf) for this "
+                           "request; it was stopped")
+
+
 def commit_tokens(req: Req, run: list[int], now_s: float) -> list[int]:
-    """Phase A: append the kept part of ``run``; returns the kept ids."""
-    if req.finished or not run:
+    """Phase A: append the kept part of ``run``; returns the kept ids.
+
+    An empty ``run`` is a step that committed nothing for the request because its logits
+    were not finite (:func:`~structspec.scheduler.select_verify.select_verify`): the request
+    ends with an error (docs/architecture.md, invariant 5)."""
+    if req.finished:
+        return []
+    if not run:
+        req.finish(FinishReason.ABORT, error=NON_FINITE_LOGITS_ERROR)
         return []
     run, reason, stop_tok = cut_run(req, run)
     req.output_ids.extend(run)

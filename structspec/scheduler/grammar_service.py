@@ -6,7 +6,10 @@ the grammar work is served is decided here, not in the step: the tree walks run 
 process or in the worker processes; the workers' mirror matchers stand in for the host
 matchers (the grammar barrier of a host tree) or not; the verdicts predicted from the new ids
 are applied as a build is sent and checked when the walks arrive; a failed pool is dropped
-and the host matchers replay what the mirrors had advanced. The verify step sees four calls:
+and the host matchers replay what the mirrors had advanced. A request whose grammar has not
+reached its worker yet (:meth:`MaskWorkerPool.ready`: grammars are shipped off the step loop)
+is served in this process meanwhile: its host matcher takes its barrier and walks its tree
+while the workers walk the others'. The verify step sees four calls:
 :meth:`~GrammarService.stage_tree` (before the launch), :meth:`~GrammarService.plan_step`
 (a :class:`GrammarPlan`), :meth:`~GrammarService.advance_previous` (the barrier) and
 :meth:`~GrammarService.build_mask` (barrier, then the bitmask, queued to the device).
@@ -16,7 +19,9 @@ Every committed id is advanced exactly once (docs/architecture.md, invariant 3).
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +51,10 @@ from structspec.scheduler.step_stats import StepTimer
 
 logger = logging.getLogger(__name__)
 
+#: failed worker pools replaced in the background per engine; after that the grammar work
+#: stays in the engine process (a pool that keeps dying would only cost restarts)
+MAX_POOL_RESPAWNS = 3
+
 
 @dataclass(frozen=True)
 class GrammarPlan:
@@ -55,10 +64,12 @@ class GrammarPlan:
     Attributes:
         previous: the previous step's requests, whose committed ids the barrier advances.
         barrier_in_workers: the mask workers' mirror matchers advance the grammar state of
-            the batch and of ``extra`` (host trees only): the previous step's text work may
-            run while they advance and walk.
+            the batch's requests on the workers and of ``extra`` (host trees only): the
+            previous step's text work may run while they advance and walk.
         extra: previous-step requests that left the batch, advanced in the workers in the
             same round trip (empty unless ``barrier_in_workers``).
+        host_advance: with ``barrier_in_workers``, the previous step's requests whose grammar
+            is not on their worker yet: the host matchers advance them (empty otherwise).
         poll_walks: when the workers serve the barrier, a non-blocking check whether every
             walk of the build in progress has arrived; None otherwise.
     """
@@ -67,6 +78,7 @@ class GrammarPlan:
     barrier_in_workers: bool
     extra: tuple[Req, ...]
     poll_walks: Callable[[], bool] | None
+    host_advance: tuple[Req, ...] = ()
 
 
 class GrammarService:
@@ -94,6 +106,9 @@ class GrammarService:
         self._tree_on_host = tree_on_host
         self._timer = timer
         self._live_requests = live_requests
+        #: worker pools replaced so far after a failure
+        self.num_respawns = 0
+        self._respawn: Future[MaskWorkerPool] | None = None
 
     # ------------------------------------------------------------------ requests
 
@@ -104,6 +119,13 @@ class GrammarService:
     def create_matcher(self, compiled: xgr.CompiledGrammar) -> Matcher:
         """A fresh matcher for a compiled grammar."""
         return self.backend.create_matcher(compiled)
+
+    def prepare(self, req: Req) -> None:
+        """A constrained request's grammar just compiled: with a worker pool, place the
+        request and start shipping its grammar to its worker now, in the background, so that
+        it is there by the time the request runs (never blocks)."""
+        if self.pool is not None and req.matcher is not None:
+            self.pool.ready(req.request_id, req.matcher.compiled)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request (its mirror matcher, if any)."""
@@ -116,6 +138,10 @@ class GrammarService:
         pool, self.pool = self.pool, None
         if pool is not None:
             pool.close()
+        respawn, self._respawn = self._respawn, None
+        if respawn is not None:  # a replacement on its way is closed once it is there
+            respawn.add_done_callback(
+                lambda f: f.exception() is None and f.result().close())  # type: ignore[func-returns-value]
         self.backend.shutdown()
 
     # ------------------------------------------------------------------ one step
@@ -139,13 +165,22 @@ class GrammarService:
         verdicts predicted from the new ids are applied as the build is sent (the mirrors' own
         arrive with the walks and check them). Decided over the batch and those that left it
         (a lagging one among them must advance in its mirror too)."""
+        if self.pool is None and self._respawn is not None and self._respawn.done():
+            self._adopt_replacement()
+        if self.pool is not None:
+            try:  # grammars that reached their workers since the last step
+                self.pool.collect_shipped()
+            except MaskPoolError as e:
+                self._drop_pool(self.pool, e)
         in_batch = set(map(id, reqs))
         left = [r for r in previous if id(r) not in in_batch]
         mirrors = self._mirrors_serve([*reqs, *left])
         pool = self.pool if mirrors else None
         return GrammarPlan(previous=tuple(previous), barrier_in_workers=mirrors,
-                           extra=tuple(left) if mirrors else (),
-                           poll_walks=None if pool is None else pool.walks_ready)
+                           extra=tuple(r for r in left if self._on_worker(r)) if mirrors else (),
+                           poll_walks=None if pool is None else pool.walks_ready,
+                           host_advance=tuple(r for r in previous if not self._on_worker(r))
+                           if mirrors else ())
 
     def advance_previous(self, plan: GrammarPlan, *, in_mask_build: bool) -> None:
         """The grammar barrier of a verify step over ``plan.previous``: on the host matchers,
@@ -154,7 +189,10 @@ class GrammarService:
         if not plan.barrier_in_workers:  # no request lags its mirror: host advance
             for req in plan.previous:
                 advance_grammar(req)
-        elif not in_mask_build:  # no request of the batch is constrained: no mask build, so
+        elif in_mask_build:  # the build advances the mirrors; the rest advance here
+            for req in plan.host_advance:
+                advance_grammar(req)
+        else:  # no request of the batch is constrained: no mask build, so
             self.barrier(list(plan.previous))  # the mirrors advance on their own
 
     def barrier(self, reqs: Sequence[Req]) -> None:
@@ -166,6 +204,9 @@ class GrammarService:
             assert pool is not None
             try:
                 self._apply_verdicts(reqs, pool.advance(self._pool_requests(reqs)))
+                for req in reqs:  # the requests whose grammar is not on a worker yet
+                    if not self._on_worker(req):
+                        advance_grammar(req)
                 return
             except MaskPoolError as e:  # the host matchers replay the mirrors' share below
                 self._drop_pool(pool, e)
@@ -190,13 +231,16 @@ class GrammarService:
         mirror_extra = plan.extra if plan is not None else ()
         matchers = [r.matcher for r in reqs]
         pool = self.pool
+        requests = self._pool_requests(reqs)
         if pool is not None and (mirrors or
-                                 sum(m is not None for m in matchers) >= pool.num_workers):
+                                 sum(q is not None for q in requests) >= pool.num_workers):
             extra = [r for r in mirror_extra if r.matcher is not None]
             try:
                 mask = build_grammar_vocab_mask_pooled(
-                    pool, self._pool_requests(reqs), matchers, gtree, device=self._device,
+                    pool, requests, matchers, gtree, device=self._device,
                     barrier=while_walking, out=out,
+                    local=[b for b, (r, q) in enumerate(zip(reqs, requests, strict=True))
+                           if r.matcher is not None and q is None],
                     advance_only=[q for q in self._pool_requests(extra) if q is not None],
                     on_verdicts=(lambda res: self._apply_verdicts([*reqs, *extra], res))
                     if mirrors else None)
@@ -237,14 +281,14 @@ class GrammarService:
 
         Only for host trees (n-gram): a device tree's barrier already hides in the wait for
         the drafted tree. The pool serves a batch with at least as many constrained requests
-        as it has workers (below that its round trip costs more than it saves), and any batch
-        holding a request whose host matcher lags its mirror (a host replay of that lag would
-        stall the step).
+        on the workers (:meth:`_on_worker`) as it has workers (below that its round trip
+        costs more than it saves), and any batch holding a request whose host matcher lags its
+        mirror (a host replay of that lag would stall the step).
         """
         pool = self.pool
         if pool is None or not self._tree_on_host:
             return False
-        constrained = [r for r in reqs if r.matcher is not None]
+        constrained = [r for r in reqs if self._on_worker(r)]
         if not constrained:
             return False
         return len(constrained) >= pool.num_workers or any(
@@ -253,17 +297,56 @@ class GrammarService:
     def _drop_pool(self, pool: MaskWorkerPool, error: MaskPoolError) -> None:
         """A worker died or failed: serve the grammar in this process from now on (the
         live requests' host matchers replay what their mirrors had advanced)."""
+        respawn = self.num_respawns < MAX_POOL_RESPAWNS
         logger.error("grammar mask worker pool failed (%s); the engine process does the grammar "
-                     "work from now on", error)
+                     "work %s", error, "until a new pool has started" if respawn else
+                     "from now on")
         self.pool = None
         pool.close()
         for req in self._live_requests():  # replay every mirror's lead now
             advance_grammar(req)
+        if respawn:  # started off the step loop; adopted by plan_step once it is up
+            self.num_respawns += 1
+            future: Future[MaskWorkerPool] = Future()
 
-    @staticmethod
-    def _pool_requests(reqs: Sequence[Req]) -> list[PoolRequest | None]:
-        return [None if r.matcher is None else
-                PoolRequest(r.request_id, r.matcher.compiled, r.output_ids) for r in reqs]
+            def start() -> None:
+                try:
+                    future.set_result(pool.replacement())
+                except Exception as e:  # noqa: BLE001 - reported by _adopt_replacement
+                    future.set_exception(e)
+
+            self._respawn = future
+            threading.Thread(target=start, name="mask-pool-respawn", daemon=True).start()
+
+    def _adopt_replacement(self) -> None:
+        """Take the pool started after a failure (every request starts on it afresh: placed
+        and shipped on first sight, served here meanwhile), or log why there is none."""
+        respawn, self._respawn = self._respawn, None
+        assert respawn is not None
+        try:
+            self.pool = respawn.result()
+        except Exception as e:  # noqa: BLE001 - the engine keeps the grammar work in process
+            logger.error("grammar mask worker pool could not be restarted (%s); the engine "
+                         "process does the grammar work from now on", e)
+            return
+        logger.warning("grammar mask worker pool restarted (%d of at most %d restarts)",
+                       self.num_respawns, MAX_POOL_RESPAWNS)
+        for req in self._live_requests():  # each request is placed on the new pool
+            self._on_worker(req)
+
+    def _on_worker(self, req: Req) -> bool:
+        """Whether the pool can serve ``req`` now: constrained, and its grammar is loaded on
+        its worker (placing it and starting the shipment on first sight). Changes only when
+        :meth:`plan_step` collects the shipments, so one step sees one answer."""
+        pool = self.pool
+        return (pool is not None and req.matcher is not None
+                and pool.ready(req.request_id, req.matcher.compiled))
+
+    def _pool_requests(self, reqs: Sequence[Req]) -> list[PoolRequest | None]:
+        """Per request, what the pool needs, or None: unconstrained, or its grammar is not on
+        its worker yet (then this process serves it)."""
+        return [PoolRequest(r.request_id, r.matcher.compiled, r.output_ids)
+                if self._on_worker(r) else None for r in reqs]  # type: ignore[union-attr]
 
     @staticmethod
     def _apply_verdicts(reqs: Sequence[Req], result: PoolBuildResult) -> None:

@@ -26,6 +26,7 @@ from structspec.kvcache.allocator import PageAllocator
 from structspec.runner.model_runner import ModelRunner
 from structspec.scheduler.commit import advance_grammar, commit_tokens, process_text
 from structspec.scheduler.deferred_work import finish_deferred
+from structspec.scheduler.draft_guard import GuardedDrafter
 from structspec.scheduler.grammar_service import GrammarService
 from structspec.scheduler.logprobs import trim_logprobs
 from structspec.scheduler.request import Req, ReqStatus
@@ -62,6 +63,8 @@ class Scheduler:
         self.config = config
         self.runner = runner
         self.drafter = drafter
+        #: the drafter as the steps call it: its failures cost speculation, never a request
+        self.draft = GuardedDrafter(drafter, runner.device)
         self.num_nodes = drafter.num_nodes
         # EAGLE heads read target features: the target forwards must return them.
         runner.aux_hidden_layers = tuple(drafter.aux_hidden_layers)
@@ -86,7 +89,7 @@ class Scheduler:
             tree_on_host=drafter.tree_on_host, timer=self.timer,
             live_requests=lambda: [*self.running, *self._deferred], pool=mask_pool)
         self._select = SelectVerifyPhase(runner, self._engine_generator)
-        self._verify = VerifyStep(runner, drafter, self.grammar, self._select, self.timer,
+        self._verify = VerifyStep(runner, self.draft, self.grammar, self._select, self.timer,
                                   overlap=config.scheduler.overlap,
                                   feeds_hidden=self._feeds_hidden)
 
@@ -161,7 +164,7 @@ class Scheduler:
         if req.pages:
             self.allocator.free(req.pages)
             req.pages = []
-        self.drafter.release(req.request_id)
+        self.draft.release(req.request_id)
         self.grammar.release(req.request_id)
         req.finish_time = now()
         req.matcher = None
@@ -233,6 +236,7 @@ class Scheduler:
                 self._retire(req)
                 continue
             req.grammar_future = None
+            self.grammar.prepare(req)  # its grammar starts for its mask worker, if any
             req.status = ReqStatus.WAITING
             self.waiting.append(req)
 
@@ -264,7 +268,7 @@ class Scheduler:
         self.timer.break_chain()
         out = self.runner.prefill([r.prompt_ids for r in batch], [r.pages for r in batch])
         if self._feeds_hidden:
-            self.drafter.on_target_hidden(
+            self.draft.on_target_hidden(
                 [DraftRequest(r.request_id, r.prompt_ids, 0) for r in batch],
                 out.hidden_states, None, [len(r.prompt_ids) for r in batch],
                 out.aux_hidden_states)

@@ -53,13 +53,31 @@ def select_verify(
             post-forward CUDA graph records).
 
     Returns:
-        ``(VerifyResult, num_real [B] int64 real, non-padding drafts per request)``.
+        ``(VerifyResult, num_real [B] int64 real, non-padding drafts per request)``. A
+        request whose logits are not finite (NaN or inf after the mask: a model fault) gets
+        ``accept_len`` 0, no committed token; the scheduler ends it with an error
+        (docs/architecture.md, invariant 5) and the other rows are untouched.
     """
     if bitmask is not None:
         apply_bitmask_(logits, bitmask)
     bsz, n = draft_tokens.shape
-    targets = (logits.argmax(dim=-1) if select is None else select(logits)).view(bsz, n)
+    if select is None:
+        targets = logits.argmax(dim=-1)
+        # argmax takes a NaN as the largest value, so a row holding any NaN (or +inf, or
+        # nothing but -inf) selects a non-finite logit: one gather finds them, not a pass
+        # over the whole [B * N, V] logits.
+        row_ok = torch.isfinite(logits.gather(1, targets.view(-1, 1))).view(bsz, n)
+    else:
+        # The same test on the row maxima (max propagates NaN; masked logits are -inf, so
+        # "all finite" would not do). Sampling turns a NaN into NaN probabilities, which the
+        # sampler refuses (CPU) or trips a device assert on (CUDA), failing the whole batch:
+        # such rows are neutralized before sampling; their requests are dropped below.
+        row_ok = torch.isfinite(logits.amax(dim=-1))
+        logits.masked_fill_(~row_ok.view(-1, 1), 0.0)
+        row_ok = row_ok.view(bsz, n)
+    targets = (targets if select is None else select(logits)).view(bsz, n)
     result = verify_paths(draft_tokens, parents, depth, ancestor_mask, targets, max_accept_drafts)
+    result.accept_len.mul_(row_ok.all(dim=1))  # 0: non-finite logits, nothing committed
     num_real = (draft_tokens[:, 1:] >= 0).sum(dim=1)
     return result, num_real
 

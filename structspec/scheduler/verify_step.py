@@ -36,13 +36,14 @@ from structspec.grammar.tree_mask import GrammarMaskResult, GrammarTree
 from structspec.runner.model_runner import ModelRunner, VerifyForwardOutput
 from structspec.scheduler.commit import commit_tokens
 from structspec.scheduler.deferred_work import PreviousStepWork, finish_deferred
+from structspec.scheduler.draft_guard import GuardedDrafter
 from structspec.scheduler.grammar_service import GrammarPlan, GrammarService
 from structspec.scheduler.logprobs import trim_logprobs
 from structspec.scheduler.pending import PendingStep
 from structspec.scheduler.request import Req
 from structspec.scheduler.select_verify import SelectVerifyPhase
 from structspec.scheduler.step_stats import StepTimer
-from structspec.speculative.base import Drafter, DraftRequest, TokenHistory
+from structspec.speculative.base import DraftRequest, TokenHistory
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,8 @@ class VerifyStep:
 
     Args:
         runner: the target runner.
-        drafter: the speculative drafter.
+        drafter: the speculative drafter, behind its failure guard (a drafter that raises
+            costs speculation, never a request: :mod:`~structspec.scheduler.draft_guard`).
         grammar: the grammar service.
         select: the selection phase (shared with prefill).
         timer: the scheduler's step timer.
@@ -98,7 +100,7 @@ class VerifyStep:
         feeds_hidden: the drafter reads target hidden states (``on_target_hidden``).
     """
 
-    def __init__(self, runner: ModelRunner, drafter: Drafter, grammar: GrammarService,
+    def __init__(self, runner: ModelRunner, drafter: GuardedDrafter, grammar: GrammarService,
                  select: SelectVerifyPhase, timer: StepTimer, *, overlap: bool,
                  feeds_hidden: bool) -> None:
         self.runner = runner
@@ -205,6 +207,9 @@ class VerifyStep:
         """Phase 8: commit each accepted run (stops trim it), count the speculation metrics,
         tell the drafter."""
         reqs, draft_reqs = proposal.reqs, proposal.draft_reqs
+        for req, run in zip(reqs, runs, strict=True):
+            if not run and not req.finished:  # non-finite logits: it ends below, unhooked
+                self.drafter.stop(req.request_id)
         if self.feeds_hidden:
             # Features of node 0 and the accepted drafts (the bonus has no KV yet).
             self.drafter.on_target_hidden(draft_reqs, fwd.hidden_states,
@@ -214,7 +219,9 @@ class VerifyStep:
         committed: list[list[int]] = []
         num_real = pending.num_real_drafts
         for i, (req, run) in enumerate(zip(reqs, runs, strict=True)):
-            if req.finished:  # ended by a stop string found after this step was launched
+            if req.finished or not run:  # ended by a stop string found after this step was
+                # launched; or no run: non-finite logits, and commit_tokens ends it
+                commit_tokens(req, run, t)
                 committed.append([])
                 continue
             req.spec.verify_steps += 1

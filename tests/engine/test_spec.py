@@ -344,12 +344,58 @@ def test_mask_workers_with_staggered_arrivals_match_in_process(make_llm) -> None
     assert got == ref
 
 
-@pytest.mark.parametrize("when", ["before_build", "after_verdicts"])
+def test_grammars_in_flight_are_served_in_process(in_process_outputs,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Grammars reach the workers off the step loop. Here their acknowledgements are held
+    back, then let in one per step: the requests whose grammar is not on their worker yet
+    are served in process (barrier and walk) in the same builds as those already on the
+    workers, then move to the workers; the outputs equal the in-process run, and the step
+    loop never serialized a grammar."""
+    from structspec.grammar.worker_pool import MaskWorkerPool
+    from structspec.scheduler import grammar_service
+
+    params = cut_params()
+    ref = in_process_outputs("ngram")
+    calls = [0]
+
+    def one_ack_per_step(self: MaskWorkerPool) -> int:
+        calls[0] += 1
+        if calls[0] <= 3:
+            return 0
+        for w, flight in enumerate(self._in_flight):  # noqa: SLF001 - slowed on purpose
+            if flight and self._ship_conns[w].poll(5):  # noqa: SLF001
+                self._acknowledge(w, *self._ship_conns[w].recv())  # noqa: SLF001
+                return 1
+        return 0
+
+    local_rows: list[tuple[int, int]] = []  # per pooled build: (rows on workers, local rows)
+    pooled = grammar_service.build_grammar_vocab_mask_pooled
+
+    def recording_pooled(pool, requests, *args, local=(), **kwargs):  # type: ignore[no-untyped-def]
+        local_rows.append((sum(q is not None for q in requests), len(local)))
+        return pooled(pool, requests, *args, local=local, **kwargs)
+
+    monkeypatch.setattr(MaskWorkerPool, "collect_shipped", one_ack_per_step)
+    monkeypatch.setattr(grammar_service, "build_grammar_vocab_mask_pooled", recording_pooled)
+    with pool_llm(**SPEC_CONFIGS["ngram"]({})) as llm:
+        pool = llm.engine.scheduler.mask_pool
+        got = llm.generate(PROMPTS[:8], params)
+        assert llm.engine.scheduler.mask_pool is pool and pool.num_shipped >= 3
+        assert pool.ship_ms < 50, pool.ship_ms  # placing and queueing only
+    assert any(w and n for w, n in local_rows), local_rows  # mixed builds happened
+    assert any(w and not n for w, n in local_rows), local_rows  # and all-worker ones later
+    for a, b in zip(ref, got, strict=True):
+        assert a.token_ids == b.token_ids and a.text == b.text
+        assert a.finish_reason == b.finish_reason
+
+
+@pytest.mark.parametrize("when", ["before_build", "after_verdicts", "while_shipping"])
 def test_dead_mask_worker_falls_back_in_process(in_process_outputs, when: str,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """A mask worker killed mid-run (before a build's messages, or after its mirrors' verdicts
-    were applied and before its walks arrive): the engine drops the pool, its host matchers
-    replay what the mirrors had advanced, and every output equals the in-process run."""
+    """A mask worker killed mid-run (before a build's messages, after its mirrors' verdicts
+    were applied and before its walks arrive, or while grammars are on their way to it): the
+    engine drops the pool, its host matchers replay what the mirrors had advanced, and every
+    output equals the in-process run."""
     from structspec.grammar.worker_pool import MaskWorkerPool
     from structspec.scheduler.grammar_service import GrammarService
 
@@ -375,6 +421,18 @@ def test_dead_mask_worker_falls_back_in_process(in_process_outputs, when: str,
                 return build(self, *args, **kwargs)
 
             monkeypatch.setattr(MaskWorkerPool, "build", build_then_die)
+        elif when == "while_shipping":
+            # the first step's acknowledgements are not read yet: grammars are in flight
+            collect = MaskWorkerPool.collect_shipped
+
+            def die_then_collect(self: MaskWorkerPool) -> int:
+                calls[0] += 1
+                if calls[0] == 1:
+                    kill_worker()
+                    calls[0] = 3  # the count the other cases reach
+                return collect(self)
+
+            monkeypatch.setattr(MaskWorkerPool, "collect_shipped", die_then_collect)
         else:
             apply = GrammarService._apply_verdicts
 
@@ -386,7 +444,17 @@ def test_dead_mask_worker_falls_back_in_process(in_process_outputs, when: str,
 
             monkeypatch.setattr(GrammarService, "_apply_verdicts", staticmethod(apply_then_die))
         got = llm.generate(PROMPTS[:8], params)
-    assert calls[0] >= 3 and sched.mask_pool is None
+        # the failed pool was dropped; a new one was started in the background
+        assert calls[0] >= 3 and sched.mask_pool is not pool
+        assert sched.grammar.num_respawns == 1
+        if when == "before_build":  # the new pool takes over and serves the same outputs
+            respawn = sched.grammar._respawn  # noqa: SLF001
+            if respawn is not None:
+                respawn.result(timeout=120)
+            again = llm.generate(PROMPTS[:8], params)
+            assert sched.mask_pool is not None and sched.mask_pool.num_builds > 0
+            for a, b in zip(ref, again, strict=True):
+                assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
     for a, b in zip(ref, got, strict=True):
         assert a.token_ids == b.token_ids and a.text == b.text
         assert a.finish_reason == b.finish_reason

@@ -272,3 +272,91 @@ def test_new_requests_go_to_the_least_loaded_worker(backend: GrammarBackend) -> 
         assert len(pool.advance([b, d]).worker_busy_ms) == 2  # d: worker 0 (0 live vs 1)
     finally:
         pool.close()
+
+
+def _wait_shipped(pool: MaskWorkerPool, key: str, compiled: Any) -> None:
+    """Collect acknowledgements until ``key``'s grammar is on its worker (the scheduler polls
+    once per step instead)."""
+    import time
+
+    deadline = time.perf_counter() + 60
+    while not pool.ready(key, compiled):
+        assert time.perf_counter() < deadline, "the grammar never reached its worker"
+        pool.collect_shipped()
+        time.sleep(0.005)
+
+
+def test_grammars_ship_off_the_caller_and_local_rows_match(pool: MaskWorkerPool,
+                                                            backend: GrammarBackend,
+                                                            hf_tokenizer: Any) -> None:
+    """A request's first sight places it and queues its grammar without waiting: ``ready``
+    stays False until an acknowledgement is collected. Meanwhile its rows are walked in this
+    process (``local``) in the same build as the rows on the workers, and the bitmask equals
+    the all-in-process build; once shipped, the request moves to its worker (a mirror that
+    catches up on every output id) with the same rows."""
+    json_g = backend.compile(JsonSchemaConstraint(SCHEMA))
+    # grammars no earlier test shipped (their requests may still hold the others)
+    regex_g = backend.compile(RegexConstraint(r"[A-Z][a-z]+( [a-z]+){2,9}\."))
+    open_g = backend.compile(JsonSchemaConstraint({**SCHEMA, "additionalProperties": True}))
+    pool_ids = hf_tokenizer.encode('"name": "x", 12} abc ,.', add_special_tokens=False)
+    texts = [TEXTS[0], "Hello big bright world today.", TEXTS[1]]
+    grammars = [json_g, regex_g, open_g]
+    reqs = [_Req(f"ship{i}", backend, g, hf_tokenizer.encode(t, add_special_tokens=False)
+                 + [STOP_ID]) for i, (g, t) in enumerate(zip(grammars, texts, strict=True))]
+    _wait_shipped(pool, reqs[0].key, json_g)  # row 0 on a worker; rows 1, 2 arrive later
+    before = pool.ship_ms
+    assert not pool.ready(reqs[1].key, regex_g)  # placed now, its grammar queued
+    assert not pool.ready(reqs[2].key, open_g)
+    assert pool.ship_ms - before < 50  # queueing only: no serialization on this thread
+    rng = random.Random(3)
+    for step in range(4):
+        on_worker = [pool.ready(r.key, r.compiled) for r in reqs]
+        trees = [r.tree(rng, pool_ids) for r in reqs]
+        gt = GrammarTree.from_host(*(torch.cat([getattr(t, f) for t in trees]) for f in
+                                     ("next_token", "next_sibling", "draft_tokens")))
+        pooled = build_grammar_vocab_mask_pooled(
+            pool, [PoolRequest(r.key, r.compiled, list(r.output_ids)) if ok else None
+                   for r, ok in zip(reqs, on_worker, strict=True)],
+            [r.matcher for r in reqs], gt, device="cpu",
+            barrier=lambda: _barrier(reqs), time_limit_s=10.0,
+            local=[b for b, ok in enumerate(on_worker) if not ok])
+        ref = build_grammar_vocab_mask([r.matcher for r in reqs], gt,
+                                       vocab_size=backend.vocab_size, device="cpu",
+                                       time_limit_s=10.0)
+        assert pooled is not None and ref is not None
+        assert torch.equal(pooled.bitmask_cpu, ref.bitmask_cpu), (step, on_worker)
+        assert pooled.rejected_by_grammar == ref.rejected_by_grammar
+        if step == 1:
+            assert not all(on_worker)  # some steps really mixed local and worker rows
+            for r in reqs:
+                _wait_shipped(pool, r.key, r.compiled)
+        for r in reqs:
+            r.commit(rng.randint(1, 3))
+    for r in reqs:
+        pool.release(r.key)
+
+
+def test_grammar_released_in_flight_is_forgotten_on_arrival(backend: GrammarBackend) -> None:
+    """A request that finishes while its grammar is on its way: the acknowledgement still
+    arrives, and the worker's copy is dropped with its next message (nothing left known)."""
+    compiled = backend.compile(JsonSchemaConstraint(SCHEMA))
+    pool = MaskWorkerPool(backend.tokenizer_info, num_workers=1, vocab_size=backend.vocab_size,
+                          max_rows=8, stop_token_ids=[STOP_ID])
+    try:
+        assert not pool.ready("gone", compiled)
+        pool.release("gone")
+        import time
+
+        deadline = time.perf_counter() + 60
+        while pool._in_flight[0]:  # noqa: SLF001 - the test watches the shipment end
+            assert time.perf_counter() < deadline
+            pool.collect_shipped()
+            time.sleep(0.005)
+        assert pool._known == [{}] and pool._dropped == [[0]]  # noqa: SLF001
+        assert len(pool.advance([]).worker_busy_ms) == 1  # the drop goes out
+        assert pool._dropped == [[]]  # noqa: SLF001
+        # the same grammar again: a new shipment under a new wire id
+        assert not pool.ready("again", compiled)
+        assert pool.num_shipped == 2
+    finally:
+        pool.close()
