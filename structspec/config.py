@@ -182,6 +182,23 @@ class GrammarConfig:
     cache_max_entries: int = 1024
     any_whitespace: bool = False  # False: compact JSON (`, ` and `: ` separators), fewer tokens
     max_rollback_tokens: int = 64  # must be >= the deepest draft path
+    # Compiles run in killable worker processes (structspec/grammar/compile_pool.py): the
+    # general lane has num_compile_threads of them, the lane for small grammars (canonical
+    # text <= small_grammar_bytes) num_small_compile_workers; a small-lane compile still
+    # running after small_lane_slice_s moves to the general lane, so small grammars never
+    # wait behind expensive ones.
+    num_small_compile_workers: int = 1
+    small_grammar_bytes: int = 32 * 1024
+    small_lane_slice_s: float = 2.0
+    # Up-front limits (structspec/grammar/limits.py): a grammar over one is refused with code
+    # grammar_too_complex before any compile. Each is far above every MaskBench schema
+    # (largest: 153 kB, 131 properties, 2442 enum values, 721 JSON objects, {0,255}) and lets
+    # a 100k-value enum and a 1 MB choice list through.
+    max_grammar_bytes: int = 4 * 1024 * 1024  # canonical text of the schema/regex/grammar/choices
+    max_schema_properties: int = 2048  # 'properties' of one object schema
+    max_schema_enum_values: int = 100_000  # values of one 'enum'
+    max_schema_subschemas: int = 20_000  # JSON objects (subschemas, keyword maps) in a schema
+    max_regex_repeat: int = 65_536  # largest bound of one {n,m} (regex field or 'pattern')
     # Worker processes that walk the requests' draft trees for the tree bitmask
     # (structspec/grammar/worker_pool.py); 0 = walk in the scheduler's process. Threads cannot
     # do it: the GIL hand-offs around xgrammar's ~35 us walks cost as much as the walks.

@@ -206,6 +206,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     error: str | None = None
     error_param: str | None = None  # which request field caused ``error`` (for HTTP 400s)
+    error_code: str | None = None  # machine-readable code of ``error`` (grammar_too_complex)
     stop_reason: str | int | None = None  # the stop string / token that ended it
     new_text: str = ""
     new_token_ids: list[int] = field(default_factory=list)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
@@ -59,6 +58,7 @@ def delta_from_output(out: RequestOutput) -> EngineDelta:
         delta.stop_reason = out.stop_reason
         delta.error = out.error
         delta.error_param = out.error_param
+        delta.error_code = out.error_code
         delta.text = out.text
         delta.num_prompt_tokens = out.num_prompt_tokens
         delta.num_completion_tokens = out.num_completion_tokens
@@ -104,8 +104,10 @@ class EngineLoop:
         self._pending: list[EngineDelta] = []
         self._last_stats: EngineStats | None = None
         self._stop = False
-        self.compile_times: list[float] = []
-        _instrument_grammar(engine, self.compile_times)
+        # the grammar backend's compile seconds and time-limit stops (None: an engine
+        # without one, e.g. a test fake)
+        self._drain_compile_stats = getattr(getattr(engine, "grammar", None),
+                                            "drain_compile_stats", None)
 
     def run(self) -> None:
         """Serve until :class:`~structspec.server.ipc.Shutdown` or the front end goes away."""
@@ -200,9 +202,8 @@ class EngineLoop:
 
     def _stats(self) -> EngineStats:
         s = self.engine.stats()
-        n = len(self.compile_times)  # callbacks append from compile threads: take a prefix
-        compile_s = self.compile_times[:n]
-        del self.compile_times[:n]
+        compile_s, timeouts = ([], 0) if self._drain_compile_stats is None \
+            else self._drain_compile_stats()
         return EngineStats(
             num_running=int(s.get("num_running", 0)),
             num_waiting=int(s.get("num_waiting", 0)),
@@ -210,30 +211,9 @@ class EngineLoop:
             kv_free_pages=int(s.get("kv_free_pages", 0)),
             kv_total_pages=int(s.get("kv_total_pages", 0)),
             grammar_compile_s=tuple(compile_s),
+            grammar_compile_timeouts=int(timeouts),
             steps=tuple(self.engine.scheduler.timer.drain()),
         )
-
-
-def _instrument_grammar(engine: Any, sink: list[float]) -> None:
-    """Record real grammar compile durations (cache hits excluded) into ``sink``.
-
-    The engine has no public compile-time hook yet, so this wraps ``engine.grammar.submit``
-    and watches the returned future's private ``_future``; without them it does nothing.
-    """
-    grammar = getattr(engine, "grammar", None)
-    submit = getattr(grammar, "submit", None)
-    if submit is None:
-        return
-
-    def timed_submit(spec: Any) -> Any:
-        gf = submit(spec)
-        inner = getattr(gf, "_future", None)
-        start = getattr(gf, "submitted_at", None)
-        if inner is not None and start is not None and not inner.done():
-            inner.add_done_callback(lambda _f: sink.append(time.perf_counter() - start))
-        return gf
-
-    grammar.submit = timed_submit
 
 
 def engine_main(config: EngineConfig, inbox: Connection, outbox: Connection,
