@@ -332,6 +332,21 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
             or not math.isfinite(timeout) or timeout <= 0):
         raise ValueError(f"grammar_compile_timeout_s={timeout!r}: expected a finite number of "
                          "seconds > 0")
+    g = config.grammar
+    for name in ("num_compile_threads", "small_grammar_bytes", "max_grammar_bytes",
+                 "max_schema_properties", "max_schema_enum_values", "max_schema_subschemas",
+                 "max_regex_repeat"):
+        value = getattr(g, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"GrammarConfig.{name}={value!r}: expected an integer >= 1")
+    if (isinstance(g.num_small_compile_workers, bool)
+            or not isinstance(g.num_small_compile_workers, int)
+            or g.num_small_compile_workers < 0):
+        raise ValueError(f"GrammarConfig.num_small_compile_workers="
+                         f"{g.num_small_compile_workers!r}: expected an integer >= 0")
+    if not (isinstance(g.small_lane_slice_s, int | float) and g.small_lane_slice_s > 0):
+        raise ValueError(f"GrammarConfig.small_lane_slice_s={g.small_lane_slice_s!r}: expected "
+                         "seconds > 0")
     if config.scheduler.max_batch_size < 1:
         raise ValueError("max_batch_size must be >= 1")
     if config.max_model_len is not None and config.max_model_len < 1:
