@@ -279,6 +279,31 @@ def test_metrics(server: ServerHandle) -> None:
     assert not re.search(r"structspec_grammar_compile_seconds_count 0\.0", text)
 
 
+@pytest.mark.parametrize("extra, param, fragment", [
+    ({"json_schema": False}, "json_schema", "accepts no finite JSON value"),
+    ({"json_schema": {"not": {}}}, "json_schema", "accepts no finite JSON value"),
+    ({"json_schema": {"type": "object", "properties": {"a": {"$ref": "#"}},
+                      "required": ["a"]}}, "json_schema", "no finite way out"),
+    ({"regex": "\\q"}, "regex", "unknown escape"),
+    ({"regex": "[^]"}, "regex", "empty character class"),
+    ({"json_schema": {"type": "object", "properties": {
+        f"p{i}": {"type": "integer"} for i in range(10_000)}}}, "json_schema",
+     "'properties' has 10000 entries"),
+])
+def test_grammars_with_no_output_or_over_a_limit_are_400s(
+        server: ServerHandle, extra: dict[str, Any], param: str, fragment: str) -> None:
+    """Issue 17: these used to be a 200 (or a 400 only after the 30 s compile limit)."""
+    t = time.monotonic()
+    r = httpx.post(server.url + "/v1/completions", headers=auth(), timeout=60,
+                   json={"model": MODEL, "prompt": "x", "max_tokens": 4, **extra})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and fragment in err["message"], err
+    assert time.monotonic() - t < 10
+    if "properties" in fragment:
+        assert err["code"] == "grammar_too_complex"
+
+
 def test_engine_death_fails_requests_and_stops_the_server(server: ServerHandle) -> None:
     """Last test of the module: SIGKILL the engine process mid-request; the request fails
     with an error (not a hang) and the server exits with code 1."""
