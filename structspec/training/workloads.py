@@ -81,11 +81,16 @@ def maskbench_cases(root: Path) -> list[dict[str, Any]]:
     return cases
 
 
+#: The instruction of :func:`schema_prompt`, before the schema's JSON text.
+SCHEMA_PROMPT_PREFIX = (
+    "Generate a small, realistic JSON instance that conforms to this JSON Schema. Keep it "
+    "minimal: include the required fields, use short string values and at most two items per "
+    "array. Reply with the JSON only.\n\nSchema:\n")
+
+
 def schema_prompt(schema: dict[str, Any]) -> str:
     """A chat prompt asking for a JSON instance of ``schema``."""
-    return ("Generate a small, realistic JSON instance that conforms to this JSON Schema. Keep it "
-            "minimal: include the required fields, use short string values and at most two "
-            "items per array. Reply with the JSON only.\n\nSchema:\n" + json.dumps(schema))
+    return SCHEMA_PROMPT_PREFIX + json.dumps(schema)
 
 
 #: How many MaskBench cases ``benchmarks/maskbench_e2e.py`` evaluates by default (``--limit``).
