@@ -7,7 +7,9 @@ request at once: all prompts tokenized and every grammar compile started up fron
 timeout counts from its submission, so a schema queued behind many others can time out
 unstarted), and the scheduler's per-request queue bookkeeping grows with the queue. A window
 of a few times the engine's ``max_batch_size`` keeps every verify step full until the last
-prompts, without either cost.
+prompts, without either cost. For the same timeout, a request with a grammar is added only
+while fewer than :data:`MAX_WAITING_FOR_GRAMMAR` requests wait for their compile (hundreds of
+distinct schemas would otherwise enter one window together).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import logging
 import math
 from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
 from structspec.core import FinishReason, RequestOutput, SamplingParams
 from structspec.engine.llm_engine import PromptInput, RequestError
@@ -27,6 +30,11 @@ from structspec.training.sequences import TrainSequence
 log = logging.getLogger(__name__)
 
 _run_ids = itertools.count()
+
+#: Requests that may wait for their grammar's compile at once (the engine compiles on
+#: ``GrammarConfig.num_compile_threads`` threads, 4 by default, and a compile times out
+#: ``compile_timeout_s`` after its submission, queueing included).
+MAX_WAITING_FOR_GRAMMAR = 16
 
 
 def distill(llm: LLM, prompts: Sequence[TrainPrompt], *, max_tokens: int, batch_size: int,
@@ -93,6 +101,9 @@ def distill(llm: LLM, prompts: Sequence[TrainPrompt], *, max_tokens: int, batch_
     try:
         while next_i < len(prompts) or in_flight:
             while next_i < len(prompts) and len(in_flight) < batch_size:
+                if prompts[next_i].grammar is not None and (
+                        engine.stats()["num_waiting_grammar"] >= MAX_WAITING_FOR_GRAMMAR):
+                    break  # the compiles in flight first; added again after the next step
                 i, next_i = next_i, next_i + 1
                 rid = f"distill-{run}-{i}"
                 params = SamplingParams(max_tokens=max_tokens, temperature=temperature,
@@ -104,6 +115,8 @@ def distill(llm: LLM, prompts: Sequence[TrainPrompt], *, max_tokens: int, batch_
                     fail(i, str(e))
                     continue
                 in_flight[rid] = i
+            if not in_flight and not engine.has_unfinished_requests():
+                continue  # every prompt added so far was refused; add the next ones
             for out in engine.step():
                 i = in_flight.get(out.request_id)
                 if not out.finished or i is None:
@@ -145,7 +158,7 @@ def _sequence(out: RequestOutput, source: str) -> tuple[TrainSequence | None, st
     return TrainSequence(ids, len(out.prompt_token_ids), source), ""
 
 
-def _progress_bar(total: int, enabled: bool):  # noqa: ANN202 - tqdm's type is private
+def _progress_bar(total: int, enabled: bool) -> Any:
     from tqdm import tqdm
 
     return tqdm(total=total, desc="distill", unit="req", disable=not enabled)

@@ -53,3 +53,32 @@ def test_distill_matches_generate_and_skips_failures(make_llm: Any,
         distill(llm, [], max_tokens=4, batch_size=2)
     with pytest.raises(ValueError, match="batch_size must be an integer >= 1"):
         distill(llm, good, max_tokens=4, batch_size=0)
+
+
+def test_distill_limits_requests_waiting_for_a_compile(make_llm: Any,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Schema prompts enter the engine a few at a time (their compiles' timeouts count from
+    submission); the output is the same."""
+    import structspec.training.distill as d
+
+    llm = make_llm()
+    prompts = [TrainPrompt.user(f"Give a JSON object with key k{i}.",
+                                JsonSchemaConstraint({"type": "object", "properties": {
+                                    f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}),
+                                "schema") for i in range(4)]
+    waiting: list[int] = []
+    stats = llm.engine.stats
+
+    def spy() -> dict[str, Any]:
+        out = stats()
+        waiting.append(out["num_waiting_grammar"])
+        return out
+
+    monkeypatch.setattr(d, "MAX_WAITING_FOR_GRAMMAR", 2)
+    monkeypatch.setattr(llm.engine, "stats", spy)
+    seqs = distill(llm, prompts, max_tokens=3, batch_size=8, progress=False)
+    assert max(waiting) <= 2 and len(seqs) == 4
+    expected = llm.generate([p.messages[0]["content"] for p in prompts],
+                            [SamplingParams(max_tokens=3, grammar=p.grammar) for p in prompts])
+    assert [list(s.token_ids) for s in seqs] == [o.prompt_token_ids + o.token_ids
+                                                for o in expected]
