@@ -22,7 +22,6 @@ run out the server shuts down with exit code 1, so an outer supervisor can act.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import logging
 import signal
@@ -130,7 +129,6 @@ def serve(args: argparse.Namespace) -> int:
 
     from structspec.config import resolve_engine_config
     from structspec.server.engine_client import EngineClient, EngineStartupError
-
     from structspec.server.limits import limits_from_args
     from structspec.server.supervisor import policy_from_args
 
