@@ -30,9 +30,13 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from structspec.engine_args import engine_kwargs, flag_error
+
+if TYPE_CHECKING:
+    from structspec.server.codec import Codec
+    from structspec.server.supervisor import EngineSupervisor
 
 GRACEFUL_TIMEOUT_S = 5.0
 ENGINE_JOIN_TIMEOUT_S = 10.0
@@ -130,7 +134,7 @@ def serve(args: argparse.Namespace) -> int:
     from structspec.config import resolve_engine_config
     from structspec.server.engine_client import EngineClient, EngineStartupError
     from structspec.server.limits import limits_from_args
-    from structspec.server.supervisor import policy_from_args
+    from structspec.server.supervisor import EngineSupervisor, policy_from_args
 
     try:
         limits_from_args(args)  # server options: refused before anything is spawned
@@ -163,22 +167,17 @@ def serve(args: argparse.Namespace) -> int:
         client.shutdown(ENGINE_JOIN_TIMEOUT_S)
         print(f"structspec serve: cannot load the tokenizer: {e}", file=sys.stderr)
         return 1
-    supervisor = None
+    # a dead engine process is replaced by a new client built from the same config
+    supervisor = EngineSupervisor(client, lambda: EngineClient(config), policy_from_args(args))
     try:
-        supervisor = _supervise(args, client, lambda: EngineClient(config))
         return run_http(args, sock, supervisor, codec)
     finally:
-        (supervisor or client).shutdown(ENGINE_JOIN_TIMEOUT_S)
+        supervisor.shutdown(ENGINE_JOIN_TIMEOUT_S)
         sock.close()
 
 
-def _supervise(args: argparse.Namespace, client: Any, make_client: Callable[[], Any]) -> Any:
-    from structspec.server.supervisor import EngineSupervisor, policy_from_args
-
-    return EngineSupervisor(client, make_client, policy_from_args(args))
-
-
-def run_http(args: argparse.Namespace, sock: socket.socket, engine: Any, codec: Any) -> int:
+def run_http(args: argparse.Namespace, sock: socket.socket, engine: EngineSupervisor,
+             codec: Codec) -> int:
     """Serve HTTP on the bound ``sock`` until SIGINT/SIGTERM or until the engine's restarts
     run out; returns the exit code (0, or 1 when the engine could not be kept running).
 
