@@ -300,6 +300,8 @@ class EngineClient:
             try:
                 msg = self._from_engine_r.recv()
             except (EOFError, OSError):
+                if not self._closing:  # reap it so the reason has its exit code (-9: killed)
+                    self.process.join(1.0)
                 reason = ("server is shutting down" if self._closing
                           else f"engine process exited (code {self.process.exitcode})")
                 if not self._closing:
