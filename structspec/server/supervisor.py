@@ -183,7 +183,7 @@ class EngineSupervisor:
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._client.on_dead = self._on_dead
+        self._watch(self._client)
         self._client.attach(loop)
 
     # ------------------------------------------------------------------ shutdown
@@ -213,9 +213,14 @@ class EngineSupervisor:
 
     # ------------------------------------------------------------------ restarts
 
-    def _on_dead(self, reason: str) -> None:
-        """The current engine died (on the event loop, after its requests were failed)."""
-        if self._closing or self._restarting:
+    def _watch(self, client: EngineClient) -> None:
+        client.on_dead = lambda reason: self._on_dead(client, reason)
+
+    def _on_dead(self, client: EngineClient, reason: str) -> None:
+        """``client``'s engine died (on the event loop, after its requests were failed).
+        A late report from a replaced client (a crash message, then the pipe's EOF) is
+        ignored."""
+        if client is not self._client or self._closing or self._restarting:
             return
         if time.monotonic() - self._up_since >= self.policy.reset_after_s:
             self._in_a_row = 0
@@ -253,7 +258,7 @@ class EngineSupervisor:
 
     def _install(self, client: EngineClient, info: EngineInfo) -> None:
         assert self._loop is not None
-        client.on_dead = self._on_dead
+        self._watch(client)
         for listener in self._listeners:
             client.add_listener(listener)
         client.attach(self._loop)

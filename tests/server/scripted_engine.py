@@ -100,3 +100,8 @@ class ScriptedEngine:
 
     def close(self) -> None:
         self._running.clear()
+
+
+def failing_engine(config: ScriptedConfig) -> ScriptedEngine:
+    """An engine factory whose engine never loads (a restart that fails)."""
+    raise RuntimeError("no model here")

@@ -28,7 +28,7 @@ from structspec.cli import build_parser, main
 from structspec.server.engine_client import EngineClient
 from structspec.server.launch import bind_socket, run_http
 from structspec.server.supervisor import EngineSupervisor, RestartPolicy, policy_from_args
-from tests.server.scripted_engine import ScriptedConfig, ScriptedEngine
+from tests.server.scripted_engine import ScriptedConfig, ScriptedEngine, failing_engine
 from tests.server.server_fakes import FakeCodec
 from tests.server.server_proc import running_server
 
@@ -172,6 +172,37 @@ def _status(url: str) -> int | None:
         return httpx.get(url + "/health", timeout=2).status_code
     except httpx.HTTPError:
         return None
+
+
+def test_restarts_that_fail_to_load_count_and_the_supervisor_gives_up() -> None:
+    config = ScriptedConfig()
+    first = EngineClient(config, engine_factory=ScriptedEngine)  # type: ignore[arg-type]
+    first.start(timeout=60)
+    made: list[EngineClient] = []
+
+    def make_client() -> EngineClient:
+        made.append(EngineClient(config, engine_factory=failing_engine))  # type: ignore[arg-type]
+        return made[-1]
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        gave_up: asyncio.Future[str] = loop.create_future()
+        supervisor = EngineSupervisor(first, make_client,
+                                      RestartPolicy(max_restarts=2, backoff_s=0.05),
+                                      on_exhausted=gave_up.set_result)
+        supervisor.attach(loop)
+        try:
+            assert supervisor.ready
+            os.kill(first.process.pid, signal.SIGKILL)
+            reason = await asyncio.wait_for(gave_up, 60)
+            assert reason.startswith("restart failed: RuntimeError: no model here"), reason
+            assert len(made) == 2 and supervisor.restarts == 0
+            assert not supervisor.ready and not supervisor.restarting
+            assert all(c.process.exitcode is not None for c in made)  # none left running
+        finally:
+            await supervisor.aclose(5)
+
+    asyncio.run(scenario())
 
 
 def test_restart_policy_backoff_and_flags() -> None:
