@@ -31,6 +31,9 @@ def add_train_eagle_parser(sub: Any, formatter_class: type[argparse.HelpFormatte
                                                 "checkpoint, log)")
     p.add_argument("--model", default=None, help="target checkpoint (HF directory or .gguf; "
                                                  "default: SmolLM2-135M-Instruct)")
+    p.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"],
+                   help="dummy: seeded random target weights from config.json alone "
+                        "(throughput sizing)")
     p.add_argument("--stage", choices=STAGES, default=d.stage,
                    help="data: generate the sequences; train: train on them; all: both")
     p.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
@@ -93,7 +96,8 @@ def add_train_eagle_parser(sub: Any, formatter_class: type[argparse.HelpFormatte
 def config_from_args(args: argparse.Namespace) -> TrainEagleConfig:
     """The :class:`TrainEagleConfig` of parsed ``train-eagle`` flags."""
     return TrainEagleConfig(
-        out=args.out, model=args.model, stage=args.stage, sequences=args.sequences,
+        out=args.out, model=args.model, load_format=args.load_format, stage=args.stage,
+        sequences=args.sequences,
         num_sharegpt=args.num_sharegpt, num_extraction=args.num_extraction,
         num_schema=args.num_schema, max_tokens=args.max_tokens,
         gen_batch_size=args.gen_batch_size, temperature=args.temperature, steps=args.steps,

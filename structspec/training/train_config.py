@@ -26,6 +26,8 @@ class TrainEagleConfig:
             it as ``--draft-model``), the sequences file of the data stage, the checkpoint and
             the training log.
         model: target checkpoint (HF directory or .gguf); None = the default model.
+        load_format: ``auto`` reads the target's weights; ``dummy`` builds seeded random ones
+            from config.json alone (throughput sizing without the weights at hand).
         stage: ``data`` (generate the sequences file), ``train`` (train from it) or ``all``.
         sequences: a prebuilt sequences file to train on (default: ``out/sequences.jsonl``).
         num_sharegpt, num_extraction, num_schema: prompts of each kind the data stage builds.
@@ -64,6 +66,7 @@ class TrainEagleConfig:
 
     out: str
     model: str | None = None
+    load_format: str = "auto"
     stage: Stage = "all"
     sequences: str | None = None
     num_sharegpt: int = 2000
@@ -128,6 +131,8 @@ class TrainEagleConfig:
         for name in ("weight_decay", "clip_grad_norm", "time_limit_s", "temperature"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format={self.load_format!r}: expected auto or dummy")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r}: expected auto, float32 or bfloat16")
         if self.export_dtype not in ("float32", "bfloat16", "float16"):

@@ -98,7 +98,8 @@ def run_data_stage(config: TrainEagleConfig, out: Path) -> Path:
         raise ValueError("empty prompt set: num_sharegpt, num_extraction and num_schema "
                          "gave no prompts")
     llm = LLM(config.model, device=config.device, dtype=config.dtype,
-              max_batch_size=config.gen_batch_size, seed=config.seed)
+              max_batch_size=config.gen_batch_size, seed=config.seed,
+              load_format=config.load_format)
     try:
         t0 = time.perf_counter()
         seqs = distill(llm, prompts, max_tokens=config.max_tokens,
@@ -126,7 +127,8 @@ def run_train_stage(config: TrainEagleConfig, out: Path) -> Path:
     seq_path = Path(config.sequences).expanduser() if config.sequences else out / SEQUENCES_FILE
     seqs = read_sequences(seq_path)
     device, dtype = resolve_device(config.device, config.dtype)
-    model, model_config = load_model(config.model, device=device, dtype=dtype)
+    model, model_config = load_model(config.model, device=device, dtype=dtype,
+                                     load_format=config.load_format, seed=config.seed)
     if config.aux_hidden_layers is not None:
         nl = model_config.num_hidden_layers
         bad = [i for i in config.aux_hidden_layers if not 0 <= i < nl]
