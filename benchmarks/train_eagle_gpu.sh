@@ -22,7 +22,7 @@ import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 for r in rows[::50] + rows[-1:]:
     print(f"step {r['step']:5d} loss {r['loss']:.4f} acc {r['acc']} tok/s {r['tokens_per_s']:.0f} "
-          f"rows {r['rows']} lr {r['lr']:.2e}")
+          f"rows {r['rows']} lr {r['lr']:.2e} peak_gpu_gib {r.get('peak_gpu_gib')}")
 PY
 }
 case $stage in
@@ -45,7 +45,6 @@ case $stage in
       --model benchmarks/assets/smollm2-135m-shape --load-format dummy --steps 400 \
       --batch-tokens 65536 --max-seq-len 2048 --ttt-steps 7 --checkpoint-every 0 \
       --time-limit 120 --no-progress $EXTRA
-    summary $d/train_log.jsonl
-    python3 -c 'import torch; print("peak GPU memory GiB", round(torch.cuda.max_memory_allocated() / 2**30, 2))' ;;
+    summary $d/train_log.jsonl ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

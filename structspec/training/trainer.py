@@ -251,6 +251,8 @@ def train_head(cfg: TrainEagleConfig, target: nn.Module, target_config: ModelCon
                     "step_loss": [round(float(s.loss.detach()), 4) for s in stats], "lr": lr,
                     "grad_norm": round(grad_norm, 4), "rows": len(batch),
                     "tokens": int(lens.sum()), "tokens_per_s": round(int(lens.sum()) / dt, 1)}
+            if device.type == "cuda":
+                last["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
             with open(log_path, "a") as f:
                 f.write(json.dumps(last) + "\n")
             if bar is not None:
