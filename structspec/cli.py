@@ -1,4 +1,5 @@
-"""``structspec generate`` (offline structured generation) and ``structspec serve`` (HTTP)."""
+"""``structspec generate`` (offline structured generation), ``structspec serve`` (HTTP) and
+``structspec train-eagle`` (EAGLE-3 head training, :mod:`structspec.training.cli_train`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from structspec import constraint_parse as cp
 from structspec.constraints import GrammarConstraint, JsonObjectConstraint
 from structspec.core import ChatMessageError, RequestOutput, SamplingParams, check_chat_messages
 from structspec.engine_args import add_engine_args, engine_kwargs, flag_error, int_range
+from structspec.training.cli_train import add_train_eagle_parser, cmd_train_eagle
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_limit_args(srv)
     add_supervision_args(srv)
+    add_train_eagle_parser(sub, _DefaultsHelpFormatter)
     return parser
 
 
@@ -465,6 +468,8 @@ def main(argv: list[str] | None = None) -> int:
         from structspec.server.launch import serve
 
         return serve(args)
+    if args.command == "train-eagle":
+        return cmd_train_eagle(args)
     return 2
 
 
