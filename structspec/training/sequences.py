@@ -11,7 +11,7 @@ array               dtype     shape        meaning
 ``offsets``         int64     [n + 1]      sequence ``i`` is ids ``offsets[i]:offsets[i+1]``
 ``num_prompt``      int32     [n]          prompt tokens of each sequence
 ``source_codes``    uint8     [n]          index into ``source_names``
-``source_names``    <U16      [m]          the sources, e.g. ``sharegpt``
+``source_names``    <U        [m]          the sources, e.g. ``sharegpt``
 ==================  ========  ===========  ===============================================
 
 Measured: 12,000 sequences of 400 ShareGPT tokens (4.8 M ids, SmolLM2 tokenizer) take
@@ -29,7 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-#: The sources a sequence can come from (see :mod:`structspec.training.prompts`).
+#: The sources of distilled sequences (see :mod:`structspec.training.prompts`). A sequence
+#: may name another (e.g. ``synthetic`` for throughput runs on random ids).
 SOURCES: tuple[str, ...] = ("sharegpt", "extraction", "schema")
 
 #: Version of the file layout (bumped on an incompatible change).
@@ -49,10 +50,11 @@ class TrainSequence:
         num_prompt_tokens: how many leading ids are the prompt; the loss applies to the
             positions ``>= num_prompt_tokens``. In ``[1, len(token_ids) - 1]``: a sequence has
             a prompt and at least one response token.
-        source: one of :data:`SOURCES`.
+        source: where the prompt came from: one of :data:`SOURCES` for distilled sequences,
+            any non-empty name otherwise.
 
     Raises:
-        ValueError: ``num_prompt_tokens`` out of range or an unknown ``source``, naming the
+        ValueError: ``num_prompt_tokens`` out of range or an empty ``source``, naming the
             field.
     """
 
@@ -67,8 +69,8 @@ class TrainSequence:
         if not 1 <= self.num_prompt_tokens < n:
             raise ValueError(f"num_prompt_tokens must be in [1, len(token_ids) - 1] = "
                              f"[1, {n - 1}], got {self.num_prompt_tokens}")
-        if self.source not in SOURCES:
-            raise ValueError(f"source must be one of {list(SOURCES)}, got {self.source!r}")
+        if not isinstance(self.source, str) or not self.source:
+            raise ValueError(f"source must be a non-empty string, got {self.source!r}")
 
     @property
     def num_response_tokens(self) -> int:
@@ -81,7 +83,8 @@ def save_sequences(path: Path, seqs: Sequence[TrainSequence]) -> None:
     half-written file. ``path`` is used as given (no ``.npz`` is appended).
 
     Raises:
-        ValueError: ``seqs`` is empty, or holds a negative token id.
+        ValueError: ``seqs`` is empty, holds a negative token id or one past 32 bits, or
+            more than 255 distinct sources.
         OSError: the folder cannot be written.
     """
     path = Path(path)
@@ -97,14 +100,18 @@ def save_sequences(path: Path, seqs: Sequence[TrainSequence]) -> None:
     if ids.max() >= 2**32:
         raise ValueError(f"{path}: token id {int(ids.max())} does not fit 32 bits")
     narrow = ids.astype(np.uint16 if ids.max() < 2**16 else np.uint32)
-    codes = np.array([SOURCES.index(s.source) for s in seqs], dtype=np.uint8)
+    names = sorted({s.source for s in seqs})
+    if len(names) > 255:
+        raise ValueError(f"{path}: {len(names)} distinct sources; at most 255 fit")
+    code_of = {name: i for i, name in enumerate(names)}
+    codes = np.array([code_of[s.source] for s in seqs], dtype=np.uint8)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
             np.savez_compressed(
                 f, format_version=np.int64(FORMAT_VERSION), token_ids=narrow, offsets=offsets,
                 num_prompt=np.array([s.num_prompt_tokens for s in seqs], dtype=np.int32),
-                source_codes=codes, source_names=np.array(SOURCES, dtype="<U16"))
+                source_codes=codes, source_names=np.array(names, dtype=str))
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -119,7 +126,8 @@ def load_sequences(path: Path) -> list[TrainSequence]:
     Raises:
         FileNotFoundError: ``path`` does not exist.
         ValueError: ``path`` is not such a file (not an ``.npz``, a missing or mistyped array,
-            inconsistent offsets or prompt lengths, an unknown format version or source);
+            inconsistent offsets or prompt lengths, an unknown format version, an empty
+            source name);
             the message names the path and what is wrong.
     """
     path = Path(path)
@@ -162,8 +170,8 @@ def _unpack(path: Path, a: dict[str, np.ndarray]) -> list[TrainSequence]:
     for name, arr in (("num_prompt", num_prompt), ("source_codes", codes)):
         if arr.ndim != 1 or len(arr) != n or arr.dtype.kind not in "iu":
             raise bad(f"{name} has dtype {arr.dtype} and shape {arr.shape}; {n} sequences")
-    if names.dtype.kind != "U" or names.ndim != 1 or any(s not in SOURCES for s in names):
-        raise bad(f"source_names {names.tolist()!r} are not among {list(SOURCES)}")
+    if names.dtype.kind != "U" or names.ndim != 1 or not all(names):
+        raise bad(f"source_names {names.tolist()!r} are not non-empty strings")
     if np.any(codes >= len(names)):
         raise bad(f"a source code is >= {len(names)}")
     lengths = np.diff(offsets)

@@ -30,7 +30,7 @@ def _seqs(n: int, vocab: int, seed: int = 0) -> list[TrainSequence]:
 
 @pytest.mark.parametrize("vocab", [49152, 128256])  # uint16 and uint32 token arrays
 def test_round_trip(tmp_path: Path, vocab: int) -> None:
-    seqs = _seqs(200, vocab) + [TrainSequence((vocab - 1, 0), 1, "schema")]
+    seqs = _seqs(200, vocab) + [TrainSequence((vocab - 1, 0), 1, "a longer source name")]
     path = tmp_path / "seqs.bin"  # any name: no suffix is appended
     save_sequences(path, seqs)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["seqs.bin"]  # no temp file left
@@ -63,8 +63,9 @@ def test_sequence_checks() -> None:
         TrainSequence((1, 2), 2, "sharegpt")  # no response token
     with pytest.raises(ValueError, match="num_prompt_tokens must be in"):
         TrainSequence((1, 2), 0, "sharegpt")
-    with pytest.raises(ValueError, match="source must be one of"):
-        TrainSequence((1, 2), 1, "wiki")
+    with pytest.raises(ValueError, match="source must be a non-empty string"):
+        TrainSequence((1, 2), 1, "")
+    assert TrainSequence((1, 2), 1, "synthetic").source == "synthetic"  # any name
 
 
 def test_save_refuses_bad_input(tmp_path: Path) -> None:
@@ -107,7 +108,7 @@ def test_load_errors_name_the_path(tmp_path: Path) -> None:
         "offsets": (arrays["offsets"][::-1].copy(), "offsets do not cut token_ids"),
         "num_prompt": (arrays["num_prompt"] + 100, "prompt length is not in"),
         "source_codes": (arrays["source_codes"] + 7, "source code is >="),
-        "source_names": (np.array(["web", "x", "y"]), "source_names"),
+        "source_names": (np.array(["", "x", "y"]), "source_names"),
         "token_ids": (arrays["token_ids"].astype(np.float32), "token_ids has dtype float32"),
     }
     for key, (value, message) in corruptions.items():
