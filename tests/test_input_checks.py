@@ -98,3 +98,10 @@ def test_precheck_passes_what_compiles() -> None:
     with pytest.raises(GrammarError, match="Failed to compile ebnf grammar") as e:
         check_grammar(EbnfConstraint("start ::= 'a'"))
     assert e.value.param == "ebnf"
+
+
+def test_precheck_refuses_a_schema_with_no_finite_value() -> None:
+    """The CLI refuses it before the model loads, as the engine would (issue 17)."""
+    schema = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+    with pytest.raises(GrammarError, match="accepts no finite JSON value"):
+        check_grammar(JsonSchemaConstraint(schema, strict=False))

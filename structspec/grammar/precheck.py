@@ -25,6 +25,7 @@ from structspec.constraints import (
     RegexConstraint,
 )
 from structspec.grammar.errors import GrammarError
+from structspec.grammar.satisfiable import find_unsatisfiable
 from structspec.grammar.schema_check import find_unenforceable
 from structspec.schema_structure import find_structure_problem
 
@@ -54,6 +55,10 @@ def check_grammar(spec: GrammarConstraint | None) -> None:
         problem = find_structure_problem(schema)
         if problem is not None:
             raise GrammarError(f"json_schema cannot be served: {problem}", param=param)
+        problem = find_unsatisfiable(schema)
+        if problem is not None:
+            raise GrammarError(f"json_schema accepts no finite JSON value: {problem}",
+                               param=param)
         if spec.strict and isinstance(schema, dict):
             problems = find_unenforceable(schema)
             if problems:
