@@ -98,8 +98,8 @@ def assert_idle(server: ServerHandle) -> None:
 
 
 def test_concurrent_mixed_streams(server: ServerHandle) -> None:
-    plan = mixed_requests(40, seed=1, hostile=[], disconnect_fraction=0.2, bad_fraction=0.15,
-                          n2_fraction=0.3, max_tokens=12, model=MODEL)
+    plan = mixed_requests(32, seed=1, hostile=[], disconnect_fraction=0.25, bad_fraction=0.15,
+                          n2_fraction=0.3, max_tokens=10, model=MODEL)
     assert {r.kind for r in plan} >= {*GOOD_KINDS, "bad_schema"}
     assert any(r.disconnect_after for r in plan) and any(r.n == 2 for r in plan)
     before = read_metrics(server.url)
@@ -111,16 +111,18 @@ def test_concurrent_mixed_streams(server: ServerHandle) -> None:
     assert_idle(server)
     after = read_metrics(server.url)
 
-    # every finished choice counted once by the server, as the clients saw it
-    seen = Counter(f[0] for o in outcomes if o.status == 200 and not o.disconnected
-                   for f in o.finishes.values())
+    # Every finished choice is counted once by the server. A client that left mid-stream
+    # may have missed finishes the server counted: those choices are the only slack.
+    seen = Counter(f[0] for o in outcomes if o.status == 200 for f in o.finishes.values())
+    dropped = [o for o in outcomes if o.disconnected]
+    slack = sum(o.request.n - len(o.finishes) for o in dropped)
     for reason in ("stop", "length"):
         delta = counter(after, "structspec_requests_total", finish_reason=reason) - \
             counter(before, "structspec_requests_total", finish_reason=reason)
-        assert delta == seen[reason], (reason, delta, seen)
-    dropped = sum(1 for o in outcomes if o.disconnected)
+        assert seen[reason] <= delta <= seen[reason] + slack, (reason, delta, seen, slack)
+    unfinished = sum(1 for o in dropped if len(o.finishes) < o.request.n)
     assert counter(after, "structspec_requests_total", finish_reason="abort") - \
-        counter(before, "structspec_requests_total", finish_reason="abort") >= dropped
+        counter(before, "structspec_requests_total", finish_reason="abort") >= unfinished
     for status in ("500", "502", "503"):
         assert counter(after, "structspec_http_errors_total", status=status) == \
             counter(before, "structspec_http_errors_total", status=status), status
@@ -242,15 +244,14 @@ def test_runaway_compile_is_contained(server: ServerHandle) -> None:
     assert len(cheap_done) >= 2, cheap_done  # served while the giant compiled
     for req, r, _ in cheap_done:
         assert r.status_code == 200, (req.kind, r.status_code, r.text[:200])
-    # the compile worker the giant held is free again: new grammars (never compiled, so no
-    # cache answers) compile and run at once
-    for i in range(2):
-        fresh = {**COLOR_SCHEMA, "title": f"fresh-{i}"}
-        t0 = time.perf_counter()
-        r = post(server, CHAT, encode(chat_body(model=MODEL, max_tokens=4, response_format={
-            "type": "json_schema", "json_schema": {"name": "c", "schema": fresh}})))
-        assert r.status_code == 200, r.text[:200]
-        assert time.perf_counter() - t0 < 20, time.perf_counter() - t0
+    # the compile worker the giant held is free again: a new grammar (never compiled, so no
+    # cache answers) compiles and runs at once
+    fresh = {**COLOR_SCHEMA, "title": "fresh"}
+    t0 = time.perf_counter()
+    r = post(server, CHAT, encode(chat_body(model=MODEL, max_tokens=4, response_format={
+        "type": "json_schema", "json_schema": {"name": "c", "schema": fresh}})))
+    assert r.status_code == 200, r.text[:200]
+    assert time.perf_counter() - t0 < 20, time.perf_counter() - t0
     assert_idle(server)
 
 
