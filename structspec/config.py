@@ -278,6 +278,7 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype={dtype!r}: expected float32, bfloat16, float16 or auto")
+    _check_int_options(config)
     spec = config.spec
     names = drafter_names()
     if spec.algorithm not in names:
@@ -383,6 +384,34 @@ def default_grammar_workers(device: str) -> int:
         return 0
     cores = os.cpu_count() or 1
     return min(8, cores // 2) if cores >= 4 else 0
+
+
+def _check_int_options(config: EngineConfig) -> None:
+    """Refuse an integer option given as another type, naming the option and the expected
+    type: ``num_draft_tokens="8"`` used to fail as ``TypeError: '<=' not supported between
+    instances of 'int' and 'str'`` (or to pass unchecked with speculation off), and
+    ``max_batch_size=2.5`` would size buffers with a float.
+
+    Raises:
+        ValueError: starting with the option's name (``flag_error`` maps it to its flag).
+    """
+    options: list[tuple[str, object, bool]] = [  # (name, value, None allowed)
+        ("num_draft_tokens", config.spec.num_draft_tokens, False),
+        ("speculative_depth", config.spec.depth, False),
+        ("speculative_topk", config.spec.topk, False),
+        ("max_batch_size", config.scheduler.max_batch_size, False),
+        ("max_model_len", config.max_model_len, True),
+        ("page_size", config.cache.page_size, False),
+        ("kv_capacity_tokens", config.cache.kv_capacity_tokens, True),
+        ("seed", config.seed, False),
+    ]
+    for name, value, optional in options:
+        if value is None and optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name}={value!r}: expected an integer"
+                             f"{' (or None)' if optional else ''}, got "
+                             f"{type(value).__name__}")
 
 
 def _one_of(names: tuple[str, ...]) -> str:

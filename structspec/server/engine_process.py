@@ -14,9 +14,11 @@ import os
 import signal
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
+from structspec.core import RequestError
 from structspec.server.ipc import (
     AbortAll,
     AbortRequest,
@@ -109,9 +111,6 @@ class EngineLoop:
 
     def run(self) -> None:
         """Serve until :class:`~structspec.server.ipc.Shutdown` or the front end goes away."""
-        from structspec.engine.llm_engine import RequestError
-
-        self._request_error = RequestError
         self._last_stats = self._stats()
         self.outbox.send(StepOutputs([], self._last_stats))  # /health has numbers at once
         while not self._stop:
@@ -170,7 +169,7 @@ class EngineLoop:
     def _add(self, msg: AddRequest) -> None:
         try:
             self.engine.add_request(msg.prompt_token_ids, msg.params, request_id=msg.request_id)
-        except self._request_error as e:
+        except RequestError as e:
             self._pending.append(EngineDelta(
                 request_id=msg.request_id, finished=True, finish_reason="abort", error=str(e),
                 error_param=e.param, rejected=True, num_prompt_tokens=len(msg.prompt_token_ids)))
@@ -237,8 +236,12 @@ def _instrument_grammar(engine: Any, sink: list[float]) -> None:
 
 
 def engine_main(config: EngineConfig, inbox: Connection, outbox: Connection,
-                log_level: int = logging.INFO) -> None:
+                log_level: int = logging.INFO,
+                engine_factory: Callable[[Any], Any] | None = None) -> None:
     """Entry point of the engine process (a ``multiprocessing`` spawn target).
+
+    ``engine_factory(config)`` builds the engine (None: :class:`LLMEngine`); anything with
+    the methods :class:`EngineLoop` calls will do.
 
     Ctrl-C reaches the whole process group; the engine ignores SIGINT and lets the front end
     drive shutdown (it sends :class:`~structspec.server.ipc.Shutdown` or closes the pipe).
@@ -246,9 +249,11 @@ def engine_main(config: EngineConfig, inbox: Connection, outbox: Connection,
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s [engine] %(levelname)s %(message)s")
     try:
-        from structspec.engine.llm_engine import LLMEngine
+        if engine_factory is None:
+            from structspec.engine.llm_engine import LLMEngine
 
-        engine = LLMEngine(config)
+            engine_factory = LLMEngine
+        engine = engine_factory(config)
         info = engine_info(engine)
     except BaseException as e:  # report every failure, then exit non-zero
         outbox.send(InitFailed(f"{type(e).__name__}: {e}", traceback.format_exc()))

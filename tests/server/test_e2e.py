@@ -38,8 +38,11 @@ ASK = [{"role": "user", "content": "Pick a color; is it bright? Answer in JSON."
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerHandle]:
+    # --engine-restarts 0: the last test checks that a dead engine with no restart left
+    # stops the server (restarts themselves: test_supervision.py)
     with running_server("--api-key", API_KEY, "--served-model-name", MODEL,
-                        "--max-model-len", "1024", "--max-batch-size", "8") as s:
+                        "--max-model-len", "1024", "--max-batch-size", "8",
+                        "--engine-restarts", "0") as s:
         yield s
 
 
@@ -281,7 +284,8 @@ def test_metrics(server: ServerHandle) -> None:
 
 def test_engine_death_fails_requests_and_stops_the_server(server: ServerHandle) -> None:
     """Last test of the module: SIGKILL the engine process mid-request; the request fails
-    with an error (not a hang) and the server exits with code 1."""
+    with an error (not a hang) and, with no restart left (``--engine-restarts 0``), the
+    server exits with code 1."""
     m = re.search(r"engine pid (\d+)", server.log_path.read_text())
     assert m, server.log_tail()
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a long story."}],
