@@ -271,6 +271,12 @@ class GrammarBackend:
             timeouts, self._timeouts = self._timeouts, 0
         return seconds, timeouts
 
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Wait until the compile processes can take work (their first start imports
+        xgrammar and torch: seconds); True when they can, False (logged) after
+        ``timeout_s`` or when they failed to start."""
+        return self.pool.wait_ready(timeout_s)
+
     def worker_pids(self) -> list[int]:
         """The compile processes' ids (zygote first; tests measure their CPU and memory)."""
         return self.pool.pids()

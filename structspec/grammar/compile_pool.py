@@ -120,6 +120,7 @@ class CompilePool:
         self._zygote_conn: Connection | None = None
         self._zygote_ready = False
         self._failed: str | None = None  # why the zygote could not start
+        self._ready = threading.Event()  # every lane has a worker, or the start failed
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._thread = threading.Thread(target=self._run, name="grammar-compile-pool",
@@ -148,6 +149,15 @@ class CompilePool:
         """Let ``job`` run until ``deadline`` if that is later (another request joined it)."""
         with self._lock:
             job.deadline = max(job.deadline, deadline)
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Wait until every lane has a worker; True then, False (logged) after
+        ``timeout_s`` or when the compile processes failed to start."""
+        if self._ready.wait(timeout_s) and self._failed is None:
+            return True
+        logger.warning("grammar compile processes not ready after %.0f s: %s", timeout_s,
+                       self._failed or "still starting")
+        return False
 
     def pids(self) -> list[int]:
         """The zygote's and every live worker's process id (tests, monitoring)."""
@@ -185,6 +195,7 @@ class CompilePool:
             logger.exception("grammar compile pool failed")
             self._failed = self._failed or "the grammar compile pool failed (see the log)"
         finally:
+            self._ready.set()  # nobody waits for a pool that is gone
             self._shutdown()
 
     def _start_zygote(self) -> None:
@@ -292,12 +303,16 @@ class CompilePool:
             code = self._zygote.poll() if self._zygote is not None else None
             self._failed = f"the grammar compile process exited ({code}: {e!r})"
             logger.error("%s", self._failed)
+            self._ready.set()
             self._zygote_conn.close()
             self._zygote_conn = None
             self._zygote_ready = False
             return
         self._forks_pending[lane] -= 1
         self._workers.append(_Worker(pid, Connection(fd), lane))
+        if all(size == 0 or any(w.lane == name for w in self._workers)
+               for name, size in self._size.items()):
+            self._ready.set()
 
     def _on_worker(self, w: _Worker) -> None:
         try:
