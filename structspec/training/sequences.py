@@ -152,6 +152,8 @@ def load_sequences(path: Path) -> list[TrainSequence]:
             source name);
             the message names the path and what is wrong.
     """
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{path}: no such sequence file")
     arrays = read_npz(path, SEQUENCE_KEYS, "training sequence file")
     return sequences_from_arrays(path, arrays)
 
