@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # train-eagle on the lent H200, one stage per device call (after `source .gpu/setup.sh`, which
 # puts the SmolLM2 GGUF at $STRUCTSPEC_SMOLLM2_GGUF and the ShareGPT wheel on the path):
-#   bash benchmarks/train_eagle_gpu.sh data  [OUT]   # ~10 min: prompts -> target answers
+#   bash benchmarks/train_eagle_gpu.sh data  [OUT]   # <= 7 min: prompts -> target answers;
+#                                                    # run again to continue where it stopped
 #   bash benchmarks/train_eagle_gpu.sh train [OUT]   # ~10 min: the head, exported into OUT
 #   bash benchmarks/train_eagle_gpu.sh synthetic     # ~3 min, no weights or data needed:
 #                                                    # training tokens/s and memory at the
 #                                                    # SmolLM2 shape (random weights, random ids)
-# data prints sequences/s and response tokens/s of the distillation; train / synthetic print
+# data prints a progress line every ~15 s (done / total, sequences/s, response tokens/s, per
+# source) and a summary; train / synthetic print
 # the tqdm bar (loss, per-TTT-step top-1 agreement, tokens/s) and a summary of
 # OUT/train_log.jsonl every 50 steps. Extra train-eagle flags go in $EXTRA. OUT defaults to
 # out/eagle_smollm2 (under $OUT's folder, so the head comes back with the run's files).
@@ -27,10 +29,12 @@ PY
 }
 case $stage in
   data)
-    # 540 s of generation at most: sized from the first run's sequences/s
+    # Stops adding prompts 420 s after the stage starts (model load included) and saves,
+    # well inside the call's timeout; sequences are saved in shards as they come, so even a
+    # kill keeps them, and the next call with the same command continues (--resume).
     timeout 560 python3 -m structspec train-eagle --stage data --out "$dir" \
-      --num-sharegpt 4000 --num-extraction 800 --num-schema 800 --max-tokens 384 \
-      --gen-batch-size 128 $EXTRA
+      --num-sharegpt 4000 --num-extraction 400 --num-schema 400 --max-tokens 384 \
+      --gen-batch-size 256 --data-time-limit 420 --resume --no-progress $EXTRA
     ls -la "$dir" ;;
   train)
     python3 -m structspec train-eagle --stage train --out "$dir" --epochs 6 \

@@ -14,6 +14,7 @@ from structspec.training.train_config import STAGES, TrainEagleConfig
 #: TrainEagleConfig field -> the flag that sets it (for error messages).
 FLAG_OF_FIELD = {f.name: "--" + f.name.replace("_", "-") for f in fields(TrainEagleConfig)}
 FLAG_OF_FIELD["time_limit_s"] = "--time-limit"
+FLAG_OF_FIELD["data_time_limit_s"] = "--data-time-limit"
 
 
 def add_train_eagle_parser(sub: Any, formatter_class: type[argparse.HelpFormatter]) -> None:
@@ -57,6 +58,12 @@ def add_train_eagle_parser(sub: Any, formatter_class: type[argparse.HelpFormatte
                    help="requests generated at once")
     g.add_argument("--temperature", type=float, default=d.temperature,
                    help="generation temperature (0 = greedy)")
+    g.add_argument("--data-time-limit", type=float, default=d.data_time_limit_s,
+                   metavar="SECONDS",
+                   help="add no prompt after this many seconds from the data stage's start "
+                        "(model load included), drop the requests in flight, save and exit 0 "
+                        "(0: no limit); --resume continues. Sequences are saved as they come "
+                        "(OUT/sequences.part-*.npz) and merged into OUT/sequences.npz")
     t = p.add_argument_group("train stage")
     t.add_argument("--steps", type=int, default=d.steps,
                    help="optimizer steps (0: --epochs passes over the data)")
@@ -76,8 +83,9 @@ def add_train_eagle_parser(sub: Any, formatter_class: type[argparse.HelpFormatte
                    help="gradient clipping norm (0: off)")
     t.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
                    help="checkpoint and export every N steps (0: at the end only)")
-    t.add_argument("--resume", action="store_true",
-                   help="continue from OUT's checkpoint (same data and options)")
+    p.add_argument("--resume", action="store_true",
+                   help="data: skip the prompts OUT's saved shards hold (same data options); "
+                        "train: continue from OUT's checkpoint (same data and options)")
     t.add_argument("--draft-vocab-size", type=int, default=d.draft_vocab_size,
                    help="0: share the target's lm_head (full vocabulary); N: the head's own "
                         "lm_head over the N most frequent response tokens (d2t/t2d maps)")
@@ -100,7 +108,8 @@ def config_from_args(args: argparse.Namespace) -> TrainEagleConfig:
         sequences=args.sequences,
         num_sharegpt=args.num_sharegpt, num_extraction=args.num_extraction,
         num_schema=args.num_schema, max_tokens=args.max_tokens,
-        gen_batch_size=args.gen_batch_size, temperature=args.temperature, steps=args.steps,
+        gen_batch_size=args.gen_batch_size, temperature=args.temperature,
+        data_time_limit_s=args.data_time_limit, steps=args.steps,
         epochs=args.epochs, lr=args.lr, weight_decay=args.weight_decay,
         batch_tokens=args.batch_tokens, max_seq_len=args.max_seq_len, ttt_steps=args.ttt_steps,
         ttt_decay=args.ttt_decay, warmup_steps=args.warmup_steps,

@@ -9,7 +9,8 @@ unstarted), and the scheduler's per-request queue bookkeeping grows with the que
 of a few times the engine's ``max_batch_size`` keeps every verify step full until the last
 prompts, without either cost. For the same timeout, a request with a grammar is added only
 while fewer than :data:`MAX_WAITING_FOR_GRAMMAR` requests wait for their compile (hundreds of
-distinct schemas would otherwise enter one window together).
+distinct schemas would otherwise enter one window together); the prompts behind a held-back
+one go in meanwhile, so the window, and the engine's batch, stay full while schemas compile.
 """
 
 from __future__ import annotations
@@ -17,13 +18,15 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections import Counter
-from collections.abc import Sequence
-from typing import Any
+import sys
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
 
 from structspec.core import FinishReason, RequestOutput, SamplingParams
 from structspec.engine.llm_engine import PromptInput, RequestError
 from structspec.llm import LLM
+from structspec.training.distill_progress import DistillProgress
 from structspec.training.prompts import TrainPrompt
 from structspec.training.sequences import TrainSequence
 
@@ -36,17 +39,32 @@ _run_ids = itertools.count()
 #: ``compile_timeout_s`` after its submission, queueing included).
 MAX_WAITING_FOR_GRAMMAR = 16
 
+#: ``on_result(prompt index, sequence or None, error)``: see :func:`distill`.
+ResultCallback = Callable[[int, TrainSequence | None, str], None]
+
 
 def distill(llm: LLM, prompts: Sequence[TrainPrompt], *, max_tokens: int, batch_size: int,
-            temperature: float = 0.0, progress: bool = True) -> list[TrainSequence]:
+            temperature: float = 0.0, progress: bool = True,
+            order: Sequence[int] | None = None, on_result: ResultCallback | None = None,
+            should_stop: Callable[[], bool] | None = None,
+            clock: Callable[[], float] = time.monotonic) -> list[TrainSequence]:
     """Generate the target's response to every prompt and return prompt + response ids.
 
     Each prompt runs as one request on ``llm``'s engine, under its grammar, greedy
     (``temperature == 0``) or sampled with seed = the prompt's index (reproducible in any
-    batch). A request that fails on its own (refused: prompt too long for the context, a
-    schema that does not compile or compiles past the timeout; or finished with ``abort``, or
-    with no token) is skipped and counted; the others go on. The counts are logged (warning
-    level when any failed, with the most common errors) and shown on the progress bar.
+    batch, and in a resumed run). A request that fails on its own (refused: prompt too long
+    for the context, a schema that does not compile or compiles past the timeout; or finished
+    with ``abort``, or with no token) is skipped and counted; the others go on. The counts are
+    logged (warning level when any failed, with the most common errors).
+
+    Prompts enter in ``order``; a grammar prompt that finds :data:`MAX_WAITING_FOR_GRAMMAR`
+    requests waiting for their compile is held back (up to ``batch_size`` of them) and the
+    prompts behind it go first, so slow schema compiles never leave the window, and the
+    engine's batch, short of prompts that need no compile.
+
+    Progress: a tqdm bar when ``progress`` and stderr is a terminal; otherwise a line on
+    stderr every ~15 s, when a source finishes, and at the end
+    (:class:`~structspec.training.distill_progress.DistillProgress`).
 
     Text is not detokenized while this runs (only ids are kept), which saves the engine's
     host work per token; ``llm.engine.detokenize`` is restored afterwards.
@@ -59,7 +77,16 @@ def distill(llm: LLM, prompts: Sequence[TrainPrompt], *, max_tokens: int, batch_
         batch_size: requests in flight at once (>= 1); use a few times the engine's
             ``max_batch_size`` so that admission always finds waiting requests.
         temperature: 0 = greedy.
-        progress: show a tqdm bar (prompts done, failures).
+        progress: show a tqdm bar (on a terminal) instead of progress lines.
+        order: the indices into ``prompts`` to run, in submission order (default: all, in
+            order); the others are not run.
+        on_result: called once per finished prompt as ``on_result(index, sequence, error)``:
+            the sequence, or None and why the prompt was skipped. Not called for prompts cut
+            off by ``should_stop``.
+        should_stop: checked before every engine step; once it returns True no prompt is
+            added, the requests in flight are aborted (their partial responses dropped) and
+            the sequences finished so far are returned.
+        clock: monotonic seconds for the progress lines (injectable for tests).
 
     Returns:
         One :class:`TrainSequence` per prompt that succeeded, in prompt order: its
@@ -68,10 +95,10 @@ def distill(llm: LLM, prompts: Sequence[TrainPrompt], *, max_tokens: int, batch_
         length, ``source`` the prompt's.
 
     Raises:
-        ValueError: ``prompts`` is empty, or a bad ``max_tokens`` / ``batch_size`` /
-            ``temperature``, naming it.
-        RuntimeError: the engine is closed. An error of the engine's step itself propagates
-            (after the requests still in flight are aborted).
+        ValueError: ``prompts`` or ``order`` is empty, an ``order`` index out of range or
+            repeated, or a bad ``max_tokens`` / ``batch_size`` / ``temperature``, naming it.
+        RuntimeError: the engine is closed. An error of the engine's step (or of
+            ``on_result``) propagates, after the requests still in flight are aborted.
     """
     if not prompts:
         raise ValueError("prompts is empty: nothing to distill")
@@ -81,40 +108,80 @@ def distill(llm: LLM, prompts: Sequence[TrainPrompt], *, max_tokens: int, batch_
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
             or not math.isfinite(temperature) or temperature < 0:
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    todo = list(range(len(prompts))) if order is None else [int(i) for i in order]
+    if not todo:
+        raise ValueError("order is empty: nothing to distill")
+    if len(set(todo)) != len(todo) or min(todo) < 0 or max(todo) >= len(prompts):
+        raise ValueError(f"order must hold distinct indices in [0, {len(prompts) - 1}]")
     engine = llm.engine
     run = next(_run_ids)
-    results: list[TrainSequence | None] = [None] * len(prompts)
+    results: dict[int, TrainSequence] = {}
     failures: Counter[str] = Counter()
     failed_by_source: Counter[str] = Counter()
     in_flight: dict[str, int] = {}  # request id -> prompt index
-    bar = _progress_bar(len(prompts), progress)
+    report = DistillProgress(Counter(prompts[i].source for i in todo),
+                             bar=progress and sys.stderr.isatty(), clock=clock)
 
-    def fail(i: int, error: str) -> None:
-        failures[error[:120]] += 1
-        failed_by_source[prompts[i].source] += 1
-        bar.update(1)
-        bar.set_postfix(failed=sum(failures.values()), refresh=False)
+    def finish(i: int, seq: TrainSequence | None, error: str) -> None:
+        if seq is None:
+            failures[error[:120]] += 1
+            failed_by_source[prompts[i].source] += 1
+        else:
+            results[i] = seq
+        report.record(prompts[i].source, seq)
+        if on_result is not None:
+            on_result(i, seq, error)
+
+    def add(i: int) -> bool:
+        """Submit prompt ``i``; False when the engine refused it (counted as skipped)."""
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                                seed=i if temperature > 0 else None, grammar=prompts[i].grammar)
+        rid = f"distill-{run}-{i}"
+        try:
+            engine.add_request(_prompt_input(prompts[i]), params, request_id=rid)
+        except RequestError as e:
+            finish(i, None, str(e))
+            return False
+        in_flight[rid] = i
+        return True
+
+    pending = deque(todo)
+    held: deque[int] = deque()  # grammar prompts held back while the compile queue is full
+
+    def top_up() -> None:
+        # Requests waiting for a compile: read once, then counted up as grammar prompts go in
+        # (a cached grammar may skip the queue: the count only over-estimates).
+        waiting: int | None = None
+
+        def compile_slot() -> bool:
+            nonlocal waiting
+            if waiting is None:
+                waiting = engine.stats()["num_waiting_grammar"]
+            return waiting < MAX_WAITING_FOR_GRAMMAR
+
+        while held and len(in_flight) < batch_size and compile_slot():
+            if add(held.popleft()):
+                waiting = (waiting or 0) + 1
+        while pending and len(in_flight) < batch_size:
+            i = pending[0]
+            if prompts[i].grammar is not None and not compile_slot():
+                if len(held) >= batch_size:
+                    break  # look no further ahead; the compiles in flight first
+                held.append(pending.popleft())
+                continue
+            pending.popleft()
+            if add(i) and prompts[i].grammar is not None:
+                waiting = (waiting or 0) + 1
 
     detokenize = engine.detokenize
     engine.detokenize = False
-    next_i = 0
+    stopped = False
     try:
-        while next_i < len(prompts) or in_flight:
-            while next_i < len(prompts) and len(in_flight) < batch_size:
-                if prompts[next_i].grammar is not None and (
-                        engine.stats()["num_waiting_grammar"] >= MAX_WAITING_FOR_GRAMMAR):
-                    break  # the compiles in flight first; added again after the next step
-                i, next_i = next_i, next_i + 1
-                rid = f"distill-{run}-{i}"
-                params = SamplingParams(max_tokens=max_tokens, temperature=temperature,
-                                        seed=i if temperature > 0 else None,
-                                        grammar=prompts[i].grammar)
-                try:
-                    engine.add_request(_prompt_input(prompts[i]), params, request_id=rid)
-                except RequestError as e:
-                    fail(i, str(e))
-                    continue
-                in_flight[rid] = i
+        while pending or held or in_flight:
+            if should_stop is not None and should_stop():
+                stopped = True
+                break
+            top_up()
             if not in_flight and not engine.has_unfinished_requests():
                 continue  # every prompt added so far was refused; add the next ones
             for out in engine.step():
@@ -123,18 +190,21 @@ def distill(llm: LLM, prompts: Sequence[TrainPrompt], *, max_tokens: int, batch_
                     continue
                 del in_flight[out.request_id]
                 seq, error = _sequence(out, prompts[i].source)
-                if seq is None:
-                    fail(i, error)
-                    continue
-                results[i] = seq
-                bar.update(1)
+                finish(i, seq, error)
+            report.tick()
+        if stopped:
+            for rid in in_flight:
+                engine.abort_request(rid, "distill stopped")
+            in_flight.clear()
+            while engine.has_unfinished_requests():  # the aborts' outputs: leave it clean
+                engine.step()
     finally:
-        for rid in in_flight:  # only after an error of the step: leave the engine reusable
+        for rid in in_flight:  # only after an error: leave the engine reusable
             engine.abort_request(rid, "distill stopped")
         engine.detokenize = detokenize
-        bar.close()
-    seqs = [s for s in results if s is not None]
-    _log_summary(len(prompts), seqs, failures, failed_by_source)
+        report.close("stopped early" if stopped else "")
+    seqs = [results[i] for i in sorted(results)]
+    _log_summary(len(todo), seqs, failures, failed_by_source)
     return seqs
 
 
@@ -156,12 +226,6 @@ def _sequence(out: RequestOutput, source: str) -> tuple[TrainSequence | None, st
         return None, "no prompt token"
     ids = tuple(out.prompt_token_ids) + tuple(out.token_ids)
     return TrainSequence(ids, len(out.prompt_token_ids), source), ""
-
-
-def _progress_bar(total: int, enabled: bool) -> Any:
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="distill", unit="req", disable=not enabled)
 
 
 def _log_summary(num_prompts: int, seqs: list[TrainSequence], failures: Counter[str],

@@ -25,7 +25,7 @@ import functools
 import itertools
 import json
 import random
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -344,3 +344,27 @@ def _take(candidates: Iterable[TrainPrompt], n: int,
         drawn += len(batch)
         out += [p for p, ok in zip(batch, fits(batch), strict=True) if ok]
     return out[:n]
+
+
+def interleaved_order(prompts: Sequence[TrainPrompt]) -> list[int]:
+    """The indices of ``prompts`` with the sources mixed in proportion to their counts, each
+    source's prompts in their own order (4000 ShareGPT, 400 extraction and 400 schema prompts
+    go 10 : 1 : 1 all the way through).
+
+    A run cut short (a time limit, a killed job) then holds a share of every source, and the
+    schema prompts, whose grammar compiles are the slow part, are spread over the run instead
+    of queued at its end.
+    """
+    by_source: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_source.setdefault(p.source, []).append(i)
+    taken = dict.fromkeys(by_source, 0)
+    out: list[int] = []
+    for _ in range(len(prompts)):
+        # the source whose next prompt's share of the way through its list is smallest
+        # (ties: the source seen first)
+        s = min((s for s in by_source if taken[s] < len(by_source[s])),
+                key=lambda s: (taken[s] + 0.5) / len(by_source[s]))
+        out.append(by_source[s][taken[s]])
+        taken[s] += 1
+    return out

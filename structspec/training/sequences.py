@@ -36,8 +36,9 @@ SOURCES: tuple[str, ...] = ("sharegpt", "extraction", "schema")
 #: Version of the file layout (bumped on an incompatible change).
 FORMAT_VERSION = 1
 
-_KEYS = ("format_version", "token_ids", "offsets", "num_prompt", "source_codes",
-         "source_names")
+#: The arrays of a sequence file.
+SEQUENCE_KEYS = ("format_version", "token_ids", "offsets", "num_prompt", "source_codes",
+                 "source_names")
 
 
 @dataclass(frozen=True)
@@ -90,28 +91,49 @@ def save_sequences(path: Path, seqs: Sequence[TrainSequence]) -> None:
     path = Path(path)
     if not seqs:
         raise ValueError(f"{path}: no sequences to save")
+    write_npz_atomic(path, sequence_arrays(path, seqs))
+
+
+def sequence_arrays(path: Path, seqs: Sequence[TrainSequence]) -> dict[str, np.ndarray]:
+    """The arrays of the file layout for ``seqs`` (empty arrays for no sequences); ``path``
+    only names the file in errors.
+
+    Raises:
+        ValueError: a negative token id or one past 32 bits, or more than 255 distinct
+            sources.
+    """
     lengths = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=len(seqs))
     offsets = np.zeros(len(seqs) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     ids = np.fromiter((t for s in seqs for t in s.token_ids), dtype=np.int64,
                       count=int(offsets[-1]))
-    if ids.min() < 0:
+    if ids.size and ids.min() < 0:
         raise ValueError(f"{path}: token id {int(ids.min())} is negative")
-    if ids.max() >= 2**32:
+    if ids.size and ids.max() >= 2**32:
         raise ValueError(f"{path}: token id {int(ids.max())} does not fit 32 bits")
-    narrow = ids.astype(np.uint16 if ids.max() < 2**16 else np.uint32)
+    narrow = ids.astype(np.uint16 if not ids.size or ids.max() < 2**16 else np.uint32)
     names = sorted({s.source for s in seqs})
     if len(names) > 255:
         raise ValueError(f"{path}: {len(names)} distinct sources; at most 255 fit")
     code_of = {name: i for i, name in enumerate(names)}
     codes = np.array([code_of[s.source] for s in seqs], dtype=np.uint8)
+    return dict(format_version=np.int64(FORMAT_VERSION), token_ids=narrow, offsets=offsets,
+                num_prompt=np.array([s.num_prompt_tokens for s in seqs], dtype=np.int32),
+                source_codes=codes, source_names=np.array(names, dtype=str))
+
+
+def write_npz_atomic(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    """``numpy.savez_compressed`` of ``arrays`` into ``path`` through a temporary file in the
+    same folder renamed over it: a reader (or a crash) never sees a half-written file.
+
+    Raises:
+        OSError: the folder cannot be written.
+    """
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
-            np.savez_compressed(
-                f, format_version=np.int64(FORMAT_VERSION), token_ids=narrow, offsets=offsets,
-                num_prompt=np.array([s.num_prompt_tokens for s in seqs], dtype=np.int32),
-                source_codes=codes, source_names=np.array(names, dtype=str))
+            np.savez_compressed(f, **arrays)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -130,29 +152,46 @@ def load_sequences(path: Path) -> list[TrainSequence]:
             source name);
             the message names the path and what is wrong.
     """
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{path}: no such sequence file")
+    arrays = read_npz(path, SEQUENCE_KEYS, "training sequence file")
+    return sequences_from_arrays(path, arrays)
+
+
+def read_npz(path: Path, keys: Sequence[str], kind: str) -> dict[str, np.ndarray]:
+    """The arrays ``keys`` of the ``.npz`` file ``path`` (others are ignored; no pickles).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: ``path`` is not an ``.npz`` or lacks one of ``keys``; the message names
+            the path and ``kind`` (what the file should be).
+    """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such sequence file")
+        raise FileNotFoundError(f"{path}: no such {kind}")
     try:
         with np.load(path, allow_pickle=False) as z:
-            missing = [k for k in _KEYS if k not in z.files]
+            missing = [k for k in keys if k not in z.files]
             if missing:
-                raise ValueError(f"{path}: not a training sequence file (missing arrays "
-                                 f"{missing})")
-            arrays = {k: z[k] for k in _KEYS}
+                raise ValueError(f"{path}: not a {kind} (missing arrays {missing})")
+            return {k: z[k] for k in keys}
     except (zipfile.BadZipFile, OSError, EOFError) as e:
         # np.load reads a non-.npz file as .npy (or fails); a cut .npz fails in zipfile
-        raise ValueError(f"{path}: not a training sequence file ({type(e).__name__}: {e})") \
-            from e
+        raise ValueError(f"{path}: not a {kind} ({type(e).__name__}: {e})") from e
     except ValueError as e:
         if str(e).startswith(str(path)):
             raise
-        raise ValueError(f"{path}: not a training sequence file ({e})") from e
-    return _unpack(path, arrays)
+        raise ValueError(f"{path}: not a {kind} ({e})") from e
 
 
-def _unpack(path: Path, a: dict[str, np.ndarray]) -> list[TrainSequence]:
-    """Check the arrays' dtypes and consistency, then build the sequences."""
+def sequences_from_arrays(path: Path, a: dict[str, np.ndarray], *,
+                          allow_empty: bool = False) -> list[TrainSequence]:
+    """Check the arrays of :func:`sequence_arrays` (dtypes, consistency), then build the
+    sequences; ``path`` only names the file in errors.
+
+    Raises:
+        ValueError: naming ``path`` and what is wrong (no sequences unless ``allow_empty``).
+    """
     def bad(what: str) -> ValueError:
         return ValueError(f"{path}: corrupt training sequence file: {what}")
 
@@ -162,7 +201,8 @@ def _unpack(path: Path, a: dict[str, np.ndarray]) -> list[TrainSequence]:
     codes, names = a["source_codes"], a["source_names"]
     if ids.dtype not in (np.uint16, np.uint32) or ids.ndim != 1:
         raise bad(f"token_ids has dtype {ids.dtype} and shape {ids.shape}")
-    if offsets.dtype != np.int64 or offsets.ndim != 1 or len(offsets) < 2:
+    min_offsets = 1 if allow_empty else 2
+    if offsets.dtype != np.int64 or offsets.ndim != 1 or len(offsets) < min_offsets:
         raise bad(f"offsets has dtype {offsets.dtype} and shape {offsets.shape}")
     n = len(offsets) - 1
     if offsets[0] != 0 or offsets[-1] != len(ids) or np.any(np.diff(offsets) < 2):

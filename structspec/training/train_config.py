@@ -34,6 +34,9 @@ class TrainEagleConfig:
         max_tokens: response length limit of the data stage's generation.
         gen_batch_size: requests the data stage generates at once.
         temperature: sampling temperature of the data stage (0 = greedy).
+        data_time_limit_s: the data stage adds no prompt after this many seconds from its
+            start (model load included), aborts the requests in flight, saves and returns
+            (0 = no limit); ``resume`` continues it.
         steps: optimizer steps (0 = ``epochs`` passes over the sequences).
         epochs: passes over the sequences when ``steps`` is 0.
         lr: peak learning rate (AdamW), reached after ``warmup_steps``, then cosine to 0.
@@ -47,7 +50,9 @@ class TrainEagleConfig:
         seed: seed of the head's initialisation, the data order and the prompt set.
         checkpoint_every: save the resumable checkpoint (and export the head) every N steps
             (0 = only at the end).
-        resume: continue from ``out``'s checkpoint (same data and options).
+        resume: the data stage skips the prompts its saved shards in ``out`` hold (same data
+            options, else refused naming the option); the train stage continues from
+            ``out``'s checkpoint (same data and options).
         draft_vocab_size: 0 = the head shares the target's lm_head (full vocabulary, nothing
             extra to ship); N = its own lm_head over the N most frequent response tokens
             (``d2t`` / ``t2d`` maps; ~N*H*2 more bytes in bf16).
@@ -75,6 +80,7 @@ class TrainEagleConfig:
     max_tokens: int = 512
     gen_batch_size: int = 64
     temperature: float = 0.0
+    data_time_limit_s: float = 0.0
     steps: int = 0
     epochs: int = 3
     lr: float = 3e-4
@@ -128,7 +134,8 @@ class TrainEagleConfig:
         for name in ("lr", "ttt_decay"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be > 0")
-        for name in ("weight_decay", "clip_grad_norm", "time_limit_s", "temperature"):
+        for name in ("weight_decay", "clip_grad_norm", "time_limit_s", "temperature",
+                     "data_time_limit_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
         if self.load_format not in ("auto", "dummy"):

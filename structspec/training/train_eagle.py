@@ -5,7 +5,9 @@ Stages (``TrainEagleConfig.stage``), so that each can run in its own GPU session
 
 * ``data``: build the prompt set (:func:`structspec.training.prompts.build_prompt_set`), let
   the target answer it through the engine (:func:`structspec.training.distill.distill`), save
-  the sequences to ``out/sequences.npz``; prints sequences/s and tokens/s.
+  the sequences in shards as they come and merge them into ``out/sequences.npz``
+  (:mod:`structspec.training.data_stage`: time limit, SIGTERM, resume); prints progress lines
+  and sequences/s and tokens/s.
 * ``train``: load the target with the engine's loader, train the head on the sequences
   (:func:`structspec.training.trainer.train_head`), export it into ``out``; prints tokens/s and
   the per-step top-1 agreement.
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from structspec.training.sequences import TrainSequence, load_sequences, save_sequences
+from structspec.training.sequences import TrainSequence, load_sequences
 from structspec.training.train_config import SEQUENCES_FILE, TrainEagleConfig
 
 
@@ -81,46 +83,6 @@ def read_sequences(path: Path) -> list[TrainSequence]:
     return seqs
 
 
-def run_data_stage(config: TrainEagleConfig, out: Path) -> Path:
-    """Generate the training sequences with the engine and save them into ``out``.
-
-    Raises:
-        ValueError: the prompt set is empty, or the target produced no sequences.
-    """
-    from structspec.llm import LLM
-    from structspec.training.distill import distill
-    from structspec.training.prompts import build_prompt_set
-
-    llm = LLM(config.model, device=config.device, dtype=config.dtype,
-              max_batch_size=config.gen_batch_size, seed=config.seed,
-              load_format=config.load_format)
-    try:
-        # With the target's tokenizer, prompts over 1024 tokens are left out (long ShareGPT
-        # turns: their prefill is slow and the head trains on the response only).
-        prompts = build_prompt_set(num_sharegpt=config.num_sharegpt,
-                                   num_extraction=config.num_extraction,
-                                   num_schema=config.num_schema, seed=config.seed,
-                                   tokenizer=llm.tokenizer)
-        t0 = time.perf_counter()
-        # A window of several engine batches in flight: admission always finds waiting
-        # requests, so every step stays full until the last prompts.
-        seqs = distill(llm, prompts, max_tokens=config.max_tokens,
-                       batch_size=4 * config.gen_batch_size, temperature=config.temperature,
-                       progress=config.progress)
-        dt = time.perf_counter() - t0
-    finally:
-        llm.close()
-    if not seqs:
-        raise ValueError("the data stage produced no sequences")
-    path = out / SEQUENCES_FILE
-    save_sequences(path, seqs)
-    resp = sum(len(s.token_ids) - s.num_prompt_tokens for s in seqs)
-    print(f"train-eagle data: {len(seqs)} sequences in {dt:.1f} s "
-          f"({len(seqs) / dt:.2f} sequences/s, {resp / dt:.0f} response tokens/s) -> {path}",
-          file=sys.stderr)
-    return path
-
-
 def run_train_stage(config: TrainEagleConfig, out: Path) -> Path:
     """Train the head on the sequences file and export it into ``out``; returns ``out``."""
     from structspec.models.loader import load_model
@@ -167,8 +129,11 @@ def train_eagle(config: TrainEagleConfig) -> Path:
         raise ValueError("sequences: a prebuilt sequences file leaves no data stage to run "
                          "(use stage 'train')")
     out = prepare_out(config.out)
-    if config.stage == "data":
-        return run_data_stage(config, out)
-    if config.stage == "all" and not config.sequences:
-        run_data_stage(config, out)
+    if config.stage != "train" and not config.sequences:
+        # loads the engine (heavy): imported only when a data stage runs
+        from structspec.training.data_stage import run_data_stage
+
+        sequences = run_data_stage(config, out)
+        if config.stage == "data":
+            return sequences
     return run_train_stage(config, out)

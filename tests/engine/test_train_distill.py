@@ -58,7 +58,8 @@ def test_distill_matches_generate_and_skips_failures(make_llm: Any,
 def test_distill_limits_requests_waiting_for_a_compile(make_llm: Any,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Schema prompts enter the engine a few at a time (their compiles' timeouts count from
-    submission); the output is the same."""
+    submission), and the free-text prompts behind them go in meanwhile; the output is the
+    same."""
     import structspec.training.distill as d
 
     llm = make_llm()
@@ -66,7 +67,15 @@ def test_distill_limits_requests_waiting_for_a_compile(make_llm: Any,
                                 JsonSchemaConstraint({"type": "object", "properties": {
                                     f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}),
                                 "schema") for i in range(4)]
+    prompts += [TrainPrompt.user(f"Say {w}.", None, "sharegpt") for w in ("yes", "no")]
     waiting: list[int] = []
+    added: list[str] = []
+    add_request = llm.engine.add_request
+
+    def spy_add(prompt: Any, params: Any, request_id: str) -> Any:
+        added.append(request_id.rsplit("-", 1)[1])
+        return add_request(prompt, params, request_id=request_id)
+
     stats = llm.engine.stats
 
     def spy() -> dict[str, Any]:
@@ -76,8 +85,12 @@ def test_distill_limits_requests_waiting_for_a_compile(make_llm: Any,
 
     monkeypatch.setattr(d, "MAX_WAITING_FOR_GRAMMAR", 2)
     monkeypatch.setattr(llm.engine, "stats", spy)
+    monkeypatch.setattr(llm.engine, "add_request", spy_add)
     seqs = distill(llm, prompts, max_tokens=3, batch_size=8, progress=False)
-    assert max(waiting) <= 2 and len(seqs) == 4
+    assert max(waiting) <= 2 and len(seqs) == 6
+    # schemas 2 and 3 are held back (two compiles waiting): the chat prompts go first
+    assert added[:4] == ["0", "1", "4", "5"] and sorted(added) == [str(i) for i in range(6)]
+    monkeypatch.undo()
     expected = llm.generate([p.messages[0]["content"] for p in prompts],
                             [SamplingParams(max_tokens=3, grammar=p.grammar) for p in prompts])
     assert [list(s.token_ids) for s in seqs] == [o.prompt_token_ids + o.token_ids

@@ -14,7 +14,12 @@ import pytest
 from structspec.constraints import JsonSchemaConstraint
 from structspec.core import RequestOutput
 from structspec.training import prompts as P
-from structspec.training.prompts import TrainPrompt, build_prompt_set, training_schema_cases
+from structspec.training.prompts import (
+    TrainPrompt,
+    build_prompt_set,
+    interleaved_order,
+    training_schema_cases,
+)
 from structspec.training.sharegpt import split_held_out
 from structspec.training.workloads import (
     EXTRACTION_SCHEMA,
@@ -253,3 +258,17 @@ def test_train_prompt_checks() -> None:
         TrainPrompt(({"role": "user"},), None, "sharegpt")
     with pytest.raises(ValueError, match="source must be one of"):
         TrainPrompt.user("hi", None, "web")
+
+
+def test_interleaved_order_mixes_sources_in_proportion() -> None:
+    prompts = ([TrainPrompt.user(f"s{i}", None, "sharegpt") for i in range(10)]
+               + [TrainPrompt.user(f"e{i}", None, "extraction") for i in range(2)]
+               + [TrainPrompt.user(f"c{i}", None, "schema") for i in range(3)])
+    order = interleaved_order(prompts)
+    assert sorted(order) == list(range(15))
+    for source in ("sharegpt", "extraction", "schema"):  # each source in its own order
+        own = [i for i in order if prompts[i].source == source]
+        assert own == sorted(own)
+    first = {prompts[i].source for i in order[:6]}
+    assert first == {"sharegpt", "extraction", "schema"}  # a cut run holds every source
+    assert interleaved_order(prompts[:3]) == [0, 1, 2]

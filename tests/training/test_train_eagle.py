@@ -307,3 +307,6 @@ def test_bad_inputs_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert main(["train-eagle", "--out", str(tmp_path / "o5"), "--sequences", str(empty),
                  "--stage", "train"]) == 2
     assert "--sequences: sequences:" in capsys.readouterr().err
+    assert main(["train-eagle", "--out", str(tmp_path / "o6"), "--stage", "data",
+                 "--data-time-limit", "-1"]) == 2
+    assert "--data-time-limit: data_time_limit_s=-1.0" in capsys.readouterr().err
