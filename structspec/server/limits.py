@@ -59,7 +59,7 @@ class ServerLimits:
     max_choices_per_request: int = 128
     max_queued_requests: int = 1024
     max_prompt_chars: int = 1_000_000
-    max_grammar_chars: int = 262_144
+    max_grammar_chars: int = 4 * 1024 * 1024  # = the engine's grammar text limit (grammar/limits.py)
     max_stop_sequences: int = 16
     max_stop_chars: int = 1024
     max_request_bytes: int = 16 * 1024 * 1024
