@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.workloads import maskbench_cases, schema_prompt  # noqa: E402
+from benchmarks.workloads import maskbench_eval_cases, schema_prompt  # noqa: E402
 from structspec import LLM, FinishReason, JsonSchemaConstraint, SamplingParams  # noqa: E402
 
 
@@ -44,12 +44,9 @@ def validate(schema: dict, text: str) -> bool | None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    cases = maskbench_cases(Path(args.data))
-    slow = set()
-    timing = Path(args.data) / "compile_seconds.json"
-    if args.skip_slow_compile and timing.exists():
-        slow = {k for k, v in json.loads(timing.read_text()).items() if v > 5.0}
-    cases = [c for c in cases if c.get("_name", "") not in slow][: args.limit]
+    # The one definition of the evaluated cases: EAGLE training leaves exactly these out.
+    cases = maskbench_eval_cases(Path(args.data), args.limit,
+                                 skip_slow_compile=args.skip_slow_compile)
     llm = LLM(args.model, device=args.device, dtype=args.dtype,
               speculative_algorithm=args.speculative_algorithm,
               num_draft_tokens=args.num_draft_tokens, max_batch_size=args.max_batch_size,

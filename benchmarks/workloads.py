@@ -1,81 +1,26 @@
-"""Deterministic benchmark workloads (no downloads): JSON extraction and maskbench schemas."""
+"""Deterministic benchmark workloads (no downloads): JSON extraction and maskbench schemas.
+
+The generators live in :mod:`structspec.training.workloads` (EAGLE training builds its prompts
+from them, and ``benchmarks/`` is not installed); this module re-exports them unchanged.
+"""
 
 from __future__ import annotations
 
-import json
-import random
-from pathlib import Path
-from typing import Any
+from structspec.training.workloads import (
+    CITY,
+    EXTRACTION_SCHEMA,
+    FIRST,
+    JOB,
+    LAST,
+    MASKBENCH_EVAL_LIMIT,
+    SLOW_COMPILE_S,
+    extraction_prompts,
+    maskbench_cases,
+    maskbench_eval_cases,
+    schema_prompt,
+    slow_compile_names,
+)
 
-FIRST = ["Alice", "Bruno", "Chen", "Dana", "Emeka", "Farah", "Gustav", "Hana", "Ivan", "Jia",
-         "Kofi", "Lena", "Mateo", "Nadia", "Omar", "Priya", "Quinn", "Rosa", "Sven", "Tara"]
-LAST = ["Okafor", "Silva", "Nakamura", "Novak", "Haddad", "Larsen", "Moreau", "Kowalski",
-        "Fischer", "Ibrahim", "Rossi", "Tanaka", "Schmidt", "Dubois", "Kaur", "Müller"]
-CITY = ["Lisbon", "Nairobi", "Osaka", "Toronto", "Krakow", "Valparaiso", "Tbilisi", "Hobart",
-        "Reykjavik", "Montevideo", "Ljubljana", "Da Nang"]
-JOB = ["marine biologist", "civil engineer", "pastry chef", "data analyst", "violin teacher",
-       "airline pilot", "pharmacist", "urban planner"]
-
-EXTRACTION_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string"},
-        "age": {"type": "integer"},
-        "city": {"type": "string"},
-        "occupation": {"type": "string"},
-        "email": {"type": "string"},
-        "skills": {"type": "array", "items": {"type": "string"}},
-    },
-    "required": ["name", "age", "city", "occupation", "email", "skills"],
-    "additionalProperties": False,
-}
-
-
-def extraction_prompts(n: int, seed: int = 0) -> list[tuple[str, dict[str, Any]]]:
-    """``n`` (prompt, expected record) pairs; the JSON answer copies values from the prompt."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        first, last = rng.choice(FIRST), rng.choice(LAST)
-        rec = {
-            "name": f"{first} {last}",
-            "age": rng.randint(21, 70),
-            "city": rng.choice(CITY),
-            "occupation": rng.choice(JOB),
-            "email": f"{first.lower()}.{last.lower()}@example.org",
-            "skills": rng.sample(["sailing", "chess", "welding", "python", "pottery",
-                                  "first aid", "photography", "spanish"], 3),
-        }
-        prose = (
-            f"{rec['name']} is a {rec['age']}-year-old {rec['occupation']} who lives in "
-            f"{rec['city']}. You can reach {first} at {rec['email']}. In their free time they "
-            f"enjoy {rec['skills'][0]}, {rec['skills'][1]} and {rec['skills'][2]}."
-        )
-        prompt = (
-            "Extract the person described below into JSON with the fields name, age, city, "
-            "occupation, email and skills (a list).\n\n" + prose + "\n\nExample of the format: "
-            + json.dumps({"name": "Jane Doe", "age": 30, "city": "Paris", "occupation": "nurse",
-                          "email": "jane.doe@example.org", "skills": ["a", "b", "c"]})
-        )
-        out.append((prompt, rec))
-    return out
-
-
-def maskbench_cases(root: Path) -> list[dict[str, Any]]:
-    """Every maskbench case under ``root`` (``{description, meta, schema, tests}`` plus ``_name``,
-    the file stem), sorted by name."""
-    cases = []
-    for p in sorted(root.glob("*.json")):
-        if p.name == "compile_seconds.json":
-            continue
-        case = json.loads(p.read_text())
-        case["_name"] = p.stem
-        cases.append(case)
-    return cases
-
-
-def schema_prompt(schema: dict[str, Any]) -> str:
-    """A chat prompt asking for a JSON instance of ``schema``."""
-    return ("Generate a small, realistic JSON instance that conforms to this JSON Schema. Keep it "
-            "minimal: include the required fields, use short string values and at most two "
-            "items per array. Reply with the JSON only.\n\nSchema:\n" + json.dumps(schema))
+__all__ = ["CITY", "EXTRACTION_SCHEMA", "FIRST", "JOB", "LAST", "MASKBENCH_EVAL_LIMIT",
+           "SLOW_COMPILE_S", "extraction_prompts", "maskbench_cases", "maskbench_eval_cases",
+           "schema_prompt", "slow_compile_names"]

@@ -1,4 +1,5 @@
-"""``structspec generate`` (offline structured generation) and ``structspec serve`` (HTTP)."""
+"""``structspec generate`` (offline structured generation), ``structspec serve`` (HTTP) and
+``structspec train-eagle`` (EAGLE-3 head training, :mod:`structspec.training.cli_train`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from structspec import constraint_parse as cp
 from structspec.constraints import GrammarConstraint, JsonObjectConstraint
 from structspec.core import ChatMessageError, RequestOutput, SamplingParams, check_chat_messages
 from structspec.engine_args import add_engine_args, engine_kwargs, flag_error, int_range
+from structspec.training.cli_train import add_train_eagle_parser, cmd_train_eagle
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", default=os.environ.get("STRUCTSPEC_API_KEY"),
                      help="require 'Authorization: Bearer KEY' (env STRUCTSPEC_API_KEY)")
     srv.add_argument("--served-model-name", default=None, help="model id in the API")
+    # the server's own options (light modules: no fastapi, no torch)
+    from structspec.server.limits import add_limit_args
+    from structspec.server.supervisor import add_supervision_args
+
+    add_limit_args(srv)
+    add_supervision_args(srv)
+    add_train_eagle_parser(sub, _DefaultsHelpFormatter)
     return parser
 
 
@@ -125,6 +134,27 @@ def grammar_from_args(args: argparse.Namespace) -> GrammarConstraint | None:
     if args.choice is not None:
         return cp.choice_constraint(args.choice, "--choice", cp.FLAG_STYLE)
     return None
+
+
+def _precheck_grammar(args: argparse.Namespace, grammar: GrammarConstraint | None) -> None:
+    """Refuse a grammar flag's value that the engine would refuse whatever the model (an
+    invalid JSON Schema, a regex or EBNF grammar that does not parse) before the model loads:
+    it used to fail the request, exit status 1, only after the load.
+
+    Raises:
+        ValueError: naming the flag (``--json-schema: Failed to compile json_schema grammar:
+            Unsupported type "foo"``).
+    """
+    if grammar is None:
+        return
+    from structspec.grammar.precheck import check_grammar  # xgrammar: only when needed
+
+    try:
+        check_grammar(grammar)
+    except ValueError as e:
+        flag = ("--json-schema" if args.json_schema is not None else
+                "--regex" if args.regex is not None else "--ebnf")
+        raise ValueError(f"{flag}: {e}") from None
 
 
 _GRAMMAR_KEYS = ("json_schema", "json_object", "regex", "ebnf", "choice")
@@ -343,6 +373,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         # every command-line check comes before the model loads
         check_device(args.device)
         grammar = grammar_from_args(args)
+        _precheck_grammar(args, grammar)
         if args.out_file is not None and not args.batch:
             raise ValueError("--out-file needs --batch")
         if args.out_file is not None:
@@ -437,6 +468,8 @@ def main(argv: list[str] | None = None) -> int:
         from structspec.server.launch import serve
 
         return serve(args)
+    if args.command == "train-eagle":
+        return cmd_train_eagle(args)
     return 2
 
 

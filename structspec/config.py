@@ -182,6 +182,23 @@ class GrammarConfig:
     cache_max_entries: int = 1024
     any_whitespace: bool = False  # False: compact JSON (`, ` and `: ` separators), fewer tokens
     max_rollback_tokens: int = 64  # must be >= the deepest draft path
+    # Compiles run in killable worker processes (structspec/grammar/compile_pool.py): the
+    # general lane has num_compile_threads of them, the lane for small grammars (canonical
+    # text <= small_grammar_bytes) num_small_compile_workers; a small-lane compile still
+    # running after small_lane_slice_s moves to the general lane, so small grammars never
+    # wait behind expensive ones.
+    num_small_compile_workers: int = 1
+    small_grammar_bytes: int = 32 * 1024
+    small_lane_slice_s: float = 2.0
+    # Up-front limits (structspec/grammar/limits.py): a grammar over one is refused with code
+    # grammar_too_complex before any compile. Each is far above every MaskBench schema
+    # (largest: 153 kB, 131 properties, 2442 enum values, 721 JSON objects, {0,255}) and lets
+    # a 100k-value enum and a 1 MB choice list through.
+    max_grammar_bytes: int = 4 * 1024 * 1024  # canonical text of the schema/regex/grammar/choices
+    max_schema_properties: int = 2048  # 'properties' of one object schema
+    max_schema_enum_values: int = 100_000  # values of one 'enum'
+    max_schema_subschemas: int = 20_000  # JSON objects (subschemas, keyword maps) in a schema
+    max_regex_repeat: int = 65_536  # largest bound of one {n,m} (regex field or 'pattern')
     # Worker processes that walk the requests' draft trees for the tree bitmask
     # (structspec/grammar/worker_pool.py); 0 = walk in the scheduler's process. Threads cannot
     # do it: the GIL hand-offs around xgrammar's ~35 us walks cost as much as the walks.
@@ -278,6 +295,7 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype={dtype!r}: expected float32, bfloat16, float16 or auto")
+    _check_int_options(config)
     spec = config.spec
     names = drafter_names()
     if spec.algorithm not in names:
@@ -314,6 +332,21 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
     if (isinstance(timeout, bool) or not isinstance(timeout, int | float)
             or not math.isfinite(timeout) or timeout <= 0):
         raise ValueError(f"grammar_compile_timeout_s={timeout!r}: expected a finite number of "
+                         "seconds > 0")
+    g = config.grammar
+    for name in ("num_compile_threads", "small_grammar_bytes", "max_grammar_bytes",
+                 "max_schema_properties", "max_schema_enum_values", "max_schema_subschemas",
+                 "max_regex_repeat"):
+        value = getattr(g, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"GrammarConfig.{name}={value!r}: expected an integer >= 1")
+    if (isinstance(g.num_small_compile_workers, bool)
+            or not isinstance(g.num_small_compile_workers, int)
+            or g.num_small_compile_workers < 0):
+        raise ValueError(f"GrammarConfig.num_small_compile_workers="
+                         f"{g.num_small_compile_workers!r}: expected an integer >= 0")
+    if not (isinstance(g.small_lane_slice_s, int | float) and g.small_lane_slice_s > 0):
+        raise ValueError(f"GrammarConfig.small_lane_slice_s={g.small_lane_slice_s!r}: expected "
                          "seconds > 0")
     if config.scheduler.max_batch_size < 1:
         raise ValueError("max_batch_size must be >= 1")
@@ -383,6 +416,34 @@ def default_grammar_workers(device: str) -> int:
         return 0
     cores = os.cpu_count() or 1
     return min(8, cores // 2) if cores >= 4 else 0
+
+
+def _check_int_options(config: EngineConfig) -> None:
+    """Refuse an integer option given as another type, naming the option and the expected
+    type: ``num_draft_tokens="8"`` used to fail as ``TypeError: '<=' not supported between
+    instances of 'int' and 'str'`` (or to pass unchecked with speculation off), and
+    ``max_batch_size=2.5`` would size buffers with a float.
+
+    Raises:
+        ValueError: starting with the option's name (``flag_error`` maps it to its flag).
+    """
+    options: list[tuple[str, object, bool]] = [  # (name, value, None allowed)
+        ("num_draft_tokens", config.spec.num_draft_tokens, False),
+        ("speculative_depth", config.spec.depth, False),
+        ("speculative_topk", config.spec.topk, False),
+        ("max_batch_size", config.scheduler.max_batch_size, False),
+        ("max_model_len", config.max_model_len, True),
+        ("page_size", config.cache.page_size, False),
+        ("kv_capacity_tokens", config.cache.kv_capacity_tokens, True),
+        ("seed", config.seed, False),
+    ]
+    for name, value, optional in options:
+        if value is None and optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name}={value!r}: expected an integer"
+                             f"{' (or None)' if optional else ''}, got "
+                             f"{type(value).__name__}")
 
 
 def _one_of(names: tuple[str, ...]) -> str:

@@ -31,6 +31,7 @@ from structspec.constraints import (
     JsonSchemaConstraint,
     RegexConstraint,
 )
+from structspec.regex_check import find_regex_problem
 from structspec.schema_structure import find_structure_problem
 
 
@@ -162,11 +163,16 @@ def regex_constraint(value: object, name: str, style: FieldStyle) -> RegexConstr
 
     Raises:
         ConstraintFieldError: ``value`` is not a string, or empty (blank too, where
-            ``style.blank_regex_is_empty``), worded by ``style.regex``.
+            ``style.blank_regex_is_empty``), worded by ``style.regex``; or it uses syntax the
+            grammar compiler would misread (``\\q``, ``[^]``:
+            :func:`~structspec.regex_check.find_regex_problem`), in every style.
     """
     if not isinstance(value, str) or not (value.strip() if style.blank_regex_is_empty
                                           else value):
         raise style.refuse(style.regex, name, value)
+    problem = find_regex_problem(value)
+    if problem is not None:
+        raise ConstraintFieldError(f"{name} is not a usable regex: {problem}", name)
     return RegexConstraint(value)
 
 

@@ -61,9 +61,24 @@ class JsonObjectConstraint:
 
 @dataclass(frozen=True)
 class RegexConstraint:
-    """Output must fully match ``pattern``."""
+    """Output must fully match ``pattern``.
+
+    Raises:
+        TypeError: ``pattern`` is not a string, naming ``pattern``.
+        ValueError: ``pattern`` is empty (it matches only the empty output, which is never
+            what a caller means), naming ``pattern``.
+    """
 
     pattern: str
+
+    def __post_init__(self) -> None:
+        pattern: object = self.pattern
+        if not isinstance(pattern, str):
+            raise TypeError(f"RegexConstraint.pattern must be a str, got "
+                            f"{type(pattern).__name__} {pattern!r}")
+        if not pattern:
+            raise ValueError("RegexConstraint.pattern must be a non-empty regular expression, "
+                             "got ''")
 
     @property
     def kind(self) -> str:
@@ -122,6 +137,10 @@ class ChoiceConstraint:
     def canonical_text(self) -> str:
         return json.dumps(list(self.choices))
 
+
+CONSTRAINT_TYPES = (JsonSchemaConstraint, JsonObjectConstraint, RegexConstraint, EbnfConstraint,
+                    ChoiceConstraint)
+"""Every grammar constraint type (``SamplingParams.validate`` refuses any other ``grammar``)."""
 
 GrammarConstraint = JsonSchemaConstraint | JsonObjectConstraint | RegexConstraint | EbnfConstraint | ChoiceConstraint
 

@@ -14,11 +14,24 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import structspec.constraints
+from structspec.constraints import CONSTRAINT_TYPES as _CONSTRAINT_TYPES
 from structspec.constraints import ChoiceConstraint, GrammarConstraint
 
 # ---------------------------------------------------------------------------------------------
 # Sampling parameters
 # ---------------------------------------------------------------------------------------------
+
+
+class RequestError(ValueError):
+    """A request was rejected before it ran; ``param`` names the offending field.
+
+    Raised by ``LLMEngine.add_request``; defined here, with no heavy import, so that the
+    server's engine loop can catch it without importing the engine.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class PromptTooLongError(ValueError):
@@ -112,10 +125,16 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
-        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be non-negative integers")
+        if any(not _is_int(t) or not 0 <= t < 2**63 for t in self.stop_token_ids):
+            # token ids travel as int64; 2**64 used to be accepted and could never match
+            raise ValueError("stop_token_ids must be integers in [0, 2**63)")
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.grammar is not None and not isinstance(self.grammar, _CONSTRAINT_TYPES):
+            # a string such as "text" used to fail later as an AttributeError naming no field
+            raise ValueError(f"grammar must be None or one of "
+                             f"{', '.join(t.__name__ for t in _CONSTRAINT_TYPES)}, got "
+                             f"{type(self.grammar).__name__} {self.grammar!r}")
         if isinstance(self.grammar, ChoiceConstraint):
             if not self.grammar.choices or any(not c for c in self.grammar.choices):
                 raise ValueError("choice must be a non-empty list of non-empty strings")
@@ -206,6 +225,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     error: str | None = None
     error_param: str | None = None  # which request field caused ``error`` (for HTTP 400s)
+    error_code: str | None = None  # machine-readable code of ``error`` (grammar_too_complex)
     stop_reason: str | int | None = None  # the stop string / token that ended it
     new_text: str = ""
     new_token_ids: list[int] = field(default_factory=list)
@@ -342,6 +362,9 @@ def _message_text(message: dict[str, Any], where: str) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
+        if not content:  # OpenAI refuses it too; joined it was a silent empty message
+            raise ChatMessageError(f"{where}.content", "expected a string or a non-empty list "
+                                                       "of text parts, got an empty list")
         return "".join(_part_text(part, f"{where}.content[{j}]")
                        for j, part in enumerate(content))
     if content is None and message["role"] == "assistant" and (

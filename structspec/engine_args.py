@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from structspec.speculative.registry import drafter_names
+from structspec.speculative.registry import drafter_info, drafter_names
 
 
 def int_range(low: int, high: int) -> Callable[[str], int]:
@@ -79,7 +79,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("speculative decoding")
     # the drafter registry is the one list of names (a drafter registered there is a choice)
     s.add_argument("--speculative-algorithm", default="none", choices=list(drafter_names()),
-                   help="drafter: n-gram prompt lookup, a small draft model, or an EAGLE head")
+                   help=speculative_algorithm_help())
     s.add_argument("--draft-model", default=None, help="draft model / EAGLE head checkpoint")
     s.add_argument("--num-draft-tokens", type=int, default=8,
                    help="verify tree size N, including the last committed token")
@@ -87,6 +87,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="draft_model/eagle: tree depth (expansion steps)")
     s.add_argument("--speculative-topk", type=int, default=2,
                    help="draft_model/eagle: children kept per expanded node")
+
+
+def speculative_algorithm_help() -> str:
+    """The ``--speculative-algorithm`` help line, built from the drafter registry: each name
+    with its description, and which ones need ``--draft-model`` (a drafter registered before
+    the parser is built shows up here)."""
+    parts = []
+    for name in drafter_names():
+        info = drafter_info(name)
+        words = [w for w in (info.description,
+                             "needs --draft-model" if info.needs_draft_model else "") if w]
+        parts.append(f"{name} ({'; '.join(words)})" if words else name)
+    # argparse expands % in help strings
+    return ("drafter: " + ", ".join(parts)).replace("%", "%%")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

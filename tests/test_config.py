@@ -192,3 +192,12 @@ def test_cli_batch_invariant_on_cpu_exits_2_naming_the_flag(
     assert rc == 2
     err = capsys.readouterr().err
     assert err.startswith("structspec generate: --batch-invariant: batch_invariant=True needs")
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_schema_properties", 0), ("max_grammar_bytes", -1), ("num_compile_threads", 0),
+    ("max_regex_repeat", 2.5), ("num_small_compile_workers", -1), ("small_lane_slice_s", 0),
+])
+def test_bad_grammar_limits_are_refused(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=f"GrammarConfig.{field}="):
+        resolve_engine_config(EngineConfig(device="cpu", grammar=GrammarConfig(**{field: value})))

@@ -41,7 +41,7 @@ FORBIDDEN = {
 }
 
 #: Entry points and wiring may import what they assemble, but no runtime package imports them.
-ENTRY = ("cli", "llm", "server", "engine", "engine_args", "__main__")
+ENTRY = ("cli", "llm", "server", "engine", "engine_args", "__main__", "training")
 
 
 def module_name(path: Path) -> str:

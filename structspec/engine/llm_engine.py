@@ -15,6 +15,7 @@ from structspec.core import (
     ChatMessageError,
     ChatMessages,
     PromptTooLongError,
+    RequestError,
     RequestOutput,
     SamplingParams,
     now,
@@ -26,13 +27,7 @@ from structspec.scheduler.request import Req
 
 PromptInput = str | list[int] | ChatMessages
 
-
-class RequestError(ValueError):
-    """A request was rejected before it ran; ``param`` names the offending field."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
+__all__ = ["LLMEngine", "PromptInput", "RequestError"]  # RequestError lives in core (light)
 
 
 class LLMEngine:

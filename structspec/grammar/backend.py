@@ -1,58 +1,91 @@
-"""The xgrammar backend: asynchronous, cached grammar compilation and matcher creation.
+"""The xgrammar backend: cached, killable grammar compilation and matcher creation.
 
 One :class:`GrammarBackend` per served model (it holds the tokenizer's vocabulary). The
 scheduler calls :meth:`GrammarBackend.submit` when a request arrives (never blocks), polls
 :meth:`GrammarFuture.done` / :meth:`GrammarFuture.expired` each loop iteration, then turns the
 result into a per-request :class:`~.matcher.Matcher` with :meth:`GrammarBackend.create_matcher`.
 
-Source of the design: sglang's xgrammar backend and grammar manager (compile on a thread pool
-keyed by ``(kind, text)``, cache the compiled prototype and the failures, dedupe in-flight
-compiles).
+A grammar goes through three stages:
+
+1. **Up front** (in :meth:`~GrammarBackend.submit`, microseconds to milliseconds): the
+   regex syntax check and the size limits (:mod:`structspec.grammar.limits`); a grammar over
+   a limit fails at once with code ``grammar_too_complex``.
+2. **Checked compile in a worker process** (:mod:`structspec.grammar.compile_pool`): every
+   check and the xgrammar compile, under the request's time budget
+   (``GrammarConfig.compile_timeout_s`` from submission, queue wait included). Past it the
+   worker is killed, its memory returned, and the request fails with ``grammar_too_complex``.
+3. **Rebuild in this process** (a daemon thread): the same compile again, to get the
+   ``CompiledGrammar`` the matchers need. It is proven to end (it just did, in the worker, in
+   about the same time), so the budget no longer runs; shipping the worker's result instead
+   (xgrammar's ``serialize_json``) costs as much as the compile for small grammars and up to
+   6 times more, plus a third for the parse, for big ones. Grammars whose worker compile
+   took under :data:`FAST_REBUILD_S` rebuild on their own thread, never behind big ones.
+
+Compiles are cached (LRU, keyed by a hash of the grammar), failures included except a time
+limit hit after waiting in a queue; concurrent requests for the same grammar share one
+compile. Source of the cache design: sglang's xgrammar backend and grammar manager.
 """
 
 from __future__ import annotations
 
-import json
+import hashlib
+import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
 from typing import Any
 
 import xgrammar as xgr
 
 from structspec.config import GrammarConfig
-from structspec.constraints import (
-    ChoiceConstraint,
-    EbnfConstraint,
-    GrammarConstraint,
-    JsonObjectConstraint,
-    JsonSchemaConstraint,
-    RegexConstraint,
+from structspec.constraints import GrammarConstraint, JsonSchemaConstraint, RegexConstraint
+from structspec.grammar.compile_pool import CompileJob, CompilePool, too_complex_error
+from structspec.grammar.compile_spec import (  # noqa: F401 - re-exported (tests, callers)
+    choice_ebnf,
+    compile_only,
+    metaschema_problem,
+    schema_text,
 )
-from structspec.grammar.bitmask import allocate_bitmask
-from structspec.grammar.errors import PARAM_BY_KIND, GrammarError
+from structspec.grammar.errors import GRAMMAR_TOO_COMPLEX, PARAM_BY_KIND, GrammarError
+from structspec.grammar.limits import find_limit_problem, is_small
 from structspec.grammar.matcher import Matcher
-from structspec.grammar.schema_check import find_unenforceable
-from structspec.schema_structure import find_structure_problem
+from structspec.regex_check import find_regex_problem
 
 CacheKey = tuple[str, str]
 
+FAST_REBUILD_S = 1.0
+"""Grammars whose worker compile took less than this rebuild on the fast thread."""
+
+
+@dataclass(eq=False)
+class _Entry:
+    """One cached grammar: its final future, the worker job while one runs, and whether the
+    worker accepted it (the rebuild that follows is not under the time limit)."""
+
+    future: Future[xgr.CompiledGrammar] = field(default_factory=Future)
+    job: CompileJob | None = None
+    accepted: bool = False
+    submitted_at: float = 0.0
+
 
 class GrammarFuture:
-    """A pending (or finished) compilation, as returned by :meth:`GrammarBackend.submit`.
+    """A pending (or finished) compilation for one request (:meth:`GrammarBackend.submit`).
 
     Args:
-        future: the shared compile future (several requests may wait on the same one).
+        entry: the shared compile (several requests may wait on the same one).
         timeout_s: the compile time limit (``GrammarConfig.compile_timeout_s``).
-        submitted_at: ``time.perf_counter()`` at submission.
+        submitted_at: ``time.perf_counter()`` at this request's submission.
+        kind: the grammar kind (``regex``, ``json_schema``...), for error params.
     """
 
-    def __init__(self, future: Future[xgr.CompiledGrammar], *, timeout_s: float,
-                 submitted_at: float, kind: str) -> None:
-        self._future = future
+    def __init__(self, entry: _Entry, *, timeout_s: float, submitted_at: float,
+                 kind: str) -> None:
+        self._entry = entry
+        self._future = entry.future
         self.timeout_s = timeout_s
         self.submitted_at = submitted_at
         self.kind = kind
@@ -62,28 +95,38 @@ class GrammarFuture:
         return self._future.done()
 
     def expired(self, now: float) -> bool:
-        """Whether it is still running ``timeout_s`` after submission (``now``: perf_counter)."""
-        return not self._future.done() and now - self.submitted_at > self.timeout_s
+        """Whether this request's budget ran out (``now``: perf_counter) before the worker
+        accepted its grammar; the rebuild after acceptance never expires."""
+        return (not self._future.done() and not self._entry.accepted
+                and now - self.submitted_at >= self.timeout_s)
 
     def result(self, timeout: float | None = None) -> xgr.CompiledGrammar:
-        """The compiled grammar, waiting at most ``timeout`` seconds.
-
-        Args:
-            timeout: seconds to wait; ``None`` = until ``timeout_s`` after submission.
+        """The compiled grammar, waiting at most ``timeout`` seconds (None: until it is
+        ready, or until the request's budget runs out before the worker accepts it).
 
         Raises:
-            GrammarError: the compile failed (the compiler's message), the spec is invalid or
-                not enforceable, or the wait exceeded the limit
-                ("grammar compilation exceeded {t}s").
+            GrammarError: the compile failed (the compiler's message), the spec is invalid,
+                unservable or over a limit, or this request's budget ran out
+                (code ``grammar_too_complex``, naming ``timeout_s``); or ``timeout`` passed
+                first (a shorter wait than the budget: no code).
         """
-        limit = self.timeout_s if timeout is None else timeout
-        wait = max(0.0, self.submitted_at + self.timeout_s - time.perf_counter()) \
-            if timeout is None else timeout
-        try:
-            return self._future.result(timeout=wait)
-        except FutureTimeout:
-            raise GrammarError(f"grammar compilation exceeded {limit:g}s",
-                               param=PARAM_BY_KIND.get(self.kind)) from None
+        give_up = None if timeout is None else time.perf_counter() + timeout
+        while True:
+            now = time.perf_counter()
+            if self.expired(now):
+                raise too_complex_error(self.kind, self.timeout_s)
+            waits = [] if self._entry.accepted else [self.submitted_at + self.timeout_s - now]
+            if give_up is not None:
+                waits.append(give_up - now)
+            wait = max(0.0, min(waits)) if waits else None
+            try:
+                return self._future.result(timeout=wait)
+            except FutureTimeout:
+                if give_up is not None and time.perf_counter() >= give_up \
+                        and not self.expired(time.perf_counter()):
+                    raise GrammarError(f"grammar compilation still running after the "
+                                       f"{timeout:g} s wait", param=PARAM_BY_KIND.get(self.kind)
+                                       ) from None
 
 
 class GrammarBackend:
@@ -95,10 +138,11 @@ class GrammarBackend:
             are never allowed by any grammar). Bitmasks have ``ceil(vocab_size / 32)`` words.
         stop_token_ids: ids that end an output (pass them explicitly: e.g. SmolLM2's GGUF
             conversion reports the wrong EOS).
-        config: compile threads, cache bound, timeout, whitespace and rollback settings.
+        config: compile lanes, limits, cache bound, timeout, whitespace and rollback.
 
     Compile options: JSON Schema with ``strict_mode=True`` and ``any_whitespace`` from the
-    config (``False``: xgrammar's default separators ``", "`` and ``": "``).
+    config (``False``: xgrammar's default separators ``", "`` and ``": "``). The compile
+    worker processes start in the background at construction.
     """
 
     def __init__(
@@ -114,41 +158,92 @@ class GrammarBackend:
         self.stop_token_ids = [int(t) for t in stop_token_ids]
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
             tokenizer_hf, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
-        # Our own LRU cache below replaces xgrammar's (unbounded) one.
+        # The rebuild compiler (stage 3); our own LRU cache replaces xgrammar's unbounded one.
         self._compiler = xgr.GrammarCompiler(
-            self.tokenizer_info, max_threads=self.config.num_compile_threads, cache_enabled=False)
-        self._executor = ThreadPoolExecutor(
-            max_workers=self.config.num_compile_threads, thread_name_prefix="grammar-compile")
+            self.tokenizer_info, max_threads=max(1, self.config.num_compile_threads),
+            cache_enabled=False)
+        self.pool = CompilePool(
+            self.tokenizer_info.serialize_json(), vocab_size=self.vocab_size,
+            stop_token_ids=self.stop_token_ids, any_whitespace=self.config.any_whitespace,
+            general_workers=self.config.num_compile_threads,
+            small_workers=self.config.num_small_compile_workers,
+            small_slice_s=self.config.small_lane_slice_s)
         self._lock = threading.Lock()
-        self._cache: OrderedDict[CacheKey, Future[xgr.CompiledGrammar]] = OrderedDict()
+        self._cache: OrderedDict[CacheKey, _Entry] = OrderedDict()
+        self._compile_s: list[float] = []
+        self._timeouts = 0
+        self._rebuild_fast: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._rebuild_slow: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        # daemon threads: a rebuild in progress never holds up the process's exit
+        self._threads = [threading.Thread(target=_serve, args=(q,), daemon=True,
+                                          name=f"grammar-rebuild-{name}")
+                         for name, q, n in (("fast", self._rebuild_fast, 1),
+                                            ("slow", self._rebuild_slow,
+                                             max(1, self.config.num_compile_threads)))
+                         for _ in range(n)]
+        for t in self._threads:
+            t.start()
+        self._closed = False
 
     # -- compilation ----------------------------------------------------------------------
 
     def submit(self, spec: GrammarConstraint) -> GrammarFuture:
-        """Start compiling ``spec`` (or reuse a cached / in-flight compile); never blocks.
+        """Start compiling ``spec`` (or join a cached / in-flight compile); never blocks on
+        the compile (the up-front checks take microseconds to milliseconds).
 
-        Errors (invalid spec, compile failure, unenforceable schema) surface from
-        :meth:`GrammarFuture.result` as :class:`GrammarError`; failures are cached too.
+        Errors (invalid spec, over a limit, compile failure, unservable schema, time limit)
+        surface from :meth:`GrammarFuture.result` as :class:`GrammarError`.
         """
         now = time.perf_counter()
         kind = spec.kind
+        limit_s = self.config.compile_timeout_s
+
+        def failed(error: GrammarError) -> GrammarFuture:
+            entry = _Entry(submitted_at=now)
+            entry.future.set_exception(error)
+            return GrammarFuture(entry, timeout_s=limit_s, submitted_at=now, kind=kind)
+
+        param = PARAM_BY_KIND.get(kind)
         try:
-            key = self._key(spec)
+            text = spec.canonical_text()
+            key = self._key(spec, text)
         except (ValueError, TypeError) as e:
-            failed: Future[xgr.CompiledGrammar] = Future()
-            failed.set_exception(GrammarError(str(e), param=PARAM_BY_KIND.get(kind)))
-            return GrammarFuture(failed, timeout_s=self.config.compile_timeout_s,
-                                 submitted_at=now, kind=kind)
+            return failed(GrammarError(str(e), param=param))
         with self._lock:
-            fut = self._cache.get(key)
-            if fut is not None:
+            entry = self._cache.get(key)
+            if entry is not None:
                 self._cache.move_to_end(key)
-            else:
-                fut = self._executor.submit(self._compile_now, spec)
-                self._cache[key] = fut
+                if entry.job is not None and not entry.accepted:
+                    self.pool.extend(entry.job, now + limit_s)
+                return GrammarFuture(entry, timeout_s=limit_s, submitted_at=now, kind=kind)
+        # up front: not cached (cheap to repeat; a refused 4 MB text would hold cache memory)
+        if isinstance(spec, RegexConstraint):
+            problem = find_regex_problem(spec.pattern)
+            if problem is not None:
+                return failed(GrammarError(f"regex is not a usable regex: {problem}",
+                                           param=param))
+        try:
+            problem = find_limit_problem(spec, text, self.config)
+        except (ValueError, TypeError) as e:
+            return failed(GrammarError(str(e), param=param))
+        if problem is not None:
+            return failed(GrammarError(f"grammar too complex to compile: {problem}",
+                                       param=param, code=GRAMMAR_TOO_COMPLEX))
+        with self._lock:
+            entry = self._cache.get(key)
+            if entry is None:
+                entry = _Entry(submitted_at=now)
+                entry.job = self.pool.submit(spec, small=is_small(text, self.config),
+                                             deadline=now + limit_s, limit_s=limit_s)
+                self._cache[key] = entry
                 self._evict()
-        return GrammarFuture(fut, timeout_s=self.config.compile_timeout_s, submitted_at=now,
-                             kind=kind)
+                job: CompileJob | None = entry.job
+            else:
+                job = None
+        if job is not None:  # outside the lock: a finished job runs the callback right here
+            job.future.add_done_callback(
+                lambda f, e=entry, k=key, s=spec: self._on_worker_done(k, e, s, f))
+        return GrammarFuture(entry, timeout_s=limit_s, submitted_at=now, kind=kind)
 
     def compile(self, spec: GrammarConstraint, timeout: float | None = None) -> xgr.CompiledGrammar:
         """Blocking convenience: ``submit(spec).result(timeout)``.
@@ -168,166 +263,94 @@ class GrammarBackend:
         with self._lock:
             return len(self._cache)
 
+    def drain_compile_stats(self) -> tuple[list[float], int]:
+        """Compile seconds (submission to ready, per compiled grammar) and the number of
+        compiles stopped at their time limit, since the last call (``/metrics``)."""
+        with self._lock:
+            seconds, self._compile_s = self._compile_s, []
+            timeouts, self._timeouts = self._timeouts, 0
+        return seconds, timeouts
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Wait until the compile processes can take work (their first start imports
+        xgrammar and torch: seconds); True when they can, False (logged) after
+        ``timeout_s`` or when they failed to start."""
+        return self.pool.wait_ready(timeout_s)
+
+    def worker_pids(self) -> list[int]:
+        """The compile processes' ids (zygote first; tests measure their CPU and memory)."""
+        return self.pool.pids()
+
     def shutdown(self) -> None:
-        """Stop accepting compiles; running ones finish in the background."""
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        """Stop the compile processes (running compiles are killed; their requests fail) and
+        the rebuild threads. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.pool.close()
+        for t in self._threads:
+            (self._rebuild_fast if t.name.endswith("fast") else self._rebuild_slow).put(None)
 
     # -- internals ----------------------------------------------------------------------
 
     @staticmethod
-    def _key(spec: GrammarConstraint) -> CacheKey:
+    def _key(spec: GrammarConstraint, text: str) -> CacheKey:
+        """``(kind, sha256 of the canonical text)``: a cached 4 MB grammar keeps no 4 MB key."""
+        kind = spec.kind
         if isinstance(spec, JsonSchemaConstraint):
             # The strict check may fail where the non-strict compile succeeds: separate keys.
-            return ("json_schema:strict" if spec.strict else "json_schema"), schema_text(spec)
-        return spec.kind, spec.canonical_text()
+            kind = "json_schema:strict" if spec.strict else "json_schema"
+        return kind, hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
     def _evict(self) -> None:
         # Called with the lock held. In-flight entries are kept (they dedupe waiters).
         excess = len(self._cache) - self.config.cache_max_entries
         if excess <= 0:
             return
-        for key in [k for k, f in self._cache.items() if f.done()][:excess]:
+        for key in [k for k, e in self._cache.items() if e.future.done()][:excess]:
             del self._cache[key]
 
-    def _compile_now(self, spec: GrammarConstraint) -> xgr.CompiledGrammar:
-        """Runs on a compile thread; every failure becomes a :class:`GrammarError`."""
-        kind = spec.kind
-        param = PARAM_BY_KIND.get(kind)
-        try:
-            if isinstance(spec, JsonSchemaConstraint):
-                text = schema_text(spec)
-                schema = json.loads(text)
-                problem = find_structure_problem(schema)
-                if problem is not None:
-                    raise GrammarError(f"json_schema cannot be served: {problem}", param=param)
-                if spec.strict:
-                    self._check_enforceable(schema, param)
-                return self._accepts_output(self._compiler.compile_json_schema(
-                    text, any_whitespace=self.config.any_whitespace, strict_mode=True), param)
-            if isinstance(spec, JsonObjectConstraint):
-                return self._compiler.compile_json_schema(
-                    '{"type": "object"}', any_whitespace=self.config.any_whitespace,
-                    strict_mode=True)
-            if isinstance(spec, RegexConstraint):
-                return self._accepts_output(self._compiler.compile_regex(spec.pattern), param)
-            if isinstance(spec, EbnfConstraint):
-                return self._accepts_output(
-                    self._compiler.compile_grammar(spec.grammar, root_rule_name="root"), param)
-            if isinstance(spec, ChoiceConstraint):
-                return self._compiler.compile_grammar(choice_ebnf(spec.choices))
-            raise GrammarError(f"unknown grammar kind {kind!r}", param=param)
-        except GrammarError:
-            raise
-        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError/...
-            message = _compiler_message(e)
-            if isinstance(spec, JsonSchemaConstraint):
-                # xgrammar names neither the place nor the rule ("Unsupported type
-                # "objectz"", or an internal check's text): say where the schema breaks its
-                # metaschema, when it does, and keep the compiler's words after it.
-                problem = metaschema_problem(spec)
-                if problem is not None:
-                    message = f"{problem} (compiler: {message})"
-            raise GrammarError(f"Failed to compile {kind} grammar: {message}",
-                               param=param) from e
-
-    def _accepts_output(self, compiled: xgr.CompiledGrammar,
-                        param: str | None) -> xgr.CompiledGrammar:
-        """``compiled``, unless its start state allows no token at all (not even a stop
-        token): a grammar whose language is empty, e.g. a schema whose ``$ref`` cycle has no
-        base case. Such a request would otherwise fail at its first token with a
-        "grammar rejected token" error that looks like an engine fault.
-
-        Raises:
-            GrammarError: the grammar accepts no output.
-        """
-        bitmask = allocate_bitmask(1, self.vocab_size, pin=False)
-        self.create_matcher(compiled).fill_bitmask(bitmask, 0)
-        if not bool(bitmask.any()):
-            raise GrammarError("the grammar accepts no output at all (for a JSON Schema: a "
-                               "$ref cycle with no way out, or contradictory constraints)",
-                               param=param)
-        return compiled
-
-    @staticmethod
-    def _check_enforceable(schema: Any, param: str | None) -> None:
-        if not isinstance(schema, dict):
+    def _on_worker_done(self, key: CacheKey, entry: _Entry, spec: GrammarConstraint,
+                        job_future: Future[float]) -> None:
+        """The worker's verdict (on the pool's thread): fail the entry, or queue its rebuild."""
+        job = entry.job
+        error = job_future.exception()
+        if error is not None:
+            with self._lock:
+                if isinstance(error, GrammarError) and error.code == GRAMMAR_TOO_COMPLEX:
+                    self._timeouts += 1
+                    # cache "too complex" only when it ran its whole budget on a worker; a
+                    # budget spent waiting in a queue says nothing about the grammar
+                    if (job is None or job.run_s < self.config.compile_timeout_s) \
+                            and self._cache.get(key) is entry:
+                        del self._cache[key]
+                entry.job = None
+            if not entry.future.done():
+                entry.future.set_exception(error)
             return
-        problems = find_unenforceable(schema)
-        if problems:
-            shown = "; ".join(f"{p or '/'}: {r}" for p, r in problems[:5])
-            more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
-            raise GrammarError(
-                "json_schema cannot be enforced exactly in strict mode: " + shown + more
-                + ". Remove these keywords or set strict to false (best effort).", param=param)
+        entry.accepted = True
+        entry.job = None
+        lane = self._rebuild_fast if job_future.result() < FAST_REBUILD_S else self._rebuild_slow
+        lane.put(lambda: self._rebuild(entry, spec))
+
+    def _rebuild(self, entry: _Entry, spec: GrammarConstraint) -> None:
+        try:
+            compiled = compile_only(self._compiler, spec,
+                                    any_whitespace=self.config.any_whitespace)
+        except GrammarError as e:
+            entry.future.set_exception(e)
+            return
+        with self._lock:
+            self._compile_s.append(time.perf_counter() - entry.submitted_at)
+        entry.future.set_result(compiled)
 
 
-def schema_text(spec: JsonSchemaConstraint) -> str:
-    """The schema as compact JSON text, key order kept (the compile input and cache key):
-    :meth:`JsonSchemaConstraint.canonical_text`, which raises ``ValueError`` for text that is not
-    JSON or a schema that is not an object/boolean."""
-    return spec.canonical_text()
+def _serve(work: queue.SimpleQueue[Callable[[], None] | None]) -> None:
+    """A rebuild thread: run queued rebuilds until ``None``."""
+    while True:
+        item = work.get()
+        if item is None:
+            return
+        item()
 
 
-def metaschema_problem(spec: JsonSchemaConstraint) -> str | None:
-    """Where ``spec``'s schema breaks its metaschema (the draft its ``$schema`` names, else
-    2020-12), as ``"invalid JSON Schema at <JSON pointer>: <reason>"``; None when it does not,
-    or when the ``jsonschema`` package is missing or cannot check it.
-
-    Used only to explain a compile failure: schemas that xgrammar compiles are never refused
-    for a metaschema violation (it may accept older drafts' forms).
-    """
-    try:
-        import jsonschema
-        from jsonschema.exceptions import best_match
-
-        schema = json.loads(schema_text(spec))
-        cls = jsonschema.validators.validator_for(schema,
-                                                  default=jsonschema.Draft202012Validator)
-        error = best_match(cls(cls.META_SCHEMA).iter_errors(schema))
-    except Exception:  # noqa: BLE001 - an explanation only; the compile error stands alone
-        return None
-    if error is None:
-        return None
-    pointer = "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in error.path)
-    return f"invalid JSON Schema at {pointer or '/'}: {error.message}"
-
-
-def choice_ebnf(choices: Sequence[str]) -> str:
-    """A GBNF grammar whose sentences are exactly ``choices`` (``root ::= "a" | "b"``).
-
-    Raises:
-        GrammarError: when ``choices`` is empty or contains an empty string.
-    """
-    if not choices or any(not isinstance(c, str) or not c for c in choices):
-        raise GrammarError("choice must be a non-empty list of non-empty strings",
-                           param="choice")
-    return "root ::= " + " | ".join(_ebnf_literal(c) for c in choices)
-
-
-def _ebnf_literal(text: str) -> str:
-    out = []
-    for ch in text:
-        if ch in '"\\':
-            out.append("\\" + ch)
-        elif ch == "\n":
-            out.append("\\n")
-        elif ch == "\r":
-            out.append("\\r")
-        elif ch == "\t":
-            out.append("\\t")
-        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
-            out.append(f"\\x{ord(ch):02x}")
-        else:
-            out.append(ch)
-    return '"' + "".join(out) + '"'
-
-
-def _compiler_message(e: BaseException) -> str:
-    """The useful part of an xgrammar exception (drop the ``[time] file.cc:line:`` prefix)."""
-    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
-    msg = lines[-1] if lines else type(e).__name__
-    if msg.startswith("[") and ": " in msg:
-        head, _, rest = msg.partition(": ")
-        if ".cc:" in head or ".h:" in head:
-            msg = rest
-    return msg

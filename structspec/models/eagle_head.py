@@ -27,6 +27,11 @@ Supported head formats (a directory with ``config.json`` + ``*.safetensors`` or
   (``target = draft + d2t[draft]``; no ``d2t`` = identity). Drafted steps feed the midlayer's
   pre-norm output back as the next ``h`` (EAGLE-3's training-time test). Not supported:
   multi-layer EAGLE-3 heads, heads with their own trained embeddings.
+* **EAGLE-3 sharing the target's lm_head**: no ``lm_head.weight`` tensor and no
+  ``draft_vocab_size`` in config.json (or one equal to the target's ``vocab_size``): the head's
+  logits come from the TARGET's ``lm_head`` over the full vocabulary (no ``d2t``). This is
+  sglang's convention too (``draft_vocab_size`` absent -> ``load_lm_head_from_target``), and
+  what ``structspec train-eagle`` writes by default (:mod:`structspec.training.export`).
 
 The drafter that runs a head (catch-up, EAGLE-2 expansion, feature storage) is
 :class:`structspec.speculative.eagle.EagleDrafter`; this module knows nothing of drafting.
@@ -71,6 +76,8 @@ class EagleHeadConfig:
         final_norm: a final ``norm.weight`` exists.
         draft_vocab_size: rows of the head's own ``lm_head`` (EAGLE-3), else the target's.
         aux_hidden_layers: target decoder layers whose outputs form the EAGLE-3 feature.
+        own_lm_head: an EAGLE-3 head with its own ``lm_head.weight``; False = logits through
+            the target's ``lm_head`` (EAGLE-1/2, and EAGLE-3 heads that share it).
     """
 
     version: int
@@ -81,6 +88,7 @@ class EagleHeadConfig:
     final_norm: bool
     draft_vocab_size: int
     aux_hidden_layers: tuple[int, ...]
+    own_lm_head: bool = False
 
 
 def _read_head_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -108,7 +116,9 @@ def parse_eagle_config(
     """Build an :class:`EagleHeadConfig` from ``config.json`` and the tensor names.
 
     Raises:
-        ValueError: hidden size differs from the target's, or a required field is missing.
+        ValueError: hidden size differs from the target's, a required field is missing, or an
+            EAGLE-3 head without ``lm_head.weight`` declares a ``draft_vocab_size`` other than
+            the target's ``vocab_size``.
     """
     archs = " ".join(cfg.get("architectures") or [])
     version = 3 if ("Eagle3" in archs or any(n.startswith("midlayer.") for n in names)) else 1
@@ -143,6 +153,15 @@ def parse_eagle_config(
         ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         default = (1, nl // 2 - 1, nl - 4)
         aux = tuple(min(max(int(i), 0), nl - 1) for i in (ids if ids else default))
+    own_lm_head = version == 3 and "lm_head.weight" in names
+    draft_vocab = target.vocab_size
+    if version == 3:
+        draft_vocab = int(cfg.get("draft_vocab_size") or target.vocab_size)
+        if not own_lm_head and draft_vocab != target.vocab_size:
+            raise ValueError(f"EAGLE-3 head: draft_vocab_size {draft_vocab} but no "
+                             f"lm_head.weight tensor (a head that shares the target's lm_head "
+                             f"must leave draft_vocab_size out or set it to the target's "
+                             f"vocab_size {target.vocab_size})")
     return EagleHeadConfig(
         version=version,
         layer=layer,
@@ -150,9 +169,9 @@ def parse_eagle_config(
         fc_bias="fc.bias" in names,
         input_norm=tuple(f"layers.{i}.input_layernorm.weight" in names for i in range(layers)),
         final_norm="norm.weight" in names,
-        draft_vocab_size=int(cfg.get("draft_vocab_size") or target.vocab_size)
-        if version == 3 else target.vocab_size,
+        draft_vocab_size=draft_vocab,
         aux_hidden_layers=aux,
+        own_lm_head=own_lm_head,
     )
 
 
@@ -188,7 +207,8 @@ class EagleHead(nn.Module):
         layers: EAGLE-1 decoder layers (empty for EAGLE-3).
         midlayer: the EAGLE-3 layer (None for EAGLE-1).
         norm: final RMSNorm or None.
-        lm_head: EAGLE-3's Linear(H -> draft vocab) or None (EAGLE-1 uses the target's).
+        lm_head: EAGLE-3's Linear(H -> draft vocab) or None (EAGLE-1, and EAGLE-3 heads without
+            their own, use the target's).
         d2t: ``[draft vocab]`` int64 buffer, absolute target id of each draft id (EAGLE-3).
     """
 
@@ -209,7 +229,7 @@ class EagleHead(nn.Module):
                 self.layers.append(layer)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if config.final_norm else None
         self.lm_head = (nn.Linear(c.hidden_size, config.draft_vocab_size, bias=False)
-                        if config.version == 3 else None)
+                        if config.own_lm_head else None)
         self.register_buffer("d2t", torch.arange(config.draft_vocab_size), persistent=False)
         self.rotary = RotaryEmbedding(
             head_dim=c.head_dim, rope_theta=c.rope_theta,
@@ -267,6 +287,7 @@ class EagleHead(nn.Module):
             norms = ["post_attention_layernorm"]
             if self.midlayer is not None:
                 norms += ["input_layernorm", "hidden_norm"]
+            if self.lm_head is not None:
                 names["lm_head.weight"] = ("lm_head.weight", 0, 0)
             elif self.config.input_norm[i]:
                 norms.append("input_layernorm")
@@ -288,6 +309,9 @@ class EagleHead(nn.Module):
                 if t.numel() != self.config.draft_vocab_size:
                     raise ValueError(f"{source}: d2t has {t.numel()} entries, expected "
                                      f"{self.config.draft_vocab_size}")
+                if self.lm_head is None and bool(t.ne(0).any()):
+                    raise ValueError(f"{source}: d2t maps draft ids to other target ids but "
+                                     f"the head has no lm_head.weight of its own")
                 self.d2t.copy_(torch.arange(t.numel()) + t.to(torch.int64).cpu())
                 continue
             if name in names:

@@ -49,6 +49,7 @@ class Req:
     stop_reason: str | int | None = None
     error: str | None = None
     error_param: str | None = None
+    error_code: str | None = None
     text: str = ""
     # output ids the host matcher has accepted (the rest wait for the grammar barrier, or
     # were advanced by a mask worker's mirror matcher and are replayed only if needed)
@@ -77,7 +78,7 @@ class Req:
 
     def finish(self, reason: FinishReason, *, force: bool = False,
                stop_reason: str | int | None = None, error: str | None = None,
-               error_param: str | None = None) -> None:
+               error_param: str | None = None, error_code: str | None = None) -> None:
         """Mark finished. The first reason wins unless ``force`` (a stop string found later in
         the same run, or a grammar error, overrides a token-level stop)."""
         if self.finished and not force:
@@ -87,6 +88,7 @@ class Req:
         self.stop_reason = stop_reason
         self.error = error
         self.error_param = error_param
+        self.error_code = error_code
 
     @property
     def has_unreported(self) -> bool:
@@ -112,6 +114,7 @@ class Req:
             finish_reason=self.finish_reason,
             error=self.error,
             error_param=self.error_param,
+            error_code=self.error_code,
             stop_reason=self.stop_reason,
             new_text=new_text,
             new_token_ids=new_ids,

@@ -232,7 +232,8 @@ class Scheduler:
                 compiled = fut.result(timeout=0)
                 req.matcher = self.grammar.create_matcher(compiled)
             except GrammarError as e:
-                req.finish(FinishReason.ABORT, error=str(e), error_param=e.param)
+                req.finish(FinishReason.ABORT, error=str(e), error_param=e.param,
+                           error_code=e.code)
                 self._retire(req)
                 continue
             req.grammar_future = None

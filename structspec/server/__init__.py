@@ -11,6 +11,8 @@ Modules (one job each):
 - :mod:`~structspec.server.ipc`: the picklable messages exchanged by the two processes.
 - :mod:`~structspec.server.engine_process`: the engine process's entry point and loop.
 - :mod:`~structspec.server.engine_client`: the front end's handle on that process.
+- :mod:`~structspec.server.supervisor`: restarts a dead engine process (bounded, backoff).
+- :mod:`~structspec.server.limits`: admission limits (choices, queue, sizes).
 - :mod:`~structspec.server.protocol`: pydantic models of the OpenAI requests.
 - :mod:`~structspec.server.structured`: request fields -> :data:`~structspec.core.GrammarConstraint`.
 - :mod:`~structspec.server.params`: request fields -> :class:`~structspec.core.SamplingParams`.

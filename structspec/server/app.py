@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (all
 behind ``--api-key`` when set), ``GET /health`` (200 with queue counts when the engine
-serves, 503 otherwise), ``GET /metrics`` (Prometheus text).
+serves, 503 otherwise, e.g. while the engine process restarts), ``GET /metrics``
+(Prometheus text).
 """
 
 from __future__ import annotations
@@ -118,7 +119,11 @@ def create_app(state: ServerState,
         engine = state.engine
         body: dict[str, object] = {"status": "ok" if engine.ready else "unavailable",
                                    **engine.stats.as_dict(),
-                                   "num_inflight": getattr(engine, "num_inflight", 0)}
+                                   "num_inflight": getattr(engine, "num_inflight", 0),
+                                   # engine supervision (server.supervisor): a 503 with
+                                   # restarting true turns into a 200 once it is back
+                                   "restarting": getattr(engine, "restarting", False),
+                                   "engine_restarts": getattr(engine, "restarts", 0)}
         return json_response(body, 200 if engine.ready else 503)
 
     @app.get("/metrics")

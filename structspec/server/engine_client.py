@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from structspec.server.ipc import (
     AbortAll,
@@ -101,9 +101,13 @@ class EngineClient:
     Args:
         config: the engine configuration, sent to the child as is.
         log_level: logging level of the engine process.
+        engine_factory: builds the engine from ``config`` in the child (None: ``LLMEngine``);
+            a picklable module-level callable (tests run a scripted engine behind the real
+            loop and pipes).
     """
 
-    def __init__(self, config: EngineConfig, *, log_level: int = logging.INFO) -> None:
+    def __init__(self, config: EngineConfig, *, log_level: int = logging.INFO,
+                 engine_factory: Callable[[Any], Any] | None = None) -> None:
         self.config = config
         self.log_level = log_level
         self.info: EngineInfo | None = None  # type: ignore[assignment]
@@ -125,7 +129,7 @@ class EngineClient:
 
         self.process = ctx.Process(
             target=engine_main, name="structspec-engine",
-            args=(config, self._to_engine_r, self._from_engine_w, log_level))
+            args=(config, self._to_engine_r, self._from_engine_w, log_level, engine_factory))
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -296,6 +300,8 @@ class EngineClient:
             try:
                 msg = self._from_engine_r.recv()
             except (EOFError, OSError):
+                if not self._closing:  # reap it so the reason has its exit code (-9: killed)
+                    self.process.join(1.0)
                 reason = ("server is shutting down" if self._closing
                           else f"engine process exited (code {self.process.exitcode})")
                 if not self._closing:

@@ -12,11 +12,12 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
+from structspec.core import RequestError
 from structspec.server.ipc import (
     AbortAll,
     AbortRequest,
@@ -59,6 +60,7 @@ def delta_from_output(out: RequestOutput) -> EngineDelta:
         delta.stop_reason = out.stop_reason
         delta.error = out.error
         delta.error_param = out.error_param
+        delta.error_code = out.error_code
         delta.text = out.text
         delta.num_prompt_tokens = out.num_prompt_tokens
         delta.num_completion_tokens = out.num_completion_tokens
@@ -104,14 +106,13 @@ class EngineLoop:
         self._pending: list[EngineDelta] = []
         self._last_stats: EngineStats | None = None
         self._stop = False
-        self.compile_times: list[float] = []
-        _instrument_grammar(engine, self.compile_times)
+        # the grammar backend's compile seconds and time-limit stops (None: an engine
+        # without one, e.g. a test fake)
+        self._drain_compile_stats = getattr(getattr(engine, "grammar", None),
+                                            "drain_compile_stats", None)
 
     def run(self) -> None:
         """Serve until :class:`~structspec.server.ipc.Shutdown` or the front end goes away."""
-        from structspec.engine.llm_engine import RequestError
-
-        self._request_error = RequestError
         self._last_stats = self._stats()
         self.outbox.send(StepOutputs([], self._last_stats))  # /health has numbers at once
         while not self._stop:
@@ -170,7 +171,7 @@ class EngineLoop:
     def _add(self, msg: AddRequest) -> None:
         try:
             self.engine.add_request(msg.prompt_token_ids, msg.params, request_id=msg.request_id)
-        except self._request_error as e:
+        except RequestError as e:
             self._pending.append(EngineDelta(
                 request_id=msg.request_id, finished=True, finish_reason="abort", error=str(e),
                 error_param=e.param, rejected=True, num_prompt_tokens=len(msg.prompt_token_ids)))
@@ -200,9 +201,8 @@ class EngineLoop:
 
     def _stats(self) -> EngineStats:
         s = self.engine.stats()
-        n = len(self.compile_times)  # callbacks append from compile threads: take a prefix
-        compile_s = self.compile_times[:n]
-        del self.compile_times[:n]
+        compile_s, timeouts = ([], 0) if self._drain_compile_stats is None \
+            else self._drain_compile_stats()
         return EngineStats(
             num_running=int(s.get("num_running", 0)),
             num_waiting=int(s.get("num_waiting", 0)),
@@ -210,35 +210,18 @@ class EngineLoop:
             kv_free_pages=int(s.get("kv_free_pages", 0)),
             kv_total_pages=int(s.get("kv_total_pages", 0)),
             grammar_compile_s=tuple(compile_s),
+            grammar_compile_timeouts=int(timeouts),
             steps=tuple(self.engine.scheduler.timer.drain()),
         )
 
 
-def _instrument_grammar(engine: Any, sink: list[float]) -> None:
-    """Record real grammar compile durations (cache hits excluded) into ``sink``.
-
-    The engine has no public compile-time hook yet, so this wraps ``engine.grammar.submit``
-    and watches the returned future's private ``_future``; without them it does nothing.
-    """
-    grammar = getattr(engine, "grammar", None)
-    submit = getattr(grammar, "submit", None)
-    if submit is None:
-        return
-
-    def timed_submit(spec: Any) -> Any:
-        gf = submit(spec)
-        inner = getattr(gf, "_future", None)
-        start = getattr(gf, "submitted_at", None)
-        if inner is not None and start is not None and not inner.done():
-            inner.add_done_callback(lambda _f: sink.append(time.perf_counter() - start))
-        return gf
-
-    grammar.submit = timed_submit
-
-
 def engine_main(config: EngineConfig, inbox: Connection, outbox: Connection,
-                log_level: int = logging.INFO) -> None:
+                log_level: int = logging.INFO,
+                engine_factory: Callable[[Any], Any] | None = None) -> None:
     """Entry point of the engine process (a ``multiprocessing`` spawn target).
+
+    ``engine_factory(config)`` builds the engine (None: :class:`LLMEngine`); anything with
+    the methods :class:`EngineLoop` calls will do.
 
     Ctrl-C reaches the whole process group; the engine ignores SIGINT and lets the front end
     drive shutdown (it sends :class:`~structspec.server.ipc.Shutdown` or closes the pipe).
@@ -246,9 +229,11 @@ def engine_main(config: EngineConfig, inbox: Connection, outbox: Connection,
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s [engine] %(levelname)s %(message)s")
     try:
-        from structspec.engine.llm_engine import LLMEngine
+        if engine_factory is None:
+            from structspec.engine.llm_engine import LLMEngine
 
-        engine = LLMEngine(config)
+            engine_factory = LLMEngine
+        engine = engine_factory(config)
         info = engine_info(engine)
     except BaseException as e:  # report every failure, then exit non-zero
         outbox.send(InitFailed(f"{type(e).__name__}: {e}", traceback.format_exc()))

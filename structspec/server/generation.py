@@ -143,8 +143,10 @@ def error_for(delta: EngineDelta, grammar_param: str | None = None) -> APIError:
         param = delta.error_param
         if grammar_param is not None and param in GRAMMAR_KIND_PARAMS:
             param = grammar_param
-        code = None
-        if "prompt has" in msg and "context" in msg:
+        code = delta.error_code
+        if code is not None:
+            pass  # the engine's own code (grammar_too_complex)
+        elif "prompt has" in msg and "context" in msg:
             code = "context_length_exceeded"
         elif param is not None and param != "prompt":
             code = "invalid_request_parameter"

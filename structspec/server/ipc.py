@@ -75,6 +75,7 @@ class EngineStats:
     kv_free_pages: int = 0
     kv_total_pages: int = 0
     grammar_compile_s: tuple[float, ...] = ()  # compile durations finished since the last one
+    grammar_compile_timeouts: int = 0  # compiles stopped at their time limit since the last one
     steps: tuple[StepRecord, ...] = ()  # verify-step timings finished since the last one
 
     def as_dict(self) -> dict[str, int]:
@@ -107,6 +108,7 @@ class EngineDelta:
     stop_reason: str | int | None = None
     error: str | None = None
     error_param: str | None = None
+    error_code: str | None = None  # e.g. grammar_too_complex (the HTTP error's code)
     rejected: bool = False
     text: str | None = None
     num_prompt_tokens: int = 0

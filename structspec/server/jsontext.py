@@ -12,6 +12,7 @@ the C parser's speed) and the field holding it is named.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from typing import Any
 
@@ -29,7 +30,8 @@ class _HugeInt:
         self.digits = digits
 
 
-def loads_client_json(text: str | bytes, *, what: str, param: str | None = None) -> Any:
+def loads_client_json(text: str | bytes, *, what: str, param: str | None = None,
+                      unicode_check: bool = False) -> Any:
     """Parse JSON the client sent.
 
     Args:
@@ -37,11 +39,77 @@ def loads_client_json(text: str | bytes, *, what: str, param: str | None = None)
         what: how messages call the text, e.g. ``"the request body"`` or ``"json_schema"``.
         param: the request field the text is the value of (a schema sent as a string); None
             for the whole body, where an over-long integer is named by its own path.
+        unicode_check: refuse a string (or key) holding a lone surrogate, naming its field
+            (:func:`find_lone_surrogate`).
 
     Raises:
         APIError: 400 ``invalid_request_error`` when the text is not JSON, nests too deeply,
-            or holds an integer literal over the digit limit.
+            holds an integer literal over the digit limit, or (``unicode_check``) a string
+            that is not valid Unicode.
     """
+    value = _loads(text, what, param)
+    if unicode_check and _may_hold_surrogate(text):
+        found = find_lone_surrogate(value)
+        if found is not None:
+            loc, index, char = found
+            field = _loc_to_param(loc) or param
+            raise bad_request(f"invalid value for '{field}': not valid Unicode: a lone "
+                              f"surrogate (U+{ord(char):04X}) at character {index}", field)
+    return value
+
+
+_SURROGATE_HINT_BYTES = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+_SURROGATE_HINT_TEXT = re.compile(r"\\u[dD][89a-fA-F]|[\ud800-\udfff]")
+
+
+def _may_hold_surrogate(text: str | bytes) -> bool:
+    """Cheap pre-test: a ``\\uD8..`` - ``\\uDF..`` escape or a UTF-8-encoded surrogate
+    (``ED A0..BF``, which :func:`json.loads` decodes with ``surrogatepass``) occurs in the
+    text. A valid surrogate pair (an emoji as two escapes) passes it; the walk then finds
+    nothing."""
+    if isinstance(text, bytes):
+        return _SURROGATE_HINT_BYTES.search(text) is not None
+    return _SURROGATE_HINT_TEXT.search(text) is not None
+
+
+def find_lone_surrogate(value: Any) -> tuple[Loc, int, str] | None:
+    """The first string (or object key) in ``value`` holding a lone surrogate: its path,
+    the character index and the surrogate; None when every string is valid Unicode.
+
+    JSON lets a client send ``"\\ud800"`` (and :func:`json.loads` decodes invalid UTF-8
+    ``ED A0 80`` to the same): a Python string UTF-8 cannot encode, which used to fail deep
+    inside the server (a 500 from an error body echoing the ``model``) or pass into the
+    engine (``stop``, ``tools``). Iterative, as :func:`_find_huge_int`.
+    """
+    stack: list[tuple[Loc, Any]] = [((), value)]
+    while stack:
+        loc, item = stack.pop()
+        if isinstance(item, str):
+            bad = _surrogate_at(item)
+            if bad is not None:
+                return loc, bad, item[bad]
+        elif isinstance(item, dict):
+            children: list[tuple[Loc, Any]] = []
+            for k, v in item.items():
+                bad = _surrogate_at(k)
+                if bad is not None:
+                    return loc, bad, k[bad]
+                children.append((loc + (k,), v))
+            stack.extend(reversed(children))
+        elif isinstance(item, list):
+            stack.extend(reversed([(loc + (i,), v) for i, v in enumerate(item)]))
+    return None
+
+
+def _surrogate_at(text: str) -> int | None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
+
+def _loads(text: str | bytes, what: str, param: str | None) -> Any:
     try:
         return json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

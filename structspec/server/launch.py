@@ -13,14 +13,15 @@ error event / 503), wait up to :data:`GRACEFUL_TIMEOUT_S` for responses to finis
 and join the engine process (terminated if it does not exit in time); exit code 0.
 
 If the engine process dies while serving (a crash in its loop, killed), in-flight requests
-fail with 503 / an error event and the server shuts down with exit code 1, so a supervisor
-can restart it.
+fail with 503 / an error event, ``/health`` answers 503 and the engine process is restarted
+with exponential backoff (:mod:`structspec.server.supervisor`, ``--engine-restarts``,
+``--engine-restart-backoff``); the server serves again once it is ready. When the restarts
+run out the server shuts down with exit code 1, so an outer supervisor can act.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import logging
 import signal
@@ -29,9 +30,13 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from structspec.engine_args import engine_kwargs, flag_error
+
+if TYPE_CHECKING:
+    from structspec.server.codec import Codec
+    from structspec.server.supervisor import EngineSupervisor
 
 GRACEFUL_TIMEOUT_S = 5.0
 ENGINE_JOIN_TIMEOUT_S = 10.0
@@ -128,8 +133,12 @@ def serve(args: argparse.Namespace) -> int:
 
     from structspec.config import resolve_engine_config
     from structspec.server.engine_client import EngineClient, EngineStartupError
+    from structspec.server.limits import limits_from_args
+    from structspec.server.supervisor import EngineSupervisor, policy_from_args
 
     try:
+        limits_from_args(args)  # server options: refused before anything is spawned
+        policy_from_args(args)
         config = build_engine_config(args.model, **engine_kwargs(args))
         # The engine process resolves it again; checking here refuses a bad option with exit
         # 2 naming its flag, before an engine process is spawned (as ``generate`` does).
@@ -158,47 +167,67 @@ def serve(args: argparse.Namespace) -> int:
         client.shutdown(ENGINE_JOIN_TIMEOUT_S)
         print(f"structspec serve: cannot load the tokenizer: {e}", file=sys.stderr)
         return 1
+    # a dead engine process is replaced by a new client built from the same config
+    supervisor = EngineSupervisor(client, lambda: EngineClient(config), policy_from_args(args))
     try:
-        return _run_http(args, sock, client, codec, info)
+        return run_http(args, sock, supervisor, codec)
     finally:
-        client.shutdown(ENGINE_JOIN_TIMEOUT_S)
+        supervisor.shutdown(ENGINE_JOIN_TIMEOUT_S)
         sock.close()
 
 
-def _run_http(args: argparse.Namespace, sock: socket.socket, client: Any, codec: Any,
-              info: Any) -> int:
+def run_http(args: argparse.Namespace, sock: socket.socket, engine: EngineSupervisor,
+             codec: Codec) -> int:
+    """Serve HTTP on the bound ``sock`` until SIGINT/SIGTERM or until the engine's restarts
+    run out; returns the exit code (0, or 1 when the engine could not be kept running).
+
+    Args:
+        args: the parsed ``structspec serve`` flags.
+        sock: bound by :func:`bind_socket` (its port is the one logged, also for ``--port 0``).
+        engine: an :class:`~structspec.server.supervisor.EngineSupervisor` around the ready
+            engine client.
+        codec: the front end's tokenizer (:class:`~structspec.server.codec.TokenizerCodec`).
+    """
     import uvicorn
 
     from structspec.server.app import create_app
+    from structspec.server.limits import limits_from_args
     from structspec.server.metrics import ServerMetrics
     from structspec.server.serving import ServerState
 
+    info = engine.info
     name = args.served_model_name or _default_model_name(args.model, info.model_path)
-    state = ServerState(engine=client, codec=codec, metrics=ServerMetrics(), model_name=name,
-                        api_key=args.api_key or None)
+    state = ServerState(engine=engine, codec=codec, metrics=ServerMetrics(), model_name=name,
+                        api_key=args.api_key or None, limits=limits_from_args(args))
 
     async def stop_engine() -> None:
-        await asyncio.to_thread(client.shutdown, ENGINE_JOIN_TIMEOUT_S)
+        await engine.aclose(ENGINE_JOIN_TIMEOUT_S)
 
     app = create_app(state, on_shutdown=stop_engine)
     config = uvicorn.Config(app, log_level="info", access_log=False, lifespan="on",
                             timeout_graceful_shutdown=GRACEFUL_TIMEOUT_S,
                             timeout_keep_alive=5)
-    server = _make_server(config, client.begin_shutdown)
+    server = _make_server(config, engine.begin_shutdown)
     exit_code = 0
 
-    def engine_died(reason: str) -> None:
+    def restarts_exhausted(reason: str) -> None:
         nonlocal exit_code
         logger.error("the engine process is gone (%s); shutting the server down", reason)
         exit_code = 1
         server.should_exit = True
 
-    client.on_dead = engine_died
+    engine.on_exhausted = restarts_exhausted
+    host, port = sock.getsockname()[:2]  # the real port, also for --port 0
     logger.info("serving %s on http://%s:%d (engine pid %d, max_model_len %d, spec %s)",
-                name, args.host, args.port, info.pid, info.max_model_len,
+                name, _url_host(host), port, info.pid, info.max_model_len,
                 info.speculative_algorithm)
     server.run(sockets=[sock])
     return exit_code
+
+
+def _url_host(host: str) -> str:
+    """``host`` as it goes in a URL (an IPv6 address in brackets)."""
+    return f"[{host}]" if ":" in host else host
 
 
 def _warm_imports() -> None:

@@ -40,7 +40,7 @@ class FinishedChoice(Protocol):
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 300.0)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0)
-COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 STEP_MS_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 25.0, 50.0, 100.0)
 ACCEPT_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0)
 
@@ -79,8 +79,13 @@ class ServerMetrics:
         self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "Fraction of KV pages in use",
                               registry=r)
         self.grammar_compile = Histogram(p + "grammar_compile_seconds",
-                                         "Grammar compile time (reported by the engine)",
+                                         "Grammar compile time: submission to the compiled grammar's "
+                                         "arrival (queue wait, worker compile, engine rebuild)",
                                          buckets=COMPILE_BUCKETS, registry=r)
+        self.grammar_compile_timeouts = Counter(
+            p + "grammar_compile_timeouts",
+            "Grammar compiles stopped at their time limit (worker killed; code "
+            "grammar_too_complex)", registry=r)
         self.spec_verify_steps = Counter(p + "spec_verify_steps",
                                          "Verify steps of finished requests", registry=r)
         self.spec_draft_tokens = Counter(p + "spec_draft_tokens",
@@ -138,6 +143,8 @@ class ServerMetrics:
             self.kv_usage.set(1.0 - stats.kv_free_pages / stats.kv_total_pages)
         for s in stats.grammar_compile_s:
             self.grammar_compile.observe(s)
+        if stats.grammar_compile_timeouts:
+            self.grammar_compile_timeouts.inc(stats.grammar_compile_timeouts)
         for step in stats.steps:
             self.step_wall.observe(step.wall_ms)
             for phase, ms in step.cpu_ms.items():

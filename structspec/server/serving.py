@@ -8,7 +8,7 @@ import json
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from starlette.requests import Request
@@ -19,11 +19,18 @@ from structspec.server.engine_client import AsyncEngine
 from structspec.server.errors import APIError, bad_request, model_not_found, unavailable
 from structspec.server.generation import ChoiceState, GenerationRun, LogprobEntry
 from structspec.server.jsontext import loads_client_json
+from structspec.server.limits import (
+    BodyTooLargeError,
+    RetryLaterError,
+    ServerLimits,
+    check_queue,
+)
 from structspec.server.metrics import ServerMetrics
 
 T = TypeVar("T")
 
 MIN_LOGPROB = -9999.0  # what -inf (a token the grammar forbids) is reported as; JSON has no inf
+RESTART_RETRY_AFTER_S = 5  # Retry-After of a 503 while the engine process restarts
 
 
 @dataclass
@@ -37,6 +44,7 @@ class ServerState:
         model_name: the model id in the API (``/v1/models``, response ``model``); the only
             ``model`` a request may name (:meth:`check_model`).
         api_key: required bearer token, or None.
+        limits: admission limits (:mod:`structspec.server.limits`).
     """
 
     engine: AsyncEngine
@@ -44,6 +52,7 @@ class ServerState:
     metrics: ServerMetrics
     model_name: str
     api_key: str | None = None
+    limits: ServerLimits = field(default_factory=ServerLimits)
 
     @property
     def max_model_len(self) -> int:
@@ -60,39 +69,85 @@ class ServerState:
             raise model_not_found(name)
 
     def require_ready(self) -> None:
-        """Raises: APIError 503 while the engine is not serving."""
-        if not self.engine.ready:
-            raise unavailable("the engine is not ready (starting, shutting down, or failed)")
+        """Raises: APIError 503 while the engine is not serving (with ``Retry-After`` while
+        its process restarts)."""
+        if self.engine.ready:
+            return
+        if getattr(self.engine, "restarting", False):
+            raise RetryLaterError(503, "the engine process is restarting; retry shortly",
+                                  retry_after_s=RESTART_RETRY_AFTER_S,
+                                  type="service_unavailable", code="engine_unavailable")
+        raise unavailable("the engine is not ready (starting, shutting down, or failed)")
+
+    def admit(self, num_choices: int) -> None:
+        """Check that ``num_choices`` more engine requests fit in the queue; call it right
+        before starting them (no ``await`` in between, so concurrent requests cannot both
+        take the last places).
+
+        Raises:
+            QueueFullError: 429 with ``Retry-After``.
+        """
+        check_queue(self.limits, getattr(self.engine, "num_inflight", 0), num_choices)
 
 
 # --------------------------------------------------------------------------- bodies
 
 
-async def read_json(request: Request) -> Any:
+async def read_json(request: Request, max_bytes: int | None = None) -> Any:
     """The request body as JSON.
 
+    Args:
+        max_bytes: the most body bytes read (None: no bound); checked against
+            ``Content-Length`` and while reading, so a larger body is never held whole.
+
     Raises:
-        APIError: 400 when it is not JSON, or is JSON that Python's parser refuses (nesting
-            too deep, an integer literal over the digit limit: the field is named).
+        APIError: 413 for a body over ``max_bytes``; 400 when it is not JSON, is JSON that
+            Python's parser refuses (nesting too deep, an integer literal over the digit
+            limit: the field is named), or holds a string that is not valid Unicode (a lone
+            surrogate: the field is named).
     """
-    return loads_client_json(await request.body(), what="the request body")
+    if max_bytes is None:
+        body = await request.body()
+    else:
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_bytes:
+            raise BodyTooLargeError(max_bytes)
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise BodyTooLargeError(max_bytes)
+            chunks.append(chunk)
+        body = b"".join(chunks)
+    return loads_client_json(body, what="the request body", unicode_check=True)
 
 
 def dumps(obj: Any) -> str:
-    """Compact JSON (non-ASCII kept as is)."""
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    """Compact JSON (non-ASCII kept as is, except lone surrogates: UTF-8 cannot carry them,
+    so a text holding one, e.g. a client's value echoed in an error, is escaped to ASCII)."""
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(obj, ensure_ascii=True, separators=(",", ":"))
+    return text
 
 
-def json_response(obj: Any, status: int = 200) -> Response:
+def json_response(obj: Any, status: int = 200,
+                  headers: dict[str, str] | None = None) -> Response:
     """A JSON response."""
-    return Response(dumps(obj), status_code=status, media_type="application/json")
+    return Response(dumps(obj), status_code=status, media_type="application/json",
+                    headers=headers)
 
 
 def error_response(err: APIError, metrics: ServerMetrics | None = None) -> Response:
-    """The OpenAI-style error response for ``err``."""
+    """The OpenAI-style error response for ``err`` (with its ``headers`` when it has some,
+    e.g. a 429's ``Retry-After``)."""
     if metrics is not None:
         metrics.on_http_error(err.status)
-    return json_response(err.body(), err.status)
+    headers = err.headers if isinstance(err, RetryLaterError) else None
+    return json_response(err.body(), err.status, headers)
 
 
 def sse_event(obj: Any) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -13,6 +14,12 @@ from starlette.responses import Response
 from structspec.core import ChatMessageError, PromptTooLongError, check_chat_messages
 from structspec.server.errors import bad_request
 from structspec.server.generation import ChoiceState, GenerationRun
+from structspec.server.limits import (
+    check_choices,
+    check_grammar_size,
+    check_prompt_chars,
+    check_stop,
+)
 from structspec.server.params import build_sampling_params, per_choice
 from structspec.server.protocol import ChatCompletionRequest, parse_request
 from structspec.server.serving import (
@@ -38,11 +45,17 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     """Handle one chat completion request (see module docstring)."""
     start_s = time.perf_counter()
     state.require_ready()
-    req = parse_request(ChatCompletionRequest, await read_json(request))
+    limits = state.limits
+    req = parse_request(ChatCompletionRequest,
+                        await read_json(request, limits.max_request_bytes))
     state.check_model(req.model)
+    check_choices(limits, 1, req.n)
     grammar, grammar_param = grammar_and_field(req)
+    check_grammar_size(limits, grammar, grammar_param)
+    check_stop(limits, req.stop, req.stop_token_ids, state.engine.info.vocab_size)
     messages = _template_messages(req.messages)
     tools = _tools(req)
+    check_prompt_chars(limits, _prompt_chars(messages, tools), "messages")
     try:
         prompt_ids = await in_thread(state.codec.encode_chat, messages, tools,
                                      state.max_model_len - 1)
@@ -59,6 +72,11 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     if req.max_completion_tokens is not None:
         max_tokens, max_tokens_param = req.max_completion_tokens, "max_completion_tokens"
+        if req.max_tokens is not None and req.max_tokens < 1:
+            # max_completion_tokens wins, but a bad max_tokens beside it is still bad input
+            # (it used to be ignored: -7 was a 200)
+            raise bad_request(f"max_tokens must be at least 1, got {req.max_tokens}",
+                              "max_tokens")
     else:
         max_tokens, max_tokens_param = req.max_tokens, "max_tokens"
     params = build_sampling_params(req, grammar=grammar, max_tokens=max_tokens,
@@ -71,6 +89,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
                         [(prompt_ids, p) for p in per_choice(params, req.n)], start_s,
                         grammar_param=grammar_param)
     created = int(time.time())
+    state.admit(len(run.choices))  # no await from here to run.start()
     if req.stream:
         if not await start_stream(request, run):
             return Response(status_code=499)
@@ -143,6 +162,14 @@ async def _stream(state: ServerState, run: GenerationRun, rid: str, created: int
             yield e
     finally:
         run.abort()  # a closed outer generator does not close the inner one right away
+
+
+def _prompt_chars(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
+    """Characters of prompt text a chat brings: message contents plus tools as JSON."""
+    chars = sum(len(m["content"]) for m in messages)
+    if tools:
+        chars += len(json.dumps(tools, ensure_ascii=False))
+    return chars
 
 
 def _template_messages(messages: Any) -> list[dict[str, Any]]:

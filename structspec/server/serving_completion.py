@@ -13,6 +13,12 @@ from starlette.responses import Response
 from structspec.core import PromptTooLongError, SamplingParams
 from structspec.server.errors import bad_request
 from structspec.server.generation import ChoiceState, GenerationRun
+from structspec.server.limits import (
+    check_choices,
+    check_grammar_size,
+    check_prompt_chars,
+    check_stop,
+)
 from structspec.server.params import build_sampling_params, per_choice
 from structspec.server.protocol import CompletionRequest, parse_request
 from structspec.server.serving import (
@@ -37,14 +43,22 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     ``p``."""
     start_s = time.perf_counter()
     state.require_ready()
-    req = parse_request(CompletionRequest, await read_json(request))
+    limits = state.limits
+    req = parse_request(CompletionRequest, await read_json(request, limits.max_request_bytes))
     state.check_model(req.model)
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix", code="unsupported")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of is not supported (leave it unset or equal to n)", "best_of",
                           code="unsupported")
+    prompt_list = _prompt_list(req)
+    # before anything is tokenized: 100 prompts x n=64 used to queue 6,400 engine requests
+    check_choices(limits, len(prompt_list), req.n)
+    check_prompt_chars(limits, sum(len(p) for p in prompt_list if isinstance(p, str)),
+                       "prompt")
     grammar, grammar_param = grammar_and_field(req)
+    check_grammar_size(limits, grammar, grammar_param)
+    check_stop(limits, req.stop, req.stop_token_ids, state.engine.info.vocab_size)
     prompts = await _prompt_ids(state, req)
     texts = [p if isinstance(p, str) else None for p in _prompt_list(req)]
     items: list[tuple[list[int], SamplingParams]] = []
@@ -58,6 +72,7 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     run = GenerationRun(state.engine, state.codec, state.metrics, rid, items, start_s,
                         grammar_param=grammar_param)
     created = int(time.time())
+    state.admit(len(run.choices))  # no await from here to run.start()
     echo = [_echo_text(state, texts[c.index // req.n], c.prompt_ids) if req.echo else ""
             for c in run.choices]
     if req.stream:

@@ -108,7 +108,9 @@ class EagleDrafter(TreeDrafter):
         self.features = torch.zeros((pool.num_slots, lc.hidden_size), dtype=dtype, device=device)
         #: target decoder layers the target forwards must return (EAGLE-3), else ().
         self.aux_hidden_layers: tuple[int, ...] = head.config.aux_hidden_layers
-        self.vocab_map = head.d2t if head.config.version == 3 else None
+        # a head with its own (reduced-vocabulary) lm_head maps draft ids to target ids; one
+        # that shares the target's lm_head drafts target ids directly
+        self.vocab_map = head.d2t if head.lm_head is not None else None
         self._prev_out: torch.Tensor | None = None
 
     # -- the hook ----------------------------------------------------------------------------

@@ -52,12 +52,15 @@ class DrafterInfo:
         expands_tree: the drafter grows an EAGLE-2 tree with ``SpecConfig.depth`` and
             ``SpecConfig.topk``; the config check bounds both (``MAX_DRAFT_DEPTH``,
             ``MAX_DRAFT_TOPK``) before any model loads.
+        description: a few words on what it drafts with (the CLI's ``--speculative-algorithm``
+            help is built from them).
     """
 
     name: str
     factory: DrafterFactory
     needs_draft_model: bool = False
     expands_tree: bool = False
+    description: str = ""
 
 
 _REGISTRY: dict[str, DrafterInfo] = {}
@@ -69,6 +72,7 @@ def register_drafter(
     *,
     needs_draft_model: bool = False,
     expands_tree: bool = False,
+    description: str = "",
     replace: bool = False,
 ) -> DrafterInfo:
     """Register ``factory`` under ``name`` (a new ``--speculative-algorithm`` value).
@@ -78,6 +82,7 @@ def register_drafter(
         factory: ``factory(spec, **context) -> Drafter`` (see :func:`create_drafter`).
         needs_draft_model: see :class:`DrafterInfo`.
         expands_tree: see :class:`DrafterInfo`.
+        description: see :class:`DrafterInfo`.
         replace: allow replacing an already registered name.
 
     Returns:
@@ -92,7 +97,7 @@ def register_drafter(
     if name in _REGISTRY and not replace:
         raise ValueError(f"drafter {name!r} is already registered")
     info = DrafterInfo(name=name, factory=factory, needs_draft_model=needs_draft_model,
-                       expands_tree=expands_tree)
+                       expands_tree=expands_tree, description=description)
     _REGISTRY[name] = info
     return info
 
@@ -111,7 +116,7 @@ def unregister_drafter(name: str) -> None:
 @contextmanager
 def registered_drafter(
     name: str, factory: DrafterFactory, *, needs_draft_model: bool = False,
-    expands_tree: bool = False,
+    expands_tree: bool = False, description: str = "",
 ) -> Iterator[DrafterInfo]:
     """:func:`register_drafter` for the duration of a ``with`` block, then
     :func:`unregister_drafter` (also when the block raises).
@@ -120,7 +125,7 @@ def registered_drafter(
         ValueError: as :func:`register_drafter` (``name`` already registered).
     """
     info = register_drafter(name, factory, needs_draft_model=needs_draft_model,
-                            expands_tree=expands_tree)
+                            expands_tree=expands_tree, description=description)
     try:
         yield info
     finally:
@@ -174,11 +179,13 @@ def _lazy_factory(module: str, attr: str) -> DrafterFactory:
     return factory
 
 
-register_drafter("none", _lazy_factory("structspec.speculative.base", "create_no_drafter"))
-register_drafter("ngram", _lazy_factory("structspec.speculative.ngram", "create_ngram_drafter"))
+register_drafter("none", _lazy_factory("structspec.speculative.base", "create_no_drafter"),
+                 description="no speculation")
+register_drafter("ngram", _lazy_factory("structspec.speculative.ngram", "create_ngram_drafter"),
+                 description="n-gram prompt lookup")
 register_drafter(
     "draft_model",
     _lazy_factory("structspec.speculative.draft_model", "create_draft_model_drafter"),
-    needs_draft_model=True, expands_tree=True)
+    needs_draft_model=True, expands_tree=True, description="a small draft model")
 register_drafter("eagle", _lazy_factory("structspec.speculative.eagle", "create_eagle_drafter"),
-                 needs_draft_model=True, expands_tree=True)
+                 needs_draft_model=True, expands_tree=True, description="an EAGLE head")

@@ -38,8 +38,11 @@ ASK = [{"role": "user", "content": "Pick a color; is it bright? Answer in JSON."
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerHandle]:
+    # --engine-restarts 0: the last test checks that a dead engine with no restart left
+    # stops the server (restarts themselves: test_supervision.py)
     with running_server("--api-key", API_KEY, "--served-model-name", MODEL,
-                        "--max-model-len", "1024", "--max-batch-size", "8") as s:
+                        "--max-model-len", "1024", "--max-batch-size", "8",
+                        "--engine-restarts", "0") as s:
         yield s
 
 
@@ -279,9 +282,36 @@ def test_metrics(server: ServerHandle) -> None:
     assert not re.search(r"structspec_grammar_compile_seconds_count 0\.0", text)
 
 
+@pytest.mark.parametrize("extra, param, fragment", [
+    ({"json_schema": False}, "json_schema", "accepts no finite JSON value"),
+    ({"json_schema": {"not": {}}}, "json_schema", "accepts no finite JSON value"),
+    ({"json_schema": {"type": "object", "properties": {"a": {"$ref": "#"}},
+                      "required": ["a"]}}, "json_schema", "no finite way out"),
+    ({"regex": "\\q"}, "regex", "unknown escape"),
+    ({"regex": "[^]"}, "regex", "empty character class"),
+    # 3000 properties: over the engine's 2048, under the front end's --max-grammar-chars
+    ({"json_schema": {"type": "object", "properties": {
+        f"p{i}": {"type": "integer"} for i in range(3000)}}}, "json_schema",
+     "'properties' has 3000 entries"),
+])
+def test_grammars_with_no_output_or_over_a_limit_are_400s(
+        server: ServerHandle, extra: dict[str, Any], param: str, fragment: str) -> None:
+    """Issue 17: these used to be a 200 (or a 400 only after the 30 s compile limit)."""
+    t = time.monotonic()
+    r = httpx.post(server.url + "/v1/completions", headers=auth(), timeout=60,
+                   json={"model": MODEL, "prompt": "x", "max_tokens": 4, **extra})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and fragment in err["message"], err
+    assert time.monotonic() - t < 10
+    if "properties" in fragment:
+        assert err["code"] == "grammar_too_complex"
+
+
 def test_engine_death_fails_requests_and_stops_the_server(server: ServerHandle) -> None:
     """Last test of the module: SIGKILL the engine process mid-request; the request fails
-    with an error (not a hang) and the server exits with code 1."""
+    with an error (not a hang) and, with no restart left (``--engine-restarts 0``), the
+    server exits with code 1."""
     m = re.search(r"engine pid (\d+)", server.log_path.read_text())
     assert m, server.log_tail()
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a long story."}],

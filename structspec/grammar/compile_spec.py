@@ -1,0 +1,222 @@
+"""One grammar constraint -> one xgrammar ``CompiledGrammar``, with every check before it.
+
+:func:`compile_checked` is the whole compile of a request's grammar: structure, regex syntax,
+satisfiability (a schema no finite value satisfies), strict-mode enforceability, the xgrammar
+compile, and the check that the compiled grammar accepts some output. It runs in a compile
+worker process (:mod:`structspec.grammar.compile_worker`, where a runaway compile can be
+killed); :func:`compile_only` rebuilds an accepted grammar in the engine process.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import xgrammar as xgr
+
+from structspec.constraints import (
+    ChoiceConstraint,
+    EbnfConstraint,
+    GrammarConstraint,
+    JsonObjectConstraint,
+    JsonSchemaConstraint,
+    RegexConstraint,
+)
+from structspec.grammar.bitmask import allocate_bitmask
+from structspec.grammar.errors import PARAM_BY_KIND, GrammarError
+from structspec.grammar.matcher import Matcher
+from structspec.grammar.satisfiable import find_unsatisfiable
+from structspec.grammar.schema_check import find_unenforceable
+from structspec.regex_check import find_regex_problem
+from structspec.schema_structure import find_structure_problem
+
+
+def compile_only(compiler: xgr.GrammarCompiler, spec: GrammarConstraint, *,
+                 any_whitespace: bool) -> xgr.CompiledGrammar:
+    """The xgrammar compile of ``spec`` alone (no checks): for a grammar that already passed
+    :func:`compile_checked` in a worker.
+
+    Raises:
+        GrammarError: the compiler failed (it did not in the worker: an xgrammar fault).
+    """
+    try:
+        return _xgrammar_compile(compiler, spec, any_whitespace=any_whitespace)
+    except GrammarError:
+        raise
+    except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError/...
+        raise GrammarError(f"Failed to compile {spec.kind} grammar: {_compiler_message(e)}",
+                           param=PARAM_BY_KIND.get(spec.kind)) from e
+
+
+def compile_checked(compiler: xgr.GrammarCompiler, spec: GrammarConstraint, *,
+                    any_whitespace: bool, vocab_size: int,
+                    stop_token_ids: Sequence[int]) -> xgr.CompiledGrammar:
+    """Check and compile ``spec`` (module docstring); every failure is a
+    :class:`GrammarError` naming the grammar's field.
+
+    Args:
+        compiler: an xgrammar compiler for the served tokenizer.
+        spec: the grammar constraint.
+        any_whitespace: JSON Schema whitespace (``False``: xgrammar's compact separators).
+        vocab_size: the logits width (the accepts-output check's bitmask).
+        stop_token_ids: the stop ids a finished grammar allows.
+
+    Raises:
+        GrammarError: an invalid or unservable spec (its reason), or a compile failure
+            (``"Failed to compile <kind> grammar: <compiler message>"``).
+    """
+    kind = spec.kind
+    param = PARAM_BY_KIND.get(kind)
+    try:
+        if isinstance(spec, JsonSchemaConstraint):
+            schema = json.loads(schema_text(spec))
+            problem = find_structure_problem(schema)
+            if problem is not None:
+                raise GrammarError(f"json_schema cannot be served: {problem}", param=param)
+            problem = find_unsatisfiable(schema)
+            if problem is not None:
+                raise GrammarError(f"json_schema accepts no finite JSON value: {problem}",
+                                   param=param)
+            if spec.strict:
+                _check_enforceable(schema, param)
+        elif isinstance(spec, RegexConstraint):
+            problem = find_regex_problem(spec.pattern)
+            if problem is not None:
+                raise GrammarError(f"regex is not a usable regex: {problem}", param=param)
+        compiled = _xgrammar_compile(compiler, spec, any_whitespace=any_whitespace)
+    except GrammarError:
+        raise
+    except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError/...
+        message = _compiler_message(e)
+        if isinstance(spec, JsonSchemaConstraint):
+            # xgrammar names neither the place nor the rule ("Unsupported type
+            # "objectz"", or an internal check's text): say where the schema breaks its
+            # metaschema, when it does, and keep the compiler's words after it.
+            problem = metaschema_problem(spec)
+            if problem is not None:
+                message = f"{problem} (compiler: {message})"
+        raise GrammarError(f"Failed to compile {kind} grammar: {message}", param=param) from e
+    if isinstance(spec, (JsonSchemaConstraint, RegexConstraint, EbnfConstraint)):
+        _check_accepts_output(compiled, param, vocab_size=vocab_size,
+                              stop_token_ids=stop_token_ids)
+    return compiled
+
+
+def _xgrammar_compile(compiler: xgr.GrammarCompiler, spec: GrammarConstraint, *,
+                      any_whitespace: bool) -> xgr.CompiledGrammar:
+    if isinstance(spec, JsonSchemaConstraint):
+        return compiler.compile_json_schema(schema_text(spec), any_whitespace=any_whitespace,
+                                            strict_mode=True)
+    if isinstance(spec, JsonObjectConstraint):
+        return compiler.compile_json_schema('{"type": "object"}',
+                                            any_whitespace=any_whitespace, strict_mode=True)
+    if isinstance(spec, RegexConstraint):
+        return compiler.compile_regex(spec.pattern)
+    if isinstance(spec, EbnfConstraint):
+        return compiler.compile_grammar(spec.grammar, root_rule_name="root")
+    if isinstance(spec, ChoiceConstraint):
+        return compiler.compile_grammar(choice_ebnf(spec.choices))
+    raise GrammarError(f"unknown grammar kind {spec.kind!r}", param=PARAM_BY_KIND.get(spec.kind))
+
+
+def _check_accepts_output(compiled: xgr.CompiledGrammar, param: str | None, *,
+                          vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+    """Refuse a grammar whose start state allows no token at all (not even a stop token): a
+    grammar whose language is empty, e.g. a schema whose ``$ref`` cycle has no base case.
+    Such a request would otherwise fail at its first token with a "grammar rejected token"
+    error that looks like an engine fault.
+
+    Raises:
+        GrammarError: the grammar accepts no output.
+    """
+    bitmask = allocate_bitmask(1, vocab_size, pin=False)
+    Matcher(compiled, stop_token_ids=stop_token_ids).fill_bitmask(bitmask, 0)
+    if not bool(bitmask.any()):
+        raise GrammarError("the grammar accepts no output at all (for a JSON Schema: a "
+                           "$ref cycle with no way out, or contradictory constraints)",
+                           param=param)
+
+
+def _check_enforceable(schema: Any, param: str | None) -> None:
+    if not isinstance(schema, dict):
+        return
+    problems = find_unenforceable(schema)
+    if problems:
+        shown = "; ".join(f"{p or '/'}: {r}" for p, r in problems[:5])
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise GrammarError(
+            "json_schema cannot be enforced exactly in strict mode: " + shown + more
+            + ". Remove these keywords or set strict to false (best effort).", param=param)
+
+
+def schema_text(spec: JsonSchemaConstraint) -> str:
+    """The schema as compact JSON text, key order kept (the compile input and cache key):
+    :meth:`JsonSchemaConstraint.canonical_text`, which raises ``ValueError`` for text that is not
+    JSON or a schema that is not an object/boolean."""
+    return spec.canonical_text()
+
+
+def metaschema_problem(spec: JsonSchemaConstraint) -> str | None:
+    """Where ``spec``'s schema breaks its metaschema (the draft its ``$schema`` names, else
+    2020-12), as ``"invalid JSON Schema at <JSON pointer>: <reason>"``; None when it does not,
+    or when the ``jsonschema`` package is missing or cannot check it.
+
+    Used only to explain a compile failure: schemas that xgrammar compiles are never refused
+    for a metaschema violation (it may accept older drafts' forms).
+    """
+    try:
+        import jsonschema
+        from jsonschema.exceptions import best_match
+
+        schema = json.loads(schema_text(spec))
+        cls = jsonschema.validators.validator_for(schema,
+                                                  default=jsonschema.Draft202012Validator)
+        error = best_match(cls(cls.META_SCHEMA).iter_errors(schema))
+    except Exception:  # noqa: BLE001 - an explanation only; the compile error stands alone
+        return None
+    if error is None:
+        return None
+    pointer = "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in error.path)
+    return f"invalid JSON Schema at {pointer or '/'}: {error.message}"
+
+
+def choice_ebnf(choices: Sequence[str]) -> str:
+    """A GBNF grammar whose sentences are exactly ``choices`` (``root ::= "a" | "b"``).
+
+    Raises:
+        GrammarError: when ``choices`` is empty or contains an empty string.
+    """
+    if not choices or any(not isinstance(c, str) or not c for c in choices):
+        raise GrammarError("choice must be a non-empty list of non-empty strings",
+                           param="choice")
+    return "root ::= " + " | ".join(_ebnf_literal(c) for c in choices)
+
+
+def _ebnf_literal(text: str) -> str:
+    out = []
+    for ch in text:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch == "\r":
+            out.append("\\r")
+        elif ch == "\t":
+            out.append("\\t")
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\x{ord(ch):02x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def _compiler_message(e: BaseException) -> str:
+    """The useful part of an xgrammar exception (drop the ``[time] file.cc:line:`` prefix)."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    msg = lines[-1] if lines else type(e).__name__
+    if msg.startswith("[") and ": " in msg:
+        head, _, rest = msg.partition(": ")
+        if ".cc:" in head or ".h:" in head:
+            msg = rest
+    return msg

@@ -1,0 +1,96 @@
+"""Check a grammar constraint without a tokenizer, before any model loads.
+
+The engine compiles a grammar against the model's vocabulary (:mod:`structspec.grammar.backend`),
+so a schema xgrammar refuses used to fail only after the model had loaded (``structspec
+generate --json-schema`` exited 1 after seconds of loading). The refusals that do not depend
+on the vocabulary come from building xgrammar's tokenizer-free ``Grammar`` (the JSON Schema /
+regex / EBNF converters) and from the checks the backend runs before compiling (structure,
+strict-mode enforceability); :func:`check_grammar` runs exactly those, so the command line can
+refuse the grammar up front. The compile in the engine still decides; this only moves the
+refusals it would certainly make to before the load.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import xgrammar as xgr
+
+from structspec.constraints import (
+    PARAM_BY_KIND,
+    EbnfConstraint,
+    GrammarConstraint,
+    JsonSchemaConstraint,
+    RegexConstraint,
+)
+from structspec.grammar.errors import GrammarError
+from structspec.grammar.satisfiable import find_unsatisfiable
+from structspec.grammar.schema_check import find_unenforceable
+from structspec.schema_structure import find_structure_problem
+
+
+def check_grammar(spec: GrammarConstraint | None) -> None:
+    """Refuse ``spec`` when the engine's compile would refuse it whatever the model.
+
+    Covers JSON Schemas (text that is not JSON, a structure the engine never serves, keywords
+    strict mode cannot enforce, what xgrammar's converter refuses), regexes and EBNF grammars
+    (what xgrammar's parsers refuse). ``json_object`` and ``choice`` constraints have nothing
+    to check here. Costs a tokenizer-free conversion (milliseconds for ordinary schemas).
+
+    Raises:
+        GrammarError: a ``ValueError`` whose message says why (``Failed to compile
+            json_schema grammar: Unsupported type "foo"``) and whose ``param`` is the
+            grammar kind's field (:data:`~structspec.constraints.PARAM_BY_KIND`).
+    """
+    if spec is None:
+        return
+    param = PARAM_BY_KIND.get(spec.kind)
+    if isinstance(spec, JsonSchemaConstraint):
+        try:
+            text = spec.canonical_text()
+        except ValueError as e:
+            raise GrammarError(str(e), param=param) from None
+        schema = json.loads(text)
+        problem = find_structure_problem(schema)
+        if problem is not None:
+            raise GrammarError(f"json_schema cannot be served: {problem}", param=param)
+        problem = find_unsatisfiable(schema)
+        if problem is not None:
+            raise GrammarError(f"json_schema accepts no finite JSON value: {problem}",
+                               param=param)
+        if spec.strict and isinstance(schema, dict):
+            problems = find_unenforceable(schema)
+            if problems:
+                shown = "; ".join(f"{p or '/'}: {r}" for p, r in problems[:5])
+                more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+                raise GrammarError("json_schema cannot be enforced exactly in strict mode: "
+                                   + shown + more + ". Remove these keywords or use "
+                                   "best effort (strict false).", param=param)
+        _convert(spec.kind, param, lambda: xgr.Grammar.from_json_schema(text, strict_mode=True))
+    elif isinstance(spec, RegexConstraint):
+        _convert(spec.kind, param, lambda: xgr.Grammar.from_regex(spec.pattern))
+    elif isinstance(spec, EbnfConstraint):
+        _convert(spec.kind, param,
+                 lambda: xgr.Grammar.from_ebnf(spec.grammar, root_rule_name="root"))
+
+
+def _convert(kind: str, param: str | None, build: Callable[[], object]) -> None:
+    """Run ``build`` (an xgrammar converter call); its exception becomes a GrammarError."""
+    try:
+        build()
+    except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError/...
+        raise GrammarError(f"Failed to compile {kind} grammar: {_converter_message(e)}",
+                           param=param) from None
+
+
+def _converter_message(e: BaseException) -> str:
+    """The useful part of an xgrammar exception: its last line, without the ``[time]
+    file.cc:line:`` prefix its C++ checks add."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    msg = lines[-1] if lines else type(e).__name__
+    if msg.startswith("[") and ": " in msg:
+        head, _, rest = msg.partition(": ")
+        if ".cc:" in head or ".h:" in head:
+            msg = rest
+    return msg

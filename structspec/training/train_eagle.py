@@ -1,0 +1,139 @@
+"""``train_eagle``: self-distillation data, then EAGLE-3 head training, for any model the engine
+loads.
+
+Stages (``TrainEagleConfig.stage``), so that each can run in its own GPU session:
+
+* ``data``: build the prompt set (:func:`structspec.training.prompts.build_prompt_set`), let
+  the target answer it through the engine (:func:`structspec.training.distill.distill`), save
+  the sequences in shards as they come and merge them into ``out/sequences.npz``
+  (:mod:`structspec.training.data_stage`: time limit, SIGTERM, resume); prints progress lines
+  and sequences/s and tokens/s.
+* ``train``: load the target with the engine's loader, train the head on the sequences
+  (:func:`structspec.training.trainer.train_head`), export it into ``out``; prints tokens/s and
+  the per-step top-1 agreement.
+* ``all``: both (only training when a prebuilt ``sequences`` file is given).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from structspec.training.sequences import TrainSequence, load_sequences
+from structspec.training.train_config import SEQUENCES_FILE, TrainEagleConfig
+
+
+def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    """``auto`` device / dtype -> cuda + bfloat16 when CUDA is available, else cpu + float32.
+
+    Raises:
+        ValueError: a CUDA device without CUDA, or an unknown device string (naming
+            ``device``).
+    """
+    try:
+        dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available()
+                           else "cpu" if device == "auto" else device)
+    except RuntimeError as e:
+        raise ValueError(f"device={device!r}: {e}") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}: CUDA is not available")
+    if dtype == "auto":
+        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
+    return dev, {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+
+
+def prepare_out(out: str) -> Path:
+    """Create ``out`` if needed and check that it is a writable directory.
+
+    Raises:
+        ValueError: naming ``out``: it is a file, cannot be created, or is not writable.
+    """
+    p = Path(out).expanduser()
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"out: {str(p)!r} exists and is not a directory")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"out: cannot create {str(p)!r}: {e.strerror or e}") from e
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise ValueError(f"out: directory {str(p)!r} is not writable")
+    return p
+
+
+def read_sequences(path: Path) -> list[TrainSequence]:
+    """The sequences of ``path``.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist (naming ``sequences``).
+        ValueError: malformed or empty file (naming ``sequences``).
+    """
+    if not path.is_file():
+        raise FileNotFoundError(f"sequences: {str(path)!r} not found (run --stage data first, "
+                                f"or pass --sequences FILE)")
+    try:
+        seqs = load_sequences(path)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"sequences: {e}") from e
+    if not seqs:
+        raise ValueError(f"sequences: {str(path)!r} holds no sequences")
+    return seqs
+
+
+def run_train_stage(config: TrainEagleConfig, out: Path) -> Path:
+    """Train the head on the sequences file and export it into ``out``; returns ``out``."""
+    from structspec.models.loader import load_model
+    from structspec.training.trainer import train_head
+
+    seq_path = Path(config.sequences).expanduser() if config.sequences else out / SEQUENCES_FILE
+    seqs = read_sequences(seq_path)
+    device, dtype = resolve_device(config.device, config.dtype)
+    model, model_config = load_model(config.model, device=device, dtype=dtype,
+                                     load_format=config.load_format, seed=config.seed)
+    if config.aux_hidden_layers is not None:
+        nl = model_config.num_hidden_layers
+        bad = [i for i in config.aux_hidden_layers if not 0 <= i < nl]
+        if bad:
+            raise ValueError(f"aux_hidden_layers: {bad} out of range for {nl} layers")
+    if config.draft_vocab_size > model_config.vocab_size:
+        raise ValueError(f"draft_vocab_size={config.draft_vocab_size}: larger than the "
+                         f"target's vocab_size {model_config.vocab_size}")
+    t0 = time.perf_counter()
+    result = train_head(config, model, model_config, seqs, device=device, dtype=dtype)
+    dt = time.perf_counter() - t0
+    last = result.last or {}
+    print(f"train-eagle train: step {result.step}/{result.total_steps} in {dt:.1f} s; last "
+          f"loss {last.get('loss', float('nan')):.4f}, top-1 agreement per TTT step "
+          f"{last.get('acc')}, {last.get('tokens_per_s')} tokens/s -> {result.head_dir}",
+          file=sys.stderr)
+    return result.head_dir
+
+
+def train_eagle(config: TrainEagleConfig) -> Path:
+    """Run ``config.stage`` of the EAGLE-3 self-distillation pipeline.
+
+    Returns:
+        The sequences file for ``stage="data"``; the head directory (``config.out``, loadable
+        with ``draft_model=`` and ``speculative_algorithm="eagle"``) otherwise.
+
+    Raises:
+        ValueError: a bad option (named), an unwritable ``out``, an empty prompt set, an empty
+            or malformed sequences file.
+        FileNotFoundError: a missing model or sequences file.
+    """
+    config.validate()
+    if config.stage == "data" and config.sequences:
+        raise ValueError("sequences: a prebuilt sequences file leaves no data stage to run "
+                         "(use stage 'train')")
+    out = prepare_out(config.out)
+    if config.stage != "train" and not config.sequences:
+        # loads the engine (heavy): imported only when a data stage runs
+        from structspec.training.data_stage import run_data_stage
+
+        sequences = run_data_stage(config, out)
+        if config.stage == "data":
+            return sequences
+    return run_train_stage(config, out)

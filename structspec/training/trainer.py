@@ -1,0 +1,290 @@
+"""The EAGLE-3 head training loop: online target features, TTT loss, AdamW with warmup and
+cosine decay, gradient clipping, resumable checkpoints, periodic export.
+
+The head is an :class:`~structspec.models.eagle_head.EagleHead` built from the same config the
+loader builds for the exported checkpoint, so the trained module and the loaded one are the
+same code. Its master weights are float32; on CUDA the forward runs under bf16 autocast.
+
+Resumability: the checkpoint (``out/checkpoint/train_state.pt``) holds the head, the optimizer,
+the LR schedule, the step, the epoch, the epoch's batch plan and the position in it, and the
+torch RNG states. Training itself draws no random numbers after the head's initialisation
+(the data order comes from :func:`structspec.training.batching.plan_epoch`), so a resumed run
+repeats the uninterrupted run's steps exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from structspec.config import ModelConfig
+from structspec.models.eagle_head import EagleHead
+from structspec.training.batching import collate, draft_vocabulary, plan_epoch, trainable
+from structspec.training.export import eagle3_head_config, export_eagle3_head
+from structspec.training.features import TargetFeatureExtractor, default_aux_layers
+from structspec.training.sequences import TrainSequence
+from structspec.training.train_config import CHECKPOINT_FILE, LOG_FILE, TrainEagleConfig
+from structspec.training.ttt import TTTForward, soft_targets
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class TrainResult:
+    """What :func:`train_head` did.
+
+    Attributes:
+        head_dir: the exported head (``config.json`` + ``model.safetensors``).
+        step: optimizer steps done in total (including those before a resume).
+        total_steps: the schedule's length.
+        last: the last step's log record (loss, per-step top-1 agreement, lr, tokens/s), or
+            None when no step ran in this call.
+    """
+
+    head_dir: Path
+    step: int
+    total_steps: int
+    last: dict[str, Any] | None
+
+
+def lr_factor(step: int, warmup: int, total: int) -> float:
+    """Linear warmup over ``warmup`` steps, then cosine from 1 to 0 at ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    span = max(1, total - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - warmup) / span)))
+
+
+def _autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def build_head(cfg: TrainEagleConfig, target: nn.Module, target_config: ModelConfig,
+               aux: tuple[int, ...], vocab_ids: torch.Tensor | None,
+               device: torch.device) -> EagleHead:
+    """A freshly initialised (seeded) float32 head on ``device``, in train mode.
+
+    A reduced-vocabulary ``lm_head`` starts as the target's ``lm_head`` rows of its tokens.
+    """
+    head_cfg = eagle3_head_config(target_config, aux, cfg.draft_vocab_size)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        head = EagleHead(head_cfg)
+    if vocab_ids is not None:
+        assert head.lm_head is not None
+        with torch.no_grad():
+            head.lm_head.weight.copy_(target.lm_head.weight.detach()[vocab_ids.to(
+                target.lm_head.weight.device)].float().cpu())
+            head.d2t.copy_(vocab_ids)
+    head.to(device)
+    head.rotary.reset_inv_freq()
+    return head.train()
+
+
+class _Checkpoint:
+    """Save / load of the resumable state (atomic writes)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def save(self, state: dict[str, Any]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, self.path)
+
+    def load(self) -> dict[str, Any]:
+        if not self.path.is_file():
+            raise FileNotFoundError(f"--resume: no checkpoint at {self.path}")
+        return torch.load(self.path, map_location="cpu", weights_only=True)
+
+
+def _fingerprint(cfg: TrainEagleConfig, seqs: list[TrainSequence], aux: tuple[int, ...],
+                 total: int) -> dict[str, Any]:
+    """What a resumed run must share with the checkpoint's run."""
+    return {"num_sequences": len(seqs), "num_tokens": sum(len(s.token_ids) for s in seqs),
+            "ttt_steps": cfg.ttt_steps, "draft_vocab_size": cfg.draft_vocab_size,
+            "aux_hidden_layers": list(aux), "batch_tokens": cfg.batch_tokens,
+            "max_seq_len": cfg.max_seq_len, "seed": cfg.seed, "total_steps": total}
+
+
+def _epoch_plans(cfg: TrainEagleConfig, lengths: list[int]) -> Iterator[list[list[int]]]:
+    epoch = 0
+    while True:
+        yield plan_epoch(lengths, batch_tokens=cfg.batch_tokens, max_len=cfg.max_seq_len,
+                         seed=cfg.seed, epoch=epoch)
+        epoch += 1
+
+
+def total_steps(cfg: TrainEagleConfig, lengths: list[int]) -> int:
+    """``cfg.steps``, or the batches of ``cfg.epochs`` epochs."""
+    if cfg.steps:
+        return cfg.steps
+    plans = _epoch_plans(cfg, lengths)
+    return sum(len(next(plans)) for _ in range(cfg.epochs))
+
+
+def train_head(cfg: TrainEagleConfig, target: nn.Module, target_config: ModelConfig,
+               seqs: list[TrainSequence], *, device: torch.device,
+               dtype: torch.dtype) -> TrainResult:
+    """Train (or, with ``cfg.resume``, continue training) an EAGLE-3 head on ``seqs`` and
+    export it to ``cfg.out``.
+
+    Args:
+        target: the loaded target model (eval, no grads) on ``device`` in ``dtype``.
+        seqs: the training sequences (those without a countable response row are skipped).
+        device, dtype: the target's device and dtype (the head's autocast dtype).
+
+    Raises:
+        ValueError: no sequence has a response to train on; a token id outside the target's
+            vocabulary; a ``resume`` checkpoint from a different run (the field is named).
+        FileNotFoundError: ``resume`` without a checkpoint.
+    """
+    out = Path(cfg.out)
+    vocab = target_config.vocab_size
+    bad = next((i for i, s in enumerate(seqs) if s.token_ids and max(s.token_ids) >= vocab),
+               None)
+    if bad is not None:
+        raise ValueError(f"sequences: sequence {bad} has a token id >= the target's vocab_size "
+                         f"{vocab} (sequences from another model?)")
+    seqs = [s for s in seqs if trainable(s, cfg.max_seq_len)]
+    if not seqs:
+        raise ValueError("sequences: no sequence has a response of 2+ tokens to train on")
+    lengths = [min(len(s.token_ids), cfg.max_seq_len) for s in seqs]
+    aux = cfg.aux_hidden_layers or default_aux_layers(target_config.num_hidden_layers)
+    total = total_steps(cfg, lengths)
+    vocab_ids = (draft_vocabulary(seqs, cfg.draft_vocab_size, vocab, cfg.max_seq_len)
+                 if cfg.draft_vocab_size else None)
+    head = build_head(cfg, target, target_config, aux, vocab_ids, device)
+    lm_w = head.lm_head.weight if head.lm_head is not None else target.lm_head.weight
+    ttt = TTTForward(head, target.embed_tokens, lm_w, cfg.ttt_steps)
+    if cfg.compile:
+        ttt.layer_step = torch.compile(ttt.layer_step, dynamic=True)  # type: ignore[method-assign]
+    extractor = TargetFeatureExtractor(target, target_config, aux,
+                                       max_batch_tokens=cfg.batch_tokens, device=device,
+                                       dtype=dtype)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95),
+                            weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_factor(s, cfg.warmup_steps, total))
+    ckpt = _Checkpoint(out / CHECKPOINT_FILE)
+    fingerprint = _fingerprint(cfg, seqs, aux, total)
+    step, epoch, pos = 0, 0, 0
+    plan = plan_epoch(lengths, batch_tokens=cfg.batch_tokens, max_len=cfg.max_seq_len,
+                      seed=cfg.seed, epoch=0)
+    log_path = out / LOG_FILE
+    if cfg.resume:
+        state = ckpt.load()
+        for key, value in fingerprint.items():
+            if state["fingerprint"].get(key) != value:
+                raise ValueError(f"--resume: the checkpoint's {key} is "
+                                 f"{state['fingerprint'].get(key)!r}, this run's is {value!r}")
+        head.load_state_dict(state["head"])
+        head.d2t.copy_(state["d2t"].to(device))
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        step, epoch, pos, plan = state["step"], state["epoch"], state["pos"], state["plan"]
+        torch.set_rng_state(state["rng_cpu"])
+        if device.type == "cuda" and state.get("rng_cuda") is not None:
+            torch.cuda.set_rng_state(state["rng_cuda"], device)
+        _truncate_log(log_path, step)
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        log_path.write_text("")
+
+    def save() -> None:
+        ckpt.save({"head": head.state_dict(), "d2t": head.d2t.cpu(),
+                   "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                   "step": step, "epoch": epoch, "pos": pos, "plan": plan,
+                   "rng_cpu": torch.get_rng_state(),
+                   "rng_cuda": torch.cuda.get_rng_state(device) if device.type == "cuda"
+                   else None,
+                   "fingerprint": fingerprint})
+        export_eagle3_head(head, out, target=target_config, dtype=DTYPES[cfg.export_dtype])
+
+    bar = _progress(cfg.progress, total, step)
+    decay = [cfg.ttt_decay**k for k in range(cfg.ttt_steps)]
+    last: dict[str, Any] | None = None
+    started = time.perf_counter()
+    try:
+        while step < total:
+            if pos >= len(plan):
+                epoch, pos = epoch + 1, 0
+                plan = plan_epoch(lengths, batch_tokens=cfg.batch_tokens,
+                                  max_len=cfg.max_seq_len, seed=cfg.seed, epoch=epoch)
+            t0 = time.perf_counter()
+            batch = [seqs[i] for i in plan[pos]]
+            pos += 1
+            ids, lens, prompt = collate(batch, cfg.max_seq_len, device)
+            feats = extractor(ids)
+            aux_hidden = feats.aux_hidden
+            targets = soft_targets(feats.logits, head.d2t if head.lm_head is not None else None)
+            del feats  # the [B, T, V] logits: only the probabilities are kept
+            with _autocast(device, dtype):
+                stats = ttt(ids, aux_hidden, lens, prompt, targets)
+            loss = sum((w * s.loss for w, s in zip(decay, stats, strict=True)),
+                       torch.zeros((), device=device))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = (float(torch.nn.utils.clip_grad_norm_(params, cfg.clip_grad_norm))
+                         if cfg.clip_grad_norm else 0.0)
+            lr = sched.get_last_lr()[0]
+            opt.step()
+            sched.step()
+            step += 1
+            dt = time.perf_counter() - t0
+            acc = [float(s.correct) / s.count if s.count else 0.0 for s in stats]
+            last = {"step": step, "loss": float(loss.detach()), "acc": [round(a, 4) for a in acc],
+                    "step_loss": [round(float(s.loss.detach()), 4) for s in stats], "lr": lr,
+                    "grad_norm": round(grad_norm, 4), "rows": len(batch),
+                    "tokens": int(lens.sum()), "tokens_per_s": round(int(lens.sum()) / dt, 1)}
+            if device.type == "cuda":
+                last["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+            with open(log_path, "a") as f:
+                f.write(json.dumps(last) + "\n")
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{last['loss']:.3f}",
+                                acc="/".join(f"{a:.2f}" for a in acc),
+                                tok_s=f"{last['tokens_per_s']:.0f}")
+            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < total:
+                save()
+            if cfg.stop_at_step and step >= cfg.stop_at_step:
+                break
+            if cfg.time_limit_s and time.perf_counter() - started >= cfg.time_limit_s:
+                break
+    finally:
+        if bar is not None:
+            bar.close()
+    save()
+    return TrainResult(head_dir=out, step=step, total_steps=total, last=last)
+
+
+def _truncate_log(path: Path, step: int) -> None:
+    """Keep the log records of steps ``<= step`` (a resumed run rewrites the later ones)."""
+    if not path.is_file():
+        return
+    keep = [ln for ln in path.read_text().splitlines()
+            if ln.strip() and json.loads(ln)["step"] <= step]
+    path.write_text("".join(ln + "\n" for ln in keep))
+
+
+def _progress(enabled: bool, total: int, initial: int) -> Any:
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc="train-eagle", unit="step")

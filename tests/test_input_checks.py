@@ -1,0 +1,107 @@
+"""Bad values given to the Python API and the CLI are refused naming the field (or flag)
+and the expected type, before any model loads. Each case used to fail unclearly: an
+AttributeError naming no field, a TypeError from a comparison, an empty regex accepted, a
+schema refused only after the model had loaded."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from structspec.cli import build_parser, main
+from structspec.config import EngineConfig, SpecConfig, resolve_engine_config
+from structspec.constraints import EbnfConstraint, JsonSchemaConstraint, RegexConstraint
+from structspec.core import SamplingParams
+from structspec.engine_args import flag_error
+from structspec.grammar.errors import GrammarError
+from structspec.grammar.precheck import check_grammar
+from structspec.speculative.registry import registered_drafter
+
+
+@pytest.mark.parametrize("grammar", ["text", {"type": "object"}, 5])
+def test_a_grammar_that_is_not_a_constraint_names_grammar(grammar: Any) -> None:
+    with pytest.raises(ValueError, match=r"^grammar must be None or one of JsonSchemaConstraint"):
+        SamplingParams(grammar=grammar).validate()
+
+
+def test_regex_constraint_refuses_empty_and_non_string_patterns() -> None:
+    with pytest.raises(ValueError, match=r"RegexConstraint\.pattern must be a non-empty"):
+        RegexConstraint("")
+    with pytest.raises(TypeError, match=r"RegexConstraint\.pattern must be a str, got int 5"):
+        RegexConstraint(5)  # type: ignore[arg-type]
+    assert RegexConstraint("a+").pattern == "a+"
+
+
+def test_stop_token_ids_past_int64_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"stop_token_ids must be integers in \[0, 2\*\*63\)"):
+        SamplingParams(stop_token_ids=(2**64,)).validate()
+
+
+@pytest.mark.parametrize("spec,field,flag", [
+    (SpecConfig(algorithm="ngram", num_draft_tokens="8"), "num_draft_tokens",  # type: ignore[arg-type]
+     "--num-draft-tokens"),
+    (SpecConfig(algorithm="none", num_draft_tokens="8"), "num_draft_tokens",  # type: ignore[arg-type]
+     "--num-draft-tokens"),
+    (SpecConfig(algorithm="ngram", depth=2.5), "speculative_depth",  # type: ignore[arg-type]
+     "--speculative-depth"),
+])
+def test_integer_engine_options_of_another_type_name_the_option(spec: SpecConfig, field: str,
+                                                                flag: str) -> None:
+    with pytest.raises(ValueError, match=rf"^{field}=.*: expected an integer, got") as e:
+        resolve_engine_config(EngineConfig(device="cpu", spec=spec))
+    assert flag_error(str(e.value)).startswith(f"{flag}: {field}=")
+
+
+def test_speculative_algorithm_help_follows_the_registry(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "10000")  # argparse wraps at the terminal's width
+
+    def help_text() -> str:  # `structspec serve --help` as rendered, whitespace joined
+        sub = build_parser()._subparsers._group_actions[0].choices["serve"]  # noqa: SLF001
+        return " ".join(sub.format_help().split())
+
+    text = help_text()
+    assert "ngram (n-gram prompt lookup)" in text
+    assert "eagle (an EAGLE head; needs --draft-model)" in text
+    assert "toy50" not in text
+    with registered_drafter("toy50", lambda spec, **_: None,  # type: ignore[arg-type,return-value]
+                            description="a 50% toy"):
+        assert "toy50 (a 50% toy)" in help_text()
+    assert "toy50" not in help_text()
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--json-schema", '{"type": "foo"}'],
+     '--json-schema: Failed to compile json_schema grammar: Unsupported type "foo"'),
+    (["--json-schema", '{"type": "object", "properties": 3}'],
+     "--json-schema: Failed to compile json_schema grammar: properties must be an object"),
+    (["--json-schema", '{"type": "array", "uniqueItems": true}'],
+     "--json-schema: json_schema cannot be enforced exactly in strict mode"),
+    (["--regex", "(ab"], "--regex: Failed to compile regex grammar"),
+])
+def test_a_grammar_flag_the_compiler_refuses_exits_2_before_loading(
+        flags: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # the model path does not exist: reaching the load would be a different error
+    code = main(["generate", "--model", "/nonexistent/model", "--device", "cpu",
+                 "--prompt", "hi", *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and words in err, err
+    assert "/nonexistent/model" not in err
+
+
+def test_precheck_passes_what_compiles() -> None:
+    check_grammar(JsonSchemaConstraint({"type": "object", "properties": {"a": {"type": "string"}}}))
+    check_grammar(RegexConstraint(r"\d{3}"))
+    check_grammar(EbnfConstraint('root ::= "a" | "b"'))
+    check_grammar(None)
+    with pytest.raises(GrammarError, match="Failed to compile ebnf grammar") as e:
+        check_grammar(EbnfConstraint("start ::= 'a'"))
+    assert e.value.param == "ebnf"
+
+
+def test_precheck_refuses_a_schema_with_no_finite_value() -> None:
+    """The CLI refuses it before the model loads, as the engine would (issue 17)."""
+    schema = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+    with pytest.raises(GrammarError, match="accepts no finite JSON value"):
+        check_grammar(JsonSchemaConstraint(schema, strict=False))
