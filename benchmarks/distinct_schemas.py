@@ -66,15 +66,19 @@ def run_one(args: argparse.Namespace, algo: str, workers: int,
     compile_s = 0.0
     if args.precompile:
         t0 = time.perf_counter()
-        kept = []
-        for schema in schemas:
-            if len(kept) == args.num_requests:
-                break
-            try:
-                engine.grammar.compile(JsonSchemaConstraint(schema), timeout=args.compile_timeout)
-            except GrammarError:
-                continue  # not enforceable / failed: another schema takes its place
-            kept.append(schema)
+        kept: list[dict[str, Any]] = []
+        todo = list(schemas)
+        while todo and len(kept) < args.num_requests:
+            # as many as still needed, at once (the backend's compile threads run them in
+            # parallel); a schema that fails (not enforceable) makes room for the next one
+            wave, todo = todo[: args.num_requests - len(kept)], todo[args.num_requests - len(kept):]
+            futures = [engine.grammar.submit(JsonSchemaConstraint(s)) for s in wave]
+            for schema, fut in zip(wave, futures, strict=True):
+                try:
+                    fut.result(timeout=args.compile_timeout)
+                except GrammarError:
+                    continue
+                kept.append(schema)
         schemas = kept
         compile_s = time.perf_counter() - t0
     schemas = schemas[: args.num_requests]
