@@ -389,7 +389,8 @@ def test_grammars_in_flight_are_served_in_process(in_process_outputs,
         assert a.finish_reason == b.finish_reason
 
 
-@pytest.mark.parametrize("when", ["before_build", "after_verdicts", "while_shipping"])
+@pytest.mark.parametrize("when", ["before_build", "after_verdicts",
+                                  pytest.param("while_shipping", marks=pytest.mark.slow)])
 def test_dead_mask_worker_falls_back_in_process(in_process_outputs, when: str,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """A mask worker killed mid-run (before a build's messages, after its mirrors' verdicts
