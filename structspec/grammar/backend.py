@@ -32,6 +32,7 @@ import hashlib
 import queue
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -184,6 +185,13 @@ class GrammarBackend:
         for t in self._threads:
             t.start()
         self._closed = False
+        # A backend dropped without shutdown() (an engine garbage-collected, a test's backend)
+        # must not leave its compile processes behind: the finalizer holds the pool and the
+        # queues, never the backend, so it runs when the last reference goes.
+        self._finalizer = weakref.finalize(
+            self, _stop_compiles, self.pool,
+            [self._rebuild_fast if t.name.endswith("fast") else self._rebuild_slow
+             for t in self._threads])
 
     # -- compilation ----------------------------------------------------------------------
 
@@ -287,9 +295,7 @@ class GrammarBackend:
         if self._closed:
             return
         self._closed = True
-        self.pool.close()
-        for t in self._threads:
-            (self._rebuild_fast if t.name.endswith("fast") else self._rebuild_slow).put(None)
+        self._finalizer()
 
     # -- internals ----------------------------------------------------------------------
 
@@ -343,6 +349,14 @@ class GrammarBackend:
         with self._lock:
             self._compile_s.append(time.perf_counter() - entry.submitted_at)
         entry.future.set_result(compiled)
+
+
+def _stop_compiles(pool: CompilePool, rebuild_queues: list[queue.SimpleQueue[Any]]) -> None:
+    """Kill the compile processes and end the rebuild threads (one ``None`` per thread): the
+    backend's shutdown and finalizer."""
+    pool.close()
+    for q in rebuild_queues:
+        q.put(None)
 
 
 def _serve(work: queue.SimpleQueue[Callable[[], None] | None]) -> None:
