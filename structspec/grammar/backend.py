@@ -226,7 +226,7 @@ class GrammarBackend:
             entry = _Entry(submitted_at=now)
             entry.future.set_exception(error)
             return GrammarFuture(entry, timeout_s=limit_s, submitted_at=now, kind=kind,
-                     pool=self.pool)
+                                 pool=self.pool)
 
         param = PARAM_BY_KIND.get(kind)
         try:
@@ -241,7 +241,7 @@ class GrammarBackend:
                 if entry.job is not None and not entry.accepted:
                     self.pool.extend(entry.job, now + limit_s)
                 return GrammarFuture(entry, timeout_s=limit_s, submitted_at=now, kind=kind,
-                     pool=self.pool)
+                                     pool=self.pool)
         # up front: not cached (cheap to repeat; a refused 4 MB text would hold cache memory)
         if isinstance(spec, RegexConstraint):
             problem = find_regex_problem(spec.pattern)
@@ -270,7 +270,7 @@ class GrammarBackend:
             job.future.add_done_callback(
                 lambda f, e=entry, k=key, s=spec: self._on_worker_done(k, e, s, f))
         return GrammarFuture(entry, timeout_s=limit_s, submitted_at=now, kind=kind,
-                     pool=self.pool)
+                             pool=self.pool)
 
     def compile(self, spec: GrammarConstraint, timeout: float | None = None) -> xgr.CompiledGrammar:
         """Blocking convenience: ``submit(spec).result(timeout)``.
