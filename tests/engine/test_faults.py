@@ -101,12 +101,14 @@ def test_drafter_failing_for_one_request_costs_no_request(
     _same_as(reference, got)
     assert guard.num_failures == 1 and not guard.disabled
     if where == "propose":
-        assert failed == [5, 1]  # the batch, then request 2 alone
+        # the batch (how many were admitted with it depends on when their grammars
+        # compiled), then request 2 alone
+        assert len(failed) == 2 and failed[0] > 1 and failed[1] == 1, failed
         # the others kept getting drafts; request 2 never had one verified
         assert all(o.spec.draft_tokens_proposed > 0 for i, o in enumerate(got) if i != 2)
         assert got[2].spec.draft_tokens_proposed == 0
     else:
-        assert failed == [5]
+        assert len(failed) == 1, failed  # one hook call, not retried
     assert not guard.stopped  # released with the requests
 
 
