@@ -110,10 +110,6 @@ def build_engine(config: EngineConfig) -> EngineParts:
             max_rows=config.scheduler.max_batch_size * drafter.num_nodes,
             stop_token_ids=list(tokenizer.eos_token_ids), pin=device.type == "cuda")
     scheduler = Scheduler(config, runner, grammar, drafter, mask_pool=mask_pool)
-    # Ready means ready to compile: a request's compile budget counts from its arrival, and
-    # the compile processes' first start (xgrammar and torch imports) takes seconds; it ran
-    # while the drafter and scheduler were built.
-    grammar.wait_ready(COMPILE_POOL_START_TIMEOUT_S)
     return EngineParts(config=config, model_path=model_path, max_model_len=max_model_len,
                        model_config=model_config, tokenizer=tokenizer, runner=runner,
                        grammar=grammar, drafter=drafter, scheduler=scheduler)
@@ -136,8 +132,6 @@ def _grammar_backend(config: EngineConfig, tokenizer_hf: Any, *, vocab_size: int
                      config=config.grammar)
     return SelectingBackend(mode, xgrammar=xgr_backend, llguidance=llg)
 
-
-COMPILE_POOL_START_TIMEOUT_S = 120.0
 """Longest wait for the grammar compile processes at engine start (then a warning, and
 compiles wait for them under their own time limits)."""
 

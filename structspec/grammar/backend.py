@@ -32,6 +32,7 @@ import hashlib
 import queue
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -80,15 +81,27 @@ class GrammarFuture:
         timeout_s: the compile time limit (``GrammarConfig.compile_timeout_s``).
         submitted_at: ``time.perf_counter()`` at this request's submission.
         kind: the grammar kind (``regex``, ``json_schema``...), for error params.
+        pool: the compile pool; the budget starts at ``max(submitted_at, pool.ready_at)``
+            (a request that arrived while the compile processes were still starting is not
+            charged for their start) and does not run before the pool is ready.
     """
 
     def __init__(self, entry: _Entry, *, timeout_s: float, submitted_at: float,
-                 kind: str) -> None:
+                 kind: str, pool: CompilePool | None = None) -> None:
         self._entry = entry
         self._future = entry.future
         self.timeout_s = timeout_s
         self.submitted_at = submitted_at
         self.kind = kind
+        self._pool = pool
+
+    def _budget_start(self) -> float | None:
+        """When this request's compile budget started (None: not yet, the compile processes
+        are still starting)."""
+        if self._pool is None:
+            return self.submitted_at
+        ready_at = self._pool.ready_at
+        return None if ready_at is None else max(self.submitted_at, ready_at)
 
     def done(self) -> bool:
         """Whether the compilation finished (successfully or not)."""
@@ -97,8 +110,9 @@ class GrammarFuture:
     def expired(self, now: float) -> bool:
         """Whether this request's budget ran out (``now``: perf_counter) before the worker
         accepted its grammar; the rebuild after acceptance never expires."""
-        return (not self._future.done() and not self._entry.accepted
-                and now - self.submitted_at >= self.timeout_s)
+        start = self._budget_start()
+        return (not self._future.done() and not self._entry.accepted and start is not None
+                and now - start >= self.timeout_s)
 
     def result(self, timeout: float | None = None) -> xgr.CompiledGrammar:
         """The compiled grammar, waiting at most ``timeout`` seconds (None: until it is
@@ -115,7 +129,10 @@ class GrammarFuture:
             now = time.perf_counter()
             if self.expired(now):
                 raise too_complex_error(self.kind, self.timeout_s)
-            waits = [] if self._entry.accepted else [self.submitted_at + self.timeout_s - now]
+            start = self._budget_start()
+            # before the pool is ready the budget has not started: look again shortly
+            waits = ([] if self._entry.accepted else
+                     [start + self.timeout_s - now if start is not None else 0.05])
             if give_up is not None:
                 waits.append(give_up - now)
             wait = max(0.0, min(waits)) if waits else None
@@ -184,6 +201,13 @@ class GrammarBackend:
         for t in self._threads:
             t.start()
         self._closed = False
+        # A backend dropped without shutdown() (an engine garbage-collected, a test's backend)
+        # must not leave its compile processes behind: the finalizer holds the pool and the
+        # queues, never the backend, so it runs when the last reference goes.
+        self._finalizer = weakref.finalize(
+            self, _stop_compiles, self.pool,
+            [self._rebuild_fast if t.name.endswith("fast") else self._rebuild_slow
+             for t in self._threads])
 
     # -- compilation ----------------------------------------------------------------------
 
@@ -201,7 +225,8 @@ class GrammarBackend:
         def failed(error: GrammarError) -> GrammarFuture:
             entry = _Entry(submitted_at=now)
             entry.future.set_exception(error)
-            return GrammarFuture(entry, timeout_s=limit_s, submitted_at=now, kind=kind)
+            return GrammarFuture(entry, timeout_s=limit_s, submitted_at=now, kind=kind,
+                                 pool=self.pool)
 
         param = PARAM_BY_KIND.get(kind)
         try:
@@ -215,7 +240,8 @@ class GrammarBackend:
                 self._cache.move_to_end(key)
                 if entry.job is not None and not entry.accepted:
                     self.pool.extend(entry.job, now + limit_s)
-                return GrammarFuture(entry, timeout_s=limit_s, submitted_at=now, kind=kind)
+                return GrammarFuture(entry, timeout_s=limit_s, submitted_at=now, kind=kind,
+                                     pool=self.pool)
         # up front: not cached (cheap to repeat; a refused 4 MB text would hold cache memory)
         if isinstance(spec, RegexConstraint):
             problem = find_regex_problem(spec.pattern)
@@ -243,7 +269,8 @@ class GrammarBackend:
         if job is not None:  # outside the lock: a finished job runs the callback right here
             job.future.add_done_callback(
                 lambda f, e=entry, k=key, s=spec: self._on_worker_done(k, e, s, f))
-        return GrammarFuture(entry, timeout_s=limit_s, submitted_at=now, kind=kind)
+        return GrammarFuture(entry, timeout_s=limit_s, submitted_at=now, kind=kind,
+                             pool=self.pool)
 
     def compile(self, spec: GrammarConstraint, timeout: float | None = None) -> xgr.CompiledGrammar:
         """Blocking convenience: ``submit(spec).result(timeout)``.
@@ -287,9 +314,7 @@ class GrammarBackend:
         if self._closed:
             return
         self._closed = True
-        self.pool.close()
-        for t in self._threads:
-            (self._rebuild_fast if t.name.endswith("fast") else self._rebuild_slow).put(None)
+        self._finalizer()
 
     # -- internals ----------------------------------------------------------------------
 
@@ -343,6 +368,14 @@ class GrammarBackend:
         with self._lock:
             self._compile_s.append(time.perf_counter() - entry.submitted_at)
         entry.future.set_result(compiled)
+
+
+def _stop_compiles(pool: CompilePool, rebuild_queues: list[queue.SimpleQueue[Any]]) -> None:
+    """Kill the compile processes and end the rebuild threads (one ``None`` per thread): the
+    backend's shutdown and finalizer."""
+    pool.close()
+    for q in rebuild_queues:
+        q.put(None)
 
 
 def _serve(work: queue.SimpleQueue[Callable[[], None] | None]) -> None:

@@ -119,6 +119,9 @@ class CompilePool:
         self._zygote: subprocess.Popen[bytes] | None = None
         self._zygote_conn: Connection | None = None
         self._zygote_ready = False
+        #: ``time.perf_counter()`` when the zygote was ready (None before): compile budgets
+        #: of requests that arrived earlier start here
+        self.ready_at: float | None = None
         self._failed: str | None = None  # why the zygote could not start
         self._ready = threading.Event()  # every lane has a worker, or the start failed
         self._wake_r, self._wake_w = os.pipe()
@@ -296,6 +299,15 @@ class CompilePool:
             msg = self._zygote_conn.recv()
             if msg == "ready":
                 self._zygote_ready = True
+                # Compile budgets count from here for requests that arrived earlier: the
+                # processes' first start (xgrammar and torch imports, seconds) is the engine's
+                # own latency, not the grammar's cost. Forks from now on take milliseconds.
+                now = time.perf_counter()
+                with self._lock:
+                    for q in self._queues.values():
+                        for job in q:
+                            job.deadline = max(job.deadline, now + job.limit_s)
+                    self.ready_at = now
                 return
             _, pid, lane = msg
             fd = recv_handle(self._zygote_conn)

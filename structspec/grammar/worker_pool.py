@@ -56,23 +56,19 @@ deserializes it and acknowledges. Until the acknowledgement has been seen
 (:meth:`MaskWorkerPool.collect_shipped`, polled once per step) the request is not *ready*: the
 caller keeps its grammar work in process (its own matcher, the in-process walk), which gives the
 same bitmask. Each shipped grammar has a wire id that is never reused, so a drop and a later
-shipment of the same grammar cannot be confused by the two sockets' orders.
+shipment of the same grammar cannot be confused by the two sockets' orders. Placement and
+shipping live in :mod:`structspec.grammar.grammar_shipping`.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-import queue
 import socket
 import subprocess
 import sys
-import threading
 import time
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any
@@ -81,6 +77,7 @@ import torch
 import xgrammar as xgr
 
 from structspec.grammar.bitmask import bitmask_width
+from structspec.grammar.grammar_shipping import GrammarShipper
 from structspec.grammar.pool_types import (
     MaskPoolError,
     PoolBuildResult,
@@ -95,66 +92,6 @@ logger = logging.getLogger(__name__)
 
 #: the worker processes' module (run as ``python -m``; see :mod:`~.mask_worker`)
 _WORKER_MODULE = "structspec.grammar.mask_worker"
-
-#: serialized grammars the shipping thread keeps for the next worker that needs the same one
-#: (a schema shared by many requests reaches every worker once; serializing it again would
-#: cost the thread, and through the GIL the step loop, ~5-30 ms each time)
-_SHIP_CACHE_SIZE = 8
-
-#: how long a direct caller (tests, tools) of :meth:`MaskWorkerPool.build` waits for a grammar
-#: its request needs before the pool counts the worker as failed (s)
-_SHIP_WAIT_S = 120.0
-
-
-@dataclass
-class _Shipment:
-    """One compiled grammar on (or on its way to) one worker.
-
-    Attributes:
-        compiled: the grammar (held so that ``id(compiled)``, the key, is not reused while
-            the worker may hold it).
-        wire_id: the worker's key for it (unique over the pool's life).
-        live: requests placed on the worker that use it.
-        state: ``"shipping"`` (queued or in flight), ``"loaded"`` (acknowledged: jobs may
-            name it) or ``"failed"`` (the worker could not load it: those requests stay in
-            process).
-    """
-
-    compiled: xgr.CompiledGrammar
-    wire_id: int
-    live: int = 0
-    state: str = "shipping"
-
-
-def _ship_loop(jobs: queue.SimpleQueue[tuple[int, int, xgr.CompiledGrammar] | None],
-               conns: list[Connection], busy_s: list[float]) -> None:
-    """The pool's shipping thread: serialize each queued grammar (xgrammar releases the GIL for
-    most of it) and send it on its worker's grammar socket. ``busy_s[0]`` accumulates the
-    thread's time (metrics). A dead worker's socket is skipped: the step loop's own messages
-    find the death and report it."""
-    cache: OrderedDict[int, tuple[xgr.CompiledGrammar, str]] = OrderedDict()
-    while True:
-        job = jobs.get()
-        if job is None:
-            return
-        w, wire_id, compiled = job
-        t0 = time.perf_counter()
-        hit = cache.get(id(compiled))
-        if hit is not None and hit[0] is compiled:
-            text = hit[1]
-            cache.move_to_end(id(compiled))
-        else:
-            text = compiled.serialize_json()
-            cache[id(compiled)] = (compiled, text)
-            if len(cache) > _SHIP_CACHE_SIZE:
-                cache.popitem(last=False)
-        try:
-            conns[w].send((wire_id, text))
-        except (OSError, ValueError):
-            pass
-        del job, compiled, text
-        busy_s[0] += time.perf_counter() - t0
-
 
 class MaskWorkerPool:
     """Worker processes that build tree bitmasks for shards of the batch.
@@ -218,10 +155,6 @@ class MaskWorkerPool:
         self._ship_conns: list[Connection] = []  # per worker: grammars out, acks back
         self._procs: list[subprocess.Popen[bytes]] = []
         pinned_ptr = self.slab.data_ptr() if self.pinned else 0
-        self._ship_jobs: queue.SimpleQueue[tuple[int, int, xgr.CompiledGrammar] | None] = (
-            queue.SimpleQueue())
-        self._ship_busy_s = [0.0]
-        self._shipper: threading.Thread | None = None
         try:
             for _ in range(num_workers):
                 ours, theirs = socket.socketpair()
@@ -242,34 +175,15 @@ class MaskWorkerPool:
                 if reply != "ready":
                     raise RuntimeError(f"a mask worker failed to start: {reply!r}")
         except (OSError, EOFError, RuntimeError) as e:  # a worker died at startup
-            _shutdown(self._conns, self._ship_conns, self._procs, self._shm, pinned_ptr,
-                      self._ship_jobs, None)
+            _shutdown(self._conns, self._ship_conns, self._procs, self._shm, pinned_ptr, None)
             if isinstance(e, RuntimeError):
                 raise
             raise RuntimeError(f"a mask worker failed to start: {e!r}") from e
-        # The thread gets the queue and the sockets, never the pool: the pool's finalizer must
-        # still run when the pool is dropped.
-        self._shipper = threading.Thread(
-            target=_ship_loop, args=(self._ship_jobs, self._ship_conns, self._ship_busy_s),
-            name="grammar-shipper", daemon=True)
-        self._shipper.start()
-        # request key -> (worker, its grammar's shipment to that worker)
-        self._assigned: dict[str, tuple[int, _Shipment]] = {}
+        #: placement of requests on workers and the shipping of their grammars (its own
+        #: thread; it holds the grammar sockets, never the pool, so the pool's finalizer
+        #: still runs when the pool is dropped)
+        self.shipping = GrammarShipper(self._ship_conns)
         self._synced: dict[str, int] = {}  # request key -> output ids its mirror accepted
-        # per worker: id(compiled grammar) -> its shipment (which holds the object, so the id
-        # is not reused while the worker may hold the grammar)
-        self._known: list[dict[int, _Shipment]] = [{} for _ in range(num_workers)]
-        self._in_flight: list[dict[int, _Shipment]] = [{} for _ in range(num_workers)]
-        self._wire_ids = itertools.count()
-        #: host time the caller's thread spent on shipping grammars (queueing, reading the
-        #: acknowledgements, and any wait of a direct ``build``/``advance`` caller for a grammar
-        #: not yet loaded; the scheduler never waits), ms
-        self.ship_ms = 0.0
-        #: grammars shipped (one per grammar and worker)
-        self.num_shipped = 0
-        self._released: list[list[str]] = [[] for _ in range(num_workers)]
-        self._dropped: list[list[int]] = [[] for _ in range(num_workers)]
-        self._live = [0] * num_workers  # live mirrors per worker (placement)
         self._closed = False
         # workers of the build in progress whose walk reply has not been seen (walks_ready);
         # None outside a build
@@ -279,127 +193,48 @@ class MaskWorkerPool:
         self._finalizer = weakref.finalize(self, _shutdown, self._conns, self._ship_conns,
                                            self._procs, self._shm,
                                            self.slab.data_ptr() if self.pinned else 0,
-                                           self._ship_jobs, self._shipper)
+                                           self.shipping)
 
     def release(self, key: str) -> None:
         """Forget a finished request (its mirror is dropped with the worker's next message)."""
-        entry = self._assigned.pop(key, None)
         self._synced.pop(key, None)
-        if entry is None:
-            return
-        w, ship = entry
-        self._live[w] -= 1
-        self._released[w].append(key)
-        ship.live -= 1
-        if ship.live == 0 and ship.state != "shipping":
-            self._forget(w, ship)
-        # a grammar still in flight is forgotten when its acknowledgement arrives
-
-    def _forget(self, w: int, ship: _Shipment) -> None:
-        """Worker ``w`` no longer needs ``ship``'s grammar: drop its copy with the next
-        message (a failed one was never stored there)."""
-        del self._known[w][id(ship.compiled)]
-        if ship.state == "loaded":
-            self._dropped[w].append(ship.wire_id)
+        self.shipping.release(key)
 
     def ready(self, key: str, compiled: xgr.CompiledGrammar) -> bool:
         """Whether the request's worker holds its grammar, so that :meth:`build` and
-        :meth:`advance` can serve it without waiting. On first sight the request is placed
-        (module doc, "Placement") and its grammar queued for that worker's shipment; never
-        blocks (~1 us). The answer changes only in :meth:`collect_shipped`, so a caller that
-        asks once per step gets one consistent split of its batch.
+        :meth:`advance` can serve it without waiting (see
+        :meth:`~structspec.grammar.grammar_shipping.GrammarShipper.ready`; never blocks).
 
         Args:
             key: the request's id (stable while it runs).
             compiled: its compiled grammar.
         """
-        entry = self._assigned.get(key)
-        if entry is None:
-            t0 = time.perf_counter()
-            entry = self._place(key, compiled)
-            self.ship_ms += (time.perf_counter() - t0) * 1e3
-        return entry[1].state == "loaded"
-
-    def _place(self, key: str, compiled: xgr.CompiledGrammar) -> tuple[int, _Shipment]:
-        """Place a new request on the least loaded worker; queue its grammar when that worker
-        has not got it."""
-        w = self._live.index(min(self._live))  # least loaded (module docstring)
-        self._live[w] += 1
-        self._synced[key] = 0
-        ship = self._known[w].get(id(compiled))
-        if ship is None:
-            ship = self._known[w][id(compiled)] = _Shipment(compiled, next(self._wire_ids))
-            self._in_flight[w][ship.wire_id] = ship
-            self._ship_jobs.put((w, ship.wire_id, compiled))
-            self.num_shipped += 1
-        ship.live += 1
-        entry = self._assigned[key] = (w, ship)
-        return entry
+        return self.shipping.ready(key, compiled)
 
     def collect_shipped(self) -> int:
-        """Read the workers' acknowledgements of shipped grammars without blocking (a poll per
-        worker with a grammar in flight; nothing when none is); returns how many arrived.
-        A grammar a worker could not load stays ``failed``: its requests keep being served in
-        process (logged once).
+        """Read the workers' acknowledgements of shipped grammars without blocking; returns
+        how many arrived (:meth:`~structspec.grammar.grammar_shipping.GrammarShipper.collect`).
 
         Raises:
             MaskPoolError: a worker's grammar socket broke (the worker died).
         """
-        if not any(self._in_flight):
-            return 0
-        t0 = time.perf_counter()
-        got = 0
-        try:
-            for w, flight in enumerate(self._in_flight):
-                conn = self._ship_conns[w]
-                while flight and conn.poll():
-                    self._acknowledge(w, *conn.recv())
-                    got += 1
-        except (EOFError, OSError) as e:
-            raise MaskPoolError(f"mask worker {w} died") from e
-        finally:
-            self.ship_ms += (time.perf_counter() - t0) * 1e3
-        return got
+        return self.shipping.collect()
 
-    def _acknowledge(self, w: int, wire_id: int, error: str | None) -> None:
-        ship = self._in_flight[w].pop(wire_id)
-        if error is None:
-            ship.state = "loaded"
-        else:
-            ship.state = "failed"
-            logger.warning("mask worker %d could not load a grammar (%s); its requests' masks "
-                           "are built in the engine process", w, error)
-        if ship.live == 0:  # every request using it finished while it was on its way
-            self._forget(w, ship)
+    @property
+    def ship_ms(self) -> float:
+        """Host time the caller's thread spent on shipping grammars (ms)."""
+        return self.shipping.ship_ms
 
-    def _wait_loaded(self, w: int, ship: _Shipment) -> None:
-        """Block until ``ship`` is acknowledged (direct callers of :meth:`build` and
-        :meth:`advance` only; the scheduler asks :meth:`ready` and never waits).
-
-        Raises:
-            MaskPoolError: the worker died, could not load the grammar, or did not answer
-                within ``_SHIP_WAIT_S``.
-        """
-        t0 = time.perf_counter()
-        try:
-            conn = self._ship_conns[w]
-            while ship.state == "shipping":
-                if not conn.poll(_SHIP_WAIT_S):
-                    raise MaskPoolError(f"mask worker {w} did not load a grammar in "
-                                        f"{_SHIP_WAIT_S:.0f} s")
-                self._acknowledge(w, *conn.recv())
-        except (EOFError, OSError) as e:
-            raise MaskPoolError(f"mask worker {w} died") from e
-        finally:
-            self.ship_ms += (time.perf_counter() - t0) * 1e3
-        if ship.state != "loaded":
-            raise MaskPoolError(f"mask worker {w} could not load a grammar")
+    @property
+    def num_shipped(self) -> int:
+        """Grammars shipped (one per grammar and worker)."""
+        return self.shipping.num_shipped
 
     @property
     def ship_thread_ms(self) -> float:
         """Time the shipping thread spent serializing and sending grammars (ms; it runs beside
         the step loop, not in it)."""
-        return self._ship_busy_s[0] * 1e3
+        return self.shipping.thread_ms
 
     def num_synced(self, key: str) -> int:
         """Output ids the request's mirror has been sent (0 when it has none)."""
@@ -489,13 +324,10 @@ class MaskWorkerPool:
         for b, req in enumerate(requests):
             if req is None:
                 continue
-            entry = self._assigned.get(req.key)
-            if entry is None:
-                entry = self._place(req.key, req.compiled)
-            w, ship = entry
+            w, ship = self.shipping.place(req.key, req.compiled)
             if ship.state != "loaded":  # a direct caller that did not ask ready(): wait
-                self._wait_loaded(w, ship)
-            done = self._synced[req.key]
+                self.shipping.wait_loaded(w, ship)
+            done = self._synced.get(req.key, 0)
             new_ids = list(req.output_ids[done:])
             self._synced[req.key] = done + len(new_ids)
             jobs[w].append((b, req.key, ship.wire_id, new_ids))
@@ -505,13 +337,13 @@ class MaskWorkerPool:
         busy = []
         t_send = time.perf_counter()
         for w, job in enumerate(jobs):
-            if job or self._released[w]:
+            if job or self.shipping.released[w]:
+                released, dropped = self.shipping.take_drops(w)
                 try:
-                    self._conns[w].send((job, self._released[w], self._dropped[w], bs, n,
-                                         has_tree, time_limit_s))
+                    self._conns[w].send((job, released, dropped, bs, n, has_tree,
+                                         time_limit_s))
                 except OSError as e:  # a dead worker's socket: broken pipe / reset
                     raise MaskPoolError(f"mask worker {w} died") from e
-                self._released[w], self._dropped[w] = [], []
                 busy.append(w)
         out = PoolBuildResult([], [], send_ms=(time.perf_counter() - t_send) * 1e3)
         self._walks_pending = busy[::-1]
@@ -598,13 +430,11 @@ class MaskWorkerPool:
 
 def _shutdown(conns: list[Connection], ship_conns: list[Connection],
               procs: list[subprocess.Popen[bytes]], shm: SharedMemory, pinned_ptr: int,
-              ship_jobs: queue.SimpleQueue[Any], shipper: threading.Thread | None) -> None:
+              shipping: GrammarShipper | None) -> None:
     """Stop the shipping thread and the workers, unlock the slab (``pinned_ptr``: its address,
     0 when not locked) and free the shared segment (the pool's finalizer)."""
-    ship_jobs.put(None)
-    if shipper is not None:
-        # a send to a live worker finishes quickly; one to a wedged worker is cut off below
-        shipper.join(timeout=2)
+    if shipping is not None:
+        shipping.stop()
     for conn in conns:
         try:
             conn.send(None)

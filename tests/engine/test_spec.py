@@ -362,9 +362,10 @@ def test_grammars_in_flight_are_served_in_process(in_process_outputs,
         calls[0] += 1
         if calls[0] <= 3:
             return 0
-        for w, flight in enumerate(self._in_flight):  # noqa: SLF001 - slowed on purpose
+        ship = self.shipping
+        for w, flight in enumerate(ship.in_flight):  # slowed on purpose
             if flight and self._ship_conns[w].poll(5):  # noqa: SLF001
-                self._acknowledge(w, *self._ship_conns[w].recv())  # noqa: SLF001
+                ship.acknowledge(w, *self._ship_conns[w].recv())  # noqa: SLF001
                 return 1
         return 0
 

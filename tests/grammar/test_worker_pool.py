@@ -348,13 +348,13 @@ def test_grammar_released_in_flight_is_forgotten_on_arrival(backend: GrammarBack
         import time
 
         deadline = time.perf_counter() + 60
-        while pool._in_flight[0]:  # noqa: SLF001 - the test watches the shipment end
+        while pool.shipping.in_flight[0]:  # the test watches the shipment end
             assert time.perf_counter() < deadline
             pool.collect_shipped()
             time.sleep(0.005)
-        assert pool._known == [{}] and pool._dropped == [[0]]  # noqa: SLF001
+        assert pool.shipping.known == [{}] and pool.shipping.dropped == [[0]]
         assert len(pool.advance([]).worker_busy_ms) == 1  # the drop goes out
-        assert pool._dropped == [[]]  # noqa: SLF001
+        assert pool.shipping.dropped == [[]]
         # the same grammar again: a new shipment under a new wire id
         assert not pool.ready("again", compiled)
         assert pool.num_shipped == 2
