@@ -8,6 +8,7 @@ import json
 import re
 
 import jsonschema
+import pytest
 
 from structspec import (
     ChoiceConstraint,
@@ -58,6 +59,7 @@ def test_auto_mixed_batch_is_lossless_and_names_the_backend(make_llm) -> None:
     assert counts.get("llguidance", 0) >= 2 and counts.get("xgrammar", 0) >= 4
 
 
+@pytest.mark.slow  # two more engines (~20 s); the kinds are covered fast in tests/grammar
 def test_every_kind_on_llguidance_is_lossless(make_llm) -> None:
     """JSON Schema, json_object, regex, EBNF and choice on llguidance: greedy output with
     n-gram drafts equals output without, token for token, and every finished output is in
