@@ -45,3 +45,21 @@ def test_metrics_count_requests_by_backend() -> None:
     text = m.render().decode()
     assert 'structspec_grammar_requests_total{backend="llguidance"} 2.0' in text
     assert 'structspec_grammar_requests_total{backend="xgrammar"} 1.0' in text
+
+
+def test_server_choices_name_the_backend() -> None:
+    """``choices[i].grammar_backend`` on chat and completion responses (absent without a
+    grammar)."""
+    pytest.importorskip("fastapi")
+    from structspec.server import serving_chat, serving_completion
+    from structspec.server.ipc import EngineDelta
+
+    for backend in ("llguidance", None):
+        final = EngineDelta(request_id="r", finished=True, finish_reason="stop",
+                            grammar_backend=backend)
+        c = SimpleNamespace(index=0, text="{}", logprobs=None, finish_reason="stop",
+                            final=final)
+        chat = serving_chat._choice(None, c, False)  # type: ignore[arg-type]
+        completion = serving_completion._choice(None, c, False, "")  # type: ignore[arg-type]
+        for out in (chat, completion):
+            assert out.get("grammar_backend") == backend
