@@ -268,3 +268,19 @@ def test_valid_instances_same_as_bare_llguidance(
             accepted += ours
     print(f"\nllguidance: {accepted}/{total} valid instances accepted")
     assert total >= 50 and accepted / total > 0.75, (accepted, total)
+
+
+def test_auto_falls_back_when_xgrammar_runs_out_of_time(llg_backend: LlgBackend) -> None:
+    """An xgrammar compile past its time limit hands the grammar to llguidance (its own time
+    limit); the request is served, not refused."""
+    import time
+
+    from structspec.grammar.backend import GrammarFuture, _Entry
+    from structspec.grammar.select_backend import AutoFuture
+
+    spec = RegexConstraint(r"[a-z]{3}")
+    stuck = GrammarFuture(_Entry(), timeout_s=0.01, submitted_at=time.perf_counter(),
+                          kind=spec.kind)  # never finishes: expires after 10 ms
+    fut = AutoFuture(spec.kind, stuck, llg_backend, spec)
+    assert isinstance(fut.result(timeout=30), LlgCompiled)
+    assert fut.done() and not fut.expired(time.perf_counter())
