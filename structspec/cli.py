@@ -145,7 +145,8 @@ def _precheck_grammar(args: argparse.Namespace, grammar: GrammarConstraint | Non
         ValueError: naming the flag (``--json-schema: Failed to compile json_schema grammar:
             Unsupported type "foo"``).
     """
-    if grammar is None:
+    if grammar is None or getattr(args, "grammar_backend", "xgrammar") != "xgrammar":
+        # the precheck is xgrammar's refusals; llguidance / auto may serve what it refuses
         return
     from structspec.grammar.precheck import check_grammar  # xgrammar: only when needed
 

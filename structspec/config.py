@@ -175,8 +175,15 @@ MAX_DRAFT_TOPK = 64
 
 @dataclass(frozen=True)
 class GrammarConfig:
-    """Grammar compilation and enforcement (xgrammar)."""
+    """Grammar compilation and enforcement (xgrammar, llguidance)."""
 
+    # Which grammar engine compiles and enforces a request's grammar: "xgrammar" (the tuned
+    # path: killable compile processes, mask worker processes, C++ tree walks), "llguidance"
+    # (every grammar on llguidance: compiles on threads, tree masks built in the engine
+    # process), or "auto" (per grammar: xgrammar when its strict check passes and it compiles
+    # in time, else llguidance when it compiles the grammar exactly, else refused naming the
+    # keyword's JSON pointer; structspec/grammar/select_backend.py).
+    backend: str = "xgrammar"
     compile_timeout_s: float = 30.0
     num_compile_threads: int = 4
     cache_max_entries: int = 1024
@@ -334,6 +341,9 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
         raise ValueError(f"grammar_compile_timeout_s={timeout!r}: expected a finite number of "
                          "seconds > 0")
     g = config.grammar
+    if g.backend not in ("xgrammar", "llguidance", "auto"):
+        raise ValueError(f"grammar_backend={g.backend!r}: expected xgrammar, llguidance or "
+                         "auto")
     for name in ("num_compile_threads", "small_grammar_bytes", "max_grammar_bytes",
                  "max_schema_properties", "max_schema_enum_values", "max_schema_subschemas",
                  "max_regex_repeat"):

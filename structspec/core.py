@@ -231,6 +231,9 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     schema_valid: bool | None = None  # best-effort (strict=False) JSON Schema check
+    # the grammar backend that served the request ("xgrammar" / "llguidance"); None without a
+    # grammar (or before its compile finished)
+    grammar_backend: str | None = None
     spec: SpecMetrics = field(default_factory=SpecMetrics)
     arrival_time: float = 0.0
     first_token_time: float | None = None

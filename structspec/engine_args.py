@@ -59,6 +59,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="worker processes that build the draft trees' grammar bitmasks "
                         "(0: in the engine process; default: min(8, cores // 2) on CUDA, "
                         "0 on CPU)")
+    g.add_argument("--grammar-backend", default="xgrammar",
+                   choices=["xgrammar", "llguidance", "auto"],
+                   help="grammar engine: xgrammar (default; compile and mask worker "
+                        "processes), llguidance (tree masks built in the engine process), or "
+                        "auto (per grammar: xgrammar when its strict check passes and it "
+                        "compiles in time, else llguidance when it compiles the grammar "
+                        "exactly)")
     g.add_argument("--no-overlap", action="store_true",
                    help="disable CPU/GPU overlap scheduling (ablation; same greedy output)")
     g.add_argument("--no-cuda-graph", action="store_true",
@@ -125,6 +132,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         batch_invariant=args.batch_invariant,
         load_format=args.load_format,
         grammar_workers=args.grammar_workers,
+        grammar_backend=args.grammar_backend,
     )
 
 
@@ -132,7 +140,8 @@ FLAG_OF_ENGINE_FIELD: Mapping[str, str] = {
     "max_model_len": "--max-model-len", "device": "--device", "dtype": "--dtype",
     "max_batch_size": "--max-batch-size", "kv_capacity_tokens": "--kv-capacity-tokens",
     "grammar_compile_timeout_s": "--grammar-compile-timeout",
-    "grammar_workers": "--grammar-workers", "kernels": "--kernels",
+    "grammar_workers": "--grammar-workers", "grammar_backend": "--grammar-backend",
+    "kernels": "--kernels",
     "batch_invariant": "--batch-invariant", "load_format": "--load-format",
     "speculative_algorithm": "--speculative-algorithm",
     "num_draft_tokens": "--num-draft-tokens", "speculative_depth": "--speculative-depth",

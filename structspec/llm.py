@@ -35,6 +35,10 @@ class LLM:
             ``min(8, cores // 2)`` on CUDA, 0 on CPU, see
             :func:`structspec.config.default_grammar_workers`). They serve batches with at
             least as many constrained requests as workers.
+        grammar_backend: ``xgrammar`` (default), ``llguidance`` or ``auto`` (per grammar:
+            xgrammar when its strict check passes and it compiles in time, else llguidance when
+            it compiles the grammar exactly; ``GrammarConfig.backend``). Each result reports
+            the backend that served it (``RequestOutput.grammar_backend``).
         kernels: ``auto`` (fused Triton kernels on CUDA when triton imports, else torch),
             ``triton`` (required; ValueError without CUDA + triton) or ``torch`` (reference).
         batch_invariant: batch-invariant Triton kernels for the target model (needs
@@ -79,6 +83,7 @@ class LLM:
         batch_invariant: bool = False,
         load_format: str = "auto",
         grammar_workers: int | None = None,
+        grammar_backend: str = "xgrammar",
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -95,7 +100,8 @@ class LLM:
                             depth=speculative_depth, topk=speculative_topk,
                             draft_model=draft_model),
             grammar=GrammarConfig(compile_timeout_s=grammar_compile_timeout_s,
-                                  mask_build_workers=grammar_workers),
+                                  mask_build_workers=grammar_workers,
+                                  backend=grammar_backend),
             scheduler=SchedulerConfig(max_batch_size=max_batch_size, overlap=overlap),
         )
         self.engine = LLMEngine(config)

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from structspec.config import EngineConfig, ModelConfig, check_max_model_len, resolve_engine_config
 from structspec.grammar.backend import GrammarBackend
+from structspec.grammar.llg_backend import LlgBackend
+from structspec.grammar.select_backend import SelectingBackend
 from structspec.grammar.worker_pool import MaskWorkerPool
 from structspec.models.default_model import resolve_model_path
 from structspec.models.loader import load_model, load_model_config
@@ -41,7 +44,8 @@ class EngineParts:
         model_config: the target's architecture.
         tokenizer: the model's tokenizer.
         runner: the target model runner (owns the KV pool).
-        grammar: the grammar backend (the scheduler's grammar service owns it).
+        grammar: the grammar backend of ``config.grammar.backend`` (the scheduler's grammar
+            service owns it).
         drafter: the speculative drafter.
         scheduler: the scheduler over all of them.
     """
@@ -52,7 +56,7 @@ class EngineParts:
     model_config: ModelConfig
     tokenizer: Tokenizer
     runner: ModelRunner
-    grammar: GrammarBackend
+    grammar: GrammarBackend | SelectingBackend
     drafter: Drafter
     scheduler: Scheduler
 
@@ -93,13 +97,13 @@ def build_engine(config: EngineConfig) -> EngineParts:
                          max_model_len=max_model_len + config.spec.tree_size,
                          kernels=config.kernels, batch_invariant=config.batch_invariant)
     max_model_len = _fit_to_kv(runner, config, max_model_len)
-    grammar = GrammarBackend(tokenizer.hf, vocab_size=model_config.vocab_size,
-                             stop_token_ids=list(tokenizer.eos_token_ids), config=config.grammar)
+    grammar = _grammar_backend(config, tokenizer.hf, vocab_size=model_config.vocab_size,
+                               stop_token_ids=list(tokenizer.eos_token_ids))
     drafter = create_drafter(config.spec, target=runner, device=device, dtype=dtype,
                              max_batch_size=config.scheduler.max_batch_size,
                              load_format=config.load_format, seed=config.seed)
     mask_pool = None
-    if config.grammar.mask_build_workers > 0:
+    if config.grammar.mask_build_workers > 0 and grammar.tokenizer_info is not None:
         mask_pool = MaskWorkerPool(
             grammar.tokenizer_info, num_workers=config.grammar.mask_build_workers,
             vocab_size=model_config.vocab_size,
@@ -109,6 +113,24 @@ def build_engine(config: EngineConfig) -> EngineParts:
     return EngineParts(config=config, model_path=model_path, max_model_len=max_model_len,
                        model_config=model_config, tokenizer=tokenizer, runner=runner,
                        grammar=grammar, drafter=drafter, scheduler=scheduler)
+
+
+def _grammar_backend(config: EngineConfig, tokenizer_hf: Any, *, vocab_size: int,
+                     stop_token_ids: list[int]) -> GrammarBackend | SelectingBackend:
+    """The grammar backend of ``config.grammar.backend``: xgrammar's
+    :class:`GrammarBackend` as it is, or a :class:`SelectingBackend` over llguidance (and
+    xgrammar, for ``auto``). ``llguidance`` starts no xgrammar compile processes and no mask
+    workers (its tree masks are built in this process)."""
+    mode = config.grammar.backend
+    xgr_backend = None if mode == "llguidance" else GrammarBackend(
+        tokenizer_hf, vocab_size=vocab_size, stop_token_ids=stop_token_ids,
+        config=config.grammar)
+    if mode == "xgrammar":
+        assert xgr_backend is not None
+        return xgr_backend
+    llg = LlgBackend(tokenizer_hf, vocab_size=vocab_size, stop_token_ids=stop_token_ids,
+                     config=config.grammar)
+    return SelectingBackend(mode, xgrammar=xgr_backend, llguidance=llg)
 
 """Longest wait for the grammar compile processes at engine start (then a warning, and
 compiles wait for them under their own time limits)."""

@@ -1,5 +1,7 @@
-"""Grammar-constrained decoding on xgrammar: killable compiles (worker processes under a
-time limit, :mod:`~structspec.grammar.compile_pool`), compile cache, matchers, tree bitmasks.
+"""Grammar-constrained decoding on xgrammar (killable compiles: worker processes under a
+time limit, :mod:`~structspec.grammar.compile_pool`) or llguidance
+(:mod:`~structspec.grammar.llg_backend`; per grammar with ``auto``:
+:mod:`~structspec.grammar.select_backend`): compile cache, matchers, tree bitmasks.
 
 Public API: :class:`GrammarBackend` (compile specs, make matchers), :class:`Matcher`,
 :func:`allocate_bitmask` / :func:`apply_bitmask_`, :class:`GrammarTree` and

@@ -28,7 +28,11 @@ class Matcher:
         num_accepted: committed accepts minus rollbacks (tests of "exactly-once advance" read
             it); the traversal of a draft tree leaves it unchanged.
         stop_token_ids: the stop ids the matcher terminates on.
+        backend: ``"xgrammar"`` (the llguidance matcher,
+            :class:`~structspec.grammar.llg_matcher.LlgMatcher`, has the same interface).
     """
+
+    backend = "xgrammar"
 
     def __init__(
         self,
@@ -115,6 +119,23 @@ class Matcher:
     def is_completed(self) -> bool:
         """Whether the text so far is a complete sentence (a stop token would be accepted)."""
         return bool(self._xgr.is_completed())
+
+    def traverse_draft_tree(self, next_token: torch.Tensor, next_sibling: torch.Tensor,
+                            draft_tokens: torch.Tensor, rows: torch.Tensor,
+                            time_limit_s: float) -> bool:
+        """Fill the rows of one request's draft tree (xgrammar ``traverse_draft_tree``, in
+        C++: accept, fill row, recurse, roll back; the state is left as it was).
+
+        Args:
+            next_token, next_sibling, draft_tokens: ``int64 [N]`` host tensors of the tree.
+            rows: ``int32 [N, W]`` host rows of this request.
+            time_limit_s: wall-clock limit for the walk.
+
+        Returns:
+            False when the walk timed out.
+        """
+        return bool(self._xgr.traverse_draft_tree(next_token, next_sibling, draft_tokens, rows,
+                                                  time_limit_s))
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> bool:
         """Write the allowed next tokens of the current state into ``bitmask[row]``.

@@ -25,15 +25,18 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from structspec.grammar.bitmask import allocate_bitmask
-from structspec.grammar.matcher import Matcher
 from structspec.grammar.pool_types import PoolBuildResult, PoolRequest
 from structspec.grammar.worker_pool import MaskWorkerPool
 from structspec.staging import DeviceToHost, PendingCopy, upload_pinned
+
+if TYPE_CHECKING:  # the mask worker processes import this module: no llguidance import there
+    from structspec.grammar.matchers import AnyMatcher
 
 
 @dataclass
@@ -195,7 +198,7 @@ class GrammarMaskResult:
 
 
 def build_grammar_vocab_mask(
-    matchers: Sequence[Matcher | None],
+    matchers: Sequence[AnyMatcher | None],
     tree: GrammarTree,
     *,
     vocab_size: int,
@@ -282,9 +285,10 @@ def build_grammar_vocab_mask(
                               out=out, t0=t0)
 
 
-def walk_tree(matcher: Matcher, next_token: torch.Tensor, next_sibling: torch.Tensor,
+def walk_tree(matcher: AnyMatcher, next_token: torch.Tensor, next_sibling: torch.Tensor,
               draft_tokens: torch.Tensor, rows: torch.Tensor, time_limit_s: float) -> bool:
-    """One request's tree walk into its ``[N, W]`` rows (xgrammar ``traverse_draft_tree``).
+    """One request's tree walk into its ``[N, W]`` rows (the matcher's
+    ``traverse_draft_tree``: xgrammar's in C++, llguidance's depth-first in Python).
 
     On a timeout the rows are reset to all ones and row 0 is filled from the state before the
     tree (exact); the caller then caps the request's accepted drafts at 0.
@@ -292,15 +296,14 @@ def walk_tree(matcher: Matcher, next_token: torch.Tensor, next_sibling: torch.Te
     Returns:
         False when the walk timed out.
     """
-    if matcher.xgr_matcher.traverse_draft_tree(next_token, next_sibling, draft_tokens, rows,
-                                               time_limit_s):
+    if matcher.traverse_draft_tree(next_token, next_sibling, draft_tokens, rows, time_limit_s):
         return True
     rows.fill_(-1)
     matcher.fill_bitmask(rows, 0)
     return False
 
 
-def _settle_and_upload(bitmask: torch.Tensor, matchers: Sequence[Matcher | None],
+def _settle_and_upload(bitmask: torch.Tensor, matchers: Sequence[AnyMatcher | None],
                        tree: GrammarTree, walked: Sequence[int], timed_out: Sequence[int], *,
                        device: torch.device | str, out: torch.Tensor | None,
                        t0: float) -> GrammarMaskResult:
@@ -323,7 +326,7 @@ def _settle_and_upload(bitmask: torch.Tensor, matchers: Sequence[Matcher | None]
 def build_grammar_vocab_mask_pooled(
     pool: MaskWorkerPool,
     requests: Sequence[PoolRequest | None],
-    matchers: Sequence[Matcher | None],
+    matchers: Sequence[AnyMatcher | None],
     tree: GrammarTree,
     *,
     device: torch.device | str,

@@ -31,7 +31,9 @@ from structspec.constraints import GrammarConstraint
 from structspec.core import FinishReason
 from structspec.draft_tree.layout import VerifyTree
 from structspec.grammar.backend import GrammarBackend, GrammarFuture
-from structspec.grammar.matcher import Matcher
+from structspec.grammar.llg_matcher import LlgCompiled
+from structspec.grammar.matchers import AnyMatcher
+from structspec.grammar.select_backend import AutoFuture, SelectingBackend
 from structspec.grammar.tree_mask import (
     GrammarMaskResult,
     GrammarTree,
@@ -95,7 +97,7 @@ class GrammarService:
         pool: the tree-bitmask worker pool, or None (walk in this process).
     """
 
-    def __init__(self, backend: GrammarBackend, *, device: torch.device, vocab_size: int,
+    def __init__(self, backend: GrammarBackend | SelectingBackend, *, device: torch.device, vocab_size: int,
                  tree_on_host: bool, timer: StepTimer,
                  live_requests: Callable[[], Sequence[Req]],
                  pool: MaskWorkerPool | None = None) -> None:
@@ -112,11 +114,11 @@ class GrammarService:
 
     # ------------------------------------------------------------------ requests
 
-    def submit(self, constraint: GrammarConstraint) -> GrammarFuture:
+    def submit(self, constraint: GrammarConstraint) -> GrammarFuture | AutoFuture:
         """Start compiling a request's grammar (never awaited here)."""
         return self.backend.submit(constraint)
 
-    def create_matcher(self, compiled: xgr.CompiledGrammar) -> Matcher:
+    def create_matcher(self, compiled: xgr.CompiledGrammar | LlgCompiled) -> AnyMatcher:
         """A fresh matcher for a compiled grammar."""
         return self.backend.create_matcher(compiled)
 
@@ -124,7 +126,8 @@ class GrammarService:
         """A constrained request's grammar just compiled: with a worker pool, place the
         request and start shipping its grammar to its worker now, in the background, so that
         it is there by the time the request runs (never blocks)."""
-        if self.pool is not None and req.matcher is not None:
+        if self.pool is not None and req.matcher is not None \
+                and req.matcher.backend == "xgrammar":
             self.pool.ready(req.request_id, req.matcher.compiled)
 
     def release(self, request_id: str) -> None:
@@ -339,7 +342,10 @@ class GrammarService:
         its worker (placing it and starting the shipment on first sight). Changes only when
         :meth:`plan_step` collects the shipments, so one step sees one answer."""
         pool = self.pool
+        # llguidance grammars are served in this process (phase 1: the workers hold xgrammar
+        # grammars only), as local rows of the same build
         return (pool is not None and req.matcher is not None
+                and req.matcher.backend == "xgrammar"
                 and pool.ready(req.request_id, req.matcher.compiled))
 
     def _pool_requests(self, reqs: Sequence[Req]) -> list[PoolRequest | None]:

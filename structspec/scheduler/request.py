@@ -12,7 +12,8 @@ from structspec.core import FinishReason, RequestOutput, SamplingParams, SpecMet
 
 if TYPE_CHECKING:
     from structspec.grammar.backend import GrammarFuture
-    from structspec.grammar.matcher import Matcher
+    from structspec.grammar.matchers import AnyMatcher
+    from structspec.grammar.select_backend import AutoFuture
     from structspec.models.tokenizer import IncrementalDetokenizer
 
 
@@ -40,8 +41,10 @@ class Req:
     detokenizer: IncrementalDetokenizer | None = None
     output_ids: list[int] = field(default_factory=list)
     status: ReqStatus = ReqStatus.WAITING
-    grammar_future: GrammarFuture | None = None
-    matcher: Matcher | None = None
+    grammar_future: GrammarFuture | AutoFuture | None = None
+    matcher: AnyMatcher | None = None
+    # the backend that compiled the request's grammar ("xgrammar" / "llguidance"), once known
+    grammar_backend: str | None = None
     pages: list[int] = field(default_factory=list)
     seq_len: int = 0
     generator: torch.Generator | None = None
@@ -120,6 +123,7 @@ class Req:
             new_token_ids=new_ids,
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
             schema_valid=self.schema_valid,
+            grammar_backend=self.grammar_backend,
             spec=self.spec,
             arrival_time=self.arrival_time,
             first_token_time=self.first_token_time,

@@ -21,6 +21,7 @@ from structspec.draft_tree.layout import VerifyTree
 from structspec.grammar.backend import GrammarBackend
 from structspec.grammar.bitmask import bitmask_width
 from structspec.grammar.errors import GrammarError
+from structspec.grammar.select_backend import SelectingBackend
 from structspec.grammar.worker_pool import MaskWorkerPool
 from structspec.kvcache.allocator import PageAllocator
 from structspec.runner.model_runner import ModelRunner
@@ -45,7 +46,8 @@ class Scheduler:
         runner: target model runner (owns the KV pool). The scheduler installs its
             select/verify function in it (:meth:`ModelRunner.set_select_verify`) and the
             drafter's aux hidden layers.
-        grammar: grammar backend for this model's tokenizer.
+        grammar: grammar backend for this model's tokenizer (xgrammar, or the per-request
+            choice of ``GrammarConfig.backend`` ``llguidance`` / ``auto``).
         drafter: the speculative drafter (``NoDrafter`` for plain decoding).
         mask_pool: worker processes for the tree bitmask
             (``GrammarConfig.mask_build_workers > 0``); None = walk in this process.
@@ -55,7 +57,7 @@ class Scheduler:
         self,
         config: EngineConfig,
         runner: ModelRunner,
-        grammar: GrammarBackend,
+        grammar: GrammarBackend | SelectingBackend,
         drafter: Drafter,
         *,
         mask_pool: MaskWorkerPool | None = None,
@@ -79,6 +81,8 @@ class Scheduler:
         self._finished_unreported: list[Req] = []
         self._deferred: list[Req] = []  # committed ids whose grammar/text work is pending
         self._touched: list[Req] = []  # requests whose progress the next output reports
+        #: constrained requests whose grammar compiled, by backend (``/metrics``)
+        self.grammar_backend_counts: dict[str, int] = {}
         self._engine_generator = torch.Generator(device=runner.device)
         self._engine_generator.manual_seed(config.seed)
         #: per verify step CPU phase / GPU busy and idle times (see step_stats.py)
@@ -231,6 +235,9 @@ class Scheduler:
             try:
                 compiled = fut.result(timeout=0)
                 req.matcher = self.grammar.create_matcher(compiled)
+                req.grammar_backend = req.matcher.backend
+                self.grammar_backend_counts[req.matcher.backend] = \
+                    self.grammar_backend_counts.get(req.matcher.backend, 0) + 1
             except GrammarError as e:
                 req.finish(FinishReason.ABORT, error=str(e), error_param=e.param,
                            error_code=e.code)

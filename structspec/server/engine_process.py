@@ -65,6 +65,7 @@ def delta_from_output(out: RequestOutput) -> EngineDelta:
         delta.num_prompt_tokens = out.num_prompt_tokens
         delta.num_completion_tokens = out.num_completion_tokens
         delta.schema_valid = out.schema_valid
+        delta.grammar_backend = out.grammar_backend
         delta.spec = out.spec
         delta.engine_ttft_s = out.ttft_s
         delta.engine_latency_s = out.latency_s

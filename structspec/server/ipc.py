@@ -114,6 +114,7 @@ class EngineDelta:
     num_prompt_tokens: int = 0
     num_completion_tokens: int = 0
     schema_valid: bool | None = None
+    grammar_backend: str | None = None  # xgrammar / llguidance (constrained requests)
     spec: SpecMetrics | None = None
     engine_ttft_s: float | None = None
     engine_latency_s: float | None = None

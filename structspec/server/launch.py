@@ -74,7 +74,8 @@ def build_engine_config(model: str | None = None, **kwargs: Any) -> Any:
                         topk=kwargs.get("speculative_topk", 2),
                         draft_model=kwargs.get("draft_model")),
         grammar=GrammarConfig(compile_timeout_s=kwargs.get("grammar_compile_timeout_s", 30.0),
-                              mask_build_workers=kwargs.get("grammar_workers")),
+                              mask_build_workers=kwargs.get("grammar_workers"),
+                              backend=kwargs.get("grammar_backend", "xgrammar")),
         scheduler=SchedulerConfig(max_batch_size=kwargs.get("max_batch_size", 64),
                                   overlap=kwargs.get("overlap", True)),
     )

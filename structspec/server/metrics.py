@@ -86,6 +86,9 @@ class ServerMetrics:
             p + "grammar_compile_timeouts",
             "Grammar compiles stopped at their time limit (worker killed; code "
             "grammar_too_complex)", registry=r)
+        self.grammar_requests = Counter(
+            p + "grammar_requests", "Finished constrained requests by the grammar backend that "
+            "enforced them (xgrammar, llguidance)", ["backend"], registry=r)
         self.spec_verify_steps = Counter(p + "spec_verify_steps",
                                          "Verify steps of finished requests", registry=r)
         self.spec_draft_tokens = Counter(p + "spec_draft_tokens",
@@ -167,6 +170,8 @@ class ServerMetrics:
         self.requests.labels(finish_reason=reason or "abort").inc()
         self.prompt_tokens.inc(len(choice.prompt_ids))
         self.generation_tokens.inc(len(choice.token_ids))
+        if final.grammar_backend is not None:
+            self.grammar_requests.labels(backend=final.grammar_backend).inc()
         if choice.token_ids:
             self.latency.observe(elapsed_s)
         if choice.first_token_s is not None:

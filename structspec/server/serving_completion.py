@@ -149,6 +149,8 @@ def _choice(state: ServerState, c: ChoiceState, with_logprobs: bool, echo: str) 
     }
     if c.final is not None and c.final.schema_valid is not None:
         out["schema_valid"] = c.final.schema_valid
+    if c.final is not None and c.final.grammar_backend is not None:
+        out["grammar_backend"] = c.final.grammar_backend  # extension: who enforced the grammar
     return out
 
 

@@ -62,3 +62,12 @@ def backend(hf_tokenizer: Any) -> GrammarBackend:
 @pytest.fixture(scope="session")
 def maskbench() -> list[tuple[str, dict[str, Any]]]:
     return load_maskbench()
+
+
+@pytest.fixture(scope="session")
+def llg_backend(hf_tokenizer: Any) -> Any:
+    """The llguidance backend with the same padded logits width and stop id as ``backend``."""
+    from structspec.grammar.llg_backend import LlgBackend
+
+    return LlgBackend(hf_tokenizer, vocab_size=len(hf_tokenizer) + 64, stop_token_ids=[STOP_ID],
+                      config=GrammarConfig(num_compile_threads=2))

@@ -360,3 +360,43 @@ def test_grammar_released_in_flight_is_forgotten_on_arrival(backend: GrammarBack
         assert pool.num_shipped == 2
     finally:
         pool.close()
+
+
+def test_mixed_backends_workers_and_local_llguidance_rows(pool: MaskWorkerPool,
+                                                          backend: GrammarBackend,
+                                                          llg_backend: Any,
+                                                          hf_tokenizer: Any) -> None:
+    """A batch of half xgrammar requests (walked on the workers) and half llguidance requests
+    (walked in this process, phase 1): one packed bitmask, equal to the all-in-process
+    build."""
+    xgr_g = backend.compile(JsonSchemaConstraint(SCHEMA))
+    llg_g = llg_backend.compile(JsonSchemaConstraint(SCHEMA))
+    pool_ids = hf_tokenizer.encode('"name": "x", 12} abc ,.', add_special_tokens=False)
+    reqs = [_Req(f"mix{i}", be, g, hf_tokenizer.encode(TEXTS[i % 2], add_special_tokens=False)
+                 + [STOP_ID])
+            for i, (be, g) in enumerate([(backend, xgr_g), (llg_backend, llg_g),
+                                         (backend, xgr_g), (llg_backend, llg_g)])]
+    for r in reqs[::2]:
+        _wait_shipped(pool, r.key, r.compiled)
+    rng = random.Random(7)
+    for step in range(4):
+        trees = [r.tree(rng, pool_ids) for r in reqs]
+        gt = GrammarTree.from_host(*(torch.cat([getattr(t, f) for t in trees]) for f in
+                                     ("next_token", "next_sibling", "draft_tokens")))
+        on_worker = [r.matcher is not None and r.matcher.backend == "xgrammar" for r in reqs]
+        pooled = build_grammar_vocab_mask_pooled(
+            pool, [PoolRequest(r.key, r.compiled, list(r.output_ids)) if ok else None
+                   for r, ok in zip(reqs, on_worker, strict=True)],
+            [r.matcher for r in reqs], gt, device="cpu",
+            barrier=lambda: _barrier(reqs), time_limit_s=10.0,
+            local=[b for b, ok in enumerate(on_worker) if not ok])
+        ref = build_grammar_vocab_mask([r.matcher for r in reqs], gt,
+                                       vocab_size=backend.vocab_size, device="cpu",
+                                       time_limit_s=10.0)
+        assert pooled is not None and ref is not None
+        assert torch.equal(pooled.bitmask_cpu, ref.bitmask_cpu), step
+        assert pooled.rejected_by_grammar == ref.rejected_by_grammar
+        for r in reqs:
+            r.commit(rng.randint(1, 3))
+    for r in reqs:
+        pool.release(r.key)

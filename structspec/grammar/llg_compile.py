@@ -1,0 +1,147 @@
+"""One grammar constraint -> one llguidance grammar, checked and compiled
+(:func:`compile_llguidance`).
+
+The same checks as the xgrammar path (:mod:`structspec.grammar.compile_spec`) where they are
+backend neutral (schema structure, satisfiability, regex syntax, the accepts-some-output
+check), then llguidance's own compile. JSON Schemas compile **exactly**: llguidance's
+``lenient`` option (ignore keywords it does not implement) is on only for ``strict=False``,
+and ``coerce_one_of`` (``oneOf`` as ``anyOf``) is never on, so a keyword llguidance cannot
+enforce refuses the schema. EBNF is GBNF, converted to llguidance's Lark dialect by
+llguidance's own converter (``llguidance.grammar_from("gbnf", ...)``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import llguidance
+
+from structspec.constraints import (
+    ChoiceConstraint,
+    EbnfConstraint,
+    GrammarConstraint,
+    JsonObjectConstraint,
+    JsonSchemaConstraint,
+    RegexConstraint,
+)
+from structspec.grammar.bitmask import allocate_bitmask
+from structspec.grammar.compile_spec import choice_ebnf, metaschema_problem
+from structspec.grammar.errors import PARAM_BY_KIND, GrammarError
+from structspec.grammar.llg_matcher import LlgCompiled, LlgMatcher
+from structspec.grammar.satisfiable import find_unsatisfiable
+from structspec.regex_check import find_regex_problem
+from structspec.schema_structure import find_structure_problem
+
+COMPACT_SEPARATORS = (", ", ": ")
+"""JSON separators with ``any_whitespace=False``: xgrammar's defaults, so that both backends
+produce the same JSON text."""
+
+
+def json_options(*, any_whitespace: bool, lenient: bool) -> dict[str, Any]:
+    """llguidance ``JsonCompileOptions`` matching the xgrammar path's JSON formatting."""
+    if any_whitespace:
+        return {"whitespace_flexible": True, "lenient": lenient, "coerce_one_of": False}
+    return {"whitespace_flexible": False, "item_separator": COMPACT_SEPARATORS[0],
+            "key_separator": COMPACT_SEPARATORS[1], "lenient": lenient,
+            "coerce_one_of": False}
+
+
+def llguidance_grammar(spec: GrammarConstraint, *, any_whitespace: bool) -> str:
+    """The llguidance grammar text of ``spec`` (not validated yet).
+
+    Raises:
+        GrammarError: an empty choice list / empty choice, a GBNF grammar llguidance's
+            converter cannot read, or an unknown kind; naming the field.
+    """
+    param = PARAM_BY_KIND.get(spec.kind)
+    if isinstance(spec, JsonSchemaConstraint):
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            spec.canonical_text(),
+            overrides=json_options(any_whitespace=any_whitespace,  # type: ignore[arg-type]
+                                   lenient=not spec.strict))
+    if isinstance(spec, JsonObjectConstraint):
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            '{"type": "object"}',
+            overrides=json_options(any_whitespace=any_whitespace,  # type: ignore[arg-type]
+                                   lenient=False))
+    if isinstance(spec, RegexConstraint):
+        return llguidance.LLMatcher.grammar_from_regex(spec.pattern)
+    if isinstance(spec, EbnfConstraint):
+        try:
+            return llguidance.grammar_from("gbnf", spec.grammar)
+        except ValueError as e:
+            raise GrammarError(f"Failed to compile ebnf grammar (llguidance): {e}",
+                               param=param) from e
+    if isinstance(spec, ChoiceConstraint):
+        choice_ebnf(spec.choices)  # the same refusal of empty lists/choices as xgrammar's
+        return llguidance.grammar_from("choice", json.dumps(list(spec.choices)))
+    raise GrammarError(f"unknown grammar kind {spec.kind!r}", param=param)
+
+
+def compile_llguidance(tokenizer: llguidance.LLTokenizer, spec: GrammarConstraint, *,
+                       vocab_size: int, any_whitespace: bool,
+                       stop_token_ids: list[int]) -> LlgCompiled:
+    """Check and compile ``spec`` for ``tokenizer`` (module docstring).
+
+    Runs in a compile thread (llguidance drops the GIL while it builds the grammar; its
+    lexer and parser limits bound the work).
+
+    Raises:
+        GrammarError: an invalid or unservable spec, or llguidance's compile error
+            (``"Failed to compile <kind> grammar (llguidance): <message>"``), naming the field.
+    """
+    kind = spec.kind
+    param = PARAM_BY_KIND.get(kind)
+    if isinstance(spec, JsonSchemaConstraint):
+        try:
+            schema = json.loads(spec.canonical_text())
+        except ValueError as e:
+            raise GrammarError(str(e), param=param) from e
+        problem = find_structure_problem(schema)
+        if problem is not None:
+            raise GrammarError(f"json_schema cannot be served: {problem}", param=param)
+        problem = find_unsatisfiable(schema)
+        if problem is not None:
+            raise GrammarError(f"json_schema accepts no finite JSON value: {problem}",
+                               param=param)
+    elif isinstance(spec, RegexConstraint):
+        problem = find_regex_problem(spec.pattern)
+        if problem is not None:
+            raise GrammarError(f"regex is not a usable regex: {problem}", param=param)
+    grammar = llguidance_grammar(spec, any_whitespace=any_whitespace)
+    template = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    if template.is_error():
+        message = _first_line(template.get_error())
+        if isinstance(spec, JsonSchemaConstraint):
+            problem = metaschema_problem(spec)
+            if problem is not None:
+                message = f"{problem} (compiler: {message})"
+        raise GrammarError(f"Failed to compile {kind} grammar (llguidance): {message}",
+                           param=param)
+    compiled = LlgCompiled(template=template, vocab_size=vocab_size, kind=kind)
+    bitmask = allocate_bitmask(1, vocab_size, pin=False)
+    LlgMatcher(compiled, stop_token_ids=stop_token_ids).fill_bitmask(bitmask, 0)
+    if not bool(bitmask.any()):
+        raise GrammarError("the grammar accepts no output at all (for a JSON Schema: a "
+                           "$ref cycle with no way out, or contradictory constraints)",
+                           param=param)
+    return compiled
+
+
+def _first_line(message: str) -> str:
+    """The reason of an llguidance error on one line: its lines up to the parser state dump
+    (``<state>``), without the source excerpt and caret lines (``1 | ...``, ``^``)."""
+    kept = []
+    for line in message.strip().splitlines():
+        line = line.strip()
+        if line.startswith("<state>"):
+            break
+        if not line or set(line) <= {"^", "~", "-"} or _EXCERPT.match(line):
+            continue
+        kept.append(line)
+    return " ".join(kept)[:500] or "unknown error"
+
+
+_EXCERPT = re.compile(r"^\d+ \|")

@@ -1,0 +1,90 @@
+"""The llguidance grammar backend end to end (CPU, fp32 SmolLM2): ``auto`` routes each grammar
+to its backend in one mixed batch, speculation stays lossless with llguidance grammars, every
+grammar kind runs on llguidance, and each result names the backend that served it."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from structspec import (
+    ChoiceConstraint,
+    EbnfConstraint,
+    JsonObjectConstraint,
+    JsonSchemaConstraint,
+    RegexConstraint,
+    SamplingParams,
+)
+from tests.engine.conftest import PERSON_SCHEMA, PROMPTS
+
+# xgrammar's strict check refuses it (a "date" format: xgrammar does not check the calendar);
+# llguidance compiles it exactly
+DATED_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "born": {"type": "string", "format": "date"}},
+    "required": ["name", "born"], "additionalProperties": False,
+}
+REGEX = r"[A-Z][a-z]+( [a-z]+){2,6}\."
+GBNF = 'root ::= "Answer: " ("yes" | "no") " because " [a-z ]+ "."'
+CHOICES = ("Paris", "London", "Madrid is the answer")
+NGRAM = dict(speculative_algorithm="ngram", num_draft_tokens=8)
+
+
+def _mixed_auto_params() -> list[SamplingParams]:
+    grammars = [JsonSchemaConstraint(PERSON_SCHEMA), JsonSchemaConstraint(DATED_SCHEMA),
+                RegexConstraint(REGEX), None]
+    return [SamplingParams(max_tokens=32, grammar=grammars[i % 4]) for i in range(8)]
+
+
+def test_auto_mixed_batch_is_lossless_and_names_the_backend(make_llm) -> None:
+    """Half the constrained requests on xgrammar, half on llguidance, in one batch: greedy
+    output with n-gram speculation equals output without it, token for token; llguidance's
+    JSON validates against its schema."""
+    params = _mixed_auto_params()
+    off = make_llm(grammar_backend="auto").generate(PROMPTS[:8], params)
+    on = make_llm(grammar_backend="auto", **NGRAM).generate(PROMPTS[:8], params)
+    expected = ["xgrammar", "llguidance", "xgrammar", None] * 2
+    for i, (a, b) in enumerate(zip(off, on, strict=True)):
+        assert a.error is None and b.error is None, (a.error, b.error)
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason, i
+        assert a.grammar_backend == b.grammar_backend == expected[i], i
+    assert sum(o.spec.verify_steps for o in on) > 0
+    for o in on[1::4]:
+        if o.finish_reason.value == "stop":
+            jsonschema.validate(json.loads(o.text), DATED_SCHEMA)
+    counts = make_llm(grammar_backend="auto", **NGRAM).engine.scheduler.grammar_backend_counts
+    assert counts.get("llguidance", 0) >= 2 and counts.get("xgrammar", 0) >= 4
+
+
+@pytest.mark.slow  # two more engines (~20 s); the kinds are covered fast in tests/grammar
+def test_every_kind_on_llguidance_is_lossless(make_llm) -> None:
+    """JSON Schema, json_object, regex, EBNF and choice on llguidance: greedy output with
+    n-gram drafts equals output without, token for token, and every finished output is in
+    its grammar's language. (Not compared with xgrammar's outputs: llguidance allows only the
+    canonical tokenization of a grammar's literal text, e.g. "Answer" but not "A" + "nswer",
+    so its masks are subsets of xgrammar's and greedy picks may differ.)"""
+    grammars = [JsonSchemaConstraint(PERSON_SCHEMA), JsonObjectConstraint(),
+                RegexConstraint(REGEX), EbnfConstraint(GBNF), ChoiceConstraint(CHOICES)]
+    params = [SamplingParams(max_tokens=32, grammar=g) for g in grammars]
+    prompts = PROMPTS[:5]
+    off = make_llm(grammar_backend="llguidance").generate(prompts, params)
+    got = make_llm(grammar_backend="llguidance", **NGRAM).generate(prompts, params)
+    for a, o, g in zip(off, got, grammars, strict=True):
+        assert o.error is None and o.grammar_backend == "llguidance", (g.kind, o.error)
+        assert a.token_ids == o.token_ids and a.finish_reason == o.finish_reason, g.kind
+        if o.finish_reason.value != "stop":
+            continue
+        if isinstance(g, JsonSchemaConstraint):
+            jsonschema.validate(json.loads(o.text), PERSON_SCHEMA)
+        elif isinstance(g, JsonObjectConstraint):
+            assert isinstance(json.loads(o.text), dict)
+        elif isinstance(g, RegexConstraint):
+            assert re.fullmatch(REGEX, o.text), o.text
+        elif isinstance(g, EbnfConstraint):
+            assert re.fullmatch(r"Answer: (yes|no) because [a-z ]+\.", o.text), o.text
+        else:
+            assert o.text in CHOICES
+    assert sum(o.spec.verify_steps for o in got) > 0

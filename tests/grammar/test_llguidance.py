@@ -1,0 +1,286 @@
+"""The llguidance backend: tree walks against a sequential reference (JSON, regex, choice),
+the tokenizer wiring (padded vocabulary, special tokens, the stop id), every grammar kind,
+errors naming the field, and ``auto``'s choice per schema."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import llguidance
+import pytest
+import torch
+import xgrammar as xgr
+
+from structspec.constraints import (
+    ChoiceConstraint,
+    EbnfConstraint,
+    GrammarConstraint,
+    JsonObjectConstraint,
+    JsonSchemaConstraint,
+    RegexConstraint,
+)
+from structspec.grammar import GrammarBackend, GrammarError, GrammarTree, build_grammar_vocab_mask
+from structspec.grammar.llg_backend import LlgBackend
+from structspec.grammar.llg_matcher import LlgCompiled, LlgMatcher, decode_mask_row
+from structspec.grammar.select_backend import SelectingBackend
+
+from .conftest import STOP_ID, fast_compile_names
+from .test_tree_mask import PREFIX, SCHEMA, _paths, _sequential_row, _tree
+
+SEP = (", ", ": ")
+
+# (constraint, a valid output text) for the walk tests
+CASES: list[tuple[GrammarConstraint, str]] = [
+    (JsonSchemaConstraint(SCHEMA), '{"name": "Bob", "age": 42}'),
+    (RegexConstraint(r"[A-Z][a-z]+( [a-z]+){2,6}\."), "Hello big bright world."),
+    (ChoiceConstraint(("yes", "no", "yes please", "maybe not")), "yes please"),
+]
+
+
+def _random_tree(ids: list[int], rng: random.Random, n: int,
+                 noise: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A draft tree over ``ids`` (node 0 = ids[0]): a chain of the true continuation with
+    random wrong siblings and children (next_token, next_sibling, draft_tokens, ``[1, n]``)."""
+    toks, parents = [ids[0]], [-1]
+    pos = {0: 1}  # node -> index of its true next token in ids (if on the true chain)
+    for i in range(1, n):
+        p = rng.randrange(i)
+        if p in pos and pos[p] < len(ids) and rng.random() < 0.6:
+            toks.append(ids[pos[p]])
+            pos[i] = pos[p] + 1
+        else:
+            toks.append(rng.choice(noise))
+        parents.append(p)
+    nt, ns = [-1] * n, [-1] * n
+    for c in range(n - 1, 0, -1):  # children linked in index order
+        p = parents[c]
+        ns[c], nt[p] = nt[p], c
+    as_t = lambda v: torch.tensor([v], dtype=torch.int64)  # noqa: E731
+    return as_t(nt), as_t(ns), as_t(toks)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_tree_walk_matches_sequential_reference(llg_backend: LlgBackend, hf_tokenizer: Any,
+                                                case: int) -> None:
+    """Every expanded node's row equals the mask of a fresh matcher fed the node's path; rows
+    of rejected or terminating nodes are all ones; the walk leaves the state unchanged."""
+    spec, text = CASES[case]
+    compiled = llg_backend.compile(spec)
+    ids = hf_tokenizer.encode(text, add_special_tokens=False) + [STOP_ID]
+    noise = hf_tokenizer.encode(' "x", 12} abc ,. yes no', add_special_tokens=False)
+    rng = random.Random(case)
+    vocab = llg_backend.vocab_size
+    for trial in range(6):
+        cut = rng.randrange(len(ids) - 1)
+        prefix = ids[: cut + 1]
+        m = llg_backend.create_matcher(compiled)
+        assert m.accept_run(prefix) == len(prefix)
+        nt, ns, dt = _random_tree(ids[cut:], rng, 10, noise)
+        mask = build_grammar_vocab_mask([m], GrammarTree.from_host(nt, ns, dt),
+                                        vocab_size=vocab, device="cpu", time_limit_s=10.0)
+        assert mask is not None and mask.truncated_requests == []
+        assert m.num_accepted == len(prefix) and not m.is_terminated()
+        paths = _paths(nt[0].tolist(), ns[0].tolist(), dt[0].tolist())
+        rejected = 0
+        for node, path in paths.items():
+            row = mask.bitmask_cpu[node]
+            ref = _sequential_row(llg_backend, compiled, prefix, path, vocab)  # type: ignore[arg-type]
+            if ref is None or (path and path[-1] == STOP_ID):
+                assert bool((row == -1).all()), (trial, node)
+                if ref is None and _sequential_row(llg_backend, compiled, prefix,  # type: ignore[arg-type]
+                                                   path[:-1], vocab) is not None \
+                        and STOP_ID not in path[:-1]:
+                    rejected += 1
+            elif STOP_ID not in path:
+                assert torch.equal(row, ref), (trial, node, path)
+        assert mask.rejected_by_grammar == [rejected]
+
+
+def test_hand_built_json_tree_counts(llg_backend: LlgBackend, hf_tokenizer: Any) -> None:
+    """The hand-built tree of the xgrammar tree tests: rows equal the sequential reference."""
+    compiled = llg_backend.compile(JsonSchemaConstraint(SCHEMA))
+    prefix = hf_tokenizer.encode(PREFIX, add_special_tokens=False)
+    m = llg_backend.create_matcher(compiled)
+    assert m.accept_run(prefix) == len(prefix)
+    nt, ns, dt = _tree(prefix[-1])
+    mask = build_grammar_vocab_mask([m], GrammarTree.from_host(nt[None], ns[None], dt[None]),
+                                    vocab_size=llg_backend.vocab_size, device="cpu",
+                                    time_limit_s=10.0)
+    assert mask is not None
+    # '"' after the colon; "," after "4" is allowed here, unlike under xgrammar's strict mode:
+    # SCHEMA leaves additionalProperties open and llguidance follows the schema (xgrammar's
+    # strict_mode closes objects, a stricter grammar)
+    assert mask.rejected_by_grammar == [1]
+    for node, path in _paths(nt.tolist(), ns.tolist(), dt.tolist()).items():
+        ref = _sequential_row(llg_backend, compiled, prefix, path,  # type: ignore[arg-type]
+                              llg_backend.vocab_size)
+        if ref is not None and STOP_ID not in path:
+            assert torch.equal(mask.bitmask_cpu[node], ref), node
+
+
+def test_timeout_leaves_state_and_exact_root_row(llg_backend: LlgBackend,
+                                                 hf_tokenizer: Any) -> None:
+    compiled = llg_backend.compile(CASES[1][0])
+    ids = hf_tokenizer.encode("Hello big bright world.", add_special_tokens=False)
+    m = llg_backend.create_matcher(compiled)
+    m.accept_run(ids[:1])
+    nt, ns, dt = _random_tree(ids, random.Random(0), 8, ids)
+    mask = build_grammar_vocab_mask([m], GrammarTree.from_host(nt, ns, dt),
+                                    vocab_size=llg_backend.vocab_size, device="cpu",
+                                    time_limit_s=0.0)
+    assert mask is not None and mask.truncated_requests == [0]
+    assert mask.max_accept_cpu.tolist() == [0]
+    assert m.num_accepted == 1
+    ref = _sequential_row(llg_backend, compiled, ids[:1], [],  # type: ignore[arg-type]
+                          llg_backend.vocab_size)
+    assert ref is not None and torch.equal(mask.bitmask_cpu[0], ref)
+    assert bool((mask.bitmask_cpu[1:] == -1).all())
+
+
+def test_tokenizer_wiring(llg_backend: LlgBackend, backend: GrammarBackend,
+                          hf_tokenizer: Any) -> None:
+    """Padded ids past the tokenizer and special tokens are never allowed; the stop id only
+    where the grammar may end, and accepting it terminates; rows have xgrammar's width."""
+    vocab = llg_backend.vocab_size
+    assert vocab == len(hf_tokenizer) + 64 == backend.vocab_size
+    compiled = llg_backend.compile(JsonObjectConstraint())
+    m = llg_backend.create_matcher(compiled)
+    row = torch.full((1, (vocab + 31) // 32), -1, dtype=torch.int32)
+    assert m.fill_bitmask(row, 0)
+    allowed = set(decode_mask_row(row[0], vocab))
+    assert allowed and max(allowed) < len(hf_tokenizer)
+    specials = set(hf_tokenizer.all_special_ids)
+    assert not allowed & specials
+    ids = hf_tokenizer.encode('{"a": 1}', add_special_tokens=False)
+    assert not m.accept_token(STOP_ID)  # not complete yet: refused, state unchanged
+    assert m.accept_run(ids) == len(ids) and m.is_completed() and not m.is_terminated()
+    m.fill_bitmask(row, 0)
+    assert STOP_ID in decode_mask_row(row[0], vocab)
+    assert m.accept_run([STOP_ID, ids[0]]) == 1 and m.is_terminated()
+    assert not m.accept_token(ids[0]) and m.accept_run(ids) == 0
+    m.rollback(1)  # undo the stop token
+    assert not m.is_terminated() and m.num_accepted == len(ids)
+    with pytest.raises(ValueError, match="roll back"):
+        m.rollback(len(ids) + 1)
+    # the same text with xgrammar's json_object: the same verdicts
+    x = backend.create_matcher(backend.compile(JsonObjectConstraint()))
+    assert x.accept_run(ids + [STOP_ID]) == len(ids) + 1 and x.is_terminated()
+
+
+def test_every_kind_compiles_and_accepts(llg_backend: LlgBackend, hf_tokenizer: Any) -> None:
+    gbnf = 'root ::= "Answer: " ("yes" | "no") " because " [a-z ]+ "."'
+    for spec, text in [*CASES, (EbnfConstraint(gbnf), "Answer: no because it rains."),
+                       (JsonObjectConstraint(), '{"k": [1, 2, {"x": null}]}')]:
+        compiled = llg_backend.compile(spec)
+        assert isinstance(compiled, LlgCompiled) and compiled.kind == spec.kind
+        m = llg_backend.create_matcher(compiled)
+        ids = hf_tokenizer.encode(text, add_special_tokens=False) + [STOP_ID]
+        assert m.accept_run(ids) == len(ids) and m.is_terminated(), spec.kind
+    forced = llg_backend.create_matcher(llg_backend.compile(ChoiceConstraint(("only one",))))
+    forced_text = hf_tokenizer.decode(forced.forced_tokens())
+    assert forced_text and "only one".startswith(forced_text)
+
+
+@pytest.mark.parametrize(("spec", "param", "words"), [
+    (RegexConstraint("(a"), "regex", "unclosed group"),
+    (JsonSchemaConstraint({"type": "objectz"}), "response_format.json_schema", "objectz"),
+    (JsonSchemaConstraint({"type": "object", "properties": {"a": {"not": {"type": "null"}}}}),
+     "response_format.json_schema", "not"),
+    (EbnfConstraint('root ::= "a" undefined_rule'), "ebnf", "undefined_rule"),
+    (ChoiceConstraint(()), "choice", "non-empty"),
+    (JsonSchemaConstraint('{"type": '), "response_format.json_schema", "not valid JSON"),
+])
+def test_errors_name_the_field(llg_backend: LlgBackend, spec: GrammarConstraint, param: str,
+                               words: str) -> None:
+    with pytest.raises(GrammarError) as info:
+        llg_backend.compile(spec, timeout=60)
+    assert info.value.param == param
+    assert words.lower() in str(info.value).lower()
+
+
+def _auto_cases(maskbench: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict]]:
+    """MaskBench schemas xgrammar's strict check refuses (fast ones), in name order."""
+    from structspec.grammar import find_unenforceable
+
+    fast = fast_compile_names()
+    return [(n, c) for n, c in maskbench if n in fast and find_unenforceable(c["schema"])]
+
+
+def test_auto_picks_llguidance_when_xgrammar_strict_refuses(
+        backend: GrammarBackend, llg_backend: LlgBackend, hf_tokenizer: Any,
+        maskbench: list[tuple[str, dict[str, Any]]]) -> None:
+    """``auto``: xgrammar for a schema its strict check passes; llguidance for MaskBench
+    schemas it refuses but llguidance compiles exactly (their valid instances are accepted);
+    xgrammar's error, naming the keyword's JSON pointer, when both refuse."""
+    auto = SelectingBackend("auto", xgrammar=backend, llguidance=llg_backend)
+    assert isinstance(auto.compile(JsonSchemaConstraint(SCHEMA), timeout=60),
+                      xgr.CompiledGrammar)
+    picked = refused = 0
+    for name, case in _auto_cases(maskbench)[:12]:
+        try:
+            compiled = auto.compile(JsonSchemaConstraint(case["schema"]), timeout=60)
+        except GrammarError as e:
+            assert "cannot be enforced exactly" in str(e) and ": " in str(e), name
+            refused += 1
+            continue
+        assert isinstance(compiled, LlgCompiled), name
+        picked += 1
+        m = auto.create_matcher(compiled)
+        assert isinstance(m, LlgMatcher) and m.backend == "llguidance"
+    assert picked >= 1, (picked, refused)
+    both = JsonSchemaConstraint({"type": "object", "properties": {
+        "a": {"type": "string", "not": {"const": "x"}}}, "required": ["a"]})
+    with pytest.raises(GrammarError) as info:
+        auto.compile(both, timeout=60)
+    assert "/properties/a" in str(info.value) and "not" in str(info.value)
+    assert info.value.param == "response_format.json_schema"
+
+
+def test_valid_instances_same_as_bare_llguidance(
+        llg_backend: LlgBackend, hf_tokenizer: Any,
+        maskbench: list[tuple[str, dict[str, Any]]]) -> None:
+    """Our matcher accepts exactly what a bare ``llguidance.LLMatcher`` accepts on MaskBench
+    valid instances (a fast subset), with the engine's separators."""
+    fast = sorted(fast_compile_names())[:60]
+    cases = [(n, c) for n, c in maskbench if n in fast]
+    total = accepted = 0
+    for name, case in cases:
+        try:
+            compiled = llg_backend.compile(JsonSchemaConstraint(case["schema"]), timeout=60)
+        except GrammarError:
+            continue
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            case["schema"], overrides={"whitespace_flexible": False, "item_separator": SEP[0],
+                                       "key_separator": SEP[1]})
+        for t in case["tests"]:
+            if not t["valid"]:
+                continue
+            ids = hf_tokenizer.encode(json.dumps(t["data"], separators=SEP),
+                                      add_special_tokens=False) + [STOP_ID]
+            m = llg_backend.create_matcher(compiled)
+            ours = m.accept_run(ids) == len(ids) and m.is_terminated()
+            bare = llguidance.LLMatcher(llg_backend.tokenizer, grammar, log_level=0)
+            theirs = bare.consume_tokens(ids) and bare.is_stopped() and not bare.is_error()
+            assert ours == theirs, (name, t["description"])
+            total += 1
+            accepted += ours
+    print(f"\nllguidance: {accepted}/{total} valid instances accepted")
+    assert total >= 50 and accepted / total > 0.75, (accepted, total)
+
+
+def test_auto_falls_back_when_xgrammar_runs_out_of_time(llg_backend: LlgBackend) -> None:
+    """An xgrammar compile past its time limit hands the grammar to llguidance (its own time
+    limit); the request is served, not refused."""
+    import time
+
+    from structspec.grammar.backend import GrammarFuture, _Entry
+    from structspec.grammar.select_backend import AutoFuture
+
+    spec = RegexConstraint(r"[a-z]{3}")
+    stuck = GrammarFuture(_Entry(), timeout_s=0.01, submitted_at=time.perf_counter(),
+                          kind=spec.kind)  # never finishes: expires after 10 ms
+    fut = AutoFuture(spec.kind, stuck, llg_backend, spec)
+    assert isinstance(fut.result(timeout=30), LlgCompiled)
+    assert fut.done() and not fut.expired(time.perf_counter())
