@@ -344,6 +344,7 @@ def test_mask_workers_with_staggered_arrivals_match_in_process(make_llm) -> None
     assert got == ref
 
 
+@pytest.mark.slow  # ~15 s on 2 cores: the suite's time budget (README, tests)
 def test_grammars_in_flight_are_served_in_process(in_process_outputs,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Grammars reach the workers off the step loop. Here their acknowledgements are held
@@ -390,7 +391,8 @@ def test_grammars_in_flight_are_served_in_process(in_process_outputs,
         assert a.finish_reason == b.finish_reason
 
 
-@pytest.mark.parametrize("when", ["before_build", "after_verdicts",
+@pytest.mark.parametrize("when", [pytest.param("before_build", marks=pytest.mark.slow),
+                                  "after_verdicts",
                                   pytest.param("while_shipping", marks=pytest.mark.slow)])
 def test_dead_mask_worker_falls_back_in_process(in_process_outputs, when: str,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:

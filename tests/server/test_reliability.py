@@ -273,6 +273,7 @@ def _engine_pid(server: ServerHandle) -> int:
     return int(pids[-1])
 
 
+@pytest.mark.slow  # tests/server/test_supervision.py checks the same contract in ~10 s
 def test_engine_killed_is_restarted(server: ServerHandle) -> None:
     """Last test of the module. SIGKILL the engine process while requests run: the
     in-flight ones are answered (non-streamed 503, streamed an error event before
