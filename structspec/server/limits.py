@@ -29,6 +29,7 @@ from structspec.constraints import (
     RegexConstraint,
 )
 from structspec.server.errors import APIError, bad_request
+from structspec.server.params import MAX_N
 
 RETRY_AFTER_S = 1
 """The ``Retry-After`` (seconds) of a 429: about the time a batch of short requests takes to
@@ -149,6 +150,8 @@ class BodyTooLargeError(APIError):
 def check_choices(limits: ServerLimits, num_prompts: int, n: int) -> None:
     """Raises: APIError 400 when ``num_prompts x n`` is over the per-request bound, naming
     ``n`` when several choices per prompt were asked for, else ``prompt``."""
+    if not 1 <= n <= MAX_N:  # the per-prompt bound first: one message for one limit
+        raise bad_request(f"n must be between 1 and {MAX_N}, got {n}", "n")
     total = num_prompts * n
     if total <= limits.max_choices_per_request:
         return

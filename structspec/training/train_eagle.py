@@ -16,8 +16,8 @@ Stages (``TrainEagleConfig.stage``), so that each can run in its own GPU session
 
 from __future__ import annotations
 
-import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -59,8 +59,14 @@ def prepare_out(out: str) -> Path:
         p.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ValueError(f"out: cannot create {str(p)!r}: {e.strerror or e}") from e
-    if not os.access(p, os.W_OK | os.X_OK):
-        raise ValueError(f"out: directory {str(p)!r} is not writable")
+    # Write a probe file rather than ask os.access: root passes every access check, also on
+    # filesystems that refuse new files (/sys, /proc), and the data stage would then lose
+    # minutes of generation at its first shard.
+    try:
+        with tempfile.NamedTemporaryFile(dir=p, prefix=".write-probe-"):
+            pass
+    except OSError as e:
+        raise ValueError(f"out: directory {str(p)!r} is not writable: {e.strerror or e}") from e
     return p
 
 
