@@ -43,7 +43,7 @@ from typing import Any
 import xgrammar as xgr
 
 from structspec.config import GrammarConfig
-from structspec.constraints import GrammarConstraint, JsonSchemaConstraint, RegexConstraint
+from structspec.constraints import GrammarConstraint, JsonSchemaConstraint
 from structspec.grammar.compile_pool import CompileJob, CompilePool, too_complex_error
 from structspec.grammar.compile_spec import (  # noqa: F401 - re-exported (tests, callers)
     choice_ebnf,
@@ -52,9 +52,8 @@ from structspec.grammar.compile_spec import (  # noqa: F401 - re-exported (tests
     schema_text,
 )
 from structspec.grammar.errors import GRAMMAR_TOO_COMPLEX, PARAM_BY_KIND, GrammarError
-from structspec.grammar.limits import find_limit_problem, is_small
+from structspec.grammar.limits import is_small, upfront_error
 from structspec.grammar.matcher import Matcher
-from structspec.regex_check import find_regex_problem
 
 CacheKey = tuple[str, str]
 
@@ -243,18 +242,9 @@ class GrammarBackend:
                 return GrammarFuture(entry, timeout_s=limit_s, submitted_at=now, kind=kind,
                                      pool=self.pool)
         # up front: not cached (cheap to repeat; a refused 4 MB text would hold cache memory)
-        if isinstance(spec, RegexConstraint):
-            problem = find_regex_problem(spec.pattern)
-            if problem is not None:
-                return failed(GrammarError(f"regex is not a usable regex: {problem}",
-                                           param=param))
-        try:
-            problem = find_limit_problem(spec, text, self.config)
-        except (ValueError, TypeError) as e:
-            return failed(GrammarError(str(e), param=param))
-        if problem is not None:
-            return failed(GrammarError(f"grammar too complex to compile: {problem}",
-                                       param=param, code=GRAMMAR_TOO_COMPLEX))
+        error = upfront_error(spec, text, self.config)
+        if error is not None:
+            return failed(error)
         with self._lock:
             entry = self._cache.get(key)
             if entry is None:

@@ -23,6 +23,8 @@ from structspec.constraints import (
     JsonSchemaConstraint,
     RegexConstraint,
 )
+from structspec.grammar.errors import GRAMMAR_TOO_COMPLEX, PARAM_BY_KIND, GrammarError
+from structspec.regex_check import find_regex_problem
 from structspec.schema_structure import escape_pointer_token
 
 # {n}, {n,} and {n,m} (unescaped); the bounds are what xgrammar expands
@@ -61,6 +63,27 @@ def find_limit_problem(spec: GrammarConstraint, text: str,
         return _schema_problem(json.loads(text), config)
     if isinstance(spec, ChoiceConstraint):
         return None  # compile cost is linear in the text: the byte limit covers it
+    return None
+
+
+def upfront_error(spec: GrammarConstraint, text: str,
+                  config: GrammarConfig) -> GrammarError | None:
+    """The error every backend gives a grammar before compiling it, or None: a regex that is
+    not one (``\\q``, ``[^]``), or a grammar over a limit of :func:`find_limit_problem`
+    (code ``grammar_too_complex``). ``text``: the spec's canonical text. Cheap (no compile),
+    so it is not cached: a refused 4 MB text must not hold cache memory."""
+    param = PARAM_BY_KIND.get(spec.kind)
+    if isinstance(spec, RegexConstraint):
+        problem = find_regex_problem(spec.pattern)
+        if problem is not None:
+            return GrammarError(f"regex is not a usable regex: {problem}", param=param)
+    try:
+        problem = find_limit_problem(spec, text, config)
+    except (ValueError, TypeError) as e:
+        return GrammarError(str(e), param=param)
+    if problem is not None:
+        return GrammarError(f"grammar too complex to compile: {problem}", param=param,
+                            code=GRAMMAR_TOO_COMPLEX)
     return None
 
 

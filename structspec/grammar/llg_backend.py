@@ -23,13 +23,12 @@ import llguidance
 import llguidance.hf
 
 from structspec.config import GrammarConfig
-from structspec.constraints import GrammarConstraint, RegexConstraint
+from structspec.constraints import GrammarConstraint
 from structspec.grammar.backend import CacheKey, GrammarBackend, GrammarFuture, _Entry
-from structspec.grammar.errors import GRAMMAR_TOO_COMPLEX, PARAM_BY_KIND, GrammarError
-from structspec.grammar.limits import find_limit_problem
+from structspec.grammar.errors import PARAM_BY_KIND, GrammarError
+from structspec.grammar.limits import upfront_error
 from structspec.grammar.llg_compile import compile_llguidance
 from structspec.grammar.llg_matcher import LlgCompiled, LlgMatcher
-from structspec.regex_check import find_regex_problem
 
 
 def llguidance_tokenizer(tokenizer_hf: Any, *, vocab_size: int,
@@ -103,18 +102,9 @@ class LlgBackend:
             if entry is not None:
                 self._cache.move_to_end(key)
                 return future_of(entry)
-        if isinstance(spec, RegexConstraint):
-            problem = find_regex_problem(spec.pattern)
-            if problem is not None:
-                return failed(GrammarError(f"regex is not a usable regex: {problem}",
-                                           param=param))
-        try:
-            problem = find_limit_problem(spec, text, self.config)
-        except (ValueError, TypeError) as e:
-            return failed(GrammarError(str(e), param=param))
-        if problem is not None:
-            return failed(GrammarError(f"grammar too complex to compile: {problem}",
-                                       param=param, code=GRAMMAR_TOO_COMPLEX))
+        error = upfront_error(spec, text, self.config)
+        if error is not None:
+            return failed(error)
         with self._lock:
             entry = self._cache.get(key)
             if entry is not None:
