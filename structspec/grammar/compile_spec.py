@@ -26,10 +26,9 @@ from structspec.constraints import (
 from structspec.grammar.bitmask import allocate_bitmask
 from structspec.grammar.errors import PARAM_BY_KIND, GrammarError
 from structspec.grammar.matcher import Matcher
-from structspec.grammar.satisfiable import find_unsatisfiable
+from structspec.grammar.satisfiable import check_servable
 from structspec.grammar.schema_check import find_unenforceable
 from structspec.regex_check import find_regex_problem
-from structspec.schema_structure import find_structure_problem
 
 
 def compile_only(compiler: xgr.GrammarCompiler, spec: GrammarConstraint, *,
@@ -71,13 +70,7 @@ def compile_checked(compiler: xgr.GrammarCompiler, spec: GrammarConstraint, *,
     try:
         if isinstance(spec, JsonSchemaConstraint):
             schema = json.loads(schema_text(spec))
-            problem = find_structure_problem(schema)
-            if problem is not None:
-                raise GrammarError(f"json_schema cannot be served: {problem}", param=param)
-            problem = find_unsatisfiable(schema)
-            if problem is not None:
-                raise GrammarError(f"json_schema accepts no finite JSON value: {problem}",
-                                   param=param)
+            check_servable(schema, param)
             if spec.strict:
                 _check_enforceable(schema, param)
         elif isinstance(spec, RegexConstraint):

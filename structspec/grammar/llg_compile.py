@@ -30,9 +30,8 @@ from structspec.grammar.bitmask import allocate_bitmask
 from structspec.grammar.compile_spec import choice_ebnf, metaschema_problem
 from structspec.grammar.errors import PARAM_BY_KIND, GrammarError
 from structspec.grammar.llg_matcher import LlgCompiled, LlgMatcher
-from structspec.grammar.satisfiable import find_unsatisfiable
+from structspec.grammar.satisfiable import check_servable
 from structspec.regex_check import find_regex_problem
-from structspec.schema_structure import find_structure_problem
 
 COMPACT_SEPARATORS = (", ", ": ")
 """JSON separators with ``any_whitespace=False``: xgrammar's defaults, so that both backends
@@ -99,13 +98,7 @@ def compile_llguidance(tokenizer: llguidance.LLTokenizer, spec: GrammarConstrain
             schema = json.loads(spec.canonical_text())
         except ValueError as e:
             raise GrammarError(str(e), param=param) from e
-        problem = find_structure_problem(schema)
-        if problem is not None:
-            raise GrammarError(f"json_schema cannot be served: {problem}", param=param)
-        problem = find_unsatisfiable(schema)
-        if problem is not None:
-            raise GrammarError(f"json_schema accepts no finite JSON value: {problem}",
-                               param=param)
+        check_servable(schema, param)
     elif isinstance(spec, RegexConstraint):
         problem = find_regex_problem(spec.pattern)
         if problem is not None:

@@ -25,9 +25,8 @@ from structspec.constraints import (
     RegexConstraint,
 )
 from structspec.grammar.errors import GrammarError
-from structspec.grammar.satisfiable import find_unsatisfiable
+from structspec.grammar.satisfiable import check_servable
 from structspec.grammar.schema_check import find_unenforceable
-from structspec.schema_structure import find_structure_problem
 
 
 def check_grammar(spec: GrammarConstraint | None) -> None:
@@ -52,13 +51,7 @@ def check_grammar(spec: GrammarConstraint | None) -> None:
         except ValueError as e:
             raise GrammarError(str(e), param=param) from None
         schema = json.loads(text)
-        problem = find_structure_problem(schema)
-        if problem is not None:
-            raise GrammarError(f"json_schema cannot be served: {problem}", param=param)
-        problem = find_unsatisfiable(schema)
-        if problem is not None:
-            raise GrammarError(f"json_schema accepts no finite JSON value: {problem}",
-                               param=param)
+        check_servable(schema, param)
         if spec.strict and isinstance(schema, dict):
             problems = find_unenforceable(schema)
             if problems:

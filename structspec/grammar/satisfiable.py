@@ -23,7 +23,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from structspec.schema_structure import escape_pointer_token, resolve_local_ref
+from structspec.grammar.errors import GrammarError
+from structspec.schema_structure import (
+    escape_pointer_token,
+    find_structure_problem,
+    resolve_local_ref,
+)
 
 _ANNOTATIONS = frozenset({
     "title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
@@ -227,3 +232,19 @@ def _local_reason(node: dict[str, Any]) -> str:
     if isinstance(node.get("enum"), list) and not node["enum"]:
         return "an empty 'enum' accepts no value"
     return "no branch of its 'anyOf' / 'oneOf' accepts a value"
+
+
+def check_servable(schema: Any, param: str | None) -> None:
+    """The checks every grammar path runs on a JSON Schema before compiling it: its structure
+    (depth, local ``$ref`` s; :func:`~structspec.schema_structure.find_structure_problem`) and
+    whether it admits any finite JSON value (:func:`find_unsatisfiable`).
+
+    Raises:
+        GrammarError: naming ``param`` (the request field), with the problem.
+    """
+    problem = find_structure_problem(schema)
+    if problem is not None:
+        raise GrammarError(f"json_schema cannot be served: {problem}", param=param)
+    problem = find_unsatisfiable(schema)
+    if problem is not None:
+        raise GrammarError(f"json_schema accepts no finite JSON value: {problem}", param=param)
