@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from structspec.core import seed_error
 from structspec.speculative.registry import drafter_info, drafter_names
 
 SpecAlgorithmName = str
@@ -432,7 +433,8 @@ def _check_int_options(config: EngineConfig) -> None:
     """Refuse an integer option given as another type, naming the option and the expected
     type: ``num_draft_tokens="8"`` used to fail as ``TypeError: '<=' not supported between
     instances of 'int' and 'str'`` (or to pass unchecked with speculation off), and
-    ``max_batch_size=2.5`` would size buffers with a float.
+    ``max_batch_size=2.5`` would size buffers with a float. ``seed`` must also lie in the
+    one seed range (:data:`structspec.core.SEED_MAX`).
 
     Raises:
         ValueError: starting with the option's name (``flag_error`` maps it to its flag).
@@ -454,6 +456,10 @@ def _check_int_options(config: EngineConfig) -> None:
             raise ValueError(f"{name}={value!r}: expected an integer"
                              f"{' (or None)' if optional else ''}, got "
                              f"{type(value).__name__}")
+    # the engine seed takes the range of request seeds (one constant: core.SEED_MAX)
+    why = seed_error(config.seed)
+    if why is not None:
+        raise ValueError(why)
 
 
 def _one_of(names: tuple[str, ...]) -> str:

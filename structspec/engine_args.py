@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from structspec.core import SEED_MAX, SEED_MIN
 from structspec.speculative.registry import drafter_info, drafter_names
 
 
@@ -53,8 +54,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "is refused; lowered, with a warning, to what the KV cache holds)")
     g.add_argument("--grammar-compile-timeout", type=float, default=30.0,
                    help="seconds a grammar may take to compile before its request fails")
-    g.add_argument("--seed", type=int_range(0, 2**63 - 1), default=0,
-                   help="engine seed for unseeded sampling")
+    g.add_argument("--seed", type=int_range(SEED_MIN, SEED_MAX), default=0,
+                   help="engine seed for unseeded sampling (0 to 2**63 - 1)")
     g.add_argument("--grammar-workers", type=int, default=None,
                    help="worker processes that build the draft trees' grammar bitmasks "
                         "(0: in the engine process; default: min(8, cores // 2) on CUDA, "

@@ -17,7 +17,6 @@ Stages (``TrainEagleConfig.stage``), so that each can run in its own GPU session
 from __future__ import annotations
 
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import torch
 
 from structspec.training.sequences import TrainSequence, load_sequences
 from structspec.training.train_config import SEQUENCES_FILE, TrainEagleConfig
+from structspec.write_probe import probe_dir_writable
 
 
 def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
@@ -59,12 +59,10 @@ def prepare_out(out: str) -> Path:
         p.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ValueError(f"out: cannot create {str(p)!r}: {e.strerror or e}") from e
-    # Write a probe file rather than ask os.access: root passes every access check, also on
-    # filesystems that refuse new files (/sys, /proc), and the data stage would then lose
-    # minutes of generation at its first shard.
+    # A real probe, not os.access (root passes it on /sys): the data stage would otherwise
+    # lose minutes of generation at its first shard.
     try:
-        with tempfile.NamedTemporaryFile(dir=p, prefix=".write-probe-"):
-            pass
+        probe_dir_writable(p)
     except OSError as e:
         raise ValueError(f"out: directory {str(p)!r} is not writable: {e.strerror or e}") from e
     return p
