@@ -33,8 +33,8 @@ case $stage in
     # well inside the call's timeout; sequences are saved in shards as they come, so even a
     # kill keeps them, and the next call with the same command continues (--resume).
     timeout 560 python3 -m structspec train-eagle --stage data --out "$dir" \
-      --num-sharegpt 4000 --num-extraction 400 --num-schema 400 --max-tokens 384 \
-      --gen-batch-size 256 --data-time-limit 420 --resume --no-progress $EXTRA
+      --num-sharegpt 8900 --num-extraction 1500 --num-schema 1300 --max-tokens 512 \
+      --gen-batch-size 256 --data-time-limit 430 --resume --no-progress $EXTRA
     ls -la "$dir" ;;
   train)
     python3 -m structspec train-eagle --stage train --out "$dir" --epochs 6 \
