@@ -11,10 +11,9 @@ vectorised scan over the history (numpy), rebuilt each step, with no global corp
 :meth:`NgramDrafter.propose` matches the whole batch at once
 (:func:`continuation_starts_batch`: a constant number of numpy calls over the concatenated
 histories), because per request the lookup is ~10 small numpy calls whose fixed overhead,
-not the data, is the cost (~31 us a request on the H200 host, ~2 ms at batch 64). The trie
-merge is batched the same way (:func:`merge_continuations_batch`); the per-request
-:meth:`NgramDrafter.merge_continuations` serves the single-request
-:meth:`NgramDrafter.build_tree`, which the tests hold the batched trees to.
+not the data, is the cost (~31 us a request on the H200 host, ~2 ms at batch 64). Only the
+trie merge runs per request, in Python (:meth:`NgramDrafter.merge_continuations`, shared with
+the single-request :meth:`NgramDrafter.build_tree`).
 
 The tree is built on the host before the verify launch, so its grammar bitmask can be built
 under the verify forward too (``supports_grammar_overlap``).
@@ -218,81 +217,6 @@ class _History:
         return self.buf[: self.length]
 
 
-def merge_continuations_batch(
-    histories: Sequence[np.ndarray], starts: np.ndarray, offsets: np.ndarray, *,
-    num_nodes: int, branch_length: int,
-) -> tuple[np.ndarray, np.ndarray]:
-    """:meth:`NgramDrafter.merge_continuations` for every request of a batch at once, padded.
-
-    The trie merge takes continuations in priority order and adds, depth by depth, each
-    prefix no earlier continuation shares, until ``num_nodes - 1`` nodes exist. So the nodes
-    are the first ``num_nodes - 1`` *new* prefixes in (continuation, depth) order, where the
-    prefix of length ``d + 1`` of continuation ``k`` is new when no earlier continuation of
-    the request starts with the same ``d + 1`` tokens; a node's parent is the node of its
-    prefix one shorter. Here that is computed for the whole batch with a constant number of
-    numpy calls per depth, on ``[B, K, L]`` arrays (``K`` the most continuations of a
-    request, ``L = branch_length``): per request the dict walk cost ~30 us, ~8 ms a step at
-    batch 256 on the 2-core CPU.
-
-    Args:
-        histories: ``B`` int64 arrays ``[L_b]``, ``L_b >= 1`` (node 0 is ``history[-1]``).
-        starts, offsets: the CSR pair of :func:`continuation_starts_batch` (each request's
-            continuation starts into its own history, best first).
-        num_nodes: tree size ``N`` (node 0 included).
-        branch_length: tokens per continuation at most.
-
-    Returns:
-        ``(tokens, parents)`` int64 ``[B, N]``: node 0 first (parent -1), then the nodes in the
-        order :meth:`NgramDrafter.merge_continuations` creates them; unused nodes have token
-        -1 and parent 0. Row for row equal to that method's lists, padded.
-    """
-    bsz, n = len(histories), num_nodes
-    tokens = np.full((bsz, n), -1, dtype=np.int64)
-    parents = np.zeros((bsz, n), dtype=np.int64)
-    if bsz == 0:
-        return tokens, parents
-    lens = np.fromiter(map(len, histories), dtype=np.int64, count=bsz)
-    flat = np.concatenate(histories)
-    ends = np.cumsum(lens)
-    tokens[:, 0] = flat[ends - 1]
-    parents[:, 0] = -1
-    counts = np.diff(offsets)
-    width = int(counts.max()) if counts.size else 0
-    if n < 2 or width == 0 or branch_length < 1:
-        return tokens, parents
-    # [C, L] continuation tokens (-1 past the request's history), then [B, K, L] by rank
-    req = np.repeat(np.arange(bsz), counts)
-    slot = np.arange(req.size) - offsets[req]
-    pos = starts[:, None] + np.arange(branch_length)  # positions in the request's history
-    ok = pos < lens[req][:, None]
-    src = np.where(ok, (ends - lens)[req][:, None] + pos, 0)
-    cont = np.full((bsz, width, branch_length), -1, dtype=np.int64)
-    cont[req, slot] = np.where(ok, flat[src], -1)
-    valid = cont >= 0
-    # rep[b, k, d]: the first continuation of b sharing k's first d + 1 tokens (k itself
-    # when that prefix is new); ``same`` narrows depth by depth
-    same = np.ones((bsz, width, width), dtype=bool)
-    rep = np.zeros((bsz, width, branch_length), dtype=np.int64)
-    for d in range(branch_length):
-        col = cont[:, :, d]
-        same &= (col[:, :, None] == col[:, None, :]) & valid[:, :, None, d]
-        rep[:, :, d] = same.argmax(axis=2)
-    new = valid & (rep == np.arange(width)[None, :, None])
-    new_flat = new.reshape(bsz, -1)  # (continuation, depth) order
-    rank = np.cumsum(new_flat, axis=1) - 1
-    chosen = new_flat & (rank < n - 1)
-    # node index of every valid prefix: its representative's rank + 1 (0 = not a node)
-    node = np.where(chosen, rank + 1, 0).reshape(bsz, width, branch_length)
-    node_of = np.take_along_axis(node, rep, axis=1)
-    parent = np.zeros_like(node)
-    parent[:, :, 1:] = node_of[:, :, :-1]
-    b_idx, flat_idx = np.nonzero(chosen)
-    slots = rank[b_idx, flat_idx] + 1
-    tokens[b_idx, slots] = cont.reshape(bsz, -1)[b_idx, flat_idx]
-    parents[b_idx, slots] = parent.reshape(bsz, -1)[b_idx, flat_idx]
-    return tokens, parents
-
-
 def pack_trees(trees: Sequence[tuple[list[int], list[int]]], num_nodes: int) -> VerifyTree:
     """Pad per-request ``(tokens, parents)`` lists to ``num_nodes`` (token -1, parent 0) and
     build the host :class:`VerifyTree` (``[B, num_nodes]`` int64 tensors)."""
@@ -384,16 +308,32 @@ class NgramDrafter(Drafter):
 
     def propose(self, reqs: Sequence[DraftRequest]) -> VerifyTree:
         """Host trees ``[B, num_nodes]`` for the batch: one batched lookup over all histories
-        (:func:`continuation_starts_batch`), then one batched trie merge
-        (:func:`merge_continuations_batch`); the same trees as :meth:`build_tree` on each
-        request alone."""
+        (:func:`continuation_starts_batch`), then per request either a slice copy (the best
+        continuation alone fills the tree: a chain) or the trie merge; the same trees as
+        :meth:`build_tree` on each request alone."""
         histories = self.sync_histories(reqs)
         starts, offsets = continuation_starts_batch(
             histories, min_window=self.min_window, max_window=self.max_window)
-        tokens, parents = merge_continuations_batch(
-            histories, starts, offsets, num_nodes=self.num_nodes,
-            branch_length=self.branch_length)
-        return VerifyTree.from_parents(torch.from_numpy(tokens), torch.from_numpy(parents))
+        n, bsz = self.num_nodes, len(histories)
+        # Chain fast path: when the best continuation alone fills the budget, the trie is that
+        # continuation's first n - 1 tokens in a chain (it is merged first, into an empty
+        # trie, and the budget runs out inside it). On repetitive output (JSON) that is most
+        # requests, and one slice replaces the dict walk of the merge.
+        chain = [False] * bsz
+        if n > 1 and self.branch_length >= n - 1 and starts.size:
+            lens = np.fromiter(map(len, histories), dtype=np.int64, count=bsz)
+            first = starts[np.minimum(offsets[:-1], starts.size - 1)]
+            chain = ((offsets[1:] > offsets[:-1]) & (first + (n - 1) <= lens)).tolist()
+        chain_parents = list(range(-1, n - 1))
+        flat, off = starts.tolist(), offsets.tolist()
+        trees = []
+        for b, hist in enumerate(histories):
+            if chain[b]:
+                s = flat[off[b]]
+                trees.append(([int(hist[-1]), *hist[s: s + n - 1].tolist()], chain_parents))
+            else:
+                trees.append(self.merge_continuations(hist, flat[off[b]: off[b + 1]]))
+        return pack_trees(trees, n)
 
     def release(self, request_id: str) -> None:
         self._histories.pop(request_id, None)

@@ -166,9 +166,9 @@ def test_propose_equals_per_request_build_tree() -> None:
                           "ancestor_mask"):
                 assert torch.equal(getattr(got, field), getattr(want, field)), (trial, field)
             drafts += int((want.draft_tokens[:, 1:] >= 0).sum())
-            full = (want.draft_tokens >= 0).all(dim=1)  # full single-chain trees
+            full = (want.draft_tokens >= 0).all(dim=1)  # the chain fast path's trees
             chains += int((full & (want.parents == torch.arange(-1, drafter.num_nodes - 1))
                            .all(dim=1)).sum())
             ids = [h + rng.integers(0, 5, size=int(rng.integers(0, 4))).tolist() for h in ids]
     assert drafts > 1000  # most trees had drafts, not only roots
-    assert chains > 50  # full single-chain trees were compared too
+    assert chains > 50  # full single-chain trees (propose's slice-copy path) were compared
