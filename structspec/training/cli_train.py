@@ -9,7 +9,7 @@ import sys
 from dataclasses import fields
 from typing import Any
 
-from structspec.training.train_config import STAGES, TrainEagleConfig
+from structspec.training.train_config import STAGES, TTT_ATTENTION, TrainEagleConfig
 
 #: TrainEagleConfig field -> the flag that sets it (for error messages).
 FLAG_OF_FIELD = {f.name: "--" + f.name.replace("_", "-") for f in fields(TrainEagleConfig)}
@@ -78,6 +78,11 @@ def add_train_eagle_parser(sub: Any, formatter_class: type[argparse.HelpFormatte
                    help="training-time-test steps unrolled")
     t.add_argument("--ttt-decay", type=float, default=d.ttt_decay,
                    help="loss weight of TTT step k is decay**k")
+    t.add_argument("--ttt-attention", choices=TTT_ATTENTION, default=d.ttt_attention,
+                   help="TTT attention form (same result): split = causal SDPA + the diagonal "
+                        "keys merged exactly; dense = masked SDPA over all steps' keys "
+                        "(reference, K^2 T^2 scores); auto = split, checked against dense on "
+                        "the first batch on CUDA (falls back to dense with a warning)")
     t.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="LR warmup steps")
     t.add_argument("--clip-grad-norm", type=float, default=d.clip_grad_norm,
                    help="gradient clipping norm (0: off)")
@@ -112,7 +117,8 @@ def config_from_args(args: argparse.Namespace) -> TrainEagleConfig:
         data_time_limit_s=args.data_time_limit, steps=args.steps,
         epochs=args.epochs, lr=args.lr, weight_decay=args.weight_decay,
         batch_tokens=args.batch_tokens, max_seq_len=args.max_seq_len, ttt_steps=args.ttt_steps,
-        ttt_decay=args.ttt_decay, warmup_steps=args.warmup_steps,
+        ttt_decay=args.ttt_decay, ttt_attention=args.ttt_attention,
+        warmup_steps=args.warmup_steps,
         clip_grad_norm=args.clip_grad_norm, seed=args.seed,
         checkpoint_every=args.checkpoint_every, resume=args.resume,
         draft_vocab_size=args.draft_vocab_size,

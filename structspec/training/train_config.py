@@ -8,6 +8,8 @@ from typing import Literal
 
 Stage = Literal["data", "train", "all"]
 STAGES: tuple[str, ...] = ("data", "train", "all")
+#: forms of the TTT attention (:mod:`structspec.training.ttt_attention`).
+TTT_ATTENTION: tuple[str, ...] = ("auto", "dense", "split")
 #: the sequences file that the data stage writes into ``out`` (and the train stage reads when
 #: no ``sequences`` file is given).
 SEQUENCES_FILE = "sequences.npz"
@@ -45,6 +47,11 @@ class TrainEagleConfig:
         max_seq_len: longest row; longer sequences are truncated.
         ttt_steps: unrolled training-time-test steps K.
         ttt_decay: weight of step k's loss is ``ttt_decay ** k``.
+        ttt_attention: form of the TTT attention (same result): ``split`` (a causal SDPA
+            plus the diagonal keys, merged exactly: memory linear in the width), ``dense``
+            (masked SDPA over every step's keys: the reference, ``K^2 T^2`` scores) or
+            ``auto`` (``split``; on CUDA checked against ``dense`` on the first batch, falling
+            back to ``dense`` with a warning).
         warmup_steps: linear warmup steps.
         clip_grad_norm: gradient clipping norm (0 = off).
         seed: seed of the head's initialisation, the data order and the prompt set.
@@ -89,6 +96,7 @@ class TrainEagleConfig:
     max_seq_len: int = 2048
     ttt_steps: int = 7
     ttt_decay: float = 0.8
+    ttt_attention: str = "auto"
     warmup_steps: int = 50
     clip_grad_norm: float = 0.5
     seed: int = 0
@@ -114,6 +122,9 @@ class TrainEagleConfig:
             raise ValueError("out: an output directory is required")
         if self.stage not in STAGES:
             raise ValueError(f"stage={self.stage!r}: expected one of {', '.join(STAGES)}")
+        if self.ttt_attention not in TTT_ATTENTION:
+            raise ValueError(f"ttt_attention={self.ttt_attention!r}: expected one of "
+                             f"{', '.join(TTT_ATTENTION)}")
         positive = ("max_tokens", "gen_batch_size", "batch_tokens", "max_seq_len", "ttt_steps")
         non_negative = ("num_sharegpt", "num_extraction", "num_schema", "steps", "epochs",
                         "warmup_steps", "checkpoint_every", "draft_vocab_size", "stop_at_step",

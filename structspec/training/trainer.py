@@ -169,7 +169,7 @@ def train_head(cfg: TrainEagleConfig, target: nn.Module, target_config: ModelCon
                  if cfg.draft_vocab_size else None)
     head = build_head(cfg, target, target_config, aux, vocab_ids, device)
     lm_w = head.lm_head.weight if head.lm_head is not None else target.lm_head.weight
-    ttt = TTTForward(head, target.embed_tokens, lm_w, cfg.ttt_steps)
+    ttt = TTTForward(head, target.embed_tokens, lm_w, cfg.ttt_steps, cfg.ttt_attention)
     if cfg.compile:
         ttt.layer_step = torch.compile(ttt.layer_step, dynamic=True)  # type: ignore[method-assign]
     extractor = TargetFeatureExtractor(target, target_config, aux,
