@@ -56,8 +56,10 @@ CHECK_ROWS = 2
 CHECK_WIDTH = 256
 #: ``split`` may differ from ``dense`` by this many times ``dense``'s own rounding error...
 CHECK_NOISE_FACTOR = 4.0
-#: ...plus this relative difference (float32 accumulation-order noise).
-CHECK_FLOOR = 1e-4
+#: ...plus this relative difference: float32 training has no rounding to measure against
+#: (``dense`` is its own reference), yet its kernels differ in accumulation order (and use
+#: TF32 where enabled, ~1e-4); a wrong kernel or mask is off by ~1e-1.
+CHECK_FLOOR = 1e-3
 
 
 @dataclass
