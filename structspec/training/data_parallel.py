@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from structspec.models.default_model import resolve_model_path
 from structspec.training.data_result import RESULT_MARK, DataStageResult, summary_line
 from structspec.training.data_shards import (
     has_shards,
@@ -123,6 +124,9 @@ class _Rank:
         self.rank = launch.rank
         self.prefix = f"[data rank {launch.rank}/{world}] "
         self.outcome: dict[str, Any] | None = None
+        #: set once the outcome line or the end of the output is read (the engine's own
+        #: child processes may hold the pipe open after the rank exits: not waited for)
+        self.outcome_read = threading.Event()
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
         cfg = replace(config, device=launch.device, progress=False, resume=True,
                       data_parallel=1)
@@ -146,13 +150,17 @@ class _Rank:
 
     def _forward(self) -> None:
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            line = line.rstrip("\n")
-            if line.startswith(RESULT_MARK):
-                self.outcome = json.loads(line[len(RESULT_MARK):])
-                continue
-            self.tail.append(line)
-            print(self.prefix + line, file=sys.stderr, flush=True)
+        try:
+            for line in self.proc.stdout:
+                line = line.rstrip("\n")
+                if line.startswith(RESULT_MARK):
+                    self.outcome = json.loads(line[len(RESULT_MARK):])
+                    self.outcome_read.set()
+                    continue
+                self.tail.append(line)
+                print(self.prefix + line, file=sys.stderr, flush=True)
+        finally:
+            self.outcome_read.set()
 
     def signal(self, signum: int) -> None:
         """Send ``signum`` to the rank if it still runs."""
@@ -247,7 +255,7 @@ def run_ranks(config: TrainEagleConfig, launches: list[RankLaunch],
         if not finished:  # Ctrl-C or an error here: the ranks save what they have
             _stop_all(ranks)
         for r in ranks:
-            r.reader.join(timeout=10.0)
+            r.outcome_read.wait(timeout=10.0)
     for r in ranks:
         err = r.error(world)
         if err is not None:
@@ -287,11 +295,15 @@ def run_data_parallel(config: TrainEagleConfig, out: Path) -> Path:
         ValueError: ``out`` holds shards and ``resume`` is off (naming ``resume``); too few
             CUDA devices or a single-device ``device`` (naming it); a rank's bad-input error;
             nothing produced a sequence.
+        FileNotFoundError: the model does not exist.
         DataRankError: a rank crashed or was killed.
     """
     start_s = time.monotonic()
     if not config.resume and has_shards(out):
         refuse_without_resume(out, read_shards(out), config.resume)
+    # a missing model fails here once, and a GGUF (the default model's too) is converted
+    # once, not by N ranks racing for the same cache folder
+    resolve_model_path(config.model)
     cuda_devices = [] if config.device == "cpu" else visible_cuda_devices()
     launches = plan_ranks(config.device, config.data_parallel, cuda_devices=cuda_devices,
                           cores=os.cpu_count() or 1)

@@ -228,9 +228,11 @@ def train_head(cfg: TrainEagleConfig, target: nn.Module, target_config: ModelCon
                         loss, step_loss, correct, count = model(
                             ids, aux_hidden, lens, prompt, targets.probs, targets.top1)
                     (loss / len(mine)).backward()
-                totals.add(loss.to(stats_device), step_loss.to(stats_device),
+                totals.add(loss.detach().to(stats_device), step_loss.to(stats_device),
                            correct.to(stats_device), count.to(stats_device),
                            rows=len(batch), tokens=int(lens.sum()))
+                # the next micro-batch's features must not sit beside these ([B*T, V'] probs)
+                del loss, aux_hidden, targets
             grad_norm = (float(torch.nn.utils.clip_grad_norm_(params, cfg.clip_grad_norm))
                          if cfg.clip_grad_norm else 0.0)
             lr = sched.get_last_lr()[0]

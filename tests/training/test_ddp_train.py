@@ -65,7 +65,13 @@ def test_batch_stream_splits_a_step_like_accumulation() -> None:
     assert total_steps(5, 2, lengths, batches_per_step=3, **kw) == 5
 
 
-def test_launch_checks(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_launch_checks(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                       capsys: pytest.CaptureFixture[str]) -> None:
+    from structspec.cli import main
+
+    for flag, field in (("--grad-accum", "grad_accum"), ("--data-parallel", "data_parallel")):
+        assert main(["train-eagle", "--out", str(tmp_path), flag, "0"]) == 2
+        assert f"{flag}: {field}=0: must be >= 1" in capsys.readouterr().err
     assert rank_device("cpu", 3) == "cpu"
     with pytest.raises(ValueError, match=r"^device='cuda:1': under torchrun"):
         rank_device("cuda:1", 0)
