@@ -91,6 +91,7 @@ def test_ranks_split_prompts_resume_across_n_and_merge(tiny_llm: Any, tmp_path: 
                       rank=2, world=2)
 
 
+@pytest.mark.slow  # ~12-20 s of process spawns; the rank split itself is covered above in-process
 def test_two_cpu_processes_equal_one(tiny_dir: Path, tiny_llm: Any, tmp_path: Path,
                                      capfd: pytest.CaptureFixture[str]) -> None:
     """``--data-parallel 2`` on the CPU: two engine processes, lines prefixed by rank, the
