@@ -285,8 +285,12 @@ class TTTForward:
             idx = (rows & (top1 >= 0)).nonzero().squeeze(1)
             count = int(idx.numel())
             if count == 0:
-                stats.append(StepStats(h.sum() * 0.0, torch.zeros((), dtype=torch.int64,
-                                                                  device=device), 0))
+                # a zero-weight loss through the same modules (final norm, own lm_head): every
+                # head parameter still gets a gradient, as DistributedDataParallel requires
+                zero, _ = soft_ce(h.reshape(b * t, -1)[:1], targets.probs[:1], top1[:1],
+                                  self.head, self.lm_head_weight)
+                stats.append(StepStats(zero * 0.0, torch.zeros((), dtype=torch.int64,
+                                                               device=device), 0))
                 continue
             tidx = target_index[idx]
             loss, correct = soft_ce(h.reshape(b * t, -1)[idx], targets.probs[tidx], top1[idx],
