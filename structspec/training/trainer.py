@@ -244,7 +244,7 @@ def train_head(cfg: TrainEagleConfig, target: nn.Module, target_config: ModelCon
             sums, stop = reduce_step(totals.values, stop, ctx)
             dt = time.perf_counter() - t0
             last = {"step": step, **totals.record(sums, per_step), "lr": lr,
-                    "grad_norm": round(grad_norm, 4)}
+                    "grad_norm": round(grad_norm, 4), "ttt_attention": ttt.attention_used}
             last["tokens_per_s"] = round(last["tokens"] / dt, 1)
             if device.type == "cuda":
                 last["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
