@@ -15,13 +15,15 @@ On the CPU (the default) the target is a tiny random Llama (1 layer, hidden 32) 
 tokenizer cut to its first ``--vocab`` ids (the special tokens and the first merges), built in
 a temporary folder with ``load_format="dummy"``, so its forward, logits and bitmask cost
 little; the time inside the target's and the drafter's network calls is measured and
-subtracted from the step loop's CPU time (``host_ms``: CPU time of the engine's thread,
-which a shared machine's other processes do not inflate as they do wall time; torch runs
-on that one thread, ``--threads``). ``--device cuda`` runs the real default model (SmolLM2-135M-Instruct,
-or ``--model``) on the GPU, with every CUDA graph the timed steps need captured first; there
-``host_ms`` is the step time minus the verify steps' wait for the GPU. EAGLE drafts with a
-random head built for the target (``build_random_eagle_head``): it is rarely accepted, but
-every step runs the whole propose.
+subtracted from the step loop's CPU time (``host_ms``: CPU time of the engine's thread, which
+a shared machine's other processes do not inflate as they do wall time; torch runs on that
+one thread, ``--threads``). EAGLE drafts there with a random head built for the target
+(``build_random_eagle_head``): it is rarely accepted, but every step runs the whole propose.
+
+``--device cuda`` runs the real default model (SmolLM2-135M-Instruct, or ``--model``) on the
+GPU, with every CUDA graph the timed steps need captured first; there ``host_ms`` is the step
+time minus the verify steps' wait for the GPU, and EAGLE uses the trained head shipped for
+SmolLM2 (a random one with ``--model``).
 
 One line per configuration::
 
@@ -304,7 +306,9 @@ def main() -> None:
     else:
         model, load_format = resolve_model_path(None), "auto"
     for algo in args.algorithms:
-        draft = eagle_head_for(model, tmp / "eagle") if algo == "eagle" else None
+        draft = None
+        if algo == "eagle" and (args.model is not None or args.device == "cpu"):
+            draft = eagle_head_for(model, tmp / "eagle")  # else the head shipped for SmolLM2
         for bsz in args.batch:
             # one engine per batch size, its max_batch_size = bsz, as train-eagle's data stage
             kw: dict[str, Any] = dict(
