@@ -43,7 +43,7 @@ from typing import Any
 import xgrammar as xgr
 
 from structspec.config import GrammarConfig
-from structspec.constraints import GrammarConstraint, JsonSchemaConstraint
+from structspec.constraints import GrammarConstraint, JsonObjectConstraint, JsonSchemaConstraint
 from structspec.grammar.compile_pool import CompileJob, CompilePool, too_complex_error
 from structspec.grammar.compile_spec import (  # noqa: F401 - re-exported (tests, callers)
     choice_ebnf,
@@ -315,6 +315,9 @@ class GrammarBackend:
         if isinstance(spec, JsonSchemaConstraint):
             # The strict check may fail where the non-strict compile succeeds: separate keys.
             kind = "json_schema:strict" if spec.strict else "json_schema"
+        if isinstance(spec, (JsonSchemaConstraint, JsonObjectConstraint)) and (
+                not spec.bounded_numbers):
+            kind += ":unbounded"  # another grammar (no default number bounds)
         return kind, hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
     def _evict(self) -> None:

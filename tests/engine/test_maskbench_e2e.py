@@ -46,6 +46,8 @@ def test_maskbench_120_schemas() -> None:
                         dtype="auto", speculative_algorithm="ngram", num_draft_tokens=8,
                         max_batch_size=64, kv_capacity_tokens=None, compile_timeout=120.0,
                         skip_slow_compile=True, temperature=0.6, top_p=0.95,
+                        presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
+                        stop_on_repeat=None, unbounded_numbers=False,
                         out="/tmp/maskbench_outputs.jsonl"))
     assert res["counts"].get("stop_invalid", 0) == 0
     assert res["stop"] / res["ran"] >= 0.7
