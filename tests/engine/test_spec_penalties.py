@@ -91,3 +91,15 @@ def test_repetition_stop_cuts_where_plain_decoding_stops(
     assert len(plain.token_ids) == 12  # one token of ", 1" repeated: 12 tokens stop
     assert spec.token_ids == plain.token_ids and spec.stop_reason == REPETITION_STOP_REASON
     assert spec.spec.accept_length > 1.5  # multi-token runs were cut
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused(make_llm: Callable[..., Any]) -> None:
+    from structspec.core import RequestError
+
+    llm = make_llm()
+    vocab = llm.engine.model_config.vocab_size
+    with pytest.raises(RequestError) as e:
+        llm.engine.add_request("hi", SamplingParams(max_tokens=2, logit_bias={vocab: 1.0}))
+    assert e.value.param == "logit_bias" and str(vocab) in str(e.value)
+    out = llm.generate("hi", SamplingParams(max_tokens=2, presence_penalty=9.0))[0]
+    assert out.error is not None and out.error_param == "presence_penalty"
