@@ -88,7 +88,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     # the drafter registry is the one list of names (a drafter registered there is a choice)
     s.add_argument("--speculative-algorithm", default="none", choices=list(drafter_names()),
                    help=speculative_algorithm_help())
-    s.add_argument("--draft-model", default=None, help="draft model / EAGLE head checkpoint")
+    s.add_argument("--draft-model", default=None,
+                   help="draft model / EAGLE head checkpoint (eagle on the default model: "
+                        "the head shipped in the package when omitted)")
     s.add_argument("--num-draft-tokens", type=int, default=8,
                    help="verify tree size N, including the last committed token")
     s.add_argument("--speculative-depth", type=int, default=4,
