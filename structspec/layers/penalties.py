@@ -108,6 +108,27 @@ def penalize(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor,
     return x - frequency * counts - presence * (counts > 0).to(x.dtype)
 
 
+def penalize_(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor,
+              presence: torch.Tensor, frequency: torch.Tensor, repetition: torch.Tensor,
+              bias: torch.Tensor) -> None:
+    """:func:`penalize` in place on ``logits``, bit for bit the same values, with one
+    full-size float temporary instead of about five (the ``[B * N, V]`` pass of every
+    penalised step). The repetition penalty is applied to every token with a factor of 1 on
+    the unseen ones: ``x / 1`` and ``x * 1`` are ``x`` exactly.
+
+    Args: as :func:`penalize`; ``counts``, ``seen`` and ``bias`` broadcast to ``logits``
+    (``[B, 1, V]`` against ``[B, N, V]``), the penalties ``[B, 1, 1]``.
+    """
+    factor = torch.where(seen, repetition, torch.ones_like(repetition))  # [B, 1, V]
+    logits.add_(bias)
+    multiplied = logits * factor
+    positive = logits > 0
+    logits.div_(factor)
+    torch.where(positive, logits, multiplied, out=logits)
+    logits.sub_(frequency * counts)
+    logits.sub_(presence * (counts > 0).to(logits.dtype))
+
+
 def apply_penalties_(logits: torch.Tensor, inputs: PenaltyInputs, draft_tokens: torch.Tensor,
                      ancestor_mask: torch.Tensor) -> None:
     """Penalise every verify row for its own path, in place. No host sync.
@@ -137,9 +158,8 @@ def apply_penalties_(logits: torch.Tensor, inputs: PenaltyInputs, draft_tokens: 
     # cols[b * N + i, j] = token of node j: every node's token, in every row of its request
     cols = tokens.unsqueeze(1).expand(bsz, n, n).reshape(bsz * n, n)
     original = logits.gather(1, cols)
-    rows = logits.view(bsz, n, vocab)
-    rows.copy_(penalize(rows, counts.unsqueeze(1), seen.unsqueeze(1), presence, frequency,
-                        repetition, bias.unsqueeze(1)))
+    penalize_(logits.view(bsz, n, vocab), counts.unsqueeze(1), seen.unsqueeze(1), presence,
+              frequency, repetition, bias.unsqueeze(1))
     if n == 1:  # a root-only tree: no drafted token on any path
         return
     node = torch.arange(n, device=draft_tokens.device)

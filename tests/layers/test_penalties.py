@@ -15,6 +15,8 @@ from structspec.layers.penalties import (
     PenaltyTable,
     apply_penalties_,
     count_accepted_,
+    penalize,
+    penalize_,
 )
 
 VOCAB = 40
@@ -121,3 +123,20 @@ def test_root_only_rows_and_counts_on_device() -> None:
     assert table.counts[0].sum() == 0  # slot 0 stays neutral
     assert table.counts[2, 4] == 2 and table.counts[2, 6] == 1  # one 6 within accept_len
     assert table.counts.sum() == 3 + 1 + 2
+
+
+def test_in_place_formula_is_bit_identical() -> None:
+    """The in-place pass and the reference formula agree bit for bit (the path fix-up uses
+    the latter, the broadcast pass the former: a token's value must not depend on which)."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 4, 500, generator=g) * 20
+    logits[0, 0, :10] = 0.0
+    counts = torch.randint(0, 3, (3, 1, 500), generator=g).float()
+    seen = (torch.rand(3, 1, 500, generator=g) < 0.3) | (counts > 0)
+    pen = [torch.tensor([0.3, -1.0, 0.0]).view(3, 1, 1), torch.tensor([1.7, 0.0, -0.4]).view(
+        3, 1, 1), torch.tensor([1.3, 0.77, 1.0]).view(3, 1, 1)]
+    bias = torch.randn(3, 1, 500, generator=g)
+    want = penalize(logits, counts, seen, *pen, bias)
+    got = logits.clone()
+    penalize_(got, counts, seen, *pen, bias)
+    assert torch.equal(got, want)
