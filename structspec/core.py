@@ -345,6 +345,7 @@ class RequestOutput:
             "text": self.text,
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason.value if self.finish_reason else None,
+            "stop_reason": self.stop_reason,
             "error": self.error,
             "prompt_tokens": self.num_prompt_tokens,
             "completion_tokens": self.num_completion_tokens,
