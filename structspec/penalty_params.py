@@ -95,7 +95,8 @@ def penalty_error(name: str, value: object) -> str | None:
     in ``[-2, 2]``), as a message starting with ``name``; None when it is one."""
     if not _is_number(value):
         return f"{name} must be a number, got {value!r}"
-    if not math.isfinite(value) or not PENALTY_MIN <= value <= PENALTY_MAX:  # type: ignore[arg-type]
+    number = float(value)  # type: ignore[arg-type]
+    if not math.isfinite(number) or not PENALTY_MIN <= number <= PENALTY_MAX:
         return f"{name} must be a finite number in [-2, 2] (0 = off), got {value}"
     return None
 
@@ -105,8 +106,8 @@ def repetition_penalty_error(value: object, name: str = "repetition_penalty") ->
     None when it is one."""
     if not _is_number(value):
         return f"{name} must be a number, got {value!r}"
-    if not math.isfinite(value) or not (  # type: ignore[arg-type]
-            REPETITION_PENALTY_MIN <= value <= REPETITION_PENALTY_MAX):  # type: ignore[operator]
+    number = float(value)  # type: ignore[arg-type]
+    if not math.isfinite(number) or not REPETITION_PENALTY_MIN <= number <= REPETITION_PENALTY_MAX:
         return (f"{name} must be a finite number in [0.01, 100] (1 = off; > 1 discourages "
                 f"repeats), got {value}")
     return None
@@ -114,8 +115,8 @@ def repetition_penalty_error(value: object, name: str = "repetition_penalty") ->
 
 def logit_bias_error(bias: object, name: str = "logit_bias") -> str | None:
     """Why ``bias`` is not a logit bias (a mapping of at most 300 integer token ids ``>= 0``
-    to finite numbers in ``[-100, 100]``); None when it is one. The vocabulary bound is checked where
-    the vocabulary is known (the engine, the server)."""
+    to finite numbers in ``[-100, 100]``); None when it is one. The vocabulary bound is
+    checked where the vocabulary is known (the engine, the server)."""
     if not isinstance(bias, Mapping):
         return f"{name} must be a mapping of token ids to numbers, got {type(bias).__name__}"
     if len(bias) > MAX_LOGIT_BIAS_ENTRIES:

@@ -18,13 +18,13 @@ bucket (and per variant ``(masked, penalised)``): the scheduler's select/verify 
 batch has some, reading the penalty table and a static ``[B]`` int64 slot input; apply the
 grammar bitmask, a static ``[B*N, W]`` int32 input shared by the buckets of one ``(B, N)``;
 argmax; tree verification; the count of real drafts and of the penalised runs), then the
-accepted-path KV compaction. The penalised variants are captured at their first use (not by
-the warm-up); batches without penalties never run them. The runner knows neither the grammar nor the drafters: the
-scheduler hands it that function and the bitmask width
-(:meth:`ModelRunner.set_select_verify`), so the graph records the very function the eager
-path calls. Run eagerly these are ~60 small kernels whose launches
-cost ~1 ms of host time per step on an H200 host (more than SmolLM2's whole verify forward);
-replayed they are one launch. The post graph is separate from the forward graph because the
+accepted-path KV compaction. The penalised variants are captured at their first use, or by
+:meth:`ModelRunner.warmup_cuda_graphs` given the penalty table; batches without penalties
+never run them. The runner knows neither the grammar nor the drafters: the scheduler hands
+it that function and the bitmask width (:meth:`ModelRunner.set_select_verify`), so the graph
+records the very function the eager path calls. Run eagerly these are ~60 small kernels
+whose launches cost ~1 ms of host time per step on an H200 host (more than SmolLM2's whole
+verify forward); replayed they are one launch. The post graph is separate from the forward graph because the
 bitmask is built on the host *while the forward runs* and is uploaded just before the post
 work.
 

@@ -3,11 +3,12 @@
 :func:`select_verify` is the function the scheduler composes once (sampling penalties per tree
 path + grammar mask application + target selection +
 :func:`~structspec.draft_tree.verify.verify_paths` + the real-draft count + the penalised
-requests' output counts) and hands to the runner (:meth:`ModelRunner.set_select_verify`), whose post-forward CUDA graph
-records it for greedy graph-replayed verifies. :class:`SelectVerifyPhase` runs the step's
-selection phase: that graph replay, or the same function eagerly (sampling, eager forwards,
-prefill) with :func:`~structspec.layers.sampler.sample_rows` as the selection; then the
-accepted KV is compacted (the runner's) and the results start their way to the host.
+requests' output counts) and hands to the runner (:meth:`ModelRunner.set_select_verify`),
+whose post-forward CUDA graph records it for greedy graph-replayed verifies.
+:class:`SelectVerifyPhase` runs the step's selection phase: that graph replay, or the same
+function eagerly (sampling, eager forwards, prefill) with
+:func:`~structspec.layers.sampler.sample_rows` as the selection; then the accepted KV is
+compacted (the runner's) and the results start their way to the host.
 """
 
 from __future__ import annotations
