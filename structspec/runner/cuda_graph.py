@@ -24,9 +24,9 @@ never run them. The runner knows neither the grammar nor the drafters: the sched
 it that function and the bitmask width (:meth:`ModelRunner.set_select_verify`), so the graph
 records the very function the eager path calls. Run eagerly these are ~60 small kernels
 whose launches cost ~1 ms of host time per step on an H200 host (more than SmolLM2's whole
-verify forward); replayed they are one launch. The post graph is separate from the forward graph because the
-bitmask is built on the host *while the forward runs* and is uploaded just before the post
-work.
+verify forward); replayed they are one launch. The post graph is separate from the forward
+graph because the bitmask is built on the host *while the forward runs* and is uploaded just
+before the post work.
 
 Dummy rows: ``seq_len 0`` and a page-table row of page 0 (the sink), so they write their
 K/V only into page 0 and attend only their own node (ancestor mask: at least the diagonal);
