@@ -14,6 +14,8 @@ A grammar goes through three stages:
    check and the xgrammar compile, under the request's time budget
    (``GrammarConfig.compile_timeout_s`` from submission, queue wait included). Past it the
    worker is killed, its memory returned, and the request fails with ``grammar_too_complex``.
+   Backends of one process with the same tokenizer and compile settings share the worker
+   processes (:mod:`structspec.grammar.shared_compile_pool`).
 3. **Rebuild in this process** (a daemon thread): the same compile again, to get the
    ``CompiledGrammar`` the matchers need. It is proven to end (it just did, in the worker, in
    about the same time), so the budget no longer runs; shipping the worker's result instead
@@ -44,7 +46,12 @@ import xgrammar as xgr
 
 from structspec.config import GrammarConfig
 from structspec.constraints import GrammarConstraint, JsonSchemaConstraint
-from structspec.grammar.compile_pool import CompileJob, CompilePool, too_complex_error
+from structspec.grammar.compile_pool import (
+    CompileJob,
+    CompilePool,
+    shut_down_error,
+    too_complex_error,
+)
 from structspec.grammar.compile_spec import (  # noqa: F401 - re-exported (tests, callers)
     choice_ebnf,
     compile_only,
@@ -54,6 +61,7 @@ from structspec.grammar.compile_spec import (  # noqa: F401 - re-exported (tests
 from structspec.grammar.errors import GRAMMAR_TOO_COMPLEX, PARAM_BY_KIND, GrammarError
 from structspec.grammar.limits import is_small, upfront_error
 from structspec.grammar.matcher import Matcher
+from structspec.grammar.shared_compile_pool import acquire_compile_pool, release_compile_pool
 
 CacheKey = tuple[str, str]
 
@@ -178,7 +186,9 @@ class GrammarBackend:
         self._compiler = xgr.GrammarCompiler(
             self.tokenizer_info, max_threads=max(1, self.config.num_compile_threads),
             cache_enabled=False)
-        self.pool = CompilePool(
+        # One pool per process and settings: engines built for the same tokenizer share its
+        # processes (shared_compile_pool.py); this backend holds one reference to it.
+        self.pool = acquire_compile_pool(
             self.tokenizer_info.serialize_json(), vocab_size=self.vocab_size,
             stop_token_ids=self.stop_token_ids, any_whitespace=self.config.any_whitespace,
             general_workers=self.config.num_compile_threads,
@@ -201,10 +211,11 @@ class GrammarBackend:
             t.start()
         self._closed = False
         # A backend dropped without shutdown() (an engine garbage-collected, a test's backend)
-        # must not leave its compile processes behind: the finalizer holds the pool and the
-        # queues, never the backend, so it runs when the last reference goes.
+        # must not leave its compiles running or its pool reference held: the finalizer holds
+        # the pool, the cache and the queues, never the backend, so it runs when the last
+        # reference goes (or at interpreter exit).
         self._finalizer = weakref.finalize(
-            self, _stop_compiles, self.pool,
+            self, _stop_compiles, self.pool, self._cache, self._lock,
             [self._rebuild_fast if t.name.endswith("fast") else self._rebuild_slow
              for t in self._threads])
 
@@ -228,6 +239,8 @@ class GrammarBackend:
                                  pool=self.pool)
 
         param = PARAM_BY_KIND.get(kind)
+        if self._closed:  # the shared pool may live on for other backends: refuse here
+            return failed(shut_down_error(kind))
         try:
             text = spec.canonical_text()
             key = self._key(spec, text)
@@ -299,8 +312,9 @@ class GrammarBackend:
         return self.pool.pids()
 
     def shutdown(self) -> None:
-        """Stop the compile processes (running compiles are killed; their requests fail) and
-        the rebuild threads. Idempotent."""
+        """Stop this backend's compiles (running ones are killed; their requests fail), give
+        back its reference to the shared compile pool (the last one stops the processes) and
+        end the rebuild threads; later submissions fail with "shut down". Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -360,10 +374,15 @@ class GrammarBackend:
         entry.future.set_result(compiled)
 
 
-def _stop_compiles(pool: CompilePool, rebuild_queues: list[queue.SimpleQueue[Any]]) -> None:
-    """Kill the compile processes and end the rebuild threads (one ``None`` per thread): the
+def _stop_compiles(pool: CompilePool, cache: OrderedDict[CacheKey, _Entry],
+                   lock: threading.Lock, rebuild_queues: list[queue.SimpleQueue[Any]]) -> None:
+    """Cancel the backend's unfinished compiles, release its pool reference (the last one
+    kills the compile processes) and end the rebuild threads (one ``None`` per thread): the
     backend's shutdown and finalizer."""
-    pool.close()
+    with lock:
+        jobs = [e.job for e in cache.values() if e.job is not None]
+    pool.cancel(jobs)
+    release_compile_pool(pool)
     for q in rebuild_queues:
         q.put(None)
 
