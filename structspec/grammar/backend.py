@@ -196,6 +196,8 @@ class GrammarBackend:
             small_slice_s=self.config.small_lane_slice_s)
         self._lock = threading.Lock()
         self._cache: OrderedDict[CacheKey, _Entry] = OrderedDict()
+        # this backend's jobs on the (shared) pool until their verdict: what shutdown cancels
+        self._jobs: set[CompileJob] = set()
         self._compile_s: list[float] = []
         self._timeouts = 0
         self._rebuild_fast: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
@@ -212,10 +214,13 @@ class GrammarBackend:
         self._closed = False
         # A backend dropped without shutdown() (an engine garbage-collected, a test's backend)
         # must not leave its compiles running or its pool reference held: the finalizer holds
-        # the pool, the cache and the queues, never the backend, so it runs when the last
-        # reference goes (or at interpreter exit).
+        # the pool, the running jobs and the queues, never the backend, so it runs when the
+        # last reference goes (or at interpreter exit). Not the cache: a cached failure's
+        # exception carries the traceback of every frame it was raised through (the engine's
+        # step among them), and the finalizer's arguments live as long as the backend's
+        # finalizer is registered, so holding it would keep a dropped engine alive.
         self._finalizer = weakref.finalize(
-            self, _stop_compiles, self.pool, self._cache, self._lock,
+            self, _stop_compiles, self.pool, self._jobs, self._lock,
             [self._rebuild_fast if t.name.endswith("fast") else self._rebuild_slow
              for t in self._threads])
 
@@ -264,6 +269,7 @@ class GrammarBackend:
                 entry = _Entry(submitted_at=now)
                 entry.job = self.pool.submit(spec, small=is_small(text, self.config),
                                              deadline=now + limit_s, limit_s=limit_s)
+                self._jobs.add(entry.job)
                 self._cache[key] = entry
                 self._evict()
                 job: CompileJob | None = entry.job
@@ -343,6 +349,8 @@ class GrammarBackend:
                         job_future: Future[float]) -> None:
         """The worker's verdict (on the pool's thread): fail the entry, or queue its rebuild."""
         job = entry.job
+        with self._lock:
+            self._jobs.discard(job)  # type: ignore[arg-type]
         error = job_future.exception()
         if error is not None:
             with self._lock:
@@ -374,14 +382,14 @@ class GrammarBackend:
         entry.future.set_result(compiled)
 
 
-def _stop_compiles(pool: CompilePool, cache: OrderedDict[CacheKey, _Entry],
-                   lock: threading.Lock, rebuild_queues: list[queue.SimpleQueue[Any]]) -> None:
+def _stop_compiles(pool: CompilePool, jobs: set[CompileJob], lock: threading.Lock,
+                   rebuild_queues: list[queue.SimpleQueue[Any]]) -> None:
     """Cancel the backend's unfinished compiles, release its pool reference (the last one
     kills the compile processes) and end the rebuild threads (one ``None`` per thread): the
     backend's shutdown and finalizer."""
     with lock:
-        jobs = [e.job for e in cache.values() if e.job is not None]
-    pool.cancel(jobs)
+        running = list(jobs)
+    pool.cancel(running)
     release_compile_pool(pool)
     for q in rebuild_queues:
         q.put(None)
@@ -394,5 +402,10 @@ def _serve(work: queue.SimpleQueue[Callable[[], None] | None]) -> None:
         if item is None:
             return
         item()
+        # Drop the done rebuild before waiting again: it references the backend, and a
+        # thread blocked in get() with it in a local kept a dropped backend alive for good
+        # (its finalizer, which ends this thread, never ran), and with it the compile pool
+        # reference and, through a cached failure's traceback, the whole engine.
+        del item
 
 

@@ -5,7 +5,9 @@ processes."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -94,3 +96,22 @@ def test_last_release_stops_the_processes(hf_tokenizer: Any) -> None:
     second.shutdown()
     assert shared_pool_users(pool) == 0 and not pool.usable()
     assert wait_until(lambda: not any(alive(p) for p in pids), 10), pids
+
+
+def test_a_dropped_backend_is_collected_and_gives_its_pool_back(
+        hf_tokenizer: Any, backend: GrammarBackend) -> None:
+    """A backend dropped without shutdown after compiling (an engine garbage-collected) goes:
+    its rebuild threads keep no reference to it (regression: the last rebuild, kept in a
+    waiting thread's local, held it and, through a cached failure's traceback, its engine),
+    so its finalizer releases the shared pool."""
+    users = shared_pool_users(backend.pool)
+    dropped = GrammarBackend(hf_tokenizer, vocab_size=backend.vocab_size,
+                             stop_token_ids=backend.stop_token_ids, config=backend.config)
+    assert isinstance(dropped.compile(ChoiceConstraint(("drop", "me")), timeout=20),
+                      xgr.CompiledGrammar)
+    with pytest.raises(GrammarError):
+        dropped.compile(JsonSchemaConstraint(False))  # a cached failure
+    ref = weakref.ref(dropped)
+    del dropped
+    assert wait_until(lambda: gc.collect() >= 0 and ref() is None, 5)
+    assert shared_pool_users(backend.pool) == users
