@@ -367,6 +367,19 @@ LIST_SCHEMA = {"type": "object", "properties": {"items": {"type": "array",
                "required": ["items"]}
 
 
+STAGGER_A_PROMPT = ("Copy this list as JSON items: red, green, blue, red, green, blue, red, "
+                    "green")
+STAGGER_B_PROMPT = "Give me a JSON person: name Bob, age 40, city Paris."
+STAGGER_A_MAX_TOKENS = (4, 3, 5, 6, 9)
+
+
+def stagger_params(request: str, m: int) -> SamplingParams:
+    """A: a list, ``max_tokens=m``; B: a person, ``max_tokens=40``."""
+    if request == "A":
+        return SamplingParams(max_tokens=m, grammar=JsonSchemaConstraint(LIST_SCHEMA))
+    return SamplingParams(max_tokens=40, grammar=JsonSchemaConstraint(PERSON_SCHEMA))
+
+
 def _staggered_outputs(engine) -> dict[str, tuple[list[int], object]]:  # type: ignore[no-untyped-def]
     """Constrained A (max_tokens m) runs; constrained B arrives once A has committed ids, so
     A may finish (leave the batch) while B, alone, keeps running; for several m."""
@@ -378,20 +391,29 @@ def _staggered_outputs(engine) -> dict[str, tuple[list[int], object]]:  # type: 
             if o.finished:
                 outs[o.request_id] = (list(o.token_ids), o.finish_reason)
 
-    for m in (4, 3, 5, 6, 9):
-        engine.add_request("Copy this list as JSON items: red, green, blue, red, green, blue, red, "
-                           "green",
-                           SamplingParams(max_tokens=m, grammar=JsonSchemaConstraint(LIST_SCHEMA)),
-                           request_id=f"A{m}")
+    for m in STAGGER_A_MAX_TOKENS:
+        engine.add_request(STAGGER_A_PROMPT, stagger_params("A", m), request_id=f"A{m}")
         while (a := sched.requests.get(f"A{m}")) is not None and not a.finished and len(
                 a.output_ids) < 2:
             step()
-        engine.add_request("Give me a JSON person: name Bob, age 40, city Paris.",
-                           SamplingParams(max_tokens=40, grammar=JsonSchemaConstraint(PERSON_SCHEMA)),
-                           request_id=f"B{m}")
+        engine.add_request(STAGGER_B_PROMPT, stagger_params("B", m), request_id=f"B{m}")
         while engine.has_unfinished_requests():
             step()
     return outs
+
+
+def _staggered_reference(llm: LLM) -> dict[str, tuple[list[int], object]]:
+    """What :func:`_staggered_outputs` must give, from one batch of the same requests
+    (masks built in-process): greedy fp32 output does not depend on which requests share
+    the batch (test_generate.py, the lossless tests), and every B is the same request."""
+    prompts = [STAGGER_A_PROMPT] * len(STAGGER_A_MAX_TOKENS) + [STAGGER_B_PROMPT]
+    params = [stagger_params("A", m) for m in STAGGER_A_MAX_TOKENS] + [stagger_params("B", 0)]
+    outs = llm.generate(prompts, params)
+    ref = {f"A{m}": (list(o.token_ids), o.finish_reason)
+           for m, o in zip(STAGGER_A_MAX_TOKENS, outs, strict=False)}
+    ref.update({f"B{m}": (list(outs[-1].token_ids), outs[-1].finish_reason)
+                for m in STAGGER_A_MAX_TOKENS})
+    return ref
 
 
 def test_mask_workers_with_staggered_arrivals_match_in_process(make_llm, ngram_pool_llm
@@ -400,7 +422,7 @@ def test_mask_workers_with_staggered_arrivals_match_in_process(make_llm, ngram_p
     count, keeps running: the step decides once whether the mirrors serve it, so no host
     matcher is walked while it lags (regression: the barrier and the build once decided
     differently, and B was aborted with "grammar rejected token")."""
-    ref = _staggered_outputs(make_llm(**SPEC_CONFIGS["ngram"]({})).engine)
+    ref = _staggered_reference(make_llm(**SPEC_CONFIGS["ngram"]({})))
     pool = ngram_pool_llm.engine.scheduler.mask_pool
     builds = pool.num_builds
     got = _staggered_outputs(ngram_pool_llm.engine)
