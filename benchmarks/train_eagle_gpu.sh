@@ -1,23 +1,47 @@
 #!/usr/bin/env bash
-# train-eagle on the lent H200, one stage per device call (after `source .gpu/setup.sh`, which
-# puts the SmolLM2 GGUF at $STRUCTSPEC_SMOLLM2_GGUF and the ShareGPT wheel on the path):
+# train-eagle on the lent H200 host, every visible GPU, one stage per device call (after
+# `source .gpu/setup.sh`, which puts the SmolLM2 GGUF at $STRUCTSPEC_SMOLLM2_GGUF and the
+# ShareGPT wheel on the path):
 #   bash benchmarks/train_eagle_gpu.sh data  [OUT]   # <= 7 min: prompts -> target answers;
 #                                                    # run again to continue where it stopped
-#   bash benchmarks/train_eagle_gpu.sh train [OUT]   # ~10 min: the head, exported into OUT
+#   bash benchmarks/train_eagle_gpu.sh train [OUT]   # ~8 min: the head, exported into OUT
 #   bash benchmarks/train_eagle_gpu.sh synthetic     # ~3 min, no weights or data needed:
 #                                                    # training tokens/s and memory at the
 #                                                    # SmolLM2 shape (random weights, random ids)
-# data prints a progress line every ~15 s (done / total, sequences/s, response tokens/s, per
-# source) and a summary; train / synthetic print
-# the tqdm bar (loss, per-TTT-step top-1 agreement, tokens/s) and a summary of
-# OUT/train_log.jsonl every 50 steps. Extra train-eagle flags go in $EXTRA. OUT defaults to
-# out/eagle_smollm2 (under $OUT's folder, so the head comes back with the run's files).
+# GPUs: all that `nvidia-smi -L` lists (NGPU=k to use the first k). data runs one engine per
+# GPU (--data-parallel NGPU: GPU r answers the prompts with index % NGPU == r, the parent merges
+# them into OUT/sequences.npz); train and synthetic run one process per GPU under torchrun
+# (DistributedDataParallel): each optimizer step takes NGPU batches of BATCH_TOKENS (default
+# 65536) tokens, one per GPU, so a step's global batch is NGPU x BATCH_TOKENS and an epoch has
+# NGPU times fewer steps; EPOCHS defaults to 6 x NGPU (the optimizer steps of one GPU's 6
+# epochs, each on NGPU times the tokens). NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
+# data prints a progress line per GPU every ~15 s ([data rank R/N] done / total, sequences/s,
+# response tokens/s, per source) and a summary over all; train / synthetic print the tqdm bar
+# (loss, per-TTT-step top-1 agreement, global tokens/s) and a summary of OUT/train_log.jsonl
+# every 50 steps. Extra train-eagle flags go in $EXTRA. OUT defaults to out/eagle_smollm2
+# (under $OUT's folder, so the head comes back with the run's files).
 set -eu
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 stage=${1:?usage: train_eagle_gpu.sh data|train|synthetic [OUT]}
 dir=${2:-${OUT:-out}/eagle_smollm2}
 EXTRA=${EXTRA:-}
-python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())'
+ngpu=${NGPU:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)}
+[ "${ngpu:-0}" -ge 1 ] || ngpu=1
+batch_tokens=${BATCH_TOKENS:-65536}
+epochs=${EPOCHS:-$((6 * ngpu))}
+python3 -c 'import torch; print(torch.__version__, torch.cuda.device_count(), "x",
+                                torch.cuda.get_device_name())'
+echo "GPUs used: $ngpu"
+# one process, or one per GPU under torchrun
+train_eagle() {
+  if [ "$ngpu" -gt 1 ]; then
+    python3 -m torch.distributed.run --standalone --nproc-per-node "$ngpu" \
+      -m structspec train-eagle "$@"
+  else
+    python3 -m structspec train-eagle "$@"
+  fi
+}
 summary() {
   python3 - "$1" <<'PY'
 import json, sys
@@ -29,25 +53,27 @@ PY
 }
 case $stage in
   data)
-    # Stops adding prompts 420 s after the stage starts (model load included) and saves,
+    # Stops adding prompts 430 s after the stage starts (model load included) and saves,
     # well inside the call's timeout; sequences are saved in shards as they come, so even a
-    # kill keeps them, and the next call with the same command continues (--resume).
+    # kill keeps them, and the next call with the same command continues (--resume, with any
+    # number of GPUs).
     timeout 560 python3 -m structspec train-eagle --stage data --out "$dir" \
-      --num-sharegpt 4000 --num-extraction 400 --num-schema 400 --max-tokens 384 \
-      --gen-batch-size 256 --data-time-limit 420 --resume --no-progress $EXTRA
+      --num-sharegpt 8900 --num-extraction 1500 --num-schema 1300 --max-tokens 512 \
+      --gen-batch-size 256 --data-time-limit 430 --data-parallel "$ngpu" --resume \
+      --no-progress $EXTRA
     ls -la "$dir" ;;
   train)
-    python3 -m structspec train-eagle --stage train --out "$dir" --epochs 6 \
-      --batch-tokens 65536 --max-seq-len 2048 --ttt-steps 7 --lr 5e-4 --warmup-steps 50 \
-      --checkpoint-every 250 --time-limit 480 $EXTRA
+    train_eagle --stage train --out "$dir" --epochs "$epochs" \
+      --batch-tokens "$batch_tokens" --max-seq-len 2048 --ttt-steps 7 --lr 5e-4 \
+      --warmup-steps 50 --checkpoint-every 250 --time-limit 480 $EXTRA
     summary "$dir/train_log.jsonl"
     ls -la "$dir" ;;
   synthetic)
     d=/tmp/eagle_synth; mkdir -p $d
     python3 benchmarks/train_eagle_synthetic.py $d/sequences.npz --num 3000
-    python3 -m structspec train-eagle --stage train --out $d \
+    train_eagle --stage train --out $d \
       --model benchmarks/assets/smollm2-135m-shape --load-format dummy --steps 400 \
-      --batch-tokens 65536 --max-seq-len 2048 --ttt-steps 7 --checkpoint-every 0 \
+      --batch-tokens "$batch_tokens" --max-seq-len 2048 --ttt-steps 7 --checkpoint-every 0 \
       --time-limit 120 --no-progress $EXTRA
     summary $d/train_log.jsonl ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;

@@ -15,6 +15,7 @@ from structspec.constraints import GrammarConstraint, JsonObjectConstraint
 from structspec.core import ChatMessageError, RequestOutput, SamplingParams, check_chat_messages
 from structspec.engine_args import add_engine_args, engine_kwargs, flag_error, int_range
 from structspec.training.cli_train import add_train_eagle_parser, cmd_train_eagle
+from structspec.write_probe import probe_file_writable
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, help="0 disables")
     gen.add_argument("--min-p", type=float, default=0.0, help="0 disables")
     gen.add_argument("--request-seed", dest="request_seed", type=int, default=None,
-                     help="per-request sampling seed (reproducible in any batch)")
+                     help="per-request sampling seed, 0 to 2**63 - 1 (reproducible in any "
+                          "batch)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--output", choices=["text", "json"], default="text",
                      help="text: the completion; json: one record per request")
@@ -164,9 +166,9 @@ _BATCH_KEYS = frozenset({"prompt", "messages", "strict", "max_tokens", "temperat
 
 
 def _check_record(rec: Any) -> None:
-    """Reject a ``--batch`` line that is not an object, has keys the CLI does not read, or
-    asks for two grammars (or both ``prompt`` and ``messages``). The values are checked by
-    :func:`_batch_grammar` and :func:`_check_prompt`.
+    """Reject a ``--batch`` line that is not an object, has keys the CLI does not read, asks
+    for two grammars, or has both or neither of ``prompt`` and ``messages``. The values are
+    checked by :func:`_batch_grammar` and :func:`_check_prompt`.
 
     Raises:
         ValueError: naming the offending key(s).
@@ -184,6 +186,8 @@ def _check_record(rec: Any) -> None:
                          "give at most one")
     if "prompt" in rec and "messages" in rec:
         raise ValueError("both 'prompt' and 'messages'; give one")
+    if "prompt" not in rec and "messages" not in rec:
+        raise ValueError("no 'prompt' or 'messages'; give one")
 
 
 def _batch_grammar(rec: dict[str, Any],
@@ -223,7 +227,8 @@ def _is_token_id(value: object) -> bool:
 
 def _check_prompt(rec: dict[str, Any]) -> None:
     """Refuse a ``--batch`` ``prompt`` of the wrong JSON type (``[true, false]`` used to be
-    token ids). A chat given as ``prompt`` is checked in :func:`_batch_request`.
+    token ids). A chat given as ``prompt`` is checked in :func:`_batch_request`; an empty
+    string fails its line in the engine, as in the Python API.
 
     Raises:
         ValueError: naming ``'prompt'`` and showing its value.
@@ -309,11 +314,14 @@ def _print_output(out: RequestOutput, fmt: str, file: Any = sys.stdout) -> None:
 
 def _check_out_file(path: str) -> None:
     """Refuse an ``--out-file`` that cannot be written, before the model loads and the batch
-    runs (it used to fail only when the results were written, losing them all). The file is
-    not opened here: a run that fails to start must not truncate an earlier results file.
+    runs (it used to fail only when the results were written, losing them all). Probed by
+    writing (:func:`structspec.write_probe.probe_file_writable`), not with ``os.access``,
+    which root passes on read-only places such as ``/sys``; the file itself is neither
+    created nor truncated here, so a run that fails to start keeps an earlier results file.
 
     Raises:
-        ValueError: naming ``--out-file``: a directory, or a missing / unwritable parent.
+        ValueError: naming ``--out-file``: a directory, a missing parent, or a file that
+            cannot be written (the system's reason).
     """
     out = Path(path)
     parent = out.parent
@@ -321,8 +329,10 @@ def _check_out_file(path: str) -> None:
         raise ValueError(f"--out-file: {path!r} is a directory")
     if not parent.is_dir():
         raise ValueError(f"--out-file: directory {str(parent)!r} does not exist")
-    if not os.access(parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
-        raise ValueError(f"--out-file: {path!r} is not writable")
+    try:
+        probe_file_writable(out)
+    except OSError as e:
+        raise ValueError(f"--out-file: {path!r} is not writable: {e.strerror or e}") from e
 
 
 def _read_batch(path: str) -> list[tuple[int, Any]]:
@@ -373,6 +383,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:
         # every command-line check comes before the model loads
         check_device(args.device)
+        if args.prompt is not None and not args.prompt:
+            # the engine refuses an empty prompt (as vLLM does); found only after the load,
+            # it used to be exit status 1
+            raise ValueError("--prompt: the prompt is empty; give some text")
         grammar = grammar_from_args(args)
         _precheck_grammar(args, grammar)
         if args.out_file is not None and not args.batch:

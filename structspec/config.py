@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from structspec.core import seed_error
 from structspec.speculative.registry import drafter_info, drafter_names
 
 SpecAlgorithmName = str
@@ -312,6 +313,15 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
     if spec.algorithm != "none" and not 2 <= spec.num_draft_tokens <= MAX_DRAFT_TOKENS:
         raise ValueError(f"num_draft_tokens={spec.num_draft_tokens}: expected 2.."
                          f"{MAX_DRAFT_TOKENS} when speculation is on")
+    if spec.algorithm == "eagle" and not spec.draft_model:
+        from structspec.models.shipped_heads import default_eagle_head
+
+        head = default_eagle_head(config.model)
+        if head is None:
+            raise ValueError("speculative_algorithm='eagle' needs draft_model=PATH (an EAGLE "
+                             "head directory): a trained head ships only for the default "
+                             "model, SmolLM2-135M-Instruct")
+        spec = dataclasses.replace(spec, draft_model=head)
     if drafter.needs_draft_model and not spec.draft_model:
         raise ValueError(f"speculative_algorithm={spec.algorithm!r} needs draft_model=PATH")
     if drafter.expands_tree:  # checked before the target model loads
@@ -386,7 +396,7 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
     if cache.total_pages < 2:
         raise ValueError("kv_capacity_tokens must hold at least one page")
     return dataclasses.replace(config, device=device, dtype=dtype, cache=cache, kernels=kernels,
-                               grammar=grammar)
+                               grammar=grammar, spec=spec)
 
 
 def check_max_model_len(max_model_len: int | None, model_limit: int) -> int:
@@ -432,7 +442,8 @@ def _check_int_options(config: EngineConfig) -> None:
     """Refuse an integer option given as another type, naming the option and the expected
     type: ``num_draft_tokens="8"`` used to fail as ``TypeError: '<=' not supported between
     instances of 'int' and 'str'`` (or to pass unchecked with speculation off), and
-    ``max_batch_size=2.5`` would size buffers with a float.
+    ``max_batch_size=2.5`` would size buffers with a float. ``seed`` must also lie in the
+    one seed range (:data:`structspec.core.SEED_MAX`).
 
     Raises:
         ValueError: starting with the option's name (``flag_error`` maps it to its flag).
@@ -454,6 +465,10 @@ def _check_int_options(config: EngineConfig) -> None:
             raise ValueError(f"{name}={value!r}: expected an integer"
                              f"{' (or None)' if optional else ''}, got "
                              f"{type(value).__name__}")
+    # the engine seed takes the range of request seeds (one constant: core.SEED_MAX)
+    why = seed_error(config.seed)
+    if why is not None:
+        raise ValueError(why)
 
 
 def _one_of(names: tuple[str, ...]) -> str:

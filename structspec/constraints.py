@@ -20,10 +20,20 @@ class JsonSchemaConstraint:
 
     ``strict=True`` (OpenAI's ``json_schema.strict``) rejects schemas that use keywords the
     grammar cannot enforce; ``strict=False`` generates best effort and validates afterwards.
+
+    Raises:
+        TypeError: ``strict`` is not ``True`` / ``False`` (``"no"`` is truthy: it used to
+            mean strict), naming ``strict``.
     """
 
     schema: str | dict[str, Any]
     strict: bool = True
+
+    def __post_init__(self) -> None:
+        strict: object = self.strict
+        if not isinstance(strict, bool):
+            raise TypeError(f"JsonSchemaConstraint.strict must be True or False, got "
+                            f"{type(strict).__name__} {strict!r}")
 
     @property
     def kind(self) -> str:

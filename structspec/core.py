@@ -57,6 +57,30 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+SEED_MIN = 0
+SEED_MAX = 2**63 - 1
+"""The one range of a seed, inclusive, in the Python API (``SamplingParams.seed``,
+``LLM(seed=...)``), the CLI (``--request-seed``, ``--seed``) and the server (``seed``): the
+non-negative int64 values, which every generator takes and an int64 tensor holds. The server
+seeds choice ``i`` of ``n`` with :func:`choice_seed`, which stays inside it."""
+
+
+def seed_error(value: object, name: str = "seed") -> str | None:
+    """Why ``value`` is not a seed (an ``int`` in ``[SEED_MIN, SEED_MAX]``, not a ``bool``),
+    as a message starting with ``name``; None when it is one."""
+    if not _is_int(value):
+        return f"{name} must be an integer, got {value!r}"
+    if not SEED_MIN <= value <= SEED_MAX:  # type: ignore[operator]
+        return f"{name} must be in [{SEED_MIN}, {SEED_MAX}] (0 to 2**63 - 1), got {value}"
+    return None
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice ``index`` of a request seeded ``seed`` (``seed + index``, wrapped
+    to stay in ``[SEED_MIN, SEED_MAX]``)."""
+    return SEED_MIN + (seed - SEED_MIN + index) % (SEED_MAX - SEED_MIN + 1)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples and when it stops.
@@ -106,8 +130,10 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"{name} must be a number, got {value!r}")
-        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
-            raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")  # torch's range
+        if self.seed is not None and (why := seed_error(self.seed)) is not None:
+            raise ValueError(why)
+        if not isinstance(self.ignore_eos, bool):  # "false" is truthy: it would ignore EOS
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         # The sampler divides float32 logits by it: a value past float32's range becomes inf

@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from structspec.core import SEED_MAX, SEED_MIN
 from structspec.speculative.registry import drafter_info, drafter_names
 
 
@@ -53,8 +54,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "is refused; lowered, with a warning, to what the KV cache holds)")
     g.add_argument("--grammar-compile-timeout", type=float, default=30.0,
                    help="seconds a grammar may take to compile before its request fails")
-    g.add_argument("--seed", type=int_range(0, 2**63 - 1), default=0,
-                   help="engine seed for unseeded sampling")
+    g.add_argument("--seed", type=int_range(SEED_MIN, SEED_MAX), default=0,
+                   help="engine seed for unseeded sampling (0 to 2**63 - 1)")
     g.add_argument("--grammar-workers", type=int, default=None,
                    help="worker processes that build the draft trees' grammar bitmasks "
                         "(0: in the engine process; default: min(8, cores // 2) on CUDA, "
@@ -87,7 +88,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     # the drafter registry is the one list of names (a drafter registered there is a choice)
     s.add_argument("--speculative-algorithm", default="none", choices=list(drafter_names()),
                    help=speculative_algorithm_help())
-    s.add_argument("--draft-model", default=None, help="draft model / EAGLE head checkpoint")
+    s.add_argument("--draft-model", default=None,
+                   help="draft model / EAGLE head checkpoint (eagle on the default model: "
+                        "the head shipped in the package when omitted)")
     s.add_argument("--num-draft-tokens", type=int, default=8,
                    help="verify tree size N, including the last committed token")
     s.add_argument("--speculative-depth", type=int, default=4,

@@ -14,7 +14,13 @@ from structspec.config import (
     SpecAlgorithmName,
     SpecConfig,
 )
-from structspec.core import ChatMessages, RequestOutput, SamplingParams, check_chat_messages
+from structspec.core import (
+    ChatMessages,
+    RequestOutput,
+    SamplingParams,
+    check_chat_messages,
+    type_name,
+)
 from structspec.engine.llm_engine import LLMEngine, PromptInput
 
 
@@ -126,16 +132,16 @@ class LLM:
 
         Returns:
             One :class:`RequestOutput` per prompt, in order.
+
+        Raises:
+            TypeError: ``prompts`` is not a string, a list of token ids, a chat or a
+                list/tuple of those (``generate(5)``), or ``sampling_params`` is not a
+                :class:`SamplingParams` or a list/tuple of them; naming the argument.
+            ValueError: a list of ``sampling_params`` whose length is not the number of
+                prompts.
         """
         batch = _as_prompt_list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(batch)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(batch):
-                raise ValueError(f"got {len(params)} sampling_params for {len(batch)} prompts")
+        params = _as_params_list(sampling_params, len(batch))
         progress = None
         if use_tqdm:
             from tqdm import tqdm
@@ -176,16 +182,64 @@ class LLM:
         return dataclasses.replace(self.engine.config, **changes)
 
 
+_PROMPTS_ACCEPTED = ("a string, a list of token ids, a chat (a list of {role, content} "
+                     "dicts) or a list/tuple of those")
+
+
 def _as_prompt_list(prompts: Any) -> list[PromptInput]:
+    """``LLM.generate``'s ``prompts`` as a list of prompts; each is checked by the engine (a
+    bad one fails alone, naming ``prompt``).
+
+    Raises:
+        TypeError: ``prompts`` is of another type (an int, a dict, bytes, None...): it used to
+            fail deep inside as ``'int' object is not iterable``, or (a dict) to run its keys.
+    """
     if isinstance(prompts, str):
         return [prompts]
-    if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]  # one token-id prompt
-    if isinstance(prompts, (list, tuple)) and prompts and any(isinstance(m, dict) for m in prompts):
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be {_PROMPTS_ACCEPTED}, got "
+                        f"{type_name(prompts)} {_short_repr(prompts)}")
+    if prompts and all(isinstance(t, int) for t in prompts):
+        # one token-id prompt (a bool among them is refused by the engine, naming `prompt`)
+        return [list(prompts)]
+    if prompts and any(isinstance(m, dict) for m in prompts):
         # One chat: a dict is never a prompt of its own, so a chat with a bad element (a
         # string among the messages) is refused as a chat, naming that element.
         return [list(prompts)]
     return list(prompts)
+
+
+def _as_params_list(sampling_params: Any, num_prompts: int) -> list[SamplingParams]:
+    """``LLM.generate``'s ``sampling_params`` as one :class:`SamplingParams` per prompt
+    (None: the defaults for every prompt).
+
+    Raises:
+        TypeError: not a :class:`SamplingParams` nor a list/tuple of them, naming
+            ``sampling_params`` (or ``sampling_params[i]``).
+        ValueError: a list whose length is not ``num_prompts``.
+    """
+    if sampling_params is None:
+        return [SamplingParams()] * num_prompts
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * num_prompts
+    if not isinstance(sampling_params, (list, tuple)):
+        raise TypeError(f"sampling_params must be a SamplingParams, a list/tuple of them or "
+                        f"None, got {type_name(sampling_params)} "
+                        f"{_short_repr(sampling_params)}")
+    for i, p in enumerate(sampling_params):
+        if not isinstance(p, SamplingParams):
+            raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got "
+                            f"{type_name(p)} {_short_repr(p)}")
+    if len(sampling_params) != num_prompts:
+        raise ValueError(f"got {len(sampling_params)} sampling_params for {num_prompts} "
+                         "prompts")
+    return list(sampling_params)
+
+
+def _short_repr(value: object, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters (an error must not echo a huge value)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _as_chat_list(messages: Any) -> list[PromptInput]:

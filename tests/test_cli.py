@@ -13,7 +13,7 @@ import pytest
 
 from structspec.cli import build_parser, main
 from structspec.constraints import ChoiceConstraint, JsonSchemaConstraint, RegexConstraint
-from structspec.core import FinishReason, RequestOutput, SamplingParams
+from structspec.core import SEED_MAX, SEED_MIN, FinishReason, RequestOutput, SamplingParams
 from structspec.engine_args import engine_kwargs
 
 
@@ -172,7 +172,11 @@ def test_readme_cli_section_lists_every_flag() -> None:
 
 @pytest.mark.parametrize("flags,field", [(["--max-tokens", "0"], "--max-tokens: max_tokens"),
                                          (["--temperature", "nan"], "--temperature: temperature"),
-                                         (["--request-seed", str(2**64)], "--request-seed: seed")])
+                                         (["--request-seed", str(2**64)], "--request-seed: seed"),
+                                         (["--request-seed", str(2**63)],
+                                          "--request-seed: seed must be in [0, "),
+                                         (["--request-seed", "-1"],
+                                          "--request-seed: seed must be in [0, ")])
 def test_bad_flag_value_is_a_bad_command_line(monkeypatch: pytest.MonkeyPatch,
                                               capsys: pytest.CaptureFixture[str],
                                               flags: list[str], field: str) -> None:
@@ -284,6 +288,36 @@ def test_every_batch_record_carries_its_input_line(
     engine_refused, bad_record = outs[1], outs[3]
     assert engine_refused["error"] == "prompt is empty" and "batch.jsonl:3: prompt is empty" in err
     assert bad_record["finish_reason"] == "abort" and "top_k" in bad_record["error"]
+
+
+def test_empty_prompt_is_a_bad_command_line(monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """``--prompt ''`` used to load the model and exit 1 on the engine's refusal; the engine
+    refuses an empty prompt (as vLLM does), so it is exit 2 before any model loads."""
+    for extra in ([], ["--raw-prompt"]):
+        rc, _, err = _run_generate(monkeypatch, capsys, ["generate", "--prompt", "", *extra])
+        assert rc == 2 and err.startswith("structspec generate: --prompt: the prompt is "
+                                          "empty"), err
+        assert _FakeLLM.seen == []
+    rc, _, _ = _run_generate(monkeypatch, capsys, ["generate", "--prompt", " "])
+    assert rc == 0 and [p for p, _ in _FakeLLM.seen] == [" "]  # whitespace is text
+
+
+def test_request_seed_range_ends_are_served(monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    for seed in (SEED_MIN, SEED_MAX):
+        rc, _, err = _run_generate(monkeypatch, capsys, ["generate", "--prompt", "hi",
+                                                         "--request-seed", str(seed)])
+        assert rc == 0 and [p.seed for _, p in _FakeLLM.seen] == [seed], err
+
+
+def test_batch_line_without_a_prompt_names_the_keys(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    rc, outs, err = _run_batch(tmp_path, monkeypatch, capsys,
+                               [{"regex": "a+"}, {"prompt": "good"}])
+    assert rc == 1 and outs[1]["text"] == "ok"
+    assert "no 'prompt' or 'messages'" in outs[0]["error"], outs[0]
 
 
 def test_out_file_records_carry_the_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

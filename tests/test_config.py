@@ -201,3 +201,19 @@ def test_cli_batch_invariant_on_cpu_exits_2_naming_the_flag(
 def test_bad_grammar_limits_are_refused(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=f"GrammarConfig.{field}="):
         resolve_engine_config(EngineConfig(device="cpu", grammar=GrammarConfig(**{field: value})))
+
+
+def test_eagle_without_a_head_uses_the_shipped_one_on_the_default_model_only(tmp_path) -> None:
+    from structspec.models.shipped_heads import DEFAULT_MODEL_EAGLE_HEAD
+
+    spec = SpecConfig(algorithm="eagle")
+    resolved = resolve_engine_config(EngineConfig(device="cpu", spec=spec))
+    assert resolved.spec.draft_model == str(DEFAULT_MODEL_EAGLE_HEAD)
+    assert (DEFAULT_MODEL_EAGLE_HEAD / "model.safetensors").stat().st_size < 20 * 2**20
+    # a head named explicitly wins
+    named = SpecConfig(algorithm="eagle", draft_model=str(tmp_path))
+    assert resolve_engine_config(EngineConfig(device="cpu", spec=named)).spec.draft_model \
+        == str(tmp_path)
+    # another target has no shipped head: refused before anything loads, naming the option
+    with pytest.raises(ValueError, match="needs draft_model=PATH.*ships only for the default"):
+        resolve_engine_config(EngineConfig(model=str(tmp_path), device="cpu", spec=spec))

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from structspec.core import SamplingParams
+from structspec.core import SEED_MAX, SEED_MIN, SamplingParams, choice_seed
 from structspec.engine.llm_engine import _param_of
 
 
@@ -39,12 +39,24 @@ def test_float_fields_must_be_numbers(field: str, value: Any) -> None:
         SamplingParams(**{field: value}).validate()
 
 
-@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1])
-def test_seed_outside_torch_range_is_refused(seed: int) -> None:
-    with pytest.raises(ValueError, match="^seed must be in"):
+@pytest.mark.parametrize("seed", [SEED_MAX + 1, 2**64, SEED_MIN - 1, -(2**63)])
+def test_seed_outside_the_one_range_is_refused(seed: int) -> None:
+    with pytest.raises(ValueError, match=r"^seed must be in \[0, 9223372036854775807\]"):
         SamplingParams(seed=seed).validate()
-    SamplingParams(seed=2**64 - 1).validate()
-    SamplingParams(seed=-(2**63)).validate()
+    SamplingParams(seed=SEED_MAX).validate()
+    SamplingParams(seed=SEED_MIN).validate()
+
+
+def test_choice_seeds_wrap_inside_the_range() -> None:
+    assert [choice_seed(7, i) for i in range(3)] == [7, 8, 9]
+    assert [choice_seed(SEED_MAX - 1, i) for i in range(3)] == [SEED_MAX - 1, SEED_MAX, 0]
+
+
+@pytest.mark.parametrize("value", ["no", "false", 0, 1, None])
+def test_ignore_eos_takes_booleans_only(value: Any) -> None:
+    """``ignore_eos="no"`` is truthy: it used to run past EOS."""
+    with pytest.raises(ValueError, match="^ignore_eos must be True or False"):
+        SamplingParams(ignore_eos=value).validate()
 
 
 @pytest.mark.parametrize("top_k", [2**31, 2**63, 10**20])

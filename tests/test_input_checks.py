@@ -12,7 +12,7 @@ import pytest
 from structspec.cli import build_parser, main
 from structspec.config import EngineConfig, SpecConfig, resolve_engine_config
 from structspec.constraints import EbnfConstraint, JsonSchemaConstraint, RegexConstraint
-from structspec.core import SamplingParams
+from structspec.core import SEED_MAX, SEED_MIN, SamplingParams
 from structspec.engine_args import flag_error
 from structspec.grammar.errors import GrammarError
 from structspec.grammar.precheck import check_grammar
@@ -31,6 +31,28 @@ def test_regex_constraint_refuses_empty_and_non_string_patterns() -> None:
     with pytest.raises(TypeError, match=r"RegexConstraint\.pattern must be a str, got int 5"):
         RegexConstraint(5)  # type: ignore[arg-type]
     assert RegexConstraint("a+").pattern == "a+"
+
+
+@pytest.mark.parametrize("strict", ["no", "false", 0, 1, None])
+def test_json_schema_strict_takes_booleans_only(strict: Any) -> None:
+    """``strict="no"`` is truthy: it used to mean a strict compile."""
+    with pytest.raises(TypeError, match=r"^JsonSchemaConstraint\.strict must be True or "
+                                        r"False, got "):
+        JsonSchemaConstraint({"type": "object"}, strict=strict)
+    assert JsonSchemaConstraint({"type": "object"}, strict=False).strict is False
+
+
+@pytest.mark.parametrize("seed", [SEED_MIN - 1, SEED_MAX + 1])
+def test_engine_seed_takes_the_one_seed_range(seed: int) -> None:
+    """``LLM(seed=...)`` and ``--seed`` take the range of request seeds
+    (:data:`structspec.core.SEED_MAX`), as ``SamplingParams.seed`` and the server do."""
+    with pytest.raises(ValueError, match=r"^seed must be in \[0, 9223372036854775807\]"):
+        resolve_engine_config(EngineConfig(device="cpu", seed=seed))
+    resolve_engine_config(EngineConfig(device="cpu", seed=SEED_MAX))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--prompt", "hi", "--seed", str(seed)])
+    args = build_parser().parse_args(["generate", "--prompt", "hi", "--seed", str(SEED_MAX)])
+    assert args.seed == SEED_MAX
 
 
 def test_stop_token_ids_past_int64_are_refused() -> None:

@@ -82,6 +82,10 @@ class LLMEngine:
         # A prompt that cannot fit is refused before tokenization (Tokenizer.encode).
         limit = self.max_model_len - 1
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            bad_type = next((i for i, t in enumerate(prompt) if isinstance(t, bool)), None)
+            if bad_type is not None:  # True is an int to Python, never token id 1 to us
+                raise RequestError(f"prompt[{bad_type}] must be an integer token id, got "
+                                   f"bool {prompt[bad_type]!r}", "prompt")
             ids = list(prompt)
         elif isinstance(prompt, str):
             if not prompt:

@@ -90,6 +90,28 @@ class CompileJob:
     cancelled: bool = False
 
 
+@dataclass(frozen=True)
+class LaneStatus:
+    """One lane of the pool at one moment (:meth:`CompilePool.status`).
+
+    Attributes:
+        size: the workers the lane keeps (a killed one is replaced by a fork).
+        workers: live workers now (fewer than ``size`` while a replacement is forked).
+        busy: workers running a job.
+        queued: jobs waiting for a worker of the lane.
+    """
+
+    size: int
+    workers: int
+    busy: int
+    queued: int
+
+    @property
+    def settled(self) -> bool:
+        """Every worker the lane keeps is there and idle, and nothing waits."""
+        return self.workers == self.size and self.busy == 0 and self.queued == 0
+
+
 @dataclass(eq=False)
 class _Worker:
     pid: int
@@ -194,6 +216,20 @@ class CompilePool:
         with self._lock:
             zygote = [self._zygote.pid] if self._zygote is not None else []
             return zygote + [w.pid for w in self._workers]
+
+    def status(self) -> dict[str, LaneStatus]:
+        """A snapshot of each lane (``"small"``, ``"general"``): tests and monitoring wait on
+        it for a state (every killed worker replaced, a job moved to the general lane)
+        instead of sleeping."""
+        with self._lock:
+            workers = [(w.lane, w.job is not None) for w in list(self._workers)]
+            queued = {lane: len(q) for lane, q in self._queues.items()}
+        return {lane: LaneStatus(size=size,
+                                 workers=sum(1 for w_lane, _ in workers if w_lane == lane),
+                                 busy=sum(1 for w_lane, busy in workers
+                                          if w_lane == lane and busy),
+                                 queued=queued[lane])
+                for lane, size in self._size.items()}
 
     def close(self) -> None:
         """Fail queued and running jobs, kill every worker and the zygote. Idempotent."""

@@ -5,7 +5,9 @@ Defaults follow OpenAI: ``temperature`` 1, ``top_p`` 1, ``n`` 1. ``max_tokens`` 
 :data:`DEFAULT_MAX_TOKENS` because the scheduler reserves KV for ``max_tokens`` up front.
 An explicit ``max_tokens`` with ``prompt + max_tokens > max_model_len`` is a 400 (as vLLM
 answers), not clamped: the reservation is made for what was asked.
-With ``n > 1`` choice ``i`` gets seed ``seed + i`` (when a seed is given).
+With ``n > 1`` choice ``i`` gets seed ``seed + i`` (when a seed is given; wrapped into the one
+seed range, 0 to 2**63 - 1, :data:`structspec.core.SEED_MAX`, by
+:func:`structspec.core.choice_seed`).
 
 Log-probabilities (``logprobs`` / ``top_logprobs``) are the target model's log-softmax over
 the vocabulary *after the grammar mask* and *before* temperature and top-k/top-p/min-p, so
@@ -17,8 +19,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from structspec.constraints import GrammarConstraint
-from structspec.core import SamplingParams
+from structspec.core import SamplingParams, choice_seed, seed_error
 from structspec.server.errors import bad_request
+from structspec.server.field_policy import check_unsupported
 from structspec.server.protocol import ChatCompletionRequest, SamplingRequest
 
 DEFAULT_MAX_TOKENS = 2048
@@ -49,11 +52,11 @@ def build_sampling_params(
         APIError: 400 naming the bad or unsupported field; ``context_length_exceeded``
             when ``prompt_len + max_tokens`` does not fit in ``max_model_len``.
     """
-    _reject_unsupported(req)
+    check_unsupported(req)  # also checked by the endpoints first; here for direct callers
     if not 1 <= req.n <= MAX_N:
         raise bad_request(f"n must be between 1 and {MAX_N}, got {req.n}", "n")
-    if req.seed is not None and not 0 <= req.seed < 2**63 - MAX_N:
-        raise bad_request(f"seed must be in [0, 2**63 - {MAX_N}), got {req.seed}", "seed")
+    if req.seed is not None and (why := seed_error(req.seed)) is not None:
+        raise bad_request(why, "seed")
     if max_tokens is None:
         max_tokens = max(1, min(DEFAULT_MAX_TOKENS, max_model_len - prompt_len))
     elif max_tokens < 1:
@@ -117,20 +120,9 @@ def check_context_length(prompt_len: int, max_tokens: int, max_model_len: int, p
 
 
 def per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """``n`` copies of ``params``; copy ``i`` is seeded ``seed + i`` when a seed is set."""
-    if params.seed is None:
+    """``n`` copies of ``params``; copy ``i`` is seeded ``seed + i`` when a seed is set
+    (:func:`structspec.core.choice_seed`: wrapped to stay in the seed range)."""
+    seed = params.seed
+    if seed is None:
         return [params] * n
-    return [params if i == 0 else replace(params, seed=params.seed + i) for i in range(n)]
-
-
-def _reject_unsupported(req: SamplingRequest) -> None:
-    """Known OpenAI fields we cannot honour are a 400 rather than silently ignored."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(req, name)
-        if value not in (None, 0, 0.0):
-            raise bad_request(f"{name} is not supported (only 0)", name, code="unsupported")
-    if req.repetition_penalty not in (None, 1, 1.0):
-        raise bad_request("repetition_penalty is not supported (only 1)", "repetition_penalty",
-                          code="unsupported")
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias", code="unsupported")
+    return [params if i == 0 else replace(params, seed=choice_seed(seed, i)) for i in range(n)]

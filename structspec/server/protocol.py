@@ -1,7 +1,9 @@
 """Pydantic models of the OpenAI requests the server accepts.
 
-Unknown fields are ignored (``extra="allow"``), as OpenAI does; a known field of the wrong
-type is a 400 naming the field (:func:`parse_request`). Types are not coerced: integer fields
+Unknown fields are kept (``extra="allow"``) for :mod:`structspec.server.field_policy`, which
+refuses the known ones the server cannot honour and unknown keys inside known objects, and
+logs the unknown top-level ones; a known field of the wrong type is a 400 naming the field
+(:func:`parse_request`). Types are not coerced: integer fields
 take JSON integers only (``StrictInt``), number fields JSON numbers only (:data:`JsonFloat`:
 an integer or a float, never ``"0.5"`` or ``true``), boolean fields ``true``/``false`` only
 (``StrictBool``: never ``"yes"`` or ``1``). Besides the OpenAI fields, requests
@@ -57,7 +59,8 @@ JsonFloat = Annotated[float, BeforeValidator(_json_number)]
 
 
 class OpenAIModel(BaseModel):
-    """Base: unknown fields are kept but ignored; aliases and field names both accepted."""
+    """Base: unknown fields are kept in ``model_extra`` (for
+    :mod:`structspec.server.field_policy`); aliases and field names both accepted."""
 
     model_config = ConfigDict(extra="allow", populate_by_name=True, protected_namespaces=())
 
@@ -106,10 +109,13 @@ class StructuredOutputs(OpenAIModel):
 
 
 class StreamOptions(OpenAIModel):
-    """``stream_options``: ``include_usage`` adds a final chunk with ``usage``."""
+    """``stream_options``: ``include_usage`` adds a final chunk with ``usage``;
+    ``continuous_usage_stats`` (vLLM) and ``include_obfuscation`` (OpenAI) are refused
+    when true (:mod:`structspec.server.field_policy`)."""
 
     include_usage: StrictBool | None = False
     continuous_usage_stats: StrictBool | None = False
+    include_obfuscation: StrictBool | None = None
 
 
 # --------------------------------------------------------------------------- common fields

@@ -13,6 +13,7 @@ from starlette.responses import Response
 
 from structspec.core import ChatMessageError, PromptTooLongError, check_chat_messages
 from structspec.server.errors import bad_request
+from structspec.server.field_policy import check_request_fields
 from structspec.server.generation import ChoiceState, GenerationRun
 from structspec.server.limits import (
     check_choices,
@@ -49,6 +50,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     req = parse_request(ChatCompletionRequest,
                         await read_json(request, limits.max_request_bytes))
     state.check_model(req.model)
+    check_request_fields(req)
     check_choices(limits, 1, req.n)
     grammar, grammar_param = grammar_and_field(req)
     check_grammar_size(limits, grammar, grammar_param)

@@ -12,6 +12,7 @@ from starlette.responses import Response
 
 from structspec.core import PromptTooLongError, SamplingParams
 from structspec.server.errors import bad_request
+from structspec.server.field_policy import check_request_fields
 from structspec.server.generation import ChoiceState, GenerationRun
 from structspec.server.limits import (
     check_choices,
@@ -46,11 +47,7 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     limits = state.limits
     req = parse_request(CompletionRequest, await read_json(request, limits.max_request_bytes))
     state.check_model(req.model)
-    if req.suffix:
-        raise bad_request("suffix is not supported", "suffix", code="unsupported")
-    if req.best_of is not None and req.best_of != req.n:
-        raise bad_request("best_of is not supported (leave it unset or equal to n)", "best_of",
-                          code="unsupported")
+    check_request_fields(req)
     prompt_list = _prompt_list(req)
     # before anything is tokenized: 100 prompts x n=64 used to queue 6,400 engine requests
     check_choices(limits, len(prompt_list), req.n)

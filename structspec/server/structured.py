@@ -13,7 +13,10 @@ Accepted shapes (the union of what sglang, vLLM, TensorRT-LLM and llama.cpp clie
   (vLLM < 0.12), ``structured_outputs: {json, regex, choice, grammar, json_object}``
   (vLLM >= 0.12).
 
-At most one constraint per request (a 400 names both otherwise). ``json_schema.strict``
+At most one constraint per request (a 400 names both otherwise). Nothing in these objects is
+ignored: a ``response_format`` key its type does not read (:data:`RESPONSE_FORMAT_KEYS`), two
+spellings of one value (``regex`` and ``pattern``), and an unknown key of
+``response_format.json_schema`` or ``structured_outputs`` are a 400 naming the key. ``json_schema.strict``
 maps to :attr:`JsonSchemaConstraint.strict`; when a client leaves it out we follow OpenAI's default
 (``false``: best effort). With either value the finished output is checked afterwards and
 ``schema_valid`` reported.
@@ -35,6 +38,7 @@ from typing import Any
 from structspec import constraint_parse as cp
 from structspec.constraints import GrammarConstraint, JsonObjectConstraint, JsonSchemaConstraint
 from structspec.server.errors import bad_request
+from structspec.server.field_policy import given_keys, refuse_unknown_keys, unknown_key_error
 from structspec.server.jsontext import loads_client_json
 from structspec.server.protocol import ResponseFormat, SamplingRequest, StructuredOutputs
 
@@ -102,8 +106,73 @@ def _grammar_and_field(req: SamplingRequest) -> tuple[GrammarConstraint | None, 
     return found[0][1] if found else (None, None)
 
 
+RESPONSE_FORMAT_KEYS: dict[str, tuple[str, ...]] = {
+    "text": (),
+    "json_object": ("schema", "strict"),
+    "json_schema": ("json_schema", "schema", "strict"),
+    "json": ("schema", "strict"),
+    "regex": ("regex", "pattern"),
+    "ebnf": ("ebnf", "grammar"),
+    "grammar": ("ebnf", "grammar"),
+    "gbnf": ("ebnf", "grammar"),
+    "choice": ("choices", "choice"),
+}
+"""The keys (besides ``type``) each ``response_format`` type reads; any other key given a
+value is a 400 naming it: it would be ignored (``{"type": "json_schema", "regex": ...}``)."""
+
+_ALTERNATIVES = (("regex", "pattern"), ("ebnf", "grammar"), ("choices", "choice"))
+"""Keys that are two spellings of one value: give one."""
+
+JSON_SCHEMA_KEYS = ("name", "description", "schema", "strict")
+"""The keys of OpenAI's ``response_format.json_schema`` object."""
+
+
+def _check_response_format_keys(rf: ResponseFormat, kind: str) -> None:
+    """Refuse a key ``kind`` does not read, two spellings of one value, an unknown key of
+    ``json_schema``, and two different ``strict`` values.
+
+    Raises:
+        APIError: 400 naming the key.
+    """
+    given = given_keys(rf)
+    given.pop("type", None)
+    allowed = RESPONSE_FORMAT_KEYS[kind]
+    for key in given:
+        if key not in allowed:
+            if key in ResponseFormat.model_fields or any(
+                    f.alias == key for f in ResponseFormat.model_fields.values()):
+                takes = ", ".join(allowed) if allowed else "no other key"
+                raise bad_request(f"response_format type {kind!r} does not take {key!r} "
+                                  f"(it takes {takes})", f"response_format.{key}")
+            raise unknown_key_error("response_format", key, ("type", *allowed))
+    for a, b in _ALTERNATIVES:
+        if a in given and b in given:
+            raise bad_request(f"response_format: give {a!r} or {b!r}, not both",
+                              f"response_format.{b}")
+    js = rf.json_schema
+    if js is not None:
+        refuse_unknown_keys(js, "response_format.json_schema", JSON_SCHEMA_KEYS)
+        if js.schema_ is not None and rf.schema_ is not None:
+            raise bad_request("response_format: give the schema in json_schema.schema or in "
+                              "schema, not both", "response_format.schema")
+        if js.strict is not None and rf.strict is not None and js.strict != rf.strict:
+            raise bad_request("response_format: json_schema.strict and strict differ",
+                              "response_format.strict")
+    if "strict" in given and "schema" not in given and (js is None or js.schema_ is None):
+        raise bad_request("response_format.strict applies to a JSON Schema; none is given",
+                          "response_format.strict")
+
+
 def _from_response_format(rf: ResponseFormat) -> Found | None:
     kind = rf.type
+    if kind == "structural_tag":
+        raise bad_request("response_format type 'structural_tag' is not supported",
+                          "response_format.type", code="unsupported")
+    if kind not in RESPONSE_FORMAT_KEYS:
+        raise bad_request(
+            f"unknown response_format type {kind!r}; expected text, json_object, "
+            "json_schema, json, regex, ebnf, grammar, gbnf or choice", "response_format.type")
+    _check_response_format_keys(rf, kind)
     if kind == "text":
         return None
     if kind == "json_object":
@@ -142,22 +211,23 @@ def _from_response_format(rf: ResponseFormat) -> Found | None:
         key = "ebnf" if rf.ebnf is not None else "grammar"
         param = f"response_format.{key}"
         return cp.ebnf_constraint(getattr(rf, key), param, cp.API_STYLE), param
-    if kind == "choice":
-        if rf.choices is None and rf.choice is None:
-            raise bad_request("response_format type 'choice' needs 'choices'",
-                              "response_format.choices")
-        key = "choices" if rf.choices is not None else "choice"
-        param = f"response_format.{key}"
-        return cp.choice_constraint(getattr(rf, key), param, cp.API_STYLE), param
-    if kind == "structural_tag":
-        raise bad_request("response_format type 'structural_tag' is not supported",
-                          "response_format.type", code="unsupported")
-    raise bad_request(
-        f"unknown response_format type {kind!r}; expected text, json_object, json_schema, "
-        "json, regex, ebnf, grammar, gbnf or choice", "response_format.type")
+    # choice
+    if rf.choices is None and rf.choice is None:
+        raise bad_request("response_format type 'choice' needs 'choices'",
+                          "response_format.choices")
+    key = "choices" if rf.choices is not None else "choice"
+    param = f"response_format.{key}"
+    return cp.choice_constraint(getattr(rf, key), param, cp.API_STYLE), param
+
+
+STRUCTURED_OUTPUTS_KEYS = ("json", "regex", "choice", "grammar", "json_object",
+                           "structural_tag")
+"""The keys of vLLM's ``structured_outputs`` the server reads (``structural_tag`` only to
+refuse it); another key (vLLM's ``disable_any_whitespace``, a misspelling) is a 400."""
 
 
 def _from_structured_outputs(so: StructuredOutputs) -> Found | None:
+    refuse_unknown_keys(so, "structured_outputs", STRUCTURED_OUTPUTS_KEYS)
     found: list[tuple[str, GrammarConstraint]] = []
     if so.json_ is not None:
         found.append(("json", _schema_constraint(so.json_, "structured_outputs.json",

@@ -5,11 +5,12 @@ fast."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import fields
 from typing import Any
 
-from structspec.training.train_config import STAGES, TrainEagleConfig
+from structspec.training.train_config import STAGES, TTT_ATTENTION, TrainEagleConfig
 
 #: TrainEagleConfig field -> the flag that sets it (for error messages).
 FLAG_OF_FIELD = {f.name: "--" + f.name.replace("_", "-") for f in fields(TrainEagleConfig)}
@@ -26,7 +27,7 @@ def add_train_eagle_parser(sub: Any, formatter_class: type[argparse.HelpFormatte
                     "(one decoder layer over three target layers' features, training-time "
                     "test) and write it in the sglang/SpecForge layout; use it with "
                     "--speculative-algorithm eagle --draft-model OUT. Exit status: 0 ok, "
-                    "2 bad command line or input.",
+                    "1 a --data-parallel rank crashed, 2 bad command line or input.",
         formatter_class=formatter_class)
     p.add_argument("--out", required=True, help="output directory (head, sequences, "
                                                 "checkpoint, log)")
@@ -64,6 +65,11 @@ def add_train_eagle_parser(sub: Any, formatter_class: type[argparse.HelpFormatte
                         "(model load included), drop the requests in flight, save and exit 0 "
                         "(0: no limit); --resume continues. Sequences are saved as they come "
                         "(OUT/sequences.part-*.npz) and merged into OUT/sequences.npz")
+    g.add_argument("--data-parallel", type=int, default=d.data_parallel, metavar="N",
+                   help="N engine processes, one per visible CUDA device (all on the CPU with "
+                        "--device cpu); process R answers the prompts whose index is R modulo "
+                        "N and saves its own shards; the time limit, SIGTERM and --resume "
+                        "hold for all, and the shards are merged into OUT/sequences.npz")
     t = p.add_argument_group("train stage")
     t.add_argument("--steps", type=int, default=d.steps,
                    help="optimizer steps (0: --epochs passes over the data)")
@@ -71,13 +77,22 @@ def add_train_eagle_parser(sub: Any, formatter_class: type[argparse.HelpFormatte
     t.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (AdamW)")
     t.add_argument("--weight-decay", type=float, default=d.weight_decay, help="AdamW decay")
     t.add_argument("--batch-tokens", type=int, default=d.batch_tokens,
-                   help="padded tokens per batch (rows x width)")
+                   help="padded tokens per batch (rows x width) of one process")
+    t.add_argument("--grad-accum", type=int, default=d.grad_accum, metavar="N",
+                   help="batches each process accumulates per optimizer step; a step's global "
+                        "batch is WORLD_SIZE x N x --batch-tokens. Several GPUs: torchrun "
+                        "--nproc-per-node G -m structspec train-eagle --stage train ...")
     t.add_argument("--max-seq-len", type=int, default=d.max_seq_len,
                    help="longest row; longer sequences are truncated")
     t.add_argument("--ttt-steps", type=int, default=d.ttt_steps,
                    help="training-time-test steps unrolled")
     t.add_argument("--ttt-decay", type=float, default=d.ttt_decay,
                    help="loss weight of TTT step k is decay**k")
+    t.add_argument("--ttt-attention", choices=TTT_ATTENTION, default=d.ttt_attention,
+                   help="TTT attention form (same result): split = causal SDPA + the diagonal "
+                        "keys merged exactly; dense = masked SDPA over all steps' keys "
+                        "(reference, K^2 T^2 scores); auto = split, checked against dense on "
+                        "the first batch on CUDA (falls back to dense with a warning)")
     t.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="LR warmup steps")
     t.add_argument("--clip-grad-norm", type=float, default=d.clip_grad_norm,
                    help="gradient clipping norm (0: off)")
@@ -109,10 +124,12 @@ def config_from_args(args: argparse.Namespace) -> TrainEagleConfig:
         num_sharegpt=args.num_sharegpt, num_extraction=args.num_extraction,
         num_schema=args.num_schema, max_tokens=args.max_tokens,
         gen_batch_size=args.gen_batch_size, temperature=args.temperature,
-        data_time_limit_s=args.data_time_limit, steps=args.steps,
+        data_time_limit_s=args.data_time_limit, data_parallel=args.data_parallel,
+        steps=args.steps, grad_accum=args.grad_accum,
         epochs=args.epochs, lr=args.lr, weight_decay=args.weight_decay,
         batch_tokens=args.batch_tokens, max_seq_len=args.max_seq_len, ttt_steps=args.ttt_steps,
-        ttt_decay=args.ttt_decay, warmup_steps=args.warmup_steps,
+        ttt_decay=args.ttt_decay, ttt_attention=args.ttt_attention,
+        warmup_steps=args.warmup_steps,
         clip_grad_norm=args.clip_grad_norm, seed=args.seed,
         checkpoint_every=args.checkpoint_every, resume=args.resume,
         draft_vocab_size=args.draft_vocab_size,
@@ -133,7 +150,8 @@ def _flag_error(message: str) -> str:
 
 def cmd_train_eagle(args: argparse.Namespace) -> int:
     """Run ``structspec train-eagle``; 0 on success, 2 on a bad option or input (the error
-    names the flag)."""
+    names the flag), 1 when a ``--data-parallel`` rank crashed."""
+    from structspec.training.data_parallel import DataRankError
     from structspec.training.train_eagle import train_eagle
 
     try:
@@ -141,5 +159,9 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, MemoryError) as e:
         print(f"structspec train-eagle: {_flag_error(str(e))}", file=sys.stderr)
         return 2
-    print(path)
+    except DataRankError as e:  # its traceback went to stderr with the rank's prefix
+        print(f"structspec train-eagle: {e}", file=sys.stderr)
+        return 1
+    if os.environ.get("RANK", "0") == "0":  # under torchrun: one line, not one per rank
+        print(path)
     return 0

@@ -1,8 +1,10 @@
 """The data stage's shards: distilled sequences saved as they come, so that a killed or
 time-limited run keeps its work and ``--resume`` continues it.
 
-A shard is ``out/sequences.part-NNNNN.npz``: a sequence file (the arrays of
-:mod:`structspec.training.sequences`, possibly with no sequence) plus
+A shard is ``out/sequences.part-NNNNN.npz`` (one process) or
+``out/sequences.part-rankR-NNNNN.npz`` (rank R of a ``--data-parallel`` run; each rank numbers
+its own shards): a sequence file (the arrays of :mod:`structspec.training.sequences`, possibly
+with no sequence) plus
 
 ==================  ========  =======  ======================================================
 array               dtype     shape    meaning
@@ -16,7 +18,8 @@ array               dtype     shape    meaning
 
 Shards are written atomically (temporary file + rename): after a kill each one on disk is
 whole. A prompt is identified by its index in the deterministic prompt set; the options (and
-a hash of the prompt set) tell whether a later run's indices mean the same prompts.
+a hash of the prompt set) tell whether a later run's indices mean the same prompts. Every
+reader takes the shards of every rank, so a run may resume with another number of ranks.
 """
 
 from __future__ import annotations
@@ -37,16 +40,17 @@ from structspec.training.sequences import (
     SEQUENCE_KEYS,
     TrainSequence,
     read_npz,
+    save_sequences,
     sequence_arrays,
     sequences_from_arrays,
     write_npz_atomic,
 )
-from structspec.training.train_config import TrainEagleConfig
+from structspec.training.train_config import SEQUENCES_FILE, TrainEagleConfig
 
 #: Version of the shard layout.
 SHARD_VERSION = 1
 SHARD_PATTERN = "sequences.part-*.npz"
-_SHARD_NAME = re.compile(r"^sequences\.part-(\d{5,})\.npz$")
+_SHARD_NAME = re.compile(r"^sequences\.part-(?:rank(\d+)-)?(\d{5,})\.npz$")
 _SHARD_KEYS = (*SEQUENCE_KEYS, "shard_version", "prompt_index", "skipped_index", "options")
 
 #: A shard is written after this many finished prompts ...
@@ -55,9 +59,11 @@ SHARD_EVERY_PROMPTS = 256
 SHARD_EVERY_S = 30.0
 
 
-def shard_path(out: Path, number: int) -> Path:
-    """``out/sequences.part-NNNNN.npz``."""
-    return Path(out) / f"sequences.part-{number:05d}.npz"
+def shard_path(out: Path, number: int, rank: int | None = None) -> Path:
+    """``out/sequences.part-NNNNN.npz``, or ``out/sequences.part-rankR-NNNNN.npz`` for a data
+    rank ``R``."""
+    tag = "" if rank is None else f"rank{rank}-"
+    return Path(out) / f"sequences.part-{tag}{number:05d}.npz"
 
 
 def prompt_set_digest(prompts: Sequence[TrainPrompt]) -> str:
@@ -109,14 +115,15 @@ class SavedData:
         options: their :func:`data_options` (None when there is no shard).
         sequences: prompt index -> its sequence.
         skipped: prompt indices that finished without a sequence.
-        next_number: the number of the next shard to write.
+        next_numbers: per writer (None: the one-process run, R: data rank R), the number of
+            its next shard.
         num_shards: shards read.
     """
 
     options: dict[str, Any] | None = None
     sequences: dict[int, TrainSequence] = field(default_factory=dict)
     skipped: set[int] = field(default_factory=set)
-    next_number: int = 0
+    next_numbers: dict[int | None, int] = field(default_factory=dict)
     num_shards: int = 0
 
     @property
@@ -124,18 +131,27 @@ class SavedData:
         """Prompt indices finished (with or without a sequence)."""
         return set(self.sequences) | self.skipped
 
+    def next_number(self, rank: int | None = None) -> int:
+        """The number of the next shard the writer ``rank`` (None: one process) writes."""
+        return self.next_numbers.get(rank, 0)
+
+
+def has_shards(out: Path) -> bool:
+    """Whether ``out`` holds a shard of any rank (without reading it)."""
+    return any(_SHARD_NAME.match(p.name) for p in Path(out).glob(SHARD_PATTERN))
+
 
 def read_shards(out: Path) -> SavedData:
-    """Read every shard of ``out`` (in number order).
+    """Read every shard of ``out``, of every rank (in rank, then number order).
 
     Raises:
         ValueError: a shard that is not one (naming it), or shards written under different
             options.
     """
-    found = sorted((int(m.group(1)), p) for p in Path(out).glob(SHARD_PATTERN)
-                   if (m := _SHARD_NAME.match(p.name)))
+    found = sorted((-1 if m.group(1) is None else int(m.group(1)), int(m.group(2)), p)
+                   for p in Path(out).glob(SHARD_PATTERN) if (m := _SHARD_NAME.match(p.name)))
     saved = SavedData()
-    for number, path in found:
+    for rank, number, path in found:
         a = read_npz(path, _SHARD_KEYS, "data stage shard")
         if a["shard_version"].shape != () or int(a["shard_version"]) != SHARD_VERSION:
             raise ValueError(f"{path}: shard_version {a['shard_version']!r}, expected "
@@ -157,7 +173,7 @@ def read_shards(out: Path) -> SavedData:
         for i, seq in zip(index.tolist(), seqs, strict=True):
             saved.sequences.setdefault(i, seq)
         saved.skipped.update(skipped.tolist())
-        saved.next_number = number + 1
+        saved.next_numbers[None if rank < 0 else rank] = number + 1
         saved.num_shards += 1
     saved.skipped -= set(saved.sequences)
     return saved
@@ -173,12 +189,16 @@ class ShardWriter:
         first_number: number of the first shard written.
         every / every_s: the write triggers.
         clock: monotonic seconds (injectable for tests).
+        rank: the data rank whose shards these are (its number goes into the names), or None
+            for a one-process run.
     """
 
     def __init__(self, out: Path, options: dict[str, Any], first_number: int, *,
                  every: int = SHARD_EVERY_PROMPTS, every_s: float = SHARD_EVERY_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 rank: int | None = None) -> None:
         self.out = Path(out)
+        self.rank = rank
         self.options_json = json.dumps(options, sort_keys=True)
         self.number = first_number
         self.every = every
@@ -214,7 +234,7 @@ class ShardWriter:
         self._last_write_s = self.clock()
         if not self._seqs and not self._skipped:
             return None
-        path = shard_path(self.out, self.number)
+        path = shard_path(self.out, self.number, self.rank)
         arrays = sequence_arrays(path, [s for _, s in self._seqs])
         arrays.update(shard_version=np.int64(SHARD_VERSION),
                       prompt_index=np.array([i for i, _ in self._seqs], dtype=np.int64),
@@ -225,3 +245,28 @@ class ShardWriter:
         self._seqs.clear()
         self._skipped.clear()
         return path
+
+
+def refuse_without_resume(out: Path, saved: SavedData, resume: bool) -> None:
+    """Refuse to start over a folder that holds an earlier data stage's shards.
+
+    Raises:
+        ValueError: ``saved`` holds shards and ``resume`` is off (naming ``resume``).
+    """
+    if saved.num_shards and not resume:
+        raise ValueError(f"resume: {Path(out) / SHARD_PATTERN} holds {len(saved.done)} finished "
+                         f"prompts of an earlier data stage: pass --resume to continue it, or "
+                         f"remove those files (or use another --out)")
+
+
+def write_merged(out: Path, sequences: dict[int, TrainSequence]) -> Path:
+    """Write ``sequences`` (prompt index -> sequence) into ``out/sequences.npz`` in prompt
+    order (atomically); returns the path.
+
+    Raises:
+        ValueError: ``sequences`` is empty.
+        OSError: the folder cannot be written.
+    """
+    path = Path(out) / SEQUENCES_FILE
+    save_sequences(path, [sequences[i] for i in sorted(sequences)])
+    return path

@@ -7,6 +7,10 @@ the run cleanly (no new prompt, the requests in flight aborted, shards and the m
 written); ``resume`` skips the prompts the shards hold. The prompts go in
 :func:`~structspec.training.prompts.interleaved_order`, so a run cut short holds a share of
 every source.
+
+With ``data_parallel`` N > 1 (:mod:`structspec.training.data_parallel`) N processes each run
+:func:`distill_rank` for one data rank: rank R answers the prompts whose index is R modulo N,
+writes shards with its rank in the name, and leaves the merge to the parent.
 """
 
 from __future__ import annotations
@@ -17,11 +21,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from structspec.llm import LLM
+from structspec.training.data_result import DataStageResult, summary_line
 from structspec.training.data_shards import (
     SHARD_EVERY_PROMPTS,
     SHARD_PATTERN,
@@ -29,38 +33,15 @@ from structspec.training.data_shards import (
     check_same_options,
     data_options,
     read_shards,
+    refuse_without_resume,
+    write_merged,
 )
 from structspec.training.distill import distill
 from structspec.training.prompts import TrainPrompt, build_prompt_set, interleaved_order
-from structspec.training.sequences import save_sequences
 from structspec.training.train_config import SEQUENCES_FILE, TrainEagleConfig
 
-
-@dataclass(frozen=True)
-class DataStageResult:
-    """What :func:`generate_data` did.
-
-    Attributes:
-        path: the merged sequences file (every saved sequence, in prompt order).
-        num_prompts: prompts in the prompt set.
-        num_done: prompts finished so far, this run and earlier ones (sequences + skipped).
-        num_sequences: sequences in ``path``.
-        num_skipped: prompts that finished without a sequence.
-        new_sequences / new_response_tokens: made by this run.
-        distill_s: seconds this run spent generating.
-        stopped: why the run stopped before every prompt was done (``time limit``,
-            ``SIGTERM``), or "" when it is complete.
-    """
-
-    path: Path
-    num_prompts: int
-    num_done: int
-    num_sequences: int
-    num_skipped: int
-    new_sequences: int
-    new_response_tokens: int
-    distill_s: float
-    stopped: str
+__all__ = ["DataStageResult", "distill_rank", "generate_data", "run_data_stage",
+           "summary_line"]
 
 
 @contextlib.contextmanager
@@ -89,7 +70,8 @@ def _sigterm_requests_stop() -> Iterator[list[str]]:
 
 def generate_data(llm: LLM, prompts: Sequence[TrainPrompt], config: TrainEagleConfig,
                   out: Path, *, start_s: float, clock: Callable[[], float] = time.monotonic,
-                  shard_every: int = SHARD_EVERY_PROMPTS) -> DataStageResult:
+                  shard_every: int = SHARD_EVERY_PROMPTS, rank: int = 0, world: int = 1,
+                  extra_stop: Callable[[], str] | None = None) -> DataStageResult:
     """Distill ``prompts`` on ``llm`` into shards under ``out`` and merge them into
     ``out/sequences.npz``.
 
@@ -103,25 +85,36 @@ def generate_data(llm: LLM, prompts: Sequence[TrainPrompt], config: TrainEagleCo
         start_s: ``clock()`` at the stage's start; ``data_time_limit_s`` counts from it.
         clock: monotonic seconds (injectable for tests).
         shard_every: finished prompts per shard.
+        rank, world: with ``world`` > 1 this process is data rank ``rank``: it answers only
+            the prompts with ``index % world == rank`` not done in any rank's shards, names its
+            shards ``sequences.part-rankR-*`` and writes no merged file (the parent merges;
+            the result's ``path`` names the file it will write).
+        extra_stop: checked with the time limit before every engine step; a non-empty reason
+            stops the run like the time limit does (a data rank stops when its parent is gone).
 
     Raises:
         ValueError: ``out`` holds shards and ``resume`` is off (naming ``resume``); shards
-            of other data options (naming the option); nothing produced a sequence.
+            of other data options (naming the option); nothing produced a sequence (one
+            process only: a data rank may finish with none); a bad ``rank`` / ``world``.
     """
+    if not 0 <= rank < world:
+        raise ValueError(f"rank={rank}: expected 0 <= rank < world={world}")
     options = data_options(config, prompts)
     saved = read_shards(out)
     where = str(Path(out) / SHARD_PATTERN)
-    if saved.num_shards and not config.resume:
-        raise ValueError(f"resume: {where} holds {len(saved.done)} finished prompts of an "
-                         f"earlier data stage: pass --resume to continue it, or remove those "
-                         f"files (or use another --out)")
+    refuse_without_resume(out, saved, config.resume)
+    done = saved.done
     if saved.options is not None:
         check_same_options(saved.options, options, where)
-        print(f"train-eagle data: resuming: {len(saved.done)} of {len(prompts)} prompts done "
-              f"in {saved.num_shards} shards", file=sys.stderr, flush=True)
-    done = saved.done
-    order = [i for i in interleaved_order(prompts) if i not in done]
-    writer = ShardWriter(out, options, saved.next_number, every=shard_every, clock=clock)
+        share = range(rank, len(prompts), world)
+        mine = sum(1 for i in share if i in done)
+        if world == 1 or mine:  # a rank: not the other ranks' shards of this very run
+            print(f"train-eagle data: resuming: {mine} of {len(share)} prompts done in "
+                  f"{saved.num_shards} shards", file=sys.stderr, flush=True)
+    order = [i for i in interleaved_order(prompts) if i % world == rank and i not in done]
+    writer_rank = rank if world > 1 else None
+    writer = ShardWriter(out, options, saved.next_number(writer_rank), every=shard_every,
+                         clock=clock, rank=writer_rank)
     limit_s = config.data_time_limit_s
     stopped = ""
     t0 = clock()
@@ -132,6 +125,8 @@ def generate_data(llm: LLM, prompts: Sequence[TrainPrompt], config: TrainEagleCo
                 stopped = term[0]
             elif limit_s > 0 and clock() - start_s >= limit_s:
                 stopped = "time limit"
+            elif extra_stop is not None:
+                stopped = extra_stop()
             return bool(stopped)
 
         try:
@@ -147,11 +142,12 @@ def generate_data(llm: LLM, prompts: Sequence[TrainPrompt], config: TrainEagleCo
         distill_s = clock() - t0
         seqs = {**saved.sequences, **writer.sequences}
         skipped = (saved.skipped | writer.skipped) - set(seqs)
-        if not seqs:
-            raise ValueError("the data stage produced no sequences" +
-                             (f" (stopped: {stopped})" if stopped else ""))
         path = Path(out) / SEQUENCES_FILE
-        save_sequences(path, [seqs[i] for i in sorted(seqs)])
+        if world == 1:
+            if not seqs:
+                raise ValueError("the data stage produced no sequences" +
+                                 (f" (stopped: {stopped})" if stopped else ""))
+            write_merged(out, seqs)
     num_done = len(seqs) + len(skipped)
     return DataStageResult(
         path=path, num_prompts=len(prompts), num_done=num_done, num_sequences=len(seqs),
@@ -160,34 +156,25 @@ def generate_data(llm: LLM, prompts: Sequence[TrainPrompt], config: TrainEagleCo
         distill_s=distill_s, stopped=stopped if num_done < len(prompts) else "")
 
 
-def summary_line(result: DataStageResult, config: TrainEagleConfig) -> str:
-    """The stage's last line: prompts done of the set, skipped, this run's rates, and when it
-    stopped early, why and how to continue."""
-    dt = max(result.distill_s, 1e-9)
-    r = result
-    head = (f"train-eagle data: {r.num_done} of {r.num_prompts} prompts done "
-            f"({r.num_sequences} sequences, {r.num_skipped} skipped); this run "
-            f"{r.new_sequences} sequences in {r.distill_s:.1f} s "
-            f"({r.new_sequences / dt:.2f} sequences/s, {r.new_response_tokens / dt:.0f} "
-            f"response tokens/s)")
-    if r.stopped:
-        limit = (f" {config.data_time_limit_s:g} s" if r.stopped == "time limit" else "")
-        head += f"; stopped at the {r.stopped}{limit}: --resume continues"
-    return f"{head} -> {r.path}"
+def distill_rank(config: TrainEagleConfig, out: Path, *, start_s: float, rank: int = 0,
+                 world: int = 1, grammar_workers: int | None = None,
+                 extra_stop: Callable[[], str] | None = None) -> DataStageResult:
+    """Load the target's engine on ``config.device``, build the prompt set and run
+    :func:`generate_data` for data rank ``rank`` of ``world`` (0 of 1: the whole set).
 
-
-def run_data_stage(config: TrainEagleConfig, out: Path) -> Path:
-    """Load the target, build the prompt set, generate, print the summary line; returns the
-    merged sequences file.
+    Args:
+        start_s: ``time.monotonic()`` at the stage's start (a data rank gets its parent's:
+            the monotonic clock is one per host, so the time limit is the same for all).
+        grammar_workers: the engine's grammar mask workers (None: its default).
+        extra_stop: see :func:`generate_data`.
 
     Raises:
         ValueError: see :func:`generate_data` and
             :func:`~structspec.training.prompts.build_prompt_set`.
     """
-    start_s = time.monotonic()
     llm = LLM(config.model, device=config.device, dtype=config.dtype,
               max_batch_size=config.gen_batch_size, seed=config.seed,
-              load_format=config.load_format)
+              load_format=config.load_format, grammar_workers=grammar_workers)
     try:
         # With the target's tokenizer, prompts over 1024 tokens are left out (long ShareGPT
         # turns: their prefill is slow and the head trains on the response only).
@@ -195,8 +182,21 @@ def run_data_stage(config: TrainEagleConfig, out: Path) -> Path:
                                    num_extraction=config.num_extraction,
                                    num_schema=config.num_schema, seed=config.seed,
                                    tokenizer=llm.tokenizer)
-        result = generate_data(llm, prompts, config, out, start_s=start_s)
+        return generate_data(llm, prompts, config, out, start_s=start_s, rank=rank,
+                             world=world, extra_stop=extra_stop)
     finally:
         llm.close()
+
+
+def run_data_stage(config: TrainEagleConfig, out: Path) -> Path:
+    """Run the data stage with one engine in this process (``data_parallel`` > 1 runs
+    :func:`structspec.training.data_parallel.run_data_parallel` instead), print the summary
+    line; returns the merged sequences file.
+
+    Raises:
+        ValueError: see :func:`generate_data` and
+            :func:`~structspec.training.prompts.build_prompt_set`.
+    """
+    result = distill_rank(config, out, start_s=time.monotonic())
     print(summary_line(result, config), file=sys.stderr, flush=True)
     return result.path

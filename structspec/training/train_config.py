@@ -3,11 +3,14 @@ train_eagle` (no torch import: the CLI builds it before anything heavy loads).""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Literal
+import json
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Literal
 
 Stage = Literal["data", "train", "all"]
 STAGES: tuple[str, ...] = ("data", "train", "all")
+#: forms of the TTT attention (:mod:`structspec.training.ttt_attention`).
+TTT_ATTENTION: tuple[str, ...] = ("auto", "dense", "split")
 #: the sequences file that the data stage writes into ``out`` (and the train stage reads when
 #: no ``sequences`` file is given).
 SEQUENCES_FILE = "sequences.npz"
@@ -37,14 +40,27 @@ class TrainEagleConfig:
         data_time_limit_s: the data stage adds no prompt after this many seconds from its
             start (model load included), aborts the requests in flight, saves and returns
             (0 = no limit); ``resume`` continues it.
+        data_parallel: engine processes of the data stage, one per visible CUDA device (all
+            on the CPU with ``device="cpu"``); process R answers the prompts whose index is R
+            modulo N (:mod:`structspec.training.data_parallel`). 1 = one engine in this
+            process.
         steps: optimizer steps (0 = ``epochs`` passes over the sequences).
         epochs: passes over the sequences when ``steps`` is 0.
         lr: peak learning rate (AdamW), reached after ``warmup_steps``, then cosine to 0.
         weight_decay: AdamW weight decay.
-        batch_tokens: padded tokens per batch (rows x width).
+        batch_tokens: padded tokens per batch (rows x width): one micro-batch of one process.
+        grad_accum: micro-batches each training process accumulates per optimizer step. One
+            step takes ``world_size * grad_accum`` batches of the epoch's plan (world_size:
+            the ``torchrun`` processes, 1 without), so its global batch is that many times
+            ``batch_tokens``; the loss is the mean of the micro-batches' mean losses.
         max_seq_len: longest row; longer sequences are truncated.
         ttt_steps: unrolled training-time-test steps K.
         ttt_decay: weight of step k's loss is ``ttt_decay ** k``.
+        ttt_attention: form of the TTT attention (same result): ``split`` (a causal SDPA
+            plus the diagonal keys, merged exactly: memory linear in the width), ``dense``
+            (masked SDPA over every step's keys: the reference, ``K^2 T^2`` scores) or
+            ``auto`` (``split``; on CUDA checked against ``dense`` on the first batch, falling
+            back to ``dense`` with a warning).
         warmup_steps: linear warmup steps.
         clip_grad_norm: gradient clipping norm (0 = off).
         seed: seed of the head's initialisation, the data order and the prompt set.
@@ -81,14 +97,17 @@ class TrainEagleConfig:
     gen_batch_size: int = 64
     temperature: float = 0.0
     data_time_limit_s: float = 0.0
+    data_parallel: int = 1
     steps: int = 0
     epochs: int = 3
     lr: float = 3e-4
     weight_decay: float = 0.0
     batch_tokens: int = 16384
+    grad_accum: int = 1
     max_seq_len: int = 2048
     ttt_steps: int = 7
     ttt_decay: float = 0.8
+    ttt_attention: str = "auto"
     warmup_steps: int = 50
     clip_grad_norm: float = 0.5
     seed: int = 0
@@ -114,7 +133,11 @@ class TrainEagleConfig:
             raise ValueError("out: an output directory is required")
         if self.stage not in STAGES:
             raise ValueError(f"stage={self.stage!r}: expected one of {', '.join(STAGES)}")
-        positive = ("max_tokens", "gen_batch_size", "batch_tokens", "max_seq_len", "ttt_steps")
+        if self.ttt_attention not in TTT_ATTENTION:
+            raise ValueError(f"ttt_attention={self.ttt_attention!r}: expected one of "
+                             f"{', '.join(TTT_ATTENTION)}")
+        positive = ("max_tokens", "gen_batch_size", "batch_tokens", "max_seq_len", "ttt_steps",
+                    "data_parallel", "grad_accum")
         non_negative = ("num_sharegpt", "num_extraction", "num_schema", "steps", "epochs",
                         "warmup_steps", "checkpoint_every", "draft_vocab_size", "stop_at_step",
                         "seed")
@@ -148,3 +171,21 @@ class TrainEagleConfig:
         if self.aux_hidden_layers is not None and len(self.aux_hidden_layers) != 3:
             raise ValueError(f"aux_hidden_layers={self.aux_hidden_layers}: EAGLE-3 needs "
                              f"exactly 3 layers")
+
+    def to_json(self) -> str:
+        """The config as a JSON object (what a data rank process is started with)."""
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> TrainEagleConfig:
+        """Inverse of :meth:`to_json`.
+
+        Raises:
+            ValueError: ``text`` is not such an object (an unknown or missing field).
+        """
+        d: dict[str, Any] = json.loads(text)
+        if not isinstance(d, dict) or set(d) - {f.name for f in fields(cls)}:
+            raise ValueError(f"not a TrainEagleConfig: {text[:200]!r}")
+        if d.get("aux_hidden_layers") is not None:
+            d["aux_hidden_layers"] = tuple(d["aux_hidden_layers"])
+        return cls(**d)

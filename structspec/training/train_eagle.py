@@ -12,19 +12,32 @@ Stages (``TrainEagleConfig.stage``), so that each can run in its own GPU session
   (:func:`structspec.training.trainer.train_head`), export it into ``out``; prints tokens/s and
   the per-step top-1 agreement.
 * ``all``: both (only training when a prebuilt ``sequences`` file is given).
+
+Several GPUs: the data stage runs ``data_parallel`` engine processes
+(:mod:`structspec.training.data_parallel`); the train stage runs under ``torchrun
+--nproc-per-node N -m structspec train-eagle --stage train ...``, one process per GPU with
+``DistributedDataParallel`` (:mod:`structspec.training.distributed`); under ``torchrun`` only
+the train stage runs.
 """
 
 from __future__ import annotations
 
 import sys
-import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from structspec.training.distributed import (
+    DistContext,
+    init_distributed,
+    launched_world_size,
+    shutdown,
+)
 from structspec.training.sequences import TrainSequence, load_sequences
 from structspec.training.train_config import SEQUENCES_FILE, TrainEagleConfig
+from structspec.write_probe import probe_dir_writable
 
 
 def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
@@ -59,12 +72,10 @@ def prepare_out(out: str) -> Path:
         p.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ValueError(f"out: cannot create {str(p)!r}: {e.strerror or e}") from e
-    # Write a probe file rather than ask os.access: root passes every access check, also on
-    # filesystems that refuse new files (/sys, /proc), and the data stage would then lose
-    # minutes of generation at its first shard.
+    # A real probe, not os.access (root passes it on /sys): the data stage would otherwise
+    # lose minutes of generation at its first shard.
     try:
-        with tempfile.NamedTemporaryFile(dir=p, prefix=".write-probe-"):
-            pass
+        probe_dir_writable(p)
     except OSError as e:
         raise ValueError(f"out: directory {str(p)!r} is not writable: {e.strerror or e}") from e
     return p
@@ -89,11 +100,18 @@ def read_sequences(path: Path) -> list[TrainSequence]:
     return seqs
 
 
-def run_train_stage(config: TrainEagleConfig, out: Path) -> Path:
-    """Train the head on the sequences file and export it into ``out``; returns ``out``."""
+def run_train_stage(config: TrainEagleConfig, out: Path,
+                    dist_ctx: DistContext | None = None) -> Path:
+    """Train the head on the sequences file and export it into ``out``; returns ``out``.
+
+    Args:
+        dist_ctx: this process's rank in a ``torchrun`` job (``config.device`` is then
+            already its own device); only rank 0 prints the summary.
+    """
     from structspec.models.loader import load_model
     from structspec.training.trainer import train_head
 
+    ctx = dist_ctx or DistContext()
     seq_path = Path(config.sequences).expanduser() if config.sequences else out / SEQUENCES_FILE
     seqs = read_sequences(seq_path)
     device, dtype = resolve_device(config.device, config.dtype)
@@ -108,12 +126,16 @@ def run_train_stage(config: TrainEagleConfig, out: Path) -> Path:
         raise ValueError(f"draft_vocab_size={config.draft_vocab_size}: larger than the "
                          f"target's vocab_size {model_config.vocab_size}")
     t0 = time.perf_counter()
-    result = train_head(config, model, model_config, seqs, device=device, dtype=dtype)
+    result = train_head(config, model, model_config, seqs, device=device, dtype=dtype,
+                        dist_ctx=ctx)
     dt = time.perf_counter() - t0
     last = result.last or {}
+    if not ctx.is_main:
+        return result.head_dir
+    on = f" on {ctx.world} processes" if ctx.world > 1 else ""
     print(f"train-eagle train: step {result.step}/{result.total_steps} in {dt:.1f} s; last "
           f"loss {last.get('loss', float('nan')):.4f}, top-1 agreement per TTT step "
-          f"{last.get('acc')}, {last.get('tokens_per_s')} tokens/s -> {result.head_dir}",
+          f"{last.get('acc')}, {last.get('tokens_per_s')} tokens/s{on} -> {result.head_dir}",
           file=sys.stderr)
     return result.head_dir
 
@@ -127,19 +149,31 @@ def train_eagle(config: TrainEagleConfig) -> Path:
 
     Raises:
         ValueError: a bad option (named), an unwritable ``out``, an empty prompt set, an empty
-            or malformed sequences file.
+            or malformed sequences file, a data stage under ``torchrun``.
         FileNotFoundError: a missing model or sequences file.
+        structspec.training.data_parallel.DataRankError: a ``data_parallel`` rank crashed.
     """
     config.validate()
     if config.stage == "data" and config.sequences:
         raise ValueError("sequences: a prebuilt sequences file leaves no data stage to run "
                          "(use stage 'train')")
+    data_stage = config.stage != "train" and not config.sequences
+    world = launched_world_size()
+    if world > 1 and data_stage:
+        raise ValueError(f"stage={config.stage!r}: under torchrun (WORLD_SIZE={world}) only the "
+                         f"train stage runs; generate the data once with --stage data "
+                         f"--data-parallel N, without torchrun")
     out = prepare_out(config.out)
-    if config.stage != "train" and not config.sequences:
-        # loads the engine (heavy): imported only when a data stage runs
-        from structspec.training.data_stage import run_data_stage
-
-        sequences = run_data_stage(config, out)
+    if data_stage:
+        if config.data_parallel > 1:  # the parent only merges: no engine here
+            from structspec.training.data_parallel import run_data_parallel as run_data
+        else:  # loads the engine (heavy): imported only when a data stage runs
+            from structspec.training.data_stage import run_data_stage as run_data
+        sequences = run_data(config, out)
         if config.stage == "data":
             return sequences
-    return run_train_stage(config, out)
+    ctx, device = init_distributed(config.device)
+    try:
+        return run_train_stage(replace(config, device=device), out, ctx)
+    finally:
+        shutdown(ctx)

@@ -1,12 +1,21 @@
 """The EAGLE-3 head training loop: online target features, TTT loss, AdamW with warmup and
-cosine decay, gradient clipping, resumable checkpoints, periodic export.
+cosine decay, gradient clipping, resumable checkpoints, periodic export; on one process or on
+``torchrun``'s N processes with ``DistributedDataParallel``.
 
 The head is an :class:`~structspec.models.eagle_head.EagleHead` built from the same config the
 loader builds for the exported checkpoint, so the trained module and the loaded one are the
 same code. Its master weights are float32; on CUDA the forward runs under bf16 autocast.
 
+Several processes (:mod:`structspec.training.distributed`): every rank holds the target and an
+identical head; an optimizer step takes ``world_size * grad_accum`` batches of the shared
+:class:`~structspec.training.batch_stream.BatchStream`, each rank computes the target features
+and the TTT loss of its own ``grad_accum`` of them, and DDP averages the gradients, so the
+step's gradient is the mean of its micro-batches' (the same as one process with
+``grad_accum = world_size * grad_accum``). The LR schedule counts these global steps. Rank 0
+alone writes the log, the checkpoints and the export, and decides when to stop.
+
 Resumability: the checkpoint (``out/checkpoint/train_state.pt``) holds the head, the optimizer,
-the LR schedule, the step, the epoch, the epoch's batch plan and the position in it, and the
+the LR schedule, the step, the batch stream's position (epoch, plan, position in it), and the
 torch RNG states. Training itself draws no random numbers after the head's initialisation
 (the data order comes from :func:`structspec.training.batching.plan_epoch`), so a resumed run
 repeats the uninterrupted run's steps exactly.
@@ -17,23 +26,31 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from structspec.config import ModelConfig
 from structspec.models.eagle_head import EagleHead
-from structspec.training.batching import collate, draft_vocabulary, plan_epoch, trainable
+from structspec.training.batch_stream import BatchStream, total_steps
+from structspec.training.batching import collate, draft_vocabulary, trainable
+from structspec.training.distributed import DistContext, barrier, reduce_step
 from structspec.training.export import eagle3_head_config, export_eagle3_head
 from structspec.training.features import TargetFeatureExtractor, default_aux_layers
 from structspec.training.sequences import TrainSequence
 from structspec.training.train_config import CHECKPOINT_FILE, LOG_FILE, TrainEagleConfig
+from structspec.training.train_state import (
+    Checkpoint,
+    check_fingerprint,
+    fingerprint,
+    truncate_log,
+)
+from structspec.training.train_step import StepTotals, TTTLoss
 from structspec.training.ttt import TTTForward, soft_targets
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -93,52 +110,9 @@ def build_head(cfg: TrainEagleConfig, target: nn.Module, target_config: ModelCon
     return head.train()
 
 
-class _Checkpoint:
-    """Save / load of the resumable state (atomic writes)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def save(self, state: dict[str, Any]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, self.path)
-
-    def load(self) -> dict[str, Any]:
-        if not self.path.is_file():
-            raise FileNotFoundError(f"--resume: no checkpoint at {self.path}")
-        return torch.load(self.path, map_location="cpu", weights_only=True)
-
-
-def _fingerprint(cfg: TrainEagleConfig, seqs: list[TrainSequence], aux: tuple[int, ...],
-                 total: int) -> dict[str, Any]:
-    """What a resumed run must share with the checkpoint's run."""
-    return {"num_sequences": len(seqs), "num_tokens": sum(len(s.token_ids) for s in seqs),
-            "ttt_steps": cfg.ttt_steps, "draft_vocab_size": cfg.draft_vocab_size,
-            "aux_hidden_layers": list(aux), "batch_tokens": cfg.batch_tokens,
-            "max_seq_len": cfg.max_seq_len, "seed": cfg.seed, "total_steps": total}
-
-
-def _epoch_plans(cfg: TrainEagleConfig, lengths: list[int]) -> Iterator[list[list[int]]]:
-    epoch = 0
-    while True:
-        yield plan_epoch(lengths, batch_tokens=cfg.batch_tokens, max_len=cfg.max_seq_len,
-                         seed=cfg.seed, epoch=epoch)
-        epoch += 1
-
-
-def total_steps(cfg: TrainEagleConfig, lengths: list[int]) -> int:
-    """``cfg.steps``, or the batches of ``cfg.epochs`` epochs."""
-    if cfg.steps:
-        return cfg.steps
-    plans = _epoch_plans(cfg, lengths)
-    return sum(len(next(plans)) for _ in range(cfg.epochs))
-
-
 def train_head(cfg: TrainEagleConfig, target: nn.Module, target_config: ModelConfig,
-               seqs: list[TrainSequence], *, device: torch.device,
-               dtype: torch.dtype) -> TrainResult:
+               seqs: list[TrainSequence], *, device: torch.device, dtype: torch.dtype,
+               dist_ctx: DistContext | None = None) -> TrainResult:
     """Train (or, with ``cfg.resume``, continue training) an EAGLE-3 head on ``seqs`` and
     export it to ``cfg.out``.
 
@@ -146,12 +120,15 @@ def train_head(cfg: TrainEagleConfig, target: nn.Module, target_config: ModelCon
         target: the loaded target model (eval, no grads) on ``device`` in ``dtype``.
         seqs: the training sequences (those without a countable response row are skipped).
         device, dtype: the target's device and dtype (the head's autocast dtype).
+        dist_ctx: this process's place in a ``torchrun`` job (default: one process). Every
+            rank must pass the same ``cfg`` and ``seqs``.
 
     Raises:
         ValueError: no sequence has a response to train on; a token id outside the target's
             vocabulary; a ``resume`` checkpoint from a different run (the field is named).
         FileNotFoundError: ``resume`` without a checkpoint.
     """
+    ctx = dist_ctx or DistContext()
     out = Path(cfg.out)
     vocab = target_config.vocab_size
     bad = next((i for i, s in enumerate(seqs) if s.token_ids and max(s.token_ids) >= vocab),
@@ -164,14 +141,24 @@ def train_head(cfg: TrainEagleConfig, target: nn.Module, target_config: ModelCon
         raise ValueError("sequences: no sequence has a response of 2+ tokens to train on")
     lengths = [min(len(s.token_ids), cfg.max_seq_len) for s in seqs]
     aux = cfg.aux_hidden_layers or default_aux_layers(target_config.num_hidden_layers)
-    total = total_steps(cfg, lengths)
+    per_step = ctx.world * cfg.grad_accum
+    total = total_steps(cfg.steps, cfg.epochs, lengths, batch_tokens=cfg.batch_tokens,
+                        max_len=cfg.max_seq_len, seed=cfg.seed, batches_per_step=per_step)
     vocab_ids = (draft_vocabulary(seqs, cfg.draft_vocab_size, vocab, cfg.max_seq_len)
                  if cfg.draft_vocab_size else None)
     head = build_head(cfg, target, target_config, aux, vocab_ids, device)
     lm_w = head.lm_head.weight if head.lm_head is not None else target.lm_head.weight
-    ttt = TTTForward(head, target.embed_tokens, lm_w, cfg.ttt_steps)
+    ttt = TTTForward(head, target.embed_tokens, lm_w, cfg.ttt_steps, cfg.ttt_attention)
     if cfg.compile:
         ttt.layer_step = torch.compile(ttt.layer_step, dynamic=True)  # type: ignore[method-assign]
+    loss_module = TTTLoss(ttt, [cfg.ttt_decay**k for k in range(cfg.ttt_steps)])
+    model: nn.Module = loss_module
+    if ctx.world > 1:
+        # every head parameter gets a gradient each micro-batch (ttt.py), so the fast path
+        # (no unused-parameter search) holds; the head has no buffer that changes
+        model = DistributedDataParallel(
+            loss_module, device_ids=[device.index] if device.type == "cuda" else None,
+            broadcast_buffers=False)
     extractor = TargetFeatureExtractor(target, target_config, aux,
                                        max_batch_tokens=cfg.batch_tokens, device=device,
                                        dtype=dtype)
@@ -180,106 +167,107 @@ def train_head(cfg: TrainEagleConfig, target: nn.Module, target_config: ModelCon
                             weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, cfg.warmup_steps, total))
-    ckpt = _Checkpoint(out / CHECKPOINT_FILE)
-    fingerprint = _fingerprint(cfg, seqs, aux, total)
-    step, epoch, pos = 0, 0, 0
-    plan = plan_epoch(lengths, batch_tokens=cfg.batch_tokens, max_len=cfg.max_seq_len,
-                      seed=cfg.seed, epoch=0)
+    ckpt = Checkpoint(out / CHECKPOINT_FILE)
+    finger = fingerprint(cfg, seqs, aux, total, per_step)
+    stream = BatchStream(lengths, batch_tokens=cfg.batch_tokens, max_len=cfg.max_seq_len,
+                         seed=cfg.seed)
+    step = 0
     log_path = out / LOG_FILE
     if cfg.resume:
         state = ckpt.load()
-        for key, value in fingerprint.items():
-            if state["fingerprint"].get(key) != value:
-                raise ValueError(f"--resume: the checkpoint's {key} is "
-                                 f"{state['fingerprint'].get(key)!r}, this run's is {value!r}")
+        check_fingerprint(state["fingerprint"], finger)
         head.load_state_dict(state["head"])
         head.d2t.copy_(state["d2t"].to(device))
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
-        step, epoch, pos, plan = state["step"], state["epoch"], state["pos"], state["plan"]
+        step = state["step"]
+        stream.load(state)
         torch.set_rng_state(state["rng_cpu"])
         if device.type == "cuda" and state.get("rng_cuda") is not None:
             torch.cuda.set_rng_state(state["rng_cuda"], device)
-        _truncate_log(log_path, step)
-    else:
+        if ctx.is_main:
+            truncate_log(log_path, step)
+    elif ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
         log_path.write_text("")
 
     def save() -> None:
         ckpt.save({"head": head.state_dict(), "d2t": head.d2t.cpu(),
                    "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                   "step": step, "epoch": epoch, "pos": pos, "plan": plan,
+                   "step": step, **stream.state(),
                    "rng_cpu": torch.get_rng_state(),
                    "rng_cuda": torch.cuda.get_rng_state(device) if device.type == "cuda"
                    else None,
-                   "fingerprint": fingerprint})
+                   "fingerprint": finger})
         export_eagle3_head(head, out, target=target_config, dtype=DTYPES[cfg.export_dtype])
 
-    bar = _progress(cfg.progress, total, step)
-    decay = [cfg.ttt_decay**k for k in range(cfg.ttt_steps)]
+    # the statistics travel in the process group's collectives: on the GPU for NCCL
+    stats_device = device if ctx.backend != "gloo" else torch.device("cpu")
+    bar = _progress(cfg.progress and ctx.is_main, total, step)
     last: dict[str, Any] | None = None
     started = time.perf_counter()
     try:
         while step < total:
-            if pos >= len(plan):
-                epoch, pos = epoch + 1, 0
-                plan = plan_epoch(lengths, batch_tokens=cfg.batch_tokens,
-                                  max_len=cfg.max_seq_len, seed=cfg.seed, epoch=epoch)
             t0 = time.perf_counter()
-            batch = [seqs[i] for i in plan[pos]]
-            pos += 1
-            ids, lens, prompt = collate(batch, cfg.max_seq_len, device)
-            feats = extractor(ids)
-            aux_hidden = feats.aux_hidden
-            targets = soft_targets(feats.logits, head.d2t if head.lm_head is not None else None)
-            del feats  # the [B, T, V] logits: only the probabilities are kept
-            with _autocast(device, dtype):
-                stats = ttt(ids, aux_hidden, lens, prompt, targets)
-            loss = sum((w * s.loss for w, s in zip(decay, stats, strict=True)),
-                       torch.zeros((), device=device))
+            totals = StepTotals(cfg.ttt_steps, stats_device)
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            mine = stream.take_step(ctx.world, ctx.rank, cfg.grad_accum)
+            for m, indices in enumerate(mine):
+                batch = [seqs[i] for i in indices]
+                ids, lens, prompt = collate(batch, cfg.max_seq_len, device)
+                feats = extractor(ids)
+                aux_hidden = feats.aux_hidden
+                targets = soft_targets(feats.logits,
+                                       head.d2t if head.lm_head is not None else None)
+                del feats  # the [B, T, V] logits: only the probabilities are kept
+                # gradients are all-reduced once per step, at its last micro-batch
+                no_sync = (model.no_sync() if isinstance(model, DistributedDataParallel)
+                           and m < len(mine) - 1 else contextlib.nullcontext())
+                with no_sync:
+                    with _autocast(device, dtype):
+                        loss, step_loss, correct, count = model(
+                            ids, aux_hidden, lens, prompt, targets.probs, targets.top1)
+                    (loss / len(mine)).backward()
+                totals.add(loss.detach().to(stats_device), step_loss.to(stats_device),
+                           correct.to(stats_device), count.to(stats_device),
+                           rows=len(batch), tokens=int(lens.sum()))
+                # the next micro-batch's features must not sit beside these ([B*T, V'] probs)
+                del loss, aux_hidden, targets
             grad_norm = (float(torch.nn.utils.clip_grad_norm_(params, cfg.clip_grad_norm))
                          if cfg.clip_grad_norm else 0.0)
             lr = sched.get_last_lr()[0]
             opt.step()
             sched.step()
             step += 1
+            stop = bool((cfg.stop_at_step and step >= cfg.stop_at_step) or (
+                cfg.time_limit_s and time.perf_counter() - started >= cfg.time_limit_s))
+            sums, stop = reduce_step(totals.values, stop, ctx)
             dt = time.perf_counter() - t0
-            acc = [float(s.correct) / s.count if s.count else 0.0 for s in stats]
-            last = {"step": step, "loss": float(loss.detach()), "acc": [round(a, 4) for a in acc],
-                    "step_loss": [round(float(s.loss.detach()), 4) for s in stats], "lr": lr,
-                    "grad_norm": round(grad_norm, 4), "rows": len(batch),
-                    "tokens": int(lens.sum()), "tokens_per_s": round(int(lens.sum()) / dt, 1)}
+            last = {"step": step, **totals.record(sums, per_step), "lr": lr,
+                    "grad_norm": round(grad_norm, 4), "ttt_attention": ttt.attention_used}
+            last["tokens_per_s"] = round(last["tokens"] / dt, 1)
             if device.type == "cuda":
                 last["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-            with open(log_path, "a") as f:
-                f.write(json.dumps(last) + "\n")
+            if ctx.is_main:
+                with open(log_path, "a") as f:
+                    f.write(json.dumps(last) + "\n")
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{last['loss']:.3f}",
-                                acc="/".join(f"{a:.2f}" for a in acc),
+                                acc="/".join(f"{a:.2f}" for a in last["acc"]),
                                 tok_s=f"{last['tokens_per_s']:.0f}")
-            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < total:
+            if ctx.is_main and cfg.checkpoint_every and step % cfg.checkpoint_every == 0 \
+                    and step < total:
                 save()
-            if cfg.stop_at_step and step >= cfg.stop_at_step:
-                break
-            if cfg.time_limit_s and time.perf_counter() - started >= cfg.time_limit_s:
+            if stop:
                 break
     finally:
         if bar is not None:
             bar.close()
-    save()
+    if ctx.is_main:
+        save()
+    barrier(ctx)  # every rank returns once the export is on disk
     return TrainResult(head_dir=out, step=step, total_steps=total, last=last)
-
-
-def _truncate_log(path: Path, step: int) -> None:
-    """Keep the log records of steps ``<= step`` (a resumed run rewrites the later ones)."""
-    if not path.is_file():
-        return
-    keep = [ln for ln in path.read_text().splitlines()
-            if ln.strip() and json.loads(ln)["step"] <= step]
-    path.write_text("".join(ln + "\n" for ln in keep))
 
 
 def _progress(enabled: bool, total: int, initial: int) -> Any:

@@ -86,7 +86,10 @@ BAD_INPUTS: list[tuple[object, SamplingParams, str]] = [
     ("hi", SamplingParams(max_tokens=8, grammar=JsonSchemaConstraint("{not json")), "JSON"),
     ("hi", SamplingParams(max_tokens=8, grammar=RegexConstraint("([a-z")), "regex"),
     ([17] * 9000, SamplingParams(max_tokens=8), "context"),
-    ("hi", SamplingParams(max_tokens=8, temperature=1.0, seed=2**64), "seed"),
+    ("hi", SamplingParams(max_tokens=8, temperature=1.0, seed=2**63), "seed must be in [0, "),
+    ("hi", SamplingParams(max_tokens=8, temperature=1.0, seed=-1), "seed must be in [0, "),
+    ("hi", SamplingParams(max_tokens=8, ignore_eos="no"), "ignore_eos must be True or False"),
+    ([True, 17], SamplingParams(max_tokens=8), "prompt[0] must be an integer token id"),
     ("hi", SamplingParams(max_tokens=8, temperature=1.0, top_k=2**63), "top_k"),
     ("hi", SamplingParams(max_tokens=8, temperature=1e39), "temperature"),
     ("a\ud800b", SamplingParams(max_tokens=8), "prompt is not valid Unicode: a lone "
@@ -97,7 +100,8 @@ BAD_INPUTS: list[tuple[object, SamplingParams, str]] = [
     ("word " * 800_000, SamplingParams(max_tokens=8), "prompt has at least"),
 ]
 BAD_INPUT_IDS = ["empty", "max_tokens_0", "max_tokens_neg", "temperature", "schema_json", "regex",
-                 "too_long", "seed_range", "top_k_int64", "temperature_float32", "surrogate",
+                 "too_long", "seed_over_max", "seed_negative", "ignore_eos_str",
+                 "bool_token_id", "top_k_int64", "temperature_float32", "surrogate",
                  "surrogate_chat", "too_long_untokenized"]
 
 
@@ -186,6 +190,31 @@ def test_chat_takes_text_parts_and_refuses_what_is_not_a_conversation(make_llm) 
                         ([], "at least one message")]:
         with pytest.raises(ChatMessageError, match=f"^messages: .*{reason}"):
             llm.chat(bad, sp)
+
+
+@pytest.mark.parametrize("prompts", [5, 2.5, None, b"hi", {"role": "user", "content": "hi"},
+                                     {"a", "b"}])
+def test_generate_names_prompts_of_another_type(make_llm, prompts: object) -> None:
+    """``generate(5)`` used to fail deep inside as ``'int' object is not iterable`` (and a dict
+    ran its keys as prompts); it is a TypeError naming ``prompts`` and what it takes."""
+    with pytest.raises(TypeError, match=r"^prompts must be a string, a list of token ids, a "
+                                        r"chat \(a list of \{role, content\} dicts\) or a "
+                                        r"list/tuple of those, got "):
+        make_llm().generate(prompts, SamplingParams(max_tokens=2))
+
+
+def test_generate_names_sampling_params_of_another_type(make_llm) -> None:
+    llm = make_llm()
+    with pytest.raises(TypeError, match=r"^sampling_params must be a SamplingParams, a "
+                                        r"list/tuple of them or None, got int 5"):
+        llm.generate("hi", 5)
+    with pytest.raises(TypeError, match=r"^sampling_params\[1\] must be a SamplingParams, "
+                                        r"got dict"):
+        llm.generate(["a", "b"], [SamplingParams(max_tokens=2), {"max_tokens": 2}])
+    with pytest.raises(ValueError, match="got 1 sampling_params for 2 prompts"):
+        llm.generate(["a", "b"], [SamplingParams(max_tokens=2)])
+    # a tuple of token ids is one prompt, as a list is
+    assert len(llm.generate((17, 18, 19), SamplingParams(max_tokens=1))) == 1
 
 
 def test_chat_template_error_is_prefixed_once(make_llm, monkeypatch: pytest.MonkeyPatch) -> None:

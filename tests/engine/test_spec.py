@@ -17,6 +17,7 @@ from structspec import (
     RegexConstraint,
     SamplingParams,
 )
+from structspec.models.shipped_heads import DEFAULT_MODEL_EAGLE_HEAD
 from tests.engine.conftest import KV_CAPACITY_TOKENS, PERSON_SCHEMA, PROMPTS, release_memory
 
 GBNF = 'root ::= "Answer: " ("yes" | "no") " because " [a-z ]+ "."'
@@ -36,14 +37,17 @@ LOSSLESS_PROMPTS = PROMPTS[:20]  # the long variant (slow)
 
 # Engine options per drafter. The order is the order the lossless tests build them in: the
 # two used most by the later tests (first layers, n-gram) come last, so they are still in the
-# session's engine cache (tests/conftest.py, three engines) when those tests ask for them.
+# session's engine cache (tests/engine/conftest.py, three engines) when those tests ask for them.
 SPEC_CONFIGS = {
     "draft_model_self": lambda d: dict(speculative_algorithm="draft_model",
                                        draft_model=d["self"], num_draft_tokens=5,
                                        speculative_depth=4, speculative_topk=1),
-    "eagle_random_head": lambda d: dict(speculative_algorithm="eagle", draft_model=d["eagle"],
-                                        num_draft_tokens=6, speculative_depth=3,
-                                        speculative_topk=2),
+    # the head shipped for the default model (trained on its features: it drafts tokens that
+    # get accepted, so accepted paths, rejections and the bonus token are all exercised)
+    "eagle_shipped_head": lambda d: dict(speculative_algorithm="eagle",
+                                         draft_model=str(DEFAULT_MODEL_EAGLE_HEAD),
+                                         num_draft_tokens=6, speculative_depth=3,
+                                         speculative_topk=2),
     "draft_model_first_layers": lambda d: dict(speculative_algorithm="draft_model",
                                                draft_model=d["first_layers"], num_draft_tokens=6,
                                                speculative_depth=3, speculative_topk=2),
@@ -107,6 +111,8 @@ def check_lossless(name: str, want: list, got: list, params: list[SamplingParams
     steps = sum(g.spec.verify_steps for g in got)
     tokens = sum(g.spec.committed_tokens for g in got)
     assert steps > 0 and tokens >= steps
+    if name == "eagle_shipped_head":
+        assert sum(g.spec.draft_tokens_accepted for g in got) > 0
     if name == "draft_model_self":
         # The target drafting for itself is always right on unconstrained requests (its
         # drafts ignore the grammar, so constrained ones diverge): every step keeps the whole

@@ -20,9 +20,11 @@ from structspec.constraints import (
     RegexConstraint,
 )
 from structspec.grammar import GrammarBackend, GrammarError
+from structspec.grammar.compile_pool import GENERAL, SMALL
 from structspec.grammar.limits import find_limit_problem
 from structspec.grammar.satisfiable import find_unsatisfiable
 from structspec.regex_check import find_regex_problem
+from tests.polling import wait_for
 
 from .conftest import load_maskbench
 
@@ -56,10 +58,15 @@ def short_limit(backend: GrammarBackend) -> Iterator[GrammarBackend]:
 
 def test_runaway_compile_is_killed_and_cheap_ones_go_on(short_limit: GrammarBackend) -> None:
     b = short_limit
+    pool = b.pool
+    general = pool.status()[GENERAL].size
+    wait_for("an idle pool", lambda: all(st.settled for st in pool.status().values()), 10)
     before = set(b.worker_pids())
     t0 = time.perf_counter()
-    runaways = [b.submit(runaway_schema(f"k{i}_")) for i in range(3)]  # > the general lane
-    time.sleep(0.3)
+    runaways = [b.submit(runaway_schema(f"k{i}_")) for i in range(general + 1)]
+    # the cheap request goes in while every general worker runs a runaway (one more waits)
+    wait_for("the runaways on every general worker",
+             lambda: pool.status()[GENERAL].busy == general, 1.0)
     t1 = time.perf_counter()
     cheap = b.compile(ChoiceConstraint(("alpha", "beta")), timeout=10)
     cheap_s = time.perf_counter() - t1
@@ -71,16 +78,21 @@ def test_runaway_compile_is_killed_and_cheap_ones_go_on(short_limit: GrammarBack
         assert e.code == "grammar_too_complex" and e.param == "response_format.json_schema"
         assert "within the 1.5 s limit" in e.message, e.message
     assert time.perf_counter() - t0 < 1.5 + 1.0
-    # the killed workers were replaced; none of them keeps computing
-    time.sleep(0.5)
+    # A request's future fails at its own deadline, maybe a moment before the pool kills its
+    # worker, and the pool kills and replaces the workers one at a time: wait for the state
+    # itself (every lane full and idle), not for "the pids changed", which is already true
+    # while a runaway still runs beside a first replacement.
+    wait_for("every killed worker replaced and the pool idle",
+             lambda: all(st.settled for st in pool.status().values()), 5.0)
     after = b.worker_pids()
     assert set(after) != before and len(after) == len(before)
+    # none of them keeps computing: CPU over a measured window (a window, not a wait)
     start = {pid: cpu_seconds(pid) for pid in after}
     time.sleep(0.5)
     busy = {pid: cpu_seconds(pid) - s for pid, s in start.items()}
     assert all(s < 0.1 for s in busy.values()), busy
     seconds, timeouts = b.drain_compile_stats()
-    assert timeouts >= 3 and seconds
+    assert timeouts >= general + 1 and seconds
 
 
 def test_expired_request_names_the_real_limit(short_limit: GrammarBackend) -> None:
@@ -105,7 +117,15 @@ def test_small_lane_job_past_its_slice_moves_on(hf_tokenizer: Any) -> None:
     try:
         b.compile(ChoiceConstraint(("warm",)), timeout=120)
         slow = b.submit(runaway_schema("s", n=300))  # ~0.3-1 s: "small" by the raised bound
-        time.sleep(0.3)
+
+        def moved_on() -> bool:
+            """The slow job has left the small lane, whose worker is replaced and idle (or
+            the job finished within its slice, on a fast machine)."""
+            st = b.pool.status()
+            left = slow.done() or st[GENERAL].busy + st[GENERAL].queued == 1
+            return left and st[SMALL].settled
+
+        wait_for("the slow job to leave the small lane", moved_on, 10.0)
         t = time.perf_counter()
         b.compile(ChoiceConstraint(("x", "y")), timeout=10)
         assert time.perf_counter() - t < 1.0

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import time
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -18,6 +16,7 @@ from structspec.config import GrammarConfig
 from structspec.constraints import ChoiceConstraint, JsonSchemaConstraint
 from structspec.grammar import GrammarBackend, GrammarError
 from structspec.grammar.shared_compile_pool import shared_pool_users
+from tests.polling import wait_for
 
 from .conftest import STOP_ID
 
@@ -29,15 +28,6 @@ def alive(pid: int) -> bool:
             return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except FileNotFoundError:
         return False
-
-
-def wait_until(cond: Callable[[], bool], timeout_s: float) -> bool:
-    deadline = time.perf_counter() + timeout_s
-    while not cond():
-        if time.perf_counter() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def test_backends_share_a_pool_and_a_shutdown_stops_only_its_compiles(
@@ -56,8 +46,8 @@ def test_backends_share_a_pool_and_a_shutdown_stops_only_its_compiles(
         assert a.wait_ready(120)
         runaway = a.submit(JsonSchemaConstraint({"type": "object", "properties": {
             f"k{i}": {"type": "integer"} for i in range(10_000)}}, strict=False))
-        assert wait_until(lambda: runaway._entry.job is not None  # noqa: SLF001
-                          and runaway._entry.job.started_at is not None, 10)  # noqa: SLF001
+        wait_for("the runaway compile to start", lambda: runaway._entry.job is not None  # noqa: SLF001
+                 and runaway._entry.job.started_at is not None, 10)  # noqa: SLF001
         before = set(a.worker_pids())
         a.shutdown()
         with pytest.raises(GrammarError, match="shut down") as info:
@@ -66,10 +56,11 @@ def test_backends_share_a_pool_and_a_shutdown_stops_only_its_compiles(
         assert isinstance(b.compile(ChoiceConstraint(("x", "y")), timeout=20),
                           xgr.CompiledGrammar)
         # its worker was killed and replaced by a fresh fork; the zygote stays
-        assert wait_until(lambda: len(set(b.worker_pids()) - before) == 1
-                          and len(b.worker_pids()) == len(before), 5)
+        wait_for("the killed worker's replacement", lambda: len(set(b.worker_pids()) - before)
+                 == 1 and len(b.worker_pids()) == len(before), 5)
         killed = before - set(b.worker_pids())
-        assert wait_until(lambda: not any(alive(p) for p in killed), 5), killed
+        wait_for(f"the killed worker {killed} to exit",
+                 lambda: not any(alive(p) for p in killed), 5)
         with pytest.raises(GrammarError, match="shut down"):  # a is closed for good
             a.compile(ChoiceConstraint(("x",)))
         a.shutdown()  # idempotent: keeps b's reference
@@ -89,13 +80,13 @@ def test_last_release_stops_the_processes(hf_tokenizer: Any) -> None:
     first, second = make(), make()
     pool = first.pool
     assert second.pool is pool
-    assert wait_until(lambda: bool(first.worker_pids()), 10)  # the zygote was started
+    wait_for("the zygote to start", lambda: bool(first.worker_pids()), 10)
     pids = first.worker_pids()
     first.shutdown()
     assert shared_pool_users(pool) == 1 and all(alive(p) for p in pids)
     second.shutdown()
     assert shared_pool_users(pool) == 0 and not pool.usable()
-    assert wait_until(lambda: not any(alive(p) for p in pids), 10), pids
+    wait_for(f"the processes {pids} to exit", lambda: not any(alive(p) for p in pids), 10)
 
 
 def test_a_dropped_backend_is_collected_and_gives_its_pool_back(
@@ -113,5 +104,5 @@ def test_a_dropped_backend_is_collected_and_gives_its_pool_back(
         dropped.compile(JsonSchemaConstraint(False))  # a cached failure
     ref = weakref.ref(dropped)
     del dropped
-    assert wait_until(lambda: gc.collect() >= 0 and ref() is None, 5)
+    wait_for("the dropped backend to be collected", lambda: gc.collect() >= 0 and ref() is None, 5)
     assert shared_pool_users(backend.pool) == users

@@ -18,7 +18,6 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -28,21 +27,12 @@ from structspec.cli import build_parser, main
 from structspec.server.engine_client import EngineClient
 from structspec.server.launch import bind_socket, run_http
 from structspec.server.supervisor import EngineSupervisor, RestartPolicy, policy_from_args
+from tests.polling import wait_for
 from tests.server.scripted_engine import ScriptedConfig, ScriptedEngine, failing_engine
 from tests.server.server_fakes import FakeCodec
 from tests.server.server_proc import running_server
 
 CHAT = [{"role": "user", "content": "Tell a long story."}]
-
-
-def wait_for(what: str, check: Callable[[], bool], timeout_s: float,
-              every_s: float = 0.02) -> None:
-    """Poll ``check`` until it is true; fail naming ``what`` after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(every_s)
 
 
 def health(url: str) -> tuple[int, dict[str, Any]]:
