@@ -10,8 +10,9 @@ ratio is the median of the new runs over the median of the old runs.
 
 The command after ``--`` runs with ``cwd`` and ``PYTHONPATH`` set to each checkout. Figures are
 read from its summary lines: ``grammar_overlap`` lines give ``step_ms_no_grammar`` and
-``step_ms_json_schema`` per ``(algo, overlap, bs)``; ``peer_compare`` rows give ``tok/s`` per row
-name and batch. One line per figure: ``ab_compare <figure> old=<median> new=<median>
+``step_ms_json_schema`` per ``(algo, overlap, bs)``; ``host_overhead`` lines give ``host_ms``,
+``step_ms``, ``verify_ms`` and ``tok/s`` per ``(algo, grammar, bs)``; ``peer_compare`` rows give
+``tok/s`` per row name and batch. One line per figure: ``ab_compare <figure> old=<median> new=<median>
 ratio=<new/old>`` (for step times lower is better, for tok/s higher is better).
 """
 
@@ -27,6 +28,8 @@ from pathlib import Path
 
 _OVERLAP_KEYS = ("algo", "overlap", "bs")
 _OVERLAP_FIGURES = ("step_ms_no_grammar", "step_ms_json_schema")
+_HOST_KEYS = ("algo", "grammar", "bs")
+_HOST_FIGURES = ("host_ms", "step_ms", "verify_ms", "tok/s")
 _PEER_ROW = re.compile(r"^(structspec [\w+]+|hf_generate\S*)\s+bs=(\d+)\s+tok/s=\s*([\d.]+)")
 
 
@@ -45,6 +48,11 @@ def figures(output: str) -> dict[str, float]:
             fields = dict(kv.split("=", 1) for kv in line.split()[1:] if "=" in kv)
             config = " ".join(f"{k}={fields[k]}" for k in _OVERLAP_KEYS)
             for name in _OVERLAP_FIGURES:
+                out[f"{config} {name}"] = float(fields[name])
+        elif line.startswith("host_overhead "):
+            fields = dict(kv.split("=", 1) for kv in line.split()[1:] if "=" in kv)
+            config = " ".join(f"{k}={fields[k]}" for k in _HOST_KEYS)
+            for name in _HOST_FIGURES:
                 out[f"{config} {name}"] = float(fields[name])
         elif m := _PEER_ROW.match(line):
             out[f"{m.group(1)} bs={m.group(2)} tok/s"] = float(m.group(3))

@@ -221,6 +221,14 @@ class SchedulerConfig:
     max_batch_size: int = 64
     max_prefill_tokens: int = 8192  # prompt tokens admitted into one prefill step
     overlap: bool = True  # overlap CPU work with the GPU step (ablation switch)
+    # A prefill step runs only when it admits at least this many requests, or every waiting
+    # one, or fills its token budget, or fewer than this many requests run. Under a backlog
+    # (an offline run keeping several batches in flight) a request finishes nearly every
+    # verify step at batch 256; admitting its replacement at once made every other step a
+    # prefill of one or two prompts (the verify pipeline drained each time). Waiting for
+    # this many free slots keeps the batch within ~1/8 of full and prefills them together.
+    # None = max(1, max_batch_size // 8) (resolve_engine_config).
+    min_prefill_batch: int | None = None
 
 
 @dataclass(frozen=True)
@@ -370,6 +378,13 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
                          "seconds > 0")
     if config.scheduler.max_batch_size < 1:
         raise ValueError("max_batch_size must be >= 1")
+    scheduler = config.scheduler
+    if scheduler.min_prefill_batch is None:
+        scheduler = dataclasses.replace(
+            scheduler, min_prefill_batch=max(1, scheduler.max_batch_size // 8))
+    elif scheduler.min_prefill_batch < 1:
+        raise ValueError(f"min_prefill_batch={scheduler.min_prefill_batch}: expected >= 1 "
+                         "(or None for auto)")
     if config.max_model_len is not None and config.max_model_len < 1:
         raise ValueError(f"max_model_len={config.max_model_len}: expected >= 1 (or None for "
                          "the model's context length)")
@@ -396,7 +411,7 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
     if cache.total_pages < 2:
         raise ValueError("kv_capacity_tokens must hold at least one page")
     return dataclasses.replace(config, device=device, dtype=dtype, cache=cache, kernels=kernels,
-                               grammar=grammar, spec=spec)
+                               grammar=grammar, spec=spec, scheduler=scheduler)
 
 
 def check_max_model_len(max_model_len: int | None, model_limit: int) -> int:
@@ -453,6 +468,7 @@ def _check_int_options(config: EngineConfig) -> None:
         ("speculative_depth", config.spec.depth, False),
         ("speculative_topk", config.spec.topk, False),
         ("max_batch_size", config.scheduler.max_batch_size, False),
+        ("min_prefill_batch", config.scheduler.min_prefill_batch, True),
         ("max_model_len", config.max_model_len, True),
         ("page_size", config.cache.page_size, False),
         ("kv_capacity_tokens", config.cache.kv_capacity_tokens, True),

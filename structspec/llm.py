@@ -34,8 +34,10 @@ class LLM:
         num_draft_tokens: verify-tree size N including node 0.
         device / dtype: "auto" picks cuda+bfloat16 when available, else cpu+float32.
         max_batch_size, kv_capacity_tokens, page_size, max_model_len, seed,
-        grammar_compile_timeout_s, overlap, cuda_graph, speculative_depth, speculative_topk: see
-        :mod:`structspec.config`.
+        grammar_compile_timeout_s, overlap, cuda_graph, speculative_depth, speculative_topk,
+        min_prefill_batch: see :mod:`structspec.config` (``min_prefill_batch``: under a
+        backlog a prefill step waits until it can admit that many requests; None = auto,
+        ``max(1, max_batch_size // 8)``).
         grammar_workers: worker processes that build the grammar bitmasks of the draft trees
             (``GrammarConfig.mask_build_workers``; 0 = in the engine's process; None = auto:
             ``min(8, cores // 2)`` on CUDA, 0 on CPU, see
@@ -90,6 +92,7 @@ class LLM:
         load_format: str = "auto",
         grammar_workers: int | None = None,
         grammar_backend: str = "xgrammar",
+        min_prefill_batch: int | None = None,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -108,7 +111,8 @@ class LLM:
             grammar=GrammarConfig(compile_timeout_s=grammar_compile_timeout_s,
                                   mask_build_workers=grammar_workers,
                                   backend=grammar_backend),
-            scheduler=SchedulerConfig(max_batch_size=max_batch_size, overlap=overlap),
+            scheduler=SchedulerConfig(max_batch_size=max_batch_size, overlap=overlap,
+                                      min_prefill_batch=min_prefill_batch),
         )
         self.engine = LLMEngine(config)
 

@@ -6,7 +6,13 @@ import gc
 
 import pytest
 
-from structspec.config import EngineConfig, GrammarConfig, SpecConfig, resolve_engine_config
+from structspec.config import (
+    EngineConfig,
+    GrammarConfig,
+    SchedulerConfig,
+    SpecConfig,
+    resolve_engine_config,
+)
 
 
 @pytest.mark.parametrize("value", [-5, 0])
@@ -217,3 +223,19 @@ def test_eagle_without_a_head_uses_the_shipped_one_on_the_default_model_only(tmp
     # another target has no shipped head: refused before anything loads, naming the option
     with pytest.raises(ValueError, match="needs draft_model=PATH.*ships only for the default"):
         resolve_engine_config(EngineConfig(model=str(tmp_path), device="cpu", spec=spec))
+
+
+@pytest.mark.parametrize(("max_batch_size", "value", "resolved"),
+                         [(256, None, 32), (16, None, 2), (7, None, 1), (64, 5, 5)])
+def test_min_prefill_batch_auto_and_explicit(max_batch_size: int, value: int | None,
+                                             resolved: int) -> None:
+    sched = SchedulerConfig(max_batch_size=max_batch_size, min_prefill_batch=value)
+    config = resolve_engine_config(EngineConfig(device="cpu", scheduler=sched))
+    assert config.scheduler.min_prefill_batch == resolved
+
+
+@pytest.mark.parametrize("value", [0, -1, "4", 2.5, True])
+def test_bad_min_prefill_batch_is_refused(value: object) -> None:
+    sched = SchedulerConfig(min_prefill_batch=value)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="min_prefill_batch"):
+        resolve_engine_config(EngineConfig(device="cpu", scheduler=sched))

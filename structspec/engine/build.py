@@ -24,6 +24,7 @@ from structspec.grammar.worker_pool import MaskWorkerPool
 from structspec.models.default_model import resolve_model_path
 from structspec.models.loader import load_model, load_model_config
 from structspec.models.tokenizer import Tokenizer
+from structspec.runner.cuda_graph import graph_batch_sizes
 from structspec.runner.model_runner import ModelRunner
 from structspec.scheduler.scheduler import Scheduler
 from structspec.speculative.base import Drafter
@@ -94,6 +95,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
     tokenizer = Tokenizer(model_path)
     runner = ModelRunner(model, model_config, config.cache, device=device, dtype=dtype,
                          use_cuda_graph=config.cuda_graph,
+                         cuda_graph_batch_sizes=graph_batch_sizes(
+                             config.scheduler.max_batch_size),
                          max_model_len=max_model_len + config.spec.tree_size,
                          kernels=config.kernels, batch_invariant=config.batch_invariant)
     max_model_len = _fit_to_kv(runner, config, max_model_len)

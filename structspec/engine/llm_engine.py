@@ -183,8 +183,20 @@ class LLMEngine:
         """Cancel a request; its final output (finish_reason abort) comes from the next step."""
         return self.scheduler.abort(request_id, reason)
 
+    @property
+    def report_unfinished(self) -> bool:
+        """Whether :meth:`step` reports running requests that gained tokens (streaming, the
+        default); False: only finished requests (:meth:`generate_all` and the distillation
+        loop read nothing else, and skip a snapshot per running request and step)."""
+        return self.scheduler.report_unfinished
+
+    @report_unfinished.setter
+    def report_unfinished(self, value: bool) -> None:
+        self.scheduler.report_unfinished = bool(value)
+
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; returns outputs of requests that progressed or finished.
+        """Run one scheduler step; returns outputs of requests that progressed or finished
+        (finished only, when :attr:`report_unfinished` is off).
 
         Raises:
             RuntimeError: the engine was closed (:meth:`close`).
@@ -246,12 +258,17 @@ class LLMEngine:
                 if progress is not None:
                     progress.update(1)
         self._next_id += 1
-        while self.has_unfinished_requests():
-            for out in self.step():
-                if out.finished:
-                    results[out.request_id] = out
-                    if progress is not None:
-                        progress.update(1)
+        report = self.report_unfinished
+        self.report_unfinished = False  # only final outputs are read here
+        try:
+            while self.has_unfinished_requests():
+                for out in self.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        if progress is not None:
+                            progress.update(1)
+        finally:
+            self.report_unfinished = report
         return [results[r] for r in order]
 
 

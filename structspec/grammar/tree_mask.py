@@ -263,9 +263,15 @@ def build_grammar_vocab_mask(
     active = [i for i, m in enumerate(matchers) if m is not None and not m.is_terminated()]
     timed_out: list[int] = []
 
-    # Per-request views made in four C++ calls instead of four Python indexings per request.
-    rows_of, nt_of, ns_of, dt_of = (bitmask.split(n), next_token.unbind(0),
-                                    next_sibling.unbind(0), draft_tokens.unbind(0))
+    # Per-request views made in four C++ calls instead of four Python indexings per request,
+    # when most rows are walked; when few are (a batch mostly unconstrained), views of the
+    # walked rows only: the four calls make ``4 * bs`` views (~1 ms at batch 256).
+    if 2 * len(active) >= bs:
+        rows_of, nt_of, ns_of, dt_of = (bitmask.split(n), next_token.unbind(0),
+                                        next_sibling.unbind(0), draft_tokens.unbind(0))
+    else:
+        rows_of, nt_of, ns_of, dt_of = ({i: t[i] for i in active} for t in (
+            bitmask.view(bs, n, -1), next_token, next_sibling, draft_tokens))
 
     @torch.inference_mode()  # per thread: pool workers need it to write inference tensors
     def walk(chunk: Sequence[int]) -> None:

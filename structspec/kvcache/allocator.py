@@ -16,6 +16,11 @@ class PageAllocator:
         self.page_size = page_size
         # Pop from the end: low page ids first, which keeps early requests' KV compact.
         self._free: list[int] = list(range(num_pages - 1, 0, -1))
+        # 1 = the page is free (page 0, the sink, never is): the double-free check of
+        # ``free`` reads these flags, O(pages freed), where a set of the free list cost
+        # O(num_pages) per call (~0.5 ms at 16k pages, for every finished request).
+        self._is_free = bytearray(b"\x01") * num_pages
+        self._is_free[0] = 0
 
     @property
     def num_free_pages(self) -> int:
@@ -42,16 +47,22 @@ class PageAllocator:
             raise MemoryError(f"KV cache full: need {num_pages} pages, {len(self._free)} free")
         taken = self._free[len(self._free) - num_pages :]
         del self._free[len(self._free) - num_pages :]
+        is_free = self._is_free
+        for p in taken:
+            is_free[p] = 0
         return taken[::-1]
 
     def free(self, pages: list[int]) -> None:
         """Return pages to the pool. Double frees are a bug and raise ``ValueError``."""
         if not pages:
             return
-        free_set = set(self._free)
-        for p in pages:
-            if p in free_set or p <= 0 or p >= self.num_pages:
+        is_free = self._is_free
+        for i, p in enumerate(pages):
+            if p <= 0 or p >= self.num_pages or is_free[p]:
+                for q in pages[:i]:  # a refused call frees nothing
+                    is_free[q] = 0
                 raise ValueError(f"invalid or double free of KV page {p}")
+            is_free[p] = 1  # a page listed twice in this call is caught at its second entry
         self._free.extend(sorted(pages, reverse=True))
 
 

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from structspec.draft_tree.layout import VerifyTree
 from structspec.kvcache.allocator import slots_for_positions
+from structspec.kvcache.page_table import PageRows
 from structspec.kvcache.pool import KVPool
 from structspec.layers.forward_batch import ForwardBatch
 
@@ -138,6 +140,42 @@ def build_verify_batch_from_tensors(
         attn_mask=mask,
         logits_indices=None,
     )
+
+
+def page_table_array(pages: Sequence[Sequence[int]] | PageRows, width: int) -> np.ndarray:
+    """``int64 [B, width]`` host page table: request ``b``'s first ``width`` pages, padded
+    with page 0 (the sink). ``pages``: per-request lists, or a
+    :class:`~structspec.kvcache.page_table.PageRows` (one numpy gather: what the scheduler
+    passes, so no per-request work)."""
+    if isinstance(pages, PageRows):
+        return pages.take(width)
+    return np.array(page_rows(pages, width, len(pages)), dtype=np.int64).reshape(
+        len(pages), width)
+
+
+def fill_seq_lens_and_pages(out: np.ndarray, seq_lens: Sequence[int],
+                            pages: Sequence[Sequence[int]] | PageRows, need: int, rows: int,
+                            *, width: int | None = None) -> None:
+    """Write the host head of a verify's staged inputs, ``seq_lens [rows] | page_table
+    [rows, width]``, into ``out`` (what the CUDA verify paths copy to the device at once).
+
+    Request ``b < B`` gets its ``seq_len`` and its first ``need`` pages, padded with page 0 to
+    ``width`` (default ``need``); rows ``B..rows-1`` (a graph bucket's dummy rows) are all 0.
+
+    Args:
+        out: ``int64 [rows * (1 + width)]`` host array (a pinned buffer's numpy view).
+        seq_lens: ``B <= rows`` committed lengths (host ints).
+        pages: the batch's pages (lists or :class:`~structspec.kvcache.page_table.PageRows`).
+        need: pages each row keeps (``<= width``).
+    """
+    width = need if width is None else width
+    bsz = len(seq_lens)
+    out[:bsz] = seq_lens
+    out[bsz:rows] = 0
+    table = out[rows : rows * (1 + width)].reshape(rows, width)
+    table[:bsz, :need] = page_table_array(pages, need)
+    table[:bsz, need:] = 0
+    table[bsz:] = 0
 
 
 def page_rows(pages: Sequence[Sequence[int]], width: int, rows: int) -> list[int]:

@@ -52,6 +52,29 @@ from structspec.runner.batch_builder import build_verify_batch_from_tensors, com
 
 DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 MIN_KV_BUCKET = 256
+#: batch-bucket spacing above the last of :data:`DEFAULT_BATCH_SIZES` (see
+#: :func:`graph_batch_sizes`)
+LARGE_BATCH_STEP = 32
+
+
+def graph_batch_sizes(max_batch_size: int) -> tuple[int, ...]:
+    """The batch-size buckets of an engine serving up to ``max_batch_size`` requests.
+
+    :data:`DEFAULT_BATCH_SIZES`, and above its last bucket (64) one every
+    :data:`LARGE_BATCH_STEP` up to ``max_batch_size``, the last being ``max_batch_size``
+    itself. Without the larger buckets every verify of more than 64 requests ran eagerly (no
+    CUDA graph, the post-forward work kernel by kernel): hundreds of kernel launches of host
+    time per step, at exactly the batch sizes an offline run uses. A batch pads to its bucket
+    with dummy rows (fewer than ``LARGE_BATCH_STEP``); graphs are captured on first use.
+    """
+    out = list(DEFAULT_BATCH_SIZES)
+    b = out[-1] + LARGE_BATCH_STEP
+    while b < max_batch_size:
+        out.append(b)
+        b += LARGE_BATCH_STEP
+    if max_batch_size > out[-1]:
+        out.append(max_batch_size)
+    return tuple(out)
 
 
 def kv_len_buckets(max_model_len: int, *, min_len: int = MIN_KV_BUCKET) -> tuple[int, ...]:

@@ -14,13 +14,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import nn
 
 from structspec.config import CacheConfig, ModelConfig
 from structspec.draft_tree.layout import VerifyTree
 from structspec.draft_tree.verify import VerifyResult
+from structspec.kvcache.page_table import PageRows
 from structspec.kvcache.pool import KVPool
 from structspec.layers.forward_batch import ForwardBatch
 from structspec.layers.penalties import PenaltyTable
@@ -30,7 +30,7 @@ from structspec.runner.batch_builder import (
     build_verify_batch,
     build_verify_batch_from_tensors,
     compact_accepted_kv,
-    page_rows,
+    fill_seq_lens_and_pages,
     page_table_tensor,
 )
 from structspec.runner.cuda_graph import (
@@ -199,7 +199,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def verify(
-        self, tree: VerifyTree, seq_lens: Sequence[int], pages: Sequence[Sequence[int]]
+        self, tree: VerifyTree, seq_lens: Sequence[int],
+        pages: Sequence[Sequence[int]] | PageRows,
     ) -> VerifyForwardOutput:
         """Run the target over every node of every tree (one forward).
 
@@ -207,7 +208,9 @@ class ModelRunner:
             tree: the batch's verify trees, ``[B, N]`` fields, on ``self.device`` (device
                 drafters) or on the host (host drafters; staged through pinned buffers on CUDA).
             seq_lens: committed KV length per request (host ints).
-            pages: per request, pages covering at least ``seq_len + N`` positions.
+            pages: per request, pages covering at least ``seq_len + N`` positions: lists, or
+                the scheduler's :class:`~structspec.kvcache.page_table.PageRows` (gathered
+                with one numpy indexing, no per-request work).
 
         On CUDA nothing here waits for the device: host inputs go through pinned buffers with
         non-blocking copies and the forward is a graph replay when a bucket fits.
@@ -215,7 +218,10 @@ class ModelRunner:
         n = tree.num_nodes
         need = -(-(max(seq_lens) + n) // self.page_size)
         if self.device.type != "cuda":
-            table = page_table_tensor([p[:need] for p in pages], self.device)
+            if isinstance(pages, PageRows):
+                table = torch.from_numpy(pages.take(need)).to(self.device)
+            else:
+                table = page_table_tensor([p[:need] for p in pages], self.device)
             seq_lens_t = torch.tensor(list(seq_lens), dtype=torch.int64).to(self.device)
             return self._verify_eager(tree, seq_lens_t, table)
         g = None
@@ -246,7 +252,8 @@ class ModelRunner:
                                    aux_hidden_states=list(out.aux_hidden_states))
 
     def _verify_eager_cuda(
-        self, tree: VerifyTree, seq_lens: Sequence[int], pages: Sequence[Sequence[int]], need: int
+        self, tree: VerifyTree, seq_lens: Sequence[int],
+        pages: Sequence[Sequence[int]] | PageRows, need: int,
     ) -> VerifyForwardOutput:
         """Eager verify on CUDA (no bucket fits, or graphs off); inputs staged without syncs:
         ``seq_lens | page_table [| tokens | depth]`` in one pinned int64 buffer and one H2D
@@ -258,9 +265,7 @@ class ModelRunner:
         head = bsz * (1 + need)
         k = head + (2 * bsz * n if host_tree else 0)
         buf = ring.acquire(k)
-        # numpy from a list of ints is ~3x faster than torch.tensor (~0.4 ms at batch 64)
-        buf[:head].numpy()[:] = np.array(list(seq_lens) + page_rows(pages, need, bsz),
-                                         dtype=np.int64)
+        fill_seq_lens_and_pages(buf[:head].numpy(), seq_lens, pages, need, bsz)
         if host_tree:
             buf[head : head + bsz * n].view(bsz, n).copy_(tree.draft_tokens)
             buf[head + bsz * n : k].view(bsz, n).copy_(tree.depth)
@@ -279,7 +284,7 @@ class ModelRunner:
 
     def _stage_graph_inputs(
         self, g: VerifyGraph, tree: VerifyTree, seq_lens: Sequence[int],
-        pages: Sequence[Sequence[int]], need: int,
+        pages: Sequence[Sequence[int]] | PageRows, need: int,
     ) -> None:
         """Fill ``g``'s static inputs for a batch of ``len(seq_lens) <= g.bsz`` requests.
 
@@ -295,9 +300,8 @@ class ModelRunner:
         ring = self.staging.ring(torch.int64)
         k = g.host_ints + (3 * g.bsz * n if host_tree else 0)
         buf = ring.acquire(k)
-        head = list(seq_lens) + [0] * (g.bsz - bsz)
-        head += page_rows([p[:need] for p in pages], g.pages, g.bsz)
-        buf[: g.host_ints].numpy()[:] = np.array(head, dtype=np.int64)  # see _verify_eager_cuda
+        fill_seq_lens_and_pages(buf[: g.host_ints].numpy(), seq_lens, pages, need, g.bsz,
+                                width=g.pages)
         if host_tree:
             fields = buf[g.host_ints : k].view(3, g.bsz, n)  # draft_tokens | depth | parents
             fields[0, :bsz] = tree.draft_tokens

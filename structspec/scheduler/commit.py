@@ -140,10 +140,13 @@ def cut_output(req: Req, keep: int) -> int:
 def process_text(req: Req) -> None:
     """Phase C: detokenize new ids and cut at the first stop string (across token bounds)."""
     stops = req.params.stop
-    if not stops and req.detokenizer is not None and req.num_detokenized < len(req.output_ids):
-        # No stop string to look for: detokenize the whole run at once (two decodes per step
-        # instead of two per token; the text is the same).
-        req.text += req.detokenizer.add(req.output_ids[req.num_detokenized:])
+    if not stops:
+        if req.detokenizer is not None and req.num_detokenized < len(req.output_ids):
+            # No stop string to look for: detokenize the whole run at once (two decodes per
+            # step instead of two per token; the text is the same).
+            req.text += req.detokenizer.add(req.output_ids[req.num_detokenized:])
+        # Without a detokenizer (a front end that detokenizes itself) there is no text to
+        # make: the ids are passed as a whole instead of one loop turn per token.
         req.num_detokenized = len(req.output_ids)
         return
     while req.num_detokenized < len(req.output_ids):

@@ -61,8 +61,10 @@ class PendingStep:
         if self._runs is None:
             self.copy.wait()
             lens = self.accept_len_cpu.tolist()
-            tokens = self.accept_tokens_cpu
-            self._runs = [tokens[i, : lens[i]].tolist() for i in range(len(lens))]
+            # One host conversion for the batch, then list slices: a tensor slice and a
+            # tolist per request cost ~4 us each (~1 ms per step at batch 256).
+            rows = self.accept_tokens_cpu.tolist()
+            self._runs = [row[:n] for row, n in zip(rows, lens, strict=True)]
             if self.on_wait is not None:
                 self.on_wait(self._runs)
         return self._runs

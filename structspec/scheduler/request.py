@@ -25,12 +25,16 @@ class ReqStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)
 class Req:
     """A request inside the scheduler. Host-only; owned by the scheduler thread/process.
 
     ``seq_len`` counts tokens whose KV is in the cache. After prefill it is the prompt length;
     the last output token is not yet in the cache (it is node 0 of the next verify tree).
+
+    Requests compare by identity (``eq=False``): the scheduler's queue bookkeeping
+    (``req in running``, ``running.remove(req)``) is then a pointer compare, where the generated
+    ``__eq__`` compared every field, output lists included, of every request it passed.
     """
 
     request_id: str
@@ -47,6 +51,8 @@ class Req:
     # the backend that compiled the request's grammar ("xgrammar" / "llguidance"), once known
     grammar_backend: str | None = None
     pages: list[int] = field(default_factory=list)
+    # the request's row of the scheduler's HostPageTable while it holds pages
+    page_row: int | None = None
     seq_len: int = 0
     generator: torch.Generator | None = None
     finish_reason: FinishReason | None = None

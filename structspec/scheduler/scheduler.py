@@ -24,6 +24,7 @@ from structspec.grammar.errors import GrammarError
 from structspec.grammar.select_backend import SelectingBackend
 from structspec.grammar.worker_pool import MaskWorkerPool
 from structspec.kvcache.allocator import PageAllocator
+from structspec.kvcache.page_table import HostPageTable
 from structspec.runner.model_runner import ModelRunner
 from structspec.scheduler.commit import advance_grammar, commit_tokens, process_text
 from structspec.scheduler.deferred_work import finish_deferred
@@ -75,6 +76,8 @@ class Scheduler:
         # Only drafters that override the hook get the (per-forward) call.
         self._feeds_hidden = type(drafter).on_target_hidden is not Drafter.on_target_hidden
         self.allocator = PageAllocator(runner.kv_pool.num_pages, runner.page_size)
+        #: every running request's pages, one row each (a verify step gathers its batch's)
+        self.page_table = HostPageTable(config.scheduler.max_batch_size)
         self.requests: dict[str, Req] = {}
         self.grammar_queue: list[Req] = []
         self.waiting: deque[Req] = deque()
@@ -82,6 +85,10 @@ class Scheduler:
         self._finished_unreported: list[Req] = []
         self._deferred: list[Req] = []  # committed ids whose grammar/text work is pending
         self._touched: list[Req] = []  # requests whose progress the next output reports
+        #: report the progress of running requests in every step's outputs (streaming). False:
+        #: only finished requests are reported (offline loops that read final outputs alone
+        #: skip a snapshot per running request and step: ids, text and logprobs copied whole)
+        self.report_unfinished = True
         #: constrained requests whose grammar compiled, by backend (``/metrics``)
         self.grammar_backend_counts: dict[str, int] = {}
         self._engine_generator = torch.Generator(device=runner.device)
@@ -100,7 +107,7 @@ class Scheduler:
         self._select = SelectVerifyPhase(runner, self._engine_generator, self.penalties)
         self._verify = VerifyStep(runner, self.draft, self.grammar, self._select, self.timer,
                                   overlap=config.scheduler.overlap,
-                                  feeds_hidden=self._feeds_hidden)
+                                  feeds_hidden=self._feeds_hidden, page_table=self.page_table)
 
     @property
     def mask_pool(self) -> MaskWorkerPool | None:
@@ -180,6 +187,9 @@ class Scheduler:
         if req.pages:
             self.allocator.free(req.pages)
             req.pages = []
+        if req.page_row is not None:
+            self.page_table.remove(req.page_row)
+            req.page_row = None
         self.draft.release(req.request_id)
         self.grammar.release(req.request_id)
         self.penalties.release(req)
@@ -207,8 +217,8 @@ class Scheduler:
         if batch:
             self._finish_deferred()
             self._run_prefill(batch)
-        elif any(not r.finished for r in self.running):
-            self._run_verify([r for r in self.running if not r.finished])
+        elif live := [r for r in self.running if not r.finished]:
+            self._run_verify(live)
         else:
             self._finish_deferred()
         return self._collect_outputs()
@@ -217,12 +227,15 @@ class Scheduler:
         t = now()
         outputs = []
         deferred = set(map(id, self._deferred))
+        report = self.report_unfinished
         for req in self._touched:
-            if req.finished and req not in self._finished_unreported:
+            if req.finished:
+                if req.finish_time is not None:
+                    continue  # retired already (it is reported below, or was before)
                 if id(req) in deferred:
                     continue  # its last run's text/grammar work is still pending
                 self._retire(req)
-            elif not req.finished and req.num_reported_ids < req.num_detokenized:
+            elif report and req.num_reported_ids < req.num_detokenized:
                 outputs.append(req.take_output(t))
         self._touched = []
         for req in self._finished_unreported:
@@ -262,23 +275,45 @@ class Scheduler:
             self.waiting.append(req)
 
     def _admit(self) -> list[Req]:
-        """Pick waiting requests for one prefill step (FCFS; stops at the first that won't fit)."""
+        """Pick waiting requests for one prefill step (FCFS; stops at the first that won't fit).
+
+        The prefill runs only when it is worth a step of its own (``SchedulerConfig.
+        min_prefill_batch``): it admits at least that many requests, or every waiting one, or
+        its prompt-token budget is full, or fewer than that many requests are running; else
+        the waiting requests stay queued and the running batch takes a verify step.
+        """
         cfg = self.config.scheduler
-        batch: list[Req] = []
-        tokens = 0
-        while self.waiting and len(self.running) + len(batch) < cfg.max_batch_size:
-            req = self.waiting[0]
+        if not self.waiting:
+            return []
+        picked: list[tuple[Req, int]] = []
+        tokens = pages = 0
+        budget_full = False
+        slots = cfg.max_batch_size - len(self.running)
+        for req in self.waiting:
+            if len(picked) >= slots:
+                break
             plen = len(req.prompt_ids)
-            if batch and tokens + plen > cfg.max_prefill_tokens:
+            if picked and tokens + plen > cfg.max_prefill_tokens:
+                budget_full = True
                 break
             need = self.allocator.pages_for(self.kv_tokens_needed(req))
-            if not self.allocator.can_allocate(need):
+            if not self.allocator.can_allocate(pages + need):
                 break
+            picked.append((req, need))
+            tokens += plen
+            pages += need
+        min_batch = cfg.min_prefill_batch or 1
+        if not picked or not (len(picked) >= min_batch or budget_full
+                              or len(picked) == len(self.waiting)
+                              or len(self.running) < min_batch):
+            return []
+        batch: list[Req] = []
+        for req, need in picked:
             self.waiting.popleft()
             req.pages = self.allocator.allocate(need)
+            req.page_row = self.page_table.add(req.pages)
             req.status = ReqStatus.RUNNING
             batch.append(req)
-            tokens += plen
         return batch
 
     # ------------------------------------------------------------------ prefill and verify

@@ -198,11 +198,16 @@ class SelectVerifyPhase:
 
     def _sampling_batch(self, reqs: Sequence[Req], n: int, device: torch.device) -> SamplingBatch:
         ps = [r.params for r in reqs]
-        all_greedy = all(p.is_greedy for p in ps)
+        if all(p.temperature <= 0.0 for p in ps):  # SamplingParams.is_greedy, inlined
+            # nothing but the flag is read: sample_rows returns the argmax first
+            empty_f, empty_i = (torch.empty(0, dtype=torch.float32),
+                                torch.empty(0, dtype=torch.int64))
+            return SamplingBatch(temperature=empty_f, top_k=empty_i, top_p=empty_f,
+                                 min_p=empty_f, generators=[], rows_per_request=n,
+                                 all_greedy=True, use_top_k=False, use_top_p=False,
+                                 use_min_p=False)
 
         def col(values: list[float], dtype: torch.dtype) -> torch.Tensor:
-            if all_greedy:  # never read: sample_rows returns the argmax first
-                return torch.empty(0, dtype=dtype)
             return self._to_device(torch.tensor(values, dtype=dtype).repeat_interleave(n))
 
         return SamplingBatch(
@@ -212,7 +217,7 @@ class SelectVerifyPhase:
             min_p=col([p.min_p for p in ps], torch.float32),
             generators=[r.generator or self._generator for r in reqs],
             rows_per_request=n,
-            all_greedy=all_greedy,
+            all_greedy=False,
             use_top_k=any(p.top_k > 0 for p in ps),
             use_top_p=any(p.top_p < 1.0 for p in ps),
             use_min_p=any(p.min_p > 0 for p in ps),

@@ -33,6 +33,7 @@ import torch
 from structspec.core import now
 from structspec.draft_tree.layout import VerifyTree
 from structspec.grammar.tree_mask import GrammarMaskResult, GrammarTree
+from structspec.kvcache.page_table import HostPageTable, PageRows
 from structspec.runner.model_runner import ModelRunner, VerifyForwardOutput
 from structspec.scheduler.commit import commit_tokens
 from structspec.scheduler.deferred_work import PreviousStepWork, finish_deferred
@@ -98,11 +99,13 @@ class VerifyStep:
         overlap: ``SchedulerConfig.overlap``: defer a step's barrier and text work to the
             next step's forward (else finish them at the end of the step).
         feeds_hidden: the drafter reads target hidden states (``on_target_hidden``).
+        page_table: the scheduler's page table (each running request's ``page_row``); None:
+            the runner gets the requests' page lists.
     """
 
     def __init__(self, runner: ModelRunner, drafter: GuardedDrafter, grammar: GrammarService,
                  select: SelectVerifyPhase, timer: StepTimer, *, overlap: bool,
-                 feeds_hidden: bool) -> None:
+                 feeds_hidden: bool, page_table: HostPageTable | None = None) -> None:
         self.runner = runner
         self.drafter = drafter
         self.grammar = grammar
@@ -110,6 +113,7 @@ class VerifyStep:
         self.timer = timer
         self.overlap = overlap
         self.feeds_hidden = feeds_hidden
+        self.page_table = page_table
 
     def run(self, reqs: list[Req], previous: list[Req]) -> StepOutcome:
         """One verify step over ``reqs`` (running, unfinished); ``previous`` are the last
@@ -185,7 +189,13 @@ class VerifyStep:
         as is: a graph replay stages it into the graph's static inputs with one pinned copy;
         only the eager path needs a device copy."""
         reqs = proposal.reqs
-        fwd = self.runner.verify(proposal.tree, [r.seq_len for r in reqs], [r.pages for r in reqs])
+        rows = [r.page_row for r in reqs]
+        pages: PageRows | list[list[int]]
+        if self.page_table is not None and None not in rows:
+            pages = self.page_table.rows(rows)  # type: ignore[arg-type]
+        else:
+            pages = [r.pages for r in reqs]
+        fwd = self.runner.verify(proposal.tree, [r.seq_len for r in reqs], pages)
         self.timer.event("fwd_end")
         self.timer.phase("launch")
         return fwd
@@ -217,21 +227,24 @@ class VerifyStep:
                                           fwd.aux_hidden_states)
         t = now()
         committed: list[list[int]] = []
-        num_real = pending.num_real_drafts
-        for i, (req, run) in enumerate(zip(reqs, runs, strict=True)):
+        ended: list[Req] = []
+        for req, run, proposed in zip(reqs, runs, pending.num_real_drafts, strict=True):
             if req.finished or not run:  # ended by a stop string found after this step was
                 # launched; or no run: non-finite logits, and commit_tokens ends it
                 commit_tokens(req, run, t)
                 committed.append([])
+                ended.append(req)
                 continue
-            req.spec.verify_steps += 1
-            req.spec.draft_tokens_proposed += num_real[i]
-            req.spec.draft_tokens_accepted += len(run) - 1
+            spec = req.spec
+            spec.verify_steps += 1
+            spec.draft_tokens_proposed += proposed
+            spec.draft_tokens_accepted += len(run) - 1
             kept = commit_tokens(req, run, t)
-            req.spec.committed_tokens += len(kept)
+            spec.committed_tokens += len(kept)
             req.seq_len += len(run)
             committed.append(kept)
-        self.drafter.on_verified(draft_reqs, committed)
-        for req in reqs:
             if req.finished:
-                self.drafter.release(req.request_id)
+                ended.append(req)
+        self.drafter.on_verified(draft_reqs, committed)
+        for req in ended:
+            self.drafter.release(req.request_id)

@@ -24,13 +24,25 @@ Three layouts, all :class:`~structspec.layers.forward_batch.ForwardBatch`:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from structspec.kvcache.allocator import slots_for_positions
 from structspec.layers.forward_batch import ForwardBatch
 from structspec.staging import Staging, to_device
+
+
+def padded_rows(token_ids: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids [B, Q], lens [B])`` int64 CPU tensors: row ``b`` holds ``token_ids[b]`` then zeros,
+    ``Q`` the longest row (non-empty rows). One conversion of all the ids, not one tensor per
+    row (the catch-up of every request is laid out each propose)."""
+    lens = np.fromiter(map(len, token_ids), dtype=np.int64, count=len(token_ids))
+    ids = np.zeros((len(token_ids), int(lens.max())), dtype=np.int64)
+    ids[np.arange(ids.shape[1]) < lens[:, None]] = list(itertools.chain.from_iterable(token_ids))
+    return torch.from_numpy(ids), torch.from_numpy(lens)
 
 
 def build_extend_batch(
@@ -64,12 +76,9 @@ def build_extend_batch(
         (the flat row of each request's last new token). Padding query rows write slot 0 and
         attend column 0 only.
     """
-    lens = torch.tensor([len(t) for t in token_ids], dtype=torch.int64)
+    input_ids, lens = padded_rows(token_ids)
     start = torch.tensor(list(starts), dtype=torch.int64)
-    bsz, q = len(token_ids), int(lens.max())
-    input_ids = torch.zeros((bsz, q), dtype=torch.int64)
-    for i, t in enumerate(token_ids):
-        input_ids[i, : len(t)] = torch.tensor(list(t), dtype=torch.int64)
+    bsz, q = input_ids.shape
     col = torch.arange(q).expand(bsz, q)
     valid = col < lens.unsqueeze(1)
     positions = torch.where(valid, start.unsqueeze(1) + col, torch.zeros_like(col))

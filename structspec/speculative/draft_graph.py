@@ -16,8 +16,8 @@ per drafter. Graphs are captured lazily on first use (or ahead of time,
 largest ``B`` bucket or a page table wider than the largest ``P`` bucket runs eagerly.
 
 Static inputs: one flat int64 device buffer ``roots [B] | start [B] | qlen [B] | tokens [B, Q]
-| page_table [B, P]``, filled by ONE pinned host buffer and ONE non-blocking H2D copy per
-propose (:class:`~structspec.staging.PinnedRing`). Everything else (catch-up slots,
+| page_table [B, P]``, filled by ONE pinned host buffer (:func:`stage_propose_inputs`) and ONE
+non-blocking H2D copy per propose (:class:`~structspec.staging.PinnedRing`). Everything else (catch-up slots,
 positions, masks, ``logits_indices``, the frontier batches) is built inside the graph by
 :func:`~structspec.speculative.draft_batches.build_catch_up_batch` and
 :func:`~structspec.speculative.draft_batches.build_frontier_batch`.
@@ -47,27 +47,22 @@ rows ``[:batch]``: valid until the next propose.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from structspec.draft_tree.layout import VerifyTree
+from structspec.kvcache.page_table import PageRows
 from structspec.layers.forward_batch import ForwardBatch
-from structspec.runner.batch_builder import page_rows
 from structspec.runner.cuda_graph import kv_len_buckets, pick_bucket
 from structspec.speculative.base import DraftRequest
 from structspec.speculative.draft_batches import build_catch_up_batch
 from structspec.speculative.expansion import ExpandedTree
 from structspec.staging import HostRing, PinnedRing
-
-
-class _HasPages(Protocol):
-    """A request's drafter bookkeeping, as far as the graphs read it."""
-
-    @property
-    def pages(self) -> list[int]: ...
 
 
 class GraphDrafter(Protocol):
@@ -78,16 +73,12 @@ class GraphDrafter(Protocol):
     Attributes:
         page_size: KV slots per draft page.
         graph_keeps_root_logp: keep ``root_logp`` as a static graph output.
-        states: request id -> its bookkeeping (``pages`` in the draft KV pool).
         last_root_logp: ``[B, V']`` float32 of the last propose, or None (set here).
     """
 
     page_size: int
     graph_keeps_root_logp: bool
     last_root_logp: torch.Tensor | None
-
-    @property
-    def states(self) -> Mapping[str, _HasPages]: ...
 
     def extend_forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Catch-up forward: ``(root_logp [B, V'] float32, root_state [B, ...] or None)``."""
@@ -96,6 +87,10 @@ class GraphDrafter(Protocol):
     def expand(self, root_logp: torch.Tensor, root_state: torch.Tensor | None,
                base_len: torch.Tensor, table: torch.Tensor) -> ExpandedTree:
         """EAGLE-2 expansion from the catch-up's output (device ops only)."""
+        ...
+
+    def page_rows(self, request_ids: Sequence[str]) -> PageRows:
+        """The requests' draft pages, as rows of the drafter's page table."""
         ...
 
     def write_prefix(self, reqs: Sequence[DraftRequest], starts: Sequence[int],
@@ -200,6 +195,44 @@ class DraftGraph:
         self.graph.replay()
 
 
+def stage_propose_inputs(out: np.ndarray, g: DraftGraph, drafter: GraphDrafter,
+                         reqs: Sequence[DraftRequest], plan: ProposePlan,
+                         starts: Sequence[int]) -> None:
+    """Write ``g``'s static inputs for one propose into ``out`` (the host side of its one H2D
+    copy): ``roots [B] | start [B] | qlen [B] | tokens [B, Q] | page_table [B, P]`` with the
+    bucket's ``B``, ``Q``, ``P``; dummy rows (padding, undrafted requests) all 0.
+
+    Built with numpy over the batch: only each drafted request's entry tokens (at most ``Q``)
+    are gathered per request; its pages come from the drafter's page table in one gather (a
+    flat Python list of every field, converted at once, cost ~B * P int conversions a step).
+
+    Args:
+        out: ``int64 [B * (3 + Q + P)]`` host array (the pinned buffer's numpy view).
+        g: the bucket (its ``bsz``, ``query_len``, ``pages``).
+        reqs, plan: the propose's requests and plan.
+        starts: per active request, the first entry the graph catches up on (a long
+            catch-up's earlier entries were written eagerly).
+    """
+    gb, q, width = g.bsz, g.query_len, g.pages
+    out[:] = 0
+    out[: len(plan.roots)] = plan.roots
+    if not plan.active:
+        return
+    active = np.asarray(plan.active, dtype=np.int64)
+    start = np.asarray(starts, dtype=np.int64)
+    qlen = np.asarray(plan.ends, dtype=np.int64) - start
+    out[gb + active] = start
+    out[2 * gb + active] = qlen
+    tokens = out[3 * gb : (3 + q) * gb].reshape(gb, q)
+    rows = np.zeros((len(active), q), dtype=np.int64)
+    rows[np.arange(q) < qlen[:, None]] = list(itertools.chain.from_iterable(
+        drafter.entry_tokens(reqs[i], s, e)
+        for i, s, e in zip(plan.active, starts, plan.ends, strict=True)))
+    tokens[active] = rows
+    table = out[(3 + q) * gb :].reshape(gb, width)
+    table[active] = drafter.page_rows([reqs[i].request_id for i in plan.active]).take(width)
+
+
 def draft_page_buckets(max_model_len: int, scratch: int, page_size: int) -> tuple[int, ...]:
     """Page-table widths: the target's KV-length buckets in pages, the last one widened by the
     expansion scratch (a request of ``E`` entries needs ``E + scratch + 1`` positions)."""
@@ -270,7 +303,7 @@ class DraftGraphCache:
         Stream order (all on the current stream): eager prefixes of long catch-ups, then the
         one H2D copy of the staged ints, then the replay, which reads both.
         """
-        q, width = g.query_len, g.pages
+        q = g.query_len
         bsz = len(reqs)
         starts = [max(s, e - q) for s, e in zip(plan.starts, plan.ends, strict=True)]
         long_rows = [j for j, (s, s0) in enumerate(zip(starts, plan.starts, strict=True))
@@ -280,19 +313,8 @@ class DraftGraphCache:
             drafter.write_prefix([act[j] for j in long_rows],
                                  [plan.starts[j] for j in long_rows],
                                  [starts[j] for j in long_rows])
-        roots = plan.roots + [0] * (g.bsz - bsz)
-        start = [0] * g.bsz
-        qlen = [0] * g.bsz
-        toks = [0] * (g.bsz * q)
-        table: list[Sequence[int]] = [()] * g.bsz
-        for j, i in enumerate(plan.active):
-            r = reqs[i]
-            start[i], qlen[i] = starts[j], plan.ends[j] - starts[j]
-            toks[i * q : i * q + qlen[i]] = drafter.entry_tokens(r, starts[j], plan.ends[j])
-            table[i] = drafter.states[r.request_id].pages
-        flat = roots + start + qlen + toks + page_rows(table, width, g.bsz)
-        buf = self.ring.acquire(len(flat))
-        buf.copy_(torch.tensor(flat, dtype=torch.int64))
+        buf = self.ring.acquire(g.ints.numel())
+        stage_propose_inputs(buf.numpy(), g, drafter, reqs, plan, starts)
         self.ring.copy_to(buf, g.ints)  # one async H2D copy, stream-ordered before the replay
         self.run(g, drafter)
         assert g.tree is not None

@@ -32,7 +32,6 @@ from structspec.kvcache.allocator import slots_for_positions
 from structspec.kvcache.pool import KVPool
 from structspec.layers.forward_batch import ForwardBatch
 from structspec.models.eagle_head import EagleHead, load_eagle_head
-from structspec.runner.batch_builder import page_table_tensor
 from structspec.speculative.base import DraftRequest
 from structspec.speculative.tree_drafter import (
     DraftReqState,
@@ -164,16 +163,17 @@ class EagleDrafter(TreeDrafter):
             bsz, width, feats.shape[2]))
         stored = self.head.project_target(gathered.to(self.features.dtype))
         valid = torch.arange(width).unsqueeze(0) < torch.tensor(list(num_rows)).unsqueeze(1)
-        pages: list[list[int]] = []
+        dropped: list[int] = []
         for b, r in enumerate(reqs):
             st = self.state(r.request_id)
             end = r.seq_len + num_rows[b]
             if not self.ensure_capacity(st, end + self.scratch + 1) or r.seq_len > st.feat_len:
-                valid[b] = False  # no room, or a gap in the features: never drafted
+                dropped.append(b)  # no room, or a gap in the features: never drafted
             else:
                 st.feat_len = max(st.feat_len, end)
-            pages.append(st.pages)
-        table = page_table_tensor(pages, torch.device("cpu"))
+        if dropped:
+            valid[dropped] = False
+        table = self.page_table_host([r.request_id for r in reqs])
         seq = torch.tensor([r.seq_len for r in reqs], dtype=torch.int64)
         pos = torch.where(valid, seq.unsqueeze(1) + torch.arange(width), 0)
         slots = torch.where(valid, slots_for_positions(table, pos, self.page_size), 0)

@@ -25,9 +25,9 @@ import torch
 from structspec.config import SpecConfig
 from structspec.draft_tree.layout import VerifyTree
 from structspec.kvcache.allocator import PageAllocator
+from structspec.kvcache.page_table import HostPageTable, PageRows
 from structspec.kvcache.pool import KVPool
 from structspec.layers.forward_batch import ForwardBatch
-from structspec.runner.batch_builder import page_table_tensor
 from structspec.runner.cuda_graph import DEFAULT_BATCH_SIZES
 from structspec.speculative.base import Drafter, DraftRequest
 from structspec.speculative.draft_batches import build_extend_batch, build_frontier_batch
@@ -81,11 +81,13 @@ class DraftReqState:
         pages: the request's pages in the drafter's KV pool.
         kv_len: committed entries with valid draft KV (positions ``0..kv_len-1``).
         feat_len: positions with a stored target feature (EAGLE only).
+        row: its row of :attr:`TreeDrafter.page_table`, which mirrors ``pages``.
     """
 
     pages: list[int] = field(default_factory=list)
     kv_len: int = 0
     feat_len: int = 0
+    row: int = -1  # the request's row of the drafter's HostPageTable (its ``pages``)
 
 
 class TreeDrafter(Drafter):
@@ -138,6 +140,10 @@ class TreeDrafter(Drafter):
         self.allocator = PageAllocator(kv_pool.num_pages, kv_pool.page_size)
         self.scratch = (self.depth - 1) * self.topk
         self.states: dict[str, DraftReqState] = {}
+        #: every request's draft pages, one row each, for the batch page tables of a propose
+        #: and of :meth:`on_target_hidden` (one numpy gather instead of one conversion per
+        #: request and step: :mod:`structspec.kvcache.page_table`)
+        self.page_table = HostPageTable()
         #: ``[B, V']`` float32 log-probs of the root's children from the last propose, row b =
         #: request b (tests and debugging; rows of requests that were not drafted are
         #: undefined; None after a graph propose unless :attr:`graph_keeps_root_logp`).
@@ -198,8 +204,21 @@ class TreeDrafter(Drafter):
         """The request's bookkeeping (created empty on first sight)."""
         st = self.states.get(request_id)
         if st is None:
-            st = self.states[request_id] = DraftReqState()
+            st = self.states[request_id] = DraftReqState(row=self.page_table.add(()))
         return st
+
+    def page_rows(self, request_ids: Sequence[str]) -> PageRows:
+        """The requests' draft pages (known requests), as rows of :attr:`page_table`."""
+        states = self.states
+        return self.page_table.rows([states[r].row for r in request_ids])
+
+    def page_table_host(self, request_ids: Sequence[str]) -> torch.Tensor:
+        """``int64 [B, P]`` CPU page table of the requests' draft pages, ``P`` = the longest
+        list (what :func:`~structspec.runner.batch_builder.page_table_tensor` builds from the
+        lists)."""
+        rows = self.page_rows(request_ids)
+        width = self.page_table.width(rows.rows.tolist())
+        return torch.from_numpy(rows.take(width))
 
     def ensure_capacity(self, st: DraftReqState, num_positions: int) -> bool:
         """Grow ``st.pages`` to cover ``num_positions``; False when the pool is full."""
@@ -208,14 +227,18 @@ class TreeDrafter(Drafter):
             return True
         if not self.allocator.can_allocate(need):
             return False
-        st.pages.extend(self.allocator.allocate(need))
+        new = self.allocator.allocate(need)
+        st.pages.extend(new)
+        self.page_table.extend(st.row, new)
         return True
 
     def release(self, request_id: str) -> None:
         """Free the request's draft pages and state (unknown ids are ignored)."""
         st = self.states.pop(request_id, None)
-        if st is not None and st.pages:
-            self.allocator.free(st.pages)
+        if st is not None:
+            if st.pages:
+                self.allocator.free(st.pages)
+            self.page_table.remove(st.row)
 
     def on_verified(self, reqs: Sequence[DraftRequest], committed: Sequence[list[int]]) -> None:
         """Nothing to do: the committed history only grows, so entries ``0..kv_len-1`` stay
@@ -273,8 +296,7 @@ class TreeDrafter(Drafter):
         bsz, n = len(reqs), self.num_nodes
         roots_dev = self._to_device(torch.tensor(plan.roots, dtype=torch.int64))
         act_reqs = [reqs[i] for i in plan.active]
-        pages = [self.states[r.request_id].pages for r in act_reqs]
-        table_host = page_table_tensor(pages, torch.device("cpu"))
+        table_host = self.page_table_host([r.request_id for r in act_reqs])
         table = self._to_device(table_host)
         root_logp, root_state = self._catch_up(act_reqs, plan.starts, plan.ends, table_host)
         base_len = self._to_device(torch.tensor(plan.ends, dtype=torch.int64))
@@ -321,8 +343,7 @@ class TreeDrafter(Drafter):
     ) -> None:
         """Eager causal extend of entries ``starts[b]..ends[b]-1`` (``ends > starts``): draft
         KV only (the long catch-ups' heads before a graph replay handles their last rows)."""
-        table = page_table_tensor([self.states[r.request_id].pages for r in reqs],
-                                  torch.device("cpu"))
+        table = self.page_table_host([r.request_id for r in reqs])
         fb = build_extend_batch(
             [self.entry_tokens(r, s, e) for r, s, e in zip(reqs, starts, ends, strict=True)],
             list(starts), table, page_size=self.page_size, device=self.device,

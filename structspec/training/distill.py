@@ -67,7 +67,9 @@ def distill(llm: LLM, prompts: Sequence[TrainPrompt], *, max_tokens: int, batch_
     (:class:`~structspec.training.distill_progress.DistillProgress`).
 
     Text is not detokenized while this runs (only ids are kept), which saves the engine's
-    host work per token; ``llm.engine.detokenize`` is restored afterwards.
+    host work per token, and the engine reports finished requests only (no snapshot of every
+    running request per step); ``llm.engine.detokenize`` and ``report_unfinished`` are
+    restored afterwards.
 
     Args:
         llm: the target model's engine (any device; its speculation settings are used).
@@ -173,8 +175,9 @@ def distill(llm: LLM, prompts: Sequence[TrainPrompt], *, max_tokens: int, batch_
             if add(i) and prompts[i].grammar is not None:
                 waiting = (waiting or 0) + 1
 
-    detokenize = engine.detokenize
+    detokenize, report_unfinished = engine.detokenize, engine.report_unfinished
     engine.detokenize = False
+    engine.report_unfinished = False  # only finished outputs are read below
     stopped = False
     try:
         while pending or held or in_flight:
@@ -202,6 +205,7 @@ def distill(llm: LLM, prompts: Sequence[TrainPrompt], *, max_tokens: int, batch_
         for rid in in_flight:  # only after an error: leave the engine reusable
             engine.abort_request(rid, "distill stopped")
         engine.detokenize = detokenize
+        engine.report_unfinished = report_unfinished
         report.close("stopped early" if stopped else "")
     seqs = [results[i] for i in sorted(results)]
     _log_summary(len(todo), seqs, failures, failed_by_source)

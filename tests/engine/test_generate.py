@@ -256,3 +256,52 @@ def test_unknown_model_path() -> None:
 
     with pytest.raises((FileNotFoundError, ValueError), match="no-such-model"):
         LLM("/tmp/no-such-model", device="cpu")
+
+
+def test_prefill_waits_for_min_prefill_batch_under_a_backlog(make_llm) -> None:
+    """With more requests waiting than free slots, a prefill runs once it admits
+    ``min_prefill_batch`` of them (or every waiting one); until then the batch keeps
+    decoding. Driven through ``_admit`` alone: nothing runs a forward."""
+    eng = make_llm().engine
+    s = eng.scheduler
+    cfg = s.config.scheduler
+    assert cfg.min_prefill_batch == max(1, cfg.max_batch_size // 8) == 4
+    sp = SamplingParams(max_tokens=2)
+    try:
+        for _ in range(cfg.max_batch_size - 2):
+            eng.add_request([1, 2, 3], sp)
+        first = s._admit()  # nothing runs: the whole backlog goes in
+        assert len(first) == cfg.max_batch_size - 2 and not s.waiting
+        s.running.extend(first)
+        late = [eng.add_request([1, 2, 3], sp) for _ in range(3)]
+        assert s._admit() == []  # 2 free slots, 3 waiting: keep decoding
+        eng.abort_request(first[0].request_id)  # 3 free slots: every waiting one fits
+        assert [r.request_id for r in s._admit()] == late
+    finally:
+        for rid in list(s.requests):
+            eng.abort_request(rid)
+        while eng.has_unfinished_requests():
+            eng.step()
+    assert not s.running and s.page_table.num_free_rows >= cfg.max_batch_size
+
+
+def test_final_outputs_only_when_not_reporting_unfinished(make_llm) -> None:
+    """``report_unfinished = False`` (generate_all, distill): a step reports finished requests
+    only, each once, with its whole output."""
+    llm = make_llm()
+    eng = llm.engine
+    params = [SamplingParams(max_tokens=3 + 2 * i, ignore_eos=True) for i in range(3)]
+    streamed = llm.generate(PROMPTS[:3], params)
+    assert eng.report_unfinished  # restored by generate
+    eng.report_unfinished = False
+    try:
+        ids = [eng.add_request(p, sp) for p, sp in zip(PROMPTS[:3], params, strict=True)]
+        got = {}
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                assert out.finished and out.request_id not in got
+                got[out.request_id] = out
+    finally:
+        eng.report_unfinished = True
+    for rid, ref in zip(ids, streamed, strict=True):
+        assert got[rid].token_ids == ref.token_ids and got[rid].text == ref.text
