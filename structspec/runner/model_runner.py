@@ -443,7 +443,7 @@ class ModelRunner:
             def stage_slots(slots: torch.Tensor) -> None:
                 ring = staging.ring(torch.int64)
                 buf = ring.acquire(g.bsz)
-                buf.numpy()[:] = np.array(slots_host, dtype=np.int64)
+                buf.copy_(torch.tensor(slots_host, dtype=torch.int64))
                 ring.copy_to(buf, slots)
 
             staged_penalties = (table, stage_slots)
