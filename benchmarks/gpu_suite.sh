@@ -14,6 +14,11 @@
 #   invariant the cost of --batch-invariant (decode / verify step times, SmolLM2 and 8B shapes;
 #             the default mode's are in smol / llama8b)
 #   maskbench MaskBench end to end (120 schemas)
+#   loopguards, loopguards2  issue 20: MaskBench (120 schemas, ngram, greedy, max 512 tokens)
+#             without the number bounds, with the defaults, with frequency / repetition
+#             penalties and with the repetition stop: the truncated share of each
+#   penalty_cost  issue 20: verify-step time of penalised batches vs none (ngram, batch
+#             1/32/64; the penalised post graph), one line per configuration
 #   ab_overlap, ab_peer  this checkout against another one at $OLD (e.g. `git archive` of an
 #             earlier commit), alternated back to back (benchmarks/ab_compare.py): grammar
 #             overlap (ngram, batch 1/32/64, overlap on) and the structspec peer-table rows;
@@ -22,13 +27,13 @@
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
-run() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$? $name"; grep -E "^(ab_compare|grammar_overlap|mask_build|decode|peer|hbm|floor|[0-9]+ passed|FAILED|ERROR)|passed|failed" "$OUT/$name.log" | tail -n 40; }
-stages=${*:-tests smol peer llama8b llama8b_overlap invariant maskbench}
+run() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$? $name"; grep -E "^(ab_compare|grammar_overlap|mask_build|decode|peer|hbm|floor|maskbench|penalty_cost|[0-9]+ passed|FAILED|ERROR)|passed|failed" "$OUT/$name.log" | tail -n 40; }
+stages=${*:-tests smol peer llama8b llama8b_overlap invariant maskbench loopguards loopguards2 penalty_cost}
 L8=benchmarks/assets/llama3-8b-shape
 python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())'
 for s in $stages; do case $s in
   tests)
-    run gpu_tests 480 python3 -m pytest -q -s -p no:cacheprovider tests/kernels tests/engine/test_gpu_engine.py tests/engine/test_cuda_graph.py tests/speculative tests/grammar/test_worker_pool.py ;;
+    run gpu_tests 480 python3 -m pytest -q -s -p no:cacheprovider tests/kernels tests/engine/test_gpu_engine.py tests/engine/test_cuda_graph.py tests/speculative tests/grammar/test_worker_pool.py tests/engine/test_penalty_graph.py ;;
   smol)
     run mask_build 60 python3 benchmarks/mask_build.py --batch 1 8 32 64 --threads 1 2 4 8 --reps 10
     run gpu_decode 60 python3 benchmarks/gpu_decode.py --skip-eager --skip-fold
@@ -47,6 +52,20 @@ for s in $stages; do case $s in
     run gpu_decode_8b_invariant 200 python3 benchmarks/gpu_decode.py --model $L8 --load-format dummy --batch 1 8 32 64 --nodes 1 9 --skip-eager --skip-fold --floor-gib 0 --batch-invariant ;;
   maskbench)
     run maskbench 170 python3 benchmarks/maskbench_e2e.py --device cuda --speculative-algorithm ngram --limit 120 --max-tokens 1024 --skip-slow-compile --out "$OUT/maskbench.jsonl" ;;
+  loopguards)
+    MB="python3 benchmarks/maskbench_e2e.py --device cuda --speculative-algorithm ngram --limit 120 --max-tokens 512 --skip-slow-compile"
+    run maskbench512_unbounded 150 $MB --unbounded-numbers --out "$OUT/mb512_unbounded.jsonl"
+    run maskbench512_default 150 $MB --out "$OUT/mb512_default.jsonl"
+    run maskbench512_freq03 150 $MB --frequency-penalty 0.3 --out "$OUT/mb512_freq03.jsonl"
+    run maskbench512_freq06 150 $MB --frequency-penalty 0.6 --out "$OUT/mb512_freq06.jsonl" ;;
+  loopguards2)
+    MB="python3 benchmarks/maskbench_e2e.py --device cuda --speculative-algorithm ngram --limit 120 --max-tokens 512 --skip-slow-compile"
+    run maskbench512_rep11 150 $MB --repetition-penalty 1.1 --out "$OUT/mb512_rep11.jsonl"
+    run maskbench512_rep12 150 $MB --repetition-penalty 1.2 --out "$OUT/mb512_rep12.jsonl"
+    run maskbench512_repeat_stop 150 $MB --stop-on-repeat --out "$OUT/mb512_repeat_stop.jsonl"
+    run maskbench512_rep11_stop 150 $MB --repetition-penalty 1.1 --stop-on-repeat --out "$OUT/mb512_rep11_stop.jsonl" ;;
+  penalty_cost)
+    run penalty_cost 560 python3 benchmarks/penalty_cost.py --device cuda --batch 1 32 64 --steps 100 --repeats 2 ;;
   ab_overlap)
     run ab_overlap 560 python3 benchmarks/ab_compare.py --old "$OLD" --new . --rounds 2 -- benchmarks/grammar_overlap.py --device cuda --batch 1 32 64 --steps 100 --algorithms ngram --overlap on ;;
   ab_peer)

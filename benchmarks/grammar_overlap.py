@@ -109,8 +109,12 @@ def record_prompts(llm: LLM, n: int, seed: int = 3, check_tokens: int = 128,
 
 
 def step_ms(llm: LLM, prompts: Sequence[str | list[int]], grammar: bool, steps: int,
-            max_tokens: int = 4000) -> dict[str, float]:
+            max_tokens: int = 4000,
+            params: Sequence[SamplingParams] | None = None) -> dict[str, float]:
     """Verify-step timings over ``steps`` steady-state steps.
+
+    ``params`` (one per prompt) replaces the request parameters (``grammar`` and
+    ``max_tokens`` are then ignored; ``penalty_cost.py`` passes penalised ones).
 
     Returns the engine's step summary (``StepTimer.summary``: host phases, GPU busy, idle gap
     and grammar stall, ms per step) plus ``event_ms`` (CUDA-event time of the whole window /
@@ -123,14 +127,16 @@ def step_ms(llm: LLM, prompts: Sequence[str | list[int]], grammar: bool, steps: 
     engine = llm.engine
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True,
                         grammar=JsonSchemaConstraint(LONG_SCHEMA) if grammar else None)
-    for p in prompts:
-        engine.add_request(p, sp)
+    for p, one in zip(prompts, params or [sp] * len(prompts), strict=True):
+        engine.add_request(p, one)
     sched = engine.scheduler
     while sched.waiting or sched.grammar_queue:
         engine.step()
     # Capture every KV-length bucket of this batch size now: the window's sequences grow by
-    # ~N tokens per step and would otherwise capture (and JIT-compile kernels) inside it.
-    engine.runner.warmup_cuda_graphs(engine.drafter.num_nodes, batch_sizes=[len(prompts)])
+    # ~N tokens per step and would otherwise capture (and JIT-compile kernels) inside it
+    # (with the penalised post graphs when the requests have penalties).
+    engine.runner.warmup_cuda_graphs(engine.drafter.num_nodes, batch_sizes=[len(prompts)],
+                                     penalty_table=sched.penalties.table)
     # The draft model's propose graphs (catch-up + expansion) likewise (a no-op for drafters
     # without graphs).
     engine.drafter.warmup_cuda_graphs(batch_sizes=[len(prompts)])

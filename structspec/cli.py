@@ -11,9 +11,14 @@ from pathlib import Path
 from typing import Any
 
 from structspec import constraint_parse as cp
-from structspec.constraints import GrammarConstraint, JsonObjectConstraint
+from structspec.constraints import GrammarConstraint, JsonObjectConstraint, JsonSchemaConstraint
 from structspec.core import ChatMessageError, RequestOutput, SamplingParams, check_chat_messages
 from structspec.engine_args import add_engine_args, engine_kwargs, flag_error, int_range
+from structspec.penalty_params import (
+    RepetitionStop,
+    logit_bias_from_json,
+    repetition_stop_from_json,
+)
 from structspec.training.cli_train import add_train_eagle_parser, cmd_train_eagle
 from structspec.write_probe import probe_file_writable
 
@@ -39,8 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--batch", help="JSONL file: one request per line with 'prompt' or "
                                      "'messages' and optional per-request fields (at most "
                                      "one of json_schema, regex, ebnf, choice, json_object; "
-                                     "strict, max_tokens, temperature, seed, stop, top_p, "
-                                     "top_k, min_p); a line with other keys fails alone")
+                                     "strict, bounded_numbers, max_tokens, temperature, seed, "
+                                     "stop, top_p, top_k, min_p, presence_penalty, "
+                                     "frequency_penalty, repetition_penalty, logit_bias, "
+                                     "repetition_stop); a line with other keys fails alone")
     gen.add_argument("--raw-prompt", action="store_true",
                      help="send --prompt as is, without the chat template")
     gram = gen.add_mutually_exclusive_group()
@@ -52,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-strict", action="store_true",
                      help="JSON Schema best effort: allow keywords the grammar cannot enforce "
                           "and report schema_valid afterwards")
+    gen.add_argument("--unbounded-numbers", action="store_true",
+                     help="JSON grammars without the default number bounds (a loop guard: "
+                          "integers within +-10**18, numbers within +-10**15, at most 6 "
+                          "fraction digits, unless the schema sets its own bounds)")
     gen.add_argument("--max-tokens", type=int, default=256, help="maximum new tokens")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
@@ -61,6 +72,23 @@ def build_parser() -> argparse.ArgumentParser:
                      help="per-request sampling seed, 0 to 2**63 - 1 (reproducible in any "
                           "batch)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    pen = gen.add_argument_group("penalties and loop guards")
+    pen.add_argument("--presence-penalty", type=float, default=0.0,
+                     help="OpenAI presence penalty in [-2, 2] over the output's tokens")
+    pen.add_argument("--frequency-penalty", type=float, default=0.0,
+                     help="OpenAI frequency penalty in [-2, 2] over the output's tokens")
+    pen.add_argument("--repetition-penalty", type=float, default=1.0,
+                     help="vLLM/HF repetition penalty in [0.01, 100] over prompt and output "
+                          "tokens (> 1 discourages repeats)")
+    pen.add_argument("--logit-bias", default=None,
+                     help='JSON object {"token_id": bias in [-100, 100]}, inline or a file')
+    pen.add_argument("--stop-on-repeat", type=int, nargs="?", const=RepetitionStop.min_tokens,
+                     default=None, metavar="MIN_TOKENS",
+                     help="end a request whose output ends in a loop (one unit of up to "
+                          f"{RepetitionStop.max_period} tokens repeated at least "
+                          f"{RepetitionStop.min_repeats} times over at least MIN_TOKENS "
+                          f"tokens, default {RepetitionStop.min_tokens}): finish_reason "
+                          "length, stop_reason repetition")
     gen.add_argument("--output", choices=["text", "json"], default="text",
                      help="text: the completion; json: one record per request")
     gen.add_argument("--out-file", default=None,
@@ -111,6 +139,15 @@ def grammar_from_args(args: argparse.Namespace) -> GrammarConstraint | None:
         # strictness is a JSON Schema option; with another grammar (or none) the flag would be
         # ignored silently (--batch records carry their own "strict")
         raise ValueError("--no-strict: applies to --json-schema only")
+    grammar = _flag_grammar(args)
+    if args.unbounded_numbers and (grammar is not None or not args.batch):
+        # with --batch and no grammar flag it applies to the lines' JSON grammars
+        grammar = cp.without_number_bounds(grammar, "--unbounded-numbers")
+    return grammar
+
+
+def _flag_grammar(args: argparse.Namespace) -> GrammarConstraint | None:
+    """The grammar of the grammar flags (see :func:`grammar_from_args`)."""
     if args.json_schema is not None:
         if not args.json_schema.strip():
             raise ValueError("--json-schema: empty schema")
@@ -161,8 +198,10 @@ def _precheck_grammar(args: argparse.Namespace, grammar: GrammarConstraint | Non
 
 
 _GRAMMAR_KEYS = ("json_schema", "json_object", "regex", "ebnf", "choice")
-_BATCH_KEYS = frozenset({"prompt", "messages", "strict", "max_tokens", "temperature", "top_p",
-                         "top_k", "min_p", "seed", "stop", *_GRAMMAR_KEYS})
+_PENALTY_KEYS = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+_BATCH_KEYS = frozenset({"prompt", "messages", "strict", "bounded_numbers", "max_tokens",
+                         "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                         "logit_bias", "repetition_stop", *_PENALTY_KEYS, *_GRAMMAR_KEYS})
 
 
 def _check_record(rec: Any) -> None:
@@ -190,10 +229,11 @@ def _check_record(rec: Any) -> None:
         raise ValueError("no 'prompt' or 'messages'; give one")
 
 
-def _batch_grammar(rec: dict[str, Any],
-                  default: GrammarConstraint | None) -> GrammarConstraint | None:
+def _batch_grammar(rec: dict[str, Any], default: GrammarConstraint | None, *,
+                   unbounded_numbers: bool = False) -> GrammarConstraint | None:
     """The grammar of one ``--batch`` line (checked by :func:`_check_record`), ``default``
-    (the command line's) when it names none.
+    (the command line's) when it names none. ``bounded_numbers: false`` on the line (or
+    ``--unbounded-numbers`` without a line value) lifts a JSON grammar's number bounds.
 
     Values of the wrong JSON type are refused, not coerced: ``str()`` made ``null`` the regex
     "None", ``"abc"`` the choices a/b/c and ``"false"`` a true ``strict``
@@ -202,6 +242,19 @@ def _batch_grammar(rec: dict[str, Any],
     Raises:
         ValueError: naming the key and showing the value as it was on the line.
     """
+    grammar = _line_grammar(rec, default)
+    if "bounded_numbers" in rec:
+        if not cp.boolean_field(rec["bounded_numbers"], "bounded_numbers", cp.BATCH_STYLE):
+            grammar = cp.without_number_bounds(grammar, "bounded_numbers")
+    elif unbounded_numbers and isinstance(grammar, (JsonSchemaConstraint,
+                                                    JsonObjectConstraint)):
+        grammar = cp.without_number_bounds(grammar, "--unbounded-numbers")
+    return grammar
+
+
+def _line_grammar(rec: dict[str, Any],
+                  default: GrammarConstraint | None) -> GrammarConstraint | None:
+    """The grammar keys of one ``--batch`` line (see :func:`_batch_grammar`)."""
     style = cp.BATCH_STYLE
     strict = cp.boolean_field(rec["strict"], "strict", style) if "strict" in rec else True
     json_object = ("json_object" in rec
@@ -252,6 +305,14 @@ def _params(args: argparse.Namespace, grammar: GrammarConstraint | None,
     stop = rec.get("stop", args.stop)
     if not isinstance(stop, (str, list, tuple)):
         raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+    if "logit_bias" in rec:
+        logit_bias = logit_bias_from_json(rec["logit_bias"])
+    else:
+        logit_bias = _flag_logit_bias(args.logit_bias)
+    if "repetition_stop" in rec:
+        repetition_stop = repetition_stop_from_json(rec["repetition_stop"])
+    else:
+        repetition_stop = _flag_repetition_stop(args.stop_on_repeat)
     # Values pass through unconverted: SamplingParams.validate names a bad one's field.
     return SamplingParams(
         max_tokens=rec.get("max_tokens", args.max_tokens),
@@ -262,7 +323,35 @@ def _params(args: argparse.Namespace, grammar: GrammarConstraint | None,
         seed=rec.get("seed", args.request_seed),
         stop=tuple([stop] if isinstance(stop, str) else stop),
         grammar=grammar,
+        presence_penalty=rec.get("presence_penalty", args.presence_penalty),
+        frequency_penalty=rec.get("frequency_penalty", args.frequency_penalty),
+        repetition_penalty=rec.get("repetition_penalty", args.repetition_penalty),
+        logit_bias=logit_bias,
+        repetition_stop=repetition_stop,
     )
+
+
+def _flag_logit_bias(value: str | None) -> dict[int, Any] | None:
+    """``--logit-bias``: a JSON object (inline, or the path of a file holding one).
+
+    Raises:
+        ValueError: not JSON, or not an object of token ids (naming ``logit_bias``).
+    """
+    if value is None:
+        return None
+    text = _read_text_arg(value)
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"logit_bias is not a JSON object: {e}") from e
+    return logit_bias_from_json(parsed)
+
+
+def _flag_repetition_stop(min_tokens: int | None) -> RepetitionStop | None:
+    """``--stop-on-repeat [MIN_TOKENS]`` (None: not given)."""
+    if min_tokens is None:
+        return None
+    return RepetitionStop(min_tokens=min_tokens)
 
 
 def _batch_request(args: argparse.Namespace, rec: Any,
@@ -281,7 +370,7 @@ def _batch_request(args: argparse.Namespace, rec: Any,
     if isinstance(rec, ValueError):  # the line's bytes did not decode (see _read_batch)
         raise rec
     _check_record(rec)
-    grammar = _batch_grammar(rec, default_grammar)
+    grammar = _batch_grammar(rec, default_grammar, unbounded_numbers=args.unbounded_numbers)
     _check_prompt(rec)
     params = _params(args, grammar, rec)
     params.validate()
@@ -300,7 +389,10 @@ def _batch_request(args: argparse.Namespace, rec: Any,
 # the field; a command-line error names the flag the user typed).
 _FLAG_OF_FIELD = {"seed": "--request-seed", "max_tokens": "--max-tokens",
                   "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
-                  "min_p": "--min-p", "stop": "--stop"}
+                  "min_p": "--min-p", "stop": "--stop", "presence_penalty": "--presence-penalty",
+                  "frequency_penalty": "--frequency-penalty",
+                  "repetition_penalty": "--repetition-penalty", "logit_bias": "--logit-bias",
+                  "repetition_stop": "--stop-on-repeat"}
 
 
 def _print_output(out: RequestOutput, fmt: str, file: Any = sys.stdout) -> None:

@@ -20,6 +20,7 @@ heavy (no torch, no xgrammar, no server code): the CLI's flag checks run before 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from typing import Any
 from structspec.constraints import (
     ChoiceConstraint,
     EbnfConstraint,
+    GrammarConstraint,
+    JsonObjectConstraint,
     JsonSchemaConstraint,
     RegexConstraint,
 )
@@ -279,3 +282,18 @@ def json_type_name(value: object) -> str:
         return "null"
     return {bool: "boolean", int: "number", float: "number", str: "string", list: "array",
             dict: "object"}.get(type(value), type(value).__name__)
+
+
+def without_number_bounds(grammar: GrammarConstraint | None, name: str) -> GrammarConstraint:
+    """``grammar`` (a JSON Schema or ``json_object`` constraint) with its default number
+    bounds lifted (``bounded_numbers=False``, :mod:`structspec.grammar.number_bounds`).
+
+    Raises:
+        ConstraintFieldError: ``grammar`` is not a JSON grammar (the option would do nothing),
+            naming ``name``.
+    """
+    if not isinstance(grammar, (JsonSchemaConstraint, JsonObjectConstraint)):
+        what = "no grammar" if grammar is None else f"a {grammar.kind} grammar"
+        raise ConstraintFieldError(f"{name}: applies to a JSON Schema or JSON object grammar; "
+                                   f"this request has {what}", name)
+    return dataclasses.replace(grammar, bounded_numbers=False)

@@ -21,19 +21,28 @@ class JsonSchemaConstraint:
     ``strict=True`` (OpenAI's ``json_schema.strict``) rejects schemas that use keywords the
     grammar cannot enforce; ``strict=False`` generates best effort and validates afterwards.
 
+    ``bounded_numbers=True`` (the default) is a loop guard: integers and numbers the schema
+    leaves unbounded get default bounds (integers within ``[-10**18, 10**18]``, numbers within
+    ``[-10**15, 10**15]``; with xgrammar also at most 6 fraction digits, and numbers of
+    values of any type at most 16 + 6 + 2 digits), so a model cannot write digits until
+    ``max_tokens``; every output still follows the schema
+    (:mod:`structspec.grammar.number_bounds`). ``False`` compiles the schema as it is.
+
     Raises:
-        TypeError: ``strict`` is not ``True`` / ``False`` (``"no"`` is truthy: it used to
-            mean strict), naming ``strict``.
+        TypeError: ``strict`` or ``bounded_numbers`` is not ``True`` / ``False`` (``"no"`` is
+            truthy: it used to mean strict), naming the field.
     """
 
     schema: str | dict[str, Any]
     strict: bool = True
+    bounded_numbers: bool = True
 
     def __post_init__(self) -> None:
-        strict: object = self.strict
-        if not isinstance(strict, bool):
-            raise TypeError(f"JsonSchemaConstraint.strict must be True or False, got "
-                            f"{type(strict).__name__} {strict!r}")
+        for name in ("strict", "bounded_numbers"):
+            value: object = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"JsonSchemaConstraint.{name} must be True or False, got "
+                                f"{type(value).__name__} {value!r}")
 
     @property
     def kind(self) -> str:
@@ -59,7 +68,23 @@ class JsonSchemaConstraint:
 
 @dataclass(frozen=True)
 class JsonObjectConstraint:
-    """Output must be any JSON object (OpenAI's ``response_format={"type": "json_object"}``)."""
+    """Output must be any JSON object (OpenAI's ``response_format={"type": "json_object"}``).
+
+    ``bounded_numbers=True`` (the default): with xgrammar, the object's numbers have at most
+    18 digits as integers, else 16 integer + 6 fraction + 2 exponent digits (a loop guard;
+    see :class:`JsonSchemaConstraint`). llguidance leaves them unbounded.
+
+    Raises:
+        TypeError: ``bounded_numbers`` is not ``True`` / ``False``.
+    """
+
+    bounded_numbers: bool = True
+
+    def __post_init__(self) -> None:
+        value: object = self.bounded_numbers
+        if not isinstance(value, bool):
+            raise TypeError(f"JsonObjectConstraint.bounded_numbers must be True or False, got "
+                            f"{type(value).__name__} {value!r}")
 
     @property
     def kind(self) -> str:

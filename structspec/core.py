@@ -9,13 +9,20 @@ import enum
 import math
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import structspec.constraints
 from structspec.constraints import CONSTRAINT_TYPES as _CONSTRAINT_TYPES
 from structspec.constraints import ChoiceConstraint, GrammarConstraint
+from structspec.penalty_params import (
+    RepetitionStop,
+    as_repetition_stop,
+    logit_bias_error,
+    penalty_error,
+    repetition_penalty_error,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Sampling parameters
@@ -88,9 +95,20 @@ class SamplingParams:
     ``temperature == 0`` is greedy. ``top_k <= 0`` / ``top_p == 1`` / ``min_p == 0`` disable
     those filters. ``seed`` makes a sampled request reproducible on its own and in any batch.
 
-    Construction only normalizes ``stop`` / ``stop_token_ids`` to tuples; :meth:`validate`
-    checks types and ranges (``LLMEngine.add_request`` calls it, so a bad value fails that
-    request, naming the field).
+    ``presence_penalty`` / ``frequency_penalty`` (OpenAI, output tokens, ``[-2, 2]``, 0 =
+    off), ``repetition_penalty`` (vLLM / Hugging Face, prompt and output tokens, ``[0.01,
+    100]``, 1 = off) and ``logit_bias`` (``{token_id: bias in [-100, 100]}``) change the logits
+    before the grammar mask, temperature and the filters
+    (:mod:`structspec.penalty_params`). Under speculation every draft-tree row is penalised
+    for its own path, so greedy output with speculation equals greedy output without it and
+    sampling stays exact. ``repetition_stop`` (``True`` for the defaults, or a
+    :class:`~structspec.penalty_params.RepetitionStop`) ends a request whose output loops,
+    ``finish_reason`` ``length`` with ``stop_reason`` ``"repetition"``.
+
+    Construction only normalizes ``stop`` / ``stop_token_ids`` to tuples, ``logit_bias`` to a
+    dict of its own and ``repetition_stop`` ``True`` / ``False`` to a record / None;
+    :meth:`validate` checks types and ranges (``LLMEngine.add_request`` calls it, so a bad
+    value fails that request, naming the field).
     """
 
     max_tokens: int = 256
@@ -104,6 +122,11 @@ class SamplingParams:
     ignore_eos: bool = False
     grammar: GrammarConstraint | None = None
     logprobs: int | None = None  # None: none; k >= 0: chosen token's logprob plus top-k
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    repetition_stop: RepetitionStop | None = None
 
     def __post_init__(self) -> None:
         # Accept lists / a single string for convenience, store tuples (frozen + hashable).
@@ -113,10 +136,19 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         if not isinstance(self.stop_token_ids, tuple):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if isinstance(self.logit_bias, Mapping):  # a copy: the caller's dict may change later
+            object.__setattr__(self, "logit_bias", dict(self.logit_bias) or None)
+        object.__setattr__(self, "repetition_stop", as_repetition_stop(self.repetition_stop))
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any penalty or logit bias changes this request's logits."""
+        return bool(self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                    or self.repetition_penalty != 1.0 or self.logit_bias)
 
     def validate(self) -> None:
         """Check types and ranges; raise ``ValueError`` naming the field on bad input."""
@@ -164,6 +196,22 @@ class SamplingParams:
         if isinstance(self.grammar, ChoiceConstraint):
             if not self.grammar.choices or any(not c for c in self.grammar.choices):
                 raise ValueError("choice must be a non-empty list of non-empty strings")
+        self._validate_penalties()
+
+    def _validate_penalties(self) -> None:
+        """The checks of the penalty, logit-bias and repetition-stop fields."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            if (why := penalty_error(name, getattr(self, name))) is not None:
+                raise ValueError(why)
+        if (why := repetition_penalty_error(self.repetition_penalty)) is not None:
+            raise ValueError(why)
+        if self.logit_bias is not None and (why := logit_bias_error(self.logit_bias)):
+            raise ValueError(why)
+        if self.repetition_stop is not None:
+            if not isinstance(self.repetition_stop, RepetitionStop):
+                raise ValueError(f"repetition_stop must be True, False, None or a "
+                                 f"RepetitionStop, got {self.repetition_stop!r}")
+            self.repetition_stop.check()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,7 +223,7 @@ class FinishReason(enum.StrEnum):
     """Why a request ended (OpenAI's ``finish_reason`` values)."""
 
     STOP = "stop"  # EOS, stop string/token, or the grammar reached its end
-    LENGTH = "length"  # max_tokens or the context length
+    LENGTH = "length"  # max_tokens, the context length, or the repetition stop (stop_reason)
     ABORT = "abort"  # error or cancellation; RequestOutput.error says why
 
 
@@ -252,7 +300,8 @@ class RequestOutput:
     error: str | None = None
     error_param: str | None = None  # which request field caused ``error`` (for HTTP 400s)
     error_code: str | None = None  # machine-readable code of ``error`` (grammar_too_complex)
-    stop_reason: str | int | None = None  # the stop string / token that ended it
+    # the stop string / token that ended it; "repetition" for the repetition stop
+    stop_reason: str | int | None = None
     new_text: str = ""
     new_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
@@ -296,6 +345,7 @@ class RequestOutput:
             "text": self.text,
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason.value if self.finish_reason else None,
+            "stop_reason": self.stop_reason,
             "error": self.error,
             "prompt_tokens": self.num_prompt_tokens,
             "completion_tokens": self.num_completion_tokens,

@@ -7,6 +7,7 @@ runner, grammar, drafter, scheduler) is built in one place, :mod:`structspec.eng
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +24,7 @@ from structspec.core import (
 )
 from structspec.engine.build import build_engine
 from structspec.models.tokenizer import IncrementalDetokenizer, check_unicode
+from structspec.penalty_params import out_of_vocab
 from structspec.scheduler.request import Req
 
 PromptInput = str | list[int] | ChatMessages
@@ -147,6 +149,10 @@ class LLMEngine:
             params.validate()
         except ValueError as e:
             raise RequestError(str(e), _param_of(str(e))) from e
+        bad_id = out_of_vocab(params.logit_bias, self.model_config.vocab_size)
+        if bad_id is not None:
+            raise RequestError(f"logit_bias key {bad_id} is not a token id of this model "
+                               f"(vocabulary size {self.model_config.vocab_size})", "logit_bias")
         ids = self.tokenize_prompt(prompt, raw=raw_prompt)
         if len(ids) >= self.max_model_len:
             raise self._too_long(len(ids), "prompt")
@@ -167,6 +173,8 @@ class LLMEngine:
         )
         try:
             self.scheduler.add(req)
+        except RequestError:  # already names its field (or none)
+            raise
         except ValueError as e:  # more KV than the cache holds
             raise RequestError(str(e), "max_tokens") from e
         return request_id
@@ -272,7 +280,8 @@ def _describe(prompt: object) -> str:
 
 
 def _param_of(message: str) -> str | None:
-    """The SamplingParams field a validation message starts with (they all do)."""
-    head = message.split(" ", 1)[0]
+    """The SamplingParams field a validation message starts with (they all do; a nested
+    one, ``repetition_stop.min_tokens`` or ``logit_bias[5]``, names its field)."""
+    head = re.split(r"[ .\[]", message, maxsplit=1)[0]
     return head if head.isidentifier() else None
 

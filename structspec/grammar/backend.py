@@ -14,6 +14,8 @@ A grammar goes through three stages:
    check and the xgrammar compile, under the request's time budget
    (``GrammarConfig.compile_timeout_s`` from submission, queue wait included). Past it the
    worker is killed, its memory returned, and the request fails with ``grammar_too_complex``.
+   Backends of one process with the same tokenizer and compile settings share the worker
+   processes (:mod:`structspec.grammar.shared_compile_pool`).
 3. **Rebuild in this process** (a daemon thread): the same compile again, to get the
    ``CompiledGrammar`` the matchers need. It is proven to end (it just did, in the worker, in
    about the same time), so the budget no longer runs; shipping the worker's result instead
@@ -43,8 +45,13 @@ from typing import Any
 import xgrammar as xgr
 
 from structspec.config import GrammarConfig
-from structspec.constraints import GrammarConstraint, JsonSchemaConstraint
-from structspec.grammar.compile_pool import CompileJob, CompilePool, too_complex_error
+from structspec.constraints import GrammarConstraint, JsonObjectConstraint, JsonSchemaConstraint
+from structspec.grammar.compile_pool import (
+    CompileJob,
+    CompilePool,
+    shut_down_error,
+    too_complex_error,
+)
 from structspec.grammar.compile_spec import (  # noqa: F401 - re-exported (tests, callers)
     choice_ebnf,
     compile_only,
@@ -54,6 +61,7 @@ from structspec.grammar.compile_spec import (  # noqa: F401 - re-exported (tests
 from structspec.grammar.errors import GRAMMAR_TOO_COMPLEX, PARAM_BY_KIND, GrammarError
 from structspec.grammar.limits import is_small, upfront_error
 from structspec.grammar.matcher import Matcher
+from structspec.grammar.shared_compile_pool import acquire_compile_pool, release_compile_pool
 
 CacheKey = tuple[str, str]
 
@@ -178,7 +186,9 @@ class GrammarBackend:
         self._compiler = xgr.GrammarCompiler(
             self.tokenizer_info, max_threads=max(1, self.config.num_compile_threads),
             cache_enabled=False)
-        self.pool = CompilePool(
+        # One pool per process and settings: engines built for the same tokenizer share its
+        # processes (shared_compile_pool.py); this backend holds one reference to it.
+        self.pool = acquire_compile_pool(
             self.tokenizer_info.serialize_json(), vocab_size=self.vocab_size,
             stop_token_ids=self.stop_token_ids, any_whitespace=self.config.any_whitespace,
             general_workers=self.config.num_compile_threads,
@@ -186,6 +196,8 @@ class GrammarBackend:
             small_slice_s=self.config.small_lane_slice_s)
         self._lock = threading.Lock()
         self._cache: OrderedDict[CacheKey, _Entry] = OrderedDict()
+        # this backend's jobs on the (shared) pool until their verdict: what shutdown cancels
+        self._jobs: set[CompileJob] = set()
         self._compile_s: list[float] = []
         self._timeouts = 0
         self._rebuild_fast: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
@@ -201,10 +213,14 @@ class GrammarBackend:
             t.start()
         self._closed = False
         # A backend dropped without shutdown() (an engine garbage-collected, a test's backend)
-        # must not leave its compile processes behind: the finalizer holds the pool and the
-        # queues, never the backend, so it runs when the last reference goes.
+        # must not leave its compiles running or its pool reference held: the finalizer holds
+        # the pool, the running jobs and the queues, never the backend, so it runs when the
+        # last reference goes (or at interpreter exit). Not the cache: a cached failure's
+        # exception carries the traceback of every frame it was raised through (the engine's
+        # step among them), and the finalizer's arguments live as long as the backend's
+        # finalizer is registered, so holding it would keep a dropped engine alive.
         self._finalizer = weakref.finalize(
-            self, _stop_compiles, self.pool,
+            self, _stop_compiles, self.pool, self._jobs, self._lock,
             [self._rebuild_fast if t.name.endswith("fast") else self._rebuild_slow
              for t in self._threads])
 
@@ -228,6 +244,8 @@ class GrammarBackend:
                                  pool=self.pool)
 
         param = PARAM_BY_KIND.get(kind)
+        if self._closed:  # the shared pool may live on for other backends: refuse here
+            return failed(shut_down_error(kind))
         try:
             text = spec.canonical_text()
             key = self._key(spec, text)
@@ -251,6 +269,7 @@ class GrammarBackend:
                 entry = _Entry(submitted_at=now)
                 entry.job = self.pool.submit(spec, small=is_small(text, self.config),
                                              deadline=now + limit_s, limit_s=limit_s)
+                self._jobs.add(entry.job)
                 self._cache[key] = entry
                 self._evict()
                 job: CompileJob | None = entry.job
@@ -299,8 +318,9 @@ class GrammarBackend:
         return self.pool.pids()
 
     def shutdown(self) -> None:
-        """Stop the compile processes (running compiles are killed; their requests fail) and
-        the rebuild threads. Idempotent."""
+        """Stop this backend's compiles (running ones are killed; their requests fail), give
+        back its reference to the shared compile pool (the last one stops the processes) and
+        end the rebuild threads; later submissions fail with "shut down". Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -315,6 +335,9 @@ class GrammarBackend:
         if isinstance(spec, JsonSchemaConstraint):
             # The strict check may fail where the non-strict compile succeeds: separate keys.
             kind = "json_schema:strict" if spec.strict else "json_schema"
+        if isinstance(spec, (JsonSchemaConstraint, JsonObjectConstraint)) and (
+                not spec.bounded_numbers):
+            kind += ":unbounded"  # another grammar (no default number bounds)
         return kind, hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
     def _evict(self) -> None:
@@ -329,6 +352,8 @@ class GrammarBackend:
                         job_future: Future[float]) -> None:
         """The worker's verdict (on the pool's thread): fail the entry, or queue its rebuild."""
         job = entry.job
+        with self._lock:
+            self._jobs.discard(job)  # type: ignore[arg-type]
         error = job_future.exception()
         if error is not None:
             with self._lock:
@@ -360,10 +385,15 @@ class GrammarBackend:
         entry.future.set_result(compiled)
 
 
-def _stop_compiles(pool: CompilePool, rebuild_queues: list[queue.SimpleQueue[Any]]) -> None:
-    """Kill the compile processes and end the rebuild threads (one ``None`` per thread): the
+def _stop_compiles(pool: CompilePool, jobs: set[CompileJob], lock: threading.Lock,
+                   rebuild_queues: list[queue.SimpleQueue[Any]]) -> None:
+    """Cancel the backend's unfinished compiles, release its pool reference (the last one
+    kills the compile processes) and end the rebuild threads (one ``None`` per thread): the
     backend's shutdown and finalizer."""
-    pool.close()
+    with lock:
+        running = list(jobs)
+    pool.cancel(running)
+    release_compile_pool(pool)
     for q in rebuild_queues:
         q.put(None)
 
@@ -375,5 +405,10 @@ def _serve(work: queue.SimpleQueue[Callable[[], None] | None]) -> None:
         if item is None:
             return
         item()
+        # Drop the done rebuild before waiting again: it references the backend, and a
+        # thread blocked in get() with it in a local kept a dropped backend alive for good
+        # (its finalizer, which ends this thread, never ran), and with it the compile pool
+        # reference and, through a cached failure's traceback, the whole engine.
+        del item
 
 

@@ -16,7 +16,9 @@ not) is stopped and queued at the front of the general lane with its deadline un
 the small lane is never held longer than that.
 
 One dispatcher thread does all the process I/O; :meth:`CompilePool.submit` only queues and
-wakes it.
+wakes it. A process shares one pool among its backends of the same settings
+(:mod:`structspec.grammar.shared_compile_pool`); :meth:`CompilePool.cancel` stops the jobs of
+a backend that shuts down while others still use the pool.
 """
 
 from __future__ import annotations
@@ -46,6 +48,11 @@ SMALL, GENERAL = "small", "general"
 _MAX_WAIT_S = 1.0  # the dispatcher re-checks deadlines at least this often
 
 
+def shut_down_error(kind: str) -> GrammarError:
+    """The error of a compile whose backend (or pool) shut down before it finished."""
+    return GrammarError("the grammar compiler is shut down", param=PARAM_BY_KIND.get(kind))
+
+
 def too_complex_error(kind: str, limit_s: float) -> GrammarError:
     """The error of a compile stopped at its time limit: a 400 with code
     ``grammar_too_complex`` naming the grammar's field and the limit in seconds."""
@@ -68,6 +75,8 @@ class CompileJob:
         limit_s: the configured limit, for the error message.
         future: the worker's verdict: its compile seconds, or the :class:`GrammarError`.
         run_s: seconds the job has run on a worker (the last attempt), once finished.
+        cancelled: set by :meth:`CompilePool.cancel`: the dispatcher stops the job (its
+            worker is killed if one runs it) and fails it with :func:`shut_down_error`.
     """
 
     spec: GrammarConstraint
@@ -78,6 +87,7 @@ class CompileJob:
     future: Future[float] = field(default_factory=Future)
     started_at: float | None = None
     run_s: float = 0.0
+    cancelled: bool = False
 
 
 @dataclass(frozen=True)
@@ -163,8 +173,7 @@ class CompilePool:
         job = CompileJob(spec, lane, deadline, limit_s, job_id=next(self._ids))
         with self._lock:
             if self._closed:
-                job.future.set_exception(GrammarError("the grammar compiler is shut down",
-                                                      param=PARAM_BY_KIND.get(spec.kind)))
+                job.future.set_exception(shut_down_error(spec.kind))
                 return job
             self._queues[lane].append(job)
         self._wake()
@@ -173,7 +182,25 @@ class CompilePool:
     def extend(self, job: CompileJob, deadline: float) -> None:
         """Let ``job`` run until ``deadline`` if that is later (another request joined it)."""
         with self._lock:
-            job.deadline = max(job.deadline, deadline)
+            if not job.cancelled:
+                job.deadline = max(job.deadline, deadline)
+
+    def cancel(self, jobs: Sequence[CompileJob]) -> None:
+        """Stop ``jobs`` without closing the pool (their backend shut down while other
+        backends share the pool): queued ones leave their queue, a running one has its
+        worker killed (a fork replaces it); each fails with :func:`shut_down_error`. Jobs
+        already finished are left as they are. Never blocks on the processes."""
+        with self._lock:
+            for job in jobs:
+                if not job.future.done():
+                    job.cancelled = True
+                    job.deadline = float("-inf")  # the dispatcher's next pass stops it
+        self._wake()
+
+    def usable(self) -> bool:
+        """Whether the pool can still compile: not closed, its compile processes did not
+        fail to start or exit, and its dispatcher thread runs."""
+        return not self._closed and self._failed is None and self._thread.is_alive()
 
     def wait_ready(self, timeout_s: float) -> bool:
         """Wait until every lane has a worker; True then, False (logged) after
@@ -285,7 +312,7 @@ class CompilePool:
                     q.remove(job)
                     expired.append(job)
         for job in expired:
-            _fail(job, too_complex_error(job.spec.kind, job.limit_s))
+            _fail(job, _deadline_error(job))
         for w in list(self._workers):
             job = w.job
             if job is None or job.started_at is None:
@@ -293,7 +320,7 @@ class CompilePool:
             if now >= job.deadline:
                 job.run_s = now - job.started_at
                 self._kill(w)
-                _fail(job, too_complex_error(job.spec.kind, job.limit_s))
+                _fail(job, _deadline_error(job))
             elif w.lane == SMALL and now - job.started_at >= self._slice_s:
                 self._kill(w)  # a cheap-looking grammar that is not: free the small lane
                 job.lane, job.started_at = GENERAL, None
@@ -310,6 +337,9 @@ class CompilePool:
             if job is None:
                 continue
             if job.future.done():  # failed while queued
+                continue
+            if job.cancelled:  # cancelled after this step's deadline pass
+                _fail(job, shut_down_error(job.spec.kind))
                 continue
             job.started_at = time.perf_counter()
             w.job = job
@@ -342,7 +372,8 @@ class CompilePool:
                 with self._lock:
                     for q in self._queues.values():
                         for job in q:
-                            job.deadline = max(job.deadline, now + job.limit_s)
+                            if not job.cancelled:
+                                job.deadline = max(job.deadline, now + job.limit_s)
                     self.ready_at = now
                 return
             _, pid, lane = msg
@@ -407,8 +438,7 @@ class CompilePool:
             job = w.job
             self._kill(w)
             if job is not None:
-                _fail(job, GrammarError("the grammar compiler is shut down",
-                                        param=PARAM_BY_KIND.get(job.spec.kind)))
+                _fail(job, shut_down_error(job.spec.kind))
         self._fail_queued("the grammar compiler is shut down")
         if self._zygote_conn is not None:
             self._zygote_conn.close()
@@ -419,6 +449,14 @@ class CompilePool:
             fds, self._wake_w = (self._wake_r, self._wake_w), -1
         for fd in fds:
             os.close(fd)
+
+
+def _deadline_error(job: CompileJob) -> GrammarError:
+    """Why a job past its deadline is stopped: cancelled (:meth:`CompilePool.cancel`) or
+    over its time limit."""
+    if job.cancelled:
+        return shut_down_error(job.spec.kind)
+    return too_complex_error(job.spec.kind, job.limit_s)
 
 
 def _fail(job: CompileJob, error: GrammarError) -> None:

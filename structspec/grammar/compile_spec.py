@@ -26,8 +26,10 @@ from structspec.constraints import (
 from structspec.grammar.bitmask import allocate_bitmask
 from structspec.grammar.errors import PARAM_BY_KIND, GrammarError
 from structspec.grammar.matcher import Matcher
+from structspec.grammar.number_bounds import bound_schema_numbers
 from structspec.grammar.satisfiable import check_servable
 from structspec.grammar.schema_check import find_unenforceable
+from structspec.grammar.xgr_numbers import bounded_json_schema_grammar
 from structspec.regex_check import find_regex_problem
 
 
@@ -99,9 +101,17 @@ def compile_checked(compiler: xgr.GrammarCompiler, spec: GrammarConstraint, *,
 def _xgrammar_compile(compiler: xgr.GrammarCompiler, spec: GrammarConstraint, *,
                       any_whitespace: bool) -> xgr.CompiledGrammar:
     if isinstance(spec, JsonSchemaConstraint):
+        if spec.bounded_numbers:  # the loop guard: bounded integers and numbers
+            bounded = json.dumps(bound_schema_numbers(json.loads(schema_text(spec))),
+                                 ensure_ascii=False)
+            return compiler.compile_grammar(
+                bounded_json_schema_grammar(bounded, any_whitespace=any_whitespace))
         return compiler.compile_json_schema(schema_text(spec), any_whitespace=any_whitespace,
                                             strict_mode=True)
     if isinstance(spec, JsonObjectConstraint):
+        if spec.bounded_numbers:
+            return compiler.compile_grammar(bounded_json_schema_grammar(
+                '{"type": "object"}', any_whitespace=any_whitespace))
         return compiler.compile_json_schema('{"type": "object"}',
                                             any_whitespace=any_whitespace, strict_mode=True)
     if isinstance(spec, RegexConstraint):

@@ -30,6 +30,7 @@ from structspec.grammar.bitmask import allocate_bitmask
 from structspec.grammar.compile_spec import choice_ebnf, metaschema_problem
 from structspec.grammar.errors import PARAM_BY_KIND, GrammarError
 from structspec.grammar.llg_matcher import LlgCompiled, LlgMatcher
+from structspec.grammar.number_bounds import bound_schema_numbers
 from structspec.grammar.satisfiable import check_servable
 from structspec.regex_check import find_regex_problem
 
@@ -56,8 +57,11 @@ def llguidance_grammar(spec: GrammarConstraint, *, any_whitespace: bool) -> str:
     """
     param = PARAM_BY_KIND.get(spec.kind)
     if isinstance(spec, JsonSchemaConstraint):
+        text = spec.canonical_text()
+        if spec.bounded_numbers:  # the loop guard (values of any type stay unbounded here)
+            text = json.dumps(bound_schema_numbers(json.loads(text)), ensure_ascii=False)
         return llguidance.LLMatcher.grammar_from_json_schema(
-            spec.canonical_text(),
+            text,
             overrides=json_options(any_whitespace=any_whitespace,  # type: ignore[arg-type]
                                    lenient=not spec.strict))
     if isinstance(spec, JsonObjectConstraint):

@@ -449,8 +449,9 @@ def _shutdown(conns: list[Connection], ship_conns: list[Connection],
     for proc in procs:
         try:
             proc.wait(timeout=2)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired:  # a slow exit (a loaded host): do not wait longer
             proc.kill()
+            proc.wait()  # SIGKILL ends it at once; reap it, so no zombie stays behind
     if pinned_ptr:
         page_unlock(pinned_ptr)
     shm.close()

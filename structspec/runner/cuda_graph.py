@@ -13,17 +13,20 @@ H2D copy fills the host-made part) and ``ancestor_mask [B, N, N]`` bool. The For
 :func:`~structspec.runner.batch_builder.build_verify_batch_from_tensors`.
 
 Post graphs: for greedy batches everything after the forward is a second, small graph per
-bucket (and per "masked" flag): the scheduler's select/verify function
-(:class:`SelectVerify`: apply the grammar bitmask, a static ``[B*N, W]`` int32 input shared
-by the buckets of one ``(B, N)``; argmax; tree verification; the count of real drafts), then
-the accepted-path KV compaction. The runner knows neither the grammar nor the drafters: the
-scheduler hands it that function and the bitmask width
-(:meth:`ModelRunner.set_select_verify`), so the graph records the very function the eager
-path calls. Run eagerly these are ~60 small kernels whose launches
-cost ~1 ms of host time per step on an H200 host (more than SmolLM2's whole verify forward);
-replayed they are one launch. The post graph is separate from the forward graph because the
-bitmask is built on the host *while the forward runs* and is uploaded just before the post
-work.
+bucket (and per variant ``(masked, penalised)``): the scheduler's select/verify function
+(:class:`SelectVerify`: the sampling penalties of each row's tree path when a request of the
+batch has some, reading the penalty table and a static ``[B]`` int64 slot input; apply the
+grammar bitmask, a static ``[B*N, W]`` int32 input shared by the buckets of one ``(B, N)``;
+argmax; tree verification; the count of real drafts and of the penalised runs), then the
+accepted-path KV compaction. The penalised variants are captured at their first use, or by
+:meth:`ModelRunner.warmup_cuda_graphs` given the penalty table; batches without penalties
+never run them. The runner knows neither the grammar nor the drafters: the scheduler hands
+it that function and the bitmask width (:meth:`ModelRunner.set_select_verify`), so the graph
+records the very function the eager path calls. Run eagerly these are ~60 small kernels
+whose launches cost ~1 ms of host time per step on an H200 host (more than SmolLM2's whole
+verify forward); replayed they are one launch. The post graph is separate from the forward
+graph because the bitmask is built on the host *while the forward runs* and is uploaded just
+before the post work.
 
 Dummy rows: ``seq_len 0`` and a page-table row of page 0 (the sink), so they write their
 K/V only into page 0 and attend only their own node (ancestor mask: at least the diagonal);
@@ -44,6 +47,7 @@ from torch import nn
 
 from structspec.draft_tree.verify import VerifyResult
 from structspec.kvcache.pool import KVPool
+from structspec.layers.penalties import PenaltyInputs, PenaltyTable
 from structspec.runner.batch_builder import build_verify_batch_from_tensors, compact_accepted_kv
 
 DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)
@@ -102,15 +106,21 @@ class SelectVerify(Protocol):
 
     Called with ``(logits [R, V] float32, bitmask [R, W] int32 or None, draft_tokens,
     parents, depth [B, N] int64, ancestor_mask [B, N, N] bool, max_accept_drafts [B] int64
-    or None)``, all on one device, ``R = B * N``: masks ``logits`` in place, picks each row's
-    argmax and verifies the trees. Returns ``(VerifyResult [B, N] / [B], num_real [B] int64
-    real drafts per request)``. No host sync: a CUDA graph records it.
+    or None, penalties (the penalty table and [B] int64 slots) or None)``, all on one
+    device, ``R = B * N``: penalises and masks ``logits`` in place, picks each row's argmax,
+    verifies the trees and counts the committed runs into the penalty slots. Returns
+    ``(VerifyResult [B, N] / [B], num_real [B] int64 real drafts per request)``. No host
+    sync: a CUDA graph records it.
     """
 
     def __call__(self, logits: torch.Tensor, bitmask: torch.Tensor | None,
                  draft_tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor,
                  ancestor_mask: torch.Tensor, max_accept_drafts: torch.Tensor | None,
-                 /) -> tuple[VerifyResult, torch.Tensor]: ...
+                 penalties: PenaltyInputs | None, /) -> tuple[VerifyResult, torch.Tensor]: ...
+
+
+PostKey = tuple[bool, bool]
+"""A post graph's variant: ``(masked, penalised)``."""
 
 
 class VerifyGraph:
@@ -128,8 +138,11 @@ class VerifyGraph:
         hidden: ``[B, N, H]`` static output.  aux: list of ``[B, N, H]`` static outputs.
         bitmask: ``[B * N, W]`` int32 post-graph input (shared per ``(B, N)``; set by
             :meth:`VerifyGraphCache.post_inputs`).  cap: ``[B]`` int64 accepted-draft cap.
-        post_out: per masked flag, the post graph's static ``(VerifyResult [B, N],
-            num_real [B])``.
+        post_graphs: the post graphs by variant ``(masked, penalised)``.
+        post_out: per variant, the post graph's static ``(VerifyResult [B, N], num_real
+            [B])``.
+        penalty_table: the penalty table the penalised post graphs read (they are
+            recaptured if another one is passed).
     """
 
     def __init__(
@@ -158,8 +171,9 @@ class VerifyGraph:
         self.aux: list[torch.Tensor] = []
         self.bitmask: torch.Tensor | None = None
         self.cap: torch.Tensor | None = None
-        self.post_graphs: dict[bool, torch.cuda.CUDAGraph] = {}
-        self.post_out: dict[bool, tuple[VerifyResult, torch.Tensor]] = {}
+        self.post_graphs: dict[PostKey, torch.cuda.CUDAGraph] = {}
+        self.post_out: dict[PostKey, tuple[VerifyResult, torch.Tensor]] = {}
+        self.penalty_table: PenaltyTable | None = None
 
     @property
     def host_ints(self) -> int:
@@ -213,12 +227,15 @@ class VerifyGraph:
         self.graph.replay()
 
     def post_forward(
-        self, kv_pool: KVPool, page_size: int, masked: bool, select_verify: SelectVerify
+        self, kv_pool: KVPool, page_size: int, masked: bool, select_verify: SelectVerify,
+        penalties: PenaltyInputs | None = None,
     ) -> tuple[VerifyResult, torch.Tensor]:
         """Greedy post-forward work on the static buffers, run eagerly (what the post graph
-        records): ``select_verify`` (mask the logits in place, with ``bitmask`` and ``cap``
-        when ``masked``; argmax each row; verify every tree; count the real drafts), then
-        compact the accepted paths' KV (dummy rows move sink slots only).
+        records): ``select_verify`` (penalise the logits in place with ``penalties``, whose
+        slots are a static input with slot 0 on the dummy rows; mask them, with ``bitmask``
+        and ``cap`` when ``masked``; argmax each row; verify every tree; count the real
+        drafts and the penalised runs), then compact the accepted paths' KV (dummy rows move
+        sink slots only).
 
         Returns:
             ``(VerifyResult with [B, N] / [B] tensors, num_real [B] int64)``, fresh tensors.
@@ -229,16 +246,17 @@ class VerifyGraph:
             assert self.bitmask is not None and self.cap is not None
             bitmask, cap = self.bitmask, self.cap
         result, num_real = select_verify(self.logits, bitmask, self.draft_tokens, self.parents,
-                                         self.depth, self.ancestor_mask, cap)
+                                         self.depth, self.ancestor_mask, cap, penalties)
         compact_accepted_kv(kv_pool, result.accept_nodes, self.seq_lens, self.page_table,
                             page_size=page_size)
         return result, num_real
 
     def run_post(
         self, kv_pool: KVPool, page_size: int, masked: bool, pool: tuple,
-        select_verify: SelectVerify,
+        select_verify: SelectVerify, penalties: PenaltyInputs | None = None,
     ) -> tuple[VerifyResult, torch.Tensor]:
-        """Replay the post graph (capturing it on first use); returns its ``[B, ...]`` outputs.
+        """Replay the post graph of variant ``(masked, penalties is not None)`` (capturing it
+        on first use); returns its ``[B, ...]`` outputs.
 
         First use runs :meth:`post_forward` eagerly for real (its results are this step's)
         and then records the graph *without* replaying it: a replay after an eager run would
@@ -246,15 +264,22 @@ class VerifyGraph:
         eager run also does the lazy work (Triton compiles) before the capture. Capture syncs
         the device (only here, never in replay).
         """
-        graph = self.post_graphs.get(masked)
+        key = (masked, penalties is not None)
+        if penalties is not None and penalties.table is not self.penalty_table:
+            # the penalised graphs read the table's tensors: a new table needs new graphs
+            for k in [k for k in self.post_graphs if k[1]]:
+                del self.post_graphs[k], self.post_out[k]
+            self.penalty_table = penalties.table
+        graph = self.post_graphs.get(key)
         if graph is not None:
             graph.replay()
-            return self.post_out[masked]
-        out = self.post_forward(kv_pool, page_size, masked, select_verify)
+            return self.post_out[key]
+        out = self.post_forward(kv_pool, page_size, masked, select_verify, penalties)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            self.post_out[masked] = self.post_forward(kv_pool, page_size, masked, select_verify)
-        self.post_graphs[masked] = graph
+            self.post_out[key] = self.post_forward(kv_pool, page_size, masked, select_verify,
+                                                   penalties)
+        self.post_graphs[key] = graph
         return out
 
 
@@ -285,6 +310,7 @@ class VerifyGraphCache:
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[GraphKey, VerifyGraph] = {}
         self._post_inputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._penalty_slots: dict[tuple[int, int], torch.Tensor] = {}
         self._cap_dirty: set[tuple[int, int]] = set()  # caps holding real values
         #: the post graphs' function and the bitmask width (int32 words per row), both from
         #: the scheduler (:meth:`ModelRunner.set_select_verify`); None = no post graphs yet
@@ -328,8 +354,18 @@ class VerifyGraphCache:
         g.bitmask, g.cap = self._post_inputs[key]
         return g.bitmask, g.cap
 
+    def penalty_slots(self, g: VerifyGraph) -> torch.Tensor:
+        """``g``'s post-graph penalty-slot input, ``[B]`` int64 (0: no penalties), created on
+        first use and shared by every bucket of the same ``(B, N)``."""
+        key = (g.bsz, g.num_nodes)
+        if key not in self._penalty_slots:
+            self._penalty_slots[key] = torch.zeros(g.bsz, dtype=torch.int64,
+                                                   device=self.device)
+        return self._penalty_slots[key]
+
     def run_post(
-        self, g: VerifyGraph, masked: bool, staged_cap: Callable[[torch.Tensor], None] | None
+        self, g: VerifyGraph, masked: bool, staged_cap: Callable[[torch.Tensor], None] | None,
+        penalties: tuple[PenaltyTable, Callable[[torch.Tensor], None]] | None = None,
     ) -> tuple[VerifyResult, torch.Tensor]:
         """:meth:`VerifyGraph.run_post` with this cache's pools.
 
@@ -339,8 +375,17 @@ class VerifyGraphCache:
             staged_cap: when a grammar walk timed out, a function that queues the real
                 ``[bsz]`` caps into the given ``cap[:bsz]`` view (non_blocking H2D); None = no
                 cap this step (the buffer is reset to ``N`` if a previous step wrote caps).
+            penalties: for a batch with a penalised request, the penalty table and a function
+                that queues the ``[B_bucket]`` slots (0 on the dummy rows) into the given
+                static slot input (non_blocking H2D); None = the unpenalised post graph.
         """
         assert self.select_verify is not None, "ModelRunner.set_select_verify() first"
+        inputs = None
+        if penalties is not None:
+            table, stage_slots = penalties
+            slots = self.penalty_slots(g)
+            stage_slots(slots)
+            inputs = PenaltyInputs(table, slots)
         if masked:
             _, cap = self.post_inputs(g)
             key = (g.bsz, g.num_nodes)
@@ -350,4 +395,5 @@ class VerifyGraphCache:
             elif key in self._cap_dirty:
                 cap.fill_(g.num_nodes)
                 self._cap_dirty.discard(key)
-        return g.run_post(self.kv_pool, self.page_size, masked, self.pool, self.select_verify)
+        return g.run_post(self.kv_pool, self.page_size, masked, self.pool, self.select_verify,
+                          inputs)

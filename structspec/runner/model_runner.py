@@ -23,6 +23,7 @@ from structspec.draft_tree.verify import VerifyResult
 from structspec.kvcache.page_table import PageRows
 from structspec.kvcache.pool import KVPool
 from structspec.layers.forward_batch import ForwardBatch
+from structspec.layers.penalties import PenaltyTable
 from structspec.memory import check_fits
 from structspec.runner.batch_builder import (
     build_prefill_batch,
@@ -332,7 +333,7 @@ class ModelRunner:
     @torch.inference_mode()
     def warmup_cuda_graphs(
         self, num_nodes: int, *, batch_sizes: Sequence[int] | None = None,
-        kv_lens: Sequence[int] | None = None,
+        kv_lens: Sequence[int] | None = None, penalty_table: PenaltyTable | None = None,
     ) -> int:
         """Capture verify graphs ahead of time (largest first), with dummy rows only (their
         writes go to the sink page), and their post graphs once :meth:`set_select_verify` was
@@ -342,27 +343,40 @@ class ModelRunner:
             num_nodes: tree size ``N`` the engine verifies with (1 = plain decode).
             batch_sizes: batch buckets to capture (default: all).
             kv_lens: KV lengths to capture buckets for (default: all buckets).
+            penalty_table: also capture the post graphs that penalise (for batches with a
+                penalised request; otherwise captured at their first use), reading this
+                table (the scheduler's ``penalties.table``). Already captured forward
+                graphs get the post graphs they lack.
 
         Returns:
-            The number of graphs captured by this call.
+            The number of forward graphs captured by this call.
         """
         if self.graphs is None:
             return 0
         bss = batch_sizes if batch_sizes is not None else self.graphs.batch_sizes
         pps = (self.graphs.page_buckets if kv_lens is None
                else [-(-L // self.page_size) for L in kv_lens])
+        penalised = (False,) if penalty_table is None else (False, True)
         count = 0
         for bs in sorted(bss, reverse=True):
             for pp in sorted(pps, reverse=True):
                 g = self.graphs.lookup(bs, num_nodes, pp, self.aux_hidden_layers)
-                if g is None or g.captured:
+                if g is None:
                     continue
+                posts = [] if self.select_verify is None else [
+                    (m, p) for p in penalised for m in (False, True) if (m, p) not in g.post_graphs]
+                if g.captured and not posts:
+                    continue
+                # Dummy rows only (also in a graph a real step used): the post graphs' KV
+                # moves stay in the sink page and count into penalty slot 0, never kept.
                 g.reset_dummy()
-                self.graphs.ensure_captured(g)
-                if self.select_verify is not None:
-                    for masked in (False, True):  # dummy rows only: KV moves stay in the sink
-                        self.graphs.run_post(g, masked, None)
-                count += 1
+                if not g.captured:
+                    self.graphs.ensure_captured(g)
+                    count += 1
+                for masked, with_penalties in posts:
+                    self.graphs.run_post(g, masked, None, (penalty_table, _neutral_slots)
+                                         if with_penalties and penalty_table is not None
+                                         else None)
         return count
 
     def graph_bitmask(self, fwd: VerifyForwardOutput) -> torch.Tensor | None:
@@ -378,6 +392,7 @@ class ModelRunner:
     def greedy_verify(
         self, fwd: VerifyForwardOutput, *, masked: bool,
         max_accept_cpu: torch.Tensor | None = None,
+        penalties: tuple[PenaltyTable, Sequence[int]] | None = None,
     ) -> tuple[VerifyResult, torch.Tensor]:
         """Greedy selection, tree verification and KV compaction for a graph-replayed
         ``fwd`` as one post-graph replay (see :mod:`structspec.runner.cuda_graph`).
@@ -391,6 +406,10 @@ class ModelRunner:
             masked: apply the bitmask already uploaded into :meth:`graph_bitmask`.
             max_accept_cpu: ``[B]`` host int cap on accepted drafts (a grammar walk timed
                 out), or None.
+            penalties: ``(table, slots)`` when a request of the batch has sampling
+                penalties: the penalty table and each request's slot (host ints, 0 = none);
+                the post graph variant that penalises each row for its tree path replays
+                (captured at its first use). None = no penalties.
 
         Returns:
             ``(VerifyResult [B, N], num_real [B] int64 real drafts per request)``, views of
@@ -415,7 +434,20 @@ class ModelRunner:
                 ring = staging.ring(torch.int64)
                 ring.copy_to(ring.acquire(bsz).copy_(host), cap[:bsz])
 
-        result, num_real = self.graphs.run_post(g, masked, staged_cap)
+        staged_penalties = None
+        if penalties is not None:
+            table, slot_list = penalties
+            slots_host = list(slot_list) + [0] * (g.bsz - bsz)  # dummy rows: neutral slot 0
+            staging = self.staging
+
+            def stage_slots(slots: torch.Tensor) -> None:
+                ring = staging.ring(torch.int64)
+                buf = ring.acquire(g.bsz)
+                buf.copy_(torch.tensor(slots_host, dtype=torch.int64))
+                ring.copy_to(buf, slots)
+
+            staged_penalties = (table, stage_slots)
+        result, num_real = self.graphs.run_post(g, masked, staged_cap, staged_penalties)
         return VerifyResult(accept_tokens=result.accept_tokens[:bsz],
                             accept_len=result.accept_len[:bsz],
                             accept_nodes=result.accept_nodes[:bsz]), num_real[:bsz]
@@ -426,3 +458,9 @@ class ModelRunner:
         in slots past the new length, where the next step overwrites it."""
         compact_accepted_kv(self.kv_pool, result.accept_nodes, fwd.seq_lens, fwd.page_table,
                             page_size=self.page_size)
+
+
+def _neutral_slots(slots: torch.Tensor) -> None:
+    """Stage every row of a post graph's penalty-slot input to slot 0 (a warm-up's dummy
+    rows: no penalties, nothing counted)."""
+    slots.zero_()

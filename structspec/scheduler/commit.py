@@ -3,7 +3,8 @@
 Three phases per request and step (docs/architecture.md, invariants 3 and 4):
 
 A. :func:`commit_tokens` (right after the step's results reach the host): trim the run at
-   token-level stops (EOS, stop token ids, max_tokens) and append the kept ids. The next
+   token-level stops (EOS, stop token ids, the repetition stop, max_tokens) and append the
+   kept ids. The next
    step's tree is drafted from these ids.
 B. The *grammar barrier* (with overlap it runs after the next verify launch, under the GPU
    forward): the grammar state advances over the ids committed since the last barrier, exactly
@@ -24,21 +25,31 @@ pages are then freed whole.
 from __future__ import annotations
 
 from structspec.core import FinishReason
+from structspec.penalty_params import REPETITION_STOP_REASON
 from structspec.scheduler.request import Req
 
 
-def cut_run(req: Req, run: list[int]) -> tuple[list[int], FinishReason | None, int | None]:
-    """Trim ``run`` at the first EOS / stop token id (kept) or at ``max_new_tokens``.
+def cut_run(req: Req, run: list[int]) -> tuple[list[int], FinishReason | None, str | int | None]:
+    """Trim ``run`` at the first EOS / stop token id (kept), at the token that completes a
+    loop (the request's repetition stop, :mod:`~structspec.scheduler.repeat_stop`; kept) or at
+    ``max_new_tokens``.
+
+    The repetition stop's detector sees the kept tokens only, one at a time, so a multi-token
+    run stops at the token where plain decoding would have stopped.
 
     Returns:
-        ``(kept, finish_reason or None, stop_token or None)``.
+        ``(kept, finish_reason or None, stop_reason or None)``: the stop token id, or
+        ``"repetition"`` (with ``length``).
     """
     room = req.max_new_tokens - len(req.output_ids)
+    detector = req.repeat_detector
     for i, tok in enumerate(run):
         if (tok in req.eos_token_ids and not req.params.ignore_eos) or (
             tok in req.params.stop_token_ids
         ):
             return run[: i + 1], FinishReason.STOP, tok
+        if detector is not None and detector.push(tok):
+            return run[: i + 1], FinishReason.LENGTH, REPETITION_STOP_REASON
         if i + 1 >= room:
             return run[: i + 1], FinishReason.LENGTH, None
     return run, None, None
@@ -61,12 +72,12 @@ def commit_tokens(req: Req, run: list[int], now_s: float) -> list[int]:
     if not run:
         req.finish(FinishReason.ABORT, error=NON_FINITE_LOGITS_ERROR)
         return []
-    run, reason, stop_tok = cut_run(req, run)
+    run, reason, stop_reason = cut_run(req, run)
     req.output_ids.extend(run)
     if req.first_token_time is None:
         req.first_token_time = now_s
     if reason is not None:
-        req.finish(reason, stop_reason=stop_tok)
+        req.finish(reason, stop_reason=stop_reason)
     return run
 
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from structspec.core import FinishReason, RequestOutput, SamplingParams, SpecMetrics, TokenLogprob
+from structspec.scheduler.repeat_stop import RepeatDetector
 
 if TYPE_CHECKING:
     from structspec.grammar.backend import GrammarFuture
@@ -72,6 +73,14 @@ class Req:
     finish_time: float | None = None
     schema_valid: bool | None = None
     drafter_state: Any = None  # owned by the drafter (e.g. n-gram index)
+    # row of the device penalty table (scheduler/penalty_slots.py); 0: no penalties
+    penalty_slot: int = 0
+    # the repetition stop's detector over the committed output (None: no repetition stop)
+    repeat_detector: RepeatDetector | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if self.params.repetition_stop is not None:
+            self.repeat_detector = RepeatDetector(self.params.repetition_stop)
 
     @property
     def finished(self) -> bool:

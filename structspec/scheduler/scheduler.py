@@ -16,7 +16,7 @@ from collections import deque
 import torch
 
 from structspec.config import EngineConfig
-from structspec.core import FinishReason, RequestOutput, now
+from structspec.core import FinishReason, RequestError, RequestOutput, now
 from structspec.draft_tree.layout import VerifyTree
 from structspec.grammar.backend import GrammarBackend
 from structspec.grammar.bitmask import bitmask_width
@@ -31,6 +31,7 @@ from structspec.scheduler.deferred_work import finish_deferred
 from structspec.scheduler.draft_guard import GuardedDrafter
 from structspec.scheduler.grammar_service import GrammarService
 from structspec.scheduler.logprobs import trim_logprobs
+from structspec.scheduler.penalty_slots import PenaltySlots
 from structspec.scheduler.request import Req, ReqStatus
 from structspec.scheduler.select_verify import SelectVerifyPhase, select_verify
 from structspec.scheduler.step_stats import StepTimer
@@ -99,7 +100,11 @@ class Scheduler:
             grammar, device=runner.device, vocab_size=runner.vocab_size,
             tree_on_host=drafter.tree_on_host, timer=self.timer,
             live_requests=lambda: [*self.running, *self._deferred], pool=mask_pool)
-        self._select = SelectVerifyPhase(runner, self._engine_generator)
+        #: the penalised requests' rows of the device penalty table
+        self.penalties = PenaltySlots(vocab_size=runner.vocab_size,
+                                      max_requests=config.scheduler.max_batch_size,
+                                      device=runner.device, staging=runner.staging)
+        self._select = SelectVerifyPhase(runner, self._engine_generator, self.penalties)
         self._verify = VerifyStep(runner, self.draft, self.grammar, self._select, self.timer,
                                   overlap=config.scheduler.overlap,
                                   feeds_hidden=self._feeds_hidden, page_table=self.page_table)
@@ -128,6 +133,8 @@ class Scheduler:
 
         Raises:
             ValueError: when the request can never fit in the KV cache.
+            RequestError: the first penalised request's penalty table does not fit on the
+                device (:meth:`PenaltySlots.reserve`).
         """
         need_pages = self.allocator.pages_for(self.kv_tokens_needed(req))
         if need_pages > self.allocator.num_pages - 1:
@@ -140,6 +147,11 @@ class Scheduler:
             raise ValueError(f"duplicate request_id {req.request_id!r}")
         # What can raise runs before the request is registered (a failed add leaves nothing
         # behind, so its id can be used again).
+        if req.params.has_penalties:
+            try:
+                self.penalties.reserve()
+            except MemoryError as e:  # this request fails; the engine goes on
+                raise RequestError(str(e)) from e
         if req.params.seed is not None:
             req.generator = torch.Generator(device=self.runner.device)
             req.generator.manual_seed(req.params.seed)
@@ -180,6 +192,7 @@ class Scheduler:
             req.page_row = None
         self.draft.release(req.request_id)
         self.grammar.release(req.request_id)
+        self.penalties.release(req)
         req.finish_time = now()
         req.matcher = None
         if req.params.grammar is not None and req.finish_reason is FinishReason.STOP:
@@ -309,6 +322,9 @@ class Scheduler:
         """Write the prompts' KV and commit each request's first token (its grammar advance
         and text work run at once)."""
         self.timer.break_chain()
+        for r in batch:
+            if r.params.has_penalties:
+                self.penalties.assign(r)
         out = self.runner.prefill([r.prompt_ids for r in batch], [r.pages for r in batch])
         if self._feeds_hidden:
             self.draft.on_target_hidden(

@@ -1,12 +1,14 @@
 """Target selection and tree verification after a forward: the one implementation.
 
-:func:`select_verify` is the function the scheduler composes once (grammar mask application +
-target selection + :func:`~structspec.draft_tree.verify.verify_paths` + the real-draft count)
-and hands to the runner (:meth:`ModelRunner.set_select_verify`), whose post-forward CUDA graph
-records it for greedy graph-replayed verifies. :class:`SelectVerifyPhase` runs the step's
-selection phase: that graph replay, or the same function eagerly (sampling, eager forwards,
-prefill) with :func:`~structspec.layers.sampler.sample_rows` as the selection; then the
-accepted KV is compacted (the runner's) and the results start their way to the host.
+:func:`select_verify` is the function the scheduler composes once (sampling penalties per tree
+path + grammar mask application + target selection +
+:func:`~structspec.draft_tree.verify.verify_paths` + the real-draft count + the penalised
+requests' output counts) and hands to the runner (:meth:`ModelRunner.set_select_verify`),
+whose post-forward CUDA graph records it for greedy graph-replayed verifies.
+:class:`SelectVerifyPhase` runs the step's selection phase: that graph replay, or the same
+function eagerly (sampling, eager forwards, prefill) with
+:func:`~structspec.layers.sampler.sample_rows` as the selection; then the accepted KV is
+compacted (the runner's) and the results start their way to the host.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from structspec.draft_tree.layout import VerifyTree
 from structspec.draft_tree.verify import VerifyResult, verify_paths
 from structspec.grammar.bitmask import apply_bitmask_
 from structspec.grammar.tree_mask import GrammarMaskResult
+from structspec.layers.penalties import PenaltyInputs, apply_penalties_, count_accepted_
 from structspec.layers.sampler import SamplingBatch, sample_rows
 from structspec.runner.model_runner import ModelRunner, VerifyForwardOutput
 from structspec.scheduler.logprobs import record_logprobs
+from structspec.scheduler.penalty_slots import PenaltySlots
 from structspec.scheduler.pending import PendingStep
 from structspec.scheduler.request import Req
 from structspec.staging import stack_to_device, to_device
@@ -36,9 +40,10 @@ def select_verify(
     depth: torch.Tensor,
     ancestor_mask: torch.Tensor,
     max_accept_drafts: torch.Tensor | None,
+    penalties: PenaltyInputs | None = None,
     select: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[VerifyResult, torch.Tensor]:
-    """Mask, choose a target token per node row, verify the trees. No host sync.
+    """Penalise, mask, choose a target token per node row, verify the trees. No host sync.
 
     Args:
         logits: ``[B * N, V]`` float32 (row ``b * N + i`` = node i of request b), on the
@@ -49,6 +54,10 @@ def select_verify(
         ancestor_mask: ``[B, N, N]`` bool.
         max_accept_drafts: ``[B]`` int64 cap on accepted drafts (a grammar walk timed out),
             or None.
+        penalties: the step's penalty table and ``[B]`` slots (None: no request of the batch
+            has penalties; nothing is done). Each row is penalised for its own tree path
+            before the mask (:func:`~structspec.layers.penalties.apply_penalties_`), and the
+            committed runs are counted into the slots after verification.
         select: ``[R, V] -> [R]`` int64 target per row; None = argmax (greedy; what the
             post-forward CUDA graph records).
 
@@ -58,6 +67,8 @@ def select_verify(
         ``accept_len`` 0, no committed token; the scheduler ends it with an error
         (docs/architecture.md, invariant 5) and the other rows are untouched.
     """
+    if penalties is not None:
+        apply_penalties_(logits, penalties, draft_tokens, ancestor_mask)
     if bitmask is not None:
         apply_bitmask_(logits, bitmask)
     bsz, n = draft_tokens.shape
@@ -78,6 +89,8 @@ def select_verify(
     targets = (targets if select is None else select(logits)).view(bsz, n)
     result = verify_paths(draft_tokens, parents, depth, ancestor_mask, targets, max_accept_drafts)
     result.accept_len.mul_(row_ok.all(dim=1))  # 0: non-finite logits, nothing committed
+    if penalties is not None:
+        count_accepted_(penalties, result.accept_tokens, result.accept_len)
     num_real = (draft_tokens[:, 1:] >= 0).sum(dim=1)
     return result, num_real
 
@@ -103,11 +116,14 @@ class SelectVerifyPhase:
     Args:
         runner: the target runner (KV compaction, post-forward graphs, staging).
         generator: the engine's generator, for requests without their own seed.
+        penalties: the penalised requests' device state (their slots in the penalty table).
     """
 
-    def __init__(self, runner: ModelRunner, generator: torch.Generator) -> None:
+    def __init__(self, runner: ModelRunner, generator: torch.Generator,
+                 penalties: PenaltySlots) -> None:
         self.runner = runner
         self._generator = generator
+        self.penalties = penalties
         self._pinned_pool: dict[tuple, torch.Tensor] = {}  # D2H buffers of PendingStep
 
     def prepare(self, reqs: Sequence[Req], num_nodes: int, device: torch.device,
@@ -126,8 +142,10 @@ class SelectVerifyPhase:
         (verify steps); start the D2H copy of the results.
 
         A greedy graph-replayed verify runs all of it as one post-graph replay
-        (:meth:`ModelRunner.greedy_verify`); other steps run :func:`select_verify` eagerly
-        with :func:`sample_rows` as the selection, then :meth:`ModelRunner.commit_accepted_kv`.
+        (:meth:`ModelRunner.greedy_verify`; a batch with a penalised request replays the
+        post graph that also penalises, captured at its first use); other steps run
+        :func:`select_verify` eagerly with :func:`sample_rows` as the selection, then
+        :meth:`ModelRunner.commit_accepted_kv`.
         """
         n = tree.num_nodes
         cap_cpu = None
@@ -137,12 +155,15 @@ class SelectVerifyPhase:
             for req, rejected in zip(reqs, mask.rejected_by_grammar, strict=True):
                 req.spec.draft_tokens_rejected_by_grammar += rejected
         graph_bitmask = selection.graph_bitmask
+        slots = self.penalties.slots_of(reqs)
         if graph_bitmask is not None:
             assert fwd is not None
             if mask is not None and mask.bitmask_device.data_ptr() != graph_bitmask.data_ptr():
                 graph_bitmask[: mask.bitmask_device.shape[0]].copy_(mask.bitmask_device)
-            result, num_real = self.runner.greedy_verify(fwd, masked=mask is not None,
-                                                         max_accept_cpu=cap_cpu)
+            table = self.penalties.table
+            result, num_real = self.runner.greedy_verify(
+                fwd, masked=mask is not None, max_accept_cpu=cap_cpu,
+                penalties=None if slots is None or table is None else (table, slots))
         else:
             tree_dev = self._tree_to_device(tree)
             cap = None if cap_cpu is None else self._to_device(cap_cpu.to(torch.int64))
@@ -150,6 +171,7 @@ class SelectVerifyPhase:
             result, num_real = select_verify(
                 logits, None if mask is None else mask.bitmask_device, tree_dev.draft_tokens,
                 tree_dev.parents, tree_dev.depth, tree_dev.ancestor_mask, cap,
+                None if slots is None else self.penalties.inputs(slots),
                 select=lambda rows: sample_rows(rows, sb))
             if fwd is not None:
                 self.runner.commit_accepted_kv(fwd, result)

@@ -2,10 +2,12 @@
 without a word.
 
 - **Fields it knows but cannot honour** (:data:`UNSUPPORTED`: OpenAI's ``functions``,
-  ``audio``, ``reasoning_effort``, non-zero penalties...; vLLM's sampling extras such as
-  ``min_tokens`` or ``include_stop_str_in_output``): a 400 ``code: "unsupported"`` naming the
-  field, unless the value asks for nothing (``null``, or the value that changes nothing:
-  ``presence_penalty: 0``, ``store: false``, ``modalities: ["text"]``...).
+  ``audio``, ``reasoning_effort``...; vLLM's sampling extras such as ``min_tokens`` or
+  ``include_stop_str_in_output``): a 400 ``code: "unsupported"`` naming the field, unless the
+  value asks for nothing (``null``, or the value that changes nothing: ``min_tokens: 0``,
+  ``store: false``, ``modalities: ["text"]``...). The penalties (``presence_penalty``,
+  ``frequency_penalty``, ``repetition_penalty``) and ``logit_bias`` are served
+  (:mod:`structspec.server.params` checks their values).
 - **Fields it accepts without effect** (:data:`NO_EFFECT`): identifiers and hints that do not
   change an output (``user``, ``metadata``, ``safety_identifier``, ``prompt_cache_key``).
 - **Unknown keys inside an object the server reads** (``stream_options`` here;
@@ -86,10 +88,6 @@ def _best_of(v: Any, req: SamplingRequest) -> bool:
 
 
 UNSUPPORTED: tuple[Unsupported, ...] = (
-    # OpenAI, both endpoints
-    Unsupported("presence_penalty", _number(0), "0"),
-    Unsupported("frequency_penalty", _number(0), "0"),
-    Unsupported("logit_bias", _empty, "{}"),
     # OpenAI chat
     Unsupported("functions", _empty, "[] (use response_format to constrain the answer)",
                 (CHAT,)),
@@ -107,7 +105,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("suffix", _empty, '""', (COMPLETIONS,)),
     Unsupported("best_of", _best_of, "equal to n", (COMPLETIONS,)),
     # vLLM's sampling extras that change an output
-    Unsupported("repetition_penalty", _number(1), "1"),
     Unsupported("min_tokens", _is(0), "0"),
     Unsupported("length_penalty", _number(1), "1"),
     Unsupported("use_beam_search", _is(False), "false"),

@@ -9,17 +9,34 @@ With ``n > 1`` choice ``i`` gets seed ``seed + i`` (when a seed is given; wrappe
 seed range, 0 to 2**63 - 1, :data:`structspec.core.SEED_MAX`, by
 :func:`structspec.core.choice_seed`).
 
+Penalties (:mod:`structspec.penalty_params`): ``presence_penalty`` / ``frequency_penalty``
+(OpenAI: ``[-2, 2]``, output tokens), ``repetition_penalty`` (vLLM: ``[0.01, 100]``, prompt
+and output tokens), ``logit_bias`` (``{"token_id": bias in [-100, 100]}``, at most 300
+entries, ids below the vocabulary size) and structspec's ``repetition_stop`` (``true`` or
+``{min_tokens, max_period, min_repeats}``: a looping output ends with ``finish_reason``
+``length`` and ``stop_reason`` ``"repetition"``). A bad value (NaN, out of range, a key that
+is not a token id) is a 400 naming the field.
+
 Log-probabilities (``logprobs`` / ``top_logprobs``) are the target model's log-softmax over
-the vocabulary *after the grammar mask* and *before* temperature and top-k/top-p/min-p, so
-with a grammar every token outside it has log-probability -inf and is never listed.
+the vocabulary *after* ``logit_bias``, the penalties and the grammar mask and *before*
+temperature and top-k/top-p/min-p, so with a grammar every token outside it has
+log-probability -inf and is never listed.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
+from typing import Any
 
 from structspec.constraints import GrammarConstraint
 from structspec.core import SamplingParams, choice_seed, seed_error
+from structspec.penalty_params import (
+    RepetitionStop,
+    logit_bias_from_json,
+    out_of_vocab,
+    repetition_stop_from_json,
+)
 from structspec.server.errors import bad_request
 from structspec.server.field_policy import check_unsupported
 from structspec.server.protocol import ChatCompletionRequest, SamplingRequest
@@ -39,6 +56,7 @@ def build_sampling_params(
     max_model_len: int,
     max_tokens_param: str = "max_tokens",
     logprobs_param: str = "logprobs",
+    vocab_size: int | None = None,
 ) -> SamplingParams:
     """Sampling parameters of choice 0 (see :func:`per_choice` for the others).
 
@@ -47,6 +65,8 @@ def build_sampling_params(
             ``max_completion_tokens`` when that was sent), named in its errors.
         logprobs_param: the request field the number of top log-probs came from (chat's
             ``top_logprobs``; completions' ``logprobs``), named in its errors.
+        vocab_size: the served model's vocabulary size: ``logit_bias`` keys at or above it
+            are refused (None: not checked here; the engine refuses them).
 
     Raises:
         APIError: 400 naming the bad or unsupported field; ``context_length_exceeded``
@@ -76,6 +96,7 @@ def build_sampling_params(
     top_k = req.top_k if req.top_k is not None else 0
     if top_k == -1:  # vLLM's "disabled"
         top_k = 0
+    logit_bias, repetition_stop = _penalty_extras(req, vocab_size)
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else float(req.temperature),
@@ -88,17 +109,45 @@ def build_sampling_params(
         ignore_eos=req.ignore_eos,
         grammar=grammar,
         logprobs=logprobs,
+        presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
+        frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=logit_bias,
+        repetition_stop=repetition_stop,
     )
     try:
         params.validate()
     except ValueError as e:
-        # The message starts with the SamplingParams field; name the request field it came
-        # from (chat's max_completion_tokens / top_logprobs are stored as max_tokens /
-        # logprobs).
-        field = str(e).split(" ", 1)[0]
+        # The message starts with the SamplingParams field (``logit_bias[5]``,
+        # ``repetition_stop.min_tokens``: the field is the name before the bracket or dot);
+        # name the request field it came from (chat's max_completion_tokens / top_logprobs
+        # are stored as max_tokens / logprobs).
+        field = re.split(r"[ .\[]", str(e), maxsplit=1)[0]
         field = {"max_tokens": max_tokens_param, "logprobs": logprobs_param}.get(field, field)
         raise bad_request(str(e), field if field.isidentifier() else None) from None
     return params
+
+
+def _penalty_extras(req: SamplingRequest, vocab_size: int | None
+                    ) -> tuple[dict[int, Any] | None, RepetitionStop | None]:
+    """The request's ``logit_bias`` (token-id keys) and ``repetition_stop``.
+
+    Raises:
+        APIError: 400 for a ``logit_bias`` key that is not a token id (of this model, when
+            ``vocab_size`` is given) or a bad ``repetition_stop``, naming the field.
+    """
+    try:
+        logit_bias = logit_bias_from_json(req.logit_bias)
+    except ValueError as e:
+        raise bad_request(str(e), "logit_bias") from None
+    if vocab_size is not None and (bad := out_of_vocab(logit_bias, vocab_size)) is not None:
+        raise bad_request(f"logit_bias key {bad} is not a token id of this model (vocabulary "
+                          f"size {vocab_size})", "logit_bias")
+    try:
+        repetition_stop = repetition_stop_from_json(req.repetition_stop)
+    except (TypeError, ValueError) as e:
+        raise bad_request(str(e), "repetition_stop") from None
+    return logit_bias, repetition_stop
 
 
 def check_context_length(prompt_len: int, max_tokens: int, max_model_len: int, param: str,

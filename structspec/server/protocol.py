@@ -98,7 +98,8 @@ class ResponseFormat(OpenAIModel):
 
 class StructuredOutputs(OpenAIModel):
     """vLLM's ``structured_outputs``: exactly one of json, regex, choice, grammar,
-    json_object."""
+    json_object; and structspec's ``bounded_numbers`` (``false``: the request's JSON grammar,
+    given here or elsewhere, without the default number bounds)."""
 
     json_: SchemaValue | None = Field(default=None, alias="json")
     regex: str | None = None
@@ -106,6 +107,9 @@ class StructuredOutputs(OpenAIModel):
     grammar: str | None = None
     json_object: StrictBool | None = None
     structural_tag: Any = None
+    # structspec's loop guard on the request's JSON grammar (wherever it was given);
+    # false lifts the default number bounds
+    bounded_numbers: StrictBool | None = None
 
 
 class StreamOptions(OpenAIModel):
@@ -141,6 +145,8 @@ class SamplingRequest(OpenAIModel):
     frequency_penalty: JsonFloat | None = None
     repetition_penalty: JsonFloat | None = None
     logit_bias: dict[str, JsonFloat] | None = None
+    # structspec's loop stop: true (defaults) or {min_tokens, max_period, min_repeats}
+    repetition_stop: StrictBool | dict[str, Any] | None = None
     user: str | None = None
     # structured outputs, every shape clients send
     response_format: ResponseFormat | None = None

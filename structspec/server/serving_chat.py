@@ -85,7 +85,8 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
                                    logprobs=logprobs, prompt_len=len(prompt_ids),
                                    max_model_len=state.max_model_len,
                                    max_tokens_param=max_tokens_param,
-                                   logprobs_param="top_logprobs")
+                                   logprobs_param="top_logprobs",
+                                   vocab_size=state.engine.info.vocab_size)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     run = GenerationRun(state.engine, state.codec, state.metrics, rid,
                         [(prompt_ids, p) for p in per_choice(params, req.n)], start_s,

@@ -62,7 +62,8 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     for ids in prompts:
         params = build_sampling_params(req, grammar=grammar, max_tokens=req.max_tokens,
                                        logprobs=req.logprobs, prompt_len=len(ids),
-                                       max_model_len=state.max_model_len)
+                                       max_model_len=state.max_model_len,
+                                       vocab_size=state.engine.info.vocab_size)
         items.extend((ids, p) for p in per_choice(params, req.n))
     prompt_tokens = sum(len(ids) for ids in prompts)
     rid = f"cmpl-{uuid.uuid4().hex}"

@@ -13,7 +13,10 @@ Accepted shapes (the union of what sglang, vLLM, TensorRT-LLM and llama.cpp clie
   (vLLM < 0.12), ``structured_outputs: {json, regex, choice, grammar, json_object}``
   (vLLM >= 0.12).
 
-At most one constraint per request (a 400 names both otherwise). Nothing in these objects is
+At most one constraint per request (a 400 names both otherwise). JSON grammars get default
+number bounds, a loop guard (:mod:`structspec.grammar.number_bounds`);
+``structured_outputs: {"bounded_numbers": false}`` lifts them for the request's JSON grammar,
+wherever it was given (a 400 when the request has no JSON grammar). Nothing in these objects is
 ignored: a ``response_format`` key its type does not read (:data:`RESPONSE_FORMAT_KEYS`), two
 spellings of one value (``regex`` and ``pattern``), and an unknown key of
 ``response_format.json_schema`` or ``structured_outputs`` are a 400 naming the key. ``json_schema.strict``
@@ -103,7 +106,11 @@ def _grammar_and_field(req: SamplingRequest) -> tuple[GrammarConstraint | None, 
         names = ", ".join(n for n, _ in found)
         raise bad_request(f"only one structured-output constraint may be given; got {names}",
                           found[1][0])
-    return found[0][1] if found else (None, None)
+    grammar, field = found[0][1] if found else (None, None)
+    if req.structured_outputs is not None and req.structured_outputs.bounded_numbers is False:
+        # the loop guard lifted for the request's JSON grammar, wherever it was given
+        grammar = cp.without_number_bounds(grammar, "structured_outputs.bounded_numbers")
+    return grammar, field
 
 
 RESPONSE_FORMAT_KEYS: dict[str, tuple[str, ...]] = {
@@ -221,9 +228,11 @@ def _from_response_format(rf: ResponseFormat) -> Found | None:
 
 
 STRUCTURED_OUTPUTS_KEYS = ("json", "regex", "choice", "grammar", "json_object",
-                           "structural_tag")
+                           "structural_tag", "bounded_numbers")
 """The keys of vLLM's ``structured_outputs`` the server reads (``structural_tag`` only to
-refuse it); another key (vLLM's ``disable_any_whitespace``, a misspelling) is a 400."""
+refuse it; ``bounded_numbers`` is structspec's: ``false`` lifts the default number bounds of
+the request's JSON grammar); another key (vLLM's ``disable_any_whitespace``, a misspelling)
+is a 400."""
 
 
 def _from_structured_outputs(so: StructuredOutputs) -> Found | None:

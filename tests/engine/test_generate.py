@@ -19,15 +19,20 @@ from structspec.engine.llm_engine import RequestError
 from tests.engine.conftest import PERSON_SCHEMA, PROMPTS
 
 
-def test_greedy_same_alone_and_in_mixed_batch(make_llm) -> None:
+@pytest.mark.parametrize("alone", [(1, 2, 5), pytest.param(range(6), marks=pytest.mark.slow)],
+                         ids=["three", "all"])
+def test_greedy_same_alone_and_in_mixed_batch(make_llm, alone) -> None:
+    """Six requests of three lengths, one with a JSON Schema, in one batch; each of ``alone``
+    (the longest free one, the JSON one, a shorter free one; all six in the slow variant)
+    again on its own: the same tokens."""
     llm = make_llm()
     params = [SamplingParams(max_tokens=16 + 4 * (i % 3)) for i in range(6)]
     params[2] = SamplingParams(max_tokens=20, grammar=JsonSchemaConstraint(PERSON_SCHEMA))
     batch = llm.generate(PROMPTS[:6], params)
-    for prompt, sp, got in zip(PROMPTS[:6], params, batch, strict=True):
-        alone = llm.generate(prompt, sp)[0]
-        assert got.token_ids == alone.token_ids, prompt
-        assert got.finish_reason is not None
+    assert all(got.finish_reason is not None for got in batch)
+    for i in alone:
+        got = llm.generate(PROMPTS[i], params[i])[0]
+        assert got.token_ids == batch[i].token_ids, PROMPTS[i]
 
 
 def test_result_fields_and_json_schema(make_llm) -> None:

@@ -174,6 +174,32 @@ def test_parse_with_pydantic_model(client: openai.OpenAI) -> None:
     assert isinstance(out.choices[0].message.parsed, Weather)
 
 
+class City(BaseModel):
+    name: str
+    country: str
+    population: int
+
+
+def test_parse_city_finishes_with_stop(client: openai.OpenAI) -> None:
+    """Issue 20's example: with the default number bounds the integer ends (SmolLM2 used to
+    write ``1000000...`` until max_tokens, and the SDK raised); the parse succeeds with
+    finish_reason stop under default settings. With the bounds lifted it runs into the limit
+    (what the guard prevents)."""
+    parse = client.chat.completions.parse if hasattr(client.chat.completions, "parse") \
+        else client.beta.chat.completions.parse
+    ask = [{"role": "user", "content": "Describe Lisbon."}]
+    out = parse(model=MODEL, response_format=City, max_tokens=60, temperature=0, messages=ask)
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    assert isinstance(choice.message.parsed, City) and choice.message.parsed.population > 0
+    loose = client.chat.completions.create(
+        model=MODEL, messages=ask, max_tokens=40, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {
+            "name": "City", "schema": City.model_json_schema(), "strict": True}},
+        extra_body={"structured_outputs": {"bounded_numbers": False}})
+    assert loose.choices[0].finish_reason == "length"
+
+
 def test_logprobs_n_and_seed(client: openai.OpenAI) -> None:
     out = client.chat.completions.create(
         model=MODEL, messages=ASK, max_tokens=4, temperature=0.9, seed=11, n=2,

@@ -223,8 +223,8 @@ def test_sampling_params_defaults_and_mapping() -> None:
     ({"max_tokens": 10**9}, "max_tokens"),
     ({"n": 0}, "n"),
     ({"stop": ["", "x"]}, "stop"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"logit_bias": {"1": 2}}, "logit_bias"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),  # served since issue 20; in [-2, 2]
+    ({"logit_bias": {"1": 200}}, "logit_bias"),
     ({"seed": -1}, "seed"),
     ({"seed": 2**70}, "seed"),
 ])
