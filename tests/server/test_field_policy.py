@@ -13,15 +13,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from structspec.core import SEED_MAX
-from structspec.server.app import create_app
 from structspec.server.field_policy import NO_EFFECT, UNSUPPORTED
-from structspec.server.metrics import ServerMetrics
-from structspec.server.serving import ServerState
-from tests.server.server_fakes import FakeCodec, FakeEngine
-
-MSGS = [{"role": "user", "content": "hi"}]
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
-SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+from tests.server.fake_client import CHAT, COMPLETIONS, SCHEMA, fake_client, post
+from tests.server.server_fakes import FakeEngine
 
 
 @pytest.fixture
@@ -31,15 +25,8 @@ def engine() -> FakeEngine:
 
 @pytest.fixture
 def client(engine: FakeEngine) -> Iterator[TestClient]:
-    state = ServerState(engine=engine, codec=FakeCodec(), metrics=ServerMetrics(),
-                        model_name="fake")
-    with TestClient(create_app(state)) as c:
+    with fake_client(engine) as c:
         yield c
-
-
-def post(client: TestClient, path: str, **body: Any) -> Any:
-    base: dict[str, Any] = {"messages": MSGS} if path == CHAT else {"prompt": "hi"}
-    return client.post(path, json={**base, "max_tokens": 2, **body})
 
 
 def error_of(r: Any) -> dict[str, Any]:

@@ -6,21 +6,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
 from structspec.constraints import JsonSchemaConstraint
 from structspec.penalty_params import RepetitionStop
-from structspec.server.app import create_app
-from structspec.server.metrics import ServerMetrics
-from structspec.server.serving import ServerState
-from tests.server.server_fakes import FakeCodec, FakeEngine
-
-MSGS = [{"role": "user", "content": "hi"}]
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
-SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+from tests.server.fake_client import CHAT, COMPLETIONS, MSGS, SCHEMA, fake_client, post
+from tests.server.server_fakes import FakeEngine
 
 
 @pytest.fixture
@@ -30,15 +23,8 @@ def engine() -> FakeEngine:
 
 @pytest.fixture
 def client(engine: FakeEngine) -> Iterator[TestClient]:
-    state = ServerState(engine=engine, codec=FakeCodec(), metrics=ServerMetrics(),
-                        model_name="fake")
-    with TestClient(create_app(state)) as c:
+    with fake_client(engine) as c:
         yield c
-
-
-def post(client: TestClient, path: str, **body: Any) -> Any:
-    base: dict[str, Any] = {"messages": MSGS} if path == CHAT else {"prompt": "hi"}
-    return client.post(path, json={**base, "max_tokens": 2, **body})
 
 
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
