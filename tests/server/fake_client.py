@@ -32,3 +32,4 @@ def post(client: TestClient, path: str, **body: Any) -> Any:
     """POST a minimal valid request to ``path`` (chat or completions), ``body`` merged in."""
     base: dict[str, Any] = {"messages": MSGS} if path == CHAT else {"prompt": "hi"}
     return client.post(path, json={**base, "max_tokens": 2, **body})
+

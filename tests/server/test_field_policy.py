@@ -6,7 +6,6 @@ never coerced, and a seed has one range. Fake engine, no model."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -14,19 +13,8 @@ from fastapi.testclient import TestClient
 
 from structspec.core import SEED_MAX
 from structspec.server.field_policy import NO_EFFECT, UNSUPPORTED
-from tests.server.fake_client import CHAT, COMPLETIONS, SCHEMA, fake_client, post
+from tests.server.fake_client import CHAT, COMPLETIONS, SCHEMA, post
 from tests.server.server_fakes import FakeEngine
-
-
-@pytest.fixture
-def engine() -> FakeEngine:
-    return FakeEngine()
-
-
-@pytest.fixture
-def client(engine: FakeEngine) -> Iterator[TestClient]:
-    with fake_client(engine) as c:
-        yield c
 
 
 def error_of(r: Any) -> dict[str, Any]:

@@ -5,26 +5,14 @@ model."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import pytest
 from fastapi.testclient import TestClient
 
 from structspec.constraints import JsonSchemaConstraint
 from structspec.penalty_params import RepetitionStop
-from tests.server.fake_client import CHAT, COMPLETIONS, MSGS, SCHEMA, fake_client, post
+from tests.server.fake_client import CHAT, COMPLETIONS, MSGS, SCHEMA, post
 from tests.server.server_fakes import FakeEngine
-
-
-@pytest.fixture
-def engine() -> FakeEngine:
-    return FakeEngine()
-
-
-@pytest.fixture
-def client(engine: FakeEngine) -> Iterator[TestClient]:
-    with fake_client(engine) as c:
-        yield c
 
 
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
