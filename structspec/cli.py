@@ -343,6 +343,8 @@ def _flag_logit_bias(value: str | None) -> dict[int, Any] | None:
     try:
         parsed = json.loads(text)
     except json.JSONDecodeError as e:
+        if not value.lstrip().startswith("{"):  # meant as a path, as --json-schema reads it
+            raise ValueError(f"logit_bias: no such file {value!r} (and not inline JSON)") from e
         raise ValueError(f"logit_bias is not a JSON object: {e}") from e
     return logit_bias_from_json(parsed)
 

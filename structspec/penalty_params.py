@@ -170,6 +170,8 @@ def logit_bias_from_json(value: object, name: str = "logit_bias") -> dict[int, A
             token = int(key)
         else:
             raise ValueError(f"{name} key {key!r} is not a token id (a non-negative integer)")
+        if token in out:  # "5" and "05": two biases for one token, neither would be right
+            raise ValueError(f"{name} key {key!r} names token {token} a second time")
         out[token] = bias
     return out
 

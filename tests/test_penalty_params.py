@@ -64,7 +64,7 @@ def test_validate_names_the_field(kw: dict[str, Any], field: str) -> None:
 def test_json_forms() -> None:
     assert logit_bias_from_json({"5": -1, "17": 2.5}) == {5: -1, 17: 2.5}
     assert logit_bias_from_json(None) is None
-    for bad in ({"x": 1}, {"-1": 1}, {"1.5": 1}, [1]):
+    for bad in ({"x": 1}, {"-1": 1}, {"1.5": 1}, [1], {"5": 1, "05": -1}):
         with pytest.raises(ValueError, match="logit_bias"):
             logit_bias_from_json(bad)
     assert repetition_stop_from_json(True) == RepetitionStop()
@@ -103,6 +103,7 @@ def test_flags_reach_the_engine(monkeypatch: pytest.MonkeyPatch,
     (["--repetition-penalty", "nan"], "--repetition-penalty: repetition_penalty"),
     (["--logit-bias", "{5: 1}"], "--logit-bias: logit_bias is not a JSON object"),
     (["--logit-bias", '{"a": 1}'], "--logit-bias: logit_bias key 'a'"),
+    (["--logit-bias", "/nonexistent/bias.json"], "--logit-bias: logit_bias: no such file"),
     (["--logit-bias", '{"1": 500}'], "--logit-bias: logit_bias[1]"),
     (["--stop-on-repeat", "1"], "--stop-on-repeat: repetition_stop.min_tokens"),
     (["--unbounded-numbers"], "--unbounded-numbers: applies to a JSON Schema"),
