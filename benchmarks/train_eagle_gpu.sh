@@ -8,9 +8,11 @@
 #   bash benchmarks/train_eagle_gpu.sh synthetic     # ~3 min, no weights or data needed:
 #                                                    # training tokens/s and memory at the
 #                                                    # SmolLM2 shape (random weights, random ids)
-# GPUs: all that `nvidia-smi -L` lists (NGPU=k to use the first k). data runs one engine per
-# GPU (--data-parallel NGPU: GPU r answers the prompts with index % NGPU == r, the parent merges
-# them into OUT/sequences.npz); train and synthetic run one process per GPU under torchrun
+# GPUs: all that `nvidia-smi -L` lists (NGPU=k to use the first k). data runs DATA_RANKS engines
+# (default 4 per GPU, round-robin; --data-parallel: engine r answers the prompts with
+# index % DATA_RANKS == r, the parent merges them into OUT/sequences.npz); NUM_SHAREGPT (8994:
+# every train-side ShareGPT prompt under the 1024-token cap), NUM_EXTRACTION, NUM_SCHEMA,
+# DATA_TIME_LIMIT (430 s) and DATA_TIMEOUT (560 s) override the prompt set and the limits; train and synthetic run one process per GPU under torchrun
 # (DistributedDataParallel): each optimizer step takes NGPU batches of BATCH_TOKENS (default
 # 65536) tokens, one per GPU, so a step's global batch is NGPU x BATCH_TOKENS and an epoch has
 # NGPU times fewer steps; EPOCHS defaults to 6 x NGPU (the optimizer steps of one GPU's 6
@@ -30,6 +32,9 @@ ngpu=${NGPU:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)}
 [ "${ngpu:-0}" -ge 1 ] || ngpu=1
 batch_tokens=${BATCH_TOKENS:-65536}
 epochs=${EPOCHS:-$((6 * ngpu))}
+# data engines: DATA_RANKS in all (default 4 per GPU: SmolLM2-135M leaves the GPU idle during
+# one engine's host loop, see benchmarks/README.md)
+data_ranks=${DATA_RANKS:-$((4 * ngpu))}
 python3 -c 'import torch; print(torch.__version__, torch.cuda.device_count(), "x",
                                 torch.cuda.get_device_name())'
 echo "GPUs used: $ngpu"
@@ -57,9 +62,10 @@ case $stage in
     # well inside the call's timeout; sequences are saved in shards as they come, so even a
     # kill keeps them, and the next call with the same command continues (--resume, with any
     # number of GPUs).
-    timeout 560 python3 -m structspec train-eagle --stage data --out "$dir" \
-      --num-sharegpt 8900 --num-extraction 1500 --num-schema 1300 --max-tokens 512 \
-      --gen-batch-size 256 --data-time-limit 430 --data-parallel "$ngpu" --resume \
+    timeout "${DATA_TIMEOUT:-560}" python3 -m structspec train-eagle --stage data --out "$dir" \
+      --num-sharegpt "${NUM_SHAREGPT:-8994}" --num-extraction "${NUM_EXTRACTION:-1500}" \
+      --num-schema "${NUM_SCHEMA:-1300}" --max-tokens 512 --gen-batch-size 256 \
+      --data-time-limit "${DATA_TIME_LIMIT:-430}" --data-parallel "$data_ranks" --resume \
       --no-progress $EXTRA
     ls -la "$dir" ;;
   train)

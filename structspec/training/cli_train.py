@@ -44,9 +44,9 @@ def add_train_eagle_parser(sub: Any, formatter_class: type[argparse.HelpFormatte
     p.add_argument("--seed", type=int, default=d.seed, help="seed of data, order and init")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     g = p.add_argument_group("data stage")
-    g.add_argument("--sequences", default=None,
-                   help="train on this prebuilt sequences file instead of OUT/sequences.npz "
-                        "(skips the data stage)")
+    g.add_argument("--sequences", default=None, nargs="+", metavar="FILE",
+                   help="train on these prebuilt sequences files (concatenated) instead of "
+                        "OUT/sequences.npz (skips the data stage)")
     g.add_argument("--num-sharegpt", type=int, default=d.num_sharegpt,
                    help="ShareGPT conversation prompts")
     g.add_argument("--num-extraction", type=int, default=d.num_extraction,
@@ -66,8 +66,9 @@ def add_train_eagle_parser(sub: Any, formatter_class: type[argparse.HelpFormatte
                         "(0: no limit); --resume continues. Sequences are saved as they come "
                         "(OUT/sequences.part-*.npz) and merged into OUT/sequences.npz")
     g.add_argument("--data-parallel", type=int, default=d.data_parallel, metavar="N",
-                   help="N engine processes, one per visible CUDA device (all on the CPU with "
-                        "--device cpu); process R answers the prompts whose index is R modulo "
+                   help="N engine processes, round-robin over the visible CUDA devices (N above "
+                        "the GPU count shares GPUs: a small, host-bound target answers faster "
+                        "with 2-4 engines per GPU; all on the CPU with --device cpu); process R answers the prompts whose index is R modulo "
                         "N and saves its own shards; the time limit, SIGTERM and --resume "
                         "hold for all, and the shards are merged into OUT/sequences.npz")
     t = p.add_argument_group("train stage")
@@ -120,7 +121,7 @@ def config_from_args(args: argparse.Namespace) -> TrainEagleConfig:
     """The :class:`TrainEagleConfig` of parsed ``train-eagle`` flags."""
     return TrainEagleConfig(
         out=args.out, model=args.model, load_format=args.load_format, stage=args.stage,
-        sequences=args.sequences,
+        sequences=tuple(args.sequences) if args.sequences else None,
         num_sharegpt=args.num_sharegpt, num_extraction=args.num_extraction,
         num_schema=args.num_schema, max_tokens=args.max_tokens,
         gen_batch_size=args.gen_batch_size, temperature=args.temperature,

@@ -1,14 +1,19 @@
-"""``train-eagle --stage data --data-parallel N``: N engine processes, one per visible CUDA
-device, answer disjoint parts of the prompt set; this parent merges their shards.
+"""``train-eagle --stage data --data-parallel N``: N engine processes, spread round-robin
+over the visible CUDA devices, answer disjoint parts of the prompt set; this parent merges
+their shards.
 
 * Rank R (a ``python -m structspec.training.data_worker`` process, its
-  ``CUDA_VISIBLE_DEVICES`` set to the R-th visible GPU; all ranks on the CPU with
+  ``CUDA_VISIBLE_DEVICES`` set to visible GPU ``R % num_gpus``; all ranks on the CPU with
   ``--device cpu``) answers the prompts whose index is R modulo N, in the interleaved source
   order, and saves its own shards ``OUT/sequences.part-rankR-NNNNN.npz``.
 * ``--resume``: every rank reads the shards of every rank (and of one-process runs) and skips
   what they hold, so a run may resume with another N. Without ``--resume`` the parent
   refuses a folder holding shards before starting any rank (the ranks then run as resumes:
   one rank's first shard must not look like an earlier run to a rank still loading).
+* N larger than the GPU count puts several engines on one GPU: a small target (SmolLM2-135M)
+  leaves the GPU idle while one engine's host loop (scheduling, grammar masks, sampling)
+  runs, and N / num_gpus engines per GPU overlap those host loops. Each engine sizes its own
+  KV cache (262,144 tokens by default, 6 GiB for SmolLM2), so memory rarely binds.
 * The time limit counts from the parent's start for every rank (the monotonic clock is one
   per host). A SIGTERM to the parent is forwarded once to every rank, which stops and saves
   like the one-process run; the ranks run in sessions of their own and stop by themselves
@@ -95,9 +100,13 @@ def plan_ranks(device: str, world: int, *, cuda_devices: list[str],
             set) and, on CUDA, its grammar mask workers (``min(8, share // 2)``) come out of
             its ``cores // world`` share.
 
+    Returns:
+        One launch per rank; on CUDA rank ``r`` sees ``cuda_devices[r % len(cuda_devices)]``
+        (more ranks than devices share them).
+
     Raises:
-        ValueError: ``device`` names one CUDA device (``cuda:N``), or fewer CUDA devices are
-            visible than ``world`` (naming ``data_parallel``).
+        ValueError: ``device`` names one CUDA device (``cuda:N``), or ``device="cuda"`` with
+            no CUDA device visible.
     """
     share = max(1, cores // world)
     threads = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(share)}
@@ -108,11 +117,12 @@ def plan_ranks(device: str, world: int, *, cuda_devices: list[str],
     use_cuda = device == "cuda" or (device == "auto" and bool(cuda_devices))
     if not use_cuda:
         return [RankLaunch(r, "cpu", dict(threads)) for r in range(world)]
-    if len(cuda_devices) < world:
-        raise ValueError(f"data_parallel={world}: only {len(cuda_devices)} CUDA devices are "
-                         f"visible (one engine per device)")
+    if not cuda_devices:
+        raise ValueError(f"device={device!r} with data_parallel={world}: no CUDA device is "
+                         f"visible")
     workers = min(8, share // 2) if share >= 4 else 0
-    return [RankLaunch(r, "cuda", {**threads, "CUDA_VISIBLE_DEVICES": cuda_devices[r]},
+    return [RankLaunch(r, "cuda", {**threads,
+                                   "CUDA_VISIBLE_DEVICES": cuda_devices[r % len(cuda_devices)]},
                        workers) for r in range(world)]
 
 

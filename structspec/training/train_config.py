@@ -32,7 +32,8 @@ class TrainEagleConfig:
         load_format: ``auto`` reads the target's weights; ``dummy`` builds seeded random ones
             from config.json alone (throughput sizing without the weights at hand).
         stage: ``data`` (generate the sequences file), ``train`` (train from it) or ``all``.
-        sequences: a prebuilt sequences file to train on (default: ``out/sequences.npz``).
+        sequences: prebuilt sequences file(s) to train on, concatenated in order (default:
+            ``out/sequences.npz``): one path or a tuple of paths.
         num_sharegpt, num_extraction, num_schema: prompts of each kind the data stage builds.
         max_tokens: response length limit of the data stage's generation.
         gen_batch_size: requests the data stage generates at once.
@@ -40,8 +41,8 @@ class TrainEagleConfig:
         data_time_limit_s: the data stage adds no prompt after this many seconds from its
             start (model load included), aborts the requests in flight, saves and returns
             (0 = no limit); ``resume`` continues it.
-        data_parallel: engine processes of the data stage, one per visible CUDA device (all
-            on the CPU with ``device="cpu"``); process R answers the prompts whose index is R
+        data_parallel: engine processes of the data stage, round-robin over the visible CUDA
+            devices (more processes than devices share them; all on the CPU with ``device="cpu"``); process R answers the prompts whose index is R
             modulo N (:mod:`structspec.training.data_parallel`). 1 = one engine in this
             process.
         steps: optimizer steps (0 = ``epochs`` passes over the sequences).
@@ -89,7 +90,7 @@ class TrainEagleConfig:
     model: str | None = None
     load_format: str = "auto"
     stage: Stage = "all"
-    sequences: str | None = None
+    sequences: str | tuple[str, ...] | None = None
     num_sharegpt: int = 2000
     num_extraction: int = 500
     num_schema: int = 500
@@ -131,6 +132,9 @@ class TrainEagleConfig:
         """
         if not self.out:
             raise ValueError("out: an output directory is required")
+        if isinstance(self.sequences, tuple) and (
+                not self.sequences or not all(isinstance(p, str) and p for p in self.sequences)):
+            raise ValueError(f"sequences={self.sequences!r}: expected one or more file paths")
         if self.stage not in STAGES:
             raise ValueError(f"stage={self.stage!r}: expected one of {', '.join(STAGES)}")
         if self.ttt_attention not in TTT_ATTENTION:
@@ -186,6 +190,8 @@ class TrainEagleConfig:
         d: dict[str, Any] = json.loads(text)
         if not isinstance(d, dict) or set(d) - {f.name for f in fields(cls)}:
             raise ValueError(f"not a TrainEagleConfig: {text[:200]!r}")
+        if isinstance(d.get("sequences"), list):
+            d["sequences"] = tuple(d["sequences"])
         if d.get("aux_hidden_layers") is not None:
             d["aux_hidden_layers"] = tuple(d["aux_hidden_layers"])
         return cls(**d)

@@ -100,6 +100,15 @@ def read_sequences(path: Path) -> list[TrainSequence]:
     return seqs
 
 
+def sequence_paths(config: TrainEagleConfig, out: Path) -> list[Path]:
+    """The sequences files the train stage reads: ``config.sequences`` (one path or several,
+    in order), else ``out/sequences.npz``."""
+    if not config.sequences:
+        return [out / SEQUENCES_FILE]
+    listed = (config.sequences,) if isinstance(config.sequences, str) else config.sequences
+    return [Path(p).expanduser() for p in listed]
+
+
 def run_train_stage(config: TrainEagleConfig, out: Path,
                     dist_ctx: DistContext | None = None) -> Path:
     """Train the head on the sequences file and export it into ``out``; returns ``out``.
@@ -112,8 +121,7 @@ def run_train_stage(config: TrainEagleConfig, out: Path,
     from structspec.training.trainer import train_head
 
     ctx = dist_ctx or DistContext()
-    seq_path = Path(config.sequences).expanduser() if config.sequences else out / SEQUENCES_FILE
-    seqs = read_sequences(seq_path)
+    seqs = [s for path in sequence_paths(config, out) for s in read_sequences(path)]
     device, dtype = resolve_device(config.device, config.dtype)
     model, model_config = load_model(config.model, device=device, dtype=dtype,
                                      load_format=config.load_format, seed=config.seed)

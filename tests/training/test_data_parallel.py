@@ -38,7 +38,7 @@ def _names(out: Path) -> list[str]:
     return sorted(p.name for p in out.glob(SHARD_PATTERN))
 
 
-def test_plan_ranks_one_device_each_and_clear_errors() -> None:
+def test_plan_ranks_round_robin_over_devices_and_clear_errors() -> None:
     launches = plan_ranks("auto", 2, cuda_devices=["3", "5", "7"], cores=32)
     assert [(la.rank, la.device, la.env["CUDA_VISIBLE_DEVICES"], la.grammar_workers)
             for la in launches] == [(0, "cuda", "3", 8), (1, "cuda", "5", 8)]
@@ -47,8 +47,12 @@ def test_plan_ranks_one_device_each_and_clear_errors() -> None:
     cpu = plan_ranks("auto", 2, cuda_devices=[], cores=8)
     assert [la.device for la in cpu] == ["cpu", "cpu"]
     assert all("CUDA_VISIBLE_DEVICES" not in la.env for la in cpu)
-    with pytest.raises(ValueError, match=r"^data_parallel=4: only 3 CUDA devices"):
-        plan_ranks("cuda", 4, cuda_devices=["0", "1", "2"], cores=8)
+    # more ranks than GPUs: round-robin, several engines share a GPU
+    shared = plan_ranks("cuda", 5, cuda_devices=["0", "1"], cores=40)
+    assert [la.env["CUDA_VISIBLE_DEVICES"] for la in shared] == ["0", "1", "0", "1", "0"]
+    assert [la.grammar_workers for la in shared] == [4] * 5
+    with pytest.raises(ValueError, match=r"^device='cuda' with data_parallel=4: no CUDA"):
+        plan_ranks("cuda", 4, cuda_devices=[], cores=8)
     with pytest.raises(ValueError, match=r"^device='cuda:1': --data-parallel"):
         plan_ranks("cuda:1", 2, cuda_devices=["0", "1"], cores=8)
     assert parent_gone(os.getppid())() == "" and parent_gone(-1)() == "parent exited"

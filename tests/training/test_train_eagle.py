@@ -20,7 +20,7 @@ from structspec.kvcache.pool import KVPool
 from structspec.layers.forward_batch import ForwardBatch
 from structspec.models.eagle_head import load_eagle_head
 from structspec.models.loader import load_model
-from structspec.training.cli_train import add_train_eagle_parser  # noqa: F401
+from structspec.training.cli_train import add_train_eagle_parser
 from structspec.training.export import export_eagle3_head
 from structspec.training.features import TargetFeatureExtractor, default_aux_layers
 from structspec.training.sequences import TrainSequence, load_sequences, save_sequences
@@ -242,3 +242,30 @@ def test_bad_inputs_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert main(["train-eagle", "--out", str(tmp_path / "o6"), "--stage", "data",
                  "--data-time-limit", "-1"]) == 2
     assert "--data-time-limit: data_time_limit_s=-1.0" in capsys.readouterr().err
+
+
+def test_several_sequences_files(tmp_path: Path) -> None:
+    """--sequences takes several files (read in order); the config survives the JSON that a
+    data rank is started with; a missing second file is named."""
+    import argparse
+
+    from structspec.training.cli_train import config_from_args
+    from structspec.training.train_eagle import sequence_paths
+
+    a, b = tmp_path / "a.npz", tmp_path / "b.npz"
+    parser = argparse.ArgumentParser()
+    add_train_eagle_parser(parser.add_subparsers(), argparse.HelpFormatter)
+    args = parser.parse_args(["train-eagle", "--out", str(tmp_path), "--sequences", str(a),
+                              str(b)])
+    cfg = config_from_args(args)
+    assert cfg.sequences == (str(a), str(b))
+    assert TrainEagleConfig.from_json(cfg.to_json()) == cfg
+    assert sequence_paths(cfg, tmp_path) == [a, b]
+    assert sequence_paths(_config(tmp_path, a), tmp_path) == [a]
+    assert sequence_paths(_config(tmp_path, a, sequences=None), tmp_path) == [
+        tmp_path / "sequences.npz"]
+    save_sequences(a, [TrainSequence((1, 2, 3, 4), 2, "test")])
+    with pytest.raises(FileNotFoundError, match="sequences: .*b.npz.* not found"):
+        train_eagle(_config(tmp_path / "o", a, sequences=(str(a), str(b))))
+    with pytest.raises(ValueError, match=r"sequences=\(\): expected one or more"):
+        _config(tmp_path, a, sequences=()).validate()
