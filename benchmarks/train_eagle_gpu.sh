@@ -17,12 +17,13 @@
 # stops adding prompts DATA_TIME_LIMIT s (default 430) after it starts and saves; sequences are
 # saved in shards as they come, so the same command continues a stopped pass (--resume, with any
 # number of GPUs). NUM_SHAREGPT (8994: every train-side ShareGPT prompt under the 1024-token
-# cap), NUM_EXTRACTION (1500), NUM_SCHEMA (1300), SAMPLED=0 (skip the sampled pass) override it.
+# cap), NUM_EXTRACTION (1500), NUM_SCHEMA (1300) and SAMPLED (sampled passes: 1; k adds
+# DIR/sampled_2 .. DIR/sampled_k with seeds 2 .. k, ~90 s each on one H200; 0: none) override it.
 # train runs one process per GPU under torchrun when NGPU > 1 (DistributedDataParallel): each
 # optimizer step takes NGPU batches of BATCH_TOKENS (default 32768) tokens, one per GPU; STEPS
 # (1500), LR (6e-4), TTT_STEPS (5) and TIME_LIMIT (525 s: it stops, checkpoints and exports
-# there) override the recipe. It trains on DIR/greedy/sequences.npz and, when present,
-# DIR/sampled/sequences.npz.
+# there) override the recipe; a stopped run continues with EXTRA=--resume. It trains on
+# DIR/greedy/sequences.npz and every DIR/sampled*/sequences.npz present.
 # data prints a progress line per engine every ~15 s ([data rank R/N] done / total, sequences/s,
 # response tokens/s, per source) and a summary per pass; train / synthetic print a summary of the
 # training log every 50 steps. Extra train-eagle flags go in $EXTRA (last: they win). DIR
@@ -71,14 +72,19 @@ case $stage in
     }
     pass_ greedy --num-sharegpt "${NUM_SHAREGPT:-8994}" \
       --num-extraction "${NUM_EXTRACTION:-1500}" --num-schema "${NUM_SCHEMA:-1300}"
-    if [ "${SAMPLED:-1}" != 0 ]; then
-      pass_ sampled --num-sharegpt "${NUM_SHAREGPT:-8994}" --num-extraction 0 --num-schema 0 \
-        --temperature 0.8 --seed 1
-    fi
+    # sampled passes: seed 1 -> DIR/sampled, seed k > 1 -> DIR/sampled_k
+    for k in $(seq 1 "${SAMPLED:-1}"); do
+      sub=sampled
+      if [ "$k" -gt 1 ]; then sub=sampled_$k; fi
+      pass_ "$sub" --num-sharegpt "${NUM_SHAREGPT:-8994}" --num-extraction 0 --num-schema 0 \
+        --temperature 0.8 --seed "$k"
+    done
     ls -la "$dir"/* ;;
   train)
     seqs="$dir/greedy/sequences.npz"
-    [ -f "$dir/sampled/sequences.npz" ] && seqs="$seqs $dir/sampled/sequences.npz"
+    for f in "$dir"/sampled/sequences.npz "$dir"/sampled_*/sequences.npz; do
+      if [ -f "$f" ]; then seqs="$seqs $f"; fi
+    done
     train_eagle --stage train --out "$dir/head" --sequences $seqs --steps "${STEPS:-1500}" \
       --batch-tokens "$batch_tokens" --max-seq-len 2048 --ttt-steps "${TTT_STEPS:-5}" \
       --lr "${LR:-6e-4}" --warmup-steps 60 --checkpoint-every 250 \
