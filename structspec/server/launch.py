@@ -133,6 +133,7 @@ def serve(args: argparse.Namespace) -> int:
         return 2
 
     from structspec.config import resolve_engine_config
+    from structspec.draft_flags import check_model_and_draft_flags
     from structspec.server.engine_client import EngineClient, EngineStartupError
     from structspec.server.limits import limits_from_args
     from structspec.server.supervisor import EngineSupervisor, policy_from_args
@@ -140,6 +141,8 @@ def serve(args: argparse.Namespace) -> int:
     try:
         limits_from_args(args)  # server options: refused before anything is spawned
         policy_from_args(args)
+        check_model_and_draft_flags(args.model, args.speculative_algorithm, args.draft_model,
+                                    args.load_format)
         config = build_engine_config(args.model, **engine_kwargs(args))
         # The engine process resolves it again; checking here refuses a bad option with exit
         # 2 naming its flag, before an engine process is spawned (as ``generate`` does).
