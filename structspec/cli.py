@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from structspec import constraint_parse as cp
+from structspec.chat_template import load_chat_template
 from structspec.cli_argv import join_negative_values
 from structspec.cli_output import print_batch, print_one
 from structspec.cli_version import VersionAction
@@ -513,6 +514,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         check_device(args.device)
         check_model_and_draft_flags(args.model, args.speculative_algorithm, args.draft_model,
                                     args.load_format)
+        if args.chat_template is not None:
+            load_chat_template(args.chat_template, "--chat-template")
         if args.prompt is not None and not args.prompt:
             # the engine refuses an empty prompt (as vLLM does); found only after the load,
             # it used to be exit status 1

@@ -84,6 +84,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: read the checkpoint's weights; dummy: seeded random weights "
                         "built on the device from config.json alone (benchmarks; also applies "
                         "to --draft-model of speculative_algorithm draft_model)")
+    g.add_argument("--chat-template", default=None,
+                   help="Jinja chat template used instead of the model's own: a file path, "
+                        "or the template text itself when no such file exists (inline text "
+                        "has a '{{ ... }}' or '{%% ... %%}' tag)")
     s = p.add_argument_group("speculative decoding")
     # the drafter registry is the one list of names (a drafter registered there is a choice)
     s.add_argument("--speculative-algorithm", default="none", choices=list(drafter_names()),
@@ -136,6 +140,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         load_format=args.load_format,
         grammar_workers=args.grammar_workers,
         grammar_backend=args.grammar_backend,
+        chat_template=args.chat_template,
     )
 
 
@@ -149,7 +154,7 @@ FLAG_OF_ENGINE_FIELD: Mapping[str, str] = {
     "speculative_algorithm": "--speculative-algorithm",
     "num_draft_tokens": "--num-draft-tokens", "speculative_depth": "--speculative-depth",
     "speculative_topk": "--speculative-topk", "cuda_graph": "--no-cuda-graph",
-    "overlap": "--no-overlap",
+    "overlap": "--no-overlap", "chat_template": "--chat-template",
 }
 """Engine options whose errors (``resolve_engine_config``, ``LLMEngine``) start with the
 option's name, e.g. ``max_model_len=... is greater than the model's context length``, and the

@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from structspec.chat_template import load_chat_template
 from structspec.config import (
     CacheConfig,
     EngineConfig,
@@ -57,6 +58,10 @@ class LLM:
         load_format: ``auto`` reads the checkpoint's weights; ``dummy`` builds seeded random
             weights (``seed``) on the device from ``config.json`` alone, for the target and a
             ``draft_model`` draft model (benchmarks of large shapes without their weights).
+        chat_template: a Jinja chat template used instead of the model's own (vLLM's
+            ``--chat-template``): the path of a template file, or the template text (with a
+            ``{{ ... }}`` or ``{% ... %}`` tag); ValueError naming ``chat_template`` when it
+            is neither or does not parse.
 
     Raises:
         FileNotFoundError / ValueError: bad model path or option, with the reason.
@@ -93,9 +98,12 @@ class LLM:
         grammar_workers: int | None = None,
         grammar_backend: str = "xgrammar",
         min_prefill_batch: int | None = None,
+        chat_template: str | None = None,
     ) -> None:
         config = EngineConfig(
             model=model,
+            chat_template=(None if chat_template is None
+                           else load_chat_template(chat_template, "chat_template")),
             device=device,
             dtype=dtype,
             max_model_len=max_model_len,

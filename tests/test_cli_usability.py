@@ -206,3 +206,51 @@ def test_out_of_vocab_logit_bias_is_a_bad_command_line(
                                             '{"49152": 5}'])
     assert rc == 2 and "--logit-bias: token id 49152 is not in this model's vocabulary" in err
     assert _FakeLLM.seen == []
+
+
+_TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}"
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+@pytest.mark.parametrize("value,message", [
+    ("{% for m in messages %}{{ m.content }}", "--chat-template: Jinja syntax error at line 1"),
+    ("missing.jinja", "--chat-template: no such file 'missing.jinja'"),
+    ("", "--chat-template: empty template"),
+])
+def test_bad_chat_template_is_a_bad_command_line(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], command: str,
+        value: str, message: str) -> None:
+    pytest.importorskip("fastapi")
+    extra = ["--prompt", "hi"] if command == "generate" else ["--port", "0"]
+    rc, _, err = _run(monkeypatch, capsys, [command, *extra, "--chat-template", value])
+    assert rc == 2 and err.startswith(f"structspec {command}: {message}"), err
+    assert _FakeLLM.seen == []
+
+
+def test_chat_template_file_or_text_reaches_the_engine_config(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``LLM(chat_template=)`` and ``serve``'s config carry the template's text (a file is
+    read); ``generate --chat-template`` hands the flag to ``LLM``."""
+    import structspec.llm as llm_mod
+    from structspec.cli import build_parser
+    from structspec.engine_args import engine_kwargs
+    from structspec.server.launch import build_engine_config
+
+    path = tmp_path / "t.jinja"
+    path.write_text(_TEMPLATE)
+    seen = {}
+
+    class FakeEngine:
+        def __init__(self, config: object) -> None:
+            seen["config"] = config
+
+    monkeypatch.setattr(llm_mod, "LLMEngine", FakeEngine)
+    for value in (str(path), _TEMPLATE):
+        llm_mod.LLM("x", chat_template=value)
+        assert seen["config"].chat_template == _TEMPLATE
+        args = build_parser().parse_args(["serve", "--chat-template", value])
+        assert build_engine_config("x", **engine_kwargs(args)).chat_template == _TEMPLATE
+    llm_mod.LLM("x")
+    assert seen["config"].chat_template is None
+    with pytest.raises(ValueError, match="^chat_template: Jinja syntax error"):
+        llm_mod.LLM("x", chat_template="{{ x")

@@ -48,6 +48,7 @@ def build_engine_config(model: str | None = None, **kwargs: Any) -> Any:
     """An :class:`~structspec.config.EngineConfig` from ``LLM``-style keyword options (the
     output of :func:`structspec.engine_args.engine_kwargs`), built exactly as ``LLM.__init__``
     does."""
+    from structspec.chat_template import load_chat_template
     from structspec.config import (
         CacheConfig,
         EngineConfig,
@@ -56,8 +57,11 @@ def build_engine_config(model: str | None = None, **kwargs: Any) -> Any:
         SpecConfig,
     )
 
+    chat_template = kwargs.get("chat_template")
     return EngineConfig(
         model=model,
+        chat_template=(None if chat_template is None
+                       else load_chat_template(chat_template, "chat_template")),
         device=kwargs.get("device", "auto"),
         dtype=kwargs.get("dtype", "auto"),
         max_model_len=kwargs.get("max_model_len"),
@@ -132,6 +136,7 @@ def serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
 
+    from structspec.chat_template import load_chat_template
     from structspec.config import resolve_engine_config
     from structspec.draft_flags import check_model_and_draft_flags
     from structspec.server.engine_client import EngineClient, EngineStartupError
@@ -143,6 +148,8 @@ def serve(args: argparse.Namespace) -> int:
         policy_from_args(args)
         check_model_and_draft_flags(args.model, args.speculative_algorithm, args.draft_model,
                                     args.load_format)
+        if args.chat_template is not None:
+            load_chat_template(args.chat_template, "--chat-template")
         config = build_engine_config(args.model, **engine_kwargs(args))
         # The engine process resolves it again; checking here refuses a bad option with exit
         # 2 naming its flag, before an engine process is spawned (as ``generate`` does).
@@ -165,7 +172,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         from structspec.server.codec import TokenizerCodec
 
-        codec = TokenizerCodec(info.model_path)
+        codec = TokenizerCodec(info.model_path, chat_template=config.chat_template)
     except Exception as e:
         sock.close()
         client.shutdown(ENGINE_JOIN_TIMEOUT_S)
