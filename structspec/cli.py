@@ -418,6 +418,20 @@ MAX_TOKENS_FLAG = 2**31 - 1
 at the context length), far below where an int64 token count would overflow."""
 
 
+def _model_flags_error(args: argparse.Namespace) -> str | None:
+    """Why ``--model``, the drafter flags or ``--chat-template`` cannot run, else None: the
+    last checks before the model loads (after every other flag's, so that a bad value of
+    another flag is named even where the model path does not exist)."""
+    try:
+        check_model_and_draft_flags(args.model, args.speculative_algorithm, args.draft_model,
+                                    args.load_format)
+        if args.chat_template is not None:
+            load_chat_template(args.chat_template, "--chat-template")
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def _logit_bias_flag_out_of_vocab(args: argparse.Namespace, llm: Any) -> str | None:
     """Why ``--logit-bias`` names a token id the loaded model does not have, else None.
 
@@ -512,10 +526,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:
         # every command-line check comes before the model loads
         check_device(args.device)
-        check_model_and_draft_flags(args.model, args.speculative_algorithm, args.draft_model,
-                                    args.load_format)
-        if args.chat_template is not None:
-            load_chat_template(args.chat_template, "--chat-template")
         if args.prompt is not None and not args.prompt:
             # the engine refuses an empty prompt (as vLLM does); found only after the load,
             # it used to be exit status 1
@@ -551,6 +561,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
                       file=sys.stderr)
             prompts.append(line_prompt)
             params.append(line_params)
+        if (why := _model_flags_error(args)) is not None:
+            print(f"structspec generate: {why}", file=sys.stderr)
+            return 2
         llm = LLM(args.model, **engine_kwargs(args))
         if (why := _logit_bias_flag_out_of_vocab(args, llm)) is not None:
             print(f"structspec generate: {why}", file=sys.stderr)
@@ -588,6 +601,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sampling.validate()  # a bad flag value is a bad command line: exit 2, nothing loaded
     except (TypeError, ValueError) as e:
         print(f"structspec generate: {flag_error(str(e), _FLAG_OF_FIELD)}", file=sys.stderr)
+        return 2
+    if (why := _model_flags_error(args)) is not None:
+        print(f"structspec generate: {why}", file=sys.stderr)
         return 2
     llm = LLM(args.model, **engine_kwargs(args))
     if (why := _logit_bias_flag_out_of_vocab(args, llm)) is not None:
