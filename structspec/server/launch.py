@@ -135,11 +135,13 @@ def serve(args: argparse.Namespace) -> int:
     from structspec.config import resolve_engine_config
     from structspec.server.engine_client import EngineClient, EngineStartupError
     from structspec.server.limits import limits_from_args
+    from structspec.server.log_config import log_config_from_args
     from structspec.server.supervisor import EngineSupervisor, policy_from_args
 
     try:
         limits_from_args(args)  # server options: refused before anything is spawned
         policy_from_args(args)
+        log_config_from_args(args)
         config = build_engine_config(args.model, **engine_kwargs(args))
         # The engine process resolves it again; checking here refuses a bad option with exit
         # 2 naming its flag, before an engine process is spawned (as ``generate`` does).
@@ -193,13 +195,15 @@ def run_http(args: argparse.Namespace, sock: socket.socket, engine: EngineSuperv
 
     from structspec.server.app import create_app
     from structspec.server.limits import limits_from_args
+    from structspec.server.log_config import log_config_from_args
     from structspec.server.metrics import ServerMetrics
     from structspec.server.serving import ServerState
 
     info = engine.info
     name = args.served_model_name or _default_model_name(args.model, info.model_path)
     state = ServerState(engine=engine, codec=codec, metrics=ServerMetrics(), model_name=name,
-                        api_key=args.api_key or None, limits=limits_from_args(args))
+                        api_key=args.api_key or None, limits=limits_from_args(args),
+                        log_config=log_config_from_args(args))
 
     async def stop_engine() -> None:
         await engine.aclose(ENGINE_JOIN_TIMEOUT_S)
