@@ -47,6 +47,36 @@ def test_readme_blocks_classified() -> None:
         assert b.mode != "skip" or b.reason, f"README.md line {b.line}: skip without a reason"
 
 
+
+@pytest.mark.parametrize(("markdown", "message"), [
+    ("```\nls\n```\n", "fence without a language"),
+    ("```ruby\nputs 1\n```\n", "'ruby' is not one of"),
+    ("```bash\nls\n", "never closed"),
+    ("<!-- readme-test: skip -->\n```bash\nls\n```\n", "needs a reason"),
+    ("<!-- readme-test: later -->\n```bash\nls\n```\n", "malformed readme-test marker"),
+    ("<!-- readme-test: skip (x) -->\n\n```bash\nls\n```\n", "not directly before a fence"),
+    ("<!-- readme-test: server -->\n```bash\nls\n```\n", "needs a 'serve' block"),
+])
+def test_extractor_refuses(markdown: str, message: str) -> None:
+    """A block the check could not classify fails the default suite, naming its line."""
+    with pytest.raises(ReadmeFormatError, match=message):
+        extract_blocks(markdown)
+
+
+def test_extractor_modes_and_port() -> None:
+    """Markers set the mode; only the README port changes; console keeps its ``$`` lines."""
+    blocks = extract_blocks(
+        "<!-- readme-test: serve -->\n```bash\nstructspec serve --port 8000\n```\n"
+        "<!-- readme-test: server -->\n```console\n$ curl localhost:8000/health\nok\n```\n"
+        "```python\nprint(18000)\n```\n```text\na/\n```\n")
+    assert [(b.line, b.lang, b.mode) for b in blocks] == [
+        (2, "bash", "serve"), (6, "console", "server"), (10, "python", "run"),
+        (13, "text", "skip")]
+    assert blocks[0].script(4321) == "structspec serve --port 4321\n"
+    assert blocks[1].script(4321) == "curl localhost:4321/health\n"
+    assert blocks[2].script(4321) == "print(18000)\n"
+    assert not blocks[3].is_code
+
 @pytest.fixture(scope="session")
 def readme_checkout() -> Iterator[Path]:
     """A copy of the checkout's tracked and untracked-but-not-ignored files (a fresh clone)."""
