@@ -121,10 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--served-model-name", default=None, help="model id in the API")
     # the server's own options (light modules: no fastapi, no torch)
     from structspec.server.limits import add_limit_args
+    from structspec.server.log_config import add_log_args
     from structspec.server.supervisor import add_supervision_args
 
     add_limit_args(srv)
     add_supervision_args(srv)
+    add_log_args(srv)
     add_train_eagle_parser(sub, _DefaultsHelpFormatter)
     return parser
 

@@ -223,7 +223,11 @@ class GenerationRun:
         """Wait for the next delta; return the choice it advanced."""
         delta = await self.queue.get()
         choice = self._by_rid[delta.request_id]
+        prefilled = choice.first_token_s is not None
         choice.apply(delta, time.perf_counter() - self.start_s)
+        if delta.new_token_ids:  # the prompt counts once its first token shows it processed
+            self.metrics.on_tokens(0 if prefilled else len(choice.prompt_ids),
+                                   len(delta.new_token_ids))
         if choice.finished and not choice.recorded:
             choice.recorded = True
             self.metrics.on_finished(choice, time.perf_counter() - self.start_s)

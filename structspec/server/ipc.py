@@ -78,6 +78,13 @@ class EngineStats:
     grammar_compile_timeouts: int = 0  # compiles stopped at their time limit since the last one
     steps: tuple[StepRecord, ...] = ()  # verify-step timings finished since the last one
 
+    @property
+    def kv_usage(self) -> float | None:
+        """Fraction of KV pages in use (0 to 1); None before the engine reported its pool."""
+        if not self.kv_total_pages:
+            return None
+        return 1.0 - self.kv_free_pages / self.kv_total_pages
+
     def as_dict(self) -> dict[str, int]:
         """The counters as a JSON-ready dict (``/health``)."""
         return {

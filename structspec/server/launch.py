@@ -141,11 +141,13 @@ def serve(args: argparse.Namespace) -> int:
     from structspec.draft_flags import check_model_and_draft_flags
     from structspec.server.engine_client import EngineClient, EngineStartupError
     from structspec.server.limits import limits_from_args
+    from structspec.server.log_config import log_config_from_args
     from structspec.server.supervisor import EngineSupervisor, policy_from_args
 
     try:
         limits_from_args(args)  # server options: refused before anything is spawned
         policy_from_args(args)
+        log_config_from_args(args)
         check_model_and_draft_flags(args.model, args.speculative_algorithm, args.draft_model,
                                     args.load_format)
         if args.chat_template is not None:
@@ -203,13 +205,15 @@ def run_http(args: argparse.Namespace, sock: socket.socket, engine: EngineSuperv
 
     from structspec.server.app import create_app
     from structspec.server.limits import limits_from_args
+    from structspec.server.log_config import log_config_from_args
     from structspec.server.metrics import ServerMetrics
     from structspec.server.serving import ServerState
 
     info = engine.info
     name = args.served_model_name or _default_model_name(args.model, info.model_path)
     state = ServerState(engine=engine, codec=codec, metrics=ServerMetrics(), model_name=name,
-                        api_key=args.api_key or None, limits=limits_from_args(args))
+                        api_key=args.api_key or None, limits=limits_from_args(args),
+                        log_config=log_config_from_args(args))
 
     async def stop_engine() -> None:
         await engine.aclose(ENGINE_JOIN_TIMEOUT_S)
