@@ -145,6 +145,13 @@ class SpecConfig:
 
     ``num_draft_tokens`` counts node 0 (the last committed token), so a tree of N nodes
     proposes at most N-1 draft tokens. ``none`` is the degenerate tree of one node.
+
+    ``adaptive`` (``--speculative-adaptive``) sizes each request's tree every step from its
+    recent acceptance and the verify cost the engine measures on its device, down to no
+    draft at all (:mod:`structspec.scheduler.tree_sizing`): ``on`` always, ``off`` never
+    (every tree has ``num_draft_tokens`` nodes), ``auto`` where the measured cost of a full
+    tree's rows reaches 1.25x a plain decode at the batch's size (a CPU; a GPU at large
+    batch), decided while the engine runs, so it stays ``auto`` in a resolved config.
     """
 
     algorithm: str = "none"  # a registered drafter name (structspec.speculative.registry)
@@ -155,6 +162,7 @@ class SpecConfig:
     ngram_min_window: int = 1
     ngram_max_window: int = 8
     ngram_branch_length: int = 12
+    adaptive: str = "auto"  # auto | on | off (structspec.scheduler.tree_sizing)
 
     @property
     def tree_size(self) -> int:
@@ -321,6 +329,8 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
         raise ValueError(f"speculative_algorithm={spec.algorithm!r}: expected "
                          f"{_one_of(names)}")
     drafter = drafter_info(spec.algorithm)
+    if spec.adaptive not in ("auto", "on", "off"):
+        raise ValueError(f"speculative_adaptive={spec.adaptive!r}: expected auto, on or off")
     if spec.algorithm != "none" and not 2 <= spec.num_draft_tokens <= MAX_DRAFT_TOKENS:
         raise ValueError(f"num_draft_tokens={spec.num_draft_tokens}: expected 2.."
                          f"{MAX_DRAFT_TOKENS} when speculation is on")

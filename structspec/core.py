@@ -232,6 +232,10 @@ class SpecMetrics:
     """Speculative decoding counters of one request (or summed over many).
 
     ``accept_length`` = committed tokens per verify step, bonus included (1.0 without spec).
+    ``tree_sizes`` counts verify steps per tree size ``N`` (node 0 included) the request was
+    verified with; ``steps_without_draft`` the steps it ran as a plain decode row (``N = 1``)
+    although a drafter is on (adaptive tree sizing found drafting would not pay, or the
+    n-gram found nothing to propose).
     """
 
     verify_steps: int = 0
@@ -239,6 +243,14 @@ class SpecMetrics:
     draft_tokens_accepted: int = 0
     draft_tokens_rejected_by_grammar: int = 0
     committed_tokens: int = 0
+    steps_without_draft: int = 0
+    tree_sizes: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def mean_tree_nodes(self) -> float:
+        """Mean verified tree size over the steps (0.0 before the first)."""
+        steps = sum(self.tree_sizes.values())
+        return sum(n * c for n, c in self.tree_sizes.items()) / steps if steps else 0.0
 
     @property
     def accept_length(self) -> float:
@@ -256,8 +268,11 @@ class SpecMetrics:
         self.draft_tokens_accepted += other.draft_tokens_accepted
         self.draft_tokens_rejected_by_grammar += other.draft_tokens_rejected_by_grammar
         self.committed_tokens += other.committed_tokens
+        self.steps_without_draft += other.steps_without_draft
+        for n, c in other.tree_sizes.items():
+            self.tree_sizes[n] = self.tree_sizes.get(n, 0) + c
 
-    def to_dict(self) -> dict[str, float | int]:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "verify_steps": self.verify_steps,
             "draft_tokens_proposed": self.draft_tokens_proposed,
@@ -265,6 +280,9 @@ class SpecMetrics:
             "draft_tokens_rejected_by_grammar": self.draft_tokens_rejected_by_grammar,
             "accept_length": round(self.accept_length, 4),
             "accept_rate": round(self.accept_rate, 4),
+            "steps_without_draft": self.steps_without_draft,
+            "mean_tree_nodes": round(self.mean_tree_nodes, 4),
+            "tree_sizes": {str(n): c for n, c in sorted(self.tree_sizes.items())},
         }
 
 

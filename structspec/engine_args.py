@@ -101,6 +101,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="draft_model/eagle: tree depth (expansion steps)")
     s.add_argument("--speculative-topk", type=int, default=2,
                    help="draft_model/eagle: children kept per expanded node")
+    s.add_argument("--speculative-adaptive", choices=("auto", "on", "off"), default="auto",
+                   help="size each request's draft tree from its recent acceptance and the "
+                        "verify cost measured on this device, down to a plain decode: on, "
+                        "off (always --num-draft-tokens nodes), auto (where a full tree "
+                        "costs 1.25x a decode or more: CPUs, GPUs at large batch)")
 
 
 def speculative_algorithm_help() -> str:
@@ -126,6 +131,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         num_draft_tokens=args.num_draft_tokens,
         speculative_depth=args.speculative_depth,
         speculative_topk=args.speculative_topk,
+        speculative_adaptive=args.speculative_adaptive,
         device=args.device,
         dtype=args.dtype,
         max_batch_size=args.max_batch_size,
@@ -153,7 +159,8 @@ FLAG_OF_ENGINE_FIELD: Mapping[str, str] = {
     "batch_invariant": "--batch-invariant", "load_format": "--load-format",
     "speculative_algorithm": "--speculative-algorithm",
     "num_draft_tokens": "--num-draft-tokens", "speculative_depth": "--speculative-depth",
-    "speculative_topk": "--speculative-topk", "cuda_graph": "--no-cuda-graph",
+    "speculative_topk": "--speculative-topk",
+    "speculative_adaptive": "--speculative-adaptive", "cuda_graph": "--no-cuda-graph",
     "overlap": "--no-overlap", "chat_template": "--chat-template",
 }
 """Engine options whose errors (``resolve_engine_config``, ``LLMEngine``) start with the

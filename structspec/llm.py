@@ -33,6 +33,10 @@ class LLM:
         speculative_algorithm: ``none``, ``ngram``, ``draft_model`` or ``eagle``.
         draft_model: checkpoint of the draft model / EAGLE head (those algorithms only).
         num_draft_tokens: verify-tree size N including node 0.
+        speculative_adaptive: ``auto`` (default), ``on`` or ``off``: size each request's tree
+            from its recent acceptance and the verify cost measured on this device, down to
+            a plain decode (``SpecConfig.adaptive``; ``auto``: where a full tree's rows cost
+            1.25x a decode or more).
         device / dtype: "auto" picks cuda+bfloat16 when available, else cpu+float32.
         max_batch_size, kv_capacity_tokens, page_size, max_model_len, seed,
         grammar_compile_timeout_s, overlap, cuda_graph, speculative_depth, speculative_topk,
@@ -82,6 +86,7 @@ class LLM:
         num_draft_tokens: int = 8,
         speculative_depth: int = 4,
         speculative_topk: int = 2,
+        speculative_adaptive: str = "auto",
         device: str = "auto",
         dtype: str = "auto",
         max_batch_size: int = 64,
@@ -115,7 +120,7 @@ class LLM:
             cache=CacheConfig(page_size=page_size, kv_capacity_tokens=kv_capacity_tokens),
             spec=SpecConfig(algorithm=speculative_algorithm, num_draft_tokens=num_draft_tokens,
                             depth=speculative_depth, topk=speculative_topk,
-                            draft_model=draft_model),
+                            draft_model=draft_model, adaptive=speculative_adaptive),
             grammar=GrammarConfig(compile_timeout_s=grammar_compile_timeout_s,
                                   mask_build_workers=grammar_workers,
                                   backend=grammar_backend),

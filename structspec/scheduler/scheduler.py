@@ -35,6 +35,7 @@ from structspec.scheduler.penalty_slots import PenaltySlots
 from structspec.scheduler.request import Req, ReqStatus
 from structspec.scheduler.select_verify import SelectVerifyPhase, select_verify
 from structspec.scheduler.step_stats import StepTimer
+from structspec.scheduler.tree_sizing import AdaptiveTreeSizer
 from structspec.scheduler.validate import check_schema_output
 from structspec.scheduler.verify_step import VerifyStep
 from structspec.speculative.base import Drafter, DraftRequest
@@ -105,9 +106,15 @@ class Scheduler:
                                       max_requests=config.scheduler.max_batch_size,
                                       device=runner.device, staging=runner.staging)
         self._select = SelectVerifyPhase(runner, self._engine_generator, self.penalties)
+        #: sizes each request's draft tree from its acceptance and the measured verify cost
+        #: (``SpecConfig.adaptive``); None without a drafter
+        self.sizer: AdaptiveTreeSizer | None = None
+        if drafter.num_nodes > 1:
+            self.sizer = AdaptiveTreeSizer(config.spec.adaptive, drafter.num_nodes)
         self._verify = VerifyStep(runner, self.draft, self.grammar, self._select, self.timer,
                                   overlap=config.scheduler.overlap,
-                                  feeds_hidden=self._feeds_hidden, page_table=self.page_table)
+                                  feeds_hidden=self._feeds_hidden, page_table=self.page_table,
+                                  sizer=self.sizer)
 
     @property
     def mask_pool(self) -> MaskWorkerPool | None:
@@ -191,6 +198,8 @@ class Scheduler:
             self.page_table.remove(req.page_row)
             req.page_row = None
         self.draft.release(req.request_id)
+        if self.sizer is not None:
+            self.sizer.release(req.request_id)
         self.grammar.release(req.request_id)
         self.penalties.release(req)
         req.finish_time = now()

@@ -74,6 +74,12 @@ class StepTimer:
             self._stream = torch.cuda.current_stream()
             self._events.start.record(self._stream)
 
+    def note_nodes(self, num_nodes: int) -> None:
+        """Set the step's tree size ``N`` once the drafter's trees are sized (adaptive trees
+        may be smaller than the drafter's ``num_draft_tokens``)."""
+        if self._current is not None:
+            self._current.num_nodes = num_nodes
+
     def phase(self, name: str) -> None:
         """Close the host phase ``name`` (time since the previous mark is added to it)."""
         rec = self._current

@@ -26,6 +26,7 @@ and events (``fwd_start``, ``fwd_end``, ``post``, ``end``) mark these boundaries
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -44,17 +45,26 @@ from structspec.scheduler.pending import PendingStep
 from structspec.scheduler.request import Req
 from structspec.scheduler.select_verify import SelectVerifyPhase
 from structspec.scheduler.step_stats import StepTimer
+from structspec.scheduler.tree_fit import fit_trees, real_nodes
+from structspec.scheduler.tree_sizing import AdaptiveTreeSizer, TreePlan, host_tree_nodes
 from structspec.speculative.base import DraftRequest, TokenHistory
 
 
 @dataclass(frozen=True)
 class Proposal:
     """Phase 1: the running batch and its drafted trees (``tree``: ``[B, N]``, on the host
-    for host drafters, else on the device)."""
+    for host drafters, else on the device).
+
+    Attributes:
+        plan: the tree sizer's plan (which requests were drafted, the planned ``N``).
+        draft_ms: host time of the propose (ms).
+    """
 
     reqs: list[Req]
     draft_reqs: list[DraftRequest]
     tree: VerifyTree
+    plan: TreePlan
+    draft_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -101,11 +111,15 @@ class VerifyStep:
         feeds_hidden: the drafter reads target hidden states (``on_target_hidden``).
         page_table: the scheduler's page table (each running request's ``page_row``); None:
             the runner gets the requests' page lists.
+        sizer: sizes each request's tree from its acceptance and the measured verify cost
+            (:mod:`~structspec.scheduler.tree_sizing`); None: the drafter's full trees.
     """
 
     def __init__(self, runner: ModelRunner, drafter: GuardedDrafter, grammar: GrammarService,
                  select: SelectVerifyPhase, timer: StepTimer, *, overlap: bool,
-                 feeds_hidden: bool, page_table: HostPageTable | None = None) -> None:
+                 feeds_hidden: bool, page_table: HostPageTable | None = None,
+                 sizer: AdaptiveTreeSizer | None = None) -> None:
+        self.sizer = sizer
         self.runner = runner
         self.drafter = drafter
         self.grammar = grammar
@@ -119,8 +133,10 @@ class VerifyStep:
         """One verify step over ``reqs`` (running, unfinished); ``previous`` are the last
         step's requests, whose deferred work runs under this step's forward."""
         timer = self.timer
+        t_start = time.perf_counter()
         timer.begin(len(reqs), self.drafter.num_nodes, sum(r.matcher is not None for r in reqs))
         proposal = self._propose(reqs)  # 1. propose
+        timer.note_nodes(proposal.tree.num_nodes)
         timer.event("fwd_start")
         staged = self._stage_tree(proposal, previous)  # 2. stage tree, plan the barrier
         # A device tree reaches the host only when the draft kernels finish; the mask build
@@ -148,6 +164,11 @@ class VerifyStep:
         timer.phase("wait")
         self._commit(proposal, fwd, pending, runs)  # 8. commit
         timer.phase("commit")
+        if self.sizer is not None:
+            self.sizer.observe_step(len(reqs) * proposal.tree.num_nodes,
+                                    (time.perf_counter() - t_start) * 1e3, proposal.draft_ms,
+                                    len(proposal.plan.drafted)
+                                    if proposal.plan.num_nodes > 1 else 0)
         outcome = StepOutcome(touched, reqs)
         if not self.overlap:
             finish_deferred(self.grammar, timer, reqs)
@@ -160,12 +181,32 @@ class VerifyStep:
     # ------------------------------------------------------------------ phases
 
     def _propose(self, reqs: list[Req]) -> Proposal:
-        """Phase 1 (timer phase ``draft``)."""
+        """Phase 1 (timer phase ``draft``): the sizer plans each request's tree size, the
+        drafter proposes for the requests it drafts, and the trees are laid out at the plan's
+        size (:func:`~structspec.scheduler.tree_fit.fit_trees`; a host tree also drops the
+        padding columns no row uses)."""
         draft_reqs = [DraftRequest(r.request_id, TokenHistory(r.prompt_ids, r.output_ids),
                                    r.seq_len) for r in reqs]
-        tree = self.drafter.propose(draft_reqs)
+        t0 = time.perf_counter()
+        if self.sizer is None:
+            plan = TreePlan(self.drafter.num_nodes, tuple(range(len(reqs))), full=True)
+        else:
+            plan = self.sizer.plan([r.request_id for r in reqs])
+        if plan.full:
+            tree = self.drafter.propose(draft_reqs)
+        else:
+            sub = None
+            if plan.num_nodes > 1 and plan.drafted:
+                sub = self.drafter.propose([draft_reqs[i] for i in plan.drafted])
+            n = plan.num_nodes
+            if sub is not None and sub.device.type == "cpu" and self.sizer is not None:
+                n = min(n, host_tree_nodes(real_nodes(sub), self.sizer.sizes))
+            tree = fit_trees([d.token_ids[-1] for d in draft_reqs], plan.drafted, sub, n)
+            if not self.drafter.tree_on_host and tree.device != self.runner.device:
+                tree = tree.to(self.runner.device)
+        draft_ms = (time.perf_counter() - t0) * 1e3
         self.timer.phase("draft")
-        return Proposal(reqs, draft_reqs, tree)
+        return Proposal(reqs, draft_reqs, tree, plan, draft_ms)
 
     def _stage_tree(self, proposal: Proposal, previous: list[Req]) -> StagedTree:
         """Phase 2: stage the tree for the mask build before the launch; plan the barrier."""
@@ -228,7 +269,12 @@ class VerifyStep:
         t = now()
         committed: list[list[int]] = []
         ended: list[Req] = []
-        for req, run, proposed in zip(reqs, runs, pending.num_real_drafts, strict=True):
+        nodes = proposal.tree.num_nodes
+        drafted = set(proposal.plan.drafted) if not proposal.plan.full else None
+        probes = set(proposal.plan.probes)
+        sizer = self.sizer
+        for b, (req, run, proposed) in enumerate(
+                zip(reqs, runs, pending.num_real_drafts, strict=True)):
             if req.finished or not run:  # ended by a stop string found after this step was
                 # launched; or no run: non-finite logits, and commit_tokens ends it
                 commit_tokens(req, run, t)
@@ -239,6 +285,13 @@ class VerifyStep:
             spec.verify_steps += 1
             spec.draft_tokens_proposed += proposed
             spec.draft_tokens_accepted += len(run) - 1
+            size = nodes if drafted is None or b in drafted else 1
+            spec.tree_sizes[size] = spec.tree_sizes.get(size, 0) + 1
+            if size == 1 and self.drafter.num_nodes > 1:
+                spec.steps_without_draft += 1
+            if sizer is not None:
+                sizer.observe_request(req.request_id, proposed, len(run) - 1,
+                                      probe=b in probes)
             kept = commit_tokens(req, run, t)
             spec.committed_tokens += len(kept)
             req.seq_len += len(run)
@@ -248,3 +301,5 @@ class VerifyStep:
         self.drafter.on_verified(draft_reqs, committed)
         for req in ended:
             self.drafter.release(req.request_id)
+            if sizer is not None:
+                sizer.release(req.request_id)

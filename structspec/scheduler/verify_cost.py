@@ -1,0 +1,115 @@
+"""What a verify step costs on this device, learned from the engine's own steps.
+
+A verify forward scores ``rows = batch x nodes`` query rows. On a GPU at small batch it is
+bound by reading the weights, so its time barely moves with the tree size; on a 2-core CPU
+(or a GPU at large batch) it is bound by the rows' arithmetic, and an 8-node verify costs
+close to 8 decodes. :class:`VerifyCostModel` measures that curve online: every verify step
+reports its rows and its time (host clock, from the step's start to its commit, minus the
+drafter's propose time, which is learned apart, per drafted request), and the model keeps an
+exponentially weighted moving average (EWMA) of both per power-of-two bucket of rows. The
+first sample of each bucket is dropped: it pays one-time work (CUDA-graph capture, allocator
+growth) that later steps do not.
+
+Between measured buckets the cost is interpolated linearly in rows (the forward's time is
+close to affine in rows on both devices); outside the measured range it is extended with the
+slope of the two nearest buckets (flat when only one is measured).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: EWMA weight of a new sample (about the last 1 / alpha steps matter)
+COST_EWMA_ALPHA = 0.25
+
+
+def rows_bucket(rows: int) -> int:
+    """The bucket of a step's ``rows`` (``>= 1``): ``ceil(log2(rows))``, so 1 -> 0, 2 -> 1,
+    3..4 -> 2, 5..8 -> 3, ...
+
+    Raises:
+        ValueError: ``rows < 1``.
+    """
+    if rows < 1:
+        raise ValueError(f"rows={rows}: a verify step has at least one row")
+    return (rows - 1).bit_length()
+
+
+@dataclass
+class _Bucket:
+    """EWMA of the rows and of the verify time (ms) of the steps in one bucket."""
+
+    seen: int = 0  # samples offered, the dropped warm-up one included
+    rows: float = 0.0
+    ms: float = 0.0
+
+    @property
+    def samples(self) -> int:
+        return max(0, self.seen - 1)
+
+
+class VerifyCostModel:
+    """Verify step time as a function of its rows, plus the drafter's time per drafted
+    request, both measured online (see the module doc). One per engine (so per device).
+
+    Args:
+        alpha: EWMA weight of a new sample, in (0, 1].
+
+    Raises:
+        ValueError: ``alpha`` outside (0, 1].
+    """
+
+    def __init__(self, alpha: float = COST_EWMA_ALPHA) -> None:
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"alpha={alpha}: expected 0 < alpha <= 1")
+        self.alpha = alpha
+        self._buckets: dict[int, _Bucket] = {}
+        #: EWMA of the propose time per drafted request (ms); None before a drafted step
+        self.draft_ms_per_request: float | None = None
+
+    def observe(self, rows: int, verify_ms: float, *, draft_ms: float = 0.0,
+                num_drafted: int = 0) -> None:
+        """Record one verify step.
+
+        Args:
+            rows: ``batch x nodes`` rows of its forward (>= 1).
+            verify_ms: the step's time without the propose (ms).
+            draft_ms: the propose's time (ms).
+            num_drafted: requests the drafter proposed for (0: no propose ran).
+        """
+        b = self._buckets.setdefault(rows_bucket(rows), _Bucket())
+        b.seen += 1
+        if b.seen == 2:  # the first kept sample starts the average
+            b.rows, b.ms = float(rows), float(verify_ms)
+        elif b.seen > 2:
+            b.rows += self.alpha * (rows - b.rows)
+            b.ms += self.alpha * (verify_ms - b.ms)
+        if num_drafted > 0:
+            per = draft_ms / num_drafted
+            d = self.draft_ms_per_request
+            self.draft_ms_per_request = per if d is None else d + self.alpha * (per - d)
+
+    def samples(self, rows: int) -> int:
+        """Kept samples of the bucket of ``rows`` (0: not measured yet)."""
+        b = self._buckets.get(rows_bucket(rows))
+        return 0 if b is None else b.samples
+
+    def verify_ms(self, rows: int) -> float | None:
+        """Estimated verify time (ms) of a step of ``rows`` rows; None before any bucket has a
+        kept sample. Interpolated between measured buckets, extended past them with the slope
+        of the two nearest (flat with one); never below 1% of the smallest measurement."""
+        pts = sorted((b.rows, b.ms) for b in self._buckets.values() if b.samples)
+        if not pts:
+            return None
+        if len(pts) == 1:
+            return pts[0][1]
+        x = float(rows)
+        if x <= pts[0][0]:
+            (x0, y0), (x1, y1) = pts[0], pts[1]
+        elif x >= pts[-1][0]:
+            (x0, y0), (x1, y1) = pts[-2], pts[-1]
+        else:
+            i = next(i for i in range(1, len(pts)) if pts[i][0] >= x)
+            (x0, y0), (x1, y1) = pts[i - 1], pts[i]
+        y = y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+        return max(y, 0.01 * min(p[1] for p in pts))
