@@ -24,6 +24,9 @@ class StepRecord:
             ``commit`` (results committed, drafter updated).
         gpu_draft_ms, gpu_forward_ms, gpu_grammar_stall_ms, gpu_post_ms, gpu_idle_before_ms:
             see :mod:`structspec.scheduler.step_stats`.
+        num_drafting: requests the drafter proposed a tree for (adaptive sizing may leave
+            some out; all of them with a drafter and fixed trees, none without a drafter).
+        num_plain: requests verified as a plain decode row (the root alone).
         pool_workers, pool_send_ms, pool_worker_max_ms: when the mask worker pool built the
             step's tree bitmask, the workers messaged, the host time spent sending to them,
             and the busiest worker's time from message to reply (None otherwise).
@@ -39,6 +42,8 @@ class StepRecord:
     gpu_grammar_stall_ms: float | None = None
     gpu_post_ms: float | None = None
     gpu_idle_before_ms: float | None = None
+    num_drafting: int = 0
+    num_plain: int = 0
     pool_workers: int | None = None
     pool_send_ms: float | None = None
     pool_worker_max_ms: float | None = None

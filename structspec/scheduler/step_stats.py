@@ -74,11 +74,15 @@ class StepTimer:
             self._stream = torch.cuda.current_stream()
             self._events.start.record(self._stream)
 
-    def note_nodes(self, num_nodes: int) -> None:
+    def note_nodes(self, num_nodes: int, num_drafting: int, num_plain: int) -> None:
         """Set the step's tree size ``N`` once the drafter's trees are sized (adaptive trees
-        may be smaller than the drafter's ``num_draft_tokens``)."""
-        if self._current is not None:
-            self._current.num_nodes = num_nodes
+        may be smaller than the drafter's ``num_draft_tokens``) and how many requests were
+        drafted vs verified as plain decode rows."""
+        rec = self._current
+        if rec is not None:
+            rec.num_nodes = num_nodes
+            rec.num_drafting = num_drafting
+            rec.num_plain = num_plain
 
     def phase(self, name: str) -> None:
         """Close the host phase ``name`` (time since the previous mark is added to it)."""

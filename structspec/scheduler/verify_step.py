@@ -136,7 +136,8 @@ class VerifyStep:
         t_start = time.perf_counter()
         timer.begin(len(reqs), self.drafter.num_nodes, sum(r.matcher is not None for r in reqs))
         proposal = self._propose(reqs)  # 1. propose
-        timer.note_nodes(proposal.tree.num_nodes)
+        drafting = len(proposal.plan.drafted) if proposal.tree.num_nodes > 1 else 0
+        timer.note_nodes(proposal.tree.num_nodes, drafting, len(reqs) - drafting)
         timer.event("fwd_start")
         staged = self._stage_tree(proposal, previous)  # 2. stage tree, plan the barrier
         # A device tree reaches the host only when the draft kernels finish; the mask build

@@ -106,6 +106,19 @@ class ServerMetrics:
         self.spec_accept_rate = Gauge(p + "spec_accept_rate",
                                       "Accepted / proposed draft tokens (cumulative)",
                                       registry=r)
+        self.spec_steps_without_draft = Counter(
+            p + "spec_steps_without_draft", "Verify steps of finished requests run as a plain "
+            "decode row although a drafter is on (adaptive tree sizing: drafting would not "
+            "pay; or nothing to propose)", registry=r)
+        self.spec_requests_drafting = Gauge(
+            p + "spec_requests_drafting", "Requests the drafter proposed a tree for in the "
+            "latest verify step", registry=r)
+        self.spec_requests_plain = Gauge(
+            p + "spec_requests_plain", "Requests verified as a plain decode row (no draft) in "
+            "the latest verify step", registry=r)
+        self.spec_tree_nodes = Histogram(
+            p + "verify_step_tree_nodes", "Draft-tree size N (node 0 included) of a verify "
+            "step", buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
         self.spec_accept_length_hist = Histogram(
             p + "spec_request_accept_length", "Per-request committed tokens per verify step",
             buckets=ACCEPT_BUCKETS, registry=r)
@@ -148,8 +161,12 @@ class ServerMetrics:
             self.grammar_compile.observe(s)
         if stats.grammar_compile_timeouts:
             self.grammar_compile_timeouts.inc(stats.grammar_compile_timeouts)
+        if stats.steps:
+            self.spec_requests_drafting.set(stats.steps[-1].num_drafting)
+            self.spec_requests_plain.set(stats.steps[-1].num_plain)
         for step in stats.steps:
             self.step_wall.observe(step.wall_ms)
+            self.spec_tree_nodes.observe(step.num_nodes)
             for phase, ms in step.cpu_ms.items():
                 self.step_cpu.labels(phase=phase).inc(ms)
             if step.gpu_busy_ms is not None:
@@ -190,6 +207,7 @@ class ServerMetrics:
             self.spec_accepted_tokens.inc(spec.draft_tokens_accepted)
             self.spec_grammar_rejected.inc(spec.draft_tokens_rejected_by_grammar)
             self.spec_committed_tokens.inc(spec.committed_tokens)
+            self.spec_steps_without_draft.inc(spec.steps_without_draft)
             self.spec_accept_length_hist.observe(spec.accept_length)
             self._spec_total.add(spec)
             self.spec_accept_length.set(self._spec_total.accept_length)

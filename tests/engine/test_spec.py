@@ -19,6 +19,7 @@ from structspec import (
 )
 from structspec.models.shipped_heads import DEFAULT_MODEL_EAGLE_HEAD
 from tests.engine.conftest import KV_CAPACITY_TOKENS, PERSON_SCHEMA, PROMPTS, release_memory
+from tests.scheduler.test_tree_sizing import FixedCost
 
 GBNF = 'root ::= "Answer: " ("yes" | "no") " because " [a-z ]+ "."'
 
@@ -123,10 +124,35 @@ def check_lossless(name: str, want: list, got: list, params: list[SamplingParams
 
 
 @pytest.mark.parametrize("name", list(SPEC_CONFIGS))
-def test_lossless_greedy(spec_off_outputs, in_process_outputs, name: str) -> None:
+def test_lossless_greedy(make_llm, draft_paths, spec_off_outputs, in_process_outputs,
+                         name: str) -> None:
     """A mixed batch (no grammar, JSON Schema, regex, EBNF; stop strings cutting a free and a
-    JSON run): greedy output with each drafter equals output without speculation."""
+    JSON run): greedy output with each drafter equals output without speculation; for a host
+    and a device drafter also with adaptive tree sizing (:func:`check_adaptive_lossless`)."""
     check_lossless(name, spec_off_outputs, in_process_outputs(name), cut_params())
+    if name in ("ngram", "eagle_shipped_head"):
+        # the engine just used (a cache hit: the engine cache's order stays as it was)
+        check_adaptive_lossless(name, make_llm(**SPEC_CONFIGS[name](draft_paths)),
+                                spec_off_outputs)
+
+
+def check_adaptive_lossless(name: str, llm: LLM, want: list) -> None:
+    """Adaptive tree sizing (docs/architecture.md, invariant 2) only changes which drafts are
+    proposed: with a CPU-like cost (fixed, so the sizes do not depend on this machine's
+    timings) the mixed batch verifies trees of several sizes in one step, plain-decode rows
+    (trees of 1 node, under grammars too) and re-probes, and the output is the same."""
+    sizer = llm.engine.scheduler.sizer
+    saved = (sizer.mode, sizer.cost, sizer.probe_every)
+    sizer.mode, sizer.cost, sizer.probe_every = "on", FixedCost(20.0, 8.0), 3
+    try:
+        got = llm.generate(PROMPTS[:8], cut_params())
+    finally:
+        sizer.mode, sizer.cost, sizer.probe_every = saved
+    check_lossless(name, want, got, cut_params())
+    sizes = {n for g in got for n in g.spec.tree_sizes}
+    assert 1 in sizes and len(sizes) > 1, sizes
+    assert sum(g.spec.steps_without_draft for g in got) > 0
+    assert sum(g.spec.draft_tokens_accepted for g in got) > 0
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,225 @@
+"""Adaptive draft-tree sizing: the formula, the cost model, the sizer's plans, the tree fit."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from structspec.config import EngineConfig, SpecConfig, resolve_engine_config
+from structspec.draft_tree.layout import VerifyTree
+from structspec.scheduler.tree_fit import fit_trees, real_nodes
+from structspec.scheduler.tree_sizing import (
+    AdaptiveTreeSizer,
+    expected_tokens,
+    host_tree_nodes,
+    tree_size_choices,
+)
+from structspec.scheduler.verify_cost import VerifyCostModel, rows_bucket
+
+
+class FixedCost(VerifyCostModel):
+    """A cost model with given verify times per rows (ms = base + per_row * rows) and draft
+    time, which the steps' own timings do not move."""
+
+    def __init__(self, base_ms: float, per_row_ms: float, draft_ms: float = 0.0) -> None:
+        super().__init__()
+        for rows in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            for _ in range(2):  # the first of a bucket is its warm-up
+                super().observe(rows, base_ms + per_row_ms * rows)
+        self.draft_ms_per_request = draft_ms
+
+    def observe(self, rows: int, verify_ms: float, *, draft_ms: float = 0.0,
+                num_drafted: int = 0) -> None:
+        pass
+
+
+def test_expected_tokens_formula() -> None:
+    assert expected_tokens(1, 0.7) == 1.0
+    assert expected_tokens(3, 0.5) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens(8, 1.0) == 8.0
+    assert expected_tokens(8, 0.0) == 1.0
+    a, n = 0.8, 5
+    assert expected_tokens(n, a) == pytest.approx(sum(a ** i for i in range(n)))
+
+
+def test_tree_size_choices() -> None:
+    assert tree_size_choices(8) == (1, 2, 4, 8)
+    assert tree_size_choices(6) == (1, 2, 4, 6)
+    assert tree_size_choices(2) == (1, 2)
+    assert tree_size_choices(1) == (1,)
+    with pytest.raises(ValueError, match="max_nodes"):
+        tree_size_choices(0)
+
+
+def test_cost_model_drops_warmup_and_interpolates() -> None:
+    cost = VerifyCostModel(alpha=0.5)
+    assert rows_bucket(1) == 0 and rows_bucket(8) == 3 and rows_bucket(5) == 3
+    assert cost.verify_ms(4) is None
+    cost.observe(1, 500.0)  # warm-up: dropped
+    assert cost.samples(1) == 0 and cost.verify_ms(1) is None
+    cost.observe(1, 10.0)
+    cost.observe(8, 999.0)
+    cost.observe(8, 80.0)
+    assert cost.verify_ms(1) == pytest.approx(10.0)
+    assert cost.verify_ms(8) == pytest.approx(80.0)
+    assert cost.verify_ms(4) == pytest.approx(40.0)  # linear between the buckets
+    assert cost.verify_ms(16) == pytest.approx(160.0)  # the two nearest buckets' slope
+    cost.observe(1, 20.0, draft_ms=6.0, num_drafted=3)
+    assert cost.verify_ms(1) == pytest.approx(15.0)  # EWMA, alpha 0.5
+    assert cost.draft_ms_per_request == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="alpha"):
+        VerifyCostModel(alpha=0.0)
+
+
+def test_sizer_calibrates_then_sizes_by_acceptance() -> None:
+    sizer = AdaptiveTreeSizer("on", 8)
+    # unmeasured: full trees, then plain decodes, two steps each (the first is a warm-up)
+    sizes = []
+    for _ in range(4):
+        plan = sizer.plan(["a"])
+        sizes.append(plan.num_nodes)
+        sizer.observe_step(plan.num_nodes, 10.0 * plan.num_nodes, 0.0, 0)
+    assert sizes == [8, 8, 1, 1]
+    # CPU-like cost (a row costs 8 ms over a 20 ms step): a low acceptance does not pay
+    # for a tree, a middling one for a small tree, a high one for the full tree
+    sizer.cost = FixedCost(20.0, 8.0)
+    for _ in range(20):
+        sizer.observe_request("a", 7, 0)
+    assert sizer.plan(["a"]).num_nodes == 1
+    sizer.release("a")
+    sizer.engine_accept = 0.5
+    assert sizer.plan(["a"]).num_nodes == 2  # E(2) / 36 ms = 1.5 / 36 > 1 / 28
+    for _ in range(20):
+        sizer.observe_request("a", 7, 7)
+    assert sizer.accept("a") > 0.9
+    plan = sizer.plan(["a"])
+    assert plan.num_nodes == 8 and plan.full
+
+
+def test_sizer_flat_cost_keeps_full_trees_and_auto_stays_off() -> None:
+    on = AdaptiveTreeSizer("on", 8, cost=FixedCost(20.0, 0.01))
+    assert on.plan(["a", "b"]).full  # rows nearly free: every tree pays
+    auto = AdaptiveTreeSizer("auto", 8, cost=FixedCost(20.0, 0.01))
+    for _ in range(30):
+        auto.observe_request("a", 7, 0)
+    plan = auto.plan(["a"])
+    assert plan.full and plan.num_nodes == 8 and not auto.counts.adaptive_active
+    auto_cpu = AdaptiveTreeSizer("auto", 8, cost=FixedCost(0.0, 10.0))
+    for _ in range(30):
+        auto_cpu.observe_request("a", 7, 0)
+    assert auto_cpu.plan(["a"]).num_nodes == 1 and auto_cpu.counts.adaptive_active
+    off = AdaptiveTreeSizer("off", 8, cost=FixedCost(0.0, 10.0))
+    assert off.plan(["a"]).full
+    with pytest.raises(ValueError, match="speculative_adaptive"):
+        AdaptiveTreeSizer("sometimes", 8)
+
+
+def test_mixed_batch_plain_rows_and_probes_with_backoff() -> None:
+    sizer = AdaptiveTreeSizer("on", 8, cost=FixedCost(1.0, 2.0), probe_every=4,
+                              max_probe_every=16)
+    for _ in range(30):
+        sizer.observe_request("hot", 7, 7)
+        sizer.observe_request("cold", 7, 0)
+    plan = sizer.plan(["cold", "hot"])
+    assert plan.drafted == (1,) and plan.num_nodes == 8 and not plan.full
+    assert sizer.counts.drafting == 1 and sizer.counts.plain == 1
+    # "cold" alone: plain decodes, one 2-node probe every 4 steps; failed probes back off
+    probe_steps = []
+    for step in range(40):
+        plan = sizer.plan(["cold"])
+        if plan.probes:
+            assert plan.num_nodes == 2 and plan.drafted == (0,)
+            probe_steps.append(step)
+            sizer.observe_request("cold", 1, 0, probe=True)
+        else:
+            assert plan.num_nodes == 1 and plan.drafted == ()
+    # the mixed step above was its first idle one: probes every 4, then 8, then 16 steps
+    assert probe_steps[:3] == [2, 10, 26]
+    # a probe that accepts resets the interval; acceptance recovers with repetitive text
+    sizer.observe_request("cold", 1, 1, probe=True)
+    for _ in range(20):
+        sizer.observe_request("cold", 7, 7)
+    assert sizer.plan(["cold"]).num_nodes == 8
+    sizer.release("cold")
+    sizer.release("hot")
+    assert sizer.num_tracked() == 0
+
+
+def _host_tree(rows: list[tuple[list[int], list[int]]], n: int) -> VerifyTree:
+    toks = torch.full((len(rows), n), -1, dtype=torch.int64)
+    pars = torch.zeros((len(rows), n), dtype=torch.int64)
+    for b, (t, p) in enumerate(rows):
+        toks[b, : len(t)] = torch.tensor(t)
+        pars[b, : len(p)] = torch.tensor(p)
+    return VerifyTree.from_parents(toks, pars)
+
+
+def test_fit_trees_cuts_pads_and_keeps_structure() -> None:
+    sub = _host_tree([([5, 6, 7, 8], [-1, 0, 1, 0]), ([9, 10], [-1, 0])], 8)
+    assert real_nodes(sub) == [4, 2]
+    assert host_tree_nodes(real_nodes(sub), (1, 2, 4, 8)) == 4
+    assert host_tree_nodes([1, 1], (1, 2, 4, 8)) == 1
+    tree = fit_trees([1, 5, 2, 9], [1, 3], sub, 4)
+    want = _host_tree([([1], [-1]), ([5, 6, 7, 8], [-1, 0, 1, 0]), ([2], [-1]),
+                       ([9, 10], [-1, 0])], 4)
+    for name in ("draft_tokens", "parents", "depth", "next_token", "next_sibling",
+                 "ancestor_mask"):
+        assert torch.equal(getattr(tree, name), getattr(want, name)), name
+    cut = fit_trees([5], [0], _host_tree([([5, 6, 7, 8], [-1, 0, 1, 2])], 8), 2)
+    assert cut.draft_tokens.tolist() == [[5, 6]] and cut.depth.tolist() == [[0, 1]]
+    plain = fit_trees([3, 4], [], None, 1)
+    assert plain.num_nodes == 1 and plain.draft_tokens.tolist() == [[3], [4]]
+    full = fit_trees([5, 9], [0, 1], sub, 8)
+    assert full is sub
+    with pytest.raises(ValueError, match="do not fit"):
+        fit_trees([5], [0], sub, 4)
+
+
+def test_config_names_speculative_adaptive() -> None:
+    cfg = EngineConfig(device="cpu", spec=SpecConfig(algorithm="ngram", adaptive="maybe"))
+    with pytest.raises(ValueError, match="speculative_adaptive='maybe'"):
+        resolve_engine_config(cfg)
+    ok = resolve_engine_config(EngineConfig(device="cpu", spec=SpecConfig(algorithm="ngram")))
+    assert ok.spec.adaptive == "auto"
+
+
+def test_cli_flag() -> None:
+    import argparse
+
+    from structspec.engine_args import add_engine_args, engine_kwargs, flag_error
+
+    ap = argparse.ArgumentParser()
+    add_engine_args(ap)
+    args = ap.parse_args(["--speculative-algorithm", "ngram", "--speculative-adaptive", "on"])
+    assert engine_kwargs(args)["speculative_adaptive"] == "on"
+    assert ap.parse_args([]).speculative_adaptive == "auto"
+    assert flag_error("speculative_adaptive='x': expected").startswith("--speculative-adaptive")
+    assert math.isfinite(expected_tokens(4, 0.999999))
+
+
+def test_prometheus_shows_drafting_and_plain_requests() -> None:
+    pytest.importorskip("prometheus_client")
+    from structspec.core import SpecMetrics
+    from structspec.scheduler.step_record import StepRecord
+    from structspec.server.ipc import EngineStats
+    from structspec.server.metrics import ServerMetrics
+
+    m = ServerMetrics()
+    steps = (StepRecord(3, 8, 0, num_drafting=3), StepRecord(3, 4, 0, num_drafting=1,
+                                                             num_plain=2))
+    m.on_engine_stats(EngineStats(steps=steps))
+    text = m.render().decode()
+    assert "structspec_spec_requests_drafting 1.0" in text
+    assert "structspec_spec_requests_plain 2.0" in text
+    assert "structspec_verify_step_tree_nodes_sum 12.0" in text
+    spec = SpecMetrics(verify_steps=4, committed_tokens=9, steps_without_draft=3,
+                       tree_sizes={1: 3, 8: 1})
+    assert spec.mean_tree_nodes == pytest.approx(2.75)
+    d = spec.to_dict()
+    assert d["steps_without_draft"] == 3 and d["tree_sizes"] == {"1": 3, "8": 1}
+    total = SpecMetrics()
+    total.add(spec)
+    total.add(spec)
+    assert total.tree_sizes == {1: 6, 8: 2} and total.steps_without_draft == 6
