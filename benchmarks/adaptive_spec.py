@@ -4,7 +4,7 @@ Batch 1, greedy, one request at a time, median tokens/s over the prompts of each
 
   extraction  JSON extraction prompts (benchmarks/workloads.py), constrained by the
               extraction JSON Schema: the answer copies the prompt, drafts get accepted
-  chat        free chat: the shortest held-out ShareGPT first turns (the train-eagle split),
+  chat        free chat: held-out ShareGPT first turns of 40-300 characters (the train-eagle split),
               no grammar: drafts are rarely accepted
 
 for every configuration: no drafter, then each drafter (``ngram``, ``eagle`` with the shipped
@@ -33,8 +33,9 @@ from structspec.training.prompts import sharegpt_held_out_prompts
 
 
 def chat_prompts(n: int) -> list[str]:
-    """The ``n + 1`` shortest held-out ShareGPT prompts (one is the warm-up)."""
-    return sorted(sharegpt_held_out_prompts(), key=len)[: n + 1]
+    """The first ``n + 1`` held-out ShareGPT prompts of 40 to 300 characters (one is the
+    warm-up): a question or a request that gets a free-form answer."""
+    return [p for p in sharegpt_held_out_prompts() if 40 <= len(p) <= 300][: n + 1]
 
 
 def run_workload(llm: LLM, prompts: list[str], grammar: Any, max_tokens: int) -> dict[str, Any]:

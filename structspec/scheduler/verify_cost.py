@@ -8,7 +8,8 @@ reports its rows and its time (host clock, from the step's start to its commit, 
 drafter's propose time, which is learned apart, per drafted request), and the model keeps an
 exponentially weighted moving average (EWMA) of both per power-of-two bucket of rows. The
 first sample of each bucket is dropped: it pays one-time work (CUDA-graph capture, allocator
-growth) that later steps do not.
+growth) that later steps do not; later ones are clamped to 1/4..4x the bucket's average, so a
+single outlier cannot swing a decision.
 
 Between measured buckets the cost is interpolated linearly in rows (the forward's time is
 close to affine in rows on both devices); outside the measured range it is extended with the
@@ -82,8 +83,12 @@ class VerifyCostModel:
         if b.seen == 2:  # the first kept sample starts the average
             b.rows, b.ms = float(rows), float(verify_ms)
         elif b.seen > 2:
+            # One outlier (a CUDA graph captured for a new page bucket, a burst of load on
+            # the host) moves the average by at most a factor: the sample is clamped to
+            # [1/4, 4] x the current estimate.
+            ms = min(max(float(verify_ms), 0.25 * b.ms), 4.0 * b.ms)
             b.rows += self.alpha * (rows - b.rows)
-            b.ms += self.alpha * (verify_ms - b.ms)
+            b.ms += self.alpha * (ms - b.ms)
         if num_drafted > 0:
             per = draft_ms / num_drafted
             d = self.draft_ms_per_request

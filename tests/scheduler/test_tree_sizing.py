@@ -69,6 +69,8 @@ def test_cost_model_drops_warmup_and_interpolates() -> None:
     cost.observe(1, 20.0, draft_ms=6.0, num_drafted=3)
     assert cost.verify_ms(1) == pytest.approx(15.0)  # EWMA, alpha 0.5
     assert cost.draft_ms_per_request == pytest.approx(2.0)
+    cost.observe(1, 10_000.0)  # an outlier counts as 4x the average at most
+    assert cost.verify_ms(1) == pytest.approx(15.0 + 0.5 * (60.0 - 15.0))
     with pytest.raises(ValueError, match="alpha"):
         VerifyCostModel(alpha=0.0)
 
