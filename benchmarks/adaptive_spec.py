@@ -69,7 +69,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--num-draft-tokens", type=int, default=8)
     ap.add_argument("--algorithms", nargs="+", default=["ngram", "eagle"])
-    ap.add_argument("--modes", nargs="+", default=["off", "on"],
+    ap.add_argument("--modes", nargs="+", default=["on", "off"],
                     choices=["off", "on", "auto"])
     ap.add_argument("--workloads", nargs="+", default=["extraction", "chat"],
                     choices=["extraction", "chat"])
@@ -83,7 +83,8 @@ def main() -> None:
     print(f"adaptive_spec device={args.device} threads={torch.get_num_threads()} "
           f"load={os.getloadavg()[0]:.2f} prompts={args.prompts} max_tokens={args.max_tokens}",
           flush=True)
-    configs = [("none", "off")] + [(a, m) for a in args.algorithms for m in args.modes]
+    # the modes in the order given, each over every drafter: the first mode's lines come first
+    configs = [("none", "off")] + [(a, m) for m in args.modes for a in args.algorithms]
     base: dict[str, dict[str, Any]] = {}
     for algo, mode in configs:
         llm = LLM(args.model, device=args.device, speculative_algorithm=algo,
