@@ -58,6 +58,12 @@ class LLM:
         load_format: ``auto`` reads the checkpoint's weights; ``dummy`` builds seeded random
             weights (``seed``) on the device from ``config.json`` alone, for the target and a
             ``draft_model`` draft model (benchmarks of large shapes without their weights).
+        quantization: weight-only quantization of the target's linears on CPU
+            (``EngineConfig.quantization``): ``none`` (float32 weights), ``int8``
+            (per-output-channel scales), ``int4`` (groups of 32 input channels) or ``auto``
+            (:data:`structspec.config.AUTO_CPU_QUANTIZATION` on CPU when ``dtype`` is
+            ``auto``; ``none`` with an explicit ``dtype`` and on CUDA). int8/int4 on CUDA, or
+            with a dtype other than float32, raise ValueError naming ``quantization``.
         chat_template: a Jinja chat template used instead of the model's own (vLLM's
             ``--chat-template``): the path of a template file, or the template text (with a
             ``{{ ... }}`` or ``{% ... %}`` tag); ValueError naming ``chat_template`` when it
@@ -99,6 +105,7 @@ class LLM:
         grammar_backend: str = "xgrammar",
         min_prefill_batch: int | None = None,
         chat_template: str | None = None,
+        quantization: str = "auto",
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -112,6 +119,7 @@ class LLM:
             kernels=kernels,
             batch_invariant=batch_invariant,
             load_format=load_format,
+            quantization=quantization,
             cache=CacheConfig(page_size=page_size, kv_capacity_tokens=kv_capacity_tokens),
             spec=SpecConfig(algorithm=speculative_algorithm, num_draft_tokens=num_draft_tokens,
                             depth=speculative_depth, topk=speculative_topk,

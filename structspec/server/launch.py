@@ -70,6 +70,7 @@ def build_engine_config(model: str | None = None, **kwargs: Any) -> Any:
         kernels=kwargs.get("kernels", "auto"),
         batch_invariant=kwargs.get("batch_invariant", False),
         load_format=kwargs.get("load_format", "auto"),
+        quantization=kwargs.get("quantization", "auto"),
         cache=CacheConfig(page_size=kwargs.get("page_size", 16),
                           kv_capacity_tokens=kwargs.get("kv_capacity_tokens", 65536)),
         spec=SpecConfig(algorithm=kwargs.get("speculative_algorithm", "none"),

@@ -135,7 +135,9 @@ class EngineCache:
         while len(self._engines) >= self.capacity:
             self._engines.popitem(last=False)
             release_memory()  # free its tensors now, and give the pages back
-        opts: dict[str, Any] = dict(device="cpu", dtype="float32",
+        # float32 weights unless a test asks for --quantization: the lossless tests (spec on
+        # == spec off) and the HF comparisons run on the float32 path
+        opts: dict[str, Any] = dict(device="cpu", dtype="float32", quantization="none",
                                     kv_capacity_tokens=KV_CAPACITY_TOKENS, max_batch_size=32)
         opts.update(kw)
         self._engines[key] = llm = LLM(**opts)
@@ -155,6 +157,7 @@ def engine_cache() -> Iterator[EngineCache]:
 
 @pytest.fixture(scope="session")
 def make_llm(engine_cache: EngineCache) -> Callable[..., Any]:
-    """``make_llm(**kw)`` -> an LLM on CPU in float32 for those options, shared by the whole
+    """``make_llm(**kw)`` -> an LLM on CPU in float32 (``quantization="none"`` unless ``kw``
+    says otherwise) for those options, shared by the whole
     session (see :class:`EngineCache`)."""
     return engine_cache.get
