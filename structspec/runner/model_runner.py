@@ -70,7 +70,8 @@ class PrefillOutput:
 
     Attributes:
         logits: ``[B, V]`` float32 logits of each request's last prompt token.
-        hidden_states: ``[B, Q, H]`` final hidden states of every (padded) prompt position.
+        hidden_states: ``[B, Q, H]`` final hidden states of every computed (padded) prompt
+            position (row ``j`` = position ``num_cached[b] + j``, see :meth:`ModelRunner.prefill`).
         aux_hidden_states: outputs of ``ModelRunner.aux_hidden_layers``, each ``[B, Q, H]``.
     """
 
@@ -187,10 +188,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(
-        self, token_ids: Sequence[Sequence[int]], pages: Sequence[Sequence[int]]
+        self, token_ids: Sequence[Sequence[int]], pages: Sequence[Sequence[int]],
+        num_cached: Sequence[int] | None = None,
     ) -> PrefillOutput:
-        """Write the prompts' KV; return the last prompt tokens' logits and hidden states."""
-        fb = build_prefill_batch(token_ids, pages, page_size=self.page_size, device=self.device)
+        """Write the prompts' KV; return the last prompt tokens' logits and hidden states.
+
+        Args:
+            token_ids: per request, the whole prompt.
+            pages: per request, pages covering its prompt.
+            num_cached: per request, leading prompt tokens whose KV its pages already hold
+                (a prefix-cache hit; ``< len(prompt)``): only the rest is computed, and the
+                hidden states' row ``j`` is then position ``num_cached[b] + j``. None = 0.
+        """
+        fb = build_prefill_batch(token_ids, pages, page_size=self.page_size, device=self.device,
+                                 num_cached=num_cached)
         out = self.model(fb, self.kv_pool, aux_hidden_layers=self.aux_hidden_layers)
         hidden = out.hidden_states.reshape(-1, out.hidden_states.shape[-1])
         logits = self.model.compute_logits(hidden[fb.logits_indices])
