@@ -61,8 +61,8 @@ class LLM:
         enable_prefix_caching: reuse the KV of full prompt pages that earlier requests
             computed (``CacheConfig.enable_prefix_caching``, default on; the CLI's
             ``--no-prefix-cache`` turns it off). Each result reports its reused prompt tokens
-            (``RequestOutput.cached_tokens``). Off with the ``eagle`` drafter, whose head
-            needs the target's features of every prompt position.
+            (``RequestOutput.cached_tokens``). With the ``eagle`` drafter the target's
+            features of each prompt position are kept beside its KV (the head reads them).
         chat_template: a Jinja chat template used instead of the model's own (vLLM's
             ``--chat-template``): the path of a template file, or the template text (with a
             ``{{ ... }}`` or ``{% ... %}`` tag); ValueError naming ``chat_template`` when it

@@ -77,11 +77,12 @@ class Scheduler:
         self._feeds_hidden = type(drafter).on_target_hidden is not Drafter.on_target_hidden
         # Prefix caching (kvcache/prefix_cache.py). A drafter that reads the target's
         # features (EAGLE) needs them for every prompt position, which a prefill that skips
-        # cached tokens does not compute: with such a drafter no prefix is reused (its state
-        # is rebuilt from a full prefill, never stale).
+        # cached tokens does not compute: the runner then keeps them beside the KV, by slot.
         self.allocator = PrefixCachingAllocator(
             runner.kv_pool.num_pages, runner.page_size,
-            enabled=config.cache.enable_prefix_caching and not self._feeds_hidden)
+            enabled=config.cache.enable_prefix_caching)
+        if config.cache.enable_prefix_caching and self._feeds_hidden:
+            runner.keep_prompt_features()
         #: every running request's pages, one row each (a verify step gathers its batch's)
         self.page_table = HostPageTable(config.scheduler.max_batch_size)
         self.requests: dict[str, Req] = {}
@@ -347,10 +348,15 @@ class Scheduler:
         out = self.runner.prefill([r.prompt_ids for r in batch], [r.pages for r in batch],
                                   cached if any(cached) else None)
         if self._feeds_hidden:
+            # every prompt position's features, the cached ones included
+            if out.prompt_hidden_states is not None and out.prompt_aux_hidden_states is not None:
+                hidden, aux = out.prompt_hidden_states, out.prompt_aux_hidden_states
+            else:
+                assert not any(cached), "prefix reuse for a drafter without prompt features"
+                hidden, aux = out.hidden_states, out.aux_hidden_states
             self.draft.on_target_hidden(
                 [DraftRequest(r.request_id, r.prompt_ids, 0) for r in batch],
-                out.hidden_states, None, [len(r.prompt_ids) for r in batch],
-                out.aux_hidden_states)
+                hidden, None, [len(r.prompt_ids) for r in batch], aux)
         for r in batch:
             r.seq_len = len(r.prompt_ids)
             # the prompt's full pages are final now (later writes start at seq_len)

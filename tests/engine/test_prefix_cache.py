@@ -124,18 +124,17 @@ def test_greedy_same_with_and_without_prefix_cache(make_llm, tiny_model_dir: str
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert all(o.error is None for o in got)
     assert all(o.cached_tokens == 0 for o in want)
-    if drafter == "eagle":  # the head needs every prompt position's features: no reuse
-        assert all(o.cached_tokens == 0 for o in got)
-    else:
-        ps = on.engine.scheduler.allocator.page_size
-        assert all(o.cached_tokens >= ps and o.cached_tokens % ps == 0 for o in got)
-        assert all(o.cached_tokens < len(o.prompt_token_ids) for o in got)
-        for o in got:
-            assert_cached_kv_is_prompt_kv(on, o.prompt_token_ids)
+    ps = on.engine.scheduler.allocator.page_size
+    assert all(o.cached_tokens >= ps and o.cached_tokens % ps == 0 for o in got)
+    assert all(o.cached_tokens < len(o.prompt_token_ids) for o in got)
+    for o in got:
+        assert_cached_kv_is_prompt_kv(on, o.prompt_token_ids)
+    if drafter == "eagle":  # the cached positions' features came from the feature store
+        assert on.engine.scheduler.runner.prompt_features is not None
+        assert sum(o.spec.draft_tokens_proposed for o in got) > 0
     assert_no_leak(on)
     stats = on.engine.stats()
-    assert 0.0 <= stats["prefix_cache_hit_rate"] <= 1.0
-    assert (stats["prefix_cache_hit_tokens"] > 0) == (drafter != "eagle")
+    assert 0.0 < stats["prefix_cache_hit_rate"] <= 1.0
 
 
 def test_eviction_under_a_small_pool(make_llm, tiny_model_dir: str, tiny_drafters: dict) -> None:

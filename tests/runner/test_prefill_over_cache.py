@@ -53,3 +53,28 @@ def test_prefill_over_cached_pages_matches_the_full_prefill(runner: ModelRunner)
 def test_num_cached_must_leave_a_token_to_compute() -> None:
     with pytest.raises(ValueError, match="num_cached"):
         build_prefill_batch([[1, 2, 3, 4]], [[1]], page_size=PAGE, device=CPU, num_cached=[4])
+
+
+def test_prompt_features_cover_the_cached_positions(runner: ModelRunner) -> None:
+    """With the prompt feature store (EAGLE), a prefill over cached KV returns every prompt
+    position's final and aux hidden states, the cached positions' from the store."""
+    runner.aux_hidden_layers = (0, 1)
+    runner.keep_prompt_features()
+    try:
+        a = [4, 8, 15, 16, 23, 42, 7, 1, 9]
+        full = runner.prefill([a], [[11, 12, 13]])
+        assert full.prompt_hidden_states is None  # nothing cached: hidden_states has them all
+        runner.kv_pool.copy_slots(torch.arange(11 * PAGE, 13 * PAGE),
+                                  torch.arange(14 * PAGE, 16 * PAGE))
+        store = runner.prompt_features
+        assert store is not None
+        store[14 * PAGE: 16 * PAGE] = store[11 * PAGE: 13 * PAGE]  # the cached pages' features
+        part = runner.prefill([a], [[14, 15, 16]], num_cached=[8])
+        assert part.prompt_hidden_states is not None and part.prompt_aux_hidden_states is not None
+        torch.testing.assert_close(part.prompt_hidden_states, full.hidden_states,
+                                   rtol=1e-5, atol=1e-5)
+        for got, want in zip(part.prompt_aux_hidden_states, full.aux_hidden_states, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    finally:
+        runner.aux_hidden_layers = ()
+        runner.prompt_features = None
