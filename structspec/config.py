@@ -128,6 +128,9 @@ class CacheConfig:
     page_size: int = 16
     num_pages: int | None = None  # None: sized from kv_capacity_tokens
     kv_capacity_tokens: int | None = None  # None: 32768 on CPU, 262144 on CUDA (resolved once)
+    #: reuse the KV of cached full prompt pages across requests (kvcache/prefix_cache.py);
+    #: ``--no-prefix-cache`` / ``LLM(enable_prefix_caching=False)`` turns it off
+    enable_prefix_caching: bool = True
 
     @property
     def total_pages(self) -> int:

@@ -54,6 +54,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-capacity-tokens", type=int, default=None,
                    help="KV cache size in tokens; requests wait when it is full (default: "
                         "32768 on CPU, 262144 on CUDA)")
+    g.add_argument("--no-prefix-cache", action="store_true",
+                   help="do not reuse the KV of prompt prefixes shared between requests "
+                        "(prefix caching is on by default; greedy output is the same)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length limit (default: the model's; more than the model's "
                         "is refused; lowered, with a warning, to what the KV cache holds)")
@@ -136,6 +139,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         quantization=args.quantization,
         max_batch_size=args.max_batch_size,
         kv_capacity_tokens=args.kv_capacity_tokens,
+        enable_prefix_caching=not args.no_prefix_cache,
         max_model_len=args.max_model_len,
         seed=args.seed,
         grammar_compile_timeout_s=args.grammar_compile_timeout,
@@ -162,6 +166,7 @@ FLAG_OF_ENGINE_FIELD: Mapping[str, str] = {
     "num_draft_tokens": "--num-draft-tokens", "speculative_depth": "--speculative-depth",
     "speculative_topk": "--speculative-topk", "cuda_graph": "--no-cuda-graph",
     "overlap": "--no-overlap", "chat_template": "--chat-template",
+    "enable_prefix_caching": "--no-prefix-cache",
 }
 """Engine options whose errors (``resolve_engine_config``, ``LLMEngine``) start with the
 option's name, e.g. ``max_model_len=... is greater than the model's context length``, and the

@@ -64,6 +64,11 @@ class LLM:
             (:data:`structspec.config.AUTO_CPU_QUANTIZATION` on CPU when ``dtype`` is
             ``auto``; ``none`` with an explicit ``dtype`` and on CUDA). int8/int4 on CUDA, or
             with a dtype other than float32, raise ValueError naming ``quantization``.
+        enable_prefix_caching: reuse the KV of full prompt pages that earlier requests
+            computed (``CacheConfig.enable_prefix_caching``, default on; the CLI's
+            ``--no-prefix-cache`` turns it off). Each result reports its reused prompt tokens
+            (``RequestOutput.cached_tokens``). With the ``eagle`` drafter the target's
+            features of each prompt position are kept beside its KV (the head reads them).
         chat_template: a Jinja chat template used instead of the model's own (vLLM's
             ``--chat-template``): the path of a template file, or the template text (with a
             ``{{ ... }}`` or ``{% ... %}`` tag); ValueError naming ``chat_template`` when it
@@ -106,6 +111,7 @@ class LLM:
         min_prefill_batch: int | None = None,
         chat_template: str | None = None,
         quantization: str = "auto",
+        enable_prefix_caching: bool = True,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -120,7 +126,8 @@ class LLM:
             batch_invariant=batch_invariant,
             load_format=load_format,
             quantization=quantization,
-            cache=CacheConfig(page_size=page_size, kv_capacity_tokens=kv_capacity_tokens),
+            cache=CacheConfig(page_size=page_size, kv_capacity_tokens=kv_capacity_tokens,
+                              enable_prefix_caching=enable_prefix_caching),
             spec=SpecConfig(algorithm=speculative_algorithm, num_draft_tokens=num_draft_tokens,
                             depth=speculative_depth, topk=speculative_topk,
                             draft_model=draft_model),
