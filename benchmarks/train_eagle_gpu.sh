@@ -1,27 +1,34 @@
 #!/usr/bin/env bash
 # train-eagle on the lent H200 host, every visible GPU, one stage per device call (after
 # `source .gpu/setup.sh`, which puts the SmolLM2 GGUF at $STRUCTSPEC_SMOLLM2_GGUF and the
-# ShareGPT wheel on the path):
-#   bash benchmarks/train_eagle_gpu.sh data  [OUT]   # <= 7 min: prompts -> target answers;
-#                                                    # run again to continue where it stopped
-#   bash benchmarks/train_eagle_gpu.sh train [OUT]   # ~8 min: the head, exported into OUT
+# ShareGPT wheel on the path). The defaults are the recipe of the shipped head
+# (structspec/models/heads/smollm2-135m-instruct-eagle3/README.md):
+#   bash benchmarks/train_eagle_gpu.sh data  [DIR]   # ~5 min on one H200: DIR/greedy (every
+#                                                    # prompt, greedy) then DIR/sampled (every
+#                                                    # ShareGPT prompt again at temperature 0.8)
+#   bash benchmarks/train_eagle_gpu.sh train [DIR]   # ~9 min: the head, exported into DIR/head
 #   bash benchmarks/train_eagle_gpu.sh synthetic     # ~3 min, no weights or data needed:
 #                                                    # training tokens/s and memory at the
 #                                                    # SmolLM2 shape (random weights, random ids)
-# GPUs: all that `nvidia-smi -L` lists (NGPU=k to use the first k). data runs DATA_RANKS engines
-# (default 4 per GPU, round-robin; --data-parallel: engine r answers the prompts with
-# index % DATA_RANKS == r, the parent merges them into OUT/sequences.npz); NUM_SHAREGPT (8994:
-# every train-side ShareGPT prompt under the 1024-token cap), NUM_EXTRACTION, NUM_SCHEMA,
-# DATA_TIME_LIMIT (430 s) and DATA_TIMEOUT (560 s) override the prompt set and the limits; train and synthetic run one process per GPU under torchrun
-# (DistributedDataParallel): each optimizer step takes NGPU batches of BATCH_TOKENS (default
-# 65536) tokens, one per GPU, so a step's global batch is NGPU x BATCH_TOKENS and an epoch has
-# NGPU times fewer steps; EPOCHS defaults to 6 x NGPU (the optimizer steps of one GPU's 6
-# epochs, each on NGPU times the tokens). NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
-# data prints a progress line per GPU every ~15 s ([data rank R/N] done / total, sequences/s,
-# response tokens/s, per source) and a summary over all; train / synthetic print the tqdm bar
-# (loss, per-TTT-step top-1 agreement, global tokens/s) and a summary of OUT/train_log.jsonl
-# every 50 steps. Extra train-eagle flags go in $EXTRA. OUT defaults to out/eagle_smollm2
-# (under $OUT's folder, so the head comes back with the run's files).
+# GPUs: all that `nvidia-smi -L` lists (NGPU=k to use the first k).
+# data runs DATA_RANKS engines (default 4 per GPU, round-robin: SmolLM2-135M leaves the GPU idle
+# during one engine's host loop; --data-parallel: engine r answers the prompts with
+# index % DATA_RANKS == r, the parent merges them into one sequences.npz per pass). Each pass
+# stops adding prompts DATA_TIME_LIMIT s (default 430) after it starts and saves; sequences are
+# saved in shards as they come, so the same command continues a stopped pass (--resume, with any
+# number of GPUs). NUM_SHAREGPT (8994: every train-side ShareGPT prompt under the 1024-token
+# cap), NUM_EXTRACTION (1500), NUM_SCHEMA (1300) and SAMPLED (sampled passes: 1; k adds
+# DIR/sampled_2 .. DIR/sampled_k with seeds 2 .. k, ~90 s each on one H200; 0: none) override it.
+# train runs one process per GPU under torchrun when NGPU > 1 (DistributedDataParallel): each
+# optimizer step takes NGPU batches of BATCH_TOKENS (default 32768) tokens, one per GPU; STEPS
+# (1500), LR (6e-4), TTT_STEPS (5) and TIME_LIMIT (525 s: it stops, checkpoints and exports
+# there) override the recipe; a stopped run continues with EXTRA=--resume. It trains on
+# DIR/greedy/sequences.npz and every DIR/sampled*/sequences.npz present.
+# data prints a progress line per engine every ~15 s ([data rank R/N] done / total, sequences/s,
+# response tokens/s, per source) and a summary per pass; train / synthetic print a summary of the
+# training log every 50 steps. Extra train-eagle flags go in $EXTRA (last: they win). DIR
+# defaults to out/eagle_smollm2 (under $OUT's folder, so the head comes back with the run's
+# files).
 set -eu
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -30,10 +37,7 @@ dir=${2:-${OUT:-out}/eagle_smollm2}
 EXTRA=${EXTRA:-}
 ngpu=${NGPU:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)}
 [ "${ngpu:-0}" -ge 1 ] || ngpu=1
-batch_tokens=${BATCH_TOKENS:-65536}
-epochs=${EPOCHS:-$((6 * ngpu))}
-# data engines: DATA_RANKS in all (default 4 per GPU: SmolLM2-135M leaves the GPU idle during
-# one engine's host loop, see benchmarks/README.md)
+batch_tokens=${BATCH_TOKENS:-32768}
 data_ranks=${DATA_RANKS:-$((4 * ngpu))}
 python3 -c 'import torch; print(torch.__version__, torch.cuda.device_count(), "x",
                                 torch.cuda.get_device_name())'
@@ -58,22 +62,35 @@ PY
 }
 case $stage in
   data)
-    # Stops adding prompts 430 s after the stage starts (model load included) and saves,
-    # well inside the call's timeout; sequences are saved in shards as they come, so even a
-    # kill keeps them, and the next call with the same command continues (--resume, with any
-    # number of GPUs).
-    timeout "${DATA_TIMEOUT:-560}" python3 -m structspec train-eagle --stage data --out "$dir" \
-      --num-sharegpt "${NUM_SHAREGPT:-8994}" --num-extraction "${NUM_EXTRACTION:-1500}" \
-      --num-schema "${NUM_SCHEMA:-1300}" --max-tokens 512 --gen-batch-size 256 \
-      --data-time-limit "${DATA_TIME_LIMIT:-430}" --data-parallel "$data_ranks" --resume \
-      --no-progress $EXTRA
-    ls -la "$dir" ;;
+    # pass: OUT_SUBDIR then train-eagle data flags
+    pass_() {
+      local sub=$1; shift
+      timeout "$(( ${DATA_TIME_LIMIT:-430} + 130 ))" python3 -m structspec train-eagle \
+        --stage data --out "$dir/$sub" --max-tokens 512 --gen-batch-size 256 \
+        --data-time-limit "${DATA_TIME_LIMIT:-430}" --data-parallel "$data_ranks" --resume \
+        --no-progress "$@" $EXTRA
+    }
+    pass_ greedy --num-sharegpt "${NUM_SHAREGPT:-8994}" \
+      --num-extraction "${NUM_EXTRACTION:-1500}" --num-schema "${NUM_SCHEMA:-1300}"
+    # sampled passes: seed 1 -> DIR/sampled, seed k > 1 -> DIR/sampled_k
+    for k in $(seq 1 "${SAMPLED:-1}"); do
+      sub=sampled
+      if [ "$k" -gt 1 ]; then sub=sampled_$k; fi
+      pass_ "$sub" --num-sharegpt "${NUM_SHAREGPT:-8994}" --num-extraction 0 --num-schema 0 \
+        --temperature 0.8 --seed "$k"
+    done
+    ls -la "$dir"/* ;;
   train)
-    train_eagle --stage train --out "$dir" --epochs "$epochs" \
-      --batch-tokens "$batch_tokens" --max-seq-len 2048 --ttt-steps 7 --lr 5e-4 \
-      --warmup-steps 50 --checkpoint-every 250 --time-limit 480 $EXTRA
-    summary "$dir/train_log.jsonl"
-    ls -la "$dir" ;;
+    seqs="$dir/greedy/sequences.npz"
+    for f in "$dir"/sampled/sequences.npz "$dir"/sampled_*/sequences.npz; do
+      if [ -f "$f" ]; then seqs="$seqs $f"; fi
+    done
+    train_eagle --stage train --out "$dir/head" --sequences $seqs --steps "${STEPS:-1500}" \
+      --batch-tokens "$batch_tokens" --max-seq-len 2048 --ttt-steps "${TTT_STEPS:-5}" \
+      --lr "${LR:-6e-4}" --warmup-steps 60 --checkpoint-every 250 \
+      --time-limit "${TIME_LIMIT:-525}" --no-progress $EXTRA
+    summary "$dir/head/train_log.jsonl"
+    ls -la "$dir/head" ;;
   synthetic)
     d=/tmp/eagle_synth; mkdir -p $d
     python3 benchmarks/train_eagle_synthetic.py $d/sequences.npz --num 3000

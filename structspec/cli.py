@@ -11,12 +11,18 @@ from pathlib import Path
 from typing import Any
 
 from structspec import constraint_parse as cp
+from structspec.chat_template import load_chat_template
+from structspec.cli_argv import join_negative_values
+from structspec.cli_output import print_batch, print_one
+from structspec.cli_version import VersionAction
 from structspec.constraints import GrammarConstraint, JsonObjectConstraint, JsonSchemaConstraint
 from structspec.core import ChatMessageError, RequestOutput, SamplingParams, check_chat_messages
+from structspec.draft_flags import check_model_and_draft_flags
 from structspec.engine_args import add_engine_args, engine_kwargs, flag_error, int_range
 from structspec.penalty_params import (
     RepetitionStop,
     logit_bias_from_json,
+    out_of_vocab,
     repetition_stop_from_json,
 )
 from structspec.training.cli_train import add_train_eagle_parser, cmd_train_eagle
@@ -29,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="structspec",
         description="Structured generation with speculative decoding.",
     )
+    parser.add_argument("--version", action=VersionAction,
+                        help="print the structspec, torch and Python versions and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate offline, optionally under a grammar",
@@ -54,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     gram.add_argument("--json-schema", help="JSON Schema: a file path or inline JSON")
     gram.add_argument("--json-object", action="store_true", help="any JSON object")
     gram.add_argument("--regex", help="output must fully match this regular expression")
-    gram.add_argument("--ebnf", help="GBNF grammar file (start symbol 'root')")
+    gram.add_argument("--ebnf", help="GBNF grammar (start symbol 'root'): a file path, or "
+                                     "the grammar itself when no such file exists "
+                                     "(inline text has a 'name ::= ...' rule)")
     gram.add_argument("--choice", nargs="+", help="output is exactly one of these strings")
     gen.add_argument("--no-strict", action="store_true",
                      help="JSON Schema best effort: allow keywords the grammar cannot enforce "
@@ -89,10 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
                           f"{RepetitionStop.min_repeats} times over at least MIN_TOKENS "
                           f"tokens, default {RepetitionStop.min_tokens}): finish_reason "
                           "length, stop_reason repetition")
-    gen.add_argument("--output", choices=["text", "json"], default="text",
-                     help="text: the completion; json: one record per request")
+    gen.add_argument("--output", choices=["text", "json"], default=None,
+                     help="text: only the completion (with --batch: each under a '### line "
+                          "N' header); json: one record per request. An answer cut at "
+                          "finish_reason length gets a one-line notice on stderr in text "
+                          "mode. Default: text, json with --batch")
     gen.add_argument("--out-file", default=None,
-                     help="--batch only: write JSONL results here (default: stdout); each "
+                     help="--batch only: write the results here (default: stdout); a JSONL "
                           "record has the 'line' of its input line")
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
@@ -108,10 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--served-model-name", default=None, help="model id in the API")
     # the server's own options (light modules: no fastapi, no torch)
     from structspec.server.limits import add_limit_args
+    from structspec.server.log_config import add_log_args
     from structspec.server.supervisor import add_supervision_args
 
     add_limit_args(srv)
     add_supervision_args(srv)
+    add_log_args(srv)
     add_train_eagle_parser(sub, _DefaultsHelpFormatter)
     return parser
 
@@ -165,11 +180,14 @@ def _flag_grammar(args: argparse.Namespace) -> GrammarConstraint | None:
         return cp.regex_constraint(args.regex, "--regex", cp.FLAG_STYLE)
     if args.ebnf is not None:
         if not args.ebnf.strip():
-            raise ValueError("--ebnf: empty grammar file name")
-        path = Path(args.ebnf)
-        if not path.is_file():
-            raise ValueError(f"--ebnf: no such file {args.ebnf!r}")
-        return cp.ebnf_constraint(path.read_text(), "--ebnf", cp.FLAG_STYLE, source=args.ebnf)
+            raise ValueError("--ebnf: empty grammar")
+        text = _read_text_arg(args.ebnf)
+        if text is args.ebnf and "::=" not in text:
+            # neither a file nor a grammar (every GBNF grammar has a rule): a mistyped path
+            raise ValueError(f"--ebnf: no such file {args.ebnf!r} (and not an inline grammar: "
+                             "no 'name ::= ...' rule)")
+        source = "" if text is args.ebnf else args.ebnf
+        return cp.ebnf_constraint(text, "--ebnf", cp.FLAG_STYLE, source=source)
     if args.choice is not None:
         return cp.choice_constraint(args.choice, "--choice", cp.FLAG_STYLE)
     return None
@@ -397,13 +415,46 @@ _FLAG_OF_FIELD = {"seed": "--request-seed", "max_tokens": "--max-tokens",
                   "repetition_stop": "--stop-on-repeat"}
 
 
-def _print_output(out: RequestOutput, fmt: str, file: Any = sys.stdout) -> None:
-    if fmt == "json":
-        print(json.dumps(out.to_dict()), file=file, flush=True)
-    elif out.error:
-        print(f"error: {out.error}", file=sys.stderr)
-    else:
-        print(out.text, file=file, flush=True)
+MAX_TOKENS_FLAG = 2**31 - 1
+"""Largest ``--max-tokens`` accepted: above every model's context (the engine stops an answer
+at the context length), far below where an int64 token count would overflow."""
+
+
+def _model_flags_error(args: argparse.Namespace) -> str | None:
+    """Why ``--model``, the drafter flags or ``--chat-template`` cannot run, else None: the
+    last checks before the model loads (after every other flag's, so that a bad value of
+    another flag is named even where the model path does not exist)."""
+    try:
+        check_model_and_draft_flags(args.model, args.speculative_algorithm, args.draft_model,
+                                    args.load_format)
+        if args.chat_template is not None:
+            load_chat_template(args.chat_template, "--chat-template")
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _logit_bias_flag_out_of_vocab(args: argparse.Namespace, llm: Any) -> str | None:
+    """Why ``--logit-bias`` names a token id the loaded model does not have, else None.
+
+    The vocabulary is known only once the model has loaded; the flag is still a bad command
+    line (exit 2 naming it), not a failed request.
+    """
+    bias = _flag_logit_bias(args.logit_bias)
+    vocab_size = llm.engine.model_config.vocab_size
+    bad_id = out_of_vocab(bias, vocab_size)
+    if bad_id is None:
+        return None
+    return (f"--logit-bias: token id {bad_id} is not in this model's vocabulary (ids 0.."
+            f"{vocab_size - 1})")
+
+
+def output_format(args: argparse.Namespace) -> str:
+    """``--output``, or its default: ``json`` for ``--batch`` (records carry each line's
+    finish reason and error), ``text`` for one prompt."""
+    if args.output is not None:
+        return str(args.output)
+    return "json" if args.batch else "text"
 
 
 def _check_out_file(path: str) -> None:
@@ -481,6 +532,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             # the engine refuses an empty prompt (as vLLM does); found only after the load,
             # it used to be exit status 1
             raise ValueError("--prompt: the prompt is empty; give some text")
+        if args.max_tokens > MAX_TOKENS_FLAG:
+            raise ValueError(f"--max-tokens: {args.max_tokens} is more than any model's "
+                             f"context; give at most {MAX_TOKENS_FLAG} (the answer stops at "
+                             "the context length anyway)")
         grammar = grammar_from_args(args)
         _precheck_grammar(args, grammar)
         if args.out_file is not None and not args.batch:
@@ -508,7 +563,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
                       file=sys.stderr)
             prompts.append(line_prompt)
             params.append(line_params)
+        if (why := _model_flags_error(args)) is not None:
+            print(f"structspec generate: {why}", file=sys.stderr)
+            return 2
         llm = LLM(args.model, **engine_kwargs(args))
+        if (why := _logit_bias_flag_out_of_vocab(args, llm)) is not None:
+            print(f"structspec generate: {why}", file=sys.stderr)
+            return 2
         outs = llm.generate(prompts, params, raw_prompt=args.raw_prompt, use_tqdm=True)
         for i, why in bad.items():  # the real reason, not the placeholder's max_tokens error
             outs[i] = RequestOutput.error_output(outs[i].request_id, why)
@@ -518,10 +579,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                       file=sys.stderr)
         sink = open(args.out_file, "w") if args.out_file else sys.stdout  # noqa: SIM115
         try:
-            for (lineno, _), out in zip(records, outs, strict=True):
-                # "line": the input line (1-based, blank lines counted), so that a record,
-                # above all an error, can be matched to its line without stderr
-                print(json.dumps({"line": lineno, **out.to_dict()}), file=sink, flush=True)
+            print_batch(records, outs, params, output_format(args), sink)
         finally:
             if sink is not sys.stdout:
                 sink.close()
@@ -546,9 +604,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as e:
         print(f"structspec generate: {flag_error(str(e), _FLAG_OF_FIELD)}", file=sys.stderr)
         return 2
+    if (why := _model_flags_error(args)) is not None:
+        print(f"structspec generate: {why}", file=sys.stderr)
+        return 2
     llm = LLM(args.model, **engine_kwargs(args))
+    if (why := _logit_bias_flag_out_of_vocab(args, llm)) is not None:
+        print(f"structspec generate: {why}", file=sys.stderr)
+        return 2
     out = llm.generate(prompt, sampling, raw_prompt=args.raw_prompt)[0]
-    _print_output(out, args.output)
+    print_one(out, sampling, output_format(args))
     return 0 if out.error is None else 1
 
 
@@ -565,7 +629,8 @@ class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``structspec`` command."""
-    args = build_parser().parse_args(argv)
+    words = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(join_negative_values(words))
     if args.command == "generate":
         try:
             return cmd_generate(args)

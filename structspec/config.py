@@ -128,6 +128,9 @@ class CacheConfig:
     page_size: int = 16
     num_pages: int | None = None  # None: sized from kv_capacity_tokens
     kv_capacity_tokens: int | None = None  # None: 32768 on CPU, 262144 on CUDA (resolved once)
+    #: reuse the KV of cached full prompt pages across requests (kvcache/prefix_cache.py);
+    #: ``--no-prefix-cache`` / ``LLM(enable_prefix_caching=False)`` turns it off
+    enable_prefix_caching: bool = True
 
     @property
     def total_pages(self) -> int:
@@ -258,6 +261,9 @@ class EngineConfig:
     # "auto" = read the checkpoint's weights; "dummy" = seeded random weights from config.json
     # only (vLLM's --load-format dummy: benchmarks of large shapes without their files).
     load_format: str = "auto"
+    # Jinja text that replaces the tokenizer's chat template (vLLM's --chat-template); None =
+    # the model's own. Entry points read a file into text (structspec.chat_template).
+    chat_template: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
     grammar: GrammarConfig = field(default_factory=GrammarConfig)
@@ -351,6 +357,9 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
     if config.batch_invariant and kernels != "triton":
         raise ValueError(f"batch_invariant=True needs the Triton kernels (a CUDA device and "
                          f"the triton package): kernels resolved to {kernels!r}")
+    if config.chat_template is not None and not isinstance(config.chat_template, str):
+        raise ValueError(f"chat_template={config.chat_template!r}: expected Jinja template "
+                         "text or None")
     if config.load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format={config.load_format!r}: expected auto or dummy")
     timeout = config.grammar.compile_timeout_s

@@ -49,6 +49,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-capacity-tokens", type=int, default=None,
                    help="KV cache size in tokens; requests wait when it is full (default: "
                         "32768 on CPU, 262144 on CUDA)")
+    g.add_argument("--no-prefix-cache", action="store_true",
+                   help="do not reuse the KV of prompt prefixes shared between requests "
+                        "(prefix caching is on by default; greedy output is the same)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length limit (default: the model's; more than the model's "
                         "is refused; lowered, with a warning, to what the KV cache holds)")
@@ -84,6 +87,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: read the checkpoint's weights; dummy: seeded random weights "
                         "built on the device from config.json alone (benchmarks; also applies "
                         "to --draft-model of speculative_algorithm draft_model)")
+    g.add_argument("--chat-template", default=None,
+                   help="Jinja chat template used instead of the model's own: a file path, "
+                        "or the template text itself when no such file exists (inline text "
+                        "has a '{{ ... }}' or '{%% ... %%}' tag)")
     s = p.add_argument_group("speculative decoding")
     # the drafter registry is the one list of names (a drafter registered there is a choice)
     s.add_argument("--speculative-algorithm", default="none", choices=list(drafter_names()),
@@ -126,6 +133,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         dtype=args.dtype,
         max_batch_size=args.max_batch_size,
         kv_capacity_tokens=args.kv_capacity_tokens,
+        enable_prefix_caching=not args.no_prefix_cache,
         max_model_len=args.max_model_len,
         seed=args.seed,
         grammar_compile_timeout_s=args.grammar_compile_timeout,
@@ -136,6 +144,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         load_format=args.load_format,
         grammar_workers=args.grammar_workers,
         grammar_backend=args.grammar_backend,
+        chat_template=args.chat_template,
     )
 
 
@@ -149,7 +158,8 @@ FLAG_OF_ENGINE_FIELD: Mapping[str, str] = {
     "speculative_algorithm": "--speculative-algorithm",
     "num_draft_tokens": "--num-draft-tokens", "speculative_depth": "--speculative-depth",
     "speculative_topk": "--speculative-topk", "cuda_graph": "--no-cuda-graph",
-    "overlap": "--no-overlap",
+    "overlap": "--no-overlap", "chat_template": "--chat-template",
+    "enable_prefix_caching": "--no-prefix-cache",
 }
 """Engine options whose errors (``resolve_engine_config``, ``LLMEngine``) start with the
 option's name, e.g. ``max_model_len=... is greater than the model's context length``, and the

@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from structspec.chat_template import load_chat_template
 from structspec.config import (
     CacheConfig,
     EngineConfig,
@@ -57,6 +58,15 @@ class LLM:
         load_format: ``auto`` reads the checkpoint's weights; ``dummy`` builds seeded random
             weights (``seed``) on the device from ``config.json`` alone, for the target and a
             ``draft_model`` draft model (benchmarks of large shapes without their weights).
+        enable_prefix_caching: reuse the KV of full prompt pages that earlier requests
+            computed (``CacheConfig.enable_prefix_caching``, default on; the CLI's
+            ``--no-prefix-cache`` turns it off). Each result reports its reused prompt tokens
+            (``RequestOutput.cached_tokens``). With the ``eagle`` drafter the target's
+            features of each prompt position are kept beside its KV (the head reads them).
+        chat_template: a Jinja chat template used instead of the model's own (vLLM's
+            ``--chat-template``): the path of a template file, or the template text (with a
+            ``{{ ... }}`` or ``{% ... %}`` tag); ValueError naming ``chat_template`` when it
+            is neither or does not parse.
 
     Raises:
         FileNotFoundError / ValueError: bad model path or option, with the reason.
@@ -93,9 +103,13 @@ class LLM:
         grammar_workers: int | None = None,
         grammar_backend: str = "xgrammar",
         min_prefill_batch: int | None = None,
+        chat_template: str | None = None,
+        enable_prefix_caching: bool = True,
     ) -> None:
         config = EngineConfig(
             model=model,
+            chat_template=(None if chat_template is None
+                           else load_chat_template(chat_template, "chat_template")),
             device=device,
             dtype=dtype,
             max_model_len=max_model_len,
@@ -104,7 +118,8 @@ class LLM:
             kernels=kernels,
             batch_invariant=batch_invariant,
             load_format=load_format,
-            cache=CacheConfig(page_size=page_size, kv_capacity_tokens=kv_capacity_tokens),
+            cache=CacheConfig(page_size=page_size, kv_capacity_tokens=kv_capacity_tokens,
+                              enable_prefix_caching=enable_prefix_caching),
             spec=SpecConfig(algorithm=speculative_algorithm, num_draft_tokens=num_draft_tokens,
                             depth=speculative_depth, topk=speculative_topk,
                             draft_model=draft_model),

@@ -7,6 +7,7 @@ import argparse
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -59,6 +60,8 @@ class _FakeLLM:
     engine."""
 
     seen: list[tuple[Any, SamplingParams]] = []
+    #: the loaded model's vocabulary, as the CLI reads it (``--logit-bias`` ids)
+    engine = SimpleNamespace(model_config=SimpleNamespace(vocab_size=49152))
 
     def __init__(self, model: str | None, **kwargs: Any) -> None:
         pass

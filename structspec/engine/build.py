@@ -92,7 +92,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     torch.manual_seed(config.seed)
     model, model_config = load_model(model_path, device=device, dtype=dtype,
                                      load_format=config.load_format, seed=config.seed)
-    tokenizer = Tokenizer(model_path)
+    tokenizer = Tokenizer(model_path, chat_template=config.chat_template)
     runner = ModelRunner(model, model_config, config.cache, device=device, dtype=dtype,
                          use_cuda_graph=config.cuda_graph,
                          cuda_graph_batch_sizes=graph_batch_sizes(

@@ -13,6 +13,7 @@ refusals it would certainly make to before the load.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 
 import xgrammar as xgr
@@ -65,16 +66,58 @@ def check_grammar(spec: GrammarConstraint | None) -> None:
         _convert(spec.kind, param, lambda: xgr.Grammar.from_regex(spec.pattern))
     elif isinstance(spec, EbnfConstraint):
         _convert(spec.kind, param,
-                 lambda: xgr.Grammar.from_ebnf(spec.grammar, root_rule_name="root"))
+                 lambda: xgr.Grammar.from_ebnf(spec.grammar, root_rule_name="root"),
+                 source=spec.grammar)
 
 
-def _convert(kind: str, param: str | None, build: Callable[[], object]) -> None:
-    """Run ``build`` (an xgrammar converter call); its exception becomes a GrammarError."""
+def _convert(kind: str, param: str | None, build: Callable[[], object],
+             source: str | None = None) -> None:
+    """Run ``build`` (an xgrammar converter call); its exception becomes a GrammarError.
+
+    ``source``: the EBNF text, whose line an ``at line L, column C`` parser error is shown
+    with (:func:`ebnf_error_context`).
+    """
     try:
         build()
     except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError/...
-        raise GrammarError(f"Failed to compile {kind} grammar: {_converter_message(e)}",
-                           param=param) from None
+        msg = _converter_message(e)
+        if source is not None:
+            msg += ebnf_error_context(msg, source)
+        raise GrammarError(f"Failed to compile {kind} grammar: {msg}", param=param) from None
+
+
+_LINE_COLUMN = re.compile(r"at line (\d+), column (\d+)")
+
+
+def ebnf_error_context(message: str, grammar: str) -> str:
+    """The grammar line an xgrammar EBNF parser error points at, as text to append to it.
+
+    xgrammar ends ``Expect element, but got `` with the offending character, which is nothing
+    at the end of a line or of the grammar (the message looked cut short); this names it and
+    shows the line with a caret under the column (at the end of the grammar: the last line
+    with text, the caret after it):
+    ``" (end of the grammar)\n  line 2: b ::=\n                ^"``. Empty when the message
+    has no line and column, or they are outside ``grammar``.
+    """
+    match = _LINE_COLUMN.search(message)
+    if match is None:
+        return ""
+    line_no, column = int(match[1]), int(match[2])
+    lines = grammar.split("\n")
+    if not 1 <= line_no <= len(lines) or column < 1:
+        return ""
+    rest = "\n".join([lines[line_no - 1][column - 1:], *lines[line_no:]])
+    cut = message.endswith("but got")  # xgrammar printed no character: an end
+    if not rest.strip():  # nothing but blanks from here on: the grammar ended too early
+        line_no = max((i for i, ln in enumerate(lines, 1) if ln.strip()), default=1)
+        text = lines[line_no - 1].rstrip()
+        column = len(text) + 1
+        got = " (end of the grammar)" if cut else " (at the end of the grammar)"
+    else:
+        text = lines[line_no - 1]
+        got = " (end of line)" if cut else ""
+    head = f"  line {line_no}: "
+    return f"{got}\n{head}{text}\n{' ' * (len(head) + column - 1)}^"
 
 
 def _converter_message(e: BaseException) -> str:

@@ -23,13 +23,16 @@ class Tokenizer:
     Args:
         model_dir: HF model directory (tokenizer.json / tokenizer_config.json, optional
             generation_config.json).
+        chat_template: Jinja text used instead of the directory's chat template (vLLM's
+            ``--chat-template``); None keeps the model's own.
 
     Raises:
         FileNotFoundError: ``model_dir`` does not exist.
         ValueError: the directory has no loadable fast tokenizer.
     """
 
-    def __init__(self, model_dir: str | os.PathLike[str]) -> None:
+    def __init__(self, model_dir: str | os.PathLike[str], *,
+                 chat_template: str | None = None) -> None:
         path = Path(model_dir)
         if not path.is_dir():
             raise FileNotFoundError(f"tokenizer directory {str(path)!r} does not exist")
@@ -44,6 +47,8 @@ class Tokenizer:
             raise ValueError(f"{path}: cannot load a tokenizer: {e}") from e
         if not isinstance(hf, PreTrainedTokenizerFast):
             raise ValueError(f"{path}: expected a fast (tokenizers) tokenizer, got {type(hf).__name__}")
+        if chat_template is not None:
+            hf.chat_template = chat_template  # what apply_chat_template renders with
         self.hf: PreTrainedTokenizerFast = hf
         backend = getattr(hf, "backend_tokenizer", None)
         # The Rust tokenizer, used directly by decode() (same text as hf.decode without

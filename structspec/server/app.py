@@ -3,7 +3,9 @@
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (all
 behind ``--api-key`` when set), ``GET /health`` (200 with queue counts when the engine
 serves, 503 otherwise, e.g. while the engine process restarts), ``GET /metrics``
-(Prometheus text).
+(Prometheus text). Each chat / completions request gets one log line
+(:mod:`structspec.server.request_log`) and the engine's throughput and queues one line every
+few seconds (:mod:`structspec.server.stats_log`), unless ``state.log_config`` turns them off.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ from starlette.responses import Response
 
 from structspec.server.errors import APIError, error_body, server_error
 from structspec.server.metrics import CONTENT_TYPE
+from structspec.server.request_log import RequestLogMiddleware
 from structspec.server.serving import ServerState, error_response, json_response
 from structspec.server.serving_chat import create_chat_completion
 from structspec.server.serving_completion import create_completion
+from structspec.server.stats_log import StatsLogger
 
 logger = logging.getLogger("structspec.server")
 
@@ -44,9 +48,16 @@ def create_app(state: ServerState,
         state.engine.attach(asyncio.get_running_loop())
         state.engine.add_listener(state.metrics.on_engine_stats)
         state.metrics.ready.set(1 if state.engine.ready else 0)
+        stats_task = None
+        if state.log_config.log_stats:
+            stats_log = StatsLogger(state.metrics, lambda: state.engine.stats,
+                                    state.log_config.stats_interval_s)
+            stats_task = asyncio.get_running_loop().create_task(stats_log.run())
         try:
             yield
         finally:
+            if stats_task is not None:
+                stats_task.cancel()
             state.metrics.ready.set(0)
             if on_shutdown is not None:
                 await on_shutdown()
@@ -54,6 +65,9 @@ def create_app(state: ServerState,
     app = FastAPI(title="structspec", version="0.1.0", lifespan=lifespan,
                   docs_url=None, redoc_url=None)
     app.state.server = state
+    if state.log_config.log_requests:
+        # outside the exception handlers: the error responses they render pass through it
+        app.add_middleware(RequestLogMiddleware)
     created = int(time.time())
 
     @app.exception_handler(APIError)

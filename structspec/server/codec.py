@@ -67,15 +67,17 @@ class TokenizerCodec:
 
     Args:
         model_dir: the engine's resolved model directory (``EngineInfo.model_path``).
+        chat_template: the engine config's ``chat_template`` (``--chat-template``), or None
+            for the model's own.
 
     Raises:
         FileNotFoundError / ValueError: from ``Tokenizer``.
     """
 
-    def __init__(self, model_dir: str) -> None:
+    def __init__(self, model_dir: str, chat_template: str | None = None) -> None:
         from structspec.models.tokenizer import Tokenizer
 
-        self.tokenizer = Tokenizer(model_dir)
+        self.tokenizer = Tokenizer(model_dir, chat_template=chat_template)
         self._token_str = lru_cache(maxsize=65536)(self._token_str_uncached)
 
     def encode_chat(self, messages: list[dict[str, Any]],

@@ -123,7 +123,7 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("echo", _is(False), "false", (CHAT,)),  # vLLM's chat echo; completions has it
     Unsupported("add_generation_prompt", _is(True), "true", (CHAT,)),
     Unsupported("continue_final_message", _is(False), "false", (CHAT,)),
-    Unsupported("chat_template", _never, "null (the model's own template is used)", (CHAT,)),
+    Unsupported("chat_template", _never, "null (the server's template is used: the model's own, or serve --chat-template)", (CHAT,)),
     Unsupported("chat_template_kwargs", _empty, "{}", (CHAT,)),
     Unsupported("documents", _never, "null", (CHAT,)),
 )

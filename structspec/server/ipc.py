@@ -74,9 +74,19 @@ class EngineStats:
     num_waiting_grammar: int = 0
     kv_free_pages: int = 0
     kv_total_pages: int = 0
+    # prefix cache, cumulative since the engine started: prompt tokens admitted / reused
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
     grammar_compile_s: tuple[float, ...] = ()  # compile durations finished since the last one
     grammar_compile_timeouts: int = 0  # compiles stopped at their time limit since the last one
     steps: tuple[StepRecord, ...] = ()  # verify-step timings finished since the last one
+
+    @property
+    def kv_usage(self) -> float | None:
+        """Fraction of KV pages in use (0 to 1); None before the engine reported its pool."""
+        if not self.kv_total_pages:
+            return None
+        return 1.0 - self.kv_free_pages / self.kv_total_pages
 
     def as_dict(self) -> dict[str, int]:
         """The counters as a JSON-ready dict (``/health``)."""
@@ -112,6 +122,7 @@ class EngineDelta:
     rejected: bool = False
     text: str | None = None
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     num_completion_tokens: int = 0
     schema_valid: bool | None = None
     grammar_backend: str | None = None  # xgrammar / llguidance (constrained requests)

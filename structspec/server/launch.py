@@ -48,6 +48,7 @@ def build_engine_config(model: str | None = None, **kwargs: Any) -> Any:
     """An :class:`~structspec.config.EngineConfig` from ``LLM``-style keyword options (the
     output of :func:`structspec.engine_args.engine_kwargs`), built exactly as ``LLM.__init__``
     does."""
+    from structspec.chat_template import load_chat_template
     from structspec.config import (
         CacheConfig,
         EngineConfig,
@@ -56,8 +57,11 @@ def build_engine_config(model: str | None = None, **kwargs: Any) -> Any:
         SpecConfig,
     )
 
+    chat_template = kwargs.get("chat_template")
     return EngineConfig(
         model=model,
+        chat_template=(None if chat_template is None
+                       else load_chat_template(chat_template, "chat_template")),
         device=kwargs.get("device", "auto"),
         dtype=kwargs.get("dtype", "auto"),
         max_model_len=kwargs.get("max_model_len"),
@@ -67,7 +71,8 @@ def build_engine_config(model: str | None = None, **kwargs: Any) -> Any:
         batch_invariant=kwargs.get("batch_invariant", False),
         load_format=kwargs.get("load_format", "auto"),
         cache=CacheConfig(page_size=kwargs.get("page_size", 16),
-                          kv_capacity_tokens=kwargs.get("kv_capacity_tokens", 65536)),
+                          kv_capacity_tokens=kwargs.get("kv_capacity_tokens", 65536),
+                          enable_prefix_caching=kwargs.get("enable_prefix_caching", True)),
         spec=SpecConfig(algorithm=kwargs.get("speculative_algorithm", "none"),
                         num_draft_tokens=kwargs.get("num_draft_tokens", 8),
                         depth=kwargs.get("speculative_depth", 4),
@@ -132,14 +137,22 @@ def serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
 
+    from structspec.chat_template import load_chat_template
     from structspec.config import resolve_engine_config
+    from structspec.draft_flags import check_model_and_draft_flags
     from structspec.server.engine_client import EngineClient, EngineStartupError
     from structspec.server.limits import limits_from_args
+    from structspec.server.log_config import log_config_from_args
     from structspec.server.supervisor import EngineSupervisor, policy_from_args
 
     try:
         limits_from_args(args)  # server options: refused before anything is spawned
         policy_from_args(args)
+        log_config_from_args(args)
+        check_model_and_draft_flags(args.model, args.speculative_algorithm, args.draft_model,
+                                    args.load_format)
+        if args.chat_template is not None:
+            load_chat_template(args.chat_template, "--chat-template")
         config = build_engine_config(args.model, **engine_kwargs(args))
         # The engine process resolves it again; checking here refuses a bad option with exit
         # 2 naming its flag, before an engine process is spawned (as ``generate`` does).
@@ -162,7 +175,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         from structspec.server.codec import TokenizerCodec
 
-        codec = TokenizerCodec(info.model_path)
+        codec = TokenizerCodec(info.model_path, chat_template=config.chat_template)
     except Exception as e:
         sock.close()
         client.shutdown(ENGINE_JOIN_TIMEOUT_S)
@@ -193,13 +206,15 @@ def run_http(args: argparse.Namespace, sock: socket.socket, engine: EngineSuperv
 
     from structspec.server.app import create_app
     from structspec.server.limits import limits_from_args
+    from structspec.server.log_config import log_config_from_args
     from structspec.server.metrics import ServerMetrics
     from structspec.server.serving import ServerState
 
     info = engine.info
     name = args.served_model_name or _default_model_name(args.model, info.model_path)
     state = ServerState(engine=engine, codec=codec, metrics=ServerMetrics(), model_name=name,
-                        api_key=args.api_key or None, limits=limits_from_args(args))
+                        api_key=args.api_key or None, limits=limits_from_args(args),
+                        log_config=log_config_from_args(args))
 
     async def stop_engine() -> None:
         await engine.aclose(ENGINE_JOIN_TIMEOUT_S)

@@ -6,7 +6,10 @@ to the first / last token reaching it: what a client sees, minus the network. Qu
 come from the engine after every step. Speculative counters follow vLLM's definitions; the
 gauges ``structspec_spec_accept_length`` (committed tokens per verify step, bonus included)
 and ``structspec_spec_accept_rate`` (accepted / proposed draft tokens) are cumulative since
-start, like sglang's.
+start, like sglang's. Prompt and generated tokens are counted as they are processed, as
+vLLM counts them (a prompt when its first token arrives, generated tokens as each step's
+delta arrives), so that the periodic stats line (:mod:`structspec.server.stats_log`) reads
+its throughput off these counters while long requests are still running.
 """
 
 from __future__ import annotations
@@ -24,9 +27,6 @@ from structspec.server.ipc import EngineDelta, EngineStats
 class FinishedChoice(Protocol):
     """What the metrics read of one response choice (``server.generation.ChoiceState``; a
     protocol here so that this module does not import the generation module back)."""
-
-    @property
-    def prompt_ids(self) -> Sequence[int]: ...
 
     @property
     def token_ids(self) -> Sequence[int]: ...
@@ -64,10 +64,10 @@ class ServerMetrics:
         self.ttft = Histogram(p + "time_to_first_token_seconds",
                               "Arrival of the HTTP request to its first generated token",
                               buckets=TTFT_BUCKETS, registry=r)
-        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of finished requests",
-                                     registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens processed (counted "
+                                     "when the request's first token arrives)", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens",
-                                         "Generated tokens of finished requests", registry=r)
+                                         "Generated tokens, counted as they arrive", registry=r)
         self.running = Gauge(p + "num_requests_running", "Requests decoding in the engine",
                              registry=r)
         self.waiting = Gauge(p + "num_requests_waiting",
@@ -78,6 +78,16 @@ class ServerMetrics:
                               "Engine requests the front end is waiting on", registry=r)
         self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "Fraction of KV pages in use",
                               registry=r)
+        self.prefix_cache_queries = Counter(
+            p + "prefix_cache_queries", "Prompt tokens of admitted requests (prefix cache "
+            "lookups, in tokens)", registry=r)
+        self.prefix_cache_hits = Counter(
+            p + "prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache",
+            registry=r)
+        self.prefix_cache_hit_rate = Gauge(
+            p + "prefix_cache_hit_rate", "Prefix cache hits / queries in tokens, since the "
+            "engine started", registry=r)
+        self._prefix_seen = (0, 0)  # (queried, hit) tokens already counted
         self.grammar_compile = Histogram(p + "grammar_compile_seconds",
                                          "Grammar compile time: submission to the compiled grammar's "
                                          "arrival (queue wait, worker compile, engine rebuild)",
@@ -142,8 +152,17 @@ class ServerMetrics:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.grammar_queue.set(stats.num_waiting_grammar)
-        if stats.kv_total_pages:
-            self.kv_usage.set(1.0 - stats.kv_free_pages / stats.kv_total_pages)
+        if stats.kv_usage is not None:
+            self.kv_usage.set(stats.kv_usage)
+        queried, hit = stats.prefix_cache_queried_tokens, stats.prefix_cache_hit_tokens
+        seen_q, seen_h = self._prefix_seen
+        if queried < seen_q or hit < seen_h:  # a restarted engine counts from 0 again
+            seen_q = seen_h = 0
+        if queried > seen_q:
+            self.prefix_cache_queries.inc(queried - seen_q)
+            self.prefix_cache_hits.inc(hit - seen_h)
+            self._prefix_seen = (queried, hit)
+            self.prefix_cache_hit_rate.set(hit / queried)
         for s in stats.grammar_compile_s:
             self.grammar_compile.observe(s)
         if stats.grammar_compile_timeouts:
@@ -162,14 +181,21 @@ class ServerMetrics:
                 self.step_pool_send.observe(step.pool_send_ms)
                 self.step_pool_worker.observe(step.pool_worker_max_ms)
 
+    def on_tokens(self, num_prompt_tokens: int, num_generated_tokens: int) -> None:
+        """Tokens an engine delta brought: ``num_prompt_tokens`` with a request's first token
+        (its prompt was processed), the delta's new tokens."""
+        if num_prompt_tokens:
+            self.prompt_tokens.inc(num_prompt_tokens)
+        if num_generated_tokens:
+            self.generation_tokens.inc(num_generated_tokens)
+
     def on_finished(self, choice: FinishedChoice, elapsed_s: float) -> None:
-        """Record one finished engine request (``elapsed_s`` since the HTTP request)."""
+        """Record one finished engine request (``elapsed_s`` since the HTTP request; its
+        tokens were counted by :meth:`on_tokens` as they came)."""
         final = choice.final
         assert final is not None
         reason = "rejected" if (final.error and not choice.token_ids) else final.finish_reason
         self.requests.labels(finish_reason=reason or "abort").inc()
-        self.prompt_tokens.inc(len(choice.prompt_ids))
-        self.generation_tokens.inc(len(choice.token_ids))
         if final.grammar_backend is not None:
             self.grammar_requests.labels(backend=final.grammar_backend).inc()
         if choice.token_ids:
@@ -189,10 +215,9 @@ class ServerMetrics:
             self.spec_accept_rate.set(self._spec_total.accept_rate)
 
     def on_abandoned(self, choice: FinishedChoice) -> None:
-        """An unfinished request was aborted by the front end (client gone, error)."""
+        """An unfinished request was aborted by the front end (client gone, error); its
+        tokens so far were counted by :meth:`on_tokens`."""
         self.requests.labels(finish_reason="abort").inc()
-        self.prompt_tokens.inc(len(choice.prompt_ids))
-        self.generation_tokens.inc(len(choice.token_ids))
 
     def on_http_error(self, status: int) -> None:
         """An error response was sent."""

@@ -25,6 +25,7 @@ from structspec.server.limits import (
     ServerLimits,
     check_queue,
 )
+from structspec.server.log_config import ServerLogConfig
 from structspec.server.metrics import ServerMetrics
 
 T = TypeVar("T")
@@ -45,6 +46,7 @@ class ServerState:
             ``model`` a request may name (:meth:`check_model`).
         api_key: required bearer token, or None.
         limits: admission limits (:mod:`structspec.server.limits`).
+        log_config: the request and stats log lines (:mod:`structspec.server.log_config`).
     """
 
     engine: AsyncEngine
@@ -53,6 +55,7 @@ class ServerState:
     model_name: str
     api_key: str | None = None
     limits: ServerLimits = field(default_factory=ServerLimits)
+    log_config: ServerLogConfig = field(default_factory=ServerLogConfig)
 
     @property
     def max_model_len(self) -> int:

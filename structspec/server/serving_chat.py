@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -23,6 +22,7 @@ from structspec.server.limits import (
 )
 from structspec.server.params import build_sampling_params, per_choice
 from structspec.server.protocol import ChatCompletionRequest, parse_request
+from structspec.server.request_log import request_record
 from structspec.server.serving import (
     ServerState,
     chat_logprobs,
@@ -44,15 +44,17 @@ ROLES = {"system", "user", "assistant", "tool", "developer"}
 
 async def create_chat_completion(state: ServerState, request: Request) -> Response:
     """Handle one chat completion request (see module docstring)."""
-    start_s = time.perf_counter()
+    record = request_record(request)  # the request's log line (server.request_log)
     state.require_ready()
     limits = state.limits
     req = parse_request(ChatCompletionRequest,
                         await read_json(request, limits.max_request_bytes))
+    record.stream = bool(req.stream)
     state.check_model(req.model)
     check_request_fields(req)
     check_choices(limits, 1, req.n)
     grammar, grammar_param = grammar_and_field(req)
+    record.grammar = grammar.kind if grammar is not None else "none"
     check_grammar_size(limits, grammar, grammar_param)
     check_stop(limits, req.stop, req.stop_token_ids, state.engine.info.vocab_size)
     messages = _template_messages(req.messages)
@@ -87,10 +89,11 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
                                    max_tokens_param=max_tokens_param,
                                    logprobs_param="top_logprobs",
                                    vocab_size=state.engine.info.vocab_size)
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    rid = record.request_id
     run = GenerationRun(state.engine, state.codec, state.metrics, rid,
-                        [(prompt_ids, p) for p in per_choice(params, req.n)], start_s,
+                        [(prompt_ids, p) for p in per_choice(params, req.n)], record.start_s,
                         grammar_param=grammar_param)
+    record.run, record.prompt_tokens = run, len(prompt_ids)
     created = int(time.time())
     state.admit(len(run.choices))  # no await from here to run.start()
     if req.stream:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,6 +21,7 @@ from structspec.server.limits import (
 )
 from structspec.server.params import build_sampling_params, per_choice
 from structspec.server.protocol import CompletionRequest, parse_request
+from structspec.server.request_log import request_record
 from structspec.server.serving import (
     ServerState,
     check_prompt_length,
@@ -42,10 +42,11 @@ from structspec.server.structured import grammar_and_field
 async def create_completion(state: ServerState, request: Request) -> Response:
     """Handle one completions request; ``choices[p * n + i]`` is sample ``i`` of prompt
     ``p``."""
-    start_s = time.perf_counter()
+    record = request_record(request)  # the request's log line (server.request_log)
     state.require_ready()
     limits = state.limits
     req = parse_request(CompletionRequest, await read_json(request, limits.max_request_bytes))
+    record.stream = bool(req.stream)
     state.check_model(req.model)
     check_request_fields(req)
     prompt_list = _prompt_list(req)
@@ -54,6 +55,7 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     check_prompt_chars(limits, sum(len(p) for p in prompt_list if isinstance(p, str)),
                        "prompt")
     grammar, grammar_param = grammar_and_field(req)
+    record.grammar = grammar.kind if grammar is not None else "none"
     check_grammar_size(limits, grammar, grammar_param)
     check_stop(limits, req.stop, req.stop_token_ids, state.engine.info.vocab_size)
     prompts = await _prompt_ids(state, req)
@@ -66,9 +68,10 @@ async def create_completion(state: ServerState, request: Request) -> Response:
                                        vocab_size=state.engine.info.vocab_size)
         items.extend((ids, p) for p in per_choice(params, req.n))
     prompt_tokens = sum(len(ids) for ids in prompts)
-    rid = f"cmpl-{uuid.uuid4().hex}"
-    run = GenerationRun(state.engine, state.codec, state.metrics, rid, items, start_s,
+    rid = record.request_id
+    run = GenerationRun(state.engine, state.codec, state.metrics, rid, items, record.start_s,
                         grammar_param=grammar_param)
+    record.run, record.prompt_tokens = run, prompt_tokens
     created = int(time.time())
     state.admit(len(run.choices))  # no await from here to run.start()
     echo = [_echo_text(state, texts[c.index // req.n], c.prompt_ids) if req.echo else ""

@@ -85,6 +85,27 @@ def smol_first_layers_dir(smol_dir: str, tmp_path_factory: pytest.TempPathFactor
     return str(out)
 
 
+@pytest.fixture(scope="session")
+def tiny_model_dir(smol_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A 2-layer random Llama with SmolLM2's tokenizer (so the engine can load it)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny_llama")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=512, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)  # peaked next-token distributions
+    model.save_pretrained(out, safe_serialization=True)
+    for f in Path(smol_dir).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+            (out / f.name).write_bytes(f.read_bytes())
+    return str(out)
+
+
 # Engines kept alive at once by ``make_llm``. Each SmolLM2 engine holds its weights (plus a
 # draft model's) and a 4096-token fp32 KV pool, about 0.8-1.5 GB; a test uses at most two at a
 # time, and the tests that share a configuration sit next to each other, so three keeps the

@@ -165,3 +165,14 @@ def test_malformed_message_is_refused_before_the_template(smollm2_dir: Path,
     parts = [{"type": "text", "text": "o"}, {"type": "text", "text": "k"}]
     assert tok.render_chat([{"role": "user", "content": parts}]) == tok.render_chat(
         [{"role": "user", "content": "ok"}])
+
+
+def test_chat_template_override_renders_chats(tiny_dir: Path) -> None:
+    """``chat_template=`` (``--chat-template``) replaces the model's template: a tokenizer
+    without one can render chats, and the text is the override's."""
+    template = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                "{% if add_generation_prompt %}[assistant] {% endif %}")
+    tok = Tokenizer(tiny_dir, chat_template=template)
+    assert tok.has_chat_template
+    assert tok.render_chat([{"role": "user", "content": "hi"}]) == "[user] hi\n[assistant] "
+    assert not Tokenizer(tiny_dir).has_chat_template  # the directory's tokenizer is unchanged

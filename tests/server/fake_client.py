@@ -10,6 +10,7 @@ from typing import Any
 from fastapi.testclient import TestClient
 
 from structspec.server.app import create_app
+from structspec.server.log_config import ServerLogConfig
 from structspec.server.metrics import ServerMetrics
 from structspec.server.serving import ServerState
 from tests.server.server_fakes import FakeCodec, FakeEngine
@@ -20,10 +21,12 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
 
 
 @contextlib.contextmanager
-def fake_client(engine: FakeEngine) -> Iterator[TestClient]:
-    """The app over ``engine`` (fake codec, fresh metrics, model name ``fake``)."""
+def fake_client(engine: FakeEngine,
+                log_config: ServerLogConfig | None = None) -> Iterator[TestClient]:
+    """The app over ``engine`` (fake codec, fresh metrics, model name ``fake``; the server's
+    log lines as ``log_config`` says, by default the ``serve`` defaults)."""
     state = ServerState(engine=engine, codec=FakeCodec(), metrics=ServerMetrics(),
-                        model_name="fake")
+                        model_name="fake", log_config=log_config or ServerLogConfig())
     with TestClient(create_app(state)) as c:
         yield c
 

@@ -27,9 +27,11 @@ def test_port_in_use_fails_before_loading() -> None:
 
 
 def test_bad_model_path_is_reported_before_http_starts() -> None:
+    """A missing --model is a bad command line: exit 2 before an engine process starts."""
     code, out, _ = run("--model", "/nonexistent/model-dir")
-    assert code == 1
-    assert "the engine failed to start" in out and "/nonexistent/model-dir" in out
+    assert code == 2
+    assert "structspec serve: --model: no such file or directory '/nonexistent/model-dir'" in out
+    assert "starting the engine" not in out
     assert "Uvicorn running" not in out and "Application startup" not in out
 
 
