@@ -121,3 +121,36 @@ def test_shutdown_waits_for_the_rebuild_in_progress(hf_tokenizer: Any,
             assert isinstance(future.result(timeout=0), xgr.CompiledGrammar)
         except GrammarError as e:
             assert "shut down" in str(e)
+
+
+def test_compile_pool_close_is_safe_on_any_thread(backend: Any) -> None:
+    """The engine may be collected on any thread, and its finalizers close the compile pool:
+    close() under the pool's own lock (the dispatcher holds it while it steps) and close()
+    from the dispatcher thread itself neither deadlock nor raise."""
+    from structspec.grammar.compile_pool import CompilePool
+
+    info = backend.pool._init["tokenizer_info_json"]  # noqa: SLF001 - the served tokenizer
+    make = lambda: CompilePool(info, vocab_size=backend.vocab_size,  # noqa: E731
+                               stop_token_ids=backend.stop_token_ids, any_whitespace=False,
+                               general_workers=1, small_workers=0, small_slice_s=0.1)
+    held = make()
+    with held._lock:  # noqa: SLF001 - as the dispatcher does around a step
+        held.close()
+    held._thread.join(5)  # noqa: SLF001
+    assert not held._thread.is_alive()  # noqa: SLF001
+
+    own = make()
+    errors: list[BaseException] = []
+    step = own._step  # noqa: SLF001
+
+    def closing_step() -> None:  # the dispatcher runs close() itself, mid-loop
+        try:
+            own.close()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+        step()
+
+    own._step = closing_step  # type: ignore[method-assign]  # noqa: SLF001
+    own._wake()  # noqa: SLF001
+    own._thread.join(10)  # noqa: SLF001
+    assert not own._thread.is_alive() and errors == []  # noqa: SLF001
