@@ -327,6 +327,9 @@ class RequestOutput:
     # the grammar backend that served the request ("xgrammar" / "llguidance"); None without a
     # grammar (or before its compile finished)
     grammar_backend: str | None = None
+    # leading prompt tokens whose KV was reused from the prefix cache (OpenAI's
+    # usage.prompt_tokens_details.cached_tokens)
+    cached_tokens: int = 0
     spec: SpecMetrics = field(default_factory=SpecMetrics)
     arrival_time: float = 0.0
     first_token_time: float | None = None

@@ -45,10 +45,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights/KV dtype (auto: bfloat16 on CUDA, float32 on CPU)")
+    g.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                   help="weight-only quantization of the linears on CPU: none (float32 "
+                        "weights), int8 (per-channel), int4 (groups of 32, the GGUF Q4_1 "
+                        "block), or auto (default: int4 on CPU when --dtype is auto, none "
+                        "otherwise and on CUDA)")
     g.add_argument("--max-batch-size", type=int, default=64, help="requests decoded together")
     g.add_argument("--kv-capacity-tokens", type=int, default=None,
                    help="KV cache size in tokens; requests wait when it is full (default: "
                         "32768 on CPU, 262144 on CUDA)")
+    g.add_argument("--no-prefix-cache", action="store_true",
+                   help="do not reuse the KV of prompt prefixes shared between requests "
+                        "(prefix caching is on by default; greedy output is the same)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length limit (default: the model's; more than the model's "
                         "is refused; lowered, with a warning, to what the KV cache holds)")
@@ -134,8 +142,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         speculative_adaptive=args.speculative_adaptive,
         device=args.device,
         dtype=args.dtype,
+        quantization=args.quantization,
         max_batch_size=args.max_batch_size,
         kv_capacity_tokens=args.kv_capacity_tokens,
+        enable_prefix_caching=not args.no_prefix_cache,
         max_model_len=args.max_model_len,
         seed=args.seed,
         grammar_compile_timeout_s=args.grammar_compile_timeout,
@@ -152,6 +162,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 FLAG_OF_ENGINE_FIELD: Mapping[str, str] = {
     "max_model_len": "--max-model-len", "device": "--device", "dtype": "--dtype",
+    "quantization": "--quantization",
     "max_batch_size": "--max-batch-size", "kv_capacity_tokens": "--kv-capacity-tokens",
     "grammar_compile_timeout_s": "--grammar-compile-timeout",
     "grammar_workers": "--grammar-workers", "grammar_backend": "--grammar-backend",
@@ -162,6 +173,7 @@ FLAG_OF_ENGINE_FIELD: Mapping[str, str] = {
     "speculative_topk": "--speculative-topk",
     "speculative_adaptive": "--speculative-adaptive", "cuda_graph": "--no-cuda-graph",
     "overlap": "--no-overlap", "chat_template": "--chat-template",
+    "enable_prefix_caching": "--no-prefix-cache",
 }
 """Engine options whose errors (``resolve_engine_config``, ``LLMEngine``) start with the
 option's name, e.g. ``max_model_len=... is greater than the model's context length``, and the

@@ -62,6 +62,17 @@ class LLM:
         load_format: ``auto`` reads the checkpoint's weights; ``dummy`` builds seeded random
             weights (``seed``) on the device from ``config.json`` alone, for the target and a
             ``draft_model`` draft model (benchmarks of large shapes without their weights).
+        quantization: weight-only quantization of the target's linears on CPU
+            (``EngineConfig.quantization``): ``none`` (float32 weights), ``int8``
+            (per-output-channel scales), ``int4`` (groups of 32 input channels) or ``auto``
+            (:data:`structspec.config.AUTO_CPU_QUANTIZATION` on CPU when ``dtype`` is
+            ``auto``; ``none`` with an explicit ``dtype`` and on CUDA). int8/int4 on CUDA, or
+            with a dtype other than float32, raise ValueError naming ``quantization``.
+        enable_prefix_caching: reuse the KV of full prompt pages that earlier requests
+            computed (``CacheConfig.enable_prefix_caching``, default on; the CLI's
+            ``--no-prefix-cache`` turns it off). Each result reports its reused prompt tokens
+            (``RequestOutput.cached_tokens``). With the ``eagle`` drafter the target's
+            features of each prompt position are kept beside its KV (the head reads them).
         chat_template: a Jinja chat template used instead of the model's own (vLLM's
             ``--chat-template``): the path of a template file, or the template text (with a
             ``{{ ... }}`` or ``{% ... %}`` tag); ValueError naming ``chat_template`` when it
@@ -104,6 +115,8 @@ class LLM:
         grammar_backend: str = "xgrammar",
         min_prefill_batch: int | None = None,
         chat_template: str | None = None,
+        quantization: str = "auto",
+        enable_prefix_caching: bool = True,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -117,7 +130,9 @@ class LLM:
             kernels=kernels,
             batch_invariant=batch_invariant,
             load_format=load_format,
-            cache=CacheConfig(page_size=page_size, kv_capacity_tokens=kv_capacity_tokens),
+            quantization=quantization,
+            cache=CacheConfig(page_size=page_size, kv_capacity_tokens=kv_capacity_tokens,
+                              enable_prefix_caching=enable_prefix_caching),
             spec=SpecConfig(algorithm=speculative_algorithm, num_draft_tokens=num_draft_tokens,
                             depth=speculative_depth, topk=speculative_topk,
                             draft_model=draft_model, adaptive=speculative_adaptive),

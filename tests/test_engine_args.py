@@ -53,6 +53,18 @@ def test_every_engine_option_has_its_flag() -> None:
         False, False, 2.5)
 
 
+def test_no_prefix_cache_reaches_the_frozen_config() -> None:
+    """``--no-prefix-cache`` -> ``enable_prefix_caching=False`` -> ``CacheConfig`` (serve's
+    config builder; ``generate`` passes the same keyword to ``LLM``)."""
+    from structspec.server.launch import build_engine_config
+
+    assert engine_kwargs(parse())["enable_prefix_caching"] is True
+    kw = engine_kwargs(parse("--no-prefix-cache"))
+    assert kw["enable_prefix_caching"] is False
+    assert build_engine_config(None, **kw).cache.enable_prefix_caching is False
+    assert build_engine_config(None).cache.enable_prefix_caching is True
+
+
 @pytest.mark.parametrize("message,shown", [
     ("max_model_len=5 is greater than the model's", "--max-model-len: max_model_len=5 is"),
     ("overlap needs CUDA", "--no-overlap: overlap needs CUDA"),

@@ -17,12 +17,14 @@ from typing import Any
 import torch
 
 from structspec.config import EngineConfig, ModelConfig, check_max_model_len, resolve_engine_config
+from structspec.engine.cpu_threads import set_cpu_threads
 from structspec.grammar.backend import GrammarBackend
 from structspec.grammar.llg_backend import LlgBackend
 from structspec.grammar.select_backend import SelectingBackend
 from structspec.grammar.worker_pool import MaskWorkerPool
 from structspec.models.default_model import resolve_model_path
 from structspec.models.loader import load_model, load_model_config
+from structspec.models.quantize import plan_for, quantize_model
 from structspec.models.tokenizer import Tokenizer
 from structspec.runner.cuda_graph import graph_batch_sizes
 from structspec.runner.model_runner import ModelRunner
@@ -84,6 +86,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         # NOTE: the flag is per thread and threads inherit it when created, so it is set
         # before the first torch op spawns the OpenMP pool.
         torch.set_flush_denormal(True)
+        set_cpu_threads()
     model_path = resolve_model_path(config.model)
     # From config.json alone: a context the model does not have fails before the weights load.
     max_model_len = check_max_model_len(
@@ -92,6 +95,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
     torch.manual_seed(config.seed)
     model, model_config = load_model(model_path, device=device, dtype=dtype,
                                      load_format=config.load_format, seed=config.seed)
+    plan = plan_for(config.quantization)
+    if plan is not None:  # weight-only int8/int4 linears (CPU), from the loaded float32 weights
+        quantize_model(model, plan)
     tokenizer = Tokenizer(model_path, chat_template=config.chat_template)
     runner = ModelRunner(model, model_config, config.cache, device=device, dtype=dtype,
                          use_cuda_graph=config.cuda_graph,

@@ -220,14 +220,25 @@ class LLMEngine:
         return self.scheduler.num_unfinished > 0 or bool(self.scheduler._finished_unreported)
 
     def stats(self) -> dict[str, Any]:
-        """Queue sizes and KV usage (for logs and /metrics)."""
+        """Queue sizes, KV usage and prefix-cache counters (for logs and /metrics).
+
+        ``kv_free_pages`` counts the cached pages no request holds (evictable) as free;
+        ``prefix_cache_queried_tokens`` / ``prefix_cache_hit_tokens`` are the prompt tokens of
+        admitted requests and those whose KV came from the cache, since the engine started,
+        and ``prefix_cache_hit_rate`` their ratio (0.0 before any request).
+        """
         s = self.scheduler
+        cache = s.allocator.stats
         return {
             "num_running": len(s.running),
             "num_waiting": len(s.waiting),
             "num_waiting_grammar": len(s.grammar_queue),
             "kv_free_pages": s.allocator.num_free_pages,
             "kv_total_pages": s.allocator.num_pages - 1,
+            "kv_cached_pages": s.allocator.num_cached_pages,
+            "prefix_cache_queried_tokens": cache.queried_tokens,
+            "prefix_cache_hit_tokens": cache.hit_tokens,
+            "prefix_cache_hit_rate": cache.hit_rate,
         }
 
     def step_stats(self, reset: bool = False) -> dict[str, float]:

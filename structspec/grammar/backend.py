@@ -16,12 +16,21 @@ A grammar goes through three stages:
    worker is killed, its memory returned, and the request fails with ``grammar_too_complex``.
    Backends of one process with the same tokenizer and compile settings share the worker
    processes (:mod:`structspec.grammar.shared_compile_pool`).
-3. **Rebuild in this process** (a daemon thread): the same compile again, to get the
-   ``CompiledGrammar`` the matchers need. It is proven to end (it just did, in the worker, in
-   about the same time), so the budget no longer runs; shipping the worker's result instead
-   (xgrammar's ``serialize_json``) costs as much as the compile for small grammars and up to
-   6 times more, plus a third for the parse, for big ones. Grammars whose worker compile
-   took under :data:`FAST_REBUILD_S` rebuild on their own thread, never behind big ones.
+3. **Rebuild in this process** (a daemon thread; shutdown joins it, below): the same compile
+   again, to get the ``CompiledGrammar`` the matchers need. It is proven to end (it just
+   did, in the worker, in about the same time), so the budget no longer runs; shipping the
+   worker's result instead (xgrammar's ``serialize_json``) costs as much as the compile for
+   small grammars and up to 6 times more, plus a third for the parse, for big ones. Grammars
+   whose worker compile took under :data:`FAST_REBUILD_S` rebuild on their own thread, never
+   behind big ones.
+
+Shutdown (:meth:`GrammarBackend.shutdown`, or the backend's finalizer, which also runs at
+interpreter exit) drops the queued rebuilds (their requests fail with "shut down") and waits,
+bounded, for the one each rebuild thread may be running: a daemon thread still inside
+xgrammar's compile (which releases the GIL) when the interpreter finalizes is ended by
+``pthread_exit`` as it takes the GIL back, and that forced unwind of its C++ frames ends in
+``std::terminate``: the process aborts ("terminate called without an active exception", exit
+status 134) after its work is done.
 
 Compiles are cached (LRU, keyed by a hash of the grammar), failures included except a time
 limit hit after waiting in a queue; concurrent requests for the same grammar share one
@@ -31,6 +40,7 @@ compile. Source of the cache design: sglang's xgrammar backend and grammar manag
 from __future__ import annotations
 
 import hashlib
+import logging
 import queue
 import threading
 import time
@@ -63,10 +73,15 @@ from structspec.grammar.limits import is_small, upfront_error
 from structspec.grammar.matcher import Matcher
 from structspec.grammar.shared_compile_pool import acquire_compile_pool, release_compile_pool
 
+logger = logging.getLogger(__name__)
+
 CacheKey = tuple[str, str]
 
 FAST_REBUILD_S = 1.0
 """Grammars whose worker compile took less than this rebuild on the fast thread."""
+
+REBUILD_EXIT_MIN_S = 5.0
+"""Least time shutdown waits for a rebuild in progress (s; see :func:`_stop_compiles`)."""
 
 
 @dataclass(eq=False)
@@ -200,10 +215,13 @@ class GrammarBackend:
         self._jobs: set[CompileJob] = set()
         self._compile_s: list[float] = []
         self._timeouts = 0
-        self._rebuild_fast: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._rebuild_slow: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        # daemon threads: a rebuild in progress never holds up the process's exit
-        self._threads = [threading.Thread(target=_serve, args=(q,), daemon=True,
+        self._rebuild_fast: queue.SimpleQueue[_Rebuild | None] = queue.SimpleQueue()
+        self._rebuild_slow: queue.SimpleQueue[_Rebuild | None] = queue.SimpleQueue()
+        # set by shutdown: the rebuild threads drop what is still queued
+        self._stopping = threading.Event()
+        # daemon threads (an idle one waits on its queue, which exit must not wait for);
+        # shutdown and the finalizer join them, bounded (module docstring, "Shutdown")
+        self._threads = [threading.Thread(target=_serve, args=(q, self._stopping), daemon=True,
                                           name=f"grammar-rebuild-{name}")
                          for name, q, n in (("fast", self._rebuild_fast, 1),
                                             ("slow", self._rebuild_slow,
@@ -222,7 +240,8 @@ class GrammarBackend:
         self._finalizer = weakref.finalize(
             self, _stop_compiles, self.pool, self._jobs, self._lock,
             [self._rebuild_fast if t.name.endswith("fast") else self._rebuild_slow
-             for t in self._threads])
+             for t in self._threads], self._stopping, self._threads,
+            max(REBUILD_EXIT_MIN_S, self.config.compile_timeout_s))
 
     # -- compilation ----------------------------------------------------------------------
 
@@ -371,7 +390,7 @@ class GrammarBackend:
         entry.accepted = True
         entry.job = None
         lane = self._rebuild_fast if job_future.result() < FAST_REBUILD_S else self._rebuild_slow
-        lane.put(lambda: self._rebuild(entry, spec))
+        lane.put(_Rebuild(lambda: self._rebuild(entry, spec), entry, spec.kind))
 
     def _rebuild(self, entry: _Entry, spec: GrammarConstraint) -> None:
         try:
@@ -385,30 +404,57 @@ class GrammarBackend:
         entry.future.set_result(compiled)
 
 
+@dataclass(frozen=True)
+class _Rebuild:
+    """A queued rebuild: ``run`` compiles and settles ``entry``; a rebuild dropped at shutdown
+    fails ``entry`` with :func:`shut_down_error` of ``kind`` instead."""
+
+    run: Callable[[], None]
+    entry: _Entry
+    kind: str
+
+
 def _stop_compiles(pool: CompilePool, jobs: set[CompileJob], lock: threading.Lock,
-                   rebuild_queues: list[queue.SimpleQueue[Any]]) -> None:
+                   rebuild_queues: list[queue.SimpleQueue[Any]], stopping: threading.Event,
+                   threads: list[threading.Thread], join_s: float) -> None:
     """Cancel the backend's unfinished compiles, release its pool reference (the last one
-    kills the compile processes) and end the rebuild threads (one ``None`` per thread): the
-    backend's shutdown and finalizer."""
+    kills the compile processes) and end the rebuild threads: queued rebuilds are dropped
+    (one ``None`` per thread wakes it) and each thread's rebuild in progress is waited for,
+    ``join_s`` in all (the request's compile limit, at least :data:`REBUILD_EXIT_MIN_S`: the
+    rebuild repeats a compile that finished within it). The backend's shutdown and
+    finalizer."""
     with lock:
         running = list(jobs)
     pool.cancel(running)
     release_compile_pool(pool)
+    stopping.set()
     for q in rebuild_queues:
         q.put(None)
+    deadline = time.monotonic() + join_s
+    me = threading.current_thread()
+    for t in threads:
+        if t is not me:  # a finalizer run by a collection on a rebuild thread
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+    alive = [t.name for t in threads if t.is_alive() and t is not me]
+    if alive:
+        logger.warning("grammar rebuild threads %s still compiling %.0f s after shutdown",
+                       alive, join_s)
 
 
-def _serve(work: queue.SimpleQueue[Callable[[], None] | None]) -> None:
-    """A rebuild thread: run queued rebuilds until ``None``."""
+def _serve(work: queue.SimpleQueue[_Rebuild | None], stopping: threading.Event) -> None:
+    """A rebuild thread: run queued rebuilds until ``None``; once ``stopping`` is set, fail
+    the queued ones instead of compiling them."""
     while True:
         item = work.get()
         if item is None:
             return
-        item()
+        if stopping.is_set():
+            if not item.entry.future.done():
+                item.entry.future.set_exception(shut_down_error(item.kind))
+        else:
+            item.run()
         # Drop the done rebuild before waiting again: it references the backend, and a
         # thread blocked in get() with it in a local kept a dropped backend alive for good
         # (its finalizer, which ends this thread, never ran), and with it the compile pool
         # reference and, through a cached failure's traceback, the whole engine.
         del item
-
-

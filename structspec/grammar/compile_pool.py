@@ -142,7 +142,9 @@ class CompilePool:
                       "any_whitespace": bool(any_whitespace)}
         self._size = {GENERAL: max(1, int(general_workers)), SMALL: max(0, int(small_workers))}
         self._slice_s = float(small_slice_s)
-        self._lock = threading.Lock()
+        # Reentrant: the pool's owner may be collected (its finalizer calls close()) on any
+        # thread, the dispatcher included, possibly while that thread holds the lock.
+        self._lock = threading.RLock()
         self._queues: dict[str, deque[CompileJob]] = {SMALL: deque(), GENERAL: deque()}
         self._workers: list[_Worker] = []
         self._forks_pending: dict[str, int] = {SMALL: 0, GENERAL: 0}
@@ -238,7 +240,8 @@ class CompilePool:
                 return
             self._closed = True
         self._wake()
-        self._thread.join(timeout=5)
+        if threading.current_thread() is not self._thread:  # close() from the dispatcher
+            self._thread.join(timeout=5)  # itself: it sees _closed and ends its loop
 
     # ------------------------------------------------------------------ dispatcher
 

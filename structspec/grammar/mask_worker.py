@@ -6,13 +6,23 @@ Compiled grammars arrive on the second socket, ``SHIP_FD``, and are loaded by a 
 own (:func:`_load_grammars`): deserializing one takes ~3-30 ms (MaskBench schemas), which in the
 main loop would hold up a build reply, and so the whole verify step. The loader acknowledges
 each grammar once it is usable; the parent sends jobs for a grammar only after that.
+
+The process ends with ``os._exit`` (:func:`main`), never through the interpreter's shutdown:
+grammars may still be arriving when the parent says stop, and a daemon thread still inside
+xgrammar's C++ (``deserialize_json`` releases the GIL) when the interpreter finalizes is ended
+by ``pthread_exit`` as it takes the GIL back, and that forced unwind of its C++ frames ends in
+``std::terminate`` ("terminate called without an active exception", SIGABRT). The
+interpreter's shutdown (module teardown with torch imported) also took a loaded host seconds,
+which the parent spent waiting.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
+import traceback
 from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
@@ -131,5 +141,27 @@ def _worker_main(conn: Connection, ship: Connection) -> None:
     shm.close()
 
 
+def main(argv: list[str]) -> None:
+    """Entry point: ``argv`` holds the job socket's and the grammar socket's file descriptors.
+    Never returns: the process ends with ``os._exit`` (module docstring), status 0 after the
+    loop ended normally (the parent's None, or its socket closed) and 1 after an error, whose
+    traceback is printed first."""
+    code = 1
+    try:
+        _worker_main(Connection(int(argv[0])), Connection(int(argv[1])))
+        code = 0
+    except BaseException:  # noqa: BLE001 - printed, then the process ends all the same
+        traceback.print_exc()
+    finally:
+        # os._exit skips the buffered streams' flush: flush them here. The grammar loader
+        # thread may be inside xgrammar: it ends with the process, no interpreter shutdown.
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+
 if __name__ == "__main__":
-    _worker_main(Connection(int(sys.argv[1])), Connection(int(sys.argv[2])))
+    main(sys.argv[1:])

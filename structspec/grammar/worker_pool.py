@@ -428,30 +428,56 @@ class MaskWorkerPool:
         self._finalizer()
 
 
+#: seconds the pool's shutdown waits for its workers to exit (all of them together) before
+#: killing the rest: a worker exits within milliseconds of reading the stop message
+#: (``os._exit``, no interpreter shutdown: :mod:`~.mask_worker`), after the job it may be
+#: running
+WORKER_EXIT_S = 2.0
+#: seconds the shutdown waits for the shipping thread after the workers are gone: at most one
+#: grammar's serialization is left (:meth:`GrammarShipper.join`)
+SHIPPER_EXIT_S = 10.0
+
+
 def _shutdown(conns: list[Connection], ship_conns: list[Connection],
               procs: list[subprocess.Popen[bytes]], shm: SharedMemory, pinned_ptr: int,
               shipping: GrammarShipper | None) -> None:
     """Stop the shipping thread and the workers, unlock the slab (``pinned_ptr``: its address,
-    0 when not locked) and free the shared segment (the pool's finalizer)."""
+    0 when not locked) and free the shared segment (the pool's finalizer; also run at
+    interpreter exit for a pool never closed).
+
+    Every wait is bounded, and every thread and process of the pool has ended when it returns
+    (a worker that does not exit in time is killed and reaped). The order matters: the
+    shipping thread is told to stop first (it drops its queue), then the workers go (a send
+    the thread is blocked in then fails), then the thread is joined, and only then are the
+    grammar sockets closed, so that no socket is closed under a send in progress."""
     if shipping is not None:
-        shipping.stop()
+        shipping.request_stop()
     for conn in conns:
         try:
             conn.send(None)
             conn.close()
         except (OSError, ValueError):
             pass
+    deadline = time.monotonic() + WORKER_EXIT_S
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:  # wedged: do not wait longer
+            logger.warning("mask worker %d did not exit within %.0f s of the stop message; "
+                           "killing it", proc.pid, WORKER_EXIT_S)
+            proc.kill()
+            try:  # SIGKILL ends it at once; reap it, so no zombie stays behind
+                proc.wait(timeout=WORKER_EXIT_S)
+            except subprocess.TimeoutExpired:
+                logger.error("mask worker %d did not end after SIGKILL", proc.pid)
+    if shipping is not None and not shipping.join(SHIPPER_EXIT_S):
+        logger.warning("the grammar shipping thread is still serializing a grammar after "
+                       "%.0f s", SHIPPER_EXIT_S)
     for conn in ship_conns:
         try:
             conn.close()
         except (OSError, ValueError):
             pass
-    for proc in procs:
-        try:
-            proc.wait(timeout=2)
-        except subprocess.TimeoutExpired:  # a slow exit (a loaded host): do not wait longer
-            proc.kill()
-            proc.wait()  # SIGKILL ends it at once; reap it, so no zombie stays behind
     if pinned_ptr:
         page_unlock(pinned_ptr)
     shm.close()

@@ -31,6 +31,7 @@ from structspec.layers.attention import AttentionBackend, TorchAttentionBackend,
 from structspec.layers.forward_batch import ForwardBatch
 from structspec.layers.linear import linear_fp32_out
 from structspec.layers.norm import RMSNorm
+from structspec.layers.quant_linear import Fp16Linear, Int4Linear, Int8Linear
 from structspec.layers.rotary import RotaryEmbedding, apply_rotary
 from structspec.models.output import ModelOutput
 
@@ -196,7 +197,9 @@ class LlamaForCausalLM(nn.Module):
         layers: the decoder layers.
         norm: final RMSNorm.
         lm_head: ``nn.Linear(H, V)``; when ``tie_word_embeddings`` its weight *is*
-            ``embed_tokens.weight``.
+            ``embed_tokens.weight``. After :func:`structspec.models.quantize.quantize_model`
+            the decoder linears and possibly the LM head are weight-only int8/int4 layers
+            (:mod:`structspec.layers.quant_linear`, CPU, torch path).
         attn_backend: object with ``forward(q, layer_id, fb, kv_pool)``; the torch reference by
             default, :class:`~structspec.kernels.attention.TritonAttentionBackend` after
             ``set_kernels("triton")``.
@@ -332,6 +335,8 @@ class LlamaForCausalLM(nn.Module):
         common and lets two forwards that round differently (a 1-row decode, an 8-row
         verify) pick different argmaxes; it is also one pass instead of a GEMM plus a cast.
         """
+        if isinstance(self.lm_head, Int8Linear | Int4Linear | Fp16Linear):  # --quantization
+            return self.lm_head(hidden_rows)
         if self.kernels == "triton":
             linear = (_triton_ops().invariant_linear if self.batch_invariant
                       else _triton_ops().linear)

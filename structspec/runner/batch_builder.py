@@ -34,35 +34,56 @@ def build_prefill_batch(
     *,
     page_size: int,
     device: torch.device,
+    num_cached: Sequence[int] | None = None,
 ) -> ForwardBatch:
-    """Causal prefill of whole prompts, one padded row per request.
+    """Causal prefill of prompts, one padded row per request, over KV already cached.
+
+    Request ``b`` computes its tokens ``num_cached[b]..len-1`` (written at those positions)
+    and attends over positions ``0..len-1``: the first ``num_cached[b]`` come from KV already
+    in its pages (a prefix-cache hit), the rest from this forward.
 
     Args:
-        token_ids: per request, the prompt ids (non-empty), written at positions 0..len-1.
+        token_ids: per request, the whole prompt ids (non-empty).
         pages: per request, its KV pages (enough for its prompt).
+        num_cached: per request, leading prompt tokens whose KV is already in its pages
+            (``< len``: the last prompt token is always computed); None = all 0.
 
     Returns:
-        A ForwardBatch whose ``logits_indices`` select each request's last prompt token.
+        A ForwardBatch of ``[B, Q]`` query rows (``Q`` = the longest computed part; row ``j``
+        of request ``b`` is position ``num_cached[b] + j``) over ``[B, L]`` KV columns
+        (``L`` = the longest prompt; column ``l`` = position ``l``), whose
+        ``logits_indices`` select each request's last prompt token.
     """
+    bsz = len(token_ids)
     lens = torch.tensor([len(t) for t in token_ids], dtype=torch.int64)
-    bsz, q = len(token_ids), int(lens.max())
+    starts = (torch.zeros(bsz, dtype=torch.int64) if num_cached is None
+              else torch.tensor(list(num_cached), dtype=torch.int64))
+    if bool(((starts < 0) | (starts >= lens)).any()):
+        raise ValueError("num_cached must be in [0, prompt length) for every request")
+    q_lens = lens - starts
+    q, kv_len = int(q_lens.max()), int(lens.max())
     input_ids = torch.zeros((bsz, q), dtype=torch.int64)
     for i, t in enumerate(token_ids):
-        input_ids[i, : len(t)] = torch.tensor(t, dtype=torch.int64)
-    pos = torch.arange(q).expand(bsz, q)
-    valid = pos < lens.unsqueeze(1)
-    positions = torch.where(valid, pos, torch.zeros_like(pos))
+        start = int(starts[i])
+        input_ids[i, : len(t) - start] = torch.tensor(t[start:], dtype=torch.int64)
+    row = torch.arange(q).expand(bsz, q)
+    valid = row < q_lens.unsqueeze(1)
+    positions = torch.where(valid, starts.unsqueeze(1) + row, torch.zeros_like(row))
     table = page_table_tensor(pages, torch.device("cpu"))
-    slots = torch.where(valid, slots_for_positions(table, positions, page_size), 0)
-    causal = torch.ones((q, q), dtype=torch.bool).tril()
-    mask = causal.unsqueeze(0) & valid.unsqueeze(1)
+    out_slots = torch.where(valid, slots_for_positions(table, positions, page_size), 0)
+    col = torch.arange(kv_len).expand(bsz, kv_len)
+    col_ok = col < lens.unsqueeze(1)
+    kv_slots = torch.where(col_ok, slots_for_positions(table, torch.where(col_ok, col, 0),
+                                                       page_size), 0)
+    # causal: query at position p sees columns 0..p (cached prefix included)
+    mask = (col.unsqueeze(1) <= positions.unsqueeze(2)) & valid.unsqueeze(2)
     mask[:, :, 0] |= ~valid  # padding rows attend to column 0 only (never all -inf)
-    logits_indices = torch.arange(bsz) * q + lens - 1
+    logits_indices = torch.arange(bsz) * q + q_lens - 1
     return ForwardBatch(
         input_ids=input_ids.to(device),
         positions=positions.to(device),
-        out_slots=slots.to(device),
-        kv_slots=slots.to(device),
+        out_slots=out_slots.to(device),
+        kv_slots=kv_slots.to(device),
         attn_mask=mask.to(device),
         logits_indices=logits_indices.to(device),
     )

@@ -70,13 +70,21 @@ class PrefillOutput:
 
     Attributes:
         logits: ``[B, V]`` float32 logits of each request's last prompt token.
-        hidden_states: ``[B, Q, H]`` final hidden states of every (padded) prompt position.
+        hidden_states: ``[B, Q, H]`` final hidden states of every computed (padded) prompt
+            position (row ``j`` = position ``num_cached[b] + j``, see :meth:`ModelRunner.prefill`).
         aux_hidden_states: outputs of ``ModelRunner.aux_hidden_layers``, each ``[B, Q, H]``.
+        prompt_hidden_states: ``[B, L, H]`` final hidden states of every prompt position
+            (row ``j`` = position ``j``, cached ones included, read from the runner's prompt
+            feature store), when the runner keeps one (:meth:`ModelRunner.keep_prompt_features`)
+            and some request started over cached KV; else None (``hidden_states`` has them).
+        prompt_aux_hidden_states: the same for each aux layer (each ``[B, L, H]``), or None.
     """
 
     logits: torch.Tensor
     hidden_states: torch.Tensor
     aux_hidden_states: list[torch.Tensor]
+    prompt_hidden_states: torch.Tensor | None = None
+    prompt_aux_hidden_states: list[torch.Tensor] | None = None
 
 
 class ModelRunner:
@@ -151,6 +159,10 @@ class ModelRunner:
         )
         #: decoder layers whose outputs drafters need (EAGLE-3 features); () = none.
         self.aux_hidden_layers: tuple[int, ...] = ()
+        #: ``[num_slots, H * (1 + len(aux_hidden_layers))]`` final and aux hidden states of
+        #: every prefilled position, by KV slot (:meth:`keep_prompt_features`); None = none
+        self.prompt_features: torch.Tensor | None = None
+        self._dtype = dtype
         on_cuda = device.type == "cuda"
         self.staging: Staging | None = Staging(device) if on_cuda else None
         self.graphs: VerifyGraphCache | None = None
@@ -185,17 +197,62 @@ class ModelRunner:
         """Width of the logits rows (may exceed the tokenizer's vocabulary)."""
         return self.model_config.vocab_size
 
+    def keep_prompt_features(self) -> None:
+        """Keep the target features of every prefilled position beside its KV, so that a
+        prefill over cached KV can still hand a drafter the features of the cached prompt
+        positions (EAGLE reads every prompt position's; see :class:`PrefillOutput`).
+
+        Call after setting :attr:`aux_hidden_layers`. The store is indexed like the KV slots
+        (a cached page's features live and are evicted with its KV): ``kv_pool.num_slots``
+        rows of ``H * (1 + len(aux_hidden_layers))`` values in the KV dtype.
+
+        Raises:
+            MemoryError: it cannot fit on the device (naming ``--no-prefix-cache``).
+        """
+        width = self.model_config.hidden_size * (1 + len(self.aux_hidden_layers))
+        num_bytes = (self.kv_pool.num_slots * width
+                     * torch.empty((), dtype=self._dtype).element_size())
+        check_fits(num_bytes, torch.device(self.device),
+                   "the prefix cache's prompt feature store (EAGLE)",
+                   "lower kv_capacity_tokens (--kv-capacity-tokens) or turn prefix caching "
+                   "off (--no-prefix-cache)")
+        self.prompt_features = torch.zeros((self.kv_pool.num_slots, width), dtype=self._dtype,
+                                           device=self.device)
+
     @torch.inference_mode()
     def prefill(
-        self, token_ids: Sequence[Sequence[int]], pages: Sequence[Sequence[int]]
+        self, token_ids: Sequence[Sequence[int]], pages: Sequence[Sequence[int]],
+        num_cached: Sequence[int] | None = None,
     ) -> PrefillOutput:
-        """Write the prompts' KV; return the last prompt tokens' logits and hidden states."""
-        fb = build_prefill_batch(token_ids, pages, page_size=self.page_size, device=self.device)
+        """Write the prompts' KV; return the last prompt tokens' logits and hidden states.
+
+        Args:
+            token_ids: per request, the whole prompt.
+            pages: per request, pages covering its prompt.
+            num_cached: per request, leading prompt tokens whose KV its pages already hold
+                (a prefix-cache hit; ``< len(prompt)``): only the rest is computed, and the
+                hidden states' row ``j`` is then position ``num_cached[b] + j``. None = 0.
+        """
+        fb = build_prefill_batch(token_ids, pages, page_size=self.page_size, device=self.device,
+                                 num_cached=num_cached)
         out = self.model(fb, self.kv_pool, aux_hidden_layers=self.aux_hidden_layers)
         hidden = out.hidden_states.reshape(-1, out.hidden_states.shape[-1])
         logits = self.model.compute_logits(hidden[fb.logits_indices])
-        return PrefillOutput(logits=logits, hidden_states=out.hidden_states,
-                             aux_hidden_states=list(out.aux_hidden_states))
+        result = PrefillOutput(logits=logits, hidden_states=out.hidden_states,
+                               aux_hidden_states=list(out.aux_hidden_states))
+        store = self.prompt_features
+        if store is not None:
+            # padding rows write the sink's slot 0, like their KV
+            feats = torch.cat([out.hidden_states, *out.aux_hidden_states], dim=-1)
+            store.index_copy_(0, fb.out_slots.reshape(-1),
+                              feats.reshape(-1, feats.shape[-1]).to(store.dtype))
+            if num_cached is not None and any(num_cached):
+                # columns of kv_slots are prompt positions 0..L-1 (padding: slot 0)
+                full = store[fb.kv_slots]
+                h = out.hidden_states.shape[-1]
+                result.prompt_hidden_states = full[..., :h]
+                result.prompt_aux_hidden_states = list(full[..., h:].split(h, dim=-1))
+        return result
 
     @torch.inference_mode()
     def verify(

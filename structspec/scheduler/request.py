@@ -54,6 +54,8 @@ class Req:
     # the request's row of the scheduler's HostPageTable while it holds pages
     page_row: int | None = None
     seq_len: int = 0
+    # leading prompt tokens whose KV came from the prefix cache (set at admission)
+    num_cached_tokens: int = 0
     generator: torch.Generator | None = None
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
@@ -139,6 +141,7 @@ class Req:
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
             schema_valid=self.schema_valid,
             grammar_backend=self.grammar_backend,
+            cached_tokens=self.num_cached_tokens,
             spec=self.spec,
             arrival_time=self.arrival_time,
             first_token_time=self.first_token_time,

@@ -23,8 +23,8 @@ from structspec.grammar.bitmask import bitmask_width
 from structspec.grammar.errors import GrammarError
 from structspec.grammar.select_backend import SelectingBackend
 from structspec.grammar.worker_pool import MaskWorkerPool
-from structspec.kvcache.allocator import PageAllocator
 from structspec.kvcache.page_table import HostPageTable
+from structspec.kvcache.prefix_cache import PrefixCachingAllocator
 from structspec.runner.model_runner import ModelRunner
 from structspec.scheduler.commit import advance_grammar, commit_tokens, process_text
 from structspec.scheduler.deferred_work import finish_deferred
@@ -76,7 +76,14 @@ class Scheduler:
         runner.set_select_verify(select_verify, bitmask_width=bitmask_width(runner.vocab_size))
         # Only drafters that override the hook get the (per-forward) call.
         self._feeds_hidden = type(drafter).on_target_hidden is not Drafter.on_target_hidden
-        self.allocator = PageAllocator(runner.kv_pool.num_pages, runner.page_size)
+        # Prefix caching (kvcache/prefix_cache.py). A drafter that reads the target's
+        # features (EAGLE) needs them for every prompt position, which a prefill that skips
+        # cached tokens does not compute: the runner then keeps them beside the KV, by slot.
+        self.allocator = PrefixCachingAllocator(
+            runner.kv_pool.num_pages, runner.page_size,
+            enabled=config.cache.enable_prefix_caching)
+        if config.cache.enable_prefix_caching and self._feeds_hidden:
+            runner.keep_prompt_features()
         #: every running request's pages, one row each (a verify step gathers its batch's)
         self.page_table = HostPageTable(config.scheduler.max_batch_size)
         self.requests: dict[str, Req] = {}
@@ -294,21 +301,27 @@ class Scheduler:
         cfg = self.config.scheduler
         if not self.waiting:
             return []
-        picked: list[tuple[Req, int]] = []
+        alloc = self.allocator
+        picked: list[tuple[Req, list[int], int]] = []  # (request, cached pages, new pages)
+        pinned: set[int] = set()  # evictable cached pages the picked requests will reuse
         tokens = pages = 0
         budget_full = False
         slots = cfg.max_batch_size - len(self.running)
         for req in self.waiting:
             if len(picked) >= slots:
                 break
-            plen = len(req.prompt_ids)
+            hits = alloc.match(req.prompt_ids)
+            plen = len(req.prompt_ids) - len(hits) * alloc.page_size  # tokens to compute
             if picked and tokens + plen > cfg.max_prefill_tokens:
                 budget_full = True
                 break
-            need = self.allocator.pages_for(self.kv_tokens_needed(req))
-            if not self.allocator.can_allocate(pages + need):
+            need = alloc.pages_for(self.kv_tokens_needed(req)) - len(hits)
+            # a reused page that is evictable now stops counting as free once reused
+            reused_free = [p for p in hits if alloc.is_evictable(p) and p not in pinned]
+            if not alloc.can_allocate(pages + need + len(pinned) + len(reused_free)):
                 break
-            picked.append((req, need))
+            pinned.update(reused_free)
+            picked.append((req, hits, need))
             tokens += plen
             pages += need
         min_batch = cfg.min_prefill_batch or 1
@@ -316,10 +329,16 @@ class Scheduler:
                               or len(picked) == len(self.waiting)
                               or len(self.running) < min_batch):
             return []
+        # Every reused page takes its reference before any allocation, so that no allocation
+        # of this batch evicts a page another request of the batch is about to reuse.
+        for _, hits, _ in picked:
+            alloc.acquire(hits)
         batch: list[Req] = []
-        for req, need in picked:
+        for req, hits, need in picked:
             self.waiting.popleft()
-            req.pages = self.allocator.allocate(need)
+            req.pages = hits + alloc.allocate(need)
+            req.num_cached_tokens = len(hits) * alloc.page_size
+            alloc.record_admission(len(req.prompt_ids), req.num_cached_tokens)
             req.page_row = self.page_table.add(req.pages)
             req.status = ReqStatus.RUNNING
             batch.append(req)
@@ -334,14 +353,23 @@ class Scheduler:
         for r in batch:
             if r.params.has_penalties:
                 self.penalties.assign(r)
-        out = self.runner.prefill([r.prompt_ids for r in batch], [r.pages for r in batch])
+        cached = [r.num_cached_tokens for r in batch]
+        out = self.runner.prefill([r.prompt_ids for r in batch], [r.pages for r in batch],
+                                  cached if any(cached) else None)
         if self._feeds_hidden:
+            # every prompt position's features, the cached ones included
+            if out.prompt_hidden_states is not None and out.prompt_aux_hidden_states is not None:
+                hidden, aux = out.prompt_hidden_states, out.prompt_aux_hidden_states
+            else:
+                assert not any(cached), "prefix reuse for a drafter without prompt features"
+                hidden, aux = out.hidden_states, out.aux_hidden_states
             self.draft.on_target_hidden(
                 [DraftRequest(r.request_id, r.prompt_ids, 0) for r in batch],
-                out.hidden_states, None, [len(r.prompt_ids) for r in batch],
-                out.aux_hidden_states)
+                hidden, None, [len(r.prompt_ids) for r in batch], aux)
         for r in batch:
             r.seq_len = len(r.prompt_ids)
+            # the prompt's full pages are final now (later writes start at seq_len)
+            self.allocator.register(r.prompt_ids, r.pages, r.seq_len)
         tree = VerifyTree.root_only(torch.tensor([r.prompt_ids[-1] for r in batch]))
         gtree = self.grammar.stage_tree(batch, tree)
         selection = self._select.prepare(batch, tree.num_nodes, out.logits.device, None)

@@ -63,6 +63,7 @@ def delta_from_output(out: RequestOutput) -> EngineDelta:
         delta.error_code = out.error_code
         delta.text = out.text
         delta.num_prompt_tokens = out.num_prompt_tokens
+        delta.num_cached_tokens = out.cached_tokens
         delta.num_completion_tokens = out.num_completion_tokens
         delta.schema_valid = out.schema_valid
         delta.grammar_backend = out.grammar_backend
@@ -210,6 +211,8 @@ class EngineLoop:
             num_waiting_grammar=int(s.get("num_waiting_grammar", 0)),
             kv_free_pages=int(s.get("kv_free_pages", 0)),
             kv_total_pages=int(s.get("kv_total_pages", 0)),
+            prefix_cache_queried_tokens=int(s.get("prefix_cache_queried_tokens", 0)),
+            prefix_cache_hit_tokens=int(s.get("prefix_cache_hit_tokens", 0)),
             grammar_compile_s=tuple(compile_s),
             grammar_compile_timeouts=int(timeouts),
             steps=tuple(self.engine.scheduler.timer.drain()),

@@ -274,15 +274,22 @@ class GenerationRun:
     # ------------------------------------------------------------------ usage
 
     def usage(self, prompt_tokens: int) -> dict[str, object]:
-        """OpenAI ``usage`` plus ``speculative`` (summed over choices)."""
+        """OpenAI ``usage`` (``prompt_tokens_details.cached_tokens``: the prompt tokens whose
+        KV came from the prefix cache, per prompt the most any of its choices reused, summed
+        over prompts) plus ``speculative`` (summed over choices)."""
         completion = sum(len(c.token_ids) for c in self.choices)
         spec = SpecMetrics()
+        cached: dict[int, int] = {}  # per prompt (choices of one prompt share its id list)
         for c in self.choices:
-            if c.final is not None and c.final.spec is not None:
-                spec.add(c.final.spec)
+            if c.final is not None:
+                key = id(c.prompt_ids)
+                cached[key] = max(cached.get(key, 0), c.final.num_cached_tokens)
+                if c.final.spec is not None:
+                    spec.add(c.final.spec)
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(cached.values())},
             "speculative": spec.to_dict(),
         }

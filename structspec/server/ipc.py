@@ -74,6 +74,9 @@ class EngineStats:
     num_waiting_grammar: int = 0
     kv_free_pages: int = 0
     kv_total_pages: int = 0
+    # prefix cache, cumulative since the engine started: prompt tokens admitted / reused
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
     grammar_compile_s: tuple[float, ...] = ()  # compile durations finished since the last one
     grammar_compile_timeouts: int = 0  # compiles stopped at their time limit since the last one
     steps: tuple[StepRecord, ...] = ()  # verify-step timings finished since the last one
@@ -119,6 +122,7 @@ class EngineDelta:
     rejected: bool = False
     text: str | None = None
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     num_completion_tokens: int = 0
     schema_valid: bool | None = None
     grammar_backend: str | None = None  # xgrammar / llguidance (constrained requests)

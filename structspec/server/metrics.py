@@ -78,6 +78,16 @@ class ServerMetrics:
                               "Engine requests the front end is waiting on", registry=r)
         self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "Fraction of KV pages in use",
                               registry=r)
+        self.prefix_cache_queries = Counter(
+            p + "prefix_cache_queries", "Prompt tokens of admitted requests (prefix cache "
+            "lookups, in tokens)", registry=r)
+        self.prefix_cache_hits = Counter(
+            p + "prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache",
+            registry=r)
+        self.prefix_cache_hit_rate = Gauge(
+            p + "prefix_cache_hit_rate", "Prefix cache hits / queries in tokens, since the "
+            "engine started", registry=r)
+        self._prefix_seen = (0, 0)  # (queried, hit) tokens already counted
         self.grammar_compile = Histogram(p + "grammar_compile_seconds",
                                          "Grammar compile time: submission to the compiled grammar's "
                                          "arrival (queue wait, worker compile, engine rebuild)",
@@ -157,6 +167,15 @@ class ServerMetrics:
         self.grammar_queue.set(stats.num_waiting_grammar)
         if stats.kv_usage is not None:
             self.kv_usage.set(stats.kv_usage)
+        queried, hit = stats.prefix_cache_queried_tokens, stats.prefix_cache_hit_tokens
+        seen_q, seen_h = self._prefix_seen
+        if queried < seen_q or hit < seen_h:  # a restarted engine counts from 0 again
+            seen_q = seen_h = 0
+        if queried > seen_q:
+            self.prefix_cache_queries.inc(queried - seen_q)
+            self.prefix_cache_hits.inc(hit - seen_h)
+            self._prefix_seen = (queried, hit)
+            self.prefix_cache_hit_rate.set(hit / queried)
         for s in stats.grammar_compile_s:
             self.grammar_compile.observe(s)
         if stats.grammar_compile_timeouts:

@@ -5,14 +5,16 @@ Every ``stats_interval_s`` seconds :class:`StatsLogger` writes one line on the
 
     stats interval_s=10.00 prompt_tokens_per_s=152.3 generation_tokens_per_s=48.1
         finished=3 running=2 waiting=0 waiting_grammar=1 kv_cache_usage=12.5%
+        prefix_cache_hit_rate=87.5%
 
 (one line): prompt and generated tokens per second over the interval and engine requests
 finished in it, read as differences of the Prometheus counters
 (``structspec_prompt_tokens_total``, ``structspec_generation_tokens_total``,
 ``structspec_requests_total``: no second count is kept), and the queue state of the engine's
 last stats (what ``/health`` and the gauges show): requests running, waiting for a batch
-slot / KV pages, waiting for their grammar to compile, and the KV pages in use (``-``
-before the engine reported its pool). An idle interval (no token, no finished request,
+slot / KV pages, waiting for their grammar to compile, the KV pages in use (``-``
+before the engine reported its pool) and the prefix cache's hit rate in prompt tokens since
+the engine started (``-`` before its first request). An idle interval (no token, no finished request,
 nothing queued) is not logged, as vLLM skips idle repeats.
 """
 
@@ -75,12 +77,14 @@ class StatsLogger:
         if not (prompt or generated or finished or queued):
             return None
         usage = stats.kv_usage
+        queried = stats.prefix_cache_queried_tokens
         return (f"stats interval_s={elapsed_s:.2f} "
                 f"prompt_tokens_per_s={prompt / elapsed_s:.1f} "
                 f"generation_tokens_per_s={generated / elapsed_s:.1f} "
                 f"finished={finished:.0f} running={stats.num_running} "
                 f"waiting={stats.num_waiting} waiting_grammar={stats.num_waiting_grammar} "
-                f"kv_cache_usage={'-' if usage is None else f'{usage * 100:.1f}%'}")
+                f"kv_cache_usage={'-' if usage is None else f'{usage * 100:.1f}%'} "
+                f"prefix_cache_hit_rate={_percent(stats.prefix_cache_hit_tokens, queried)}")
 
     async def run(self) -> None:
         """Log a line every ``interval_s`` seconds until cancelled."""
@@ -93,3 +97,8 @@ class StatsLogger:
                 continue
             if line is not None:
                 logger.info("%s", line)
+
+
+def _percent(part: int, whole: int) -> str:
+    """``part / whole`` as ``"12.5%"``; ``"-"`` when ``whole`` is 0."""
+    return f"{100 * part / whole:.1f}%" if whole else "-"

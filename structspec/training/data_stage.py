@@ -174,7 +174,9 @@ def distill_rank(config: TrainEagleConfig, out: Path, *, start_s: float, rank: i
     """
     llm = LLM(config.model, device=config.device, dtype=config.dtype,
               max_batch_size=config.gen_batch_size, seed=config.seed,
-              load_format=config.load_format, grammar_workers=grammar_workers)
+              load_format=config.load_format, grammar_workers=grammar_workers,
+              # the head learns the float target (the one train_eagle reads features from)
+              quantization="none")
     try:
         # With the target's tokenizer, prompts over 1024 tokens are left out (long ShareGPT
         # turns: their prefill is slow and the head trains on the response only).

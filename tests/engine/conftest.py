@@ -85,6 +85,27 @@ def smol_first_layers_dir(smol_dir: str, tmp_path_factory: pytest.TempPathFactor
     return str(out)
 
 
+@pytest.fixture(scope="session")
+def tiny_model_dir(smol_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A 2-layer random Llama with SmolLM2's tokenizer (so the engine can load it)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny_llama")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=512, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)  # peaked next-token distributions
+    model.save_pretrained(out, safe_serialization=True)
+    for f in Path(smol_dir).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+            (out / f.name).write_bytes(f.read_bytes())
+    return str(out)
+
+
 # Engines kept alive at once by ``make_llm``. Each SmolLM2 engine holds its weights (plus a
 # draft model's) and a 4096-token fp32 KV pool, about 0.8-1.5 GB; a test uses at most two at a
 # time, and the tests that share a configuration sit next to each other, so three keeps the
@@ -135,9 +156,11 @@ class EngineCache:
         while len(self._engines) >= self.capacity:
             self._engines.popitem(last=False)
             release_memory()  # free its tensors now, and give the pages back
-        # Fixed trees (adaptive sizing off): what a test asserts about accept lengths must not
-        # depend on this machine's timings; the adaptive tests turn the sizing on themselves.
-        opts: dict[str, Any] = dict(device="cpu", dtype="float32",
+        # float32 weights unless a test asks for --quantization: the lossless tests (spec on
+        # == spec off) and the HF comparisons run on the float32 path. Fixed trees (adaptive
+        # sizing off): what a test asserts about accept lengths must not depend on this
+        # machine's timings; the adaptive tests turn the sizing on themselves.
+        opts: dict[str, Any] = dict(device="cpu", dtype="float32", quantization="none",
                                     kv_capacity_tokens=KV_CAPACITY_TOKENS, max_batch_size=32,
                                     speculative_adaptive="off")
         opts.update(kw)
@@ -158,6 +181,7 @@ def engine_cache() -> Iterator[EngineCache]:
 
 @pytest.fixture(scope="session")
 def make_llm(engine_cache: EngineCache) -> Callable[..., Any]:
-    """``make_llm(**kw)`` -> an LLM on CPU in float32 for those options, shared by the whole
+    """``make_llm(**kw)`` -> an LLM on CPU in float32 (``quantization="none"`` unless ``kw``
+    says otherwise) for those options, shared by the whole
     session (see :class:`EngineCache`)."""
     return engine_cache.get

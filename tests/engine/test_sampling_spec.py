@@ -3,32 +3,8 @@
 from __future__ import annotations
 
 from collections import Counter
-from pathlib import Path
-
-import pytest
-import torch
 
 from structspec import SamplingParams
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(smol_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A 2-layer random Llama with SmolLM2's tokenizer (so the engine can load it)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    out = tmp_path_factory.mktemp("tiny_llama")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=512, tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(40.0)  # peaked next-token distributions
-    model.save_pretrained(out, safe_serialization=True)
-    for f in Path(smol_dir).iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
-            (out / f.name).write_bytes(f.read_bytes())
-    return str(out)
 
 
 def sequences(llm, n: int, **penalties: float) -> Counter:

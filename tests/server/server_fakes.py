@@ -109,6 +109,8 @@ class FakeEngine:
         self.added: list[tuple[str, list[int], SamplingParams]] = []
         self.aborted: list[str] = []
         self._listeners: list[Any] = []
+        #: prompt tokens each request reports as reused from the prefix cache
+        self.cached_tokens = 0
 
     @property
     def ready(self) -> bool:
@@ -192,7 +194,7 @@ class FakeEngine:
         return EngineDelta(
             request_id=rid, new_token_ids=new, new_logprobs=lps, finished=True,
             finish_reason=reason, stop_reason=stop, text=text, num_prompt_tokens=len(prompt),
-            num_completion_tokens=len(out),
+            num_completion_tokens=len(out), num_cached_tokens=self.cached_tokens,
             spec=SpecMetrics(verify_steps=steps, committed_tokens=len(out)))
 
     def _finish(self, rid: str, sink: asyncio.Queue[EngineDelta], delta: EngineDelta) -> None:

@@ -571,3 +571,17 @@ def test_client_disconnect_mid_body_is_499_not_500() -> None:
     with TestClient(app) as client:  # the next request is served as usual
         assert client.post("/v1/chat/completions",
                            json={"model": "fake", "messages": MSGS}).status_code == 200
+
+
+def test_usage_reports_cached_prompt_tokens() -> None:
+    """OpenAI's ``usage.prompt_tokens_details.cached_tokens``: per prompt the reused tokens
+    (not multiplied by ``n``), 0 without a hit."""
+    engine = FakeEngine()
+    with make_client(engine) as c:
+        r = c.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2})
+        assert r.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        engine.cached_tokens = 16
+        r = c.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2, "n": 2})
+        assert r.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}
+        r = c.post("/v1/completions", json={"prompt": ["ab", "cd"], "max_tokens": 2})
+        assert r.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}

@@ -229,7 +229,9 @@ def test_stats_line_from_the_engine_stats(caplog: pytest.LogCaptureFixture) -> N
     assert (f["running"], f["waiting"], f["waiting_grammar"], f["kv_cache_usage"]) == (
         "3", "2", "1", "25.0%")
     assert set(f) == {"interval_s", "prompt_tokens_per_s", "generation_tokens_per_s",
-                      "finished", "running", "waiting", "waiting_grammar", "kv_cache_usage"}
+                      "finished", "running", "waiting", "waiting_grammar", "kv_cache_usage",
+                      "prefix_cache_hit_rate"}
+    assert f["prefix_cache_hit_rate"] == "-"  # the fake engine reports no prefix-cache query
 
 
 def test_disable_log_stats(caplog: pytest.LogCaptureFixture) -> None:

@@ -27,3 +27,14 @@ def test_step_records_become_metrics() -> None:
     assert 'structspec_verify_step_mask_worker_send_ms_count 1.0' in text
     assert 'structspec_verify_step_mask_worker_send_ms_sum 0.125' in text
     assert 'structspec_verify_step_mask_worker_busiest_ms_sum 0.375' in text
+
+
+def test_prefix_cache_counters_become_metrics() -> None:
+    """The engine's cumulative prefix-cache token counters become counters and a hit rate."""
+    m = ServerMetrics()
+    m.on_engine_stats(EngineStats(prefix_cache_queried_tokens=100, prefix_cache_hit_tokens=40))
+    m.on_engine_stats(EngineStats(prefix_cache_queried_tokens=200, prefix_cache_hit_tokens=120))
+    text = m.render().decode()
+    assert 'structspec_prefix_cache_queries_total 200.0' in text
+    assert 'structspec_prefix_cache_hits_total 120.0' in text
+    assert 'structspec_prefix_cache_hit_rate 0.6' in text
