@@ -51,7 +51,7 @@ SHAREGPT_HELD_OUT_SEED = 0
 
 #: The generator seeds of :func:`extraction_prompts` used by ``benchmarks/`` and ``tests/``,
 #: and how many prompts of each are compared against (more than any of them draws).
-BENCHMARK_EXTRACTION_SEEDS: tuple[int, ...] = (0, 1, 3)
+BENCHMARK_EXTRACTION_SEEDS: tuple[int, ...] = (0, 1, 3, 7)
 BENCHMARK_EXTRACTION_MAX_PROMPTS = 4096
 
 #: Training draws extraction prompts with generator seed ``EXTRACTION_SEED_OFFSET + seed``.
