@@ -24,7 +24,6 @@ before and after: these numbers move with whatever else runs on the cores.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -37,24 +36,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.workloads import EXTRACTION_SCHEMA, extraction_prompts  # noqa: E402
+from benchmarks.workloads import EXTRACTION_SCHEMA, extraction_prompts, valid_record  # noqa: E402
 from structspec import LLM, JsonSchemaConstraint, SamplingParams  # noqa: E402
 from structspec.models.default_model import default_gguf_path  # noqa: E402
 
 LLAMA_CPP_INSTALL = ("pip install llama-cpp-python==0.3.16  (source build with cmake, ~10 min "
                      "on 2 cores)")
 
-
-def valid_record(text: str) -> bool:
-    """The text parses as the extraction schema's object, every field of the right type."""
-    try:
-        rec = json.loads(text)
-    except json.JSONDecodeError:
-        return False
-    types = {"string": str, "integer": int, "array": list}
-    props = EXTRACTION_SCHEMA["properties"]
-    return isinstance(rec, dict) and all(
-        k in rec and isinstance(rec[k], types[props[k]["type"]]) for k in props)
 
 
 def line(name: str, grammar: str, batch: int, rates: list[float], valid: str) -> str:

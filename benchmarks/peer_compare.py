@@ -25,20 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.workloads import EXTRACTION_SCHEMA, extraction_prompts  # noqa: E402
+from benchmarks.workloads import EXTRACTION_SCHEMA, extraction_prompts, valid_record  # noqa: E402
 from structspec import LLM, JsonSchemaConstraint, SamplingParams  # noqa: E402
 from structspec.models.default_model import resolve_model_path  # noqa: E402
-
-
-def valid_record(text: str) -> bool:
-    try:
-        rec = json.loads(text)
-    except json.JSONDecodeError:
-        return False
-    props = EXTRACTION_SCHEMA["properties"]
-    types = {"string": str, "integer": int, "array": list}
-    return isinstance(rec, dict) and all(
-        k in rec and isinstance(rec[k], types[props[k]["type"]]) for k in props)
 
 
 def hf_rows(model_dir: str, prompts: list[str], max_tokens: int, device: str) -> list[str]:

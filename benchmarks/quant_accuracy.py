@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import sys
 import time
@@ -32,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.workloads import EXTRACTION_SCHEMA, extraction_prompts  # noqa: E402
+from benchmarks.workloads import EXTRACTION_SCHEMA, extraction_prompts, valid_record  # noqa: E402
 from structspec import LLM, JsonSchemaConstraint, SamplingParams  # noqa: E402
 from structspec.models.default_model import resolve_model_path  # noqa: E402
 from structspec.models.loader import load_model  # noqa: E402
@@ -71,17 +70,6 @@ def parse_plan(text: str) -> QuantizationPlan:
     kind, _, group = layers.partition("-")
     return QuantizationPlan(layers=kind, int4_group_size=int(group or 32), lm_head=head or "int8")
 
-
-def valid_record(text: str) -> bool:
-    """The output parses as the extraction schema's object with every field typed right."""
-    try:
-        rec = json.loads(text)
-    except json.JSONDecodeError:
-        return False
-    types = {"string": str, "integer": int, "array": list}
-    props = EXTRACTION_SCHEMA["properties"]
-    return isinstance(rec, dict) and all(
-        k in rec and isinstance(rec[k], types[props[k]["type"]]) for k in props)
 
 
 def main() -> None:
