@@ -17,10 +17,13 @@ from typing import IO, Any
 from structspec.core import FinishReason, RequestOutput, SamplingParams
 
 
-def length_notice(out: RequestOutput, params: SamplingParams) -> str | None:
+def length_notice(out: RequestOutput, params: SamplingParams,
+                  limit: str = "--max-tokens") -> str | None:
     """The stderr notice of an answer that finished with ``length``, else None.
 
-    ``[finish_reason=length: stopped at --max-tokens 10]``, or the repetition stop
+    ``[finish_reason=length: stopped at --max-tokens 10]`` (``limit`` names where the limit
+    came from: the flag, or ``max_tokens`` for a ``--batch`` record, whose line may set it),
+    or the repetition stop
     (``stop_reason`` ``repetition``, from ``--stop-on-repeat``), or the model's context
     length when fewer than ``max_tokens`` tokens came out.
     """
@@ -29,7 +32,7 @@ def length_notice(out: RequestOutput, params: SamplingParams) -> str | None:
     if out.stop_reason == "repetition":
         why = "the output repeated itself (--stop-on-repeat)"
     elif out.num_completion_tokens >= params.max_tokens:
-        why = f"stopped at --max-tokens {params.max_tokens}"
+        why = f"stopped at {limit} {params.max_tokens}"
     else:
         why = (f"stopped after {out.num_completion_tokens} tokens at the context length "
                "(--max-model-len)")
@@ -80,10 +83,11 @@ def print_batch(records: list[tuple[int, Any]], outs: list[RequestOutput],
         else:
             print(f"### line {lineno}", file=file)
             print(out.text, file=file, flush=True)
-            _notice(out, p, prefix=f"line {lineno}: ")
+            _notice(out, p, prefix=f"line {lineno}: ", limit="max_tokens")
 
 
-def _notice(out: RequestOutput, params: SamplingParams, prefix: str = "") -> None:
-    notice = length_notice(out, params)
+def _notice(out: RequestOutput, params: SamplingParams, prefix: str = "",
+            limit: str = "--max-tokens") -> None:
+    notice = length_notice(out, params, limit)
     if notice is not None:
         print(f"{prefix}{notice}", file=sys.stderr, flush=True)

@@ -74,7 +74,7 @@ def test_text_mode_notes_an_answer_cut_at_max_tokens(
     rc, out, err = _run(monkeypatch, capsys, ["generate", "--batch", str(_batch_file(tmp_path)),
                                               "--output", "text", "--max-tokens", "3"],
                         _LengthLLM)
-    assert "line 1: [finish_reason=length: stopped at --max-tokens 3]" in err
+    assert "line 1: [finish_reason=length: stopped at max_tokens 3]" in err
     rc, out, err = _run(monkeypatch, capsys, ["generate", "--prompt", "hi", "--output", "json"],
                         _LengthLLM)
     assert json.loads(out)["finish_reason"] == "length" and "finish_reason" not in err
