@@ -19,7 +19,8 @@ NGRAM = dict(speculative_algorithm="ngram", num_draft_tokens=8)
 QUANT_PROMPTS = [PROMPTS[10], PROMPTS[3], PROMPTS[0]]
 
 
-@pytest.mark.parametrize("mode", [pytest.param("int8", marks=pytest.mark.slow), "int4"])
+@pytest.mark.slow  # ~10 s; the fp32 lossless tests and the agreement test below run by default
+@pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_spec_on_equals_spec_off_up_to_near_ties(make_llm, mode: str) -> None:
     """Greedy output with n-gram speculation against without, on quantized weights.
 

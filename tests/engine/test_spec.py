@@ -123,7 +123,10 @@ def check_lossless(name: str, want: list, got: list, params: list[SamplingParams
         assert sum(g.spec.committed_tokens for g in free) / free_steps > 3.5
 
 
-@pytest.mark.parametrize("name", list(SPEC_CONFIGS))
+# draft_model_self (the model as its own draft) runs under -m slow: draft_model_first_layers
+# covers the draft-model path in the default suite (the suite's time budget, README)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow)
+                                  if n == "draft_model_self" else n for n in SPEC_CONFIGS])
 def test_lossless_greedy(make_llm, draft_paths, spec_off_outputs, in_process_outputs,
                          name: str) -> None:
     """A mixed batch (no grammar, JSON Schema, regex, EBNF; stop strings cutting a free and a
@@ -171,7 +174,8 @@ def test_lossless_greedy_20_requests(make_llm, draft_paths, spec_off_outputs_20,
     check_lossless(name, spec_off_outputs_20, got, params)
 
 
-@pytest.mark.parametrize("algo", ["ngram", "draft_model_first_layers"])
+@pytest.mark.parametrize("algo", ["ngram", pytest.param("draft_model_first_layers",
+                                                        marks=pytest.mark.slow)])
 def test_overlap_on_and_off_give_identical_outputs(make_llm, draft_paths, in_process_outputs,
                                                     algo: str) -> None:
     """Host trees (ngram: mask before the deferred text work) and device trees (draft model:
@@ -307,7 +311,8 @@ def ngram_or_pool_llm(request: pytest.FixtureRequest, **kwargs: object
 
 
 # the draft model's own pool engine first: it is gone before the shared n-gram one starts
-@pytest.mark.parametrize("algo", ["draft_model_first_layers", "ngram"])
+@pytest.mark.parametrize("algo", [pytest.param("draft_model_first_layers",
+                                                marks=pytest.mark.slow), "ngram"])
 def test_mask_worker_processes_give_identical_outputs(request: pytest.FixtureRequest,
                                                       draft_paths, in_process_outputs,
                                                       algo: str,

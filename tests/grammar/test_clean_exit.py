@@ -16,6 +16,7 @@ import subprocess
 import sys
 from typing import Any
 
+import pytest
 import xgrammar as xgr
 
 from structspec.constraints import JsonSchemaConstraint
@@ -123,6 +124,7 @@ def test_shutdown_waits_for_the_rebuild_in_progress(hf_tokenizer: Any,
             assert "shut down" in str(e)
 
 
+@pytest.mark.slow  # two more compile pools (~7 s)
 def test_compile_pool_close_is_safe_on_any_thread(backend: Any) -> None:
     """The engine may be collected on any thread, and its finalizers close the compile pool:
     close() under the pool's own lock (the dispatcher holds it while it steps) and close()
