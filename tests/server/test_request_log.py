@@ -121,9 +121,23 @@ def test_stream_failing_after_its_headers_is_an_error_line(
     engine: FakeEngine = client.app.state.server.engine  # type: ignore[attr-defined]
     real_run = engine._run
 
+    first_output = asyncio.Event()
+
+    class Tap:
+        """Choice 0's sink: tells choice 1 that an output has gone out (the stream is open)."""
+
+        def __init__(self, queue: Any) -> None:
+            self.queue = queue
+
+        def put_nowait(self, delta: Any) -> None:
+            self.queue.put_nowait(delta)
+            first_output.set()
+
     async def one_bad(rid: str, prompt: list[int], params: Any, sink: Any) -> None:
-        if rid.endswith("-1"):
-            await asyncio.sleep(0.05)  # after the first choice's output opened the stream
+        if rid.endswith("-0"):
+            sink = Tap(sink)
+        else:
+            await first_output.wait()  # fail only once choice 0's output opened the stream
             from dataclasses import replace
 
             from structspec.constraints import RegexConstraint
@@ -169,7 +183,12 @@ async def _drive(app: Any, body: dict[str, Any], leave_after_s: float) -> list[d
                          (b"content-length", str(len(raw)).encode())],
              "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000)}
     await app(scope, receive, send)
-    await asyncio.sleep(0.02)  # the aborts land
+    # the server aborts the engine requests as the handler unwinds: wait for all of them
+    engine = app.state.server.engine
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5
+    while len(engine.aborted) < len(engine.added) and loop.time() < deadline:
+        await asyncio.sleep(0.001)
     return sent
 
 
