@@ -78,6 +78,8 @@ class GuardedDrafter:
         self.num_failures = 0
         #: speculation is off for the engine (too many failures)
         self.disabled = False
+        #: the node budget of the propose in progress (``propose(..., max_nodes=)``)
+        self._max_nodes: int | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -124,12 +126,21 @@ class GuardedDrafter:
             logger.error("drafter %r failed to release request %s: %s",
                          getattr(self.drafter, "name", "?"), request_id, e)
 
-    def propose(self, reqs: Sequence[DraftRequest]) -> VerifyTree:
+    def propose(self, reqs: Sequence[DraftRequest], *,
+                max_nodes: int | None = None) -> VerifyTree:
         """The drafter's trees for the speculating requests, root-only rows for the others
-        (and for all of them when the drafter raises or returns a wrong shape)."""
+        (and for all of them when the drafter raises or returns a wrong shape).
+
+        Args:
+            reqs: the requests to draft for.
+            max_nodes: the verify keeps only this many nodes of each tree (the tree sizer's
+                plan): the drafter's :meth:`~structspec.speculative.base.Drafter.propose_sized`
+                runs; None or ``>= num_nodes``: its :meth:`propose`.
+        """
         live = self._speculating(reqs)
         if not live:
             return self._plain(reqs)
+        self._max_nodes = max_nodes
         sub = reqs if len(live) == len(reqs) else [reqs[i] for i in live]
         try:
             tree = self._checked_propose(sub)
@@ -146,8 +157,13 @@ class GuardedDrafter:
         return self._merge(reqs, [(live, tree)])
 
     def _checked_propose(self, reqs: Sequence[DraftRequest]) -> VerifyTree:
-        """``drafter.propose(reqs)``; a tree of the wrong shape raises ValueError."""
-        tree = self.drafter.propose(reqs)
+        """``drafter.propose(reqs)`` (``propose_sized`` under a smaller node budget); a tree of
+        the wrong shape raises ValueError."""
+        n = self._max_nodes
+        if n is not None and n < self.drafter.num_nodes:
+            tree = self.drafter.propose_sized(reqs, n)
+        else:
+            tree = self.drafter.propose(reqs)
         expected = (len(reqs), self.drafter.num_nodes)
         if tuple(tree.draft_tokens.shape) != expected:
             raise ValueError(f"propose returned trees of shape "

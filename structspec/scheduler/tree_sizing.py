@@ -14,14 +14,16 @@ many nodes each request's tree gets, from two estimates:
   geometric estimate over the recent steps. A new request starts from the engine's running
   average (:attr:`AdaptiveTreeSizer.engine_accept`).
 * **cost** ``T(rows)``: the verify time of ``rows = batch x nodes`` rows and the drafter's time
-  per drafted request ``d``, measured online
+  per drafted request ``d(n)`` for a tree of ``n`` nodes (a model drafter runs one draft
+  forward per expansion depth, and a tree of ``n`` nodes needs at most ``n - 1``), measured
+  online
   (:class:`~structspec.scheduler.verify_cost.VerifyCostModel`).
 
 **The formula.** With per-token acceptance ``a``, a chain of ``n - 1`` drafts (a tree of ``n``
 nodes) commits on average ``E(n) = 1 + a + ... + a^(n-1) = (1 - a^n) / (1 - a)`` tokens (the
 accepted drafts plus the target's bonus token; ``E(n) = n`` when ``a = 1``, ``E(1) = 1``). The
 request's share of a step in which every request of the batch ``B`` verifies ``n`` nodes costs
-``C(n) = T(B n) / B + d [n > 1]``. Each request gets the size ``n`` (from
+``C(n) = T(B n) / B + d(n) [n > 1]``. Each request gets the size ``n`` (from
 :func:`tree_size_choices`: 1, 2, 4, ... up to ``num_draft_tokens``) that maximises committed
 tokens per unit of time ``E(n) / C(n)``; a size above 1 must beat plain decoding
 ``E(1) / C(1)`` by ``margin`` (noise in the estimates must not buy a slower step). Trees are
@@ -228,7 +230,6 @@ class AdaptiveTreeSizer:
     def _best_size(self, accept: float, bsz: int) -> int:
         """``argmax_n E(n) / C(n)`` over :attr:`sizes` (module doc); 1 unless a tree beats
         plain decoding by :attr:`margin`."""
-        draft_ms = self.cost.draft_ms_per_request or 0.0
         plain_ms = self.cost.verify_ms(bsz)
         if plain_ms is None or plain_ms <= 0:
             return self.max_nodes
@@ -238,7 +239,7 @@ class AdaptiveTreeSizer:
             ms = self.cost.verify_ms(bsz * n)
             if ms is None:
                 continue
-            rate = expected_tokens(n, accept) / (ms / bsz + draft_ms)
+            rate = expected_tokens(n, accept) / (ms / bsz + (self.cost.draft_ms(n) or 0.0))
             if rate > threshold and rate > best_rate:
                 best_n, best_rate = n, rate
         return best_n
@@ -261,10 +262,12 @@ class AdaptiveTreeSizer:
             st = self._reqs[request_id] = _Acceptance(successes=a, trials=1.0)
         return st
 
-    def observe_step(self, rows: int, step_ms: float, draft_ms: float, num_drafted: int) -> None:
-        """One verify step's timing (see :meth:`VerifyCostModel.observe`)."""
+    def observe_step(self, rows: int, step_ms: float, draft_ms: float, num_drafted: int,
+                     draft_nodes: int = 0) -> None:
+        """One verify step's timing (see :meth:`VerifyCostModel.observe`); ``draft_nodes``:
+        the planned tree size of its propose."""
         self.cost.observe(rows, max(step_ms - draft_ms, 0.0), draft_ms=draft_ms,
-                          num_drafted=num_drafted)
+                          num_drafted=num_drafted, draft_nodes=draft_nodes)
 
     def observe_request(self, request_id: str, proposed: int, accepted: int, *,
                         probe: bool = False) -> None:

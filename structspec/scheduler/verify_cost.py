@@ -5,8 +5,15 @@ bound by reading the weights, so its time barely moves with the tree size; on a 
 (or a GPU at large batch) it is bound by the rows' arithmetic, and an 8-node verify costs
 close to 8 decodes. :class:`VerifyCostModel` measures that curve online: every verify step
 reports its rows and its time (host clock, from the step's start to its commit, minus the
-drafter's propose time, which is learned apart, per drafted request), and the model keeps an
-exponentially weighted moving average (EWMA) of both per power-of-two bucket of rows. The
+drafter's propose time, which is learned apart, per drafted request and per tree size), and the
+model keeps an exponentially weighted moving average (EWMA) of both per power-of-two bucket of
+rows.
+
+The propose time is kept per planned tree size because a model drafter's cost grows with the
+tree: EAGLE and the draft model run one draft forward (and one vocabulary projection) per
+expansion depth, and a tree of ``n`` nodes needs at most ``n - 1`` of them
+(:meth:`~structspec.speculative.base.Drafter.propose_sized`): a 2-node probe is the catch-up
+alone, a full tree every depth. The tree sizer prices each size with its own propose cost. The
 first sample of each bucket is dropped: it pays one-time work (CUDA-graph capture, allocator
 growth) that later steps do not; later ones are clamped to 1/4..4x the bucket's average, so a
 single outlier cannot swing a decision.
@@ -65,11 +72,14 @@ class VerifyCostModel:
             raise ValueError(f"alpha={alpha}: expected 0 < alpha <= 1")
         self.alpha = alpha
         self._buckets: dict[int, _Bucket] = {}
-        #: EWMA of the propose time per drafted request (ms); None before a drafted step
+        #: EWMA of the propose time per drafted request (ms), all tree sizes together; None
+        #: before a drafted step (the fallback of :meth:`draft_ms` for an unmeasured size)
         self.draft_ms_per_request: float | None = None
+        #: EWMA of the propose time per drafted request (ms) by planned tree size (nodes)
+        self._draft_ms_by_nodes: dict[int, float] = {}
 
     def observe(self, rows: int, verify_ms: float, *, draft_ms: float = 0.0,
-                num_drafted: int = 0) -> None:
+                num_drafted: int = 0, draft_nodes: int = 0) -> None:
         """Record one verify step.
 
         Args:
@@ -77,6 +87,8 @@ class VerifyCostModel:
             verify_ms: the step's time without the propose (ms).
             draft_ms: the propose's time (ms).
             num_drafted: requests the drafter proposed for (0: no propose ran).
+            draft_nodes: the planned tree size of the propose (0: unknown; only the
+                all-sizes average learns from it).
         """
         b = self._buckets.setdefault(rows_bucket(rows), _Bucket())
         b.seen += 1
@@ -93,6 +105,25 @@ class VerifyCostModel:
             per = draft_ms / num_drafted
             d = self.draft_ms_per_request
             self.draft_ms_per_request = per if d is None else d + self.alpha * (per - d)
+            if draft_nodes > 1:
+                d = self._draft_ms_by_nodes.get(draft_nodes)
+                self._draft_ms_by_nodes[draft_nodes] = (
+                    per if d is None else d + self.alpha * (per - d))
+
+    def draft_ms(self, num_nodes: int) -> float | None:
+        """Estimated propose time (ms) per drafted request for trees of ``num_nodes`` nodes:
+        that size's own EWMA when measured, else the nearest measured larger size's (a larger
+        tree never costs a model drafter less), else the nearest smaller one's, else the
+        all-sizes average; None before any drafted step."""
+        by = self._draft_ms_by_nodes
+        if num_nodes in by:
+            return by[num_nodes]
+        larger = [n for n in by if n > num_nodes]
+        if larger:
+            return by[min(larger)]
+        if by:
+            return by[max(by)]
+        return self.draft_ms_per_request
 
     def samples(self, rows: int) -> int:
         """Kept samples of the bucket of ``rows`` (0: not measured yet)."""

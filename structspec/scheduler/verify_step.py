@@ -166,10 +166,11 @@ class VerifyStep:
         self._commit(proposal, fwd, pending, runs)  # 8. commit
         timer.phase("commit")
         if self.sizer is not None:
+            plan = proposal.plan
             self.sizer.observe_step(len(reqs) * proposal.tree.num_nodes,
                                     (time.perf_counter() - t_start) * 1e3, proposal.draft_ms,
-                                    len(proposal.plan.drafted)
-                                    if proposal.plan.num_nodes > 1 else 0)
+                                    len(plan.drafted) if plan.num_nodes > 1 else 0,
+                                    draft_nodes=plan.num_nodes)
         outcome = StepOutcome(touched, reqs)
         if not self.overlap:
             finish_deferred(self.grammar, timer, reqs)
@@ -198,7 +199,10 @@ class VerifyStep:
         else:
             sub = None
             if plan.num_nodes > 1 and plan.drafted:
-                sub = self.drafter.propose([draft_reqs[i] for i in plan.drafted])
+                # trees of plan.num_nodes nodes: a model drafter runs only the expansion
+                # depths such a tree can use (a 2-node probe is its catch-up alone)
+                sub = self.drafter.propose([draft_reqs[i] for i in plan.drafted],
+                                           max_nodes=plan.num_nodes)
             n = plan.num_nodes
             if sub is not None and sub.device.type == "cpu" and self.sizer is not None:
                 n = min(n, host_tree_nodes(real_nodes(sub), self.sizer.sizes))

@@ -136,6 +136,18 @@ class Drafter(ABC):
             (token -1).
         """
 
+    def propose_sized(self, reqs: Sequence[DraftRequest], max_nodes: int) -> VerifyTree:
+        """Draft trees of which the verify keeps only the first ``max_nodes`` nodes (the
+        adaptive tree sizer's plan, ``2 <= max_nodes < num_nodes``; the scheduler cuts the
+        nodes past it).
+
+        A drafter whose cost grows with the tree may do less work: the model drafters
+        (:class:`~structspec.speculative.tree_drafter.TreeDrafter`) run only the expansion
+        depths a tree of ``max_nodes`` nodes can use. The result has :meth:`propose`'s shape
+        ``[B, num_nodes]`` (nodes past ``max_nodes`` may be padding). Default: :meth:`propose`.
+        """
+        return self.propose(reqs)
+
     #: target decoder layers whose outputs this drafter reads (EAGLE-3 features); the target
     #: forwards return them as ``aux_hidden_states``. Empty: none.
     aux_hidden_layers: tuple[int, ...] = ()

@@ -254,16 +254,36 @@ class TreeDrafter(Drafter):
         Requests that cannot be drafted (draft pool full, EAGLE features missing) get a root
         plus padding nodes. On CUDA the drafting is one graph replay when a bucket fits.
         """
+        return self._propose(reqs, self.num_nodes)
+
+    @torch.inference_mode()
+    def propose_sized(self, reqs: Sequence[DraftRequest], max_nodes: int) -> VerifyTree:
+        """:meth:`propose` for a verify that keeps only the first ``max_nodes`` nodes: the
+        expansion runs ``min(depth, max_nodes - 1)`` depths (a tree of ``max_nodes`` nodes
+        holds no draft deeper than ``max_nodes - 1``), so a 2-node tree costs the catch-up
+        forward alone and no expansion forward, and selects the ``max_nodes - 1`` best
+        candidates of those depths (nodes past ``max_nodes`` are padding).
+
+        Eager proposes only: a CUDA-graph propose replays the graph captured for the full
+        tree (its draft forwards are nearly free there), so it is :meth:`propose`. Either
+        way the draft KV of the committed entries is caught up exactly as by :meth:`propose`.
+        """
+        if self.graphs is not None or max_nodes >= self.num_nodes:
+            return self.propose(reqs)
+        return self._propose(reqs, max(max_nodes, 1))
+
+    def _propose(self, reqs: Sequence[DraftRequest], max_nodes: int) -> VerifyTree:
+        """:meth:`propose` with a node budget (``max_nodes < num_nodes``: eager only)."""
         plan = self._plan(reqs)
         if not plan.active:
             self.last_root_logp = None
             return _padded_tree(self._to_device(torch.tensor(plan.roots, dtype=torch.int64)),
                                 self.num_nodes)
-        g = self._graph_for(len(reqs), plan)
+        g = self._graph_for(len(reqs), plan) if max_nodes >= self.num_nodes else None
         if g is not None and self.graphs is not None:
             tree = self.graphs.propose(g, self, reqs, plan)
         else:
-            tree = self._propose_eager(reqs, plan)
+            tree = self._propose_eager(reqs, plan, max_nodes)
         for i, e in zip(plan.active, plan.ends, strict=True):
             self.states[reqs[i].request_id].kv_len = e
         return tree
@@ -291,17 +311,24 @@ class TreeDrafter(Drafter):
         need = self.allocator.pages_for(max(plan.ends) + self.scratch + 1)
         return self.graphs.lookup(bsz, need)
 
-    def _propose_eager(self, reqs: Sequence[DraftRequest], plan: ProposePlan) -> VerifyTree:
-        """The eager propose: catch-up forward(s), then the expansion kernel by kernel."""
+    def _propose_eager(self, reqs: Sequence[DraftRequest], plan: ProposePlan,
+                       max_nodes: int | None = None) -> VerifyTree:
+        """The eager propose: catch-up forward(s), then the expansion kernel by kernel
+        (``max_nodes``: the node budget of :meth:`propose_sized`; None = the full tree)."""
         bsz, n = len(reqs), self.num_nodes
+        budget = n if max_nodes is None else min(max_nodes, n)
         roots_dev = self._to_device(torch.tensor(plan.roots, dtype=torch.int64))
         act_reqs = [reqs[i] for i in plan.active]
         table_host = self.page_table_host([r.request_id for r in act_reqs])
         table = self._to_device(table_host)
         root_logp, root_state = self._catch_up(act_reqs, plan.starts, plan.ends, table_host)
         base_len = self._to_device(torch.tensor(plan.ends, dtype=torch.int64))
-        tree = self.expand(root_logp, root_state, base_len, table)
+        tree = self.expand(root_logp, root_state, base_len, table, num_nodes=budget)
         tokens, parents = tree.tokens, tree.parents
+        if budget < n:  # padding nodes past the budget keep propose's [B, N] shape
+            pad = tokens.shape[0], n - budget
+            tokens = torch.cat([tokens, tokens.new_full(pad, -1)], dim=1)
+            parents = torch.cat([parents, parents.new_zeros(pad)], dim=1)
         if len(plan.active) < bsz:
             idx = self._to_device(torch.tensor(plan.active, dtype=torch.int64))
             full_tokens = torch.full((bsz, n), -1, dtype=torch.int64, device=self.device)
@@ -317,7 +344,7 @@ class TreeDrafter(Drafter):
 
     def expand(
         self, root_logp: torch.Tensor, root_state: torch.Tensor | None, base_len: torch.Tensor,
-        table: torch.Tensor,
+        table: torch.Tensor, *, num_nodes: int | None = None,
     ) -> ExpandedTree:
         """EAGLE-2 expansion from the catch-up's output (device ops only, no host sync: what
         the propose graph records after its catch-up).
@@ -327,7 +354,12 @@ class TreeDrafter(Drafter):
             root_state: ``[B, ...]`` per-request state from :meth:`extend_forward` or None.
             base_len: ``[B]`` int64 committed draft entries (the scratch starts there).
             table: ``[B, P]`` int64 device page table covering ``base_len + scratch``.
+            num_nodes: tree size to select (None = :attr:`num_nodes`); a smaller one also
+                stops the expansion at depth ``num_nodes - 1`` (no draft of such a tree can
+                be deeper), one draft forward per depth fewer.
         """
+        n = self.num_nodes if num_nodes is None else num_nodes
+        depth = max(1, min(self.depth, n - 1))
 
         def step_fn(step: int, tokens: torch.Tensor, parent: torch.Tensor,
                     scratch_mask: torch.Tensor) -> torch.Tensor:
@@ -335,8 +367,8 @@ class TreeDrafter(Drafter):
                                       page_size=self.page_size)
             return self.step_forward(fb, parent, root_state, step)
 
-        return expand_tree(root_logp, step_fn, topk=self.topk, depth=self.depth,
-                           num_nodes=self.num_nodes, vocab_map=self.vocab_map)
+        return expand_tree(root_logp, step_fn, topk=self.topk, depth=depth,
+                           num_nodes=n, vocab_map=self.vocab_map)
 
     def write_prefix(
         self, reqs: Sequence[DraftRequest], starts: Sequence[int], ends: Sequence[int]

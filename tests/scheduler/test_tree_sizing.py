@@ -31,7 +31,7 @@ class FixedCost(VerifyCostModel):
         self.draft_ms_per_request = draft_ms
 
     def observe(self, rows: int, verify_ms: float, *, draft_ms: float = 0.0,
-                num_drafted: int = 0) -> None:
+                num_drafted: int = 0, draft_nodes: int = 0) -> None:
         pass
 
 
@@ -73,6 +73,28 @@ def test_cost_model_drops_warmup_and_interpolates() -> None:
     assert cost.verify_ms(1) == pytest.approx(15.0 + 0.5 * (60.0 - 15.0))
     with pytest.raises(ValueError, match="alpha"):
         VerifyCostModel(alpha=0.0)
+
+
+def test_draft_cost_per_tree_size_prices_each_size() -> None:
+    """A model drafter's propose costs more for deeper trees (one draft forward per depth):
+    the cost model keeps it per planned size and the sizer prices each size with its own;
+    an unmeasured size borrows the nearest larger measured one (never cheaper)."""
+    cost = VerifyCostModel(alpha=0.5)
+    assert cost.draft_ms(4) is None
+    cost.observe(2, 30.0, draft_ms=2.0, num_drafted=1, draft_nodes=2)
+    cost.observe(8, 30.0, draft_ms=12.0, num_drafted=1, draft_nodes=8)
+    assert cost.draft_ms(2) == pytest.approx(2.0)
+    assert cost.draft_ms(8) == pytest.approx(12.0)
+    assert cost.draft_ms(4) == pytest.approx(12.0)  # the nearest larger measured size
+    assert cost.draft_ms(16) == pytest.approx(12.0)
+    assert cost.draft_ms_per_request == pytest.approx(7.0)  # all sizes, EWMA alpha 0.5
+    # flat verify rows, a cheap 2-node probe and an expensive full tree: at a middling
+    # acceptance the 2-node tree pays, the full one does not (one shared draft cost
+    # would have priced them alike)
+    fixed = FixedCost(20.0, 0.0)
+    fixed._draft_ms_by_nodes = {2: 1.0, 4: 30.0, 8: 60.0}  # noqa: SLF001
+    sizer = AdaptiveTreeSizer("on", 8, cost=fixed, prior_accept=0.3)
+    assert sizer.plan(["a"]).num_nodes == 2
 
 
 def test_sizer_calibrates_then_sizes_by_acceptance() -> None:

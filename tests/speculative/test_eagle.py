@@ -277,3 +277,52 @@ def test_cuda_hook_and_propose_have_no_host_sync(runner: ModelRunner, head_dir: 
     assert (trees[0].draft_tokens[:, 1:] >= 0).all()
     assert torch.equal(trees[0].draft_tokens, trees[1].draft_tokens.cpu())
     assert torch.equal(trees[0].parents, trees[1].parents.cpu())
+
+
+def test_sized_propose_runs_only_the_depths_its_tree_uses(runner: ModelRunner,
+                                                          head_dir: Path) -> None:
+    """``propose_sized(reqs, n)`` (the adaptive sizer's node budget): a 2-node tree is the
+    catch-up alone (no expansion forward) and its draft is the root's most likely child; a
+    4-node tree runs 2 expansion forwards; the full tree's first-child chain is unchanged and
+    every tree keeps ``[B, N]`` with padding past the budget."""
+    drafter = make_drafter(runner, head_dir, num_draft_tokens=8, depth=4, topk=2)
+    sim = Sim(runner, drafter, seed=2)
+    sim.add({"a": [5, 17, 3, 44, 9], "b": [7, 8]})
+    sim.step()
+    reqs = [DraftRequest(r, list(sim.hist[r]), sim.seq[r]) for r in sim.hist]
+    calls: list[int] = []
+    step_forward = drafter.step_forward
+
+    def counting(fb: Any, parent: torch.Tensor, root_state: Any, step: int) -> torch.Tensor:
+        calls.append(step)
+        return step_forward(fb, parent, root_state, step)
+
+    drafter.step_forward = counting  # type: ignore[method-assign]
+    full = drafter.propose(reqs)
+    assert calls == [1, 2, 3]
+    root = drafter.last_root_logp
+    assert root is not None
+    calls.clear()
+    two = drafter.propose_sized(reqs, 2)
+    assert calls == [] and two.draft_tokens.shape == (2, 8)
+    best = root.argmax(-1)
+    if drafter.vocab_map is not None:
+        best = drafter.vocab_map[best]
+    assert two.draft_tokens[:, 1].tolist() == best.tolist()
+    assert (two.draft_tokens[:, 2:] == -1).all()
+    calls.clear()
+    four = drafter.propose_sized(reqs, 4)
+    assert calls == [1, 2] and (four.draft_tokens[:, 1:4] >= 0).all()
+    assert (four.draft_tokens[:, 4:] == -1).all()
+    assert (four.parents[:, 1:4] < torch.arange(1, 4)).all()
+    for b in range(2):  # the first-child chain of the budgeted tree is the full tree's
+        chain_full, chain_four, nf, n4 = [], [], 0, 0
+        while int(full.next_token[b, nf]) >= 0:
+            nf = int(full.next_token[b, nf])
+            chain_full.append(int(full.draft_tokens[b, nf]))
+        while int(four.next_token[b, n4]) >= 0:
+            n4 = int(four.next_token[b, n4])
+            chain_four.append(int(four.draft_tokens[b, n4]))
+        assert chain_four == chain_full[: len(chain_four)] and chain_four
+    for rid in list(sim.hist):
+        drafter.release(rid)
