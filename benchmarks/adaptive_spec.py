@@ -8,11 +8,17 @@ Batch 1, greedy, one request at a time, median tokens/s over the prompts of each
               no grammar: drafts are rarely accepted
 
 for every configuration: no drafter, then each drafter (``ngram``, ``eagle`` with the shipped
-head) with ``--speculative-adaptive off`` (the fixed tree) and ``on`` (and ``auto`` with
-``--modes``). One summary line per (workload, configuration): the median tok/s, its ratio to
-no drafter, the accept length, the mean verified tree size and the share of steps run as a
-plain decode. Each engine first runs one warm-up request (not timed) per workload, so
-the adaptive runs start with the cost model calibrated, as a serving engine would be.
+head) with ``--speculative-adaptive on`` and ``off`` (the fixed tree; and ``auto`` with
+``--modes``). Every configuration's engine is built up front and each prompt runs on every
+configuration in turn (the order rotating from prompt to prompt), so a change of the machine's
+load hits all configurations alike; each engine first runs one warm-up request (not timed) per
+workload, so the adaptive runs start with the cost model calibrated, as a serving engine would
+be. One summary line per (workload, configuration): the median tok/s, its ratio to no drafter
+(``vs_none``: of the medians; ``paired``: the median over prompts of the per-prompt ratio, which
+a load change between prompts does not move), the accept length, the mean verified tree size,
+the share of steps run as a plain decode, and the host time per committed token of each verify
+step phase (``StepTimer``: ``draft`` = propose, ``launch`` = verify forward on the CPU,
+``commit`` = commit and the drafter's feature hook, ...).
 
     PYTHONPATH=. python benchmarks/adaptive_spec.py --device cpu --prompts 5 --max-tokens 96
 """
@@ -38,27 +44,56 @@ def chat_prompts(n: int) -> list[str]:
     return [p for p in sharegpt_held_out_prompts() if 40 <= len(p) <= 300][: n + 1]
 
 
-def run_workload(llm: LLM, prompts: list[str], grammar: Any, max_tokens: int) -> dict[str, Any]:
-    """One request at a time (batch 1); the first prompt only warms up."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                            grammar=JsonSchemaConstraint(grammar) if grammar else None)
-    llm.generate(prompts[0], params)
-    rates, steps, committed, nodes, plain, outs = [], 0, 0, 0.0, 0, []
-    for p in prompts[1:]:
-        t0 = time.perf_counter()
-        out = llm.generate(p, params)[0]
-        dt = time.perf_counter() - t0
-        if out.error:
-            raise RuntimeError(f"request failed: {out.error}")
-        rates.append(len(out.token_ids) / dt)
-        s = out.spec
-        steps += s.verify_steps
-        committed += s.committed_tokens
-        nodes += s.mean_tree_nodes * s.verify_steps
-        plain += s.steps_without_draft
-        outs.append(out.token_ids)
-    return {"tok_s": statistics.median(rates), "accept_len": committed / max(steps, 1),
-            "tree": nodes / max(steps, 1), "plain": plain / max(steps, 1), "outs": outs}
+def _params(grammar: Any, max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                          grammar=JsonSchemaConstraint(grammar) if grammar else None)
+
+
+def run_one(llm: LLM, prompt: str, params: SamplingParams) -> tuple[float, Any]:
+    """One timed request: (tok/s, its output)."""
+    t0 = time.perf_counter()
+    out = llm.generate(prompt, params)[0]
+    dt = time.perf_counter() - t0
+    if out.error:
+        raise RuntimeError(f"request failed: {out.error}")
+    return len(out.token_ids) / dt, out
+
+
+def summarize(rates: list[float], outs: list[Any], phase_ms: dict[str, float]) -> dict[str, Any]:
+    """The line's numbers from one configuration's timed requests of a workload."""
+    steps = sum(o.spec.verify_steps for o in outs)
+    committed = sum(o.spec.committed_tokens for o in outs)
+    nodes = sum(o.spec.mean_tree_nodes * o.spec.verify_steps for o in outs)
+    plain = sum(o.spec.steps_without_draft for o in outs)
+    tokens = max(sum(len(o.token_ids) for o in outs), 1)
+    return {"tok_s": statistics.median(rates), "rates": rates,
+            "accept_len": committed / max(steps, 1), "tree": nodes / max(steps, 1),
+            "plain": plain / max(steps, 1), "outs": [o.token_ids for o in outs],
+            "phase_ms": {k: v / tokens for k, v in phase_ms.items()}}
+
+
+def run_interleaved(engines: dict[str, LLM], prompts: list[str], grammar: Any,
+                    max_tokens: int) -> dict[str, dict[str, Any]]:
+    """Batch 1, one request at a time; ``prompts[0]`` only warms every engine up; each later
+    prompt runs on every engine in turn, the first engine rotating per prompt."""
+    params = _params(grammar, max_tokens)
+    names = list(engines)
+    for llm in engines.values():
+        llm.generate(prompts[0], params)
+        llm.engine.scheduler.timer.drain()
+    rates: dict[str, list[float]] = {n: [] for n in names}
+    outs: dict[str, list[Any]] = {n: [] for n in names}
+    phases: dict[str, dict[str, float]] = {n: {} for n in names}
+    for i, p in enumerate(prompts[1:]):
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            llm = engines[name]
+            rate, out = run_one(llm, p, params)
+            rates[name].append(rate)
+            outs[name].append(out)
+            for rec in llm.engine.scheduler.timer.drain():
+                for k, v in rec.cpu_ms.items():
+                    phases[name][k] = phases[name].get(k, 0.0) + v
+    return {n: summarize(rates[n], outs[n], phases[n]) for n in names}
 
 
 def main() -> None:
@@ -85,21 +120,26 @@ def main() -> None:
           flush=True)
     # the modes in the order given, each over every drafter: the first mode's lines come first
     configs = [("none", "off")] + [(a, m) for m in args.modes for a in args.algorithms]
-    base: dict[str, dict[str, Any]] = {}
-    for algo, mode in configs:
-        llm = LLM(args.model, device=args.device, speculative_algorithm=algo,
-                  num_draft_tokens=args.num_draft_tokens, speculative_adaptive=mode)
+    engines = {("none" if a == "none" else f"{a}/adaptive={m}"): LLM(
+        args.model, device=args.device, speculative_algorithm=a,
+        num_draft_tokens=args.num_draft_tokens, speculative_adaptive=m) for a, m in configs}
+    try:
         for name, (prompts, grammar) in work.items():
-            r = run_workload(llm, prompts, grammar, args.max_tokens)
-            ref = base.setdefault(name, r)
-            same = r["outs"] == ref["outs"]
-            label = "none" if algo == "none" else f"{algo}/adaptive={mode}"
-            print(f"adaptive_spec workload={name} config={label} tok/s={r['tok_s']:.1f} "
-                  f"vs_none={r['tok_s'] / ref['tok_s']:.2f}x accept_len={r['accept_len']:.2f} "
-                  f"mean_tree={r['tree']:.2f} plain_steps={r['plain']:.0%} "
-                  f"same_output={same} load={os.getloadavg()[0]:.2f}", flush=True)
-        llm.close()
-        del llm
+            res = run_interleaved(engines, prompts, grammar, args.max_tokens)
+            ref = res["none"]
+            for label, r in res.items():
+                paired = statistics.median(a / b for a, b in zip(r["rates"], ref["rates"],
+                                                                  strict=True))
+                phases = " ".join(f"{k}={v:.1f}" for k, v in sorted(r["phase_ms"].items())
+                                  if v >= 0.05)
+                print(f"adaptive_spec workload={name} config={label} tok/s={r['tok_s']:.1f} "
+                      f"vs_none={r['tok_s'] / ref['tok_s']:.2f}x paired={paired:.2f}x "
+                      f"accept_len={r['accept_len']:.2f} mean_tree={r['tree']:.2f} "
+                      f"plain_steps={r['plain']:.0%} same_output={r['outs'] == ref['outs']} "
+                      f"ms_per_token[{phases}] load={os.getloadavg()[0]:.2f}", flush=True)
+    finally:
+        for llm in engines.values():
+            llm.close()
 
 
 if __name__ == "__main__":

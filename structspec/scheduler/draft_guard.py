@@ -32,7 +32,9 @@ from collections.abc import Sequence
 import torch
 
 from structspec.draft_tree.layout import VerifyTree
+from structspec.scheduler.tree_fit import tree_to_device
 from structspec.speculative.base import Drafter, DraftRequest
+from structspec.staging import Staging, to_device
 
 logger = logging.getLogger(__name__)
 
@@ -67,11 +69,16 @@ class GuardedDrafter:
     Args:
         drafter: the engine's drafter.
         device: the model device (where a device drafter's trees live).
+        staging: the runner's pinned staging (CUDA): the root-only rows and row indices that
+            go to the device in a mixed step travel through it (``non_blocking``, no host
+            sync; docs/architecture.md, invariant 6); None on CPU.
     """
 
-    def __init__(self, drafter: Drafter, device: torch.device) -> None:
+    def __init__(self, drafter: Drafter, device: torch.device,
+                 staging: Staging | None = None) -> None:
         self.drafter = drafter
         self._device = device
+        self._staging = staging
         #: requests that no longer speculate (their drafter failed on them)
         self.stopped: set[str] = set()
         #: steps (or hook calls) in which the drafter failed
@@ -185,19 +192,26 @@ class GuardedDrafter:
         """Root-only padded trees for every row, where the drafter's trees would be."""
         last = torch.tensor([r.token_ids[-1] for r in reqs], dtype=torch.int64)
         tree = root_only_padded(last, self.drafter.num_nodes)
-        return tree if self.drafter.tree_on_host else tree.to(self._device)
+        if self.drafter.tree_on_host:
+            return tree
+        return tree_to_device(tree, self._device, self._staging)
 
     def _merge(self, reqs: Sequence[DraftRequest],
                parts: Sequence[tuple[list[int], VerifyTree]]) -> VerifyTree:
-        """Per part, the drafter's trees for those batch rows; root-only rows elsewhere."""
+        """Per part, the drafter's trees for those batch rows; root-only rows elsewhere (host
+        values reach a device tree through the pinned staging, no host sync)."""
         full = self._plain(reqs)
         for rows, tree in parts:
             if full.device != tree.device:
-                full = full.to(tree.device)
-            idx = torch.tensor(rows, dtype=torch.int64, device=tree.device)
+                full = tree_to_device(full, tree.device, self._staging)
+            idx = self._index(rows, tree.device)
             for name in _TREE_FIELDS:
                 getattr(full, name)[idx] = getattr(tree, name)
         return full
+
+    def _index(self, rows: Sequence[int], device: torch.device) -> torch.Tensor:
+        """``rows`` as an int64 index tensor on ``device`` (staged: no host sync)."""
+        return to_device(torch.tensor(list(rows), dtype=torch.int64), device, self._staging)
 
     def on_target_hidden(self, reqs: Sequence[DraftRequest], hidden_states: torch.Tensor,
                          rows: torch.Tensor | None, num_rows: Sequence[int],
@@ -208,7 +222,7 @@ class GuardedDrafter:
         if not live:
             return
         if len(live) < len(reqs):
-            idx = torch.tensor(live, dtype=torch.int64, device=hidden_states.device)
+            idx = self._index(live, hidden_states.device)
             reqs = [reqs[i] for i in live]
             hidden_states = hidden_states[idx]
             rows = None if rows is None else rows[idx.to(rows.device)]

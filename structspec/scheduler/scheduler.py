@@ -69,7 +69,7 @@ class Scheduler:
         self.runner = runner
         self.drafter = drafter
         #: the drafter as the steps call it: its failures cost speculation, never a request
-        self.draft = GuardedDrafter(drafter, runner.device)
+        self.draft = GuardedDrafter(drafter, runner.device, runner.staging)
         self.num_nodes = drafter.num_nodes
         # EAGLE heads read target features: the target forwards must return them.
         runner.aux_hidden_layers = tuple(drafter.aux_hidden_layers)

@@ -8,6 +8,11 @@ best continuation first; draft model / EAGLE: the selected candidates in expansi
 a prefix of the nodes is a tree. A request that is not drafted gets the root alone, padded
 with -1 nodes (which no target token matches), exactly the rows a failed drafter gets
 (:func:`~structspec.scheduler.draft_guard.root_only_padded`).
+
+Host values that a device tree needs (the root tokens and padding of a mixed batch, the row
+index of the drafted rows, a whole host tree for a device drafter's step) go to the device
+through :mod:`structspec.staging`'s pinned ring: one ``non_blocking`` copy each, queued on the
+stream that reads it, no host sync (docs/architecture.md, invariant 6).
 """
 
 from __future__ import annotations
@@ -17,6 +22,10 @@ from collections.abc import Sequence
 import torch
 
 from structspec.draft_tree.layout import VerifyTree
+from structspec.staging import Staging, stack_to_device, to_device
+
+#: the :class:`VerifyTree` fields of one dtype (int64 ``[B, N]``), staged with one copy
+_INT_FIELDS = ("draft_tokens", "parents", "depth", "next_token", "next_sibling")
 
 
 def real_nodes(tree: VerifyTree) -> list[int]:
@@ -37,8 +46,28 @@ def real_nodes(tree: VerifyTree) -> list[int]:
     return last.tolist()
 
 
+def tree_to_device(tree: VerifyTree, device: torch.device,
+                   staging: Staging | None) -> VerifyTree:
+    """A host tree on ``device``: the five int64 ``[B, N]`` fields in one staged copy, the bool
+    ancestor mask in another (``non_blocking`` from the pinned ring, no host sync); without
+    ``staging`` (CPU runs) plain copies. A tree already on ``device`` is returned as is.
+
+    Args:
+        tree: a :class:`VerifyTree` (host, or already on ``device``).
+        device: the model device.
+        staging: the runner's :class:`~structspec.staging.Staging`, or None on CPU.
+    """
+    if tree.device == device:
+        return tree
+    if staging is None or tree.device.type != "cpu":
+        return tree.to(device)
+    ints = stack_to_device([getattr(tree, f) for f in _INT_FIELDS], device, staging)
+    fields = dict(zip(_INT_FIELDS, ints, strict=True))
+    return VerifyTree(**fields, ancestor_mask=to_device(tree.ancestor_mask, device, staging))
+
+
 def fit_trees(last_tokens: Sequence[int], drafted: Sequence[int], tree: VerifyTree | None,
-              num_nodes: int) -> VerifyTree:
+              num_nodes: int, staging: Staging | None = None) -> VerifyTree:
     """The batch's ``[B, num_nodes]`` verify tree.
 
     Args:
@@ -47,11 +76,14 @@ def fit_trees(last_tokens: Sequence[int], drafted: Sequence[int], tree: VerifyTr
         tree: ``[len(drafted), N_max]`` drafted trees (host or device), ``N_max >=
             num_nodes``; None when nothing was drafted.
         num_nodes: ``N`` (>= 1).
+        staging: the runner's pinned staging (CUDA), through which a device tree's host
+            values (root tokens, padding, drafted-row index) travel; None on CPU.
 
     Returns:
         A :class:`VerifyTree` on ``tree``'s device (the host when None): drafted rows keep
         their first ``num_nodes`` nodes, the others are root-only padded. When every row was
-        drafted the tree is only cut (no host-to-device copy).
+        drafted the tree is only cut (no host-to-device copy); otherwise a device tree gets
+        its host values with one staged ``non_blocking`` copy (no host sync).
 
     Raises:
         ValueError: ``tree``'s rows do not match ``drafted``, or it is narrower than
@@ -70,11 +102,15 @@ def fit_trees(last_tokens: Sequence[int], drafted: Sequence[int], tree: VerifyTr
             return tree
         return VerifyTree.from_parents(tokens.contiguous(), parents.contiguous())
     device = tree.device
-    full_tokens = torch.full((bsz, num_nodes), -1, dtype=torch.int64)
-    full_tokens[:, 0] = torch.tensor(list(last_tokens), dtype=torch.int64)
-    full_tokens = full_tokens.to(device)
+    # the root-only rows and the drafted-row index, one host buffer: one staged copy
+    host = torch.full((bsz * num_nodes + len(drafted),), -1, dtype=torch.int64)
+    host[: bsz * num_nodes].view(bsz, num_nodes)[:, 0] = torch.tensor(list(last_tokens),
+                                                                      dtype=torch.int64)
+    host[bsz * num_nodes :] = torch.tensor(list(drafted), dtype=torch.int64)
+    staged = to_device(host, device, staging)  # on the CPU: ``host`` itself
+    full_tokens = staged[: bsz * num_nodes].view(bsz, num_nodes)
+    idx = staged[bsz * num_nodes :]
     full_parents = torch.zeros((bsz, num_nodes), dtype=torch.int64, device=device)
-    idx = torch.tensor(list(drafted), dtype=torch.int64).to(device)
     full_tokens[idx] = tokens
     full_parents[idx] = parents
     return VerifyTree.from_parents(full_tokens, full_parents)

@@ -45,7 +45,7 @@ from structspec.scheduler.pending import PendingStep
 from structspec.scheduler.request import Req
 from structspec.scheduler.select_verify import SelectVerifyPhase
 from structspec.scheduler.step_stats import StepTimer
-from structspec.scheduler.tree_fit import fit_trees, real_nodes
+from structspec.scheduler.tree_fit import fit_trees, real_nodes, tree_to_device
 from structspec.scheduler.tree_sizing import AdaptiveTreeSizer, TreePlan, host_tree_nodes
 from structspec.speculative.base import DraftRequest, TokenHistory
 
@@ -206,9 +206,12 @@ class VerifyStep:
             n = plan.num_nodes
             if sub is not None and sub.device.type == "cpu" and self.sizer is not None:
                 n = min(n, host_tree_nodes(real_nodes(sub), self.sizer.sizes))
-            tree = fit_trees([d.token_ids[-1] for d in draft_reqs], plan.drafted, sub, n)
+            staging = self.runner.staging
+            tree = fit_trees([d.token_ids[-1] for d in draft_reqs], plan.drafted, sub, n,
+                             staging)
             if not self.drafter.tree_on_host and tree.device != self.runner.device:
-                tree = tree.to(self.runner.device)
+                # nothing drafted: a device drafter's step still verifies a device tree
+                tree = tree_to_device(tree, self.runner.device, staging)
         draft_ms = (time.perf_counter() - t0) * 1e3
         self.timer.phase("draft")
         return Proposal(reqs, draft_reqs, tree, plan, draft_ms)

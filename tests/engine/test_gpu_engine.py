@@ -127,3 +127,61 @@ def test_batch_invariant_spec_matches_plain(invariant_llms) -> None:
     # Measured on the H200: 0/22 (the default kernels: 6/22). The kernels are deterministic,
     # so this is not a flaky bound: a divergence here means a path lost its invariance.
     assert not gaps, gaps
+
+
+def _mixed_size_run(engine, stop_one: bool, check: bool) -> tuple[int, set[int]]:
+    """Six requests (free and JSON) under adaptive sizing; one request's acceptance set high
+    (full trees), the others low (plain rows and 2-node probes), one request's drafter
+    stopped (GuardedDrafter's merge). Returns (checked steps, tree sizes verified)."""
+    sizer = engine.scheduler.sizer
+    ids = []
+    for i, p in enumerate(PROMPTS[:6]):
+        grammar = JsonSchemaConstraint(PERSON_SCHEMA) if i % 2 else None
+        ids.append(engine.add_request(p, SamplingParams(max_tokens=40, grammar=grammar)))
+    for _ in range(20):
+        sizer.observe_request(ids[0], 7, 7)
+        for rid in ids[2:]:
+            sizer.observe_request(rid, 7, 0)
+    if stop_one:
+        engine.scheduler.draft.stopped.add(ids[1])
+    while engine.scheduler.waiting or engine.scheduler.grammar_queue:
+        engine.step()
+    timer = engine.scheduler.timer
+    timer.flush()
+    first, steps = len(timer.records), 0
+    if check:
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        while engine.has_unfinished_requests() and steps < 40:
+            engine.step()
+            steps += 1
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    timer.flush()
+    sizes = {r.num_nodes for r in timer.records[first:]}
+    while engine.has_unfinished_requests():
+        engine.step()
+    return steps, sizes
+
+
+@pytest.mark.parametrize("algo", ["ngram", "eagle"])
+def test_mixed_tree_sizes_do_not_sync(drafter_llms, algo: str) -> None:
+    """docs/architecture.md, invariant 6, under adaptive tree sizing with a CPU-like cost:
+    steps mixing trees of several sizes, plain-decode rows, probes (a device drafter's budgeted
+    eager propose, ``tree_fit.fit_trees``'s mixed rows) and a stopped request
+    (``GuardedDrafter._merge``) make no blocking host sync. The same workload runs once
+    unchecked first, so every CUDA graph it needs is captured outside the check."""
+    from tests.scheduler.test_tree_sizing import FixedCost
+
+    engine = drafter_llms[algo].engine
+    sizer = engine.scheduler.sizer
+    assert sizer is not None
+    saved = (sizer.mode, sizer.cost, sizer.probe_every, sizer.engine_accept)
+    sizer.mode, sizer.cost, sizer.probe_every = "on", FixedCost(20.0, 8.0), 2
+    try:
+        _mixed_size_run(engine, stop_one=True, check=False)
+        sizer.engine_accept = saved[3]
+        steps, sizes = _mixed_size_run(engine, stop_one=True, check=True)
+    finally:
+        sizer.mode, sizer.cost, sizer.probe_every, sizer.engine_accept = saved
+    assert steps > 3 and len(sizes) > 1, sizes

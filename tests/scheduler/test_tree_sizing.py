@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import pytest
 import torch
 
 from structspec.config import EngineConfig, SpecConfig, resolve_engine_config
 from structspec.draft_tree.layout import VerifyTree
+from structspec.scheduler.draft_guard import GuardedDrafter
 from structspec.scheduler.tree_fit import fit_trees, real_nodes
 from structspec.scheduler.tree_sizing import (
     AdaptiveTreeSizer,
@@ -17,6 +19,7 @@ from structspec.scheduler.tree_sizing import (
     tree_size_choices,
 )
 from structspec.scheduler.verify_cost import VerifyCostModel, rows_bucket
+from structspec.speculative.base import Drafter, DraftRequest
 
 
 class FixedCost(VerifyCostModel):
@@ -247,3 +250,54 @@ def test_prometheus_shows_drafting_and_plain_requests() -> None:
     total.add(spec)
     total.add(spec)
     assert total.tree_sizes == {1: 6, 8: 2} and total.steps_without_draft == 6
+
+
+class RecordingStaging:
+    """Stands in for the runner's pinned :class:`~structspec.staging.Staging` on the CPU:
+    records every staged host tensor (shape, dtype) and returns a copy of it."""
+
+    def __init__(self) -> None:
+        self.staged: list[tuple[tuple[int, ...], torch.dtype]] = []
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        self.staged.append((tuple(host.shape), host.dtype))
+        return host.clone()
+
+
+class ChainDrafter(Drafter):
+    """A device-tree drafter (``tree_on_host = False``) proposing ``root, root+1, ...``."""
+
+    name = "chain"
+    tree_on_host = False
+    supports_grammar_overlap = True
+
+    def propose(self, reqs: Sequence[DraftRequest]) -> VerifyTree:
+        toks = torch.tensor([[r.token_ids[-1] + i for i in range(self.num_nodes)]
+                             for r in reqs], dtype=torch.int64)
+        pars = torch.arange(-1, self.num_nodes - 1).expand(len(reqs), -1).contiguous()
+        return VerifyTree.from_parents(toks, pars)
+
+
+def test_mixed_trees_stage_host_values_through_the_pinned_ring() -> None:
+    """docs/architecture.md, invariant 6: a mixed step of a device drafter (some rows drafted,
+    some plain, or some stopped by a drafter failure) sends its host values (root tokens,
+    padding, row index) to the device through the staging ring, one copy, never a pageable
+    ``.to``. On CUDA the same steps run under the sync check (tests/engine/test_gpu_engine.py,
+    ``test_mixed_tree_sizes_do_not_sync``)."""
+    sub = _host_tree([([5, 6, 7, 8], [-1, 0, 1, 0]), ([9, 10], [-1, 0])], 8)
+    staging = RecordingStaging()
+    got = fit_trees([1, 5, 2, 9], [1, 3], sub, 4, staging)  # type: ignore[arg-type]
+    want = fit_trees([1, 5, 2, 9], [1, 3], sub, 4)
+    for name in ("draft_tokens", "parents", "depth", "next_token", "next_sibling",
+                 "ancestor_mask"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert staging.staged == [((4 * 4 + 2,), torch.int64)]  # roots + padding + index
+    guard_staging = RecordingStaging()
+    guard = GuardedDrafter(ChainDrafter(4), torch.device("cpu"),
+                           guard_staging)  # type: ignore[arg-type]
+    guard.stopped.add("b")
+    reqs = [DraftRequest(r, [3, t], 1) for r, t in (("a", 10), ("b", 20), ("c", 30))]
+    tree = guard.propose(reqs)
+    assert tree.draft_tokens.tolist() == [[10, 11, 12, 13], [20, -1, -1, -1], [30, 31, 32, 33]]
+    assert guard_staging.staged == [((2,), torch.int64)]  # the live rows' index
+    assert guard.propose(reqs, max_nodes=2).draft_tokens.shape == (3, 4)  # propose_sized
