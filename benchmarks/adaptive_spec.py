@@ -106,6 +106,9 @@ def main() -> None:
     ap.add_argument("--algorithms", nargs="+", default=["ngram", "eagle"])
     ap.add_argument("--modes", nargs="+", default=["on", "off"],
                     choices=["off", "on", "auto"])
+    ap.add_argument("--kv-capacity-tokens", type=int, default=8192,
+                    help="KV cache per engine (batch 1 needs one prompt and its answer; "
+                         "every configuration's engine is resident at once)")
     ap.add_argument("--workloads", nargs="+", default=["extraction", "chat"],
                     choices=["extraction", "chat"])
     args = ap.parse_args()
@@ -122,7 +125,8 @@ def main() -> None:
     configs = [("none", "off")] + [(a, m) for m in args.modes for a in args.algorithms]
     engines = {("none" if a == "none" else f"{a}/adaptive={m}"): LLM(
         args.model, device=args.device, speculative_algorithm=a,
-        num_draft_tokens=args.num_draft_tokens, speculative_adaptive=m) for a, m in configs}
+        num_draft_tokens=args.num_draft_tokens, speculative_adaptive=m,
+        kv_capacity_tokens=args.kv_capacity_tokens) for a, m in configs}
     try:
         for name, (prompts, grammar) in work.items():
             res = run_interleaved(engines, prompts, grammar, args.max_tokens)
