@@ -149,8 +149,12 @@ class ChunkedPrefill:
 
     def turn(self, decoding: bool) -> bool:
         """Whether this step may be a prefill step: always without chunking (as before), and
-        with it unless requests decode and the previous step was a prefill step."""
-        return not (self.enabled and decoding and self._prefilled_last)
+        with it unless requests decode and the previous step was a prefill step (this step
+        is then theirs, and the next one may prefill again)."""
+        if self.enabled and decoding and self._prefilled_last:
+            self._prefilled_last = False
+            return False
+        return True
 
     def budget(self) -> WholePromptBudget | ChunkBudget:
         """A fresh budget for one prefill step."""
