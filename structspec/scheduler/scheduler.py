@@ -307,11 +307,12 @@ class Scheduler:
             req.status = ReqStatus.WAITING
             self.waiting.append(req)
 
-    def _admit(self, budget: PrefillBudget) -> list[Req]:
+    def _admit(self, budget: PrefillBudget | None = None) -> list[Req]:
         """Pick waiting requests for one prefill step (FCFS; stops at the first that won't fit).
 
         ``budget`` grants each picked request its prompt tokens of this step (whole prompts,
         or a first chunk: scheduler/chunked_prefill.py); its ``grants`` list them in order.
+        None: a fresh budget of the step (``self.chunks.budget()``).
 
         The prefill runs only when it is worth a step of its own (``SchedulerConfig.
         min_prefill_batch``): it admits at least that many requests, or every waiting one, or
@@ -321,6 +322,8 @@ class Scheduler:
         cfg = self.config.scheduler
         if not self.waiting:
             return []
+        if budget is None:
+            budget = self.chunks.budget()
         alloc = self.allocator
         picked: list[tuple[Req, list[int], int]] = []  # (request, cached pages, new pages)
         pinned: set[int] = set()  # evictable cached pages the picked requests will reuse
