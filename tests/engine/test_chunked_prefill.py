@@ -208,6 +208,7 @@ def test_abort_mid_prefill_frees_everything(make_llm, tiny_model_dir: str) -> No
     rid = engine.add_request(LONG, SamplingParams(max_tokens=4), raw_prompt=True)
     engine.step()
     assert sched.chunks.prefilling and sched.requests[rid].seq_len == BUDGET
+    assert engine.stats()["num_prefilling"] == 1 and engine.stats()["num_running"] == 0
     assert engine.abort_request(rid)
     outs = [o for _ in range(2) for o in engine.step()]
     assert [o.finish_reason for o in outs if o.request_id == rid] == [FinishReason.ABORT]
