@@ -144,7 +144,8 @@ def _mixed_size_run(engine, stop_one: bool, check: bool) -> tuple[int, set[int]]
             sizer.observe_request(rid, 7, 0)
     if stop_one:
         engine.scheduler.draft.stopped.add(ids[1])
-    while engine.scheduler.waiting or engine.scheduler.grammar_queue:
+    sched = engine.scheduler
+    while sched.waiting or sched.grammar_queue or sched.chunks.prefilling:
         engine.step()
     timer = engine.scheduler.timer
     timer.flush()
