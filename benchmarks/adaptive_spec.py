@@ -109,6 +109,8 @@ def main() -> None:
     ap.add_argument("--kv-capacity-tokens", type=int, default=8192,
                     help="KV cache per engine (batch 1 needs one prompt and its answer; "
                          "every configuration's engine is resident at once)")
+    ap.add_argument("--quantization", default=None,
+                    help="weights (none = float32, int8, int4; default: the engine's own)")
     ap.add_argument("--workloads", nargs="+", default=["extraction", "chat"],
                     choices=["extraction", "chat"])
     args = ap.parse_args()
@@ -126,7 +128,9 @@ def main() -> None:
     engines = {("none" if a == "none" else f"{a}/adaptive={m}"): LLM(
         args.model, device=args.device, speculative_algorithm=a,
         num_draft_tokens=args.num_draft_tokens, speculative_adaptive=m,
-        kv_capacity_tokens=args.kv_capacity_tokens) for a, m in configs}
+        kv_capacity_tokens=args.kv_capacity_tokens,
+        **({} if args.quantization is None else {"quantization": args.quantization}))
+        for a, m in configs}
     try:
         for name, (prompts, grammar) in work.items():
             res = run_interleaved(engines, prompts, grammar, args.max_tokens)
