@@ -19,6 +19,11 @@ grammar), so that ratio also charges the grammar for the extra tokens it lets ea
 
     PYTHONPATH=$PWD python benchmarks/grammar_overlap.py --device cuda --batch 1 8 32 64
 
+With the EAGLE head shipped for the default model (issue 18: ratio <= 1.05 at every batch)::
+
+    PYTHONPATH=$PWD python benchmarks/grammar_overlap.py --device cuda --batch 1 8 32 64 \
+        --algorithms eagle --overlap on --repeats 3 --steps 60
+
 Other models: ``--model DIR`` (default SmolLM2-135M-Instruct), with ``--load-format dummy`` for
 seeded random weights built on the GPU from config.json alone, e.g. the Llama-3-8B shape with
 the real Llama-3 tokenizer, drafting with a random Llama-3.2-1B-shaped model::
@@ -49,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.workloads import extraction_prompts  # noqa: E402
 from structspec import LLM, JsonSchemaConstraint, SamplingParams  # noqa: E402
+from structspec.speculative.registry import drafter_info  # noqa: E402
 
 LONG_SCHEMA = {
     "type": "object",
@@ -174,14 +180,15 @@ def step_ms(llm: LLM, prompts: Sequence[str | list[int]], grammar: bool, steps: 
 
 
 def draft_for(algo: str, args: argparse.Namespace) -> str | None:
-    """The draft model of ``draft_model``/``eagle``: ``--draft-model``, else (draft_model
-    only) the target itself (SmolLM2 has no smaller sibling offline)."""
-    if algo not in ("draft_model", "eagle"):
+    """The draft of ``algo``: ``--draft-model`` for the drafters that read one; else for an
+    EAGLE head (``eagle``, ``ngram_eagle``) None, which the engine resolves to the head shipped
+    for the default model (another ``--model`` needs ``--draft-model``), and for
+    ``draft_model`` the target itself (SmolLM2 has no smaller sibling offline)."""
+    info = drafter_info(algo)
+    if not info.needs_draft_model:
         return None
-    if args.draft_model:
+    if args.draft_model or info.eagle_head:
         return args.draft_model
-    if algo == "eagle":
-        raise SystemExit("--algorithms eagle needs --draft-model (an EAGLE head)")
     from structspec.models.default_model import resolve_model_path
 
     return resolve_model_path(args.model)
