@@ -79,7 +79,9 @@ def main() -> None:
                 continue
             draft = {"eagle": args.draft_model, "ngram_eagle": args.draft_model,
                      "draft_model": model}.get(algo)
-            llm = LLM(model, device=args.device, speculative_algorithm=algo, draft_model=draft,
+            # the target as named (None: the default model, whose shipped head eagle and
+            # ngram_eagle draft with when --draft-model is not given)
+            llm = LLM(args.model, device=args.device, speculative_algorithm=algo, draft_model=draft,
                       num_draft_tokens=n, speculative_depth=depth, speculative_topk=topk,
                       max_batch_size=args.max_batch_size,
                       speculative_adaptive=args.speculative_adaptive)

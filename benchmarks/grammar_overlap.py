@@ -22,7 +22,7 @@ grammar), so that ratio also charges the grammar for the extra tokens it lets ea
 With the EAGLE head shipped for the default model (issue 18: ratio <= 1.05 at every batch)::
 
     PYTHONPATH=$PWD python benchmarks/grammar_overlap.py --device cuda --batch 1 8 32 64 \
-        --algorithms eagle --overlap on --repeats 3 --steps 60
+        --algorithms eagle --overlap on --repeats 3 --steps 60 --speculative-adaptive off
 
 Other models: ``--model DIR`` (default SmolLM2-135M-Instruct), with ``--load-format dummy`` for
 seeded random weights built on the GPU from config.json alone, e.g. the Llama-3-8B shape with
@@ -233,6 +233,9 @@ def main() -> None:
                     help="records: prompts the model keeps answering with copied JSON records "
                          "with or without the grammar (equal work); extraction: the bare "
                          "extraction prompts (prose without the grammar)")
+    ap.add_argument("--speculative-adaptive", default="auto", choices=["auto", "on", "off"],
+                    help="tree sizing (off: every step verifies the drafter's full tree, "
+                         "as the EAGLE overlap measurement of issue 18 needs)")
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="per request (default: (steps + 8) * num_draft_tokens + 64, enough to "
                          "stay alive through the window; KV is reserved for all of it)")
@@ -246,7 +249,8 @@ def main() -> None:
                       max_batch_size=max(args.batch), load_format=args.load_format,
                       kernels=args.kernels, seed=args.seed,
                       kv_capacity_tokens=args.kv_capacity_tokens,
-                      draft_model=draft_for(algo, args), grammar_workers=args.grammar_workers)
+                      draft_model=draft_for(algo, args), grammar_workers=args.grammar_workers,
+                      speculative_adaptive=args.speculative_adaptive)
             kernels = llm.engine.config.kernels
             prompts_all: Sequence[str | list[int]] = (
                 record_prompts(llm, max(args.batch),
