@@ -7,17 +7,19 @@ per request:
 
 1. the split (:class:`~structspec.speculative.branch_split.BranchSplit`) gives the n-gram
    branch ``g`` of the tree's ``N - 1`` draft nodes from each source's recent accepted tokens
-   (half and half at first; at least one node each); all of them when EAGLE cannot draft the
-   request yet (its target features have not arrived);
-2. the n-gram drafter builds its trie with ``g`` nodes on the host
-   (:meth:`~structspec.speculative.ngram.NgramDrafter.propose_lists`), staged to the device
-   with one non-blocking copy;
+   (the engine's averages at first; EAGLE re-probed with one node while its share rounds to
+   none); all of them when EAGLE cannot draft the request yet (its target features have not
+   arrived);
+2. the n-gram drafter builds its full trie on the host
+   (:meth:`~structspec.speculative.ngram.NgramDrafter.propose_lists`); its first ``g`` nodes
+   (a tree: parents come first) are staged to the device with one non-blocking copy;
 3. the EAGLE drafter proposes its full tree as always (its CUDA-graph replay is unchanged);
 4. :func:`~structspec.speculative.tree_union.union_trees` merges the two on the device: EAGLE
    nodes on a path the trie already holds merge into the trie's nodes, and the slots the trie
    left go to the best-scored other EAGLE nodes;
-5. after the commit the step's accepted drafts are credited: those on the trie to the n-gram
-   branch, those after it to EAGLE (:func:`~structspec.speculative.branch_split.ngram_credit`).
+5. after the commit the step's accepted drafts are credited: to the n-gram branch how far its
+   full trie follows the committed run, to EAGLE the accepted drafts past the proposed trie
+   (:func:`~structspec.speculative.branch_split.ngram_credit`).
 
 The tree is a device tree like EAGLE's (``tree_on_host = False``): the grammar service copies
 it to the host behind the draft kernels and builds its bitmask under the verify forward like
@@ -49,12 +51,14 @@ class _Proposed:
     """What a request's last propose offered, for crediting its accepted drafts.
 
     Attributes:
-        trie_tokens, trie_parents: the n-gram trie (root first).
+        trie_tokens, trie_parents: the n-gram drafter's full trie (root first).
+        proposed: how many of its nodes (root included) went into the tree.
         eagle: EAGLE drafted the request (its tree had nodes to offer).
     """
 
     trie_tokens: list[int]
     trie_parents: list[int]
+    proposed: int
     eagle: bool
 
 
@@ -65,7 +69,7 @@ class NgramEagleDrafter(Drafter):
         spec: ``num_draft_tokens`` (N, node 0 included) and the n-gram and EAGLE settings.
         ngram: the n-gram drafter (its ``num_nodes`` must be N).
         eagle: the EAGLE drafter (its ``num_nodes`` must be N).
-        split: the per-request node split (default: half and half, floor of 1 node).
+        split: the per-request node split (default: :class:`BranchSplit`'s).
 
     Raises:
         ValueError: a drafter's ``num_nodes`` differs from ``spec.num_draft_tokens``.
@@ -96,16 +100,17 @@ class NgramEagleDrafter(Drafter):
         ready = [eagle.ready(r, eagle.state(r.request_id), eagle.num_entries(r)) for r in reqs]
         budgets = [1 + (self.split.ngram_nodes(r.request_id, n - 1) if ok else n - 1)
                    for r, ok in zip(reqs, ready, strict=True)]
-        tries = self.ngram.propose_lists(reqs, budgets)
+        tries = self.ngram.propose_lists(reqs, [n] * len(reqs))  # full: credited in full
         etree = eagle.propose(reqs)
         scores = eagle.last_node_scores
         assert scores is not None  # every propose sets it
         host = np.zeros((len(reqs), 2, n), dtype=np.int64)
         host[:, 0] = -1
         for b, ((toks, pars), req) in enumerate(zip(tries, reqs, strict=True)):
-            host[b, 0, : len(toks)] = toks
-            host[b, 1, : len(pars)] = pars
-            self._proposed[req.request_id] = _Proposed(toks, pars, ready[b])
+            g = min(budgets[b], len(toks))  # the trie's first g nodes are a tree
+            host[b, 0, :g] = toks[:g]
+            host[b, 1, :g] = pars[:g]
+            self._proposed[req.request_id] = _Proposed(toks, pars, g, ready[b])
         staged = to_device(torch.from_numpy(host), eagle.device, eagle.staging)
         tokens, parents = union_trees(
             staged[:, 0], staged[:, 1], etree.draft_tokens, etree.parents, etree.depth, scores,
@@ -120,10 +125,14 @@ class NgramEagleDrafter(Drafter):
             if offered is None or not run:
                 continue
             accepted = run[:-1]  # the last committed token is the target's bonus
-            on_trie = ngram_credit(offered.trie_tokens, offered.trie_parents, accepted)
+            g = offered.proposed
+            on_trie = ngram_credit(offered.trie_tokens[:g], offered.trie_parents[:g], accepted)
+            full = ngram_credit(offered.trie_tokens, offered.trie_parents, run)
             self.split.observe(req.request_id,
-                               on_trie if len(offered.trie_tokens) > 1 else None,
-                               len(accepted) - on_trie if offered.eagle else None)
+                               full if len(offered.trie_tokens) > 1 else None,
+                               # EAGLE is measured only when it had a slot
+                               len(accepted) - on_trie
+                               if offered.eagle and g < self.num_nodes else None)
         self.ngram.on_verified(reqs, committed)
         self.eagle.on_verified(reqs, committed)
 

@@ -113,21 +113,31 @@ def test_union_merges_a_shared_first_token_and_fills_free_slots_by_score() -> No
     assert parents.tolist() == [[-1, 0, 1, 2, 0, 1]]
 
 
-def test_branch_split_starts_even_keeps_a_floor_and_follows_credit() -> None:
-    split = BranchSplit()
-    assert split.ngram_nodes("a", 7) in (3, 4) and split.ngram_nodes("a", 1) == 1
+def test_branch_split_follows_credit_and_reprobes_a_starved_eagle() -> None:
+    split = BranchSplit(probe_every=2, max_probe_every=4)
+    assert split.ngram_nodes("a", 7) in (3, 4) and split.ngram_nodes("a", 1) in (0, 1)
     for _ in range(20):
+        split.ngram_nodes("a", 7)
         split.observe("a", 5, 0)
-    assert split.ngram_nodes("a", 7) == 6  # EAGLE keeps its floor of one node
+    # EAGLE's share rounds to 0 nodes: one probe node every 2 steps, then every 4 after a miss
+    got = []
+    for _ in range(8):
+        got.append(split.ngram_nodes("a", 7))
+        split.observe("a", 6, 0 if got[-1] == 6 else None)
+    assert got == [7, 6, 7, 7, 7, 6, 7, 7]
+    # a new request starts from the engine's averages (which now favour the n-gram branch)
+    assert split.share("b") > 0.6
     for _ in range(20):
+        split.ngram_nodes("a", 7)
         split.observe("a", 0, 3)
-    assert split.ngram_nodes("a", 7) == 1
+    assert split.ngram_nodes("a", 7) == 0
     split.observe("a", None, None)  # nothing proposed: nothing learned
-    assert split.ngram_nodes("a", 7) == 1
+    assert split.ngram_nodes("a", 7) == 0
     split.release("a")
+    split.release("b")
     assert split.num_tracked() == 0
-    with pytest.raises(ValueError, match="min_nodes"):
-        BranchSplit(min_nodes=-1)
+    with pytest.raises(ValueError, match="probe_every"):
+        BranchSplit(probe_every=0)
 
 
 def test_ngram_credit_counts_the_accepted_prefix_on_the_trie() -> None:
