@@ -4,7 +4,10 @@ The ``ngram_eagle`` drafter (:mod:`structspec.speculative.ngram_eagle`) fills on
 from two sources. Per request it keeps an EWMA of the accepted tokens each source delivered per
 step; the n-gram branch gets the rounded share ``ngram / (ngram + eagle)`` of the nodes and
 EAGLE the rest (EAGLE also takes whatever the n-gram trie leaves unused). A new request starts
-from the engine's running averages (half and half before any step).
+from the engine's running averages; before any step from ``start_ngram`` / ``start_eagle``
+(the drafter starts the n-gram branch at a full trie: a trie with no earlier match is empty,
+so its nodes go to EAGLE anyway, and one with a match is usually right at first on copied
+text, where a slow start costs most).
 
 Credit per step (host values only):
 
@@ -30,8 +33,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-#: EWMA weight of a step's credit (the tree sizer's acceptance EWMA uses the same weight)
-SPLIT_EWMA_ALPHA = 0.3
+#: EWMA weight of a step's credit (heavier than the tree sizer's 0.3: a request's text switches
+#: between copied and generated spans within a few steps)
+SPLIT_EWMA_ALPHA = 0.5
 #: EWMA weight of a step's credit in the engine-wide averages new requests start from
 ENGINE_EWMA_ALPHA = 0.05
 
@@ -51,19 +55,21 @@ class BranchSplit:
     """Per-request n-gram / EAGLE node split (see the module doc).
 
     Args:
-        start: both sources' EWMA before any step (equal: half and half).
+        start_ngram, start_eagle: each source's EWMA before any step (equal: half and half).
         alpha: EWMA weight of a step's credit per request.
         probe_every: steps between EAGLE probes while its share rounds to 0 nodes.
         max_probe_every: the interval's cap after failed probes (doubling).
 
     Raises:
-        ValueError: ``start <= 0``, ``alpha`` outside ``(0, 1]`` or ``probe_every < 1``.
+        ValueError: a start ``<= 0``, ``alpha`` outside ``(0, 1]`` or ``probe_every < 1``.
     """
 
-    def __init__(self, *, start: float = 1.0, alpha: float = SPLIT_EWMA_ALPHA,
-                 probe_every: int = 8, max_probe_every: int = 64) -> None:
-        if start <= 0:
-            raise ValueError(f"start={start}: expected > 0")
+    def __init__(self, *, start_ngram: float = 1.0, start_eagle: float = 1.0,
+                 alpha: float = SPLIT_EWMA_ALPHA, probe_every: int = 8,
+                 max_probe_every: int = 64) -> None:
+        if start_ngram <= 0 or start_eagle <= 0:
+            raise ValueError(f"start_ngram={start_ngram}, start_eagle={start_eagle}: "
+                             "expected > 0")
         if not 0 < alpha <= 1:
             raise ValueError(f"alpha={alpha}: expected 0 < alpha <= 1")
         if probe_every < 1:
@@ -72,8 +78,8 @@ class BranchSplit:
         self.probe_every = probe_every
         self.max_probe_every = max(max_probe_every, probe_every)
         #: engine-wide EWMAs of each source's credit (a new request's starting point)
-        self.engine_ngram = start
-        self.engine_eagle = start
+        self.engine_ngram = start_ngram
+        self.engine_eagle = start_eagle
         self._reqs: dict[str, _Yield] = {}
 
     def _state(self, request_id: str) -> _Yield:

@@ -88,7 +88,8 @@ class NgramEagleDrafter(Drafter):
                                  f"{self.num_nodes}")
         self.ngram = ngram
         self.eagle = eagle
-        self.split = split if split is not None else BranchSplit()
+        self.split = split if split is not None else BranchSplit(
+            start_ngram=float(self.num_nodes - 1))
         self.aux_hidden_layers = eagle.aux_hidden_layers
         self._proposed: dict[str, _Proposed] = {}
 
