@@ -246,7 +246,7 @@ class NgramDrafter(Drafter):
         self._histories: dict[str, _History] = {}
 
     def merge_continuations(
-        self, history: np.ndarray, starts: Iterable[int], num_nodes: int | None = None,
+        self, history: np.ndarray, starts: Iterable[int],
     ) -> tuple[list[int], list[int]]:
         """Merge continuations into one request's trie, in priority order, until it is full.
 
@@ -257,8 +257,6 @@ class NgramDrafter(Drafter):
                 :func:`continuation_starts` or one request's slice of
                 :func:`continuation_starts_batch`); each continuation is
                 ``history[start : start + branch_length]``, so it never leaves the request.
-            num_nodes: the trie's node budget, node 0 included (default: ``num_nodes``;
-                ``1``: the root alone).
 
         Returns:
             ``(tokens, parents)``: at most ``num_nodes`` each, node 0 first (parent -1), every
@@ -267,9 +265,7 @@ class NgramDrafter(Drafter):
         tokens = [int(history[-1])]
         parents = [-1]
         children: list[dict[int, int]] = [{}]
-        budget = (self.num_nodes if num_nodes is None else num_nodes) - 1
-        if budget <= 0:
-            return tokens, parents
+        budget = self.num_nodes - 1
         for start in starts:  # sliced lazily: the tree usually fills from 1-2
             node = 0
             for tok in history[start: start + self.branch_length].tolist():
@@ -311,51 +307,33 @@ class NgramDrafter(Drafter):
         return out
 
     def propose(self, reqs: Sequence[DraftRequest]) -> VerifyTree:
-        """Host trees ``[B, num_nodes]`` for the batch (:meth:`propose_lists` with the full
-        budget for every request, packed); the same trees as :meth:`build_tree` on each
-        request alone."""
-        return pack_trees(self.propose_lists(reqs, [self.num_nodes] * len(reqs)),
-                          self.num_nodes)
-
-    def propose_lists(
-        self, reqs: Sequence[DraftRequest], budgets: Sequence[int],
-    ) -> list[tuple[list[int], list[int]]]:
-        """Each request's trie as ``(tokens, parents)`` host lists, request ``b``'s at most
-        ``budgets[b]`` nodes (node 0 included; ``1``: the root alone): one batched lookup
-        over all histories (:func:`continuation_starts_batch`), then per request either a
-        slice copy (the best continuation alone fills the budget: a chain) or the trie merge.
-
-        Raises:
-            ValueError: ``budgets`` does not have one entry per request.
-        """
-        if len(budgets) != len(reqs):
-            raise ValueError(f"budgets: {len(budgets)} entries for {len(reqs)} requests")
+        """Host trees ``[B, num_nodes]`` for the batch: one batched lookup over all histories
+        (:func:`continuation_starts_batch`), then per request either a slice copy (the best
+        continuation alone fills the tree: a chain) or the trie merge; the same trees as
+        :meth:`build_tree` on each request alone."""
         histories = self.sync_histories(reqs)
         starts, offsets = continuation_starts_batch(
             histories, min_window=self.min_window, max_window=self.max_window)
-        bsz = len(histories)
+        n, bsz = self.num_nodes, len(histories)
         # Chain fast path: when the best continuation alone fills the budget, the trie is that
         # continuation's first n - 1 tokens in a chain (it is merged first, into an empty
         # trie, and the budget runs out inside it). On repetitive output (JSON) that is most
         # requests, and one slice replaces the dict walk of the merge.
         chain = [False] * bsz
-        need = np.asarray(budgets, dtype=np.int64) - 1  # [B] drafts wanted per request
-        if starts.size:
+        if n > 1 and self.branch_length >= n - 1 and starts.size:
             lens = np.fromiter(map(len, histories), dtype=np.int64, count=bsz)
             first = starts[np.minimum(offsets[:-1], starts.size - 1)]
-            chain = ((offsets[1:] > offsets[:-1]) & (need >= 1)
-                     & (need <= self.branch_length) & (first + need <= lens)).tolist()
+            chain = ((offsets[1:] > offsets[:-1]) & (first + (n - 1) <= lens)).tolist()
+        chain_parents = list(range(-1, n - 1))
         flat, off = starts.tolist(), offsets.tolist()
         trees = []
         for b, hist in enumerate(histories):
-            n = int(budgets[b])
             if chain[b]:
                 s = flat[off[b]]
-                trees.append(([int(hist[-1]), *hist[s: s + n - 1].tolist()],
-                              list(range(-1, n - 1))))
+                trees.append(([int(hist[-1]), *hist[s: s + n - 1].tolist()], chain_parents))
             else:
-                trees.append(self.merge_continuations(hist, flat[off[b]: off[b + 1]], n))
-        return trees
+                trees.append(self.merge_continuations(hist, flat[off[b]: off[b + 1]]))
+        return pack_trees(trees, n)
 
     def release(self, request_id: str) -> None:
         self._histories.pop(request_id, None)
