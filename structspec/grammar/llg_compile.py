@@ -117,7 +117,7 @@ def compile_llguidance(tokenizer: llguidance.LLTokenizer, spec: GrammarConstrain
                 message = f"{problem} (compiler: {message})"
         raise GrammarError(f"Failed to compile {kind} grammar (llguidance): {message}",
                            param=param)
-    compiled = LlgCompiled(template=template, vocab_size=vocab_size, kind=kind)
+    compiled = LlgCompiled(template=template, vocab_size=vocab_size, kind=kind, grammar=grammar)
     bitmask = allocate_bitmask(1, vocab_size, pin=False)
     LlgMatcher(compiled, stop_token_ids=stop_token_ids).fill_bitmask(bitmask, 0)
     if not bool(bitmask.any()):

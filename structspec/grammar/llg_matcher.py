@@ -42,11 +42,15 @@ class LlgCompiled:
             matcher is a ``deep_copy`` of it (the grammar's lexer and tables are built once).
         vocab_size: the logits width the masks cover (``ceil(vocab_size / 32)`` words a row).
         kind: the grammar kind (``json_schema``, ``regex``...).
+        grammar: llguidance's grammar text of it (what a mask worker process compiles its
+            own copy from: llguidance's objects cannot be pickled, and a compile takes
+            milliseconds).
     """
 
     template: llguidance.LLMatcher
     vocab_size: int
     kind: str
+    grammar: str = ""
 
 
 class _WalkTimeout(Exception):
