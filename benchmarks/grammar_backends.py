@@ -21,6 +21,15 @@ Mask time: per compiled schema, each token's ``fill_bitmask`` along its first va
 
 ``--max-compile-s`` keeps the cases whose xgrammar compile took at most that long
 (``compile_seconds.json``; 0 = every case).
+
+``--ttft``: time to first token of a request whose schema the engine has never seen, per
+backend. One engine per backend (``--device``, ``--model``; speculation off, one request at a
+time, ``max_tokens=1``, after a warm-up request), then one request per schema over the first
+``--num-schemas`` MaskBench schemas (sorted by name) that every listed backend serves:
+``RequestOutput.ttft_s`` (arrival to first token: the compile, the prefill, the first
+mask), p50 / p90 per backend::
+
+    PYTHONPATH=$PWD python benchmarks/grammar_backends.py --ttft --device cuda --num-schemas 50
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
-from grammar_weakening import SEPARATORS, STOP_ID, _rule, load_tokenizer  # noqa: E402
+from grammar_weakening import SEPARATORS, STOP_ID, _rule  # noqa: E402
 
 from structspec.config import GrammarConfig  # noqa: E402
 from structspec.constraints import JsonSchemaConstraint  # noqa: E402
@@ -150,6 +159,51 @@ def mask_seconds(matcher: Any, ids: list[int], bitmask: Any, limit: int = 64) ->
     return out
 
 
+TTFT_PROMPT = "Write one JSON value that follows the schema."
+
+
+def run_ttft(args: argparse.Namespace, cases: list[tuple[str, dict]]) -> None:
+    """The ``--ttft`` mode (module docstring): prints one line per backend."""
+    from structspec import LLM, SamplingParams
+
+    backends = args.backends.split(",")
+    ttft: dict[str, dict[str, float]] = {}
+    for name in backends:
+        llm = LLM(args.model, device=args.device, grammar_backend=name,
+                  grammar_compile_timeout_s=args.timeout_s, max_batch_size=8)
+        try:
+            warm = {"type": "object", "properties": {"warm": {"type": "integer"}},
+                    "required": ["warm"]}
+            llm.generate(TTFT_PROMPT, SamplingParams(max_tokens=4))
+            llm.generate(TTFT_PROMPT, SamplingParams(
+                max_tokens=4, grammar=JsonSchemaConstraint(warm)))
+            got: dict[str, float] = {}
+            for case_name, case in cases[: args.num_schemas * 2]:
+                out = llm.generate(TTFT_PROMPT, SamplingParams(
+                    max_tokens=1, grammar=JsonSchemaConstraint(case["schema"])))[0]
+                if out.error is None and out.ttft_s is not None:
+                    got[case_name] = out.ttft_s
+        finally:
+            llm.close()
+        ttft[name] = got
+    common = sorted(set.intersection(*(set(v) for v in ttft.values())))[: args.num_schemas]
+    for name in backends:
+        values = [ttft[name][c] for c in common]
+        print(f"ttft {name:<10} device={args.device} schemas={len(values)} "
+              f"served={len(ttft[name])}/{min(len(cases), args.num_schemas * 2)} "
+              f"ttft_p50_ms={1000 * percentile(values, 0.5):.1f} "
+              f"ttft_p90_ms={1000 * percentile(values, 0.9):.1f}", flush=True)
+
+
+def engine_tokenizer(model: str | None) -> Any:
+    """The tokenizer the engine serves ``model`` with (default: SmolLM2-135M-Instruct)."""
+    import transformers
+
+    from structspec.models.default_model import resolve_model_path
+
+    return transformers.AutoTokenizer.from_pretrained(resolve_model_path(model))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     root = os.path.join(os.path.dirname(__file__), "..")
@@ -158,9 +212,13 @@ def main() -> None:
     ap.add_argument("--max-compile-s", type=float, default=1.0)
     ap.add_argument("--timeout-s", type=float, default=10.0)
     ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--ttft", action="store_true",
+                    help="time to first token with a never-seen schema, per backend")
+    ap.add_argument("--num-schemas", type=int, default=50, help="--ttft: schemas per backend")
+    ap.add_argument("--device", default="cpu", help="--ttft: the engine's device")
+    ap.add_argument("--model", default=None, help="--ttft: model (default SmolLM2-135M)")
     args = ap.parse_args()
 
-    tok = load_tokenizer()
     seconds_path = os.path.join(args.data, "compile_seconds.json")
     limits: dict[str, float] = {}
     if args.max_compile_s > 0 and os.path.exists(seconds_path):
@@ -173,6 +231,10 @@ def main() -> None:
             continue
         with open(path) as fh:
             cases.append((name, json.load(fh)))
+    if args.ttft:
+        run_ttft(args, cases)
+        return
+    tok = engine_tokenizer(None)
     for name in args.backends.split(","):
         r = run_backend(name, tok, cases, args.timeout_s, args.verbose)
         refused = ", ".join(f"{k}={v}" for k, v in r["refused"].most_common(8))

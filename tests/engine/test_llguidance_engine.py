@@ -125,3 +125,29 @@ def test_auto_mixed_batch_on_mask_workers_matches_in_process(make_llm) -> None:
         assert b.error is None and c.error is None, (b.error, c.error)
         assert a.token_ids == b.token_ids == c.token_ids, i
         assert a.grammar_backend == b.grammar_backend == c.grammar_backend, i
+
+
+@pytest.mark.parametrize(("grammar", "param", "words"), [
+    # neither backend enforces 'not' of a const: xgrammar's error, naming the pointer
+    (JsonSchemaConstraint({"type": "object", "properties": {"a": {"type": "string", "not": {
+        "const": "x"}}}}), "response_format.json_schema", "/properties/a: 'not'"),
+    (EbnfConstraint('root ::= "a'), "ebnf", "Failed to compile ebnf grammar"),
+    (RegexConstraint("(a"), "regex", "Failed to compile regex grammar"),
+])
+def test_auto_bad_grammar_fails_its_request_naming_the_field(make_llm, grammar, param: str,
+                                                             words: str) -> None:
+    """Bad input on the ``auto`` path: the request ends with an error naming the field
+    (``RequestOutput.error_param``; the server's 400 carries it) and the others go on."""
+    llm = make_llm(grammar_backend="auto")
+    bad, good = llm.generate(PROMPTS[:2], [SamplingParams(max_tokens=4, grammar=grammar),
+                                           SamplingParams(max_tokens=4)])
+    assert bad.error is not None and words in bad.error, bad.error
+    assert bad.error_param == param and bad.token_ids == []
+    assert good.error is None and len(good.token_ids) == 4
+    pytest.importorskip("fastapi")
+    from structspec.server.generation import error_for
+    from structspec.server.ipc import EngineDelta
+
+    http = error_for(EngineDelta(request_id="r", finished=True, finish_reason="abort",
+                                 error=bad.error, error_param=bad.error_param, rejected=True))
+    assert http.status == 400 and http.param == param
