@@ -26,6 +26,8 @@ rule                        rewrite (why it is exact)
                             (skipped when the complement would be "number but not integer")
 ``not`` of ``required``     ``not: {required: [p]}``: the instance is an object without ``p``:
                             ``type`` object and ``properties.p: false``
+``not`` of                  ``not: {propertyNames: {not: {const: c}}}``: an object with a
+``propertyNames``           property ``c``: ``type`` object and ``required`` ``c``
 ``oneOf`` -> ``anyOf``      when the branches are pairwise disjoint (types, a discriminator
                             property, or a finite branch none of whose values the other
                             accepts, checked with ``jsonschema``), or there is one branch
@@ -99,8 +101,8 @@ class Rewrite:
     Attributes:
         pointer: the JSON pointer of the rewritten subschema (``""`` = the root).
         rule: the rule's name (``format``, ``enum-filter``, ``not-not``, ``not-type``,
-            ``not-required``, ``oneOf-disjoint``, ``dependencies``, ``dependentRequired``,
-            ``dependentSchemas``).
+            ``not-required``, ``not-propertyNames``, ``oneOf-disjoint``, ``dependencies``,
+            ``dependentRequired``, ``dependentSchemas``).
         detail: what was done, for logs and tests.
     """
 
@@ -380,6 +382,34 @@ def _not_required(ctx: _Context, pointer: str, node: dict[str, Any],
                         f"'not' of required [{name!r}] became properties.{name}: false"))
 
 
+def _not_property_names(ctx: _Context, pointer: str, node: dict[str, Any],
+                        done: list[Rewrite]) -> None:
+    inner = node.get("not")
+    if not _only(inner, "propertyNames"):
+        return
+    assert isinstance(inner, dict)
+    names = inner["propertyNames"]
+    excluded = names.get("not") if _only(names, "not") else None
+    values = _finite_values(excluded) if _only(excluded, "const") or _only(excluded,
+                                                                            "enum") else None
+    if not (values and len(values) == 1 and isinstance(values[0], str)):
+        return
+    name = values[0]
+    allowed = _type_set(node["type"]) if "type" in node else set(_TYPES)
+    required = node.get("required", [])
+    if (allowed is None or "object" not in allowed or not isinstance(required, list)
+            or not _removable(ctx, pointer, node, ["not"])):
+        return
+    # propertyNames ignores non-objects (so its 'not' fails them); on an object, "not every
+    # name differs from c" is "some name is c"
+    node["type"] = "object"
+    if name not in required:
+        node["required"] = [*required, name]
+    del node["not"]
+    done.append(Rewrite(pointer, "not-propertyNames",
+                        f"'not' of propertyNames 'not' {name!r} became required [{name!r}]"))
+
+
 def _one_of(ctx: _Context, pointer: str, node: dict[str, Any], done: list[Rewrite]) -> None:
     branches = node.get("oneOf")
     if not isinstance(branches, list) or not branches or "anyOf" in node:
@@ -529,6 +559,7 @@ def _add_all_of(node: dict[str, Any], schema: Any) -> None:
 
 
 _RULES: tuple[Callable[[_Context, str, dict[str, Any], list[Rewrite]], None], ...] = (
-    _format, _not_not, _not_type, _not_required, _dependencies, _one_of, _enum_filter)
+    _format, _not_not, _not_type, _not_required, _not_property_names, _dependencies, _one_of,
+    _enum_filter)
 """In order: the ``not`` rules run before the ``enum`` filter, which would otherwise take
 nodes they rewrite into plain keywords."""

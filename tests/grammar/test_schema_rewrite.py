@@ -70,6 +70,9 @@ RULE_CASES: list[tuple[str, dict[str, Any]]] = [
     ("not-required", {"type": "object", "properties": {"a": {"type": "integer"}},
                       "not": {"required": ["a"]}}),
     ("not-required", {"not": {"required": ["foo"]}}),
+    ("not-propertyNames", {"type": "object", "not": {"propertyNames": {"not": {
+        "const": "foo"}}}, "patternProperties": {"o": {"type": "integer"}}}),
+    ("not-propertyNames", {"not": {"propertyNames": {"not": {"enum": ["bar"]}}}}),
     ("oneOf-disjoint", {"oneOf": [{"type": "string"}, {"type": "array"}]}),
     ("oneOf-disjoint", {"oneOf": [{"const": 0}, {"const": 1}, {"const": 2}],
                         "type": "integer"}),
