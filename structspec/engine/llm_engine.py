@@ -225,12 +225,14 @@ class LLMEngine:
         ``kv_free_pages`` counts the cached pages no request holds (evictable) as free;
         ``prefix_cache_queried_tokens`` / ``prefix_cache_hit_tokens`` are the prompt tokens of
         admitted requests and those whose KV came from the cache, since the engine started,
-        and ``prefix_cache_hit_rate`` their ratio (0.0 before any request).
+        and ``prefix_cache_hit_rate`` their ratio (0.0 before any request);
+        ``num_prefilling`` the requests part-way through a chunked prefill.
         """
         s = self.scheduler
         cache = s.allocator.stats
         return {
             "num_running": len(s.running),
+            "num_prefilling": len(s.chunks.prefilling),
             "num_waiting": len(s.waiting),
             "num_waiting_grammar": len(s.grammar_queue),
             "kv_free_pages": s.allocator.num_free_pages,
