@@ -178,6 +178,11 @@ class Preemption:
                 return
             self.preempt(max(lower, key=victim_key))
 
+    def outranks_running(self, req: Req) -> bool:
+        """Whether waiting ``req`` has a strictly higher priority than a running request: its
+        prefill then runs at once (no wait for a fuller prefill batch)."""
+        return any(r.priority > req.priority for r in self.running if not r.finished)
+
     # ------------------------------------------------------------------ preempt and resume
 
     def preempt(self, req: Req) -> None:

@@ -359,7 +359,8 @@ class Scheduler:
         min_batch = cfg.min_prefill_batch or 1
         if not picked or not (len(picked) >= min_batch or budget_full
                               or len(picked) == len(self.waiting)
-                              or len(self.running) < min_batch):
+                              or len(self.running) < min_batch
+                              or self.preemption.outranks_running(picked[0][0])):
             return []
         # Every reused page takes its reference before any allocation, so that no allocation
         # of this batch evicts a page another request of the batch is about to reuse.

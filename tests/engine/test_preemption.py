@@ -24,16 +24,21 @@ from structspec.core import RequestError
 from .conftest import PERSON_SCHEMA, PROMPTS
 from .test_prefix_cache import assert_no_leak
 
-#: KV of the small engine: 8 pages of 16 tokens. Each request below needs up to ~75 tokens
-#: alone (prompt ~10-25 + 48 new + one tree); six together ~3x the pool.
-SMALL_KV_TOKENS = 128
+#: KV of the small engine: 6 pages of 16 tokens. Each request below needs up to ~65 tokens
+#: alone (prompt ~10-25 + 32 new + one tree); six together ~3.5x the pool.
+SMALL_KV_TOKENS = 96
 
 
 def _params() -> list[SamplingParams]:
-    plain = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-    schema = SamplingParams(max_tokens=48, temperature=0.0,
+    plain = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    schema = SamplingParams(max_tokens=32, temperature=0.0,
                             grammar=JsonSchemaConstraint(PERSON_SCHEMA))
-    return [plain, schema, plain, schema, plain, plain]
+    # penalties over the committed output (negative: the random model never repeats a
+    # token on its own, so positive ones would change nothing): the output depends on the
+    # counts, which a resume refills
+    penalised = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True,
+                               frequency_penalty=-2.0, presence_penalty=-2.0)
+    return [plain, schema, penalised, schema, plain, penalised]
 
 
 def _run_streaming(llm: Any, prompts: list[str], params: list[SamplingParams],
@@ -100,21 +105,22 @@ def test_exactly_once_grammar_advance_and_stop_strings_across_preemption(
     as many ids as the request kept, and outputs and finish reasons equal the big pool's."""
     kw = dict(model=tiny_model_dir, **tiny_drafters["ngram"])
     big = make_llm(**kw)
-    free = big.generate(PROMPTS[6:9], SamplingParams(max_tokens=48, temperature=0.0,
+    free = big.generate(PROMPTS[6:9], SamplingParams(max_tokens=32, temperature=0.0,
                                                      ignore_eos=True), raw_prompt=True)
     # a stop string from late in each free output: the cut falls after a preemption
     stops = [o.text[2 * len(o.text) // 3:][:4] for o in free]
     assert all(s.strip() for s in stops)
-    schema = SamplingParams(max_tokens=48, temperature=0.0,
+    schema = SamplingParams(max_tokens=32, temperature=0.0,
                             grammar=JsonSchemaConstraint(PERSON_SCHEMA))
-    params = [SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, stop=[s])
+    params = [SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, stop=[s])
               for s in stops] + [schema] * 3
     prompts = PROMPTS[6:9] + PROMPTS[:3]
     want = big.generate(prompts, params, raw_prompt=True)
     small = make_llm(kv_capacity_tokens=SMALL_KV_TOKENS, **kw)
     engine, sched = small.engine, small.engine.scheduler
-    rids = [engine.add_request(p, sp, raw_prompt=True) for p, sp in zip(prompts, params,
-                                                                         strict=True)]
+    # priority 1 (served last, preempted first) for a stop-string and a schema request
+    rids = [engine.add_request(p, sp, raw_prompt=True, priority=int(i % 3 == 0))
+            for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
     matchers: dict[str, Any] = {}
     preempted: set[str] = set()
     done: dict[str, Any] = {}
@@ -146,34 +152,54 @@ def test_exactly_once_grammar_advance_and_stop_strings_across_preemption(
 
 
 def test_priority_orders_admission_and_preemption(make_llm, tiny_model_dir: str) -> None:
-    """Waiting requests are admitted by priority (lower first), FCFS among equals; the
-    oversubscribed run preempts only the low-priority requests; and a short high-priority
-    request arriving while long ones fill the pool runs at once (they are preempted)."""
+    """Waiting requests are admitted by priority (lower first), FCFS among equals, and the
+    oversubscribed run preempts only the low-priority requests."""
     small = make_llm(model=tiny_model_dir, kv_capacity_tokens=SMALL_KV_TOKENS)
     engine, sched = small.engine, small.engine.scheduler
-    long = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    long = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     rids = [engine.add_request(p, long, raw_prompt=True, priority=prio)
             for p, prio in zip(PROMPTS[:5], [2, 0, -1, 0, 2], strict=True)]
     assert [r.request_id for r in sched.waiting] == [rids[i] for i in (2, 1, 3, 0, 4)]
     victims: list[int] = []
     done: dict[str, Any] = {}
-    short_id: str | None = None
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
         victims += [r.priority for r in sched.waiting if r.preempted]
-        if short_id is None and len(sched.running) >= 2:
-            short_id = engine.add_request(PROMPTS[9], SamplingParams(
-                max_tokens=4, temperature=0.0, ignore_eos=True), raw_prompt=True, priority=-5)
-            steps_left = 4  # its prefill, then at most three verify steps
-        elif short_id is not None and short_id not in done:
-            steps_left -= 1
-            assert steps_left >= 0, "the high-priority request should run at once"
     assert victims and min(victims) > -1  # the priority -1 request was never preempted
-    assert len(done[short_id].token_ids) == 4
-    assert all(done[r].error is None and len(done[r].token_ids) == 48 for r in rids)
+    assert all(done[r].error is None and len(done[r].token_ids) == 32 for r in rids)
     assert_no_leak(small)
+
+
+def test_high_priority_request_runs_at_once_behind_a_full_batch(make_llm,
+                                                                tiny_model_dir: str) -> None:
+    """Long requests fill every batch slot (more wait); a short request of a higher priority
+    preempts one and runs at once, though its prefill is smaller than min_prefill_batch;
+    the preempted request resumes and completes."""
+    llm = make_llm(model=tiny_model_dir, kv_capacity_tokens=512, max_batch_size=6,
+                   min_prefill_batch=4)
+    engine, sched = llm.engine, llm.engine.scheduler
+    long = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    rids = [engine.add_request(p, long, raw_prompt=True) for p in PROMPTS[:8]]
+    done: dict[str, Any] = {}
+    while len(sched.running) < 6:
+        engine.step()
+    short_id = engine.add_request(PROMPTS[9], SamplingParams(
+        max_tokens=4, temperature=0.0, ignore_eos=True), raw_prompt=True, priority=-1)
+    for _ in range(5):  # its prefill, three verify steps, the step that reports its end
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert len(done[short_id].token_ids) == 4
+    assert not any(r in done for r in rids)
+    assert engine.stats()["num_preemptions"] >= 1
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert all(done[r].error is None and len(done[r].token_ids) == 32 for r in rids)
+    assert_no_leak(llm)
 
 
 def test_bad_priority_is_a_clear_error(make_llm, tiny_model_dir: str) -> None:
