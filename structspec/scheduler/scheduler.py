@@ -6,7 +6,8 @@ prefill (:meth:`Scheduler._run_prefill`) or one speculative verify step, whose p
 :mod:`structspec.scheduler.verify_step`; the grammar side is
 :class:`~structspec.scheduler.grammar_service.GrammarService`, the selection after a forward
 :mod:`structspec.scheduler.select_verify` (whose function the runner's post-forward CUDA graph
-records).
+records). KV pages grow on demand and requests are preempted and resumed, in priority order,
+by :mod:`structspec.scheduler.preemption`.
 """
 
 from __future__ import annotations
