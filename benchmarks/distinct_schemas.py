@@ -26,6 +26,7 @@ import gc
 import json
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,8 @@ def run_one(args: argparse.Namespace, algo: str, workers: int,
         "tok_s": tokens / wall_s, "tokens": tokens,
         "stop": sum(o.finish_reason is FinishReason.STOP for o in outs),
         "errors": sum(o.error is not None for o in outs),
+        # what the errors were (the first 60 characters of each distinct message, counted)
+        "error_kinds": dict(Counter((o.error or "")[:60] for o in outs if o.error)) or None,
         "ship_step_ms": getattr(pool, "ship_ms", 0.0),
         "ship_thread_ms": getattr(pool, "ship_thread_ms", 0.0),
         "shipped": getattr(pool, "num_shipped", 0),
@@ -150,6 +153,8 @@ def main() -> None:
                   f"pool_builds={s['pool_builds']} pool_alive={s['pool_alive']} "
                   f"steps={s['steps']} step_wall_ms={s['step_wall_ms']:.2f} "
                   f"compile_s={s['compile_s']:.1f}", flush=True)
+            if s["error_kinds"]:
+                print(f"  errors by message: {s['error_kinds']}", flush=True)
 
 
 if __name__ == "__main__":

@@ -73,6 +73,14 @@ class LLM:
             ``--no-prefix-cache`` turns it off). Each result reports its reused prompt tokens
             (``RequestOutput.cached_tokens``). With the ``eagle`` drafter the target's
             features of each prompt position are kept beside its KV (the head reads them).
+        enable_chunked_prefill: prefill long prompts in chunks between the verify steps of
+            the requests already decoding, so that a long prompt does not freeze their
+            streams (``SchedulerConfig.enable_chunked_prefill``, default on; the CLI's
+            ``--no-chunked-prefill`` turns it off: whole prompts, one prefill step each).
+        max_num_batched_tokens: with chunking, the query rows one prefill step computes
+            (requests x their longest chunk); None = auto, 512 on CUDA and 128 on CPU
+            (:data:`structspec.config.DEFAULT_MAX_NUM_BATCHED_TOKENS`). ValueError naming
+            ``max_num_batched_tokens`` below 1 or not an integer.
         chat_template: a Jinja chat template used instead of the model's own (vLLM's
             ``--chat-template``): the path of a template file, or the template text (with a
             ``{{ ... }}`` or ``{% ... %}`` tag); ValueError naming ``chat_template`` when it
@@ -117,6 +125,8 @@ class LLM:
         chat_template: str | None = None,
         quantization: str = "auto",
         enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -140,7 +150,9 @@ class LLM:
                                   mask_build_workers=grammar_workers,
                                   backend=grammar_backend),
             scheduler=SchedulerConfig(max_batch_size=max_batch_size, overlap=overlap,
-                                      min_prefill_batch=min_prefill_batch),
+                                      min_prefill_batch=min_prefill_batch,
+                                      enable_chunked_prefill=enable_chunked_prefill,
+                                      max_num_batched_tokens=max_num_batched_tokens),
         )
         self.engine = LLMEngine(config)
 

@@ -236,13 +236,15 @@ class LLMEngine:
         and ``prefix_cache_hit_rate`` their ratio (0.0 before any request);
         ``num_preemptions`` counts running requests preempted (the KV cache ran out, or a
         request of a higher priority needed room), ``num_preempted_waiting`` those waiting
-        to resume now, ``preemption_recomputed_tokens`` the tokens their resumes prefilled.
+        to resume now, ``preemption_recomputed_tokens`` the tokens their resumes prefilled;
+        ``num_prefilling`` the requests part-way through a chunked prefill.
         """
         s = self.scheduler
         cache = s.allocator.stats
         preempt = s.preemption.stats
         return {
             "num_running": len(s.running),
+            "num_prefilling": len(s.chunks.prefilling),
             "num_waiting": len(s.waiting),
             "num_waiting_grammar": len(s.grammar_queue),
             "kv_free_pages": s.allocator.num_free_pages,

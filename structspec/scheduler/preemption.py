@@ -80,6 +80,8 @@ class Preemption:
         timer: the step timer (a resume prefill breaks the verify chain).
         running: the scheduler's running list.
         waiting: the scheduler's waiting queue.
+        prefilling: the requests part-way through a chunked prefill (they hold batch slots
+            and the KV of their prompt and one tree; never preempted).
         num_nodes: nodes of the largest draft tree (1 without a drafter).
         feeds_hidden: the drafter reads target features (EAGLE): the resume hands it every
             position's.
@@ -91,7 +93,8 @@ class Preemption:
     def __init__(self, config: EngineConfig, runner: ModelRunner,
                  allocator: PrefixCachingAllocator, page_table: HostPageTable,
                  draft: GuardedDrafter, penalties: PenaltySlots, timer: StepTimer, *,
-                 running: list[Req], waiting: WaitingQueue, num_nodes: int,
+                 running: list[Req], waiting: WaitingQueue, prefilling: list[Req],
+                 num_nodes: int,
                  feeds_hidden: bool, settle: Callable[[Req], None],
                  retire: Callable[[Req], None]) -> None:
         self.config = config
@@ -103,6 +106,7 @@ class Preemption:
         self.timer = timer
         self.running = running
         self.waiting = waiting
+        self.prefilling = prefilling
         self.num_nodes = num_nodes
         self.feeds_hidden = feeds_hidden
         self._settle = settle
@@ -172,7 +176,7 @@ class Preemption:
             lower = [r for r in self.running if not r.finished and r.priority > head.priority]
             if not lower:
                 return
-            no_slot = len(self.running) >= max_batch
+            no_slot = len(self.running) + len(self.prefilling) >= max_batch
             need = self._admission_pages(head) + self.headroom_pages()
             if not no_slot and self.allocator.can_allocate(need):
                 return
@@ -266,7 +270,7 @@ class Preemption:
         tokens = 0
         while self.waiting and self.waiting[0].preempted:
             req = self.waiting[0]
-            if len(self.running) + len(picked) >= cfg.max_batch_size:
+            if len(self.running) + len(self.prefilling) + len(picked) >= cfg.max_batch_size:
                 break
             ids = self._resume_ids(req)
             hits = alloc.match(ids)

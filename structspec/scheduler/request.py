@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 class ReqStatus(enum.Enum):
     WAITING_GRAMMAR = "waiting_grammar"  # compile in flight
     WAITING = "waiting"  # ready, waiting for KV pages / a prefill slot
+    PREFILLING = "prefilling"  # admitted, prompt KV written in chunks, not yet decoding
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -29,7 +30,8 @@ class ReqStatus(enum.Enum):
 class Req:
     """A request inside the scheduler. Host-only; owned by the scheduler thread/process.
 
-    ``seq_len`` counts tokens whose KV is in the cache. After prefill it is the prompt length;
+    ``seq_len`` counts tokens whose KV is in the cache (while a prompt is prefilled in chunks,
+    the prompt positions written so far). After prefill it is the prompt length;
     the last output token is not yet in the cache (it is node 0 of the next verify tree).
 
     Requests compare by identity (``eq=False``): the scheduler's queue bookkeeping
