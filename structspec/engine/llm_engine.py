@@ -235,8 +235,8 @@ class LLMEngine:
         admitted requests and those whose KV came from the cache, since the engine started,
         and ``prefix_cache_hit_rate`` their ratio (0.0 before any request);
         ``num_preemptions`` counts running requests preempted (the KV cache ran out, or a
-        request of a higher priority needed room), ``num_preempted_waiting`` those waiting
-        to resume now, ``preemption_recomputed_tokens`` the tokens their resumes prefilled;
+        request of a higher priority needed room), ``preemption_recomputed_tokens`` the
+        tokens their resumes prefilled again;
         ``num_prefilling`` the requests part-way through a chunked prefill.
         """
         s = self.scheduler
@@ -254,7 +254,6 @@ class LLMEngine:
             "prefix_cache_hit_tokens": cache.hit_tokens,
             "prefix_cache_hit_rate": cache.hit_rate,
             "num_preemptions": preempt.preemptions,
-            "num_preempted_waiting": sum(r.preempted for r in s.waiting),
             "preemption_recomputed_tokens": preempt.recomputed_tokens,
         }
 

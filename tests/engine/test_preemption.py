@@ -82,7 +82,7 @@ def test_oversubscribed_kv_completes_with_the_same_outputs(make_llm, tiny_model_
         assert streamed[rid] == (out.token_ids, out.text)
     stats = engine.stats()
     assert stats["num_preemptions"] > before
-    assert stats["num_preempted_waiting"] == 0
+    assert stats["preemption_recomputed_tokens"] > 0
     assert_no_leak(small)
 
 
