@@ -24,6 +24,8 @@ With the EAGLE head shipped for the default model (issue 18: ratio <= 1.05 at ev
     PYTHONPATH=$PWD python benchmarks/grammar_overlap.py --device cuda --batch 1 8 32 64 \
         --algorithms eagle --overlap on --repeats 3 --steps 60 --speculative-adaptive off
 
+``--grammar-backend llguidance`` (or ``auto``) puts every constrained request on that backend.
+
 Other models: ``--model DIR`` (default SmolLM2-135M-Instruct), with ``--load-format dummy`` for
 seeded random weights built on the GPU from config.json alone, e.g. the Llama-3-8B shape with
 the real Llama-3 tokenizer, drafting with a random Llama-3.2-1B-shaped model::
@@ -227,6 +229,9 @@ def main() -> None:
     ap.add_argument("--grammar-workers", type=int, default=None,
                     help="worker processes for the tree bitmasks (0: in the engine process; "
                          "default: the engine's, min(8, cores // 2) on CUDA, 0 on CPU)")
+    ap.add_argument("--grammar-backend", default="xgrammar",
+                    choices=["xgrammar", "llguidance", "auto"],
+                    help="grammar engine of every constrained request")
     ap.add_argument("--workload", default="records", choices=["records", "extraction"],
                     help="records: prompts the model keeps answering with copied JSON records "
                          "with or without the grammar (equal work); extraction: the bare "
@@ -248,6 +253,7 @@ def main() -> None:
                       kernels=args.kernels, seed=args.seed,
                       kv_capacity_tokens=args.kv_capacity_tokens,
                       draft_model=draft_for(algo, args), grammar_workers=args.grammar_workers,
+                      grammar_backend=args.grammar_backend,
                       speculative_adaptive=args.speculative_adaptive)
             kernels = llm.engine.config.kernels
             prompts_all: Sequence[str | list[int]] = (
@@ -274,6 +280,7 @@ def main() -> None:
                           f"repeats={len(pairs)} " if len(pairs) > 1 else "")
                 print(f"grammar_overlap model={model_name} kernels={kernels} algo={algo} "
                       f"workers={llm.engine.config.grammar.mask_build_workers} "
+                      f"grammar_backend={args.grammar_backend} "
                       f"overlap={'on' if overlap else 'off'} "
                       f"bs={bs:<3} N={llm.engine.drafter.num_nodes} "
                       f"step_ms_no_grammar={plain['event_ms']:.3f} "

@@ -240,6 +240,20 @@ class SchedulerConfig:
     # this many free slots keeps the batch within ~1/8 of full and prefills them together.
     # None = max(1, max_batch_size // 8) (resolve_engine_config).
     min_prefill_batch: int | None = None
+    #: prefill long prompts in chunks interleaved with the verify steps
+    #: (scheduler/chunked_prefill.py); False (``--no-chunked-prefill``): whole prompts, one
+    #: prefill step each, under ``max_prefill_tokens``
+    enable_chunked_prefill: bool = True
+    #: with chunking, the query rows one prefill step computes (requests x their longest
+    #: chunk, padding included); None = auto, DEFAULT_MAX_NUM_BATCHED_TOKENS by device
+    max_num_batched_tokens: int | None = None
+
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 512, "cpu": 128}
+"""``max_num_batched_tokens`` when left to auto, by device type: a prefill chunk then costs
+about one verify step of the running batch, so the streams decoding beside a long prompt's
+prefill keep their inter-token latency within ~2x (benchmarks/long_prompt_itl.py,
+benchmarks/README.md "Chunked prefill")."""
 
 
 @dataclass(frozen=True)
@@ -412,6 +426,16 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
     elif scheduler.min_prefill_batch < 1:
         raise ValueError(f"min_prefill_batch={scheduler.min_prefill_batch}: expected >= 1 "
                          "(or None for auto)")
+    if not isinstance(scheduler.enable_chunked_prefill, bool):
+        raise ValueError(f"enable_chunked_prefill={scheduler.enable_chunked_prefill!r}: "
+                         "expected True or False")
+    if scheduler.max_num_batched_tokens is None:
+        scheduler = dataclasses.replace(scheduler, max_num_batched_tokens=(
+            DEFAULT_MAX_NUM_BATCHED_TOKENS["cuda" if device.startswith("cuda") else "cpu"]))
+    elif scheduler.max_num_batched_tokens < 1:
+        raise ValueError(f"max_num_batched_tokens={scheduler.max_num_batched_tokens}: "
+                         "expected an integer >= 1 (or None for auto): the query rows one "
+                         "chunked prefill step computes")
     if config.max_model_len is not None and config.max_model_len < 1:
         raise ValueError(f"max_model_len={config.max_model_len}: expected >= 1 (or None for "
                          "the model's context length)")
@@ -537,6 +561,7 @@ def _check_int_options(config: EngineConfig) -> None:
         ("speculative_topk", config.spec.topk, False),
         ("max_batch_size", config.scheduler.max_batch_size, False),
         ("min_prefill_batch", config.scheduler.min_prefill_batch, True),
+        ("max_num_batched_tokens", config.scheduler.max_num_batched_tokens, True),
         ("max_model_len", config.max_model_len, True),
         ("page_size", config.cache.page_size, False),
         ("kv_capacity_tokens", config.cache.kv_capacity_tokens, True),

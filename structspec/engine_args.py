@@ -57,6 +57,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-cache", action="store_true",
                    help="do not reuse the KV of prompt prefixes shared between requests "
                         "(prefix caching is on by default; greedy output is the same)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="query rows one chunked prefill step computes (requests x their "
+                        "longest chunk): a long prompt is prefilled this many tokens at a "
+                        "time between the running requests' verify steps (default: 512 on "
+                        "CUDA, 128 on CPU)")
+    g.add_argument("--no-chunked-prefill", action="store_true",
+                   help="prefill each prompt whole in one step (the streams already "
+                        "decoding wait for it; greedy output is the same)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length limit (default: the model's; more than the model's "
                         "is refused; lowered, with a warning, to what the KV cache holds)")
@@ -146,6 +154,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         max_batch_size=args.max_batch_size,
         kv_capacity_tokens=args.kv_capacity_tokens,
         enable_prefix_caching=not args.no_prefix_cache,
+        enable_chunked_prefill=not args.no_chunked_prefill,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         seed=args.seed,
         grammar_compile_timeout_s=args.grammar_compile_timeout,
@@ -174,6 +184,8 @@ FLAG_OF_ENGINE_FIELD: Mapping[str, str] = {
     "speculative_adaptive": "--speculative-adaptive", "cuda_graph": "--no-cuda-graph",
     "overlap": "--no-overlap", "chat_template": "--chat-template",
     "enable_prefix_caching": "--no-prefix-cache",
+    "max_num_batched_tokens": "--max-num-batched-tokens",
+    "enable_chunked_prefill": "--no-chunked-prefill",
 }
 """Engine options whose errors (``resolve_engine_config``, ``LLMEngine``) start with the
 option's name, e.g. ``max_model_len=... is greater than the model's context length``, and the

@@ -73,6 +73,14 @@ class LLM:
             ``--no-prefix-cache`` turns it off). Each result reports its reused prompt tokens
             (``RequestOutput.cached_tokens``). With the ``eagle`` drafter the target's
             features of each prompt position are kept beside its KV (the head reads them).
+        enable_chunked_prefill: prefill long prompts in chunks between the verify steps of
+            the requests already decoding, so that a long prompt does not freeze their
+            streams (``SchedulerConfig.enable_chunked_prefill``, default on; the CLI's
+            ``--no-chunked-prefill`` turns it off: whole prompts, one prefill step each).
+        max_num_batched_tokens: with chunking, the query rows one prefill step computes
+            (requests x their longest chunk); None = auto, 512 on CUDA and 128 on CPU
+            (:data:`structspec.config.DEFAULT_MAX_NUM_BATCHED_TOKENS`). ValueError naming
+            ``max_num_batched_tokens`` below 1 or not an integer.
         chat_template: a Jinja chat template used instead of the model's own (vLLM's
             ``--chat-template``): the path of a template file, or the template text (with a
             ``{{ ... }}`` or ``{% ... %}`` tag); ValueError naming ``chat_template`` when it
@@ -117,6 +125,8 @@ class LLM:
         chat_template: str | None = None,
         quantization: str = "auto",
         enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -140,7 +150,9 @@ class LLM:
                                   mask_build_workers=grammar_workers,
                                   backend=grammar_backend),
             scheduler=SchedulerConfig(max_batch_size=max_batch_size, overlap=overlap,
-                                      min_prefill_batch=min_prefill_batch),
+                                      min_prefill_batch=min_prefill_batch,
+                                      enable_chunked_prefill=enable_chunked_prefill,
+                                      max_num_batched_tokens=max_num_batched_tokens),
         )
         self.engine = LLMEngine(config)
 
@@ -155,10 +167,14 @@ class LLM:
         *,
         raw_prompt: bool = False,
         use_tqdm: bool = False,
+        priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for one prompt or a list of prompts (strings, token-id lists or chats).
 
         A string is sent as one user message through the chat template unless ``raw_prompt``.
+        ``priority`` (vLLM's): one int for every prompt or one per prompt; lower is served
+        first (admission order, and the last preempted when the KV cache runs out); None
+        is 0 for all (first come, first served).
         A request with bad input comes back finished with ``finish_reason == "abort"`` and
         ``error`` set; the other requests run normally.
 
@@ -167,20 +183,23 @@ class LLM:
 
         Raises:
             TypeError: ``prompts`` is not a string, a list of token ids, a chat or a
-                list/tuple of those (``generate(5)``), or ``sampling_params`` is not a
-                :class:`SamplingParams` or a list/tuple of them; naming the argument.
-            ValueError: a list of ``sampling_params`` whose length is not the number of
-                prompts.
+                list/tuple of those (``generate(5)``), ``sampling_params`` is not a
+                :class:`SamplingParams` or a list/tuple of them, or ``priority`` is not an
+                int or a list/tuple of ints; naming the argument.
+            ValueError: a list of ``sampling_params`` or ``priority`` whose length is not
+                the number of prompts.
         """
         batch = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(batch))
+        priorities = _as_priority_list(priority, len(batch))
         progress = None
         if use_tqdm:
             from tqdm import tqdm
 
             progress = tqdm(total=len(batch), desc="generate", unit="req")
         try:
-            return self.engine.generate_all(batch, params, raw_prompt=raw_prompt, progress=progress)
+            return self.engine.generate_all(batch, params, raw_prompt=raw_prompt,
+                                            progress=progress, priorities=priorities)
         finally:
             if progress is not None:
                 progress.close()
@@ -266,6 +285,30 @@ def _as_params_list(sampling_params: Any, num_prompts: int) -> list[SamplingPara
         raise ValueError(f"got {len(sampling_params)} sampling_params for {num_prompts} "
                          "prompts")
     return list(sampling_params)
+
+
+def _as_priority_list(priority: Any, num_prompts: int) -> list[int] | None:
+    """``LLM.generate``'s ``priority`` as one int per prompt (None: all 0).
+
+    Raises:
+        TypeError: not an int nor a list/tuple of ints (a bool is not a priority), naming
+            ``priority`` (or ``priority[i]``).
+        ValueError: a list whose length is not ``num_prompts``.
+    """
+    if priority is None:
+        return None
+    if isinstance(priority, int) and not isinstance(priority, bool):
+        return [priority] * num_prompts
+    if not isinstance(priority, (list, tuple)):
+        raise TypeError(f"priority must be an int or a list/tuple of ints (lower is served "
+                        f"first), got {type_name(priority)} {_short_repr(priority)}")
+    for i, p in enumerate(priority):
+        if isinstance(p, bool) or not isinstance(p, int):
+            raise TypeError(f"priority[{i}] must be an int, got {type_name(p)} "
+                            f"{_short_repr(p)}")
+    if len(priority) != num_prompts:
+        raise ValueError(f"got {len(priority)} priorities for {num_prompts} prompts")
+    return list(priority)
 
 
 def _short_repr(value: object, limit: int = 80) -> str:

@@ -91,7 +91,7 @@ class EagleHeadConfig:
     own_lm_head: bool = False
 
 
-def _read_head_tensors(path: Path) -> dict[str, torch.Tensor]:
+def read_head_tensors(path: Path) -> dict[str, torch.Tensor]:
     """All tensors of a head checkpoint (CPU), names without a leading ``model.``.
 
     Raises:
@@ -354,7 +354,7 @@ def load_eagle_head(
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{cfg_path}: not found; an EAGLE head needs config.json")
     cfg = json.loads(cfg_path.read_text())
-    tensors = _read_head_tensors(p)
+    tensors = read_head_tensors(p)
     config = parse_eagle_config(cfg, list(tensors), target_config)
     head = EagleHead(config)
     head.load_tensors(tensors, source=str(p))

@@ -75,16 +75,20 @@ def build_prefill_batch(
     col_ok = col < lens.unsqueeze(1)
     kv_slots = torch.where(col_ok, slots_for_positions(table, torch.where(col_ok, col, 0),
                                                        page_size), 0)
-    # causal: query at position p sees columns 0..p (cached prefix included)
-    mask = (col.unsqueeze(1) <= positions.unsqueeze(2)) & valid.unsqueeze(2)
-    mask[:, :, 0] |= ~valid  # padding rows attend to column 0 only (never all -inf)
+    positions_dev, valid_dev = positions.to(device), valid.to(device)
+    # causal: query at position p sees columns 0..p (cached prefix included). Built on the
+    # device: the [B, Q, L] mask of a long prompt's chunk (2048 x 8192 = 16M entries) took
+    # milliseconds of host time and a pageable copy, added to every chunk's step.
+    col_dev = torch.arange(kv_len, device=device)
+    mask = (col_dev.view(1, 1, -1) <= positions_dev.unsqueeze(2)) & valid_dev.unsqueeze(2)
+    mask[:, :, 0] |= ~valid_dev  # padding rows attend to column 0 only (never all -inf)
     logits_indices = torch.arange(bsz) * q + q_lens - 1
     return ForwardBatch(
         input_ids=input_ids.to(device),
-        positions=positions.to(device),
+        positions=positions_dev,
         out_slots=out_slots.to(device),
         kv_slots=kv_slots.to(device),
-        attn_mask=mask.to(device),
+        attn_mask=mask,
         logits_indices=logits_indices.to(device),
     )
 

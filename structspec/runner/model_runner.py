@@ -222,7 +222,8 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(
         self, token_ids: Sequence[Sequence[int]], pages: Sequence[Sequence[int]],
-        num_cached: Sequence[int] | None = None,
+        num_cached: Sequence[int] | None = None, *,
+        gather_prompt_features: bool | None = None,
     ) -> PrefillOutput:
         """Write the prompts' KV; return the last prompt tokens' logits and hidden states.
 
@@ -232,6 +233,12 @@ class ModelRunner:
             num_cached: per request, leading prompt tokens whose KV its pages already hold
                 (a prefix-cache hit; ``< len(prompt)``): only the rest is computed, and the
                 hidden states' row ``j`` is then position ``num_cached[b] + j``. None = 0.
+                A chunk of a prompt (chunked prefill) is the same call: ``token_ids`` its
+                prompt up to the chunk's end, ``num_cached`` the chunk's start.
+            gather_prompt_features: fill ``PrefillOutput.prompt_hidden_states`` from the
+                feature store (when the runner keeps one); None = when some
+                ``num_cached`` is not 0. A later chunk of a prompt whose drafter already
+                has the earlier positions' features passes False.
         """
         fb = build_prefill_batch(token_ids, pages, page_size=self.page_size, device=self.device,
                                  num_cached=num_cached)
@@ -246,7 +253,9 @@ class ModelRunner:
             feats = torch.cat([out.hidden_states, *out.aux_hidden_states], dim=-1)
             store.index_copy_(0, fb.out_slots.reshape(-1),
                               feats.reshape(-1, feats.shape[-1]).to(store.dtype))
-            if num_cached is not None and any(num_cached):
+            if gather_prompt_features is None:
+                gather_prompt_features = num_cached is not None and any(num_cached)
+            if gather_prompt_features:
                 # columns of kv_slots are prompt positions 0..L-1 (padding: slot 0)
                 full = store[fb.kv_slots]
                 h = out.hidden_states.shape[-1]

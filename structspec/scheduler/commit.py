@@ -38,15 +38,16 @@ def cut_run(req: Req, run: list[int]) -> tuple[list[int], FinishReason | None, s
     run stops at the token where plain decoding would have stopped.
 
     Returns:
-        ``(kept, finish_reason or None, stop_reason or None)``: the stop token id, or
+        ``(kept, finish_reason or None, stop_reason or None)``: the id of a
+        ``stop_token_ids`` token, None for the model's EOS (as vLLM reports it), or
         ``"repetition"`` (with ``length``).
     """
     room = req.max_new_tokens - len(req.output_ids)
     detector = req.repeat_detector
     for i, tok in enumerate(run):
-        if (tok in req.eos_token_ids and not req.params.ignore_eos) or (
-            tok in req.params.stop_token_ids
-        ):
+        if tok in req.eos_token_ids and not req.params.ignore_eos:
+            return run[: i + 1], FinishReason.STOP, None
+        if tok in req.params.stop_token_ids:
             return run[: i + 1], FinishReason.STOP, tok
         if detector is not None and detector.push(tok):
             return run[: i + 1], FinishReason.LENGTH, REPETITION_STOP_REASON

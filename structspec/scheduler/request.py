@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 class ReqStatus(enum.Enum):
     WAITING_GRAMMAR = "waiting_grammar"  # compile in flight
     WAITING = "waiting"  # ready, waiting for KV pages / a prefill slot
+    PREFILLING = "prefilling"  # admitted, prompt KV written in chunks, not yet decoding
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -29,7 +30,8 @@ class ReqStatus(enum.Enum):
 class Req:
     """A request inside the scheduler. Host-only; owned by the scheduler thread/process.
 
-    ``seq_len`` counts tokens whose KV is in the cache. After prefill it is the prompt length;
+    ``seq_len`` counts tokens whose KV is in the cache (while a prompt is prefilled in chunks,
+    the prompt positions written so far). After prefill it is the prompt length;
     the last output token is not yet in the cache (it is node 0 of the next verify tree).
 
     Requests compare by identity (``eq=False``): the scheduler's queue bookkeeping
@@ -77,6 +79,15 @@ class Req:
     drafter_state: Any = None  # owned by the drafter (e.g. n-gram index)
     # row of the device penalty table (scheduler/penalty_slots.py); 0: no penalties
     penalty_slot: int = 0
+    # admission and preemption order (lower = served first, vLLM's ``priority``); FCFS at 0
+    priority: int = 0
+    # arrival number given by ``Scheduler.add`` (FCFS among equal priorities)
+    arrival_seq: int = 0
+    # preempted and waiting: its KV (prompt + committed output) is rebuilt before it runs
+    # again (scheduler/preemption.py); its output, grammar and stop state are kept
+    preempted: bool = False
+    # times this request was preempted
+    num_preemptions: int = 0
     # the repetition stop's detector over the committed output (None: no repetition stop)
     repeat_detector: RepeatDetector | None = field(default=None, init=False)
 

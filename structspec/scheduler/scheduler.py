@@ -2,16 +2,16 @@
 
 The scheduler package is the only one that knows both :mod:`structspec.grammar` and
 :mod:`structspec.speculative` (docs/architecture.md, "Package map"). A scheduling step is a
-prefill (:meth:`Scheduler._run_prefill`) or one speculative verify step, whose phases live in
-:mod:`structspec.scheduler.verify_step`; the grammar side is
+prefill (:meth:`Scheduler._run_prefill`: whole prompts, or chunks of them between the verify
+steps, :mod:`structspec.scheduler.chunked_prefill`) or one speculative verify step, whose
+phases live in :mod:`structspec.scheduler.verify_step`; the grammar side is
 :class:`~structspec.scheduler.grammar_service.GrammarService`, the selection after a forward
 :mod:`structspec.scheduler.select_verify` (whose function the runner's post-forward CUDA graph
-records).
+records). KV pages grow on demand and requests are preempted and resumed, in priority order,
+by :mod:`structspec.scheduler.preemption`.
 """
 
 from __future__ import annotations
-
-from collections import deque
 
 import torch
 
@@ -26,19 +26,28 @@ from structspec.grammar.worker_pool import MaskWorkerPool
 from structspec.kvcache.page_table import HostPageTable
 from structspec.kvcache.prefix_cache import PrefixCachingAllocator
 from structspec.runner.model_runner import ModelRunner
+from structspec.scheduler.chunked_prefill import (
+    ChunkedPrefill,
+    PrefillBudget,
+    PrefillChunk,
+    feed_prompt_features,
+    prefill_forward,
+)
 from structspec.scheduler.commit import advance_grammar, commit_tokens, process_text
 from structspec.scheduler.deferred_work import finish_deferred
 from structspec.scheduler.draft_guard import GuardedDrafter
 from structspec.scheduler.grammar_service import GrammarService
 from structspec.scheduler.logprobs import trim_logprobs
 from structspec.scheduler.penalty_slots import PenaltySlots
+from structspec.scheduler.preemption import Preemption
 from structspec.scheduler.request import Req, ReqStatus
 from structspec.scheduler.select_verify import SelectVerifyPhase, select_verify
 from structspec.scheduler.step_stats import StepTimer
 from structspec.scheduler.tree_sizing import AdaptiveTreeSizer
 from structspec.scheduler.validate import check_schema_output
 from structspec.scheduler.verify_step import VerifyStep
-from structspec.speculative.base import Drafter, DraftRequest
+from structspec.scheduler.waiting_queue import WaitingQueue
+from structspec.speculative.base import Drafter
 
 
 class Scheduler:
@@ -88,8 +97,13 @@ class Scheduler:
         self.page_table = HostPageTable(config.scheduler.max_batch_size)
         self.requests: dict[str, Req] = {}
         self.grammar_queue: list[Req] = []
-        self.waiting: deque[Req] = deque()
+        #: ready requests in admission order: priority, then preempted ones, then arrival
+        self.waiting = WaitingQueue()
+        self._num_added = 0  # arrival numbers (FCFS among equal priorities)
         self.running: list[Req] = []
+        #: which prompt tokens each prefill step computes; holds the request part-way
+        #: through a chunked prefill (``chunks.prefilling``)
+        self.chunks = ChunkedPrefill(config.scheduler)
         self._finished_unreported: list[Req] = []
         self._deferred: list[Req] = []  # committed ids whose grammar/text work is pending
         self._touched: list[Req] = []  # requests whose progress the next output reports
@@ -122,6 +136,12 @@ class Scheduler:
                                   overlap=config.scheduler.overlap,
                                   feeds_hidden=self._feeds_hidden, page_table=self.page_table,
                                   sizer=self.sizer)
+        #: KV growth before each verify step, preemption when the pool runs out, resume
+        self.preemption = Preemption(
+            config, runner, self.allocator, self.page_table, self.draft, self.penalties,
+            self.timer, running=self.running, waiting=self.waiting,
+            prefilling=self.chunks.prefilling, num_nodes=self.num_nodes,
+            feeds_hidden=self._feeds_hidden, settle=self._settle_deferred, retire=self._retire)
 
     @property
     def mask_pool(self) -> MaskWorkerPool | None:
@@ -136,10 +156,16 @@ class Scheduler:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.grammar_queue) + len(self.waiting) + len(self.running)
+        return (len(self.grammar_queue) + len(self.waiting) + len(self.running)
+                + len(self.chunks.prefilling))
 
     def kv_tokens_needed(self, req: Req) -> int:
-        """KV slots reserved for ``req``: prompt, every new token, and one tree of scratch."""
+        """KV slots allocated when ``req`` is admitted: its prompt and one draft tree (its
+        pages then grow with its output, :meth:`Preemption.grow_for_verify`)."""
+        return len(req.prompt_ids) + self.num_nodes
+
+    def kv_tokens_to_finish(self, req: Req) -> int:
+        """KV slots ``req`` holds at its longest: prompt, every new token and one tree."""
         return len(req.prompt_ids) + req.max_new_tokens + self.num_nodes
 
     def add(self, req: Req) -> None:
@@ -150,10 +176,12 @@ class Scheduler:
             RequestError: the first penalised request's penalty table does not fit on the
                 device (:meth:`PenaltySlots.reserve`).
         """
-        need_pages = self.allocator.pages_for(self.kv_tokens_needed(req))
+        # A request must be able to finish alone in the pool: the others can be preempted
+        # to make room for it, but it cannot be split.
+        need_pages = self.allocator.pages_for(self.kv_tokens_to_finish(req))
         if need_pages > self.allocator.num_pages - 1:
             raise ValueError(
-                f"request needs {self.kv_tokens_needed(req)} KV slots (prompt + max_tokens + "
+                f"request needs {self.kv_tokens_to_finish(req)} KV slots (prompt + max_tokens + "
                 f"draft tree) but the cache holds {self.allocator.capacity_tokens}; lower "
                 "max_tokens or raise the KV capacity"
             )
@@ -172,12 +200,14 @@ class Scheduler:
         if req.params.grammar is not None:
             req.grammar_future = self.grammar.submit(req.params.grammar)
         self.requests[req.request_id] = req
+        req.arrival_seq = self._num_added
+        self._num_added += 1
         if req.grammar_future is not None:
             req.status = ReqStatus.WAITING_GRAMMAR
             self.grammar_queue.append(req)
         else:
             req.status = ReqStatus.WAITING
-            self.waiting.append(req)
+            self.waiting.push(req)
 
     def abort(self, request_id: str, reason: str = "aborted by client") -> bool:
         """End a request now; frees its KV. Returns False if it is unknown or already done."""
@@ -198,6 +228,7 @@ class Scheduler:
             self.grammar_queue.remove(req)
         if req in self.waiting:
             self.waiting.remove(req)
+        self.chunks.discard(req)
         if req.pages:
             self.allocator.free(req.pages)
             req.pages = []
@@ -229,11 +260,18 @@ class Scheduler:
             One output per request that gained tokens or finished since the last step.
         """
         self._poll_grammar()
-        batch = self._admit()
-        if batch:
-            self._finish_deferred()
-            self._run_prefill(batch)
-        elif live := [r for r in self.running if not r.finished]:
+        self._poll_grammar()
+        self.preemption.make_room_for_priority()
+        self.preemption.resume()  # preempted requests at the queue's front rebuild their KV
+        live = [r for r in self.running if not r.finished]
+        chunks: list[PrefillChunk] = []
+        if self.chunks.turn(decoding=bool(live)):
+            budget = self.chunks.budget()
+            continued = self.chunks.continue_prefills(budget)
+            chunks = self.chunks.plan(continued, self._admit(budget), budget)
+        if chunks:
+            self._run_prefill(chunks)
+        elif live := self.preemption.grow_for_verify(live):
             self._run_verify(live)
         else:
             self._finish_deferred()
@@ -259,6 +297,15 @@ class Scheduler:
             self.requests.pop(req.request_id, None)
         self._finished_unreported = []
         return outputs
+
+    def _settle_deferred(self, req: Req) -> None:
+        """Run ``req``'s deferred grammar barrier and text work now, if it has any (before it
+        is preempted); it is reported with this step's outputs."""
+        if not any(r is req for r in self._deferred):
+            return
+        self._deferred = [r for r in self._deferred if r is not req]
+        finish_deferred(self.grammar, self.timer, [req])
+        self._touched.append(req)
 
     def _finish_deferred(self) -> None:
         """Run the grammar advance and text processing a previous step deferred."""
@@ -288,10 +335,17 @@ class Scheduler:
             req.grammar_future = None
             self.grammar.prepare(req)  # its grammar starts for its mask worker, if any
             req.status = ReqStatus.WAITING
-            self.waiting.append(req)
+            self.waiting.push(req)
 
-    def _admit(self) -> list[Req]:
-        """Pick waiting requests for one prefill step (FCFS; stops at the first that won't fit).
+    def _admit(self, budget: PrefillBudget | None = None) -> list[Req]:
+        """Pick waiting requests for one prefill step, in the queue's order (priority, then
+        FCFS; stops at the first that won't fit, or at a preempted request, which resumes
+        first: :meth:`Preemption.resume`). Each gets the KV of its prompt and one tree; the
+        running requests' next trees (:meth:`Preemption.headroom_pages`) stay free.
+
+        ``budget`` grants each picked request its prompt tokens of this step (whole prompts,
+        or a first chunk: scheduler/chunked_prefill.py); its ``grants`` list them in order.
+        None: a fresh budget of the step (``self.chunks.budget()``).
 
         The prefill runs only when it is worth a step of its own (``SchedulerConfig.
         min_prefill_batch``): it admits at least that many requests, or every waiting one, or
@@ -301,33 +355,38 @@ class Scheduler:
         cfg = self.config.scheduler
         if not self.waiting:
             return []
+        if budget is None:
+            budget = self.chunks.budget()
         alloc = self.allocator
         picked: list[tuple[Req, list[int], int]] = []  # (request, cached pages, new pages)
         pinned: set[int] = set()  # evictable cached pages the picked requests will reuse
-        tokens = pages = 0
+        pages = 0
         budget_full = False
-        slots = cfg.max_batch_size - len(self.running)
+        slots = cfg.max_batch_size - len(self.running) - len(self.chunks.prefilling)
+        headroom = self.preemption.headroom_pages()  # the running requests' next trees
         for req in self.waiting:
-            if len(picked) >= slots:
+            if len(picked) >= slots or req.preempted:  # a preempted one resumes first
                 break
             hits = alloc.match(req.prompt_ids)
             plen = len(req.prompt_ids) - len(hits) * alloc.page_size  # tokens to compute
-            if picked and tokens + plen > cfg.max_prefill_tokens:
+            take = budget.grant(plen)
+            if not take:
                 budget_full = True
                 break
             need = alloc.pages_for(self.kv_tokens_needed(req)) - len(hits)
             # a reused page that is evictable now stops counting as free once reused
             reused_free = [p for p in hits if alloc.is_evictable(p) and p not in pinned]
-            if not alloc.can_allocate(pages + need + len(pinned) + len(reused_free)):
+            if not alloc.can_allocate(pages + need + len(pinned) + len(reused_free) + headroom):
                 break
             pinned.update(reused_free)
             picked.append((req, hits, need))
-            tokens += plen
+            budget.take(take)
             pages += need
         min_batch = cfg.min_prefill_batch or 1
         if not picked or not (len(picked) >= min_batch or budget_full
                               or len(picked) == len(self.waiting)
-                              or len(self.running) < min_batch):
+                              or len(self.running) < min_batch
+                              or self.preemption.outranks_running(picked[0][0])):
             return []
         # Every reused page takes its reference before any allocation, so that no allocation
         # of this batch evicts a page another request of the batch is about to reuse.
@@ -346,36 +405,34 @@ class Scheduler:
 
     # ------------------------------------------------------------------ prefill and verify
 
-    def _run_prefill(self, batch: list[Req]) -> None:
-        """Write the prompts' KV and commit each request's first token (its grammar advance
-        and text work run at once)."""
+    def _run_prefill(self, chunks: list[PrefillChunk]) -> None:
+        """Write the chunks' prompt KV; each request whose prompt is now complete commits its
+        first token (its grammar advance and text work run at once). The previous verify
+        step's deferred work runs under the forward."""
         self.timer.break_chain()
+        out = prefill_forward(self.runner, chunks)
+        self._finish_deferred()
+        if self._feeds_hidden:
+            feed_prompt_features(self.draft, chunks, out)
+        for c in chunks:
+            # the prompt's full pages written so far are final (later writes start past them)
+            self.allocator.register(c.req.prompt_ids, c.req.pages, c.end)
+        batch = self.chunks.after_forward(chunks)
+        if not batch:
+            return
+        logits = out.logits
+        if len(batch) < len(chunks):
+            logits = logits[torch.tensor([i for i, c in enumerate(chunks) if c.last],
+                                         device=logits.device)]
         for r in batch:
             if r.params.has_penalties:
                 self.penalties.assign(r)
-        cached = [r.num_cached_tokens for r in batch]
-        out = self.runner.prefill([r.prompt_ids for r in batch], [r.pages for r in batch],
-                                  cached if any(cached) else None)
-        if self._feeds_hidden:
-            # every prompt position's features, the cached ones included
-            if out.prompt_hidden_states is not None and out.prompt_aux_hidden_states is not None:
-                hidden, aux = out.prompt_hidden_states, out.prompt_aux_hidden_states
-            else:
-                assert not any(cached), "prefix reuse for a drafter without prompt features"
-                hidden, aux = out.hidden_states, out.aux_hidden_states
-            self.draft.on_target_hidden(
-                [DraftRequest(r.request_id, r.prompt_ids, 0) for r in batch],
-                hidden, None, [len(r.prompt_ids) for r in batch], aux)
-        for r in batch:
-            r.seq_len = len(r.prompt_ids)
-            # the prompt's full pages are final now (later writes start at seq_len)
-            self.allocator.register(r.prompt_ids, r.pages, r.seq_len)
         tree = VerifyTree.root_only(torch.tensor([r.prompt_ids[-1] for r in batch]))
         gtree = self.grammar.stage_tree(batch, tree)
-        selection = self._select.prepare(batch, tree.num_nodes, out.logits.device, None)
+        selection = self._select.prepare(batch, tree.num_nodes, logits.device, None)
         mask = None if gtree is None else self.grammar.build_mask(
             batch, gtree, plan=None, while_walking=None)
-        runs = self._select.launch(batch, tree, out.logits, None, selection, mask).wait()
+        runs = self._select.launch(batch, tree, logits, None, selection, mask).wait()
         t = now()
         for req, run in zip(batch, runs, strict=True):
             commit_tokens(req, run, t)

@@ -83,8 +83,10 @@ def build_engine_config(model: str | None = None, **kwargs: Any) -> Any:
         grammar=GrammarConfig(compile_timeout_s=kwargs.get("grammar_compile_timeout_s", 30.0),
                               mask_build_workers=kwargs.get("grammar_workers"),
                               backend=kwargs.get("grammar_backend", "xgrammar")),
-        scheduler=SchedulerConfig(max_batch_size=kwargs.get("max_batch_size", 64),
-                                  overlap=kwargs.get("overlap", True)),
+        scheduler=SchedulerConfig(
+            max_batch_size=kwargs.get("max_batch_size", 64), overlap=kwargs.get("overlap", True),
+            enable_chunked_prefill=kwargs.get("enable_chunked_prefill", True),
+            max_num_batched_tokens=kwargs.get("max_num_batched_tokens")),
     )
 
 

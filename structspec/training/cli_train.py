@@ -102,6 +102,9 @@ def add_train_eagle_parser(sub: Any, formatter_class: type[argparse.HelpFormatte
     p.add_argument("--resume", action="store_true",
                    help="data: skip the prompts OUT's saved shards hold (same data options); "
                         "train: continue from OUT's checkpoint (same data and options)")
+    t.add_argument("--init-from", default=d.init_from, metavar="HEAD_DIR",
+                   help="start from an exported EAGLE-3 head's weights (fine-tune: new data or "
+                        "more steps, fresh optimizer and schedule) instead of a random init")
     t.add_argument("--draft-vocab-size", type=int, default=d.draft_vocab_size,
                    help="0: share the target's lm_head (full vocabulary); N: the head's own "
                         "lm_head over the N most frequent response tokens (d2t/t2d maps)")
@@ -132,7 +135,7 @@ def config_from_args(args: argparse.Namespace) -> TrainEagleConfig:
         ttt_decay=args.ttt_decay, ttt_attention=args.ttt_attention,
         warmup_steps=args.warmup_steps,
         clip_grad_norm=args.clip_grad_norm, seed=args.seed,
-        checkpoint_every=args.checkpoint_every, resume=args.resume,
+        checkpoint_every=args.checkpoint_every, resume=args.resume, init_from=args.init_from,
         draft_vocab_size=args.draft_vocab_size,
         aux_hidden_layers=tuple(args.aux_hidden_layers) if args.aux_hidden_layers else None,
         device=args.device, dtype=args.dtype, export_dtype=args.export_dtype,

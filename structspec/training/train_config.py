@@ -70,6 +70,9 @@ class TrainEagleConfig:
         resume: the data stage skips the prompts its saved shards in ``out`` hold (same data
             options, else refused naming the option); the train stage continues from
             ``out``'s checkpoint (same data and options).
+        init_from: train stage only: an exported EAGLE-3 head directory whose weights the head
+            starts from instead of a random init (fine-tuning on new data or for more steps; a
+            fresh optimizer and LR schedule). Its aux layers and vocabulary must match.
         draft_vocab_size: 0 = the head shares the target's lm_head (full vocabulary, nothing
             extra to ship); N = its own lm_head over the N most frequent response tokens
             (``d2t`` / ``t2d`` maps; ~N*H*2 more bytes in bf16).
@@ -114,6 +117,7 @@ class TrainEagleConfig:
     seed: int = 0
     checkpoint_every: int = 200
     resume: bool = False
+    init_from: str = ""
     draft_vocab_size: int = 0
     aux_hidden_layers: tuple[int, ...] | None = None
     device: str = "auto"
@@ -175,6 +179,9 @@ class TrainEagleConfig:
         if self.aux_hidden_layers is not None and len(self.aux_hidden_layers) != 3:
             raise ValueError(f"aux_hidden_layers={self.aux_hidden_layers}: EAGLE-3 needs "
                              f"exactly 3 layers")
+        if self.init_from and self.resume:
+            raise ValueError("init_from: a resumed run continues from its checkpoint; use "
+                             "init_from only to start a new run")
 
     def to_json(self) -> str:
         """The config as a JSON object (what a data rank process is started with)."""

@@ -36,7 +36,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from structspec.config import ModelConfig
-from structspec.models.eagle_head import EagleHead
+from structspec.models.eagle_head import EagleHead, parse_eagle_config, read_head_tensors
 from structspec.training.batch_stream import BatchStream, total_steps
 from structspec.training.batching import collate, draft_vocabulary, trainable
 from structspec.training.distributed import DistContext, barrier, reduce_step
@@ -105,9 +105,33 @@ def build_head(cfg: TrainEagleConfig, target: nn.Module, target_config: ModelCon
             head.lm_head.weight.copy_(target.lm_head.weight.detach()[vocab_ids.to(
                 target.lm_head.weight.device)].float().cpu())
             head.d2t.copy_(vocab_ids)
+    if cfg.init_from:
+        init_from_export(head, cfg.init_from, target_config)
     head.to(device)
     head.rotary.reset_inv_freq()
     return head.train()
+
+
+def init_from_export(head: EagleHead, path: str, target_config: ModelConfig) -> None:
+    """Copy an exported EAGLE-3 head's weights (any dtype) into ``head`` (float32, CPU).
+
+    Raises:
+        FileNotFoundError: ``path`` has no config.json or weights.
+        ValueError: the exported head's aux layers, vocabulary or shapes differ from the head
+            this run trains (named, with both values).
+    """
+    src = Path(path).expanduser()
+    cfg_path = src / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"init_from: {cfg_path} not found (an exported head directory)")
+    tensors = read_head_tensors(src)
+    exported = parse_eagle_config(json.loads(cfg_path.read_text()), list(tensors), target_config)
+    mine = head.config
+    for name in ("aux_hidden_layers", "draft_vocab_size", "own_lm_head"):
+        if getattr(exported, name) != getattr(mine, name):
+            raise ValueError(f"init_from: {src} has {name}={getattr(exported, name)}, this run "
+                             f"trains {name}={getattr(mine, name)}")
+    head.load_tensors(tensors, source=f"init_from {src}")
 
 
 def train_head(cfg: TrainEagleConfig, target: nn.Module, target_config: ModelConfig,

@@ -106,6 +106,36 @@ def tiny_model_dir(smol_dir: str, tmp_path_factory: pytest.TempPathFactory) -> s
     return str(out)
 
 
+@pytest.fixture(scope="session")
+def tiny_drafters(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Engine options per drafter on the tiny target: a different random tiny draft model
+    (its drafts are mostly rejected) and a random EAGLE head (prefix caching, chunked
+    prefill and preemption tests)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from structspec.config import ModelConfig
+    from structspec.models.eagle_head import build_random_eagle_head
+
+    draft_dir = tmp_path_factory.mktemp("tiny_draft")
+    torch.manual_seed(1)
+    cfg = LlamaConfig.from_pretrained(tiny_model_dir)
+    cfg.num_hidden_layers = 1
+    LlamaForCausalLM(cfg).save_pretrained(draft_dir, safe_serialization=True)
+    eagle_dir = tmp_path_factory.mktemp("tiny_eagle")
+    target_cfg = ModelConfig.from_hf_config(
+        json.loads((Path(tiny_model_dir) / "config.json").read_text()))
+    build_random_eagle_head(target_cfg, str(eagle_dir), seed=0)
+    return {
+        "none": {},
+        "ngram": dict(speculative_algorithm="ngram", num_draft_tokens=6),
+        "draft_model": dict(speculative_algorithm="draft_model", draft_model=str(draft_dir),
+                            num_draft_tokens=5, speculative_depth=3, speculative_topk=2),
+        "eagle": dict(speculative_algorithm="eagle", draft_model=str(eagle_dir),
+                      num_draft_tokens=5, speculative_depth=3, speculative_topk=2),
+    }
+
+
 # Engines kept alive at once by ``make_llm``. Each SmolLM2 engine holds its weights (plus a
 # draft model's) and a 4096-token fp32 KV pool, about 0.8-1.5 GB; a test uses at most two at a
 # time, and the tests that share a configuration sit next to each other, so three keeps the

@@ -8,8 +8,6 @@ All on the 2-layer random tiny Llama (``tiny_model_dir``): fast, with peaked log
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,34 +27,6 @@ SYSTEM_B = ("Reply as a pirate who loves maps and weather reports, in one senten
             "always mentioning the sea and a compass. ") * 2
 SYSTEM_C = ("Translate every answer into formal French, keep numbers as digits, and end "
             "each reply with a polite greeting to the customer. ") * 2
-
-
-@pytest.fixture(scope="session")
-def tiny_drafters(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Engine options per drafter on the tiny target: a different random tiny draft model
-    (its drafts are mostly rejected) and a random EAGLE head."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from structspec.config import ModelConfig
-    from structspec.models.eagle_head import build_random_eagle_head
-
-    draft_dir = tmp_path_factory.mktemp("tiny_draft")
-    torch.manual_seed(1)
-    cfg = LlamaConfig.from_pretrained(tiny_model_dir)
-    cfg.num_hidden_layers = 1
-    LlamaForCausalLM(cfg).save_pretrained(draft_dir, safe_serialization=True)
-    eagle_dir = tmp_path_factory.mktemp("tiny_eagle")
-    target_cfg = ModelConfig.from_hf_config(
-        json.loads((Path(tiny_model_dir) / "config.json").read_text()))
-    build_random_eagle_head(target_cfg, str(eagle_dir), seed=0)
-    return {
-        "none": {},
-        "ngram": dict(speculative_algorithm="ngram", num_draft_tokens=6),
-        "draft_model": dict(speculative_algorithm="draft_model", draft_model=str(draft_dir),
-                            num_draft_tokens=5, speculative_depth=3, speculative_topk=2),
-        "eagle": dict(speculative_algorithm="eagle", draft_model=str(eagle_dir),
-                      num_draft_tokens=5, speculative_depth=3, speculative_topk=2),
-    }
 
 
 def _params() -> list[SamplingParams]:

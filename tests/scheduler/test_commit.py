@@ -60,6 +60,7 @@ def test_eos_inside_run_cuts_after_it() -> None:
     n = commit_run(req, [5, 6, EOS, 7, 8], 0.0)
     assert n == 3 and req.output_ids == [5, 6, EOS]
     assert req.finish_reason is FinishReason.STOP and req.text == "fg"
+    assert req.stop_reason is None  # the model's EOS: no stop_reason (vLLM's convention)
     assert req.matcher.accepted == [5, 6, EOS]  # type: ignore[union-attr]
 
 

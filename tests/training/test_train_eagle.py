@@ -212,6 +212,24 @@ def test_export_roundtrip_and_specforge_names(small_dir: Path, tmp_path: Path) -
         load_eagle_head(tmp_path / "ours", mcfg, device=CPU, dtype=torch.float32)
 
 
+def test_init_from_an_exported_head(small_dir: Path, tmp_path: Path) -> None:
+    """``init_from`` starts a run from an exported head's weights (not the seed's init); a head
+    with other aux layers is refused naming the field; init_from with resume is refused."""
+    model, mcfg = load_model(str(small_dir), device=CPU, dtype=torch.float32)
+    src = build_head(TrainEagleConfig(out="x", seed=1), model, mcfg, (1, 3, 4), None, CPU)
+    export_eagle3_head(src, tmp_path / "src", target=mcfg, dtype=torch.float32)
+    cfg = TrainEagleConfig(out="x", seed=2, init_from=str(tmp_path / "src"))
+    head = build_head(cfg, model, mcfg, (1, 3, 4), None, CPU)
+    fresh = build_head(replace(cfg, init_from=""), model, mcfg, (1, 3, 4), None, CPU)
+    assert not torch.equal(fresh.fc.weight, src.fc.weight)
+    for k, v in src.state_dict().items():
+        assert torch.equal(head.state_dict()[k], v), k
+    with pytest.raises(ValueError, match="init_from: .* aux_hidden_layers"):
+        build_head(cfg, model, mcfg, (0, 2, 4), None, CPU)
+    with pytest.raises(ValueError, match="init_from"):
+        replace(cfg, resume=True).validate()
+
+
 def test_bad_inputs_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from structspec.cli import main
 
