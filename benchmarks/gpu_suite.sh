@@ -2,7 +2,7 @@
 # Everything measured on the lent H200 (after `source .gpu/setup.sh`), in stages named on the
 # command line so that each fits one device call:
 #   bash benchmarks/gpu_suite.sh tests smol peer llama8b llama8b_overlap invariant maskbench
-#   (default: all)
+#   eagle_speed (default: all)
 #   tests     GPU tests (kernels, CUDA graphs, engine: overlap on/off, bf16 spec vs plain, sync)
 #   smol      SmolLM2: host mask-build cost by threads, CUDA-graph step times, grammar overlap
 #             (ngram and draft_model, batch 1/8/32/64, N=8, with / without grammar and overlap)
