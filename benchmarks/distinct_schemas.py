@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import sys
 import time
 from collections import Counter
@@ -113,6 +114,21 @@ def run_one(args: argparse.Namespace, algo: str, workers: int,
     return schemas, summary
 
 
+def print_summary(args: argparse.Namespace, s: dict[str, Any]) -> None:
+    """One summary line for one run (and the errors by message, if any)."""
+    print(f"distinct_schemas algo={s['algo']} workers={s['workers']} n={s['n']} "
+          f"batch={args.max_batch_size} max_tokens={args.max_tokens} "
+          f"wall_s={s['wall_s']:.2f} tok_s={s['tok_s']:.1f} tokens={s['tokens']} "
+          f"stop={s['stop']} errors={s['errors']} "
+          f"ship_step_ms={s['ship_step_ms']:.2f} "
+          f"ship_thread_ms={s['ship_thread_ms']:.1f} shipped={s['shipped']} "
+          f"pool_builds={s['pool_builds']} pool_alive={s['pool_alive']} "
+          f"steps={s['steps']} step_wall_ms={s['step_wall_ms']:.2f} "
+          f"compile_s={s['compile_s']:.1f}", flush=True)
+    if s["error_kinds"]:
+        print(f"  errors by message: {s['error_kinds']}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", default=str(ROOT / "tests" / "data" / "maskbench"))
@@ -135,26 +151,31 @@ def main() -> None:
     ap.add_argument("--compile-timeout", type=float, default=60.0)
     ap.add_argument("--no-precompile", dest="precompile", action="store_false",
                     help="compile inside the timed run (as live traffic would)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs per configuration, the worker order reversed every other round; "
+                         "a median line per configuration follows when > 1")
     args = ap.parse_args()
     if args.num_requests < 1 or args.max_batch_size < 1 or args.max_tokens < 1:
         ap.error("--num-requests, --max-batch-size and --max-tokens must be >= 1")
     if any(w < 0 for w in args.workers):
         ap.error("--workers: counts must be >= 0")
+    if args.repeats < 1:
+        ap.error("--repeats: must be >= 1")
     schemas = pick_schemas(Path(args.data), args.num_requests, args.max_compile_s)
+    tok_s: dict[tuple[str, int], list[float]] = {}
     for algo in args.algorithms:
-        for workers in args.workers:
-            schemas, s = run_one(args, algo, workers, schemas)
-            print(f"distinct_schemas algo={s['algo']} workers={s['workers']} n={s['n']} "
-                  f"batch={args.max_batch_size} max_tokens={args.max_tokens} "
-                  f"wall_s={s['wall_s']:.2f} tok_s={s['tok_s']:.1f} tokens={s['tokens']} "
-                  f"stop={s['stop']} errors={s['errors']} "
-                  f"ship_step_ms={s['ship_step_ms']:.2f} "
-                  f"ship_thread_ms={s['ship_thread_ms']:.1f} shipped={s['shipped']} "
-                  f"pool_builds={s['pool_builds']} pool_alive={s['pool_alive']} "
-                  f"steps={s['steps']} step_wall_ms={s['step_wall_ms']:.2f} "
-                  f"compile_s={s['compile_s']:.1f}", flush=True)
-            if s["error_kinds"]:
-                print(f"  errors by message: {s['error_kinds']}", flush=True)
+        for rep in range(args.repeats):
+            # alternate the order so that a drift of the machine (clocks, other jobs) does not
+            # favour whichever configuration runs first
+            for workers in args.workers if rep % 2 == 0 else args.workers[::-1]:
+                schemas, s = run_one(args, algo, workers, schemas)
+                tok_s.setdefault((algo, workers), []).append(s["tok_s"])
+                print_summary(args, s)
+    if args.repeats > 1:
+        for (algo, workers), vals in tok_s.items():
+            print(f"distinct_schemas_median algo={algo} workers={workers} runs={len(vals)} "
+                  f"tok_s={statistics.median(vals):.1f} "
+                  f"all={' '.join(f'{v:.1f}' for v in vals)}", flush=True)
 
 
 if __name__ == "__main__":

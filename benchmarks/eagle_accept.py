@@ -11,6 +11,9 @@ Drafters: ``eagle`` (``--draft-model``, default: the head shipped for the defaul
 (workload, shape, drafter):
 
     PYTHONPATH=$PWD python benchmarks/eagle_accept.py --device cuda --num-prompts 64
+
+``--speculative-adaptive off`` measures each drafter's full tree on every step (the engine's
+default, ``auto``, shrinks trees where verify rows cost time, as on a CPU).
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--max-batch-size", type=int, default=64)
+    ap.add_argument("--speculative-adaptive", default="auto", choices=["auto", "on", "off"],
+                    help="tree sizing (off: every step verifies the drafter's full tree)")
     args = ap.parse_args()
     model = resolve_model_path(args.model)
     work = workloads(args.workloads, args.num_prompts)
@@ -71,9 +76,12 @@ def main() -> None:
             if algo == "none" and shape != args.shapes[0]:
                 continue
             draft = {"eagle": args.draft_model, "draft_model": model}.get(algo)
-            llm = LLM(model, device=args.device, speculative_algorithm=algo, draft_model=draft,
+            # the target as named (None: the default model, whose shipped head eagle drafts
+            # with when --draft-model is not given)
+            llm = LLM(args.model, device=args.device, speculative_algorithm=algo, draft_model=draft,
                       num_draft_tokens=n, speculative_depth=depth, speculative_topk=topk,
-                      max_batch_size=args.max_batch_size)
+                      max_batch_size=args.max_batch_size,
+                      speculative_adaptive=args.speculative_adaptive)
             for name, items in work.items():
                 params = [SamplingParams(max_tokens=args.max_tokens, temperature=0.0,
                                          grammar=JsonSchemaConstraint(s) if s else None)
@@ -87,7 +95,8 @@ def main() -> None:
                 errors = sum(o.error is not None for o in outs)
                 print(f"eagle_accept workload={name} shape={shape} algo={algo} "
                       f"accept_len={committed / max(steps, 1):.2f} prompts={len(items)} "
-                      f"tokens={tokens} errors={errors} tok/s={tokens / dt:.0f}", flush=True)
+                      f"tokens={tokens} errors={errors} tok/s={tokens / dt:.0f} "
+                      f"adaptive={args.speculative_adaptive}", flush=True)
             del llm
             if args.device == "cuda":
                 torch.cuda.empty_cache()

@@ -2,7 +2,7 @@
 # Everything measured on the lent H200 (after `source .gpu/setup.sh`), in stages named on the
 # command line so that each fits one device call:
 #   bash benchmarks/gpu_suite.sh tests smol peer llama8b llama8b_overlap invariant maskbench
-#   (default: all)
+#   eagle_speed (default: all)
 #   tests     GPU tests (kernels, CUDA graphs, engine: overlap on/off, bf16 spec vs plain, sync)
 #   smol      SmolLM2: host mask-build cost by threads, CUDA-graph step times, grammar overlap
 #             (ngram and draft_model, batch 1/8/32/64, N=8, with / without grammar and overlap)
@@ -19,6 +19,10 @@
 #             penalties and with the repetition stop: the truncated share of each
 #   penalty_cost  issue 20: verify-step time of penalised batches vs none (ngram, batch
 #             1/32/64; the penalised post graph), one line per configuration
+#   eagle_speed  issue 18: tokens/s of none / ngram / eagle / draft_model at batch 1/8/32/64, with
+#             and without a JSON Schema, held-out ShareGPT and extraction prompts (drafter_speed.py
+#             --compact, ~3 min), and the grammar overlap with the shipped EAGLE head (batch
+#             1/8/32/64, overlap on, 3 alternating repeats, ~3 min)
 #   ab_overlap, ab_peer  this checkout against another one at $OLD (e.g. `git archive` of an
 #             earlier commit), alternated back to back (benchmarks/ab_compare.py): grammar
 #             overlap (ngram, batch 1/32/64, overlap on) and the structspec peer-table rows;
@@ -27,8 +31,8 @@
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
-run() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$? $name"; grep -E "^(ab_compare|grammar_overlap|mask_build|decode|peer|hbm|floor|maskbench|penalty_cost|[0-9]+ passed|FAILED|ERROR)|passed|failed" "$OUT/$name.log" | tail -n 40; }
-stages=${*:-tests smol peer llama8b llama8b_overlap invariant maskbench loopguards loopguards2 penalty_cost}
+run() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$? $name"; grep -E "^(ab_compare|drafter_speed|eagle_accept|grammar_overlap|mask_build|decode|peer|hbm|floor|maskbench|penalty_cost|[0-9]+ passed|FAILED|ERROR)|passed|failed" "$OUT/$name.log" | tail -n 40; }
+stages=${*:-tests smol peer llama8b llama8b_overlap invariant maskbench loopguards loopguards2 penalty_cost eagle_speed}
 L8=benchmarks/assets/llama3-8b-shape
 python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())'
 for s in $stages; do case $s in
@@ -66,6 +70,9 @@ for s in $stages; do case $s in
     run maskbench512_rep11_stop 150 $MB --repetition-penalty 1.1 --stop-on-repeat --out "$OUT/mb512_rep11_stop.jsonl" ;;
   penalty_cost)
     run penalty_cost 560 python3 benchmarks/penalty_cost.py --device cuda --batch 1 32 64 --steps 100 --repeats 2 ;;
+  eagle_speed)
+    run drafter_speed 300 python3 benchmarks/drafter_speed.py --device cuda --compact
+    run grammar_overlap_eagle 420 python3 benchmarks/grammar_overlap.py --device cuda --batch 1 8 32 64 --steps 60 --algorithms eagle --overlap on --repeats 3 --speculative-adaptive off ;;
   ab_overlap)
     run ab_overlap 560 python3 benchmarks/ab_compare.py --old "$OLD" --new . --rounds 2 -- benchmarks/grammar_overlap.py --device cuda --batch 1 32 64 --steps 100 --algorithms ngram --overlap on ;;
   ab_peer)

@@ -19,6 +19,13 @@ grammar), so that ratio also charges the grammar for the extra tokens it lets ea
 
     PYTHONPATH=$PWD python benchmarks/grammar_overlap.py --device cuda --batch 1 8 32 64
 
+With the EAGLE head shipped for the default model (issue 18: ratio <= 1.05 at every batch)::
+
+    PYTHONPATH=$PWD python benchmarks/grammar_overlap.py --device cuda --batch 1 8 32 64 \
+        --algorithms eagle --overlap on --repeats 3 --steps 60 --speculative-adaptive off
+
+``--grammar-backend llguidance`` (or ``auto``) puts every constrained request on that backend.
+
 Other models: ``--model DIR`` (default SmolLM2-135M-Instruct), with ``--load-format dummy`` for
 seeded random weights built on the GPU from config.json alone, e.g. the Llama-3-8B shape with
 the real Llama-3 tokenizer, drafting with a random Llama-3.2-1B-shaped model::
@@ -174,14 +181,14 @@ def step_ms(llm: LLM, prompts: Sequence[str | list[int]], grammar: bool, steps: 
 
 
 def draft_for(algo: str, args: argparse.Namespace) -> str | None:
-    """The draft model of ``draft_model``/``eagle``: ``--draft-model``, else (draft_model
-    only) the target itself (SmolLM2 has no smaller sibling offline)."""
+    """The draft model of ``draft_model``/``eagle``: ``--draft-model``; without it, for
+    ``eagle`` None (the engine resolves the head shipped for the default model; another
+    ``--model`` needs ``--draft-model``), for ``draft_model`` the target itself (SmolLM2 has no
+    smaller sibling offline)."""
     if algo not in ("draft_model", "eagle"):
         return None
-    if args.draft_model:
+    if args.draft_model or algo == "eagle":
         return args.draft_model
-    if algo == "eagle":
-        raise SystemExit("--algorithms eagle needs --draft-model (an EAGLE head)")
     from structspec.models.default_model import resolve_model_path
 
     return resolve_model_path(args.model)
@@ -222,10 +229,16 @@ def main() -> None:
     ap.add_argument("--grammar-workers", type=int, default=None,
                     help="worker processes for the tree bitmasks (0: in the engine process; "
                          "default: the engine's, min(8, cores // 2) on CUDA, 0 on CPU)")
+    ap.add_argument("--grammar-backend", default="xgrammar",
+                    choices=["xgrammar", "llguidance", "auto"],
+                    help="grammar engine of every constrained request")
     ap.add_argument("--workload", default="records", choices=["records", "extraction"],
                     help="records: prompts the model keeps answering with copied JSON records "
                          "with or without the grammar (equal work); extraction: the bare "
                          "extraction prompts (prose without the grammar)")
+    ap.add_argument("--speculative-adaptive", default="auto", choices=["auto", "on", "off"],
+                    help="tree sizing (off: every step verifies the drafter's full tree, "
+                         "as the EAGLE overlap measurement of issue 18 needs)")
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="per request (default: (steps + 8) * num_draft_tokens + 64, enough to "
                          "stay alive through the window; KV is reserved for all of it)")
@@ -239,7 +252,9 @@ def main() -> None:
                       max_batch_size=max(args.batch), load_format=args.load_format,
                       kernels=args.kernels, seed=args.seed,
                       kv_capacity_tokens=args.kv_capacity_tokens,
-                      draft_model=draft_for(algo, args), grammar_workers=args.grammar_workers)
+                      draft_model=draft_for(algo, args), grammar_workers=args.grammar_workers,
+                      grammar_backend=args.grammar_backend,
+                      speculative_adaptive=args.speculative_adaptive)
             kernels = llm.engine.config.kernels
             prompts_all: Sequence[str | list[int]] = (
                 record_prompts(llm, max(args.batch),
@@ -265,6 +280,7 @@ def main() -> None:
                           f"repeats={len(pairs)} " if len(pairs) > 1 else "")
                 print(f"grammar_overlap model={model_name} kernels={kernels} algo={algo} "
                       f"workers={llm.engine.config.grammar.mask_build_workers} "
+                      f"grammar_backend={args.grammar_backend} "
                       f"overlap={'on' if overlap else 'off'} "
                       f"bs={bs:<3} N={llm.engine.drafter.num_nodes} "
                       f"step_ms_no_grammar={plain['event_ms']:.3f} "

@@ -62,7 +62,8 @@ def run(args: argparse.Namespace) -> dict:
               speculative_algorithm=args.speculative_algorithm,
               num_draft_tokens=args.num_draft_tokens, max_batch_size=args.max_batch_size,
               kv_capacity_tokens=args.kv_capacity_tokens,
-              grammar_compile_timeout_s=args.compile_timeout)
+              grammar_compile_timeout_s=args.compile_timeout,
+              grammar_backend=args.grammar_backend)
     prompts = [schema_prompt(c["schema"]) for c in cases]
     repeat = (None if args.stop_on_repeat is None
               else RepetitionStop(min_tokens=args.stop_on_repeat))
@@ -119,7 +120,9 @@ def run(args: argparse.Namespace) -> dict:
           f"compile_timeout={counts['compile_timeout']} errors={counts['error']} "
           f"rejection_rate={counts['rejected'] / n:.3f} "
           f"stop_share_of_run={stop / max(ran, 1):.3f} tok/s={tokens / elapsed:.1f} "
-          f"time_s={elapsed:.0f}", flush=True)
+          f"time_s={elapsed:.0f} grammar_backend={args.grammar_backend} "
+          f"served={dict(Counter(o.grammar_backend for o in outs if o.grammar_backend))}",
+          flush=True)
     return {"counts": dict(counts), "n": n, "ran": ran, "stop": stop}
 
 
@@ -138,6 +141,10 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--compile-timeout", type=float, default=60.0)
+    ap.add_argument("--grammar-backend", default="xgrammar",
+                    choices=["xgrammar", "llguidance", "auto"],
+                    help="the grammar engine per schema (auto: xgrammar when it enforces the "
+                         "schema exactly, else llguidance)")
     ap.add_argument("--skip-slow-compile", action="store_true")
     ap.add_argument("--presence-penalty", type=float, default=0.0)
     ap.add_argument("--frequency-penalty", type=float, default=0.0)

@@ -167,10 +167,14 @@ class LLM:
         *,
         raw_prompt: bool = False,
         use_tqdm: bool = False,
+        priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for one prompt or a list of prompts (strings, token-id lists or chats).
 
         A string is sent as one user message through the chat template unless ``raw_prompt``.
+        ``priority`` (vLLM's): one int for every prompt or one per prompt; lower is served
+        first (admission order, and the last preempted when the KV cache runs out); None
+        is 0 for all (first come, first served).
         A request with bad input comes back finished with ``finish_reason == "abort"`` and
         ``error`` set; the other requests run normally.
 
@@ -179,20 +183,23 @@ class LLM:
 
         Raises:
             TypeError: ``prompts`` is not a string, a list of token ids, a chat or a
-                list/tuple of those (``generate(5)``), or ``sampling_params`` is not a
-                :class:`SamplingParams` or a list/tuple of them; naming the argument.
-            ValueError: a list of ``sampling_params`` whose length is not the number of
-                prompts.
+                list/tuple of those (``generate(5)``), ``sampling_params`` is not a
+                :class:`SamplingParams` or a list/tuple of them, or ``priority`` is not an
+                int or a list/tuple of ints; naming the argument.
+            ValueError: a list of ``sampling_params`` or ``priority`` whose length is not
+                the number of prompts.
         """
         batch = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(batch))
+        priorities = _as_priority_list(priority, len(batch))
         progress = None
         if use_tqdm:
             from tqdm import tqdm
 
             progress = tqdm(total=len(batch), desc="generate", unit="req")
         try:
-            return self.engine.generate_all(batch, params, raw_prompt=raw_prompt, progress=progress)
+            return self.engine.generate_all(batch, params, raw_prompt=raw_prompt,
+                                            progress=progress, priorities=priorities)
         finally:
             if progress is not None:
                 progress.close()
@@ -278,6 +285,30 @@ def _as_params_list(sampling_params: Any, num_prompts: int) -> list[SamplingPara
         raise ValueError(f"got {len(sampling_params)} sampling_params for {num_prompts} "
                          "prompts")
     return list(sampling_params)
+
+
+def _as_priority_list(priority: Any, num_prompts: int) -> list[int] | None:
+    """``LLM.generate``'s ``priority`` as one int per prompt (None: all 0).
+
+    Raises:
+        TypeError: not an int nor a list/tuple of ints (a bool is not a priority), naming
+            ``priority`` (or ``priority[i]``).
+        ValueError: a list whose length is not ``num_prompts``.
+    """
+    if priority is None:
+        return None
+    if isinstance(priority, int) and not isinstance(priority, bool):
+        return [priority] * num_prompts
+    if not isinstance(priority, (list, tuple)):
+        raise TypeError(f"priority must be an int or a list/tuple of ints (lower is served "
+                        f"first), got {type_name(priority)} {_short_repr(priority)}")
+    for i, p in enumerate(priority):
+        if isinstance(p, bool) or not isinstance(p, int):
+            raise TypeError(f"priority[{i}] must be an int, got {type_name(p)} "
+                            f"{_short_repr(p)}")
+    if len(priority) != num_prompts:
+        raise ValueError(f"got {len(priority)} priorities for {num_prompts} prompts")
+    return list(priority)
 
 
 def _short_repr(value: object, limit: int = 80) -> str:

@@ -112,12 +112,15 @@ def build_engine(config: EngineConfig) -> EngineParts:
                              max_batch_size=config.scheduler.max_batch_size,
                              load_format=config.load_format, seed=config.seed)
     mask_pool = None
-    if config.grammar.mask_build_workers > 0 and grammar.tokenizer_info is not None:
+    if config.grammar.mask_build_workers > 0:
+        llg = grammar.llguidance if isinstance(grammar, SelectingBackend) else None
         mask_pool = MaskWorkerPool(
             grammar.tokenizer_info, num_workers=config.grammar.mask_build_workers,
             vocab_size=model_config.vocab_size,
             max_rows=config.scheduler.max_batch_size * drafter.num_nodes,
-            stop_token_ids=list(tokenizer.eos_token_ids), pin=device.type == "cuda")
+            stop_token_ids=list(tokenizer.eos_token_ids), pin=device.type == "cuda",
+            llguidance_tokenizer=None if llg is None else llg.tokenizer_source,
+            max_rollback_tokens=config.grammar.max_rollback_tokens)
     scheduler = Scheduler(config, runner, grammar, drafter, mask_pool=mask_pool)
     return EngineParts(config=config, model_path=model_path, max_model_len=max_model_len,
                        model_config=model_config, tokenizer=tokenizer, runner=runner,
@@ -128,8 +131,8 @@ def _grammar_backend(config: EngineConfig, tokenizer_hf: Any, *, vocab_size: int
                      stop_token_ids: list[int]) -> GrammarBackend | SelectingBackend:
     """The grammar backend of ``config.grammar.backend``: xgrammar's
     :class:`GrammarBackend` as it is, or a :class:`SelectingBackend` over llguidance (and
-    xgrammar, for ``auto``). ``llguidance`` starts no xgrammar compile processes and no mask
-    workers (its tree masks are built in this process)."""
+    xgrammar, for ``auto``). ``llguidance`` starts no xgrammar compile processes; the mask
+    workers serve the grammars of every backend the engine has."""
     mode = config.grammar.backend
     xgr_backend = None if mode == "llguidance" else GrammarBackend(
         tokenizer_hf, vocab_size=vocab_size, stop_token_ids=stop_token_ids,

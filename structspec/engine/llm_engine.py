@@ -137,14 +137,21 @@ class LLMEngine:
         *,
         request_id: str | None = None,
         raw_prompt: bool = False,
+        priority: int = 0,
     ) -> str:
         """Validate and queue one request; returns its id.
 
+        ``priority`` (an int, as vLLM's): lower is served first; it orders admission ahead
+        of arrival, and the running requests of the highest value (the newest among equals)
+        are the first preempted when the KV cache runs out. 0 for every request is FCFS.
+
         Raises:
-            RequestError: naming the field (prompt too long, bad sampling parameter, ...).
+            RequestError: naming the field (prompt too long, bad sampling parameter, a
+                priority that is not an int, ...).
             RuntimeError: the engine was closed (:meth:`close`).
         """
         self._check_open()
+        check_priority(priority)
         try:
             params.validate()
         except ValueError as e:
@@ -170,6 +177,7 @@ class LLMEngine:
             eos_token_ids=frozenset(self.tokenizer.eos_token_ids),
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids=ids)
             if self.detokenize or params.stop else None,
+            priority=priority,
         )
         try:
             self.scheduler.add(req)
@@ -226,10 +234,14 @@ class LLMEngine:
         ``prefix_cache_queried_tokens`` / ``prefix_cache_hit_tokens`` are the prompt tokens of
         admitted requests and those whose KV came from the cache, since the engine started,
         and ``prefix_cache_hit_rate`` their ratio (0.0 before any request);
+        ``num_preemptions`` counts running requests preempted (the KV cache ran out, or a
+        request of a higher priority needed room), ``preemption_recomputed_tokens`` the
+        tokens their resumes prefilled again;
         ``num_prefilling`` the requests part-way through a chunked prefill.
         """
         s = self.scheduler
         cache = s.allocator.stats
+        preempt = s.preemption.stats
         return {
             "num_running": len(s.running),
             "num_prefilling": len(s.chunks.prefilling),
@@ -241,6 +253,8 @@ class LLMEngine:
             "prefix_cache_queried_tokens": cache.queried_tokens,
             "prefix_cache_hit_tokens": cache.hit_tokens,
             "prefix_cache_hit_rate": cache.hit_rate,
+            "num_preemptions": preempt.preemptions,
+            "preemption_recomputed_tokens": preempt.recomputed_tokens,
         }
 
     def step_stats(self, reset: bool = False) -> dict[str, float]:
@@ -255,9 +269,11 @@ class LLMEngine:
     def generate_all(
         self, prompts: Sequence[PromptInput], params: Sequence[SamplingParams], *,
         raw_prompt: bool = False, progress: Any = None,
+        priorities: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Run prompts to completion; bad requests come back as ``abort`` outputs with an
-        error instead of raising, so one bad request never stops the others."""
+        error instead of raising, so one bad request never stops the others.
+        ``priorities``: one per prompt (None: 0 for all; see :meth:`add_request`)."""
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
         base = self._next_id
@@ -265,7 +281,8 @@ class LLMEngine:
             rid = f"gen-{base}-{i}"
             order.append(rid)
             try:
-                self.add_request(p, sp, request_id=rid, raw_prompt=raw_prompt)
+                self.add_request(p, sp, request_id=rid, raw_prompt=raw_prompt,
+                                 priority=0 if priorities is None else priorities[i])
             except RequestError as e:
                 results[rid] = RequestOutput.error_output(rid, str(e), e.param)
                 if progress is not None:
@@ -283,6 +300,17 @@ class LLMEngine:
         finally:
             self.report_unfinished = report
         return [results[r] for r in order]
+
+
+def check_priority(priority: object) -> None:
+    """Refuse a request ``priority`` that is not an int (bool included), naming the field.
+
+    Raises:
+        RequestError: with param ``priority``.
+    """
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise RequestError(f"priority must be an integer (lower is served first), got "
+                           f"{type_name(priority)} {priority!r}", "priority")
 
 
 def _describe(prompt: object) -> str:

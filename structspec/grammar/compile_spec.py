@@ -29,6 +29,7 @@ from structspec.grammar.matcher import Matcher
 from structspec.grammar.number_bounds import bound_schema_numbers
 from structspec.grammar.satisfiable import check_servable
 from structspec.grammar.schema_check import find_unenforceable
+from structspec.grammar.schema_rewrite import rewrite_schema_text
 from structspec.grammar.xgr_numbers import bounded_json_schema_grammar
 from structspec.regex_check import find_regex_problem
 
@@ -154,10 +155,13 @@ def _check_enforceable(schema: Any, param: str | None) -> None:
 
 
 def schema_text(spec: JsonSchemaConstraint) -> str:
-    """The schema as compact JSON text, key order kept (the compile input and cache key):
-    :meth:`JsonSchemaConstraint.canonical_text`, which raises ``ValueError`` for text that is not
-    JSON or a schema that is not an object/boolean."""
-    return spec.canonical_text()
+    """The compile input of a schema: :meth:`JsonSchemaConstraint.canonical_text` (compact
+    JSON, key order kept; ``ValueError`` for text that is not JSON or a schema that is not an
+    object/boolean) after the exact rewrites of
+    :func:`~structspec.grammar.schema_rewrite.rewrite_schema_text` (unknown ``format`` values
+    dropped, ``not``/``dependencies``/``oneOf`` forms the backends enforce). The cache key stays
+    the canonical text."""
+    return rewrite_schema_text(spec.canonical_text())
 
 
 def metaschema_problem(spec: JsonSchemaConstraint) -> str | None:
@@ -172,7 +176,7 @@ def metaschema_problem(spec: JsonSchemaConstraint) -> str | None:
         import jsonschema
         from jsonschema.exceptions import best_match
 
-        schema = json.loads(schema_text(spec))
+        schema = json.loads(spec.canonical_text())  # the user's schema, not its rewrite
         cls = jsonschema.validators.validator_for(schema,
                                                   default=jsonschema.Draft202012Validator)
         error = best_match(cls(cls.META_SCHEMA).iter_errors(schema))

@@ -5,8 +5,9 @@ keeps a request's mirror matcher and gets that worker the request's compiled gra
 step loop (the pool module's docstring, "Placement" and "Shipping grammars", says why).
 
 A grammar travels on a second socket per worker: the shipping thread serializes it (xgrammar's
-JSON, ~5-30 ms for a MaskBench schema; xgrammar releases the GIL for most of it) and sends it;
-the worker's loader thread deserializes it and acknowledges. Until the acknowledgement has been
+JSON, ~5-30 ms for a MaskBench schema; xgrammar releases the GIL for most of it; an llguidance
+grammar travels as its grammar text, :func:`wire_form`) and sends it; the worker's loader
+thread deserializes (or, for llguidance, compiles) it and acknowledges. Until the acknowledgement has been
 read (:meth:`GrammarShipper.collect`, polled once per step) the request is not *ready* and its
 caller keeps the grammar work in process. Each shipment has a wire id that is never reused, so
 a drop and a later shipment of the same grammar cannot be confused by the two sockets' orders.
@@ -25,6 +26,7 @@ from multiprocessing.connection import Connection
 
 import xgrammar as xgr
 
+from structspec.grammar.llg_matcher import LlgCompiled
 from structspec.grammar.pool_types import MaskPoolError
 
 logger = logging.getLogger(__name__)
@@ -53,20 +55,31 @@ class Shipment:
             process).
     """
 
-    compiled: xgr.CompiledGrammar
+    compiled: xgr.CompiledGrammar | LlgCompiled
     wire_id: int
     live: int = 0
     state: str = "shipping"
 
 
-def _ship_loop(jobs: queue.SimpleQueue[tuple[int, int, xgr.CompiledGrammar] | None],
+def wire_form(compiled: xgr.CompiledGrammar | LlgCompiled) -> str | tuple[str, str, str]:
+    """What travels to a worker for ``compiled``: xgrammar's JSON serialization, or
+    ``("llguidance", kind, grammar text)`` (llguidance's objects cannot be pickled; the worker
+    compiles the text, in milliseconds)."""
+    if isinstance(compiled, LlgCompiled):
+        return ("llguidance", compiled.kind, compiled.grammar)
+    return compiled.serialize_json()
+
+
+def _ship_loop(jobs: queue.SimpleQueue[tuple[int, int, xgr.CompiledGrammar | LlgCompiled]
+                                       | None],
                conns: list[Connection], busy_s: list[float], stopping: threading.Event) -> None:
     """The shipping thread: serialize each queued grammar and send it on its worker's grammar
     socket. ``busy_s[0]`` accumulates the thread's time (metrics). A dead worker's socket is
     skipped: the step loop's own messages find the death and report it. Once ``stopping`` is
     set the jobs still queued are dropped, not serialized
     (:meth:`GrammarShipper.request_stop`)."""
-    cache: OrderedDict[int, tuple[xgr.CompiledGrammar, str]] = OrderedDict()
+    cache: OrderedDict[int, tuple[xgr.CompiledGrammar | LlgCompiled,
+                                  str | tuple[str, str, str]]] = OrderedDict()
     while True:
         job = jobs.get()
         if job is None or stopping.is_set():
@@ -78,7 +91,7 @@ def _ship_loop(jobs: queue.SimpleQueue[tuple[int, int, xgr.CompiledGrammar] | No
             text = hit[1]
             cache.move_to_end(id(compiled))
         else:
-            text = compiled.serialize_json()
+            text = wire_form(compiled)
             cache[id(compiled)] = (compiled, text)
             if len(cache) > SHIP_CACHE_SIZE:
                 cache.popitem(last=False)
@@ -107,8 +120,8 @@ class GrammarShipper:
     def __init__(self, ship_conns: list[Connection]) -> None:
         num_workers = len(ship_conns)
         self._conns = ship_conns
-        self._jobs: queue.SimpleQueue[tuple[int, int, xgr.CompiledGrammar] | None] = (
-            queue.SimpleQueue())
+        self._jobs: queue.SimpleQueue[tuple[int, int, xgr.CompiledGrammar | LlgCompiled]
+                                      | None] = queue.SimpleQueue()
         self._busy_s = [0.0]
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=_ship_loop,
@@ -140,7 +153,7 @@ class GrammarShipper:
         """Time the shipping thread spent serializing and sending grammars (ms)."""
         return self._busy_s[0] * 1e3
 
-    def ready(self, key: str, compiled: xgr.CompiledGrammar) -> bool:
+    def ready(self, key: str, compiled: xgr.CompiledGrammar | LlgCompiled) -> bool:
         """Whether the request's worker holds its grammar. On first sight the request is
         placed and its grammar queued for that worker's shipment; never blocks (~1 us). The
         answer changes only in :meth:`collect`, so a caller that asks once per step gets one
@@ -152,7 +165,8 @@ class GrammarShipper:
             self.ship_ms += (time.perf_counter() - t0) * 1e3
         return entry[1].state == "loaded"
 
-    def place(self, key: str, compiled: xgr.CompiledGrammar) -> tuple[int, Shipment]:
+    def place(self, key: str, compiled: xgr.CompiledGrammar | LlgCompiled
+              ) -> tuple[int, Shipment]:
         """The request's ``(worker, shipment)``; on first sight the request goes to the worker
         with the fewest live mirrors (the lowest-numbered on a tie: spreading beats packing)
         and its grammar is queued when that worker has not got it."""

@@ -20,7 +20,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import llguidance
-import llguidance.hf
 
 from structspec.config import GrammarConfig
 from structspec.constraints import GrammarConstraint
@@ -29,6 +28,7 @@ from structspec.grammar.errors import PARAM_BY_KIND, GrammarError
 from structspec.grammar.limits import upfront_error
 from structspec.grammar.llg_compile import compile_llguidance
 from structspec.grammar.llg_matcher import LlgCompiled, LlgMatcher
+from structspec.grammar.llg_tokenizer import LlgTokenizerSource
 
 
 def llguidance_tokenizer(tokenizer_hf: Any, *, vocab_size: int,
@@ -45,8 +45,8 @@ def llguidance_tokenizer(tokenizer_hf: Any, *, vocab_size: int,
     Raises:
         ValueError: a slow (non-Rust) tokenizer.
     """
-    return llguidance.hf.from_tokenizer(tokenizer_hf, n_vocab=int(vocab_size),
-                                        eos_token=[int(t) for t in stop_token_ids])
+    return LlgTokenizerSource.from_hf(tokenizer_hf, vocab_size=vocab_size,
+                                      stop_token_ids=stop_token_ids).build()
 
 
 class LlgBackend:
@@ -66,8 +66,10 @@ class LlgBackend:
         self.config = config or GrammarConfig()
         self.vocab_size = int(vocab_size)
         self.stop_token_ids = [int(t) for t in stop_token_ids]
-        self.tokenizer = llguidance_tokenizer(tokenizer_hf, vocab_size=self.vocab_size,
-                                              stop_token_ids=self.stop_token_ids)
+        #: what the mask worker processes build the same tokenizer from
+        self.tokenizer_source = LlgTokenizerSource.from_hf(
+            tokenizer_hf, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
+        self.tokenizer = self.tokenizer_source.build()
         self._executor = ThreadPoolExecutor(max(1, self.config.num_compile_threads),
                                             thread_name_prefix="llg-compile")
         self._lock = threading.Lock()

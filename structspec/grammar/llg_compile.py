@@ -27,7 +27,7 @@ from structspec.constraints import (
     RegexConstraint,
 )
 from structspec.grammar.bitmask import allocate_bitmask
-from structspec.grammar.compile_spec import choice_ebnf, metaschema_problem
+from structspec.grammar.compile_spec import choice_ebnf, metaschema_problem, schema_text
 from structspec.grammar.errors import PARAM_BY_KIND, GrammarError
 from structspec.grammar.llg_matcher import LlgCompiled, LlgMatcher
 from structspec.grammar.number_bounds import bound_schema_numbers
@@ -57,7 +57,7 @@ def llguidance_grammar(spec: GrammarConstraint, *, any_whitespace: bool) -> str:
     """
     param = PARAM_BY_KIND.get(spec.kind)
     if isinstance(spec, JsonSchemaConstraint):
-        text = spec.canonical_text()
+        text = schema_text(spec)
         if spec.bounded_numbers:  # the loop guard (values of any type stay unbounded here)
             text = json.dumps(bound_schema_numbers(json.loads(text)), ensure_ascii=False)
         return llguidance.LLMatcher.grammar_from_json_schema(
@@ -99,7 +99,7 @@ def compile_llguidance(tokenizer: llguidance.LLTokenizer, spec: GrammarConstrain
     param = PARAM_BY_KIND.get(kind)
     if isinstance(spec, JsonSchemaConstraint):
         try:
-            schema = json.loads(spec.canonical_text())
+            schema = json.loads(schema_text(spec))
         except ValueError as e:
             raise GrammarError(str(e), param=param) from e
         check_servable(schema, param)
@@ -117,7 +117,7 @@ def compile_llguidance(tokenizer: llguidance.LLTokenizer, spec: GrammarConstrain
                 message = f"{problem} (compiler: {message})"
         raise GrammarError(f"Failed to compile {kind} grammar (llguidance): {message}",
                            param=param)
-    compiled = LlgCompiled(template=template, vocab_size=vocab_size, kind=kind)
+    compiled = LlgCompiled(template=template, vocab_size=vocab_size, kind=kind, grammar=grammar)
     bitmask = allocate_bitmask(1, vocab_size, pin=False)
     LlgMatcher(compiled, stop_token_ids=stop_token_ids).fill_bitmask(bitmask, 0)
     if not bool(bitmask.any()):

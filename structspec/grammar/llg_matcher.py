@@ -12,9 +12,9 @@ Differences from xgrammar that this wrapper hides:
   xgrammar's meaning (the stop token is always the last accepted token, so any rollback
   undoes it).
 - llguidance has no draft-tree traversal: :meth:`traverse_draft_tree` is a depth-first walk in
-  Python (fill the node's row, consume an allowed child, recurse, roll back one token). In
-  phase 1 it runs in the engine process, never in the mask worker processes
-  (docs/architecture.md, "Grammar backends").
+  Python (fill the node's row, consume an allowed child, recurse, roll back one token). It
+  runs in the engine process or, on a mirror matcher compiled there from the grammar text, in
+  a mask worker process (docs/architecture.md, "Grammar backends").
 
 The bitmask layout is xgrammar's (``int32 [rows, ceil(vocab_size / 32)]``, bit ``t % 32`` of
 word ``t // 32``), so rows of both backends share one batch bitmask.
@@ -42,11 +42,15 @@ class LlgCompiled:
             matcher is a ``deep_copy`` of it (the grammar's lexer and tables are built once).
         vocab_size: the logits width the masks cover (``ceil(vocab_size / 32)`` words a row).
         kind: the grammar kind (``json_schema``, ``regex``...).
+        grammar: llguidance's grammar text of it (what a mask worker process compiles its
+            own copy from: llguidance's objects cannot be pickled, and a compile takes
+            milliseconds).
     """
 
     template: llguidance.LLMatcher
     vocab_size: int
     kind: str
+    grammar: str = ""
 
 
 class _WalkTimeout(Exception):
@@ -64,8 +68,7 @@ class LlgMatcher:
         max_rollback_tokens: the deepest :meth:`rollback` allowed (>= the deepest draft path).
 
     Attributes:
-        backend: ``"llguidance"`` (reported per request; the mask worker pool serves only
-            ``"xgrammar"`` matchers).
+        backend: ``"llguidance"`` (reported per request).
         num_accepted: committed accepts minus rollbacks; a tree walk leaves it unchanged.
         stop_token_ids: the stop ids.
         compiled: the shared compiled grammar.

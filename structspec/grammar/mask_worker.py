@@ -4,7 +4,11 @@ trees of its requests into the shared slab and replies on the socket ``FD``.
 
 Compiled grammars arrive on the second socket, ``SHIP_FD``, and are loaded by a thread of their
 own (:func:`_load_grammars`): deserializing one takes ~3-30 ms (MaskBench schemas), which in the
-main loop would hold up a build reply, and so the whole verify step. The loader acknowledges
+main loop would hold up a build reply, and so the whole verify step. xgrammar grammars arrive
+serialized; llguidance grammars as their grammar text, compiled here (milliseconds) for the
+llguidance tokenizer the loader builds from the pool's
+:class:`~structspec.grammar.llg_tokenizer.LlgTokenizerSource` (llguidance's objects cannot be
+pickled). A mirror of either backend walks its tree with the same ``walk_tree``. The loader acknowledges
 each grammar once it is usable; the parent sends jobs for a grammar only after that.
 
 The process ends with ``os._exit`` (:func:`main`), never through the interpreter's shutdown:
@@ -27,20 +31,27 @@ from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
 
+import llguidance
 import torch
 import xgrammar as xgr
 
+from structspec.grammar.llg_matcher import LlgCompiled, LlgMatcher
+from structspec.grammar.llg_tokenizer import LlgTokenizerSource
 from structspec.grammar.matcher import Matcher
 from structspec.grammar.pool_types import links_offset
 from structspec.grammar.tree_mask import walk_tree
 
 
-def _load_grammars(ship: Connection, tokenizer_info: xgr.TokenizerInfo,
-                   grammars: dict[int, xgr.CompiledGrammar]) -> None:
-    """Loader thread: deserialize each shipped grammar ``(wire id, xgrammar JSON)`` into
-    ``grammars`` (shared with the main loop; a dict store is atomic under the GIL), then
-    acknowledge it as ``(wire id, None)``, or ``(wire id, error text)`` when it cannot be
-    loaded. Ends when the parent closes the socket or sends None."""
+def _load_grammars(ship: Connection, tokenizer_info: xgr.TokenizerInfo | None,
+                   llg_source: LlgTokenizerSource | None,
+                   grammars: dict[int, xgr.CompiledGrammar | LlgCompiled]) -> None:
+    """Loader thread: load each shipped grammar ``(wire id, payload)`` into ``grammars``
+    (shared with the main loop; a dict store is atomic under the GIL), then acknowledge it as
+    ``(wire id, None)``, or ``(wire id, error text)`` when it cannot be loaded. The payload is
+    xgrammar's JSON serialization (deserialized), or ``("llguidance", kind, grammar text)``
+    (compiled here for llguidance's tokenizer, which this thread builds first: ~1 s).
+    Ends when the parent closes the socket or sends None."""
+    llg_tokenizer = None if llg_source is None else llg_source.build()
     while True:
         try:
             msg = ship.recv()
@@ -48,25 +59,50 @@ def _load_grammars(ship: Connection, tokenizer_info: xgr.TokenizerInfo,
             return
         if msg is None:
             return
-        wire_id, text = msg
+        wire_id, payload = msg
         try:
-            grammars[wire_id] = xgr.CompiledGrammar.deserialize_json(text, tokenizer_info)
+            grammars[wire_id] = _load(payload, tokenizer_info, llg_source, llg_tokenizer)
             error = None
         except Exception as e:  # noqa: BLE001 - the parent keeps that grammar's masks local
             error = repr(e)
-        del text, msg  # a large string: free it before the next one arrives
+        del payload, msg  # a large string: free it before the next one arrives
         try:
             ship.send((wire_id, error))
         except OSError:
             return
 
 
+def _load(payload: str | tuple[str, str, str], tokenizer_info: xgr.TokenizerInfo | None,
+          llg_source: LlgTokenizerSource | None,
+          llg_tokenizer: llguidance.LLTokenizer | None) -> xgr.CompiledGrammar | LlgCompiled:
+    """One shipped grammar, usable by this process's mirrors.
+
+    Raises:
+        ValueError: a payload for a backend this worker was not started with, or an
+            llguidance grammar that does not compile here.
+    """
+    if isinstance(payload, str):
+        if tokenizer_info is None:
+            raise ValueError("an xgrammar grammar, but this worker has no xgrammar tokenizer")
+        return xgr.CompiledGrammar.deserialize_json(payload, tokenizer_info)
+    _, kind, grammar = payload
+    if llg_tokenizer is None or llg_source is None:
+        raise ValueError("an llguidance grammar, but this worker has no llguidance tokenizer")
+    template = llguidance.LLMatcher(llg_tokenizer, grammar, log_level=0)
+    if template.is_error():
+        raise ValueError(f"llguidance grammar does not compile: {template.get_error()}")
+    return LlgCompiled(template=template, vocab_size=llg_source.vocab_size, kind=kind,
+                       grammar=grammar)
+
+
 def _worker_main(conn: Connection, ship: Connection) -> None:
     """Worker loop: keep mirror matchers, walk trees into the shared slab, reply."""
     torch.set_num_threads(1)
     try:
-        tok_json, shm_name, max_rows, width, stop_token_ids = conn.recv()
-        tokenizer_info = xgr.TokenizerInfo.deserialize_json(tok_json)
+        tok_json, llg_source, shm_name, max_rows, width, stop_token_ids, max_rollback = \
+            conn.recv()
+        tokenizer_info = (None if tok_json is None
+                          else xgr.TokenizerInfo.deserialize_json(tok_json))
         shm = SharedMemory(name=shm_name)
         # The parent owns the segment: keep this process's resource tracker from unlinking
         # it at exit (Python < 3.13 registers every attach).
@@ -79,11 +115,11 @@ def _worker_main(conn: Connection, ship: Connection) -> None:
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises
         conn.send(repr(e))
         return
-    grammars: dict[int, xgr.CompiledGrammar] = {}
-    threading.Thread(target=_load_grammars, args=(ship, tokenizer_info, grammars),
+    grammars: dict[int, xgr.CompiledGrammar | LlgCompiled] = {}
+    threading.Thread(target=_load_grammars, args=(ship, tokenizer_info, llg_source, grammars),
                      name="grammar-loader", daemon=True).start()
     conn.send("ready")
-    mirrors: dict[str, Matcher] = {}
+    mirrors: dict[str, Matcher | LlgMatcher] = {}
     # (bs, N) -> per batch row: its next_token / next_sibling / draft_tokens views of the
     # shared links and its [N, W] slab rows. Built once per shape: torch slicing costs a few
     # us per view, paid per request and step otherwise.
@@ -106,11 +142,16 @@ def _worker_main(conn: Connection, ship: Connection) -> None:
             # predicted; these check them).
             terminated: list[int] = []
             rejected: dict[int, int] = {}
-            live: list[tuple[int, Matcher]] = []
+            live: list[tuple[int, Matcher | LlgMatcher]] = []
             for b, key, gid, new_ids in jobs:
                 m = mirrors.get(key)
-                if m is None:  # the host's Matcher class: the same accept and stop rules
-                    m = mirrors[key] = Matcher(grammars[gid], stop_token_ids=stop_token_ids)
+                if m is None:  # the host's matcher classes: the same accept and stop rules
+                    compiled = grammars[gid]
+                    m = mirrors[key] = (
+                        LlgMatcher(compiled, stop_token_ids=stop_token_ids,
+                                   max_rollback_tokens=max_rollback)
+                        if isinstance(compiled, LlgCompiled)
+                        else Matcher(compiled, stop_token_ids=stop_token_ids))
                 kept = m.accept_run(new_ids)
                 if kept < len(new_ids):
                     rejected[b] = len(new_ids) - kept

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import xgrammar as xgr
 
+from structspec.grammar.llg_matcher import LlgCompiled
+
 
 class MaskPoolError(RuntimeError):
     """The worker pool cannot serve a build: a worker died, failed, or the pool is closed.
@@ -27,7 +29,7 @@ class PoolRequest:
     """
 
     key: str
-    compiled: xgr.CompiledGrammar
+    compiled: xgr.CompiledGrammar | LlgCompiled
     output_ids: Sequence[int]
 
 

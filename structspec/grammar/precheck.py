@@ -25,6 +25,7 @@ from structspec.constraints import (
     JsonSchemaConstraint,
     RegexConstraint,
 )
+from structspec.grammar.compile_spec import schema_text
 from structspec.grammar.errors import GrammarError
 from structspec.grammar.satisfiable import check_servable
 from structspec.grammar.schema_check import find_unenforceable
@@ -48,7 +49,7 @@ def check_grammar(spec: GrammarConstraint | None) -> None:
     param = PARAM_BY_KIND.get(spec.kind)
     if isinstance(spec, JsonSchemaConstraint):
         try:
-            text = spec.canonical_text()
+            text = schema_text(spec)
         except ValueError as e:
             raise GrammarError(str(e), param=param) from None
         schema = json.loads(text)

@@ -78,6 +78,8 @@ import xgrammar as xgr
 
 from structspec.grammar.bitmask import bitmask_width
 from structspec.grammar.grammar_shipping import GrammarShipper
+from structspec.grammar.llg_matcher import LlgCompiled
+from structspec.grammar.llg_tokenizer import LlgTokenizerSource
 from structspec.grammar.pool_types import (
     MaskPoolError,
     PoolBuildResult,
@@ -97,24 +99,33 @@ class MaskWorkerPool:
     """Worker processes that build tree bitmasks for shards of the batch.
 
     Args:
-        tokenizer_info: the backend's ``xgrammar.TokenizerInfo`` (serialized once per worker).
+        tokenizer_info: the xgrammar backend's ``xgrammar.TokenizerInfo`` (serialized once per
+            worker), or None when no xgrammar grammar is served (``llguidance`` mode).
+        llguidance_tokenizer: what the workers build llguidance's tokenizer from (each once,
+            ~1 s, off their step loop), or None when no llguidance grammar is served.
         num_workers: processes to start (>= 1).
         vocab_size: logits width (bitmask width ``ceil(vocab_size / 32)``).
         max_rows: largest ``batch * tree_size`` a build may cover (the slab's rows).
         stop_token_ids: the matchers' stop ids (as :class:`~structspec.grammar.matcher.Matcher`).
         pin: page-lock the slab for asynchronous H2D copies (needs CUDA).
+        max_rollback_tokens: the llguidance mirrors' deepest rollback (as the host matchers').
 
     One build at a time, and each reuses the slab: the caller must not start a build before
     the previous build's upload has run. The scheduler guarantees it: it waits for every
     step's results, which its stream orders after that step's mask upload.
 
     Raises:
-        ValueError: ``num_workers < 1`` or ``max_rows < 1``.
+        ValueError: ``num_workers < 1`` or ``max_rows < 1``, or neither tokenizer given.
         RuntimeError: a worker failed to start.
     """
 
-    def __init__(self, tokenizer_info: xgr.TokenizerInfo, *, num_workers: int, vocab_size: int,
-                 max_rows: int, stop_token_ids: Sequence[int], pin: bool = False) -> None:
+    def __init__(self, tokenizer_info: xgr.TokenizerInfo | None, *, num_workers: int,
+                 vocab_size: int, max_rows: int, stop_token_ids: Sequence[int],
+                 pin: bool = False, llguidance_tokenizer: LlgTokenizerSource | None = None,
+                 max_rollback_tokens: int = 64) -> None:
+        if tokenizer_info is None and llguidance_tokenizer is None:
+            raise ValueError("a mask worker pool needs tokenizer_info (xgrammar) or "
+                             "llguidance_tokenizer (llguidance), or both")
         if (not all(isinstance(v, int) and not isinstance(v, bool)
                     for v in (num_workers, max_rows)) or num_workers < 1 or max_rows < 1):
             # checked before the shared memory exists, so a bad value leaks nothing
@@ -124,7 +135,13 @@ class MaskWorkerPool:
         # what a replacement pool is built from (:meth:`replacement`)
         self._spawn_args = (tokenizer_info, dict(num_workers=num_workers, vocab_size=vocab_size,
                                                  max_rows=max_rows,
-                                                 stop_token_ids=tuple(stop_token_ids), pin=pin))
+                                                 stop_token_ids=tuple(stop_token_ids), pin=pin,
+                                                 llguidance_tokenizer=llguidance_tokenizer,
+                                                 max_rollback_tokens=max_rollback_tokens))
+        #: the backends whose grammars the workers can load (:meth:`serves`)
+        self.backends = frozenset(
+            ({"xgrammar"} if tokenizer_info is not None else set())
+            | ({"llguidance"} if llguidance_tokenizer is not None else set()))
         self.width = bitmask_width(vocab_size)
         self.max_rows = max_rows
         links_at = links_offset(max_rows, self.width)
@@ -149,8 +166,9 @@ class MaskWorkerPool:
         # and not multiprocessing's spawn (it re-runs the user's __main__ module, which
         # builds an engine again unless the script has a main guard); a socketpair each.
         self._stop_set = frozenset(int(t) for t in stop_token_ids)
-        init = (tokenizer_info.serialize_json(), self._shm.name, max_rows, self.width,
-                tuple(int(t) for t in stop_token_ids))
+        init = (None if tokenizer_info is None else tokenizer_info.serialize_json(),
+                llguidance_tokenizer, self._shm.name, max_rows, self.width,
+                tuple(int(t) for t in stop_token_ids), int(max_rollback_tokens))
         self._conns: list[Connection] = []
         self._ship_conns: list[Connection] = []  # per worker: grammars out, acks back
         self._procs: list[subprocess.Popen[bytes]] = []
@@ -200,7 +218,12 @@ class MaskWorkerPool:
         self._synced.pop(key, None)
         self.shipping.release(key)
 
-    def ready(self, key: str, compiled: xgr.CompiledGrammar) -> bool:
+    def serves(self, compiled: xgr.CompiledGrammar | LlgCompiled) -> bool:
+        """Whether the workers can load ``compiled`` (its backend's tokenizer was given)."""
+        return ("llguidance" if isinstance(compiled, LlgCompiled) else "xgrammar") \
+            in self.backends
+
+    def ready(self, key: str, compiled: xgr.CompiledGrammar | LlgCompiled) -> bool:
         """Whether the request's worker holds its grammar, so that :meth:`build` and
         :meth:`advance` can serve it without waiting (see
         :meth:`~structspec.grammar.grammar_shipping.GrammarShipper.ready`; never blocks).

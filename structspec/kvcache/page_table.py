@@ -4,9 +4,10 @@ A verify step hands the runner every request's first ``P`` pages as a ``[B, P]``
 Built from the per-request Python lists each step, that cost grows with ``B * P``: a list
 slice, a padding list and, above all, the conversion of every page id from a Python int
 (~1.5 ms per step at batch 256 with ~100 pages per row on the 2-core CPU). A request's pages
-are fixed from its admission to its retirement (its whole KV is reserved up front), so the
-scheduler writes them once into a row of a :class:`HostPageTable` and each step gathers the
-batch's rows with one numpy indexing (:meth:`PageRows.take`).
+only grow while it runs (a few pages now and then, as its output grows), so the scheduler
+writes them into a row of a :class:`HostPageTable` at admission, appends the new ones
+(:meth:`HostPageTable.extend`) and each step gathers the batch's rows with one numpy
+indexing (:meth:`PageRows.take`).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class HostPageTable:
 
     Rows are handed out at admission and returned at retirement; the array grows (rows or
     columns, doubling) when a request needs more, so no size has to be known up front. A
-    row's list may grow (:meth:`extend`: a drafter's pages follow its request's length).
+    row's list may grow (:meth:`extend`: a request's pages follow its length).
 
     Args:
         num_rows: initial rows (the engine's ``max_batch_size``: at most that many requests

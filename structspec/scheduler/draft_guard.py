@@ -254,6 +254,13 @@ class GuardedDrafter:
             self.stopped.add(request_id)
             self._release(request_id)
 
+    def reset(self, request_id: str) -> None:
+        """Drop a preempted request's drafter state (its draft KV, features, n-gram index):
+        the drafter rebuilds it from the history when the request runs again. A request the
+        guard stopped stays stopped (its state is gone already)."""
+        if request_id not in self.stopped:
+            self._release(request_id)
+
     def release(self, request_id: str) -> None:
         """Forget a finished request (the drafter's state, unless already released)."""
         if request_id in self.stopped:

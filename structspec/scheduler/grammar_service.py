@@ -127,7 +127,7 @@ class GrammarService:
         request and start shipping its grammar to its worker now, in the background, so that
         it is there by the time the request runs (never blocks)."""
         if self.pool is not None and req.matcher is not None \
-                and req.matcher.backend == "xgrammar":
+                and self.pool.serves(req.matcher.compiled):
             self.pool.ready(req.request_id, req.matcher.compiled)
 
     def release(self, request_id: str) -> None:
@@ -342,10 +342,10 @@ class GrammarService:
         its worker (placing it and starting the shipment on first sight). Changes only when
         :meth:`plan_step` collects the shipments, so one step sees one answer."""
         pool = self.pool
-        # llguidance grammars are served in this process (phase 1: the workers hold xgrammar
-        # grammars only), as local rows of the same build
+        # a grammar of a backend the workers were not started for stays in this process, as
+        # local rows of the same build
         return (pool is not None and req.matcher is not None
-                and req.matcher.backend == "xgrammar"
+                and pool.serves(req.matcher.compiled)
                 and pool.ready(req.request_id, req.matcher.compiled))
 
     def _pool_requests(self, reqs: Sequence[Req]) -> list[PoolRequest | None]:

@@ -59,8 +59,9 @@ class PenaltySlots:
         self.table = PenaltyTable.allocate(slots, self.vocab_size, self.device)
 
     def assign(self, req: Req) -> None:
-        """Give ``req`` (with penalties) a slot and fill it: zero counts, its prompt's tokens
-        (when its repetition penalty is on), its logit bias and its three penalties.
+        """Give ``req`` (with penalties) a slot and fill it: the counts of its committed
+        output (none, unless it resumes after a preemption), its prompt's tokens (when its
+        repetition penalty is on), its logit bias and its three penalties.
 
         Raises:
             RuntimeError: no slot is free (more penalised requests running than
@@ -85,6 +86,13 @@ class PenaltySlots:
             values = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32)
             table.logit_bias[slot].index_copy_(0, self._to_device(ids), self._to_device(values))
         # fill_ with a host scalar is a kernel argument, not a copy: no sync
+        if req.output_ids:
+            # a preempted request resumes: its committed output counts again (the counts
+            # are the penalties' state, rebuilt like its KV)
+            ids = torch.tensor(req.output_ids, dtype=torch.int64)
+            table.counts[slot].index_add_(0, self._to_device(ids),
+                                          torch.ones(len(req.output_ids), dtype=torch.float32,
+                                                     device=self.device))
         table.presence[slot].fill_(float(p.presence_penalty))
         table.frequency[slot].fill_(float(p.frequency_penalty))
         table.repetition[slot].fill_(float(p.repetition_penalty))

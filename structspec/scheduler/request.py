@@ -79,6 +79,15 @@ class Req:
     drafter_state: Any = None  # owned by the drafter (e.g. n-gram index)
     # row of the device penalty table (scheduler/penalty_slots.py); 0: no penalties
     penalty_slot: int = 0
+    # admission and preemption order (lower = served first, vLLM's ``priority``); FCFS at 0
+    priority: int = 0
+    # arrival number given by ``Scheduler.add`` (FCFS among equal priorities)
+    arrival_seq: int = 0
+    # preempted and waiting: its KV (prompt + committed output) is rebuilt before it runs
+    # again (scheduler/preemption.py); its output, grammar and stop state are kept
+    preempted: bool = False
+    # times this request was preempted
+    num_preemptions: int = 0
     # the repetition stop's detector over the committed output (None: no repetition stop)
     repeat_detector: RepeatDetector | None = field(default=None, init=False)
 

@@ -7,12 +7,11 @@ steps, :mod:`structspec.scheduler.chunked_prefill`) or one speculative verify st
 phases live in :mod:`structspec.scheduler.verify_step`; the grammar side is
 :class:`~structspec.scheduler.grammar_service.GrammarService`, the selection after a forward
 :mod:`structspec.scheduler.select_verify` (whose function the runner's post-forward CUDA graph
-records).
+records). KV pages grow on demand and requests are preempted and resumed, in priority order,
+by :mod:`structspec.scheduler.preemption`.
 """
 
 from __future__ import annotations
-
-from collections import deque
 
 import torch
 
@@ -40,12 +39,14 @@ from structspec.scheduler.draft_guard import GuardedDrafter
 from structspec.scheduler.grammar_service import GrammarService
 from structspec.scheduler.logprobs import trim_logprobs
 from structspec.scheduler.penalty_slots import PenaltySlots
+from structspec.scheduler.preemption import Preemption
 from structspec.scheduler.request import Req, ReqStatus
 from structspec.scheduler.select_verify import SelectVerifyPhase, select_verify
 from structspec.scheduler.step_stats import StepTimer
 from structspec.scheduler.tree_sizing import AdaptiveTreeSizer
 from structspec.scheduler.validate import check_schema_output
 from structspec.scheduler.verify_step import VerifyStep
+from structspec.scheduler.waiting_queue import WaitingQueue
 from structspec.speculative.base import Drafter
 
 
@@ -96,7 +97,9 @@ class Scheduler:
         self.page_table = HostPageTable(config.scheduler.max_batch_size)
         self.requests: dict[str, Req] = {}
         self.grammar_queue: list[Req] = []
-        self.waiting: deque[Req] = deque()
+        #: ready requests in admission order: priority, then preempted ones, then arrival
+        self.waiting = WaitingQueue()
+        self._num_added = 0  # arrival numbers (FCFS among equal priorities)
         self.running: list[Req] = []
         #: which prompt tokens each prefill step computes; holds the request part-way
         #: through a chunked prefill (``chunks.prefilling``)
@@ -133,6 +136,12 @@ class Scheduler:
                                   overlap=config.scheduler.overlap,
                                   feeds_hidden=self._feeds_hidden, page_table=self.page_table,
                                   sizer=self.sizer)
+        #: KV growth before each verify step, preemption when the pool runs out, resume
+        self.preemption = Preemption(
+            config, runner, self.allocator, self.page_table, self.draft, self.penalties,
+            self.timer, running=self.running, waiting=self.waiting,
+            prefilling=self.chunks.prefilling, num_nodes=self.num_nodes,
+            feeds_hidden=self._feeds_hidden, settle=self._settle_deferred, retire=self._retire)
 
     @property
     def mask_pool(self) -> MaskWorkerPool | None:
@@ -151,7 +160,12 @@ class Scheduler:
                 + len(self.chunks.prefilling))
 
     def kv_tokens_needed(self, req: Req) -> int:
-        """KV slots reserved for ``req``: prompt, every new token, and one tree of scratch."""
+        """KV slots allocated when ``req`` is admitted: its prompt and one draft tree (its
+        pages then grow with its output, :meth:`Preemption.grow_for_verify`)."""
+        return len(req.prompt_ids) + self.num_nodes
+
+    def kv_tokens_to_finish(self, req: Req) -> int:
+        """KV slots ``req`` holds at its longest: prompt, every new token and one tree."""
         return len(req.prompt_ids) + req.max_new_tokens + self.num_nodes
 
     def add(self, req: Req) -> None:
@@ -162,10 +176,12 @@ class Scheduler:
             RequestError: the first penalised request's penalty table does not fit on the
                 device (:meth:`PenaltySlots.reserve`).
         """
-        need_pages = self.allocator.pages_for(self.kv_tokens_needed(req))
+        # A request must be able to finish alone in the pool: the others can be preempted
+        # to make room for it, but it cannot be split.
+        need_pages = self.allocator.pages_for(self.kv_tokens_to_finish(req))
         if need_pages > self.allocator.num_pages - 1:
             raise ValueError(
-                f"request needs {self.kv_tokens_needed(req)} KV slots (prompt + max_tokens + "
+                f"request needs {self.kv_tokens_to_finish(req)} KV slots (prompt + max_tokens + "
                 f"draft tree) but the cache holds {self.allocator.capacity_tokens}; lower "
                 "max_tokens or raise the KV capacity"
             )
@@ -184,12 +200,14 @@ class Scheduler:
         if req.params.grammar is not None:
             req.grammar_future = self.grammar.submit(req.params.grammar)
         self.requests[req.request_id] = req
+        req.arrival_seq = self._num_added
+        self._num_added += 1
         if req.grammar_future is not None:
             req.status = ReqStatus.WAITING_GRAMMAR
             self.grammar_queue.append(req)
         else:
             req.status = ReqStatus.WAITING
-            self.waiting.append(req)
+            self.waiting.push(req)
 
     def abort(self, request_id: str, reason: str = "aborted by client") -> bool:
         """End a request now; frees its KV. Returns False if it is unknown or already done."""
@@ -242,6 +260,9 @@ class Scheduler:
             One output per request that gained tokens or finished since the last step.
         """
         self._poll_grammar()
+        self._poll_grammar()
+        self.preemption.make_room_for_priority()
+        self.preemption.resume()  # preempted requests at the queue's front rebuild their KV
         live = [r for r in self.running if not r.finished]
         chunks: list[PrefillChunk] = []
         if self.chunks.turn(decoding=bool(live)):
@@ -250,7 +271,7 @@ class Scheduler:
             chunks = self.chunks.plan(continued, self._admit(budget), budget)
         if chunks:
             self._run_prefill(chunks)
-        elif live:
+        elif live := self.preemption.grow_for_verify(live):
             self._run_verify(live)
         else:
             self._finish_deferred()
@@ -276,6 +297,15 @@ class Scheduler:
             self.requests.pop(req.request_id, None)
         self._finished_unreported = []
         return outputs
+
+    def _settle_deferred(self, req: Req) -> None:
+        """Run ``req``'s deferred grammar barrier and text work now, if it has any (before it
+        is preempted); it is reported with this step's outputs."""
+        if not any(r is req for r in self._deferred):
+            return
+        self._deferred = [r for r in self._deferred if r is not req]
+        finish_deferred(self.grammar, self.timer, [req])
+        self._touched.append(req)
 
     def _finish_deferred(self) -> None:
         """Run the grammar advance and text processing a previous step deferred."""
@@ -305,10 +335,13 @@ class Scheduler:
             req.grammar_future = None
             self.grammar.prepare(req)  # its grammar starts for its mask worker, if any
             req.status = ReqStatus.WAITING
-            self.waiting.append(req)
+            self.waiting.push(req)
 
     def _admit(self, budget: PrefillBudget | None = None) -> list[Req]:
-        """Pick waiting requests for one prefill step (FCFS; stops at the first that won't fit).
+        """Pick waiting requests for one prefill step, in the queue's order (priority, then
+        FCFS; stops at the first that won't fit, or at a preempted request, which resumes
+        first: :meth:`Preemption.resume`). Each gets the KV of its prompt and one tree; the
+        running requests' next trees (:meth:`Preemption.headroom_pages`) stay free.
 
         ``budget`` grants each picked request its prompt tokens of this step (whole prompts,
         or a first chunk: scheduler/chunked_prefill.py); its ``grants`` list them in order.
@@ -330,8 +363,9 @@ class Scheduler:
         pages = 0
         budget_full = False
         slots = cfg.max_batch_size - len(self.running) - len(self.chunks.prefilling)
+        headroom = self.preemption.headroom_pages()  # the running requests' next trees
         for req in self.waiting:
-            if len(picked) >= slots:
+            if len(picked) >= slots or req.preempted:  # a preempted one resumes first
                 break
             hits = alloc.match(req.prompt_ids)
             plen = len(req.prompt_ids) - len(hits) * alloc.page_size  # tokens to compute
@@ -342,7 +376,7 @@ class Scheduler:
             need = alloc.pages_for(self.kv_tokens_needed(req)) - len(hits)
             # a reused page that is evictable now stops counting as free once reused
             reused_free = [p for p in hits if alloc.is_evictable(p) and p not in pinned]
-            if not alloc.can_allocate(pages + need + len(pinned) + len(reused_free)):
+            if not alloc.can_allocate(pages + need + len(pinned) + len(reused_free) + headroom):
                 break
             pinned.update(reused_free)
             picked.append((req, hits, need))
@@ -351,7 +385,8 @@ class Scheduler:
         min_batch = cfg.min_prefill_batch or 1
         if not picked or not (len(picked) >= min_batch or budget_full
                               or len(picked) == len(self.waiting)
-                              or len(self.running) < min_batch):
+                              or len(self.running) < min_batch
+                              or self.preemption.outranks_running(picked[0][0])):
             return []
         # Every reused page takes its reference before any allocation, so that no allocation
         # of this batch evicts a page another request of the batch is about to reuse.

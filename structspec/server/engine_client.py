@@ -74,8 +74,9 @@ class AsyncEngine(Protocol):
         ...
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams, sink: DeltaSink) -> None:
+                    params: SamplingParams, sink: DeltaSink, *, priority: int = 0) -> None:
         """Queue a request; its deltas arrive in ``sink`` (the last one has ``finished``).
+        ``priority``: lower is served first (``LLMEngine.add_request``).
 
         Raises:
             EngineDeadError: the engine is not serving.
@@ -239,13 +240,14 @@ class EngineClient:
         self._listeners.append(listener)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams, sink: DeltaSink) -> None:
+                    params: SamplingParams, sink: DeltaSink, *, priority: int = 0) -> None:
         if not self.ready:
             raise EngineDeadError(self._dead or "the engine is not serving")
         # Pickled here, on the caller's side: a request that cannot be pickled (e.g. nested
         # past the recursion limit) then fails alone instead of killing the sender thread,
         # which would leave every later request waiting forever.
-        data = bytes(ForkingPickler.dumps(AddRequest(request_id, prompt_token_ids, params)))
+        data = bytes(ForkingPickler.dumps(AddRequest(request_id, prompt_token_ids, params,
+                                                        priority)))
         self._sinks[request_id] = sink
         self._outbox.put(data)
 

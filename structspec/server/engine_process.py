@@ -172,7 +172,8 @@ class EngineLoop:
 
     def _add(self, msg: AddRequest) -> None:
         try:
-            self.engine.add_request(msg.prompt_token_ids, msg.params, request_id=msg.request_id)
+            self.engine.add_request(msg.prompt_token_ids, msg.params, request_id=msg.request_id,
+                                    priority=msg.priority)
         except RequestError as e:
             self._pending.append(EngineDelta(
                 request_id=msg.request_id, finished=True, finish_reason="abort", error=str(e),
@@ -213,6 +214,7 @@ class EngineLoop:
             kv_total_pages=int(s.get("kv_total_pages", 0)),
             prefix_cache_queried_tokens=int(s.get("prefix_cache_queried_tokens", 0)),
             prefix_cache_hit_tokens=int(s.get("prefix_cache_hit_tokens", 0)),
+            num_preemptions=int(s.get("num_preemptions", 0)),
             grammar_compile_s=tuple(compile_s),
             grammar_compile_timeouts=int(timeouts),
             steps=tuple(self.engine.scheduler.timer.drain()),

@@ -17,7 +17,7 @@ without a word.
   something to skip.
 - **Unknown top-level fields** are accepted and ignored, as vLLM does, with a warning in the
   server log naming them (:func:`warn_unknown_fields`): clients written for another server
-  send its own extras (``chat_template_kwargs``, ``priority``...), and refusing every request
+  send its own extras (``chat_template_kwargs``, ``kv_transfer_params``...), and refusing every request
   of such a client would be worse than the warning. OpenAI refuses them; structspec follows
   vLLM here, and refuses every extra it knows changes an output (the table).
 """
@@ -119,7 +119,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("guided_decoding_backend", _never,
                 "null (the grammar backend is a server option: serve --grammar-backend)"),
     Unsupported("guided_whitespace_pattern", _never, "null"),
-    Unsupported("priority", _is(0), "0"),
     Unsupported("echo", _is(False), "false", (CHAT,)),  # vLLM's chat echo; completions has it
     Unsupported("add_generation_prompt", _is(True), "true", (CHAT,)),
     Unsupported("continue_final_message", _is(False), "false", (CHAT,)),

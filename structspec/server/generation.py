@@ -178,12 +178,14 @@ class GenerationRun:
         start_s: ``time.perf_counter()`` when the HTTP request arrived.
         grammar_param: the request field the grammar (if any) was read from, named by its
             compile errors (:func:`error_for`).
+        priority: the request's ``priority`` (lower is served first), for every choice.
     """
 
     def __init__(self, engine: AsyncEngine, codec: Codec, metrics: ServerMetrics,
                  request_id: str, items: Sequence[tuple[list[int], SamplingParams]],
-                 start_s: float, grammar_param: str | None = None) -> None:
+                 start_s: float, grammar_param: str | None = None, priority: int = 0) -> None:
         self.engine = engine
+        self.priority = priority
         self.metrics = metrics
         self.request_id = request_id
         self.start_s = start_s
@@ -209,7 +211,8 @@ class GenerationRun:
         """
         for c in self.choices:
             try:
-                self.engine.add_request(c.request_id, c.prompt_ids, c.params, self.queue)
+                self.engine.add_request(c.request_id, c.prompt_ids, c.params, self.queue,
+                                        priority=self.priority)
             except EngineDeadError as e:
                 self.abort()
                 raise unavailable(f"the engine is not serving: {e}") from None

@@ -24,6 +24,7 @@ class AddRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    priority: int = 0  # lower is served first (LLMEngine.add_request)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +78,8 @@ class EngineStats:
     # prefix cache, cumulative since the engine started: prompt tokens admitted / reused
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
+    # running requests preempted since the engine started (KV ran out, or a higher priority)
+    num_preemptions: int = 0
     grammar_compile_s: tuple[float, ...] = ()  # compile durations finished since the last one
     grammar_compile_timeouts: int = 0  # compiles stopped at their time limit since the last one
     steps: tuple[StepRecord, ...] = ()  # verify-step timings finished since the last one

@@ -88,6 +88,11 @@ class ServerMetrics:
             p + "prefix_cache_hit_rate", "Prefix cache hits / queries in tokens, since the "
             "engine started", registry=r)
         self._prefix_seen = (0, 0)  # (queried, hit) tokens already counted
+        self.preemptions = Counter(
+            p + "preemptions", "Running requests preempted (their KV freed, recomputed on "
+            "resume) when the KV cache ran out or a higher-priority request needed room",
+            registry=r)
+        self._preemptions_seen = 0  # engine preemptions already counted
         self.grammar_compile = Histogram(p + "grammar_compile_seconds",
                                          "Grammar compile time: submission to the compiled grammar's "
                                          "arrival (queue wait, worker compile, engine rebuild)",
@@ -176,6 +181,11 @@ class ServerMetrics:
             self.prefix_cache_hits.inc(hit - seen_h)
             self._prefix_seen = (queried, hit)
             self.prefix_cache_hit_rate.set(hit / queried)
+        if stats.num_preemptions < self._preemptions_seen:  # a restarted engine: from 0
+            self._preemptions_seen = 0
+        if stats.num_preemptions > self._preemptions_seen:
+            self.preemptions.inc(stats.num_preemptions - self._preemptions_seen)
+            self._preemptions_seen = stats.num_preemptions
         for s in stats.grammar_compile_s:
             self.grammar_compile.observe(s)
         if stats.grammar_compile_timeouts:

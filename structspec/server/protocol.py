@@ -145,6 +145,8 @@ class SamplingRequest(OpenAIModel):
     frequency_penalty: JsonFloat | None = None
     repetition_penalty: JsonFloat | None = None
     logit_bias: dict[str, JsonFloat] | None = None
+    # vLLM's: lower is served first (admission and preemption order); null = 0
+    priority: StrictInt | None = None
     # structspec's loop stop: true (defaults) or {min_tokens, max_period, min_repeats}
     repetition_stop: StrictBool | dict[str, Any] | None = None
     user: str | None = None

@@ -92,7 +92,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     rid = record.request_id
     run = GenerationRun(state.engine, state.codec, state.metrics, rid,
                         [(prompt_ids, p) for p in per_choice(params, req.n)], record.start_s,
-                        grammar_param=grammar_param)
+                        grammar_param=grammar_param, priority=req.priority or 0)
     record.run, record.prompt_tokens = run, len(prompt_ids)
     created = int(time.time())
     state.admit(len(run.choices))  # no await from here to run.start()

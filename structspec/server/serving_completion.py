@@ -70,7 +70,7 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     prompt_tokens = sum(len(ids) for ids in prompts)
     rid = record.request_id
     run = GenerationRun(state.engine, state.codec, state.metrics, rid, items, record.start_s,
-                        grammar_param=grammar_param)
+                        grammar_param=grammar_param, priority=req.priority or 0)
     record.run, record.prompt_tokens = run, prompt_tokens
     created = int(time.time())
     state.admit(len(run.choices))  # no await from here to run.start()

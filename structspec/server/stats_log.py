@@ -5,12 +5,13 @@ Every ``stats_interval_s`` seconds :class:`StatsLogger` writes one line on the
 
     stats interval_s=10.00 prompt_tokens_per_s=152.3 generation_tokens_per_s=48.1
         finished=3 running=2 waiting=0 waiting_grammar=1 kv_cache_usage=12.5%
-        prefix_cache_hit_rate=87.5%
+        prefix_cache_hit_rate=87.5% preemptions=0
 
-(one line): prompt and generated tokens per second over the interval and engine requests
-finished in it, read as differences of the Prometheus counters
-(``structspec_prompt_tokens_total``, ``structspec_generation_tokens_total``,
-``structspec_requests_total``: no second count is kept), and the queue state of the engine's
+(one line): prompt and generated tokens per second over the interval, engine requests
+finished in it and running requests preempted in it, read as differences of the Prometheus
+counters (``structspec_prompt_tokens_total``, ``structspec_generation_tokens_total``,
+``structspec_requests_total``, ``structspec_preemptions_total``: no second count is kept),
+and the queue state of the engine's
 last stats (what ``/health`` and the gauges show): requests running, waiting for a batch
 slot / KV pages, waiting for their grammar to compile, the KV pages in use (``-``
 before the engine reported its pool) and the prefix cache's hit rate in prompt tokens since
@@ -56,10 +57,12 @@ class StatsLogger:
         self._last_s = time.monotonic()
         self._last = self._totals()
 
-    def _totals(self) -> tuple[float, float, float]:
-        """The counters' totals: prompt tokens, generated tokens, finished requests."""
+    def _totals(self) -> tuple[float, float, float, float]:
+        """The counters' totals: prompt tokens, generated tokens, finished requests,
+        preemptions."""
         m = self.metrics
-        return _total(m.prompt_tokens), _total(m.generation_tokens), _total(m.requests)
+        return (_total(m.prompt_tokens), _total(m.generation_tokens), _total(m.requests),
+                _total(m.preemptions))
 
     def tick(self, now_s: float | None = None) -> str | None:
         """Close the interval that ends now: the line to log, or None when it was idle.
@@ -70,7 +73,7 @@ class StatsLogger:
         now_s = time.monotonic() if now_s is None else now_s
         totals = self._totals()
         elapsed_s = max(now_s - self._last_s, 1e-9)
-        prompt, generated, finished = (a - b for a, b in zip(totals, self._last, strict=True))
+        prompt, generated, finished, preempted = (a - b for a, b in zip(totals, self._last, strict=True))
         self._last_s, self._last = now_s, totals
         stats = self.engine_stats()
         queued = stats.num_running + stats.num_waiting + stats.num_waiting_grammar
@@ -84,7 +87,8 @@ class StatsLogger:
                 f"finished={finished:.0f} running={stats.num_running} "
                 f"waiting={stats.num_waiting} waiting_grammar={stats.num_waiting_grammar} "
                 f"kv_cache_usage={'-' if usage is None else f'{usage * 100:.1f}%'} "
-                f"prefix_cache_hit_rate={_percent(stats.prefix_cache_hit_tokens, queried)}")
+                f"prefix_cache_hit_rate={_percent(stats.prefix_cache_hit_tokens, queried)} "
+                f"preemptions={preempted:.0f}")
 
     async def run(self) -> None:
         """Log a line every ``interval_s`` seconds until cancelled."""

@@ -169,11 +169,11 @@ class EngineSupervisor:
         self._client.add_listener(listener)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams, sink: DeltaSink) -> None:
+                    params: SamplingParams, sink: DeltaSink, *, priority: int = 0) -> None:
         if not self.ready:
             raise EngineDeadError("the engine process is restarting" if self._restarting
                                   else "the engine is not serving")
-        self._client.add_request(request_id, prompt_token_ids, params, sink)
+        self._client.add_request(request_id, prompt_token_ids, params, sink, priority=priority)
 
     def abort_request(self, request_id: str) -> None:
         self._client.abort_request(request_id)

@@ -109,8 +109,8 @@ def tiny_model_dir(smol_dir: str, tmp_path_factory: pytest.TempPathFactory) -> s
 @pytest.fixture(scope="session")
 def tiny_drafters(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Engine options per drafter on the tiny target: a different random tiny draft model
-    (its drafts are mostly rejected) and a random EAGLE head (prefix caching and chunked
-    prefill tests)."""
+    (its drafts are mostly rejected) and a random EAGLE head (prefix caching, chunked
+    prefill and preemption tests)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 

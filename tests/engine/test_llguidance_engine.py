@@ -92,3 +92,62 @@ def test_every_kind_on_llguidance_is_lossless(make_llm) -> None:
         else:
             assert o.text in CHOICES
     assert sum(o.spec.verify_steps for o in got) > 0
+
+
+@pytest.mark.slow  # an engine with two worker processes: ~25 s of CPU (suite time budget)
+def test_auto_mixed_batch_on_mask_workers_matches_in_process(make_llm) -> None:
+    """``auto`` with two mask worker processes: the xgrammar *and* the llguidance requests'
+    trees are walked by the workers' mirrors once their grammars arrive (llguidance's as
+    grammar text, compiled in the worker), and greedy output equals the spec-off output, token
+    for token, with the same backend named per request. (The bitmask equality itself, row for
+    row and step by step, is tests/grammar/test_worker_pool.py's, in the fast suite.)"""
+    from structspec import LLM
+    from tests.engine.conftest import KV_CAPACITY_TOKENS, release_memory
+
+    params = _mixed_auto_params(4)
+    off = make_llm(grammar_backend="auto").generate(PROMPTS[:4], params)
+    llm = LLM(device="cpu", dtype="float32", quantization="none",
+              kv_capacity_tokens=KV_CAPACITY_TOKENS, max_batch_size=32,
+              speculative_adaptive="off", grammar_backend="auto", grammar_workers=2, **NGRAM)
+    try:
+        pool = llm.engine.scheduler.mask_pool
+        assert pool is not None and pool.backends == {"xgrammar", "llguidance"}
+        on = llm.generate(PROMPTS[:4], params)
+        on_again = llm.generate(PROMPTS[:4], params)  # shipped again: the workers dropped them
+        # three grammars per batch (two xgrammar, one llguidance) each went to a worker; an
+        # xgrammar-only pool would have shipped two
+        assert pool.num_builds > 0 and pool.num_shipped >= 6, pool.num_shipped
+    finally:
+        llm.close()
+        del llm
+        release_memory()
+    for i, (a, b, c) in enumerate(zip(off, on, on_again, strict=True)):
+        assert b.error is None and c.error is None, (b.error, c.error)
+        assert a.token_ids == b.token_ids == c.token_ids, i
+        assert a.grammar_backend == b.grammar_backend == c.grammar_backend, i
+
+
+@pytest.mark.parametrize(("grammar", "param", "words"), [
+    # neither backend enforces 'not' of a const: xgrammar's error, naming the pointer
+    (JsonSchemaConstraint({"type": "object", "properties": {"a": {"type": "string", "not": {
+        "const": "x"}}}}), "response_format.json_schema", "/properties/a: 'not'"),
+    (EbnfConstraint('root ::= "a'), "ebnf", "Failed to compile ebnf grammar"),
+    (RegexConstraint("(a"), "regex", "Failed to compile regex grammar"),
+])
+def test_auto_bad_grammar_fails_its_request_naming_the_field(make_llm, grammar, param: str,
+                                                             words: str) -> None:
+    """Bad input on the ``auto`` path: the request ends with an error naming the field
+    (``RequestOutput.error_param``; the server's 400 carries it) and the others go on."""
+    llm = make_llm(grammar_backend="auto")
+    bad, good = llm.generate(PROMPTS[:2], [SamplingParams(max_tokens=4, grammar=grammar),
+                                           SamplingParams(max_tokens=4)])
+    assert bad.error is not None and words in bad.error, bad.error
+    assert bad.error_param == param and bad.token_ids == []
+    assert good.error is None and len(good.token_ids) == 4
+    pytest.importorskip("fastapi")
+    from structspec.server.generation import error_for
+    from structspec.server.ipc import EngineDelta
+
+    http = error_for(EngineDelta(request_id="r", finished=True, finish_reason="abort",
+                                 error=bad.error, error_param=bad.error_param, rejected=True))
+    assert http.status == 400 and http.param == param

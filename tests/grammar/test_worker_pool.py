@@ -31,9 +31,12 @@ N = 6
 
 
 @pytest.fixture(scope="module")
-def pool(backend: GrammarBackend) -> Iterator[MaskWorkerPool]:
+def pool(backend: GrammarBackend, llg_backend: Any) -> Iterator[MaskWorkerPool]:
+    """Two workers that load the grammars of both backends (each builds llguidance's
+    tokenizer once, from the backend's ``LlgTokenizerSource``, off its step loop)."""
     p = MaskWorkerPool(backend.tokenizer_info, num_workers=2, vocab_size=backend.vocab_size,
-                       max_rows=16 * N, stop_token_ids=[STOP_ID])
+                       max_rows=16 * N, stop_token_ids=[STOP_ID],
+                       llguidance_tokenizer=llg_backend.tokenizer_source)
     yield p
     p.close()
 
@@ -362,31 +365,37 @@ def test_grammar_released_in_flight_is_forgotten_on_arrival(backend: GrammarBack
         pool.close()
 
 
-def test_mixed_backends_workers_and_local_llguidance_rows(pool: MaskWorkerPool,
-                                                          backend: GrammarBackend,
-                                                          llg_backend: Any,
-                                                          hf_tokenizer: Any) -> None:
-    """A batch of half xgrammar requests (walked on the workers) and half llguidance requests
-    (walked in this process, phase 1): one packed bitmask, equal to the all-in-process
-    build."""
-    xgr_g = backend.compile(JsonSchemaConstraint(SCHEMA))
-    llg_g = llg_backend.compile(JsonSchemaConstraint(SCHEMA))
+@pytest.mark.parametrize("llg_local", [False, True], ids=["all-on-workers", "llg-local"])
+def test_mixed_backends_pooled_equals_in_process(pool: MaskWorkerPool,
+                                                 backend: GrammarBackend, llg_backend: Any,
+                                                 hf_tokenizer: Any, llg_local: bool) -> None:
+    """A batch of half xgrammar and half llguidance requests (JSON and regex): the workers'
+    bitmask (llguidance mirrors compiled in the workers from the shipped grammar text), or
+    with the llguidance rows walked here (``llg_local``), equals the all-in-process build,
+    step after step, and the mirrors' verdicts match the host matchers'."""
+    regex = RegexConstraint(r"[A-Z][a-z]+( [a-z]+){2,8}\.")
+    grammars = [(backend, backend.compile(JsonSchemaConstraint(SCHEMA))),
+                (llg_backend, llg_backend.compile(JsonSchemaConstraint(SCHEMA))),
+                (backend, backend.compile(regex)), (llg_backend, llg_backend.compile(regex))]
+    texts = [TEXTS[0], TEXTS[1], "Hello big bright world today.", "Hello big bright world."]
     pool_ids = hf_tokenizer.encode('"name": "x", 12} abc ,.', add_special_tokens=False)
-    reqs = [_Req(f"mix{i}", be, g, hf_tokenizer.encode(TEXTS[i % 2], add_special_tokens=False)
-                 + [STOP_ID])
-            for i, (be, g) in enumerate([(backend, xgr_g), (llg_backend, llg_g),
-                                         (backend, xgr_g), (llg_backend, llg_g)])]
-    for r in reqs[::2]:
-        _wait_shipped(pool, r.key, r.compiled)
+    reqs = [_Req(f"mix{llg_local}{i}", be, g,
+                 hf_tokenizer.encode(texts[i], add_special_tokens=False) + [STOP_ID])
+            for i, (be, g) in enumerate(grammars)]
+    on_worker = [not (llg_local and r.matcher is not None and r.matcher.backend == "llguidance")
+                 for r in reqs]
+    for r, ok in zip(reqs, on_worker, strict=True):
+        assert pool.serves(r.compiled)
+        if ok:
+            _wait_shipped(pool, r.key, r.compiled)
     rng = random.Random(7)
-    for step in range(4):
+    for step in range(5):
         trees = [r.tree(rng, pool_ids) for r in reqs]
         gt = GrammarTree.from_host(*(torch.cat([getattr(t, f) for t in trees]) for f in
                                      ("next_token", "next_sibling", "draft_tokens")))
-        on_worker = [r.matcher is not None and r.matcher.backend == "xgrammar" for r in reqs]
         pooled = build_grammar_vocab_mask_pooled(
             pool, [PoolRequest(r.key, r.compiled, list(r.output_ids)) if ok else None
-                   for r, ok in zip(reqs, on_worker, strict=True)],
+                        for r, ok in zip(reqs, on_worker, strict=True)],
             [r.matcher for r in reqs], gt, device="cpu",
             barrier=lambda: _barrier(reqs), time_limit_s=10.0,
             local=[b for b, ok in enumerate(on_worker) if not ok])
@@ -396,7 +405,40 @@ def test_mixed_backends_workers_and_local_llguidance_rows(pool: MaskWorkerPool,
         assert pooled is not None and ref is not None
         assert torch.equal(pooled.bitmask_cpu, ref.bitmask_cpu), step
         assert pooled.rejected_by_grammar == ref.rejected_by_grammar
+        assert pooled.mirror is not None and not pooled.mirror.mismatched
         for r in reqs:
             r.commit(rng.randint(1, 3))
     for r in reqs:
         pool.release(r.key)
+
+
+def test_llguidance_timeout_on_worker_falls_back_like_in_process(
+        pool: MaskWorkerPool, llg_backend: Any, hf_tokenizer: Any) -> None:
+    """An llguidance walk over its time limit in a worker: rows reset, row 0 exact, no
+    drafts accepted, as in process."""
+    compiled = llg_backend.compile(JsonSchemaConstraint(TM_SCHEMA))
+    ids = hf_tokenizer.encode(TM_PREFIX, add_special_tokens=False)
+    host = llg_backend.create_matcher(compiled)
+    _wait_shipped(pool, "llg-timeout", compiled)
+    nt, ns, dt = tm_tree(ids[-1])
+    tree = GrammarTree.from_host(nt[None], ns[None], dt[None])
+    pooled = build_grammar_vocab_mask_pooled(
+        pool, [PoolRequest("llg-timeout", compiled, ids)], [host], tree, device="cpu",
+        barrier=lambda: host.accept_run(ids), time_limit_s=1e-9)
+    ref = build_grammar_vocab_mask([host], tree, vocab_size=llg_backend.vocab_size,
+                                   device="cpu", time_limit_s=1e-9)
+    pool.release("llg-timeout")
+    assert pooled is not None and ref is not None
+    assert ref.truncated_requests == pooled.truncated_requests == [0]
+    assert torch.equal(pooled.bitmask_cpu, ref.bitmask_cpu)
+    assert pooled.max_accept_cpu.tolist() == [0]
+
+
+def test_pool_serves_the_backends_it_was_given(pool: MaskWorkerPool, llg_backend: Any,
+                                               backend: GrammarBackend) -> None:
+    assert pool.backends == {"xgrammar", "llguidance"}
+    assert pool.serves(backend.compile(RegexConstraint("[a-z]+")))
+    assert pool.serves(llg_backend.compile(RegexConstraint("[a-z]+")))
+    with pytest.raises(ValueError, match="tokenizer_info"):  # before any process starts
+        MaskWorkerPool(None, num_workers=1, vocab_size=backend.vocab_size, max_rows=8,
+                       stop_token_ids=[STOP_ID])

@@ -54,7 +54,7 @@ class ScriptedEngine:
         self._running: dict[str, _Running] = {}
 
     def add_request(self, prompt: list[int], params: SamplingParams, *,
-                    request_id: str) -> str:
+                    request_id: str, priority: int = 0) -> str:
         self._running[request_id] = _Running(list(prompt), params, time.perf_counter())
         return request_id
 

@@ -107,6 +107,7 @@ class FakeEngine:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._sinks: dict[str, asyncio.Queue[EngineDelta]] = {}
         self.added: list[tuple[str, list[int], SamplingParams]] = []
+        self.priorities: list[int] = []  # each add_request's priority
         self.aborted: list[str] = []
         self._listeners: list[Any] = []
         #: prompt tokens each request reports as reused from the prefix cache
@@ -131,8 +132,10 @@ class FakeEngine:
         self._listeners.append(listener)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams, sink: asyncio.Queue[EngineDelta]) -> None:
+                    params: SamplingParams, sink: asyncio.Queue[EngineDelta], *,
+                    priority: int = 0) -> None:
         self.added.append((request_id, prompt_token_ids, params))
+        self.priorities.append(priority)
         self._sinks[request_id] = sink
         self._tasks[request_id] = asyncio.get_running_loop().create_task(
             self._run(request_id, prompt_token_ids, params, sink))

@@ -81,7 +81,7 @@ def _bad_value(name: str) -> Any:
             "audio": {"voice": "alloy", "format": "wav"}, "store": True,
             "service_tier": "flex", "logit_bias": {"5": 1.0}, "suffix": "end", "best_of": 3,
             "presence_penalty": 0.5, "frequency_penalty": -1.0, "repetition_penalty": 1.2,
-            "length_penalty": 0.5, "min_tokens": 5, "priority": 3, "use_beam_search": True,
+            "length_penalty": 0.5, "min_tokens": 5, "use_beam_search": True,
             "include_stop_str_in_output": True, "skip_special_tokens": False,
             "spaces_between_special_tokens": False, "bad_words": ["x"],
             "chat_template_kwargs": {"enable_thinking": False}, "echo": True,
@@ -184,3 +184,23 @@ def test_seed_range_ends_are_served_and_choices_wrap(client: TestClient,
     r = post(client, COMPLETIONS, seed=SEED_MAX, n=3)
     assert r.status_code == 200, r.text
     assert [p.seed for _, _, p in engine.added[-3:]] == [SEED_MAX, 0, 1]
+
+
+# ------------------------------------------------------------------ priority (issue 21)
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_priority_reaches_the_engine_for_every_choice(client: TestClient, engine: FakeEngine,
+                                                      path: str) -> None:
+    assert post(client, path, priority=-3, n=2).status_code == 200
+    assert post(client, path, priority=None).status_code == 200  # null: the default
+    assert engine.priorities == [-3, -3, 0]
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+@pytest.mark.parametrize("value", ["high", 1.5, True, [1], {"level": 1}])
+def test_priority_that_is_not_an_int_is_400_naming_it(client: TestClient, engine: FakeEngine,
+                                                      path: str, value: Any) -> None:
+    err = error_of(post(client, path, priority=value))
+    assert err["param"] == "priority", err
+    assert not engine.added

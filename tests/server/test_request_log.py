@@ -249,8 +249,9 @@ def test_stats_line_from_the_engine_stats(caplog: pytest.LogCaptureFixture) -> N
         "3", "2", "1", "25.0%")
     assert set(f) == {"interval_s", "prompt_tokens_per_s", "generation_tokens_per_s",
                       "finished", "running", "waiting", "waiting_grammar", "kv_cache_usage",
-                      "prefix_cache_hit_rate"}
+                      "prefix_cache_hit_rate", "preemptions"}
     assert f["prefix_cache_hit_rate"] == "-"  # the fake engine reports no prefix-cache query
+    assert f["preemptions"] == "0"
 
 
 def test_disable_log_stats(caplog: pytest.LogCaptureFixture) -> None:

@@ -38,3 +38,14 @@ def test_prefix_cache_counters_become_metrics() -> None:
     assert 'structspec_prefix_cache_queries_total 200.0' in text
     assert 'structspec_prefix_cache_hits_total 120.0' in text
     assert 'structspec_prefix_cache_hit_rate 0.6' in text
+
+
+def test_preemptions_become_a_counter() -> None:
+    """The engine's cumulative preemption count becomes ``structspec_preemptions_total``;
+    a restarted engine (its count back at 0) adds to it rather than being lost."""
+    m = ServerMetrics()
+    m.on_engine_stats(EngineStats(num_preemptions=3))
+    m.on_engine_stats(EngineStats(num_preemptions=5))
+    assert 'structspec_preemptions_total 5.0' in m.render().decode()
+    m.on_engine_stats(EngineStats(num_preemptions=2))  # the engine process restarted
+    assert 'structspec_preemptions_total 7.0' in m.render().decode()
