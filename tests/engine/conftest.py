@@ -215,3 +215,25 @@ def make_llm(engine_cache: EngineCache) -> Callable[..., Any]:
     says otherwise) for those options, shared by the whole
     session (see :class:`EngineCache`)."""
     return engine_cache.get
+
+
+def step_under_sync_check(engine: Any, max_steps: int, *, check: bool = True) -> int:
+    """Run up to ``max_steps`` engine steps with ``torch.cuda.set_sync_debug_mode("error")``
+    (any host sync raises; ``check=False`` runs the same steps unchecked, e.g. to capture CUDA
+    graphs first), then finish the remaining requests unchecked.
+
+    Returns:
+        The number of steps run under the check.
+    """
+    import torch
+
+    steps = 0
+    if check:
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        while engine.has_unfinished_requests() and steps < max_steps:
+            engine.step()
+            steps += 1
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return steps

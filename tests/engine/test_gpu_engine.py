@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from structspec import JsonSchemaConstraint, SamplingParams
-from tests.engine.conftest import PERSON_SCHEMA, PROMPTS
+from tests.engine.conftest import PERSON_SCHEMA, PROMPTS, step_under_sync_check
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -58,14 +58,7 @@ def test_decode_steps_do_not_sync(drafter_llms, algo: str) -> None:
     while engine.scheduler.waiting or engine.scheduler.grammar_queue:
         engine.step()
     engine.step()  # first verify step: CUDA graph capture happens outside the check
-    steps = 0
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        while engine.has_unfinished_requests() and steps < 30:
-            engine.step()
-            steps += 1
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    steps = step_under_sync_check(engine, 30)
     while engine.has_unfinished_requests():
         engine.step()
     assert steps > 3
@@ -149,15 +142,8 @@ def _mixed_size_run(engine, stop_one: bool, check: bool) -> tuple[int, set[int]]
         engine.step()
     timer = engine.scheduler.timer
     timer.flush()
-    first, steps = len(timer.records), 0
-    if check:
-        torch.cuda.set_sync_debug_mode("error")
-    try:
-        while engine.has_unfinished_requests() and steps < 40:
-            engine.step()
-            steps += 1
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    first = len(timer.records)
+    steps = step_under_sync_check(engine, 40, check=check)
     timer.flush()
     sizes = {r.num_nodes for r in timer.records[first:]}
     while engine.has_unfinished_requests():

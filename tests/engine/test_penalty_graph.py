@@ -18,7 +18,7 @@ from structspec.grammar.bitmask import bitmask_width
 from structspec.layers.penalties import PenaltyInputs, PenaltyTable
 from structspec.runner.cuda_graph import VerifyGraph
 from structspec.scheduler.select_verify import select_verify
-from tests.engine.conftest import PERSON_SCHEMA, PROMPTS
+from tests.engine.conftest import PERSON_SCHEMA, PROMPTS, step_under_sync_check
 from tests.engine.test_cuda_graph import (
     _accepting_tree,
     _HostStaging,
@@ -163,14 +163,7 @@ def test_penalised_engine_steps_do_not_sync_and_spec_matches_plain() -> None:
         assert all(len(g.post_graphs) == 4 for g in engine.runner.graphs.graphs.values())
         while engine.scheduler.waiting or engine.scheduler.grammar_queue:
             engine.step()
-        steps = 0
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            while engine.has_unfinished_requests() and steps < 20:
-                engine.step()
-                steps += 1
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+        steps = step_under_sync_check(engine, 20)
         while engine.has_unfinished_requests():
             engine.step()
         assert steps > 3
