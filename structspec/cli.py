@@ -202,16 +202,30 @@ def _precheck_grammar(args: argparse.Namespace, grammar: GrammarConstraint | Non
         ValueError: naming the flag (``--json-schema: Failed to compile json_schema grammar:
             Unsupported type "foo"``).
     """
-    if grammar is None or getattr(args, "grammar_backend", "xgrammar") != "xgrammar":
-        # the precheck is xgrammar's refusals; llguidance / auto may serve what it refuses
+    if grammar is None:
         return
-    from structspec.grammar.precheck import check_grammar  # xgrammar: only when needed
+    # backends imported only when needed (each pulls in its native library)
+    from structspec.grammar.llg_compile import check_grammar_llguidance
+    from structspec.grammar.precheck import check_grammar
 
+    backend = getattr(args, "grammar_backend", "xgrammar")
+    flag = ("--json-schema" if args.json_schema is not None else
+            "--regex" if args.regex is not None else
+            "--choice" if getattr(args, "choice", None) is not None else "--ebnf")
     try:
-        check_grammar(grammar)
+        if backend == "llguidance":
+            check_grammar_llguidance(grammar)
+        elif backend == "auto":  # refused only when neither backend could serve it
+            try:
+                check_grammar(grammar)
+            except ValueError as xgr_error:
+                try:
+                    check_grammar_llguidance(grammar)
+                except ValueError as llg_error:
+                    raise ValueError(f"{llg_error} (xgrammar: {xgr_error})") from None
+        else:
+            check_grammar(grammar)
     except ValueError as e:
-        flag = ("--json-schema" if args.json_schema is not None else
-                "--regex" if args.regex is not None else "--ebnf")
         raise ValueError(f"{flag}: {e}") from None
 
 

@@ -52,8 +52,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "otherwise and on CUDA)")
     g.add_argument("--max-batch-size", type=int, default=64, help="requests decoded together")
     g.add_argument("--kv-capacity-tokens", type=int, default=None,
-                   help="KV cache size in tokens; requests wait when it is full (default: "
-                        "32768 on CPU, 262144 on CUDA)")
+                   help="KV cache size in tokens; a request is admitted on its prompt's KV "
+                        "plus one draft tree and grows as it decodes; when it is full the "
+                        "lowest-priority, newest request is preempted (its KV recomputed "
+                        "later) (default: 32768 on CPU, 262144 on CUDA)")
     g.add_argument("--no-prefix-cache", action="store_true",
                    help="do not reuse the KV of prompt prefixes shared between requests "
                         "(prefix caching is on by default; greedy output is the same)")
@@ -79,7 +81,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grammar-backend", default="xgrammar",
                    choices=["xgrammar", "llguidance", "auto"],
                    help="grammar engine: xgrammar (default; compile and mask worker "
-                        "processes), llguidance (tree masks built in the engine process), or "
+                        "processes), llguidance (grammars compiled in milliseconds in the "
+                        "engine; tree masks in the same mask workers), or "
                         "auto (per grammar: xgrammar when its strict check passes and it "
                         "compiles in time, else llguidance when it compiles the grammar "
                         "exactly)")

@@ -112,6 +112,36 @@ def test_a_grammar_flag_the_compiler_refuses_exits_2_before_loading(
     assert "/nonexistent/model" not in err
 
 
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--grammar-backend", "llguidance", "--ebnf", "root ::= foo"],
+     "--ebnf: Failed to compile ebnf grammar (llguidance)"),
+    (["--grammar-backend", "llguidance", "--regex", "(abc"],
+     "--regex: Failed to compile regex grammar (llguidance)"),
+    (["--grammar-backend", "auto", "--json-schema",
+      '{"type": "object", "not": {"pattern": "a"}}'],
+     "(xgrammar: json_schema cannot be enforced exactly in strict mode"),
+])
+def test_llguidance_and_auto_refuse_before_loading(
+        flags: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """llguidance / auto: refused before the load only when the chosen backend (auto: both)
+    would refuse it."""
+    code = main(["generate", "--model", "/nonexistent/model", "--device", "cpu",
+                 "--prompt", "hi", *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and words in err, err
+    assert "/nonexistent/model" not in err
+
+
+def test_auto_precheck_passes_what_llguidance_serves() -> None:
+    """A schema xgrammar's strict check refuses but llguidance serves is not refused up front
+    with ``auto`` (it reaches the model load, which fails on the missing path)."""
+    from structspec.grammar.llg_compile import check_grammar_llguidance
+
+    schema = {"type": "object", "not": {"required": ["b"]}}
+    check_grammar_llguidance(JsonSchemaConstraint(schema))
+    check_grammar_llguidance(EbnfConstraint('root ::= "a" | "b"'))
+
+
 def test_precheck_passes_what_compiles() -> None:
     check_grammar(JsonSchemaConstraint({"type": "object", "properties": {"a": {"type": "string"}}}))
     check_grammar(RegexConstraint(r"\d{3}"))

@@ -184,7 +184,10 @@ def metaschema_problem(spec: JsonSchemaConstraint) -> str | None:
         return None
     if error is None:
         return None
-    pointer = "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in error.path)
+    # absolute_path: best_match may pick an error of a sub-schema check (anyOf of type's
+    # forms), whose own path is relative to that sub-instance
+    pointer = "".join("/" + str(p).replace("~", "~0").replace("/", "~1")
+                      for p in error.absolute_path)
     return f"invalid JSON Schema at {pointer or '/'}: {error.message}"
 
 

@@ -83,6 +83,35 @@ def llguidance_grammar(spec: GrammarConstraint, *, any_whitespace: bool) -> str:
     raise GrammarError(f"unknown grammar kind {spec.kind!r}", param=param)
 
 
+def check_grammar_llguidance(spec: GrammarConstraint | None) -> None:
+    """Refuse ``spec`` when llguidance would refuse it whatever the model: the checks
+    :func:`compile_llguidance` runs before compiling, then llguidance's tokenizer-free grammar
+    validation (``LLMatcher.validate_grammar``). Lets the command line refuse a grammar for
+    ``--grammar-backend llguidance`` before the model loads; the compile still decides.
+
+    Raises:
+        GrammarError: naming the grammar kind's field, with llguidance's first error line.
+    """
+    if spec is None:
+        return
+    param = PARAM_BY_KIND.get(spec.kind)
+    if isinstance(spec, JsonSchemaConstraint):
+        try:
+            schema = json.loads(schema_text(spec))
+        except ValueError as e:
+            raise GrammarError(str(e), param=param) from e
+        check_servable(schema, param)
+    elif isinstance(spec, RegexConstraint):
+        problem = find_regex_problem(spec.pattern)
+        if problem is not None:
+            raise GrammarError(f"regex is not a usable regex: {problem}", param=param)
+    error = llguidance.LLMatcher.validate_grammar(
+        llguidance_grammar(spec, any_whitespace=False))
+    if error:
+        raise GrammarError(f"Failed to compile {spec.kind} grammar (llguidance): "
+                           f"{_first_line(error)}", param=param)
+
+
 def compile_llguidance(tokenizer: llguidance.LLTokenizer, spec: GrammarConstraint, *,
                        vocab_size: int, any_whitespace: bool,
                        stop_token_ids: list[int]) -> LlgCompiled:

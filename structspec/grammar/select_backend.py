@@ -51,11 +51,14 @@ class AutoFuture:
         self._spec = spec
         self._llg: GrammarFuture | None = None
         self._xgr_error: GrammarError | None = None
+        self._xgr_timed_out = False
 
     def _advance(self, now: float) -> None:
         """Start the llguidance compile once xgrammar has failed or run out of time."""
         if self._llg is not None or not (self._xgr.done() or self._xgr.expired(now)):
             return
+        # xgrammar still compiling at its time limit: its "error" is only the time-out
+        self._xgr_timed_out = not self._xgr.done()
         try:
             self._xgr.result(timeout=0)
         except GrammarError as e:
@@ -94,6 +97,9 @@ class AutoFuture:
             return self._llg.result(timeout=0)
         except GrammarError as e:
             assert self._xgr_error is not None
+            if self._xgr_timed_out:  # llguidance's refusal says why; a time-out says nothing
+                raise GrammarError(f"{e} (xgrammar: ran out of its compile time)",
+                                   param=e.param, code=e.code) from e
             raise self._xgr_error from e
 
 

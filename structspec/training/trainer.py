@@ -124,8 +124,14 @@ def init_from_export(head: EagleHead, path: str, target_config: ModelConfig) -> 
     cfg_path = src / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"init_from: {cfg_path} not found (an exported head directory)")
-    tensors = read_head_tensors(src)
-    exported = parse_eagle_config(json.loads(cfg_path.read_text()), list(tensors), target_config)
+    try:
+        tensors = read_head_tensors(src)
+        exported = parse_eagle_config(json.loads(cfg_path.read_text()), list(tensors),
+                                      target_config)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"init_from: {e}") from None
+    except ValueError as e:  # config.json that is not JSON, or not an EAGLE head's config
+        raise ValueError(f"init_from: {cfg_path}: {e}") from None
     mine = head.config
     for name in ("aux_hidden_layers", "draft_vocab_size", "own_lm_head"):
         if getattr(exported, name) != getattr(mine, name):

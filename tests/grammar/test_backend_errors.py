@@ -39,6 +39,9 @@ def _accepts(backend: GrammarBackend, cg: xgr.CompiledGrammar, text: str) -> boo
                                                               "minLength": -3}}}),
      "response_format.json_schema",
      "invalid JSON Schema at /properties/a~0b~1c/minLength: -3 is less than the minimum of 0"),
+    # an error inside a list: the whole pointer, not the list index alone
+    (JsonSchemaConstraint({"type": ["string", 5]}), "response_format.json_schema",
+     "invalid JSON Schema at /type/1: 5 is not one of"),
     (RegexConstraint("(abc"), "regex", "Failed to compile regex grammar"),
     (EbnfConstraint('start ::= "a"'), "ebnf", "Failed to compile ebnf grammar"),
     (ChoiceConstraint(()), "choice", "non-empty list"),

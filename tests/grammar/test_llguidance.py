@@ -284,3 +284,22 @@ def test_auto_falls_back_when_xgrammar_runs_out_of_time(llg_backend: LlgBackend)
     fut = AutoFuture(spec.kind, stuck, llg_backend, spec)
     assert isinstance(fut.result(timeout=30), LlgCompiled)
     assert fut.done() and not fut.expired(time.perf_counter())
+
+
+def test_auto_after_an_xgrammar_time_out_reports_llguidance_refusal(
+        llg_backend: LlgBackend) -> None:
+    """xgrammar past its time limit, then llguidance refuses: the error is llguidance's
+    reason (naming the field), not xgrammar's "still running after the 0 s wait"."""
+    import time
+
+    from structspec.grammar.backend import GrammarFuture, _Entry
+    from structspec.grammar.errors import GrammarError
+    from structspec.grammar.select_backend import AutoFuture
+
+    spec = JsonSchemaConstraint({"type": "object", "not": {"pattern": "a"}})
+    stuck = GrammarFuture(_Entry(), timeout_s=0.01, submitted_at=time.perf_counter(),
+                          kind=spec.kind)
+    fut = AutoFuture(spec.kind, stuck, llg_backend, spec)
+    with pytest.raises(GrammarError, match="not.*xgrammar: ran out of its compile time") as e:
+        fut.result(timeout=30)
+    assert e.value.param is not None and "still running" not in str(e.value)

@@ -228,6 +228,12 @@ def test_init_from_an_exported_head(small_dir: Path, tmp_path: Path) -> None:
         build_head(cfg, model, mcfg, (0, 2, 4), None, CPU)
     with pytest.raises(ValueError, match="init_from"):
         replace(cfg, resume=True).validate()
+    (tmp_path / "src" / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="init_from: .*config.json"):
+        build_head(cfg, model, mcfg, (1, 3, 4), None, CPU)
+    (tmp_path / "src" / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="init_from: .*safetensors"):
+        build_head(cfg, model, mcfg, (1, 3, 4), None, CPU)
 
 
 def test_bad_inputs_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
