@@ -43,7 +43,7 @@ def compile_only(compiler: xgr.GrammarCompiler, spec: GrammarConstraint, *,
         GrammarError: the compiler failed (it did not in the worker: an xgrammar fault).
     """
     try:
-        return _xgrammar_compile(compiler, spec, any_whitespace=any_whitespace)
+        return _compile_or_unrewritten(compiler, spec, any_whitespace=any_whitespace)
     except GrammarError:
         raise
     except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError/...
@@ -80,7 +80,7 @@ def compile_checked(compiler: xgr.GrammarCompiler, spec: GrammarConstraint, *,
             problem = find_regex_problem(spec.pattern)
             if problem is not None:
                 raise GrammarError(f"regex is not a usable regex: {problem}", param=param)
-        compiled = _xgrammar_compile(compiler, spec, any_whitespace=any_whitespace)
+        compiled = _compile_or_unrewritten(compiler, spec, any_whitespace=any_whitespace)
     except GrammarError:
         raise
     except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError/...
@@ -99,15 +99,39 @@ def compile_checked(compiler: xgr.GrammarCompiler, spec: GrammarConstraint, *,
     return compiled
 
 
+def _compile_or_unrewritten(compiler: xgr.GrammarCompiler, spec: GrammarConstraint, *,
+                            any_whitespace: bool) -> xgr.CompiledGrammar:
+    """:func:`_xgrammar_compile`; when a schema's exact rewrite uses a form xgrammar does not
+    take (a property absent as ``"name": false``, for ``dependencies``), xgrammar serves the
+    schema as sent, as before the rewrites: refused in strict mode naming the original's
+    unenforceable keywords, weakened in best effort (reported by ``schema_valid``); ``auto``
+    goes on to llguidance either way.
+
+    Raises:
+        GrammarError: the original's unenforceable keywords (strict mode).
+        Exception: xgrammar's own error, when the schema as sent fails too.
+    """
+    try:
+        return _xgrammar_compile(compiler, spec, any_whitespace=any_whitespace)
+    except Exception:
+        if not (isinstance(spec, JsonSchemaConstraint)
+                and schema_text(spec) != spec.canonical_text()):
+            raise
+        if spec.strict:
+            _check_enforceable(json.loads(spec.canonical_text()), PARAM_BY_KIND.get(spec.kind))
+            raise
+        return _xgrammar_compile(compiler, spec, any_whitespace=any_whitespace, rewrite=False)
+
+
 def _xgrammar_compile(compiler: xgr.GrammarCompiler, spec: GrammarConstraint, *,
-                      any_whitespace: bool) -> xgr.CompiledGrammar:
+                      any_whitespace: bool, rewrite: bool = True) -> xgr.CompiledGrammar:
     if isinstance(spec, JsonSchemaConstraint):
+        text = schema_text(spec) if rewrite else spec.canonical_text()
         if spec.bounded_numbers:  # the loop guard: bounded integers and numbers
-            bounded = json.dumps(bound_schema_numbers(json.loads(schema_text(spec))),
-                                 ensure_ascii=False)
+            bounded = json.dumps(bound_schema_numbers(json.loads(text)), ensure_ascii=False)
             return compiler.compile_grammar(
                 bounded_json_schema_grammar(bounded, any_whitespace=any_whitespace))
-        return compiler.compile_json_schema(schema_text(spec), any_whitespace=any_whitespace,
+        return compiler.compile_json_schema(text, any_whitespace=any_whitespace,
                                             strict_mode=True)
     if isinstance(spec, JsonObjectConstraint):
         if spec.bounded_numbers:
