@@ -95,16 +95,7 @@ def check_grammar_llguidance(spec: GrammarConstraint | None) -> None:
     if spec is None:
         return
     param = PARAM_BY_KIND.get(spec.kind)
-    if isinstance(spec, JsonSchemaConstraint):
-        try:
-            schema = json.loads(schema_text(spec))
-        except ValueError as e:
-            raise GrammarError(str(e), param=param) from e
-        check_servable(schema, param)
-    elif isinstance(spec, RegexConstraint):
-        problem = find_regex_problem(spec.pattern)
-        if problem is not None:
-            raise GrammarError(f"regex is not a usable regex: {problem}", param=param)
+    _check_before_compile(spec, param)
     error = llguidance.LLMatcher.validate_grammar(
         llguidance_grammar(spec, any_whitespace=False))
     if error:
@@ -126,16 +117,7 @@ def compile_llguidance(tokenizer: llguidance.LLTokenizer, spec: GrammarConstrain
     """
     kind = spec.kind
     param = PARAM_BY_KIND.get(kind)
-    if isinstance(spec, JsonSchemaConstraint):
-        try:
-            schema = json.loads(schema_text(spec))
-        except ValueError as e:
-            raise GrammarError(str(e), param=param) from e
-        check_servable(schema, param)
-    elif isinstance(spec, RegexConstraint):
-        problem = find_regex_problem(spec.pattern)
-        if problem is not None:
-            raise GrammarError(f"regex is not a usable regex: {problem}", param=param)
+    _check_before_compile(spec, param)
     grammar = llguidance_grammar(spec, any_whitespace=any_whitespace)
     template = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
     if template.is_error():
@@ -154,6 +136,24 @@ def compile_llguidance(tokenizer: llguidance.LLTokenizer, spec: GrammarConstrain
                            "$ref cycle with no way out, or contradictory constraints)",
                            param=param)
     return compiled
+
+
+def _check_before_compile(spec: GrammarConstraint, param: str | None) -> None:
+    """The checks that need no compile: schema text and structure, regex usability.
+
+    Raises:
+        GrammarError: naming ``param``.
+    """
+    if isinstance(spec, JsonSchemaConstraint):
+        try:
+            schema = json.loads(schema_text(spec))
+        except ValueError as e:
+            raise GrammarError(str(e), param=param) from e
+        check_servable(schema, param)
+    elif isinstance(spec, RegexConstraint):
+        problem = find_regex_problem(spec.pattern)
+        if problem is not None:
+            raise GrammarError(f"regex is not a usable regex: {problem}", param=param)
 
 
 def _first_line(message: str) -> str:
