@@ -223,25 +223,53 @@ def prefill_forward(runner: ModelRunner, chunks: Sequence[PrefillChunk]) -> Pref
         gather_prompt_features=any(c.first and c.start > 0 for c in chunks))
 
 
-def feed_prompt_features(draft: GuardedDrafter, chunks: Sequence[PrefillChunk],
+@dataclass(frozen=True)
+class FeatureSpan:
+    """What one request's prefill hands a feature-reading drafter.
+
+    Attributes:
+        request_id: the request.
+        token_ids: its sequence (prompt, or prompt + output on a resume).
+        start: first position this prefill computed.
+        end: one past the last position computed.
+        cached: leading positions whose KV came from the prefix cache in this prefill (their
+            features only exist in the runner's feature store).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start: int
+    end: int
+    cached: int
+
+
+def feed_target_features(draft: GuardedDrafter, spans: Sequence[FeatureSpan],
                          out: PrefillOutput) -> None:
-    """Hand a feature-reading drafter (EAGLE) the target features of each chunk's positions,
-    in position order across chunks (``on_target_hidden``).
+    """Hand a feature-reading drafter (EAGLE) the target features of each span's positions,
+    in position order (``on_target_hidden``).
 
     Raises:
-        AssertionError: a chunk started over cached KV but the runner keeps no feature store.
+        AssertionError: a span reused cached KV but the runner keeps no feature store.
     """
     if out.prompt_hidden_states is not None and out.prompt_aux_hidden_states is not None:
         # positions 0..end-1 of every request (the cached ones included); a request past its
         # first chunk stores its earlier positions again, with the same values
         draft.on_target_hidden(
-            [DraftRequest(c.req.request_id, c.req.prompt_ids, 0) for c in chunks],
-            out.prompt_hidden_states, None, [c.end for c in chunks],
+            [DraftRequest(s.request_id, s.token_ids, 0) for s in spans],
+            out.prompt_hidden_states, None, [s.end for s in spans],
             out.prompt_aux_hidden_states)
         return
-    assert not any(c.first and c.start > 0 for c in chunks), \
-        "prefix reuse for a drafter without prompt features"
-    # row j of request b is position chunks[b].start + j
+    assert not any(s.cached for s in spans), "prefix reuse for a drafter without prompt features"
+    # row j of request b is position spans[b].start + j
     draft.on_target_hidden(
-        [DraftRequest(c.req.request_id, c.req.prompt_ids, c.start) for c in chunks],
-        out.hidden_states, None, [c.end - c.start for c in chunks], out.aux_hidden_states)
+        [DraftRequest(s.request_id, s.token_ids, s.start) for s in spans],
+        out.hidden_states, None, [s.end - s.start for s in spans], out.aux_hidden_states)
+
+
+def feed_prompt_features(draft: GuardedDrafter, chunks: Sequence[PrefillChunk],
+                         out: PrefillOutput) -> None:
+    """:func:`feed_target_features` for a prefill step's chunks (a first chunk's start is its
+    prefix-cache hit)."""
+    feed_target_features(draft, [
+        FeatureSpan(c.req.request_id, c.req.prompt_ids, c.start, c.end,
+                    c.start if c.first else 0) for c in chunks], out)

@@ -40,13 +40,13 @@ from structspec.config import EngineConfig
 from structspec.kvcache.page_table import HostPageTable
 from structspec.kvcache.prefix_cache import PrefixCachingAllocator
 from structspec.runner.model_runner import ModelRunner
+from structspec.scheduler.chunked_prefill import FeatureSpan, feed_target_features
 from structspec.scheduler.commit import advance_grammar
 from structspec.scheduler.draft_guard import GuardedDrafter
 from structspec.scheduler.penalty_slots import PenaltySlots
 from structspec.scheduler.request import Req, ReqStatus
 from structspec.scheduler.step_stats import StepTimer
 from structspec.scheduler.waiting_queue import WaitingQueue, victim_key
-from structspec.speculative.base import DraftRequest
 
 
 @dataclass
@@ -235,16 +235,10 @@ class Preemption:
                 self.penalties.assign(r)
         out = self.runner.prefill(ids, [r.pages for r in batch],
                                   cached if any(cached) else None)
-        if self.feeds_hidden:
-            # every position's features, the cached ones included (as a fresh prefill)
-            if out.prompt_hidden_states is not None and out.prompt_aux_hidden_states is not None:
-                hidden, aux = out.prompt_hidden_states, out.prompt_aux_hidden_states
-            else:
-                assert not any(cached), "prefix reuse for a drafter without prompt features"
-                hidden, aux = out.hidden_states, out.aux_hidden_states
-            self.draft.on_target_hidden([DraftRequest(r.request_id, i, 0)
-                                         for r, i in zip(batch, ids, strict=True)],
-                                        hidden, None, [len(i) for i in ids], aux)
+        if self.feeds_hidden:  # every position's features, as a fresh prefill
+            feed_target_features(self.draft, [
+                FeatureSpan(r.request_id, i, 0, len(i), c)
+                for r, i, c in zip(batch, ids, cached, strict=True)], out)
         for r, i, c in zip(batch, ids, cached, strict=True):
             r.seq_len = len(i)
             # only prompt pages are ever cached (drafted KV never lands in a cached page)
