@@ -49,6 +49,17 @@ from structspec.scheduler.step_stats import StepTimer
 from structspec.scheduler.waiting_queue import WaitingQueue, victim_key
 
 
+def release_kv(req: Req, allocator: PrefixCachingAllocator, page_table: HostPageTable) -> None:
+    """Free ``req``'s KV pages (prefix-cached ones stay cached, evictable once unreferenced)
+    and its page-table row (retirement and preemption)."""
+    if req.pages:
+        allocator.free(req.pages)
+        req.pages = []
+    if req.page_row is not None:
+        page_table.remove(req.page_row)
+        req.page_row = None
+
+
 @dataclass
 class PreemptionStats:
     """Counters since the engine started (host ints).
@@ -202,11 +213,7 @@ class Preemption:
             self._retire(req)
             return
         self.running.remove(req)
-        self.allocator.free(req.pages)
-        req.pages = []
-        if req.page_row is not None:
-            self.page_table.remove(req.page_row)
-            req.page_row = None
+        release_kv(req, self.allocator, self.page_table)
         self.draft.reset(req.request_id)
         self.penalties.release(req)
         req.seq_len = 0

@@ -39,7 +39,7 @@ from structspec.scheduler.draft_guard import GuardedDrafter
 from structspec.scheduler.grammar_service import GrammarService
 from structspec.scheduler.logprobs import trim_logprobs
 from structspec.scheduler.penalty_slots import PenaltySlots
-from structspec.scheduler.preemption import Preemption
+from structspec.scheduler.preemption import Preemption, release_kv
 from structspec.scheduler.request import Req, ReqStatus
 from structspec.scheduler.select_verify import SelectVerifyPhase, select_verify
 from structspec.scheduler.step_stats import StepTimer
@@ -229,12 +229,7 @@ class Scheduler:
         if req in self.waiting:
             self.waiting.remove(req)
         self.chunks.discard(req)
-        if req.pages:
-            self.allocator.free(req.pages)
-            req.pages = []
-        if req.page_row is not None:
-            self.page_table.remove(req.page_row)
-            req.page_row = None
+        release_kv(req, self.allocator, self.page_table)
         self.draft.release(req.request_id)
         if self.sizer is not None:
             self.sizer.release(req.request_id)
