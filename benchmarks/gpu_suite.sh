@@ -23,6 +23,12 @@
 #             and without a JSON Schema, held-out ShareGPT and extraction prompts (drafter_speed.py
 #             --compact, ~3 min), and the grammar overlap with the shipped EAGLE head (batch
 #             1/8/32/64, overlap on, 3 alternating repeats, ~3 min)
+#   serving_core  issue 21: the CUDA serving-core and mixed-tree no-sync tests, a 7,000-token prompt
+#             arriving while 32 streams decode (ITL per chunk budget), a short request behind 40 long
+#   prefix_distinct  issue 21: shared 2k-token prefix, cache on / off (256 requests, 64 running);
+#             issue 17: distinct schemas per request, ngram, 0 vs 8 mask workers, 3 alternating repeats
+#   llguidance  issue 19: grammar overlap with every request on llguidance (ngram, batch 1/8/32/64),
+#             MaskBench end to end with --grammar-backend auto, first-request TTFT per backend
 #   ab_overlap, ab_peer  this checkout against another one at $OLD (e.g. `git archive` of an
 #             earlier commit), alternated back to back (benchmarks/ab_compare.py): grammar
 #             overlap (ngram, batch 1/32/64, overlap on) and the structspec peer-table rows;
@@ -31,7 +37,7 @@
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
-run() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$? $name"; grep -E "^(ab_compare|drafter_speed|eagle_accept|grammar_overlap|mask_build|decode|peer|hbm|floor|maskbench|penalty_cost|[0-9]+ passed|FAILED|ERROR)|passed|failed" "$OUT/$name.log" | tail -n 40; }
+run() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$? $name"; grep -E "^(ab_compare|drafter_speed|eagle_accept|grammar_overlap|mask_build|decode|peer|hbm|floor|maskbench|penalty_cost|config=|prefix_cache|distinct_schemas|ttft|gate|  errors|[0-9]+ passed|FAILED|ERROR)|passed|failed" "$OUT/$name.log" | tail -n 40; }
 stages=${*:-tests smol peer llama8b llama8b_overlap invariant maskbench loopguards loopguards2 penalty_cost eagle_speed}
 L8=benchmarks/assets/llama3-8b-shape
 python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())'
@@ -73,6 +79,18 @@ for s in $stages; do case $s in
   eagle_speed)
     run drafter_speed 300 python3 benchmarks/drafter_speed.py --device cuda --compact
     run grammar_overlap_eagle 420 python3 benchmarks/grammar_overlap.py --device cuda --batch 1 8 32 64 --steps 60 --algorithms eagle --overlap on --repeats 3 --speculative-adaptive off ;;
+  serving_core)
+    run gpu_serving_core_tests 200 python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu_serving_core.py
+    run gpu_mixed_tree_tests 100 python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu_engine.py -k "mixed_tree_sizes or do_not_sync"
+    run long_prompt_itl 150 python3 benchmarks/long_prompt_itl.py --device cuda --budgets 256 512 1024 2048
+    run priority_latency 110 python3 benchmarks/priority_latency.py --device cuda ;;
+  prefix_distinct)
+    run prefix_cache 220 python3 benchmarks/prefix_cache.py --device cuda --num-requests 256 --max-batch-size 64 --system-tokens 2048 --max-tokens 64
+    run distinct_schemas_ngram 320 python3 benchmarks/distinct_schemas.py --device cuda --prompt schema --num-requests 300 --max-batch-size 64 --max-tokens 512 --workers 0 8 --algorithms ngram --repeats 3 ;;
+  llguidance)
+    run grammar_overlap_llg 240 python3 benchmarks/grammar_overlap.py --device cuda --batch 1 8 32 64 --steps 60 --algorithms ngram --overlap on --repeats 3 --grammar-backend llguidance
+    run maskbench_auto 170 python3 benchmarks/maskbench_e2e.py --device cuda --speculative-algorithm ngram --limit 120 --max-tokens 1024 --skip-slow-compile --grammar-backend auto --out "$OUT/maskbench_auto.jsonl"
+    run grammar_ttft 120 python3 benchmarks/grammar_backends.py --ttft --device cuda --num-schemas 50 ;;
   ab_overlap)
     run ab_overlap 560 python3 benchmarks/ab_compare.py --old "$OLD" --new . --rounds 2 -- benchmarks/grammar_overlap.py --device cuda --batch 1 32 64 --steps 100 --algorithms ngram --overlap on ;;
   ab_peer)
