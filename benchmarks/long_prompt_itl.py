@@ -26,6 +26,7 @@ the no-arrival p99):
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -119,6 +120,42 @@ def run_once(llm: LLM, args: argparse.Namespace, config: str, budget: int,
                 stream_tokens=stream_tokens)
 
 
+def profiled(llm: LLM, fn: Any) -> dict[str, Any]:
+    """``fn()`` under torch.profiler; prints the host time of each prefill and verify step
+    (no device sync added) and the top ops by self device time and by self host time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    sched = llm.engine.scheduler
+    host_ms: dict[str, list[float]] = {"prefill": [], "verify": []}
+    originals = {"prefill": sched._run_prefill, "verify": sched._run_verify}
+
+    def timed(kind: str) -> Any:
+        def run(*a: Any) -> None:
+            t = time.perf_counter()
+            originals[kind](*a)
+            host_ms[kind].append(1e3 * (time.perf_counter() - t))
+        return run
+
+    sched._run_prefill, sched._run_verify = timed("prefill"), timed("verify")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
+                                           if torch.cuda.is_available() else [])
+    try:
+        with profile(activities=activities) as prof:
+            r = fn()
+    finally:
+        del sched._run_prefill, sched._run_verify  # the class methods again
+    for kind, vals in host_ms.items():
+        if vals:
+            print(f"profile host_ms {kind}: n={len(vals)} p50={statistics.median(vals):.2f} "
+                  f"max={max(vals):.2f} first={' '.join(f'{v:.1f}' for v in vals[:8])}")
+    table = prof.key_averages()
+    if torch.cuda.is_available():
+        print(table.table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
+    print(table.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
+    return r
+
+
 def line(r: dict[str, Any], args: argparse.Namespace) -> str:
     ttft = "-" if r["ttft_ms"] is None else f"{r['ttft_ms']:.1f}"
     return (f"config={r['config']} budget={r['budget']} streams={args.num_streams} "
@@ -145,6 +182,9 @@ def main() -> None:
                    help="chunked runs' --max-num-batched-tokens (default: the engine's auto)")
     p.add_argument("--configs", nargs="+", default=["no_arrival", "chunked", "unchunked"],
                    choices=["no_arrival", "chunked", "unchunked"])
+    p.add_argument("--profile", action="store_true",
+                   help="profile the reported run of each configuration (torch.profiler: top "
+                        "ops by self device and host time; host time per prefill / verify step)")
     args = p.parse_args()
     llm = LLM(args.model, device=args.device, dtype=args.dtype,
               max_batch_size=max(8, args.num_streams + 1), max_model_len=args.max_model_len,
@@ -155,9 +195,12 @@ def main() -> None:
     run_id = 0
     for config in args.configs:
         for budget in (budgets if config == "chunked" else budgets[:1]):
-            for _warm in range(2):  # the first run warms up, the second is reported
+            for warm in range(2):  # the first run warms up, the second is reported
                 run_id += 1
-                r = run_once(llm, args, config, budget, run_id)
+                if args.profile and warm == 1:
+                    r = profiled(llm, functools.partial(run_once, llm, args, config, budget, run_id))
+                else:
+                    r = run_once(llm, args, config, budget, run_id)
             print(line(r, args), flush=True)
             results.setdefault(config, r)
     if "chunked" in results and "no_arrival" in results:

@@ -206,7 +206,9 @@ class VerifyStep:
             n = plan.num_nodes
             if sub is not None and sub.device.type == "cpu" and self.sizer is not None:
                 n = min(n, host_tree_nodes(real_nodes(sub), self.sizer.sizes))
-            staging = self.runner.staging
+            # a host drafter's tree is fitted on the host (the runner stages it whole at the
+            # launch): its padding must not go through the device staging ring
+            staging = None if self.drafter.tree_on_host else self.runner.staging
             tree = fit_trees([d.token_ids[-1] for d in draft_reqs], plan.drafted, sub, n,
                              staging)
             if not self.drafter.tree_on_host and tree.device != self.runner.device:
