@@ -39,6 +39,7 @@ from structspec.runner.cuda_graph import (
     VerifyGraph,
     VerifyGraphCache,
 )
+from structspec.runner.prefill_graph import PrefillGraphCache
 from structspec.staging import Staging
 
 
@@ -168,12 +169,17 @@ class ModelRunner:
         self.graphs: VerifyGraphCache | None = None
         #: the post-forward select/verify function (:meth:`set_select_verify`)
         self.select_verify: SelectVerify | None = None
+        #: CUDA graphs of small prefills (a prompt chunk; :mod:`.prefill_graph`)
+        self.prefill_graphs: PrefillGraphCache | None = None
         if on_cuda and use_cuda_graph:
             self.graphs = VerifyGraphCache(
                 model, self.kv_pool, page_size=self.page_size,
                 max_model_len=max_model_len or model_config.max_position_embeddings,
                 batch_sizes=cuda_graph_batch_sizes, device=device,
             )
+            self.prefill_graphs = PrefillGraphCache(
+                model, self.kv_pool, page_size=self.page_size,
+                page_buckets=self.graphs.page_buckets, device=device)
 
     def set_select_verify(self, select_verify: SelectVerify, *, bitmask_width: int) -> None:
         """Install the function that the post-forward CUDA graphs record (the scheduler's
@@ -223,7 +229,7 @@ class ModelRunner:
     def prefill(
         self, token_ids: Sequence[Sequence[int]], pages: Sequence[Sequence[int]],
         num_cached: Sequence[int] | None = None, *,
-        gather_prompt_features: bool | None = None,
+        gather_prompt_features: bool | None = None, logits_only: bool = False,
     ) -> PrefillOutput:
         """Write the prompts' KV; return the last prompt tokens' logits and hidden states.
 
@@ -239,7 +245,22 @@ class ModelRunner:
                 feature store (when the runner keeps one); None = when some
                 ``num_cached`` is not 0. A later chunk of a prompt whose drafter already
                 has the earlier positions' features passes False.
+            logits_only: the caller reads only ``logits`` (no drafter reads target
+                features): on CUDA a step of few requests then replays prefill graphs
+                (:mod:`.prefill_graph`; ~20 ms of eager launches become a few replays) and
+                ``hidden_states`` is ``[B, 0, H]``. Ignored when the runner keeps a feature
+                store or aux layers (the graphs compute neither).
         """
+        cached = list(num_cached) if num_cached is not None else [0] * len(token_ids)
+        graphs = self.prefill_graphs
+        if (logits_only and graphs is not None and self.prompt_features is None
+                and not self.aux_hidden_layers and graphs.fits(token_ids, cached)):
+            assert self.staging is not None
+            logits = torch.cat([graphs.run(self.staging, t, p, c)
+                                for t, p, c in zip(token_ids, pages, cached, strict=True)])
+            empty = logits.new_empty((len(token_ids), 0, self.model_config.hidden_size),
+                                     dtype=self._dtype)
+            return PrefillOutput(logits=logits, hidden_states=empty, aux_hidden_states=[])
         fb = build_prefill_batch(token_ids, pages, page_size=self.page_size, device=self.device,
                                  num_cached=num_cached)
         out = self.model(fb, self.kv_pool, aux_hidden_layers=self.aux_hidden_layers)

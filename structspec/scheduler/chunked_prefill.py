@@ -210,17 +210,21 @@ class ChunkedPrefill:
             self.prefilling.remove(req)
 
 
-def prefill_forward(runner: ModelRunner, chunks: Sequence[PrefillChunk]) -> PrefillOutput:
+def prefill_forward(runner: ModelRunner, chunks: Sequence[PrefillChunk], *,
+                    feeds_hidden: bool) -> PrefillOutput:
     """One target forward over ``chunks`` (KV written; on CUDA launched, not waited on).
 
     The runner gathers every prompt position's features from its store only when a first
     chunk starts over prefix-cached KV (their drafter needs the cached positions' too).
+    ``feeds_hidden``: the drafter reads target features; without it only the logits are
+    read, so the runner may replay a prefill graph (``ModelRunner.prefill(logits_only=)``).
     """
     starts = [c.start for c in chunks]
     return runner.prefill(
         [c.req.prompt_ids[:c.end] for c in chunks], [c.req.pages for c in chunks],
         starts if any(starts) else None,
-        gather_prompt_features=any(c.first and c.start > 0 for c in chunks))
+        gather_prompt_features=any(c.first and c.start > 0 for c in chunks),
+        logits_only=not feeds_hidden)
 
 
 @dataclass(frozen=True)

@@ -241,7 +241,8 @@ class Preemption:
             if r.params.has_penalties:
                 self.penalties.assign(r)
         out = self.runner.prefill(ids, [r.pages for r in batch],
-                                  cached if any(cached) else None)
+                                  cached if any(cached) else None,
+                                  logits_only=not self.feeds_hidden)
         if self.feeds_hidden:  # every position's features, as a fresh prefill
             feed_target_features(self.draft, [
                 FeatureSpan(r.request_id, i, 0, len(i), c)

@@ -405,7 +405,7 @@ class Scheduler:
         first token (its grammar advance and text work run at once). The previous verify
         step's deferred work runs under the forward."""
         self.timer.break_chain()
-        out = prefill_forward(self.runner, chunks)
+        out = prefill_forward(self.runner, chunks, feeds_hidden=self._feeds_hidden)
         self._finish_deferred()
         if self._feeds_hidden:
             feed_prompt_features(self.draft, chunks, out)

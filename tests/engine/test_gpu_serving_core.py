@@ -3,8 +3,8 @@ token), for every drafter that needs no extra weights, under a JSON Schema:
 
 * prefix caching: prefill over cached KV runs through the GPU attention path and the EAGLE
   feature store lives on the device; greedy output with the cache on equals it off;
-* chunked prefill (64-token budget): chunks run through the GPU attention path (the prefill mask
-  built on the device) and EAGLE's features arrive chunk by chunk; greedy output equals the
+* chunked prefill (64-token budget): chunks replay prefill graphs (none, ngram) or run the
+  eager GPU path (EAGLE, whose features arrive chunk by chunk); greedy output equals the
   unchunked output.
 
 Cached tokens are reported and no page leaks."""
@@ -77,6 +77,9 @@ def test_chunked_equals_unchunked_on_cuda(algo: str) -> None:
         assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
         assert all(o.error is None for o in got)
         assert any(o.cached_tokens > 0 for o in got)
+        # the chunks of a drafter that reads no target features replay prefill graphs
+        graphs = llm.engine.runner.prefill_graphs.graphs
+        assert (len(graphs) > 0) == (algo != "eagle"), sorted(graphs)
         assert_no_leak(llm)
     finally:
         llm.close()
