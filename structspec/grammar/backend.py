@@ -69,6 +69,7 @@ from structspec.grammar.compile_spec import (  # noqa: F401 - re-exported (tests
     schema_text,
 )
 from structspec.grammar.errors import GRAMMAR_TOO_COMPLEX, PARAM_BY_KIND, GrammarError
+from structspec.grammar.grammar_source import XgrSource, remember_source
 from structspec.grammar.limits import is_small, upfront_error
 from structspec.grammar.matcher import Matcher
 from structspec.grammar.shared_compile_pool import acquire_compile_pool, release_compile_pool
@@ -399,6 +400,8 @@ class GrammarBackend:
         except GrammarError as e:
             entry.future.set_exception(e)
             return
+        # a mask worker compiles it from this source instead of a serialization
+        remember_source(compiled, XgrSource(spec, self.config.any_whitespace))
         with self._lock:
             self._compile_s.append(time.perf_counter() - entry.submitted_at)
         entry.future.set_result(compiled)

@@ -4,10 +4,11 @@ The half of :class:`~structspec.grammar.worker_pool.MaskWorkerPool` that decides
 keeps a request's mirror matcher and gets that worker the request's compiled grammar, off the
 step loop (the pool module's docstring, "Placement" and "Shipping grammars", says why).
 
-A grammar travels on a second socket per worker: the shipping thread serializes it (xgrammar's
-JSON, ~5-30 ms for a MaskBench schema; xgrammar releases the GIL for most of it; an llguidance
-grammar travels as its grammar text, :func:`wire_form`) and sends it; the worker's loader
-thread deserializes (or, for llguidance, compiles) it and acknowledges. Until the acknowledgement has been
+A grammar travels on a second socket per worker: the shipping thread sends its source (what
+the engine compiled it from, :mod:`.grammar_source`; an llguidance grammar as its grammar
+text; xgrammar's JSON serialization only for a grammar compiled outside the engine's backend,
+:func:`wire_form`); the worker's loader thread compiles (or deserializes) it and
+acknowledges. Until the acknowledgement has been
 read (:meth:`GrammarShipper.collect`, polled once per step) the request is not *ready* and its
 caller keeps the grammar work in process. Each shipment has a wire id that is never reused, so
 a drop and a later shipment of the same grammar cannot be confused by the two sockets' orders.
@@ -26,6 +27,7 @@ from multiprocessing.connection import Connection
 
 import xgrammar as xgr
 
+from structspec.grammar.grammar_source import XgrSource, source_of
 from structspec.grammar.llg_matcher import LlgCompiled
 from structspec.grammar.pool_types import MaskPoolError
 
@@ -61,12 +63,20 @@ class Shipment:
     state: str = "shipping"
 
 
-def wire_form(compiled: xgr.CompiledGrammar | LlgCompiled) -> str | tuple[str, str, str]:
-    """What travels to a worker for ``compiled``: xgrammar's JSON serialization, or
-    ``("llguidance", kind, grammar text)`` (llguidance's objects cannot be pickled; the worker
-    compiles the text, in milliseconds)."""
+WireForm = str | tuple[str, str, str] | tuple[str, XgrSource]
+"""What travels to a worker for one grammar (:func:`wire_form`)."""
+
+
+def wire_form(compiled: xgr.CompiledGrammar | LlgCompiled) -> WireForm:
+    """What travels to a worker for ``compiled``: ``("xgrammar", source)`` for a grammar the
+    engine's backend compiled (the worker compiles the source: :mod:`.grammar_source` says
+    why), ``("llguidance", kind, grammar text)`` (llguidance's objects cannot be pickled; the
+    worker compiles the text, in milliseconds), else xgrammar's JSON serialization."""
     if isinstance(compiled, LlgCompiled):
         return ("llguidance", compiled.kind, compiled.grammar)
+    source = source_of(compiled)
+    if source is not None:
+        return ("xgrammar", source)
     return compiled.serialize_json()
 
 

@@ -35,6 +35,9 @@ import llguidance
 import torch
 import xgrammar as xgr
 
+from structspec.grammar.compile_spec import compile_only
+from structspec.grammar.grammar_shipping import WireForm
+from structspec.grammar.grammar_source import XgrSource
 from structspec.grammar.llg_matcher import LlgCompiled, LlgMatcher
 from structspec.grammar.llg_tokenizer import LlgTokenizerSource
 from structspec.grammar.matcher import Matcher
@@ -47,11 +50,15 @@ def _load_grammars(ship: Connection, tokenizer_info: xgr.TokenizerInfo | None,
                    grammars: dict[int, xgr.CompiledGrammar | LlgCompiled]) -> None:
     """Loader thread: load each shipped grammar ``(wire id, payload)`` into ``grammars``
     (shared with the main loop; a dict store is atomic under the GIL), then acknowledge it as
-    ``(wire id, None)``, or ``(wire id, error text)`` when it cannot be loaded. The payload is
-    xgrammar's JSON serialization (deserialized), or ``("llguidance", kind, grammar text)``
-    (compiled here for llguidance's tokenizer, which this thread builds first: ~1 s).
+    ``(wire id, None)``, or ``(wire id, error text)`` when it cannot be loaded. The payload
+    (:func:`~structspec.grammar.grammar_shipping.wire_form`) is ``("xgrammar", source)``
+    (compiled here, on this thread's own one-thread compiler), ``("llguidance", kind,
+    grammar text)`` (compiled here for llguidance's tokenizer, which this thread builds
+    first: ~1 s) or xgrammar's JSON serialization (deserialized).
     Ends when the parent closes the socket or sends None."""
     llg_tokenizer = None if llg_source is None else llg_source.build()
+    compiler = (None if tokenizer_info is None
+                else xgr.GrammarCompiler(tokenizer_info, max_threads=1, cache_enabled=False))
     while True:
         try:
             msg = ship.recv()
@@ -61,7 +68,8 @@ def _load_grammars(ship: Connection, tokenizer_info: xgr.TokenizerInfo | None,
             return
         wire_id, payload = msg
         try:
-            grammars[wire_id] = _load(payload, tokenizer_info, llg_source, llg_tokenizer)
+            grammars[wire_id] = _load(payload, compiler, tokenizer_info, llg_source,
+                                      llg_tokenizer)
             error = None
         except Exception as e:  # noqa: BLE001 - the parent keeps that grammar's masks local
             error = repr(e)
@@ -72,19 +80,24 @@ def _load_grammars(ship: Connection, tokenizer_info: xgr.TokenizerInfo | None,
             return
 
 
-def _load(payload: str | tuple[str, str, str], tokenizer_info: xgr.TokenizerInfo | None,
-          llg_source: LlgTokenizerSource | None,
+def _load(payload: WireForm, compiler: xgr.GrammarCompiler | None,
+          tokenizer_info: xgr.TokenizerInfo | None, llg_source: LlgTokenizerSource | None,
           llg_tokenizer: llguidance.LLTokenizer | None) -> xgr.CompiledGrammar | LlgCompiled:
     """One shipped grammar, usable by this process's mirrors.
 
     Raises:
         ValueError: a payload for a backend this worker was not started with, or an
             llguidance grammar that does not compile here.
+        GrammarError: an xgrammar source that does not compile here (it did in the engine).
     """
-    if isinstance(payload, str):
-        if tokenizer_info is None:
+    if isinstance(payload, str) or payload[0] == "xgrammar":
+        if tokenizer_info is None or compiler is None:
             raise ValueError("an xgrammar grammar, but this worker has no xgrammar tokenizer")
-        return xgr.CompiledGrammar.deserialize_json(payload, tokenizer_info)
+        if isinstance(payload, str):
+            return xgr.CompiledGrammar.deserialize_json(payload, tokenizer_info)
+        source = payload[1]
+        assert isinstance(source, XgrSource)
+        return compile_only(compiler, source.spec, any_whitespace=source.any_whitespace)
     _, kind, grammar = payload
     if llg_tokenizer is None or llg_source is None:
         raise ValueError("an llguidance grammar, but this worker has no llguidance tokenizer")

@@ -3,16 +3,20 @@ step after step, as requests advance, finish, time out and new ones arrive."""
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+import xgrammar as xgr
 
 from structspec.constraints import JsonSchemaConstraint, RegexConstraint
 from structspec.draft_tree.layout import VerifyTree
 from structspec.grammar import GrammarBackend, GrammarTree, Matcher, build_grammar_vocab_mask
+from structspec.grammar.grammar_shipping import wire_form
+from structspec.grammar.grammar_source import XgrSource
 from structspec.grammar.tree_mask import build_grammar_vocab_mask_pooled
 from structspec.grammar.worker_pool import MaskWorkerPool, PoolBuildResult, PoolRequest
 
@@ -78,10 +82,28 @@ def _barrier(reqs: list[_Req]) -> None:
         r.pending = []
 
 
+def test_backend_grammars_ship_as_their_source(backend: GrammarBackend) -> None:
+    """A grammar the backend compiled travels as its source (the worker compiles it); one
+    compiled elsewhere as xgrammar's serialization."""
+    spec = JsonSchemaConstraint({**SCHEMA, "title": "ship-as-source"})
+    form = wire_form(backend.compile(spec))
+    assert form[0] == "xgrammar" and isinstance(form[1], XgrSource)
+    assert form[1].spec == spec and form[1].any_whitespace == backend.config.any_whitespace
+    direct = xgr.GrammarCompiler(backend.tokenizer_info).compile_regex("[a-z]+")
+    assert isinstance(wire_form(direct), str)
+
+
+@pytest.mark.parametrize("shipped", ["source", "serialized"])
 def test_pooled_build_equals_in_process(pool: MaskWorkerPool, backend: GrammarBackend,
-                                        hf_tokenizer: Any) -> None:
-    json_g = backend.compile(JsonSchemaConstraint(SCHEMA))
-    regex_g = backend.compile(RegexConstraint(r"[A-Z][a-z]+( [a-z]+){2,8}\."))
+                                        hf_tokenizer: Any, shipped: str) -> None:
+    regex = r"[A-Z][a-z]+( [a-z]+){2,8}\."
+    if shipped == "source":  # the engine's path: the worker compiles the source
+        json_g = backend.compile(JsonSchemaConstraint(SCHEMA))
+        regex_g = backend.compile(RegexConstraint(regex))
+    else:  # compiled outside the backend: the worker parses xgrammar's serialization
+        compiler = xgr.GrammarCompiler(backend.tokenizer_info, cache_enabled=False)
+        json_g = compiler.compile_json_schema(json.dumps(SCHEMA))
+        regex_g = compiler.compile_regex(regex)
     pool_ids = hf_tokenizer.encode('"name": "x", 12} abc ,.', add_special_tokens=False)
     texts = TEXTS + ["Hello big bright world today."]
     rng = random.Random(0)
