@@ -17,7 +17,7 @@ cache. Prints one line per configuration, then the issue's gate (chunked ITL p99
 the no-arrival p99):
 
     config=chunked budget=512 streams=32 long_prompt_tokens=7000 itl_p50_ms=... \\
-        itl_p99_ms=... itl_max_ms=... window_ms=... ttft_ms=... steps=... stream_tokens=...
+        itl_p99_ms=... itl_max_ms=... window_ms=... ttft_ms=... steps=... stream_tokens=... slowest_steps_ms=STEP:MS,...
 
     python benchmarks/long_prompt_itl.py --num-streams 2 --long-prompt-tokens 600  # CPU
     python benchmarks/long_prompt_itl.py --device cuda                              # H200
@@ -70,10 +70,13 @@ def run_once(llm: LLM, args: argparse.Namespace, config: str, budget: int,
         stream_params, request_id=f"s{run_id}-{i}") for i in range(args.num_streams)]
     emitted: dict[str, list[float]] = {r: [] for r in streams}
     counts = dict.fromkeys(streams, 0)
+    step_ms: list[float] = []  # wall time of each engine step (the window's are reported)
 
     def step() -> list[Any]:
+        t0 = time.perf_counter()
         outs = engine.step()
         t = time.perf_counter()
+        step_ms.append(1e3 * (t - t0))
         for o in outs:
             if o.request_id in emitted and len(o.token_ids) > counts[o.request_id]:
                 counts[o.request_id] = len(o.token_ids)
@@ -86,6 +89,7 @@ def run_once(llm: LLM, args: argparse.Namespace, config: str, budget: int,
     vocab = llm.tokenizer.vocab_size if hasattr(llm.tokenizer, "vocab_size") else 32000
     long_ids = rng.integers(200, min(vocab, 32000), size=args.long_prompt_tokens).tolist()
     tokens_before = sum(counts.values())
+    first_window_step = len(step_ms)
     t_arrival = time.perf_counter()
     steps = 0
     ttft_ms = None
@@ -109,6 +113,8 @@ def run_once(llm: LLM, args: argparse.Namespace, config: str, budget: int,
         gaps += [1e3 * (b - a) for a, b in zip(times, times[1:], strict=False)
                  if t_arrival < b <= t_end]
     stream_tokens = sum(counts.values()) - tokens_before
+    window_steps = step_ms[first_window_step:]
+    slowest = sorted(range(len(window_steps)), key=window_steps.__getitem__)[-3:][::-1]
     for rid in list(sched.requests):
         engine.abort_request(rid)
     while engine.has_unfinished_requests():
@@ -117,7 +123,8 @@ def run_once(llm: LLM, args: argparse.Namespace, config: str, budget: int,
                 itl_p50_ms=statistics.median(gaps) if gaps else 0.0,
                 itl_p99_ms=percentile(gaps, 0.99), itl_max_ms=max(gaps, default=0.0),
                 window_ms=1e3 * (t_end - t_arrival), ttft_ms=ttft_ms, steps=steps,
-                stream_tokens=stream_tokens)
+                stream_tokens=stream_tokens,
+                slowest_steps=",".join(f"{i}:{window_steps[i]:.1f}" for i in slowest))
 
 
 def profiled(llm: LLM, fn: Any) -> dict[str, Any]:
@@ -162,7 +169,7 @@ def line(r: dict[str, Any], args: argparse.Namespace) -> str:
             f"long_prompt_tokens={args.long_prompt_tokens} itl_p50_ms={r['itl_p50_ms']:.2f} "
             f"itl_p99_ms={r['itl_p99_ms']:.2f} itl_max_ms={r['itl_max_ms']:.2f} "
             f"window_ms={r['window_ms']:.1f} ttft_ms={ttft} steps={r['steps']} "
-            f"stream_tokens={r['stream_tokens']}")
+            f"stream_tokens={r['stream_tokens']} slowest_steps_ms={r['slowest_steps']}")
 
 
 def main() -> None:

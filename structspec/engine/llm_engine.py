@@ -23,6 +23,7 @@ from structspec.core import (
     type_name,
 )
 from structspec.engine.build import build_engine
+from structspec.engine.gc_heap import freeze_startup_heap, release_startup_heap
 from structspec.models.tokenizer import IncrementalDetokenizer, check_unicode
 from structspec.penalty_params import out_of_vocab
 from structspec.scheduler.request import Req
@@ -69,6 +70,9 @@ class LLMEngine:
         #: detokenize every request in the engine (text in outputs). A front end that
         #: detokenizes itself sets this False: then only requests with stop strings are.
         self.detokenize = True
+        # last: no full garbage collection walks the startup heap again (gc_heap.py)
+        freeze_startup_heap()
+        self._heap_frozen = True
 
     # ------------------------------------------------------------------ requests
 
@@ -223,6 +227,9 @@ class LLMEngine:
         when the engine is garbage-collected or the interpreter exits."""
         self.closed = True
         self.scheduler.close()
+        if getattr(self, "_heap_frozen", False):
+            self._heap_frozen = False
+            release_startup_heap()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self.scheduler._finished_unreported)
