@@ -11,6 +11,7 @@ Cached tokens are reported and no page leaks."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -31,6 +32,8 @@ pytestmark = [pytest.mark.gpu,
 
 ALGOS = ["none", "ngram", "eagle"]
 PROMPTS = [SYSTEM * 4 + q for q in QUESTIONS]
+# the chunked test runs on the prefix test's engine: prompts none of whose pages it cached
+CHUNK_PROMPTS = ["(chunked) " + p for p in PROMPTS]
 
 
 def _params() -> list[SamplingParams]:
@@ -48,31 +51,47 @@ def _cuda_llm(algo: str, **kw: Any) -> Any:
                **kw)
 
 
-@pytest.mark.parametrize("algo", ALGOS)
-def test_prefix_cache_on_equals_off_on_cuda(algo: str) -> None:
-    llm = _cuda_llm(algo)
-    try:
-        want = generate_without_cache(llm, PROMPTS, _params())
-        llm.generate([SYSTEM * 4 + "Hello?"], SamplingParams(max_tokens=2, temperature=0.0),
-                     raw_prompt=True)
-        got = llm.generate(PROMPTS, _params(), raw_prompt=True)
-        assert [o.token_ids for o in got] == [o.token_ids for o in want]
-        assert all(o.error is None for o in got)
-        assert all(o.cached_tokens > 0 for o in got)
-        if algo == "eagle":
-            assert sum(o.spec.draft_tokens_accepted for o in got) > 0
-        assert_no_leak(llm)
-    finally:
+@pytest.fixture(scope="module")
+def cuda_llm() -> Iterator[Callable[[str], Any]]:
+    """One engine per drafter for both tests (an engine build with its CUDA graphs is most of
+    a test's time; the chunked test sets its 64-token budget on the same scheduler)."""
+    built: dict[str, Any] = {}
+
+    def get(algo: str) -> Any:
+        if algo not in built:
+            built[algo] = _cuda_llm(algo)
+        return built[algo]
+
+    yield get
+    for llm in built.values():
         llm.close()
 
 
 @pytest.mark.parametrize("algo", ALGOS)
-def test_chunked_equals_unchunked_on_cuda(algo: str) -> None:
-    llm = _cuda_llm(algo, max_num_batched_tokens=64)
+def test_prefix_cache_on_equals_off_on_cuda(cuda_llm: Callable[[str], Any], algo: str) -> None:
+    llm = cuda_llm(algo)
+    want = generate_without_cache(llm, PROMPTS, _params())
+    llm.generate([SYSTEM * 4 + "Hello?"], SamplingParams(max_tokens=2, temperature=0.0),
+                 raw_prompt=True)
+    got = llm.generate(PROMPTS, _params(), raw_prompt=True)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert all(o.error is None for o in got)
+    assert all(o.cached_tokens > 0 for o in got)
+    if algo == "eagle":
+        assert sum(o.spec.draft_tokens_accepted for o in got) > 0
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_chunked_equals_unchunked_on_cuda(cuda_llm: Callable[[str], Any], algo: str) -> None:
+    llm = cuda_llm(algo)
+    chunks = llm.engine.scheduler.chunks
+    was = chunks.budget_tokens
+    chunks.budget_tokens = 64
     try:
         with unchunked(llm, prefix_cache=False):
-            want = llm.generate(PROMPTS, _params(), raw_prompt=True)
-        got = llm.generate(PROMPTS, _params(), raw_prompt=True)  # chunks, then cache hits
+            want = llm.generate(CHUNK_PROMPTS, _params(), raw_prompt=True)
+        got = llm.generate(CHUNK_PROMPTS, _params(), raw_prompt=True)  # chunks, then hits
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
         assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
         assert all(o.error is None for o in got)
@@ -82,4 +101,4 @@ def test_chunked_equals_unchunked_on_cuda(algo: str) -> None:
         assert (len(graphs) > 0) == (algo != "eagle"), sorted(graphs)
         assert_no_leak(llm)
     finally:
-        llm.close()
+        chunks.budget_tokens = was
