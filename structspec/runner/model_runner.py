@@ -177,9 +177,13 @@ class ModelRunner:
                 max_model_len=max_model_len or model_config.max_position_embeddings,
                 batch_sizes=cuda_graph_batch_sizes, device=device,
             )
-            self.prefill_graphs = PrefillGraphCache(
-                model, self.kv_pool, page_size=self.page_size,
-                page_buckets=self.graphs.page_buckets, device=device)
+            if not batch_invariant:
+                # (batch-invariant mode keeps one prefill path: whether a step replays these
+                # graphs depends on how many requests it prefills, and their attention rounds
+                # differently from the eager prefill's)
+                self.prefill_graphs = PrefillGraphCache(
+                    model, self.kv_pool, page_size=self.page_size,
+                    page_buckets=self.graphs.page_buckets, device=device)
 
     def set_select_verify(self, select_verify: SelectVerify, *, bitmask_width: int) -> None:
         """Install the function that the post-forward CUDA graphs record (the scheduler's
