@@ -104,6 +104,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--num-draft-tokens", type=int, default=8)
     ap.add_argument("--algorithms", nargs="+", default=["ngram", "eagle"])
+    ap.add_argument("--draft-vocab", nargs="+", default=["auto"], choices=["auto", "full"],
+                    help="eagle's --speculative-draft-vocab; several: one eagle configuration "
+                         "each (labelled /vocab=...)")
     ap.add_argument("--modes", nargs="+", default=["on", "off"],
                     choices=["off", "on", "auto"])
     ap.add_argument("--kv-capacity-tokens", type=int, default=8192,
@@ -124,13 +127,22 @@ def main() -> None:
           f"load={os.getloadavg()[0]:.2f} prompts={args.prompts} max_tokens={args.max_tokens}",
           flush=True)
     # the modes in the order given, each over every drafter: the first mode's lines come first
-    configs = [("none", "off")] + [(a, m) for m in args.modes for a in args.algorithms]
-    engines = {("none" if a == "none" else f"{a}/adaptive={m}"): LLM(
+    configs = [("none", "off", "auto")] + [
+        (a, m, v) for m in args.modes for a in args.algorithms
+        for v in (args.draft_vocab if a == "eagle" else ["auto"])]
+
+    def label(a: str, m: str, v: str) -> str:
+        if a == "none":
+            return "none"
+        return f"{a}/adaptive={m}" + (f"/vocab={v}" if a == "eagle"
+                                      and len(args.draft_vocab) > 1 else "")
+
+    engines = {label(a, m, v): LLM(
         args.model, device=args.device, speculative_algorithm=a,
         num_draft_tokens=args.num_draft_tokens, speculative_adaptive=m,
-        kv_capacity_tokens=args.kv_capacity_tokens,
+        speculative_draft_vocab=v, kv_capacity_tokens=args.kv_capacity_tokens,
         **({} if args.quantization is None else {"quantization": args.quantization}))
-        for a, m in configs}
+        for a, m, v in configs}
     try:
         for name, (prompts, grammar) in work.items():
             res = run_interleaved(engines, prompts, grammar, args.max_tokens)

@@ -166,6 +166,9 @@ class SpecConfig:
     ngram_max_window: int = 8
     ngram_branch_length: int = 12
     adaptive: str = "auto"  # auto | on | off (structspec.scheduler.tree_sizing)
+    # eagle: auto = draft over the head's draft vocabulary when it ships one
+    # (structspec.speculative.draft_vocab), full = always the whole vocabulary
+    draft_vocab: str = "auto"
 
     @property
     def tree_size(self) -> int:
@@ -356,6 +359,8 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
     drafter = drafter_info(spec.algorithm)
     if spec.adaptive not in ("auto", "on", "off"):
         raise ValueError(f"speculative_adaptive={spec.adaptive!r}: expected auto, on or off")
+    if spec.draft_vocab not in ("auto", "full"):
+        raise ValueError(f"speculative_draft_vocab={spec.draft_vocab!r}: expected auto or full")
     if spec.algorithm != "none" and not 2 <= spec.num_draft_tokens <= MAX_DRAFT_TOKENS:
         raise ValueError(f"num_draft_tokens={spec.num_draft_tokens}: expected 2.."
                          f"{MAX_DRAFT_TOKENS} when speculation is on")

@@ -125,6 +125,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "verify cost measured on this device, down to a plain decode: on, "
                         "off (always --num-draft-tokens nodes), auto (where a full tree "
                         "costs 1.25x a decode or more: CPUs, GPUs at large batch)")
+    s.add_argument("--speculative-draft-vocab", choices=("auto", "full"), default="auto",
+                   help="eagle: draft over the head's draft vocabulary (the target's most "
+                        "frequent tokens) when the head ships one (auto), or over the whole "
+                        "vocabulary (full); the target verifies over the whole one either way")
 
 
 def speculative_algorithm_help() -> str:
@@ -151,6 +155,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         speculative_depth=args.speculative_depth,
         speculative_topk=args.speculative_topk,
         speculative_adaptive=args.speculative_adaptive,
+        speculative_draft_vocab=args.speculative_draft_vocab,
         device=args.device,
         dtype=args.dtype,
         quantization=args.quantization,
@@ -185,6 +190,7 @@ FLAG_OF_ENGINE_FIELD: Mapping[str, str] = {
     "num_draft_tokens": "--num-draft-tokens", "speculative_depth": "--speculative-depth",
     "speculative_topk": "--speculative-topk",
     "speculative_adaptive": "--speculative-adaptive", "cuda_graph": "--no-cuda-graph",
+    "speculative_draft_vocab": "--speculative-draft-vocab",
     "overlap": "--no-overlap", "chat_template": "--chat-template",
     "enable_prefix_caching": "--no-prefix-cache",
     "max_num_batched_tokens": "--max-num-batched-tokens",

@@ -37,6 +37,9 @@ class LLM:
             from its recent acceptance and the verify cost measured on this device, down to
             a plain decode (``SpecConfig.adaptive``; ``auto``: where a full tree's rows cost
             1.25x a decode or more).
+        speculative_draft_vocab: ``eagle``: ``auto`` (default) drafts over the head's draft
+            vocabulary when it ships one (:mod:`structspec.speculative.draft_vocab`), ``full``
+            over the whole vocabulary (``SpecConfig.draft_vocab``).
         device / dtype: "auto" picks cuda+bfloat16 when available, else cpu+float32.
         max_batch_size, kv_capacity_tokens, page_size, max_model_len, seed,
         grammar_compile_timeout_s, overlap, cuda_graph, speculative_depth, speculative_topk,
@@ -106,6 +109,7 @@ class LLM:
         speculative_depth: int = 4,
         speculative_topk: int = 2,
         speculative_adaptive: str = "auto",
+        speculative_draft_vocab: str = "auto",
         device: str = "auto",
         dtype: str = "auto",
         max_batch_size: int = 64,
@@ -145,7 +149,8 @@ class LLM:
                               enable_prefix_caching=enable_prefix_caching),
             spec=SpecConfig(algorithm=speculative_algorithm, num_draft_tokens=num_draft_tokens,
                             depth=speculative_depth, topk=speculative_topk,
-                            draft_model=draft_model, adaptive=speculative_adaptive),
+                            draft_model=draft_model, adaptive=speculative_adaptive,
+                            draft_vocab=speculative_draft_vocab),
             grammar=GrammarConfig(compile_timeout_s=grammar_compile_timeout_s,
                                   mask_build_workers=grammar_workers,
                                   backend=grammar_backend),

@@ -79,6 +79,7 @@ def build_engine_config(model: str | None = None, **kwargs: Any) -> Any:
                         depth=kwargs.get("speculative_depth", 4),
                         topk=kwargs.get("speculative_topk", 2),
                         adaptive=kwargs.get("speculative_adaptive", "auto"),
+                        draft_vocab=kwargs.get("speculative_draft_vocab", "auto"),
                         draft_model=kwargs.get("draft_model")),
         grammar=GrammarConfig(compile_timeout_s=kwargs.get("grammar_compile_timeout_s", 30.0),
                               mask_build_workers=kwargs.get("grammar_workers"),

@@ -33,6 +33,7 @@ from structspec.kvcache.pool import KVPool
 from structspec.layers.forward_batch import ForwardBatch
 from structspec.models.eagle_head import EagleHead, load_eagle_head
 from structspec.speculative.base import DraftRequest
+from structspec.speculative.draft_vocab import ReducedLmHead, load_draft_vocab, reduced_lm_head
 from structspec.speculative.tree_drafter import (
     DraftReqState,
     TreeDrafter,
@@ -108,8 +109,18 @@ class EagleDrafter(TreeDrafter):
         #: target decoder layers the target forwards must return (EAGLE-3), else ().
         self.aux_hidden_layers: tuple[int, ...] = head.config.aux_hidden_layers
         # a head with its own (reduced-vocabulary) lm_head maps draft ids to target ids; one
-        # that shares the target's lm_head drafts target ids directly
+        # that shares the target's lm_head drafts target ids directly, or the ids of its
+        # draft vocabulary when it ships one (draft_vocab.py: the projection is most of a
+        # head forward)
         self.vocab_map = head.d2t if head.lm_head is not None else None
+        #: the target's lm_head over the draft vocabulary's rows, or None (full vocabulary)
+        self.reduced_lm_head: ReducedLmHead | None = None
+        if head.lm_head is None and spec.draft_vocab == "auto" and spec.draft_model:
+            ids = load_draft_vocab(spec.draft_model, target.model_config.vocab_size)
+            if ids is not None:
+                self.reduced_lm_head = reduced_lm_head(self.target_model, ids)
+                if self.reduced_lm_head is not None:
+                    self.vocab_map = ids.to(device)
         self._prev_out: torch.Tensor | None = None
 
     # -- the hook ----------------------------------------------------------------------------
@@ -199,6 +210,8 @@ class EagleDrafter(TreeDrafter):
         x = self.head.norm(out) if self.head.norm is not None else out
         if self.head.lm_head is not None:
             logits = F.linear(x, self.head.lm_head.weight).float()
+        elif self.reduced_lm_head is not None:
+            logits = self.reduced_lm_head(x)
         else:
             logits = self.target_model.compute_logits(x.reshape(-1, x.shape[-1])).view(
                 *x.shape[:-1], -1)

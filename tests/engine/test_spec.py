@@ -139,6 +139,18 @@ def test_lossless_greedy(make_llm, draft_paths, spec_off_outputs, in_process_out
                                 spec_off_outputs)
 
 
+def test_shipped_head_drafts_over_its_draft_vocabulary(make_llm, draft_paths) -> None:
+    """The default head ships a draft vocabulary (structspec/speculative/draft_vocab.py): the
+    drafter projects onto its 16,384 rows and maps ids through it, and drafts get accepted
+    (the lossless tests above run with it)."""
+    llm = make_llm(**SPEC_CONFIGS["eagle_shipped_head"](draft_paths))
+    drafter = llm.engine.drafter
+    assert drafter.reduced_lm_head is not None
+    assert drafter.vocab_map is not None and drafter.vocab_map.numel() == 16384
+    out = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=24, temperature=0.0))
+    assert sum(o.spec.draft_tokens_accepted for o in out) > 0
+
+
 def check_adaptive_lossless(name: str, llm: LLM, want: list) -> None:
     """Adaptive tree sizing (docs/architecture.md, invariant 2) only changes which drafts are
     proposed: with a CPU-like cost (fixed, so the sizes do not depend on this machine's

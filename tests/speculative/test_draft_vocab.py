@@ -1,0 +1,74 @@
+"""The draft vocabulary (structspec/speculative/draft_vocab.py): picking, the file, the reduced
+projection against the full one, and the shipped head using it losslessly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from structspec.layers.quant_linear import Fp16Linear
+from structspec.speculative.draft_vocab import (
+    DRAFT_VOCAB_FILE,
+    ReducedLmHead,
+    frequent_tokens,
+    load_draft_vocab,
+    main,
+    save_draft_vocab,
+)
+
+
+def test_frequent_tokens_by_count_then_id() -> None:
+    ids = np.array([5, 5, 5, 2, 2, 9, 9, 7])
+    assert frequent_tokens(ids, vocab_size=10, size=3).tolist() == [2, 5, 9]  # 7 loses the tie
+    assert frequent_tokens(ids, vocab_size=10, size=6).tolist() == [0, 1, 2, 5, 7, 9]
+    with pytest.raises(ValueError, match="size=11"):
+        frequent_tokens(ids, vocab_size=10, size=11)
+    with pytest.raises(ValueError, match="outside"):
+        frequent_tokens(np.array([10]), vocab_size=10, size=1)
+
+
+def test_file_round_trip_and_bad_files(tmp_path: Path) -> None:
+    assert load_draft_vocab(tmp_path, 100) is None
+    save_draft_vocab(tmp_path, np.array([1, 4, 9]), coverage=0.5)
+    assert load_draft_vocab(tmp_path, 100).tolist() == [1, 4, 9]
+    for bad in ('{"token_ids": [4, 1]}', '{"token_ids": []}', '{"token_ids": [1, 100]}',
+                '{"ids": [1]}', "not json"):
+        (tmp_path / DRAFT_VOCAB_FILE).write_text(bad)
+        with pytest.raises(ValueError, match=DRAFT_VOCAB_FILE):
+            load_draft_vocab(tmp_path, 100)
+
+
+def test_cli_writes_the_most_frequent_response_tokens(tmp_path: Path) -> None:
+    # two sequences: prompts [1, 1, 1] and [2, 2]; responses [3, 3, 4] and [4, 4, 5]
+    np.savez(tmp_path / "seq.npz", token_ids=np.array([1, 1, 1, 3, 3, 4, 2, 2, 4, 4, 5]),
+             offsets=np.array([0, 6, 11]), num_prompt=np.array([3, 2]))
+    main(["--data", str(tmp_path / "seq.npz"), "--head", str(tmp_path), "--vocab-size", "8",
+          "--size", "2"])
+    assert load_draft_vocab(tmp_path, 8).tolist() == [3, 4]  # prompt tokens do not count
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_reduced_projection_equals_the_full_one_on_its_rows(packed: bool) -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(300, 64)
+    ids = torch.tensor([0, 7, 64, 299])
+    x = torch.randn(3, 64)
+    full = (Fp16Linear.from_float(weight)(x) if packed
+            else nn.functional.linear(x, weight))
+    got = ReducedLmHead(weight, ids, packed_fp16=packed)(x)
+    assert got.shape == (3, 4) and got.dtype == torch.float32
+    torch.testing.assert_close(got, full[:, ids], rtol=1e-5, atol=1e-5)
+
+
+
+def test_config_names_a_bad_draft_vocab() -> None:
+    from structspec.config import EngineConfig, SpecConfig, resolve_engine_config
+
+    cfg = EngineConfig(device="cpu", spec=SpecConfig(algorithm="eagle", draft_vocab="half",
+                                                     draft_model="x"))
+    with pytest.raises(ValueError, match="speculative_draft_vocab='half'"):
+        resolve_engine_config(cfg)
