@@ -40,7 +40,7 @@ graph sharing the pool, so a verify output is valid until the next ``verify()`` 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -98,6 +98,30 @@ def pick_bucket(value: int, buckets: Sequence[int]) -> int | None:
 
 
 GraphKey = tuple[int, int, int, tuple[int, ...]]
+
+T = TypeVar("T")
+
+
+def capture_after_warmup(forward: Callable[[], T], pool: tuple) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Run ``forward`` once eagerly on a side stream (it JIT-compiles its kernels and sizes
+    the allocator pool), then capture it into ``pool``. Syncs the device (only here, never in
+    a replay). ``forward`` runs twice, so it must write only what its replay writes again
+    (the same K/V from the same staged inputs). The side stream waits for the current one
+    first: the staged inputs (and any eager work before) come before the warm-up.
+
+    Returns:
+        The graph and the captured call's outputs (the graph's static output tensors).
+    """
+    cur = torch.cuda.current_stream()
+    side = torch.cuda.Stream(device=cur.device)
+    side.wait_stream(cur)
+    with torch.cuda.stream(side):
+        forward()
+    cur.wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = forward()
+    return graph, out
 
 
 class SelectVerify(Protocol):
@@ -210,16 +234,8 @@ class VerifyGraph:
     def capture(self, model: nn.Module, kv_pool: KVPool, page_size: int, pool: tuple) -> None:
         """Warm up once on a side stream, then capture into ``pool``. Syncs the device (only
         here, never in replay). The warm-up writes the same K/V the replay will write."""
-        cur = torch.cuda.current_stream()
-        side = torch.cuda.Stream(device=cur.device)
-        side.wait_stream(cur)
-        with torch.cuda.stream(side):
-            self.forward(model, kv_pool, page_size)
-        cur.wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            self.logits, self.hidden, self.aux = self.forward(model, kv_pool, page_size)
-        self.graph = graph
+        self.graph, (self.logits, self.hidden, self.aux) = capture_after_warmup(
+            lambda: self.forward(model, kv_pool, page_size), pool)
 
     def replay(self) -> None:
         """Launch the graph on the current stream (no host sync)."""

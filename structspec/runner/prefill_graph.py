@@ -29,7 +29,7 @@ from torch import nn
 
 from structspec.kvcache.pool import KVPool
 from structspec.runner.batch_builder import build_verify_batch_from_tensors, page_table_array
-from structspec.runner.cuda_graph import pick_bucket
+from structspec.runner.cuda_graph import capture_after_warmup, pick_bucket
 from structspec.staging import Staging
 
 #: the largest piece (graph bucket) in tokens; longer chunks replay it several times
@@ -100,16 +100,8 @@ class PrefillGraph:
         """Warm up once on a side stream, then capture into ``pool``. Syncs the device (only
         here, never in replay). The warm-up writes the same K/V the replay will write (its
         inputs are already staged)."""
-        cur = torch.cuda.current_stream()
-        side = torch.cuda.Stream(device=cur.device)
-        side.wait_stream(cur)
-        with torch.cuda.stream(side):
-            self.forward(model, kv_pool, page_size)
-        cur.wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            self.logits = self.forward(model, kv_pool, page_size)
-        self.graph = graph
+        self.graph, self.logits = capture_after_warmup(
+            lambda: self.forward(model, kv_pool, page_size), pool)
 
 
 class PrefillGraphCache:

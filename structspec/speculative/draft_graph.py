@@ -58,7 +58,7 @@ import torch
 from structspec.draft_tree.layout import VerifyTree
 from structspec.kvcache.page_table import PageRows
 from structspec.layers.forward_batch import ForwardBatch
-from structspec.runner.cuda_graph import kv_len_buckets, pick_bucket
+from structspec.runner.cuda_graph import capture_after_warmup, kv_len_buckets, pick_bucket
 from structspec.speculative.base import DraftRequest
 from structspec.speculative.draft_batches import build_catch_up_batch
 from structspec.speculative.expansion import ExpandedTree
@@ -175,15 +175,9 @@ class DraftGraph:
     def capture(self, drafter: GraphDrafter, pool: tuple, keep_root_logp: bool) -> None:
         """Warm up once on a side stream, then capture into ``pool``. Syncs the device (only
         here, never in replay). The warm-up writes the same KV the replay will write."""
-        cur = torch.cuda.current_stream()
-        side = torch.cuda.Stream(device=cur.device)
-        side.wait_stream(cur)  # the staged inputs (and any eager catch-up prefix) come first
-        with torch.cuda.stream(side):
-            self.forward(drafter)  # JIT-compiles kernels and sizes the allocator pool
-        cur.wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            root_logp, self.tree = self.forward(drafter)
+        # (the staged inputs and any eager catch-up prefix come before the warm-up)
+        graph, (root_logp, self.tree) = capture_after_warmup(lambda: self.forward(drafter),
+                                                             pool)
         # A dropped root_logp's pool block may be reused by later captures: this graph still
         # writes it, harmlessly, since nobody reads it.
         self.root_logp = root_logp if keep_root_logp else None
