@@ -88,8 +88,12 @@ def load_draft_vocab(head_dir: str | Path, vocab_size: int) -> torch.Tensor | No
     problem = f"{path}: expected JSON with 'token_ids', ascending unique ids in [0, {vocab_size})"
     try:
         raw = json.loads(path.read_text())["token_ids"]
+        # torch.tensor(..., dtype=int64) would truncate 1.5 to 1 and take true as 1: a file
+        # holding anything but JSON integers is corrupt, not a vocabulary
+        if not isinstance(raw, list) or not all(type(t) is int for t in raw):
+            raise TypeError("token_ids: expected a list of integers")
         ids = torch.tensor(raw, dtype=torch.int64)
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:
         raise ValueError(problem) from e
     if (ids.dim() != 1 or ids.numel() == 0 or bool((ids[1:] <= ids[:-1]).any())
             or int(ids[0]) < 0 or int(ids[-1]) >= vocab_size):
@@ -146,8 +150,15 @@ def _response_tokens(paths: Sequence[str]) -> np.ndarray:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m structspec.speculative.draft_vocab --data SEQ.npz ... --head HEAD_DIR``."""
+    """``python -m structspec.speculative.draft_vocab --data SEQ.npz ... --head HEAD_DIR``.
+
+    Raises:
+        SystemExit: 2 with a usage message naming the argument, for a bad argument or data
+            file (missing, not an ``.npz``, lacking ``token_ids`` / ``offsets`` /
+            ``num_prompt``, or ids outside ``--vocab-size``).
+    """
     ap = argparse.ArgumentParser(
+        prog="python -m structspec.speculative.draft_vocab",
         description="Write an EAGLE head's draft vocabulary: the most frequent response "
                     "tokens of train-eagle sequence data (token_ids / offsets / num_prompt).")
     ap.add_argument("--data", nargs="+", required=True, help="sequence .npz files")
@@ -155,7 +166,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--vocab-size", type=int, required=True, help="the target's vocabulary")
     ap.add_argument("--size", type=int, default=16384, help="tokens kept (default 16384)")
     args = ap.parse_args(argv)
-    tokens = _response_tokens(args.data)
+    if args.vocab_size < 1:
+        ap.error(f"--vocab-size {args.vocab_size}: expected a positive vocabulary size")
+    if not 1 <= args.size <= args.vocab_size:
+        ap.error(f"--size {args.size}: expected 1..{args.vocab_size} (--vocab-size)")
+    if not Path(args.head).is_dir():
+        ap.error(f"--head {args.head}: not a directory")
+    try:
+        tokens = _response_tokens(args.data)
+    except (OSError, ValueError, KeyError, IndexError) as e:
+        # a missing file, not an .npz, or one without token_ids / offsets / num_prompt
+        ap.error(f"--data: {e}")
+    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= args.vocab_size):
+        ap.error(f"--data: token ids outside [0, {args.vocab_size}) (--vocab-size)")
     ids = frequent_tokens(tokens, vocab_size=args.vocab_size, size=args.size)
     counts = np.bincount(tokens.astype(np.int64), minlength=args.vocab_size)
     coverage = counts[ids].sum() / max(1, counts.sum())

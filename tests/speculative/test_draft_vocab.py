@@ -36,7 +36,8 @@ def test_file_round_trip_and_bad_files(tmp_path: Path) -> None:
     save_draft_vocab(tmp_path, np.array([1, 4, 9]), coverage=0.5)
     assert load_draft_vocab(tmp_path, 100).tolist() == [1, 4, 9]
     for bad in ('{"token_ids": [4, 1]}', '{"token_ids": []}', '{"token_ids": [1, 100]}',
-                '{"ids": [1]}', "not json"):
+                '{"ids": [1]}', "not json", '{"token_ids": [1.5, 2.7]}',
+                '{"token_ids": [false, true]}', '{"token_ids": [1, 1e30]}', "[1, 2]"):
         (tmp_path / DRAFT_VOCAB_FILE).write_text(bad)
         with pytest.raises(ValueError, match=DRAFT_VOCAB_FILE):
             load_draft_vocab(tmp_path, 100)
@@ -49,6 +50,28 @@ def test_cli_writes_the_most_frequent_response_tokens(tmp_path: Path) -> None:
     main(["--data", str(tmp_path / "seq.npz"), "--head", str(tmp_path), "--vocab-size", "8",
           "--size", "2"])
     assert load_draft_vocab(tmp_path, 8).tolist() == [3, 4]  # prompt tokens do not count
+
+
+@pytest.mark.parametrize(("args", "named"), [
+    (["--size", "0"], "--size 0"),
+    (["--vocab-size", "3"], "--vocab-size"),  # the data's ids 3..5 are outside it
+    (["--data", "missing.npz"], "--data"),
+    (["--data", "other.npz"], "--data"),  # no token_ids in it
+    (["--head", "no_such_dir"], "--head"),
+])
+def test_cli_names_a_bad_argument(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                  capsys: pytest.CaptureFixture[str], args: list[str],
+                                  named: str) -> None:
+    monkeypatch.chdir(tmp_path)
+    np.savez("seq.npz", token_ids=np.array([1, 3, 4, 5]), offsets=np.array([0, 4]),
+             num_prompt=np.array([1]))
+    np.savez("other.npz", ids=np.array([1]))
+    base = {"--data": "seq.npz", "--head": ".", "--vocab-size": "8", "--size": "2"}
+    base.update(dict(zip(args[::2], args[1::2], strict=True)))
+    with pytest.raises(SystemExit) as exit_info:
+        main([a for kv in base.items() for a in kv])
+    assert exit_info.value.code == 2 and named in capsys.readouterr().err
+    assert not (tmp_path / DRAFT_VOCAB_FILE).exists()
 
 
 @pytest.mark.parametrize("packed", [False, True])
