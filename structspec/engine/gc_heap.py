@@ -10,7 +10,9 @@ what was allocated since (0.0007 ms on the same heap right after the freeze). vL
 heap after warm-up the same way (``freeze_gc_heap``); sglang offers a ``freeze_gc`` call.
 
 Frozen objects are never collected, so the last engine of the process to close unfreezes the
-heap (a closed engine's cycles become collectable again).
+heap (a closed engine's cycles become collectable again). An engine dropped without ``close()``
+releases its hold when reference counting frees it (:func:`hold_startup_heap`); otherwise the
+heap would stay frozen for the rest of the process, whatever engines closed later.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import gc
 import logging
 import threading
+import weakref
 
 logger = logging.getLogger(__name__)
 
@@ -55,3 +58,15 @@ def open_engines() -> int:
     """Engines that froze the heap and have not closed yet (tests, diagnostics)."""
     with _lock:
         return _open_engines
+
+
+def hold_startup_heap(owner: object) -> weakref.finalize:
+    """Freeze the startup heap on behalf of ``owner`` (an engine, at the end of its start).
+
+    Returns:
+        A finalizer that releases the hold (:func:`release_startup_heap`) exactly once: when
+        called (the engine's ``close()``; later calls do nothing) or when ``owner`` is freed
+        unclosed, whichever comes first.
+    """
+    freeze_startup_heap()
+    return weakref.finalize(owner, release_startup_heap)

@@ -23,7 +23,7 @@ from structspec.core import (
     type_name,
 )
 from structspec.engine.build import build_engine
-from structspec.engine.gc_heap import freeze_startup_heap, release_startup_heap
+from structspec.engine.gc_heap import hold_startup_heap
 from structspec.models.tokenizer import IncrementalDetokenizer, check_unicode
 from structspec.penalty_params import out_of_vocab
 from structspec.scheduler.request import Req
@@ -70,9 +70,9 @@ class LLMEngine:
         #: detokenize every request in the engine (text in outputs). A front end that
         #: detokenizes itself sets this False: then only requests with stop strings are.
         self.detokenize = True
-        # last: no full garbage collection walks the startup heap again (gc_heap.py)
-        freeze_startup_heap()
-        self._heap_frozen = True
+        # last: no full garbage collection walks the startup heap again (gc_heap.py); close()
+        # releases the hold, or freeing an engine dropped unclosed does
+        self._heap_hold = hold_startup_heap(self)
 
     # ------------------------------------------------------------------ requests
 
@@ -227,9 +227,7 @@ class LLMEngine:
         when the engine is garbage-collected or the interpreter exits."""
         self.closed = True
         self.scheduler.close()
-        if getattr(self, "_heap_frozen", False):
-            self._heap_frozen = False
-            release_startup_heap()
+        self._heap_hold()  # once: a second close() does nothing
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self.scheduler._finished_unreported)

@@ -25,16 +25,25 @@ def test_freeze_and_release_pair_up() -> None:
         assert gc.get_freeze_count() == 0  # the last one out unfreezes
 
 
-def test_engine_freezes_its_heap_and_close_releases_it(make_llm) -> None:
+def test_a_hold_releases_once_when_called_or_when_its_owner_is_freed() -> None:
+    class Owner:
+        pass
+
+    before = gc_heap.open_engines()
+    closed, dropped = Owner(), Owner()
+    hold_closed = gc_heap.hold_startup_heap(closed)
+    gc_heap.hold_startup_heap(dropped)
+    assert gc_heap.open_engines() == before + 2
+    hold_closed()  # close()
+    hold_closed()  # a second close() releases nothing more
+    assert gc_heap.open_engines() == before + 1
+    del dropped  # an engine dropped unclosed: reference counting frees it
+    assert gc_heap.open_engines() == before
+    if before == 0:
+        assert gc.get_freeze_count() == 0
+
+
+def test_engine_holds_the_heap_frozen_while_open(make_llm) -> None:
     llm = make_llm()  # the session's cached engine is open: the heap is frozen
     assert gc_heap.open_engines() >= 1 and gc.get_freeze_count() > 0
-    engine = llm.engine
-    assert engine._heap_frozen
-    held = gc_heap.open_engines()
-    engine._heap_frozen = False  # as close() would, without closing the shared engine
-    gc_heap.release_startup_heap()
-    try:
-        assert gc_heap.open_engines() == held - 1
-    finally:
-        gc_heap.freeze_startup_heap()
-        engine._heap_frozen = True
+    assert llm.engine._heap_hold.alive  # released by close() (or freeing the engine)
