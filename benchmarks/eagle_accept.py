@@ -67,12 +67,15 @@ def main() -> None:
     ap.add_argument("--max-batch-size", type=int, default=64)
     ap.add_argument("--speculative-adaptive", default="auto", choices=["auto", "on", "off"],
                     help="tree sizing (off: every step verifies the drafter's full tree)")
+    ap.add_argument("--draft-vocab", nargs="+", default=["auto"], choices=["auto", "full"],
+                    help="eagle's --speculative-draft-vocab (several: one eagle run each)")
     args = ap.parse_args()
     model = resolve_model_path(args.model)
     work = workloads(args.workloads, args.num_prompts)
     for shape in args.shapes:
         n, depth, topk = SHAPES[shape]
-        for algo in args.algorithms:
+        for algo, vocab in [(a, v) for a in args.algorithms
+                            for v in (args.draft_vocab if a == "eagle" else ["auto"])]:
             if algo == "none" and shape != args.shapes[0]:
                 continue
             draft = {"eagle": args.draft_model, "draft_model": model}.get(algo)
@@ -81,7 +84,8 @@ def main() -> None:
             llm = LLM(args.model, device=args.device, speculative_algorithm=algo, draft_model=draft,
                       num_draft_tokens=n, speculative_depth=depth, speculative_topk=topk,
                       max_batch_size=args.max_batch_size,
-                      speculative_adaptive=args.speculative_adaptive)
+                      speculative_adaptive=args.speculative_adaptive,
+                      speculative_draft_vocab=vocab)
             for name, items in work.items():
                 params = [SamplingParams(max_tokens=args.max_tokens, temperature=0.0,
                                          grammar=JsonSchemaConstraint(s) if s else None)
@@ -96,7 +100,7 @@ def main() -> None:
                 print(f"eagle_accept workload={name} shape={shape} algo={algo} "
                       f"accept_len={committed / max(steps, 1):.2f} prompts={len(items)} "
                       f"tokens={tokens} errors={errors} tok/s={tokens / dt:.0f} "
-                      f"adaptive={args.speculative_adaptive}", flush=True)
+                      f"adaptive={args.speculative_adaptive} draft_vocab={vocab}", flush=True)
             del llm
             if args.device == "cuda":
                 torch.cuda.empty_cache()

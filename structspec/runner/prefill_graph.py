@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -64,6 +65,25 @@ def split_chunk(num_tokens: int, max_piece: int = MAX_PIECE_TOKENS) -> list[int]
     return pieces
 
 
+def plan_pieces(start: int, end: int, *, page_size: int,
+                page_buckets: Sequence[int]) -> list[tuple[int, int, int]]:
+    """The replays that compute positions ``start..end-1``: ``(position, tokens, page-table
+    width)`` each, in order (:func:`split_chunk` sizes; the width is the smallest bucket
+    covering the piece's last position).
+
+    Raises:
+        ValueError: a piece reaches past the largest page bucket.
+    """
+    out, pos = [], start
+    for piece in split_chunk(end - start):
+        width = pick_bucket(-(-(pos + piece) // page_size), page_buckets)
+        if width is None:
+            raise ValueError(f"{pos + piece} positions exceed the largest page bucket")
+        out.append((pos, piece, width))
+        pos += piece
+    return out
+
+
 class PrefillGraph:
     """Static buffers, and once captured the graph, of one ``(N, P)`` bucket.
 
@@ -87,6 +107,15 @@ class PrefillGraph:
                                         device=device).tril_().view(1, num_tokens, num_tokens)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
+
+    def fill(self, out: np.ndarray, token_ids: Sequence[int], pages: Sequence[int],
+             start: int) -> None:
+        """Write this piece's host inputs into ``out`` (``int64 [1 + P + N]``, the layout of
+        :attr:`ints`): positions ``start .. start + N - 1`` of the request whose prompt (up
+        to the chunk's end) is ``token_ids`` and whose pages are ``pages``."""
+        out[0] = start
+        out[1 : 1 + self.pages] = page_table_array([pages], self.pages).reshape(-1)
+        out[1 + self.pages :] = token_ids[start : start + self.num_tokens]
 
     def forward(self, model: nn.Module, kv_pool: KVPool, page_size: int) -> torch.Tensor:
         """The piece's forward on the static inputs, run eagerly (what the graph records):
@@ -151,26 +180,18 @@ class PrefillGraphCache:
             ValueError: the chunk does not fit the largest page bucket (check :meth:`fits`).
         """
         ring = staging.ring(torch.int64)
-        pos = start
         logits: torch.Tensor | None = None
-        for piece in split_chunk(len(token_ids) - start):
-            need = -(-(pos + piece) // self.page_size)
-            width = pick_bucket(need, self.page_buckets)
-            if width is None:
-                raise ValueError(f"{pos + piece} positions exceed the largest page bucket")
+        for pos, piece, width in plan_pieces(start, len(token_ids), page_size=self.page_size,
+                                             page_buckets=self.page_buckets):
             g = self.graphs.get((piece, width))
             if g is None:
                 g = self.graphs[(piece, width)] = PrefillGraph(piece, width, self.device)
             buf = ring.acquire(g.ints.numel())
-            host = buf.numpy()
-            host[0] = pos
-            host[1 : 1 + width] = page_table_array([pages], width).reshape(-1)
-            host[1 + width :] = token_ids[pos : pos + piece]
+            g.fill(buf.numpy(), token_ids, pages, pos)
             ring.copy_to(buf, g.ints)  # stream-ordered before the replay that reads it
             if g.graph is None:
                 g.capture(self.model, self.kv_pool, self.page_size, self.pool)
             g.graph.replay()  # type: ignore[union-attr]
             logits = g.logits
-            pos += piece
         assert logits is not None
         return logits.clone()  # enqueued right after the last replay: stream order keeps it

@@ -210,6 +210,7 @@ class EngineLoop:
             num_running=int(s.get("num_running", 0)),
             num_waiting=int(s.get("num_waiting", 0)),
             num_waiting_grammar=int(s.get("num_waiting_grammar", 0)),
+            num_prefilling=int(s.get("num_prefilling", 0)),
             kv_free_pages=int(s.get("kv_free_pages", 0)),
             kv_total_pages=int(s.get("kv_total_pages", 0)),
             prefix_cache_queried_tokens=int(s.get("prefix_cache_queried_tokens", 0)),

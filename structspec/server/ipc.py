@@ -73,6 +73,7 @@ class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
     num_waiting_grammar: int = 0
+    num_prefilling: int = 0  # admitted requests part-way through a chunked prefill
     kv_free_pages: int = 0
     kv_total_pages: int = 0
     # prefix cache, cumulative since the engine started: prompt tokens admitted / reused
@@ -97,6 +98,7 @@ class EngineStats:
             "num_running": self.num_running,
             "num_waiting": self.num_waiting,
             "num_waiting_grammar": self.num_waiting_grammar,
+            "num_prefilling": self.num_prefilling,
             "kv_free_pages": self.kv_free_pages,
             "kv_total_pages": self.kv_total_pages,
         }

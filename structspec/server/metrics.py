@@ -74,6 +74,9 @@ class ServerMetrics:
                              "Requests waiting for a batch slot / KV pages", registry=r)
         self.grammar_queue = Gauge(p + "num_requests_waiting_grammar",
                                    "Requests waiting for their grammar to compile", registry=r)
+        self.prefilling = Gauge(p + "num_requests_prefilling",
+                                "Requests part-way through a chunked prefill (admitted, no "
+                                "token yet)", registry=r)
         self.inflight = Gauge(p + "num_requests_inflight",
                               "Engine requests the front end is waiting on", registry=r)
         self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "Fraction of KV pages in use",
@@ -170,6 +173,7 @@ class ServerMetrics:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.grammar_queue.set(stats.num_waiting_grammar)
+        self.prefilling.set(stats.num_prefilling)
         if stats.kv_usage is not None:
             self.kv_usage.set(stats.kv_usage)
         queried, hit = stats.prefix_cache_queried_tokens, stats.prefix_cache_hit_tokens

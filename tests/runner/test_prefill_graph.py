@@ -3,10 +3,17 @@ replayed chunk gives the logits and the KV of the eager prefill."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from structspec.runner.prefill_graph import split_chunk
+from structspec.config import CacheConfig
+from structspec.models.loader import load_model
+from structspec.runner.cuda_graph import kv_len_buckets
+from structspec.runner.model_runner import ModelRunner
+from structspec.runner.prefill_graph import PrefillGraph, plan_pieces, split_chunk
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 100, 512, 1000, 2047, 2048, 2049, 7000])
@@ -61,3 +68,45 @@ def test_prefill_graph_matches_the_eager_prefill_on_cuda() -> None:
                                    atol=2e-3, rtol=2e-3)
     finally:
         llm.close()
+
+
+
+@pytest.fixture(scope="module")
+def tiny_runner(tmp_path_factory: pytest.TempPathFactory) -> ModelRunner:
+    """A float32 two-layer Llama on the CPU, page size 4 (a 300-token prompt spans 75 pages)."""
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    path = Path(tmp_path_factory.mktemp("prefill_graph"))
+    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    model, mcfg = load_model(str(path), device=torch.device("cpu"), dtype=torch.float32)
+    return ModelRunner(model, mcfg, CacheConfig(page_size=4, num_pages=200),
+                       device=torch.device("cpu"), dtype=torch.float32)
+
+
+def test_chain_pieces_equal_the_eager_prefill_on_cpu(tiny_runner: ModelRunner) -> None:
+    """What a prefill graph records, run eagerly on the CPU: a prompt computed as chain-tree
+    pieces over its cached prefix (two chunks, pieces of several buckets, page-table widths
+    from the verify graphs' buckets) gives the eager prefill's last logits and K/V."""
+    runner = tiny_runner
+    page = runner.page_size
+    buckets = sorted({-(-n // page) for n in kv_len_buckets(512)})
+    prompt = torch.randint(0, 64, (300,), generator=torch.Generator().manual_seed(1)).tolist()
+    npages = -(-len(prompt) // page)
+    eager_pages = list(range(1, 1 + npages))
+    piece_pages = list(range(1 + npages, 1 + 2 * npages))
+    want = runner.prefill([prompt], [eager_pages]).logits
+    got = None
+    with torch.inference_mode():
+        for start, end in ((0, 100), (100, len(prompt))):  # pieces 64+32+4, then 128+64+8
+            for pos, n, width in plan_pieces(start, end, page_size=page, page_buckets=buckets):
+                g = PrefillGraph(n, width, torch.device("cpu"))
+                g.fill(g.ints.numpy(), prompt[:end], piece_pages, pos)
+                got = g.forward(runner.model, runner.kv_pool, page)
+    assert got is not None
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    k = runner.kv_pool.k_cache[1]
+    slots = lambda pages: torch.tensor(  # noqa: E731
+        [pages[p // page] * page + p % page for p in range(len(prompt))])
+    torch.testing.assert_close(k[slots(piece_pages)], k[slots(eager_pages)],
+                               atol=1e-5, rtol=1e-5)

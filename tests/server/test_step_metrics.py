@@ -49,3 +49,13 @@ def test_preemptions_become_a_counter() -> None:
     assert 'structspec_preemptions_total 5.0' in m.render().decode()
     m.on_engine_stats(EngineStats(num_preemptions=2))  # the engine process restarted
     assert 'structspec_preemptions_total 7.0' in m.render().decode()
+
+
+def test_prefilling_requests_become_a_gauge() -> None:
+    """Requests part-way through a chunked prefill (admitted, no token yet) are counted apart
+    from the running and waiting ones, and reach /health's counters too."""
+    m = ServerMetrics()
+    stats = EngineStats(num_running=2, num_prefilling=1)
+    m.on_engine_stats(stats)
+    assert 'structspec_num_requests_prefilling 1.0' in m.render().decode()
+    assert stats.as_dict()["num_prefilling"] == 1
