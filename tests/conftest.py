@@ -16,6 +16,10 @@ if "torch" in sys.modules:  # a plugin loaded it first: the setting would come t
     warnings.warn("torch was imported before tests/conftest.py: OMP_WAIT_POLICY not applied",
                   stacklevel=1)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# No GC freeze at each engine start (structspec/engine/gc_heap.py): its full collection costs
+# ~0.2-0.3 s per engine, and the suite builds hundreds (engine processes of the server tests
+# inherit it). tests/engine/test_gc_heap.py turns it on where it tests it.
+os.environ.setdefault("STRUCTSPEC_GC_FREEZE", "0")
 
 import torch  # noqa: E402
 

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import gc
 
+import pytest
+
 from structspec.engine import gc_heap
+
+
+@pytest.fixture(autouse=True)
+def freeze_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The suite turns the freeze off (tests/conftest.py); these tests turn it on."""
+    monkeypatch.setenv("STRUCTSPEC_GC_FREEZE", "1")
 
 
 def test_freeze_and_release_pair_up() -> None:
@@ -43,7 +51,26 @@ def test_a_hold_releases_once_when_called_or_when_its_owner_is_freed() -> None:
         assert gc.get_freeze_count() == 0
 
 
-def test_engine_holds_the_heap_frozen_while_open(make_llm) -> None:
-    llm = make_llm()  # the session's cached engine is open: the heap is frozen
-    assert gc_heap.open_engines() >= 1 and gc.get_freeze_count() > 0
-    assert llm.engine._heap_hold.alive  # released by close() (or freeing the engine)
+def test_freeze_off_holds_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STRUCTSPEC_GC_FREEZE", "0")
+
+    class Owner:
+        pass
+
+    before, frozen = gc_heap.open_engines(), gc.get_freeze_count()
+    hold = gc_heap.hold_startup_heap(Owner())
+    assert gc_heap.open_engines() == before and gc.get_freeze_count() == frozen
+    hold()
+
+
+def test_engine_holds_the_heap_frozen_while_open() -> None:
+    from structspec import LLM
+
+    llm = LLM(max_batch_size=2, kv_capacity_tokens=2048)
+    try:
+        assert gc_heap.open_engines() >= 1 and gc.get_freeze_count() > 0
+        assert llm.engine._heap_hold.alive  # released by close() (or freeing the engine)
+    finally:
+        before = gc_heap.open_engines()
+        llm.close()
+    assert gc_heap.open_engines() == before - 1
