@@ -63,14 +63,9 @@ def test_freeze_off_holds_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     hold()
 
 
-def test_engine_holds_the_heap_frozen_while_open() -> None:
-    from structspec import LLM
-
-    llm = LLM(max_batch_size=2, kv_capacity_tokens=2048)
-    try:
-        assert gc_heap.open_engines() >= 1 and gc.get_freeze_count() > 0
-        assert llm.engine._heap_hold.alive  # released by close() (or freeing the engine)
-    finally:
-        before = gc_heap.open_engines()
-        llm.close()
-    assert gc_heap.open_engines() == before - 1
+def test_engine_holds_the_heap_while_open(make_llm) -> None:
+    """An engine takes a hold at the end of its start and close() releases it (the release is
+    tested on its own above; the suite's engines are built with the freeze off, so the cached
+    engine's hold is the no-op one: only the wiring is checked here)."""
+    engine = make_llm().engine
+    assert engine._heap_hold.alive

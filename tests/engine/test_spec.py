@@ -323,8 +323,11 @@ def ngram_or_pool_llm(request: pytest.FixtureRequest, **kwargs: object
 
 
 # the draft model's own pool engine first: it is gone before the shared n-gram one starts
-@pytest.mark.parametrize("algo", [pytest.param("draft_model_first_layers",
-                                                marks=pytest.mark.slow), "ngram"])
+# both under -m slow (the suite's time budget): the default suite keeps the engine-level
+# worker == in-process check of staggered arrivals below and the mask-level ones of
+# tests/grammar/test_worker_pool.py
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["draft_model_first_layers", "ngram"])
 def test_mask_worker_processes_give_identical_outputs(request: pytest.FixtureRequest,
                                                       draft_paths, in_process_outputs,
                                                       algo: str,

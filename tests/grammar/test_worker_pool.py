@@ -93,7 +93,8 @@ def test_backend_grammars_ship_as_their_source(backend: GrammarBackend) -> None:
     assert isinstance(wire_form(direct), str)
 
 
-@pytest.mark.parametrize("shipped", ["source", "serialized"])
+# "serialized" (a grammar compiled outside the backend) runs under -m slow: the suite's budget
+@pytest.mark.parametrize("shipped", ["source", pytest.param("serialized", marks=pytest.mark.slow)])
 def test_pooled_build_equals_in_process(pool: MaskWorkerPool, backend: GrammarBackend,
                                         hf_tokenizer: Any, shipped: str) -> None:
     regex = r"[A-Z][a-z]+( [a-z]+){2,8}\."
