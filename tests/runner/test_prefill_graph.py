@@ -7,13 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from structspec.config import CacheConfig
-from structspec.models.loader import load_model
 from structspec.runner.cuda_graph import kv_len_buckets
 from structspec.runner.model_runner import ModelRunner
 from structspec.runner.prefill_graph import PrefillGraph, plan_pieces, split_chunk
+from tests.runner.tiny_runner import tiny_runner
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 100, 512, 1000, 2047, 2048, 2049, 7000])
@@ -72,23 +70,17 @@ def test_prefill_graph_matches_the_eager_prefill_on_cuda() -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny_runner(tmp_path_factory: pytest.TempPathFactory) -> ModelRunner:
-    """A float32 two-layer Llama on the CPU, page size 4 (a 300-token prompt spans 75 pages)."""
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    torch.manual_seed(0)
-    path = Path(tmp_path_factory.mktemp("prefill_graph"))
-    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
-    model, mcfg = load_model(str(path), device=torch.device("cpu"), dtype=torch.float32)
-    return ModelRunner(model, mcfg, CacheConfig(page_size=4, num_pages=200),
-                       device=torch.device("cpu"), dtype=torch.float32)
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> ModelRunner:
+    """Page size 4: a 300-token prompt spans 75 pages."""
+    return tiny_runner(Path(tmp_path_factory.mktemp("prefill_graph")),
+                       max_position_embeddings=512, num_pages=200)
 
 
-def test_chain_pieces_equal_the_eager_prefill_on_cpu(tiny_runner: ModelRunner) -> None:
+def test_chain_pieces_equal_the_eager_prefill_on_cpu(tiny: ModelRunner) -> None:
     """What a prefill graph records, run eagerly on the CPU: a prompt computed as chain-tree
     pieces over its cached prefix (two chunks, pieces of several buckets, page-table widths
     from the verify graphs' buckets) gives the eager prefill's last logits and K/V."""
-    runner = tiny_runner
+    runner = tiny
     page = runner.page_size
     buckets = sorted({-(-n // page) for n in kv_len_buckets(512)})
     prompt = torch.randint(0, 64, (300,), generator=torch.Generator().manual_seed(1)).tolist()

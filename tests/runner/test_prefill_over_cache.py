@@ -7,12 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from structspec.config import CacheConfig
-from structspec.models.loader import load_model
 from structspec.runner.batch_builder import build_prefill_batch
 from structspec.runner.model_runner import ModelRunner
+from tests.runner.tiny_runner import tiny_runner
 
 CPU = torch.device("cpu")
 PAGE = 4
@@ -20,14 +18,8 @@ PAGE = 4
 
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory: pytest.TempPathFactory) -> ModelRunner:
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    torch.manual_seed(0)
-    path = Path(tmp_path_factory.mktemp("prefill_cache"))
-    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
-    model, mcfg = load_model(str(path), device=CPU, dtype=torch.float32)
-    return ModelRunner(model, mcfg, CacheConfig(page_size=PAGE, num_pages=32), device=CPU,
-                       dtype=torch.float32)
+    return tiny_runner(Path(tmp_path_factory.mktemp("prefill_cache")),
+                       max_position_embeddings=128, num_pages=32, page_size=PAGE)
 
 
 def test_prefill_over_cached_pages_matches_the_full_prefill(runner: ModelRunner) -> None:
