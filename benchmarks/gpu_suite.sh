@@ -23,8 +23,10 @@
 #             and without a JSON Schema, held-out ShareGPT and extraction prompts (drafter_speed.py
 #             --compact, ~3 min), and the grammar overlap with the shipped EAGLE head (batch
 #             1/8/32/64, overlap on, 3 alternating repeats, ~3 min)
-#   serving_core  issue 21: the CUDA serving-core and mixed-tree no-sync tests, a 7,000-token prompt
-#             arriving while 32 streams decode (ITL per chunk budget), a short request behind 40 long
+#   serving_core  issue 21: the prefill-graph test, a 7,000-token prompt arriving while 32 streams
+#             decode (ITL per chunk budget, profiled), a short request behind 40 long, the CUDA
+#             serving-core tests (prefix cache / chunked == unchunked, one engine per drafter)
+#   mixed_tree  the no-sync tests with mixed tree sizes and every drafter (4 engines, ~4-8 min)
 #   prefix_distinct  issue 21: shared 2k-token prefix, cache on / off (256 requests, 64 running);
 #             issue 17: distinct schemas per request, ngram, 0 vs 8 mask workers, 3 alternating repeats
 #   llguidance  issue 19: grammar overlap with every request on llguidance (ngram, batch 1/8/32/64),
@@ -80,13 +82,15 @@ for s in $stages; do case $s in
     run drafter_speed 300 python3 benchmarks/drafter_speed.py --device cuda --compact
     run grammar_overlap_eagle 420 python3 benchmarks/grammar_overlap.py --device cuda --batch 1 8 32 64 --steps 60 --algorithms eagle --overlap on --repeats 3 --speculative-adaptive off ;;
   serving_core)
-    run gpu_serving_core_tests 200 python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu_serving_core.py
-    run gpu_mixed_tree_tests 100 python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu_engine.py -k "mixed_tree_sizes or do_not_sync"
-    run long_prompt_itl 150 python3 benchmarks/long_prompt_itl.py --device cuda --budgets 256 512 1024 2048
-    run priority_latency 110 python3 benchmarks/priority_latency.py --device cuda ;;
+    run gpu_prefill_graph_tests 90 python3 -m pytest -q -s -p no:cacheprovider tests/runner/test_prefill_graph.py
+    run long_prompt_itl 150 python3 benchmarks/long_prompt_itl.py --device cuda --budgets 512 2048 --profile
+    run priority_latency 110 python3 benchmarks/priority_latency.py --device cuda
+    run gpu_serving_core_tests 220 python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu_serving_core.py ;;
+  mixed_tree)
+    run gpu_mixed_tree_tests 500 python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu_engine.py -k "mixed_tree_sizes or do_not_sync" ;;
   prefix_distinct)
-    run prefix_cache 220 python3 benchmarks/prefix_cache.py --device cuda --num-requests 256 --max-batch-size 64 --system-tokens 2048 --max-tokens 64
-    run distinct_schemas_ngram 320 python3 benchmarks/distinct_schemas.py --device cuda --prompt schema --num-requests 300 --max-batch-size 64 --max-tokens 512 --workers 0 8 --algorithms ngram --repeats 3 ;;
+    run prefix_cache 200 python3 benchmarks/prefix_cache.py --device cuda --num-requests 256 --max-batch-size 64 --system-tokens 2048 --max-tokens 64
+    run distinct_schemas_ngram 380 python3 benchmarks/distinct_schemas.py --device cuda --prompt schema --num-requests 300 --max-batch-size 64 --max-tokens 512 --workers 0 8 --algorithms ngram --repeats 3 ;;
   llguidance)
     run grammar_overlap_llg 240 python3 benchmarks/grammar_overlap.py --device cuda --batch 1 8 32 64 --steps 60 --algorithms ngram --overlap on --repeats 3 --grammar-backend llguidance
     run maskbench_auto 170 python3 benchmarks/maskbench_e2e.py --device cuda --speculative-algorithm ngram --limit 120 --max-tokens 1024 --skip-slow-compile --grammar-backend auto --out "$OUT/maskbench_auto.jsonl"
