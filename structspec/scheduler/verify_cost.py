@@ -14,9 +14,9 @@ tree: EAGLE and the draft model run one draft forward (and one vocabulary projec
 expansion depth, and a tree of ``n`` nodes needs at most ``n - 1`` of them
 (:meth:`~structspec.speculative.base.Drafter.propose_sized`): a 2-node probe is the catch-up
 alone, a full tree every depth. The tree sizer prices each size with its own propose cost. The
-first sample of each bucket is dropped: it pays one-time work (CUDA-graph capture, allocator
-growth) that later steps do not; later ones are clamped to 1/4..4x the bucket's average, so a
-single outlier cannot swing a decision.
+first sample of each bucket, and each tree size's first propose, is dropped: it pays one-time
+work (CUDA-graph capture, allocator growth, a new shape's kernels) that later steps do not;
+later ones are clamped to 1/4..4x the average, so a single outlier cannot swing a decision.
 
 Between measured buckets the cost is interpolated linearly in rows (the forward's time is
 close to affine in rows on both devices); outside the measured range it is extended with the
@@ -75,8 +75,15 @@ class VerifyCostModel:
         #: EWMA of the propose time per drafted request (ms), all tree sizes together; None
         #: before a drafted step (the fallback of :meth:`draft_ms` for an unmeasured size)
         self.draft_ms_per_request: float | None = None
-        #: EWMA of the propose time per drafted request (ms) by planned tree size (nodes)
+        #: EWMA of the propose time per drafted request (ms) by planned tree size (nodes),
+        #: from each size's second propose on
         self._draft_ms_by_nodes: dict[int, float] = {}
+        #: each size's first propose time (ms per request): one-time work included (a new
+        #: shape's kernels and buffers), so it prices a size only while no size has a kept
+        #: sample. Kept as the estimate, an inflated first sample priced its size out for
+        #: good: a size the sizer stops choosing is never measured again (EAGLE at batch 1 on
+        #: the CPU settled on 2- or on 8-node trees from run to run, benchmarks/README.md)
+        self._draft_first_ms: dict[int, float] = {}
 
     def observe(self, rows: int, verify_ms: float, *, draft_ms: float = 0.0,
                 num_drafted: int = 0, draft_nodes: int = 0) -> None:
@@ -105,17 +112,24 @@ class VerifyCostModel:
             per = draft_ms / num_drafted
             d = self.draft_ms_per_request
             self.draft_ms_per_request = per if d is None else d + self.alpha * (per - d)
-            if draft_nodes > 1:
+            if draft_nodes > 1 and draft_nodes not in self._draft_first_ms:
+                self._draft_first_ms[draft_nodes] = per
+            elif draft_nodes > 1:
                 d = self._draft_ms_by_nodes.get(draft_nodes)
-                self._draft_ms_by_nodes[draft_nodes] = (
-                    per if d is None else d + self.alpha * (per - d))
+                if d is None:
+                    self._draft_ms_by_nodes[draft_nodes] = per
+                else:  # clamped like the verify samples: one outlier moves it by a factor
+                    per = min(max(per, 0.25 * d), 4.0 * d)
+                    self._draft_ms_by_nodes[draft_nodes] = d + self.alpha * (per - d)
 
     def draft_ms(self, num_nodes: int) -> float | None:
         """Estimated propose time (ms) per drafted request for trees of ``num_nodes`` nodes:
-        that size's own EWMA when measured, else the nearest measured larger size's (a larger
-        tree never costs a model drafter less), else the nearest smaller one's, else the
+        that size's own EWMA when measured (its first propose dropped), else the nearest
+        measured larger size's (a larger tree never costs a model drafter less), else the
+        nearest smaller one's - an optimistic price that gets the size tried and measured -
+        the same over the first proposes while no size has a kept sample, else the
         all-sizes average; None before any drafted step."""
-        by = self._draft_ms_by_nodes
+        by = self._draft_ms_by_nodes or self._draft_first_ms
         if num_nodes in by:
             return by[num_nodes]
         larger = [n for n in by if n > num_nodes]

@@ -78,6 +78,23 @@ def test_cost_model_drops_warmup_and_interpolates() -> None:
         VerifyCostModel(alpha=0.0)
 
 
+def test_first_propose_of_a_size_does_not_price_it_for_good() -> None:
+    """Each size's first propose (one-time work) is dropped once any size has a kept
+    sample; a size with only its first one borrows a measured size's price (optimistic, so
+    it gets tried and measured) instead of its inflated first sample."""
+    cost = VerifyCostModel(alpha=0.5)
+    cost.observe(8, 30.0, draft_ms=400.0, num_drafted=1, draft_nodes=8)  # first: warm-up
+    cost.observe(2, 30.0, draft_ms=9.0, num_drafted=1, draft_nodes=2)  # first: warm-up
+    assert cost.draft_ms(8) == pytest.approx(400.0)  # nothing kept yet: the first samples
+    cost.observe(2, 30.0, draft_ms=3.0, num_drafted=1, draft_nodes=2)
+    assert cost.draft_ms(2) == pytest.approx(3.0)
+    assert cost.draft_ms(8) == pytest.approx(3.0)  # 400 ms no longer prices 8 out
+    cost.observe(8, 30.0, draft_ms=12.0, num_drafted=1, draft_nodes=8)
+    assert cost.draft_ms(8) == pytest.approx(12.0)
+    cost.observe(8, 30.0, draft_ms=1000.0, num_drafted=1, draft_nodes=8)  # an outlier: 4x
+    assert cost.draft_ms(8) == pytest.approx(12.0 + 0.5 * (48.0 - 12.0))
+
+
 def test_draft_cost_per_tree_size_prices_each_size() -> None:
     """A model drafter's propose costs more for deeper trees (one draft forward per depth):
     the cost model keeps it per planned size and the sizer prices each size with its own;
