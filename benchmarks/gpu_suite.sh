@@ -29,8 +29,11 @@
 #   mixed_tree  the no-sync tests with mixed tree sizes and every drafter (4 engines, ~4-8 min)
 #   prefix_distinct  issue 21: shared 2k-token prefix, cache on / off (256 requests, 64 running);
 #             issue 17: distinct schemas per request, ngram, 0 vs 8 mask workers, 3 alternating repeats
+#   itl       issue 21: the prefill-graph test, the chunked-prefill ITL (budget 512), once plain
+#             and once profiled (host time of every prefill / verify step in order)
 #   llguidance  issue 19: grammar overlap with every request on llguidance (ngram, batch 1/8/32/64),
-#             MaskBench end to end with --grammar-backend auto, first-request TTFT per backend
+#             MaskBench end to end with --grammar-backend auto (greedy)
+#   llguidance2  issue 19: first-request TTFT per backend, MaskBench auto at T=0.6
 #   ab_overlap, ab_peer  this checkout against another one at $OLD (e.g. `git archive` of an
 #             earlier commit), alternated back to back (benchmarks/ab_compare.py): grammar
 #             overlap (ngram, batch 1/32/64, overlap on) and the structspec peer-table rows;
@@ -86,15 +89,21 @@ for s in $stages; do case $s in
     run long_prompt_itl 150 python3 benchmarks/long_prompt_itl.py --device cuda --budgets 512 2048 --profile
     run priority_latency 110 python3 benchmarks/priority_latency.py --device cuda
     run gpu_serving_core_tests 220 python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu_serving_core.py ;;
+  itl)
+    run gpu_prefill_graph_tests 90 python3 -m pytest -q -s -p no:cacheprovider tests/runner/test_prefill_graph.py
+    run long_prompt_itl 100 python3 benchmarks/long_prompt_itl.py --device cuda --budgets 512
+    run long_prompt_itl_profiled 100 python3 benchmarks/long_prompt_itl.py --device cuda --budgets 512 --configs no_arrival chunked --profile ;;
   mixed_tree)
     run gpu_mixed_tree_tests 500 python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu_engine.py -k "mixed_tree_sizes or do_not_sync" ;;
   prefix_distinct)
     run prefix_cache 200 python3 benchmarks/prefix_cache.py --device cuda --num-requests 256 --max-batch-size 64 --system-tokens 2048 --max-tokens 64
-    run distinct_schemas_ngram 380 python3 benchmarks/distinct_schemas.py --device cuda --prompt schema --num-requests 300 --max-batch-size 64 --max-tokens 512 --workers 0 8 --algorithms ngram --repeats 3 ;;
+    run distinct_schemas_ngram 420 python3 benchmarks/distinct_schemas.py --device cuda --prompt schema --num-requests 300 --max-batch-size 64 --max-tokens 512 --workers 0 8 --algorithms ngram --repeats 3 ;;
   llguidance)
     run grammar_overlap_llg 240 python3 benchmarks/grammar_overlap.py --device cuda --batch 1 8 32 64 --steps 60 --algorithms ngram --overlap on --repeats 3 --grammar-backend llguidance
-    run maskbench_auto 170 python3 benchmarks/maskbench_e2e.py --device cuda --speculative-algorithm ngram --limit 120 --max-tokens 1024 --skip-slow-compile --grammar-backend auto --out "$OUT/maskbench_auto.jsonl"
-    run grammar_ttft 120 python3 benchmarks/grammar_backends.py --ttft --device cuda --num-schemas 50 ;;
+    run maskbench_auto 170 python3 benchmarks/maskbench_e2e.py --device cuda --speculative-algorithm ngram --limit 120 --max-tokens 1024 --skip-slow-compile --grammar-backend auto --out "$OUT/maskbench_auto.jsonl" ;;
+  llguidance2)
+    run grammar_ttft 120 python3 benchmarks/grammar_backends.py --ttft --device cuda --num-schemas 50
+    run maskbench_auto_t06 170 python3 benchmarks/maskbench_e2e.py --device cuda --speculative-algorithm ngram --limit 120 --max-tokens 1024 --skip-slow-compile --grammar-backend auto --temperature 0.6 --top-p 0.95 --out "$OUT/maskbench_auto_t06.jsonl" ;;
   ab_overlap)
     run ab_overlap 560 python3 benchmarks/ab_compare.py --old "$OLD" --new . --rounds 2 -- benchmarks/grammar_overlap.py --device cuda --batch 1 32 64 --steps 100 --algorithms ngram --overlap on ;;
   ab_peer)

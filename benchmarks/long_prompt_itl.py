@@ -155,7 +155,7 @@ def profiled(llm: LLM, fn: Any) -> dict[str, Any]:
     for kind, vals in host_ms.items():
         if vals:
             print(f"profile host_ms {kind}: n={len(vals)} p50={statistics.median(vals):.2f} "
-                  f"max={max(vals):.2f} first={' '.join(f'{v:.1f}' for v in vals[:8])}")
+                  f"max={max(vals):.2f} in_order={' '.join(f'{v:.1f}' for v in vals[:64])}")
     table = prof.key_averages()
     if torch.cuda.is_available():
         print(table.table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
