@@ -12,9 +12,19 @@ A chunk of ``n`` prompt positions computed over ``start`` positions already in i
 a verify forward of one *chain* tree (node ``j`` at depth ``j``, ancestors ``0..j``) with
 ``seq_len = start``: :func:`~structspec.runner.batch_builder.build_verify_batch_from_tensors`
 builds exactly the causal mask over the cached prefix and the chunk. ``n`` is cut into pieces
-whose sizes are graph buckets (:func:`split_chunk`: pieces of :data:`MAX_PIECE_TOKENS`, then
-descending powers of two), each piece one replay over the KV the previous pieces wrote (stream
-order). One graph per ``(piece tokens, page-table width)`` bucket, captured on first use
+whose sizes are graph buckets (:func:`plan_pieces`: pieces of :data:`MAX_PIECE_TOKENS`, then
+the rest *padded* up to the next power of two), each piece one replay over the KV the previous
+pieces wrote (stream order). Padding instead of splitting the rest into its binary digits
+matters most on the step that ends a prompt: it waits for its pieces' device time to sample
+the first token, and every replay is a whole 30-layer forward with its fixed cost (H200: a
+7,000-token prompt's last 344 tokens as 4 replays made its step 8.3 ms against ~2 ms, the
+one slow step of the running streams' ITL, benchmarks/README.md "Chunked prefill"). Padding
+positions sit after the chunk's last real one, so causal attention keeps them out of every
+real row; their K/V lands in the request's own pages past the chunk (rewritten by the next
+chunk or decode step before anything reads it: each layer stores its K/V before it attends)
+or, past the request's pages, in the sink page 0 (the page table's padding). Their token ids
+are 0 and the logits are read at the last real position (a staged index). One graph per
+``(piece tokens, page-table width)`` bucket, captured on first use
 into a memory pool of its own (the verify graphs' static outputs are never overwritten by a
 prefill replay). Only the last position's logits are computed (``[1, V]``): no hidden states,
 so runners whose drafter reads target features (EAGLE) keep the eager prefill.
@@ -66,21 +76,37 @@ def split_chunk(num_tokens: int, max_piece: int = MAX_PIECE_TOKENS) -> list[int]
 
 
 def plan_pieces(start: int, end: int, *, page_size: int,
-                page_buckets: Sequence[int]) -> list[tuple[int, int, int]]:
-    """The replays that compute positions ``start..end-1``: ``(position, tokens, page-table
-    width)`` each, in order (:func:`split_chunk` sizes; the width is the smallest bucket
-    covering the piece's last position).
+                page_buckets: Sequence[int],
+                max_piece: int = MAX_PIECE_TOKENS) -> list[tuple[int, int, int, int]]:
+    """The replays that compute positions ``start..end-1``: ``(position, piece tokens,
+    page-table width, real tokens)`` each, in order. ``max_piece`` pieces as often as they
+    fit, then the rest as one piece padded up to the next power of two (``real tokens`` of
+    them are the prompt's, the others padding, module doc); where the padded piece would
+    reach past the largest page bucket, the rest is cut into its binary digits instead
+    (:func:`split_chunk`, no padding). The width is the smallest bucket covering the piece's
+    last (padded) position.
 
     Raises:
-        ValueError: a piece reaches past the largest page bucket.
+        ValueError: ``end <= start``, or a piece reaches past the largest page bucket.
     """
+    if end <= start:
+        raise ValueError(f"start={start}, end={end}: expected start < end")
+    limit = page_buckets[-1] * page_size if page_buckets else 0
+    full, rest = divmod(end - start, max_piece)
+    sizes = [(max_piece, max_piece)] * full
+    if rest:
+        padded = 1 << (rest - 1).bit_length()
+        if start + full * max_piece + padded <= limit:
+            sizes.append((padded, rest))
+        else:
+            sizes += [(p, p) for p in split_chunk(rest, max_piece)]
     out, pos = [], start
-    for piece in split_chunk(end - start):
+    for piece, real in sizes:
         width = pick_bucket(-(-(pos + piece) // page_size), page_buckets)
         if width is None:
             raise ValueError(f"{pos + piece} positions exceed the largest page bucket")
-        out.append((pos, piece, width))
-        pos += piece
+        out.append((pos, piece, width, real))
+        pos += real
     return out
 
 
@@ -89,19 +115,21 @@ class PrefillGraph:
 
     Attributes:
         num_tokens, pages: the bucket's piece size ``N`` and page-table width ``P``.
-        ints: ``[1 + P + N]`` int64 device buffer ``start | page_table | token_ids`` (the
-            host fills all of it: one staged copy per replay).
+        ints: ``[2 + P + N]`` int64 device buffer ``start | last | page_table | token_ids``
+            (the host fills all of it: one staged copy per replay); ``last`` is the index
+            of the piece's last real position (``< N`` when the piece is padded).
         depth: ``[1, N]`` int64 ``0..N-1``; ancestor_mask: ``[1, N, N]`` bool lower
             triangle (constants: a chain).
-        logits: ``[1, V]`` float32 static output, the last position's (after capture).
+        logits: ``[1, V]`` float32 static output, the last real position's (after capture).
     """
 
     def __init__(self, num_tokens: int, pages: int, device: torch.device) -> None:
         self.num_tokens, self.pages = num_tokens, pages
-        self.ints = torch.zeros(1 + pages + num_tokens, dtype=torch.int64, device=device)
+        self.ints = torch.zeros(2 + pages + num_tokens, dtype=torch.int64, device=device)
         self.start = self.ints[:1]
-        self.page_table = self.ints[1 : 1 + pages].view(1, pages)
-        self.token_ids = self.ints[1 + pages :].view(1, num_tokens)
+        self.last = self.ints[1:2]
+        self.page_table = self.ints[2 : 2 + pages].view(1, pages)
+        self.token_ids = self.ints[2 + pages :].view(1, num_tokens)
         self.depth = torch.arange(num_tokens, device=device).view(1, num_tokens)
         self.ancestor_mask = torch.ones((num_tokens, num_tokens), dtype=torch.bool,
                                         device=device).tril_().view(1, num_tokens, num_tokens)
@@ -109,21 +137,32 @@ class PrefillGraph:
         self.logits: torch.Tensor | None = None
 
     def fill(self, out: np.ndarray, token_ids: Sequence[int], pages: Sequence[int],
-             start: int) -> None:
-        """Write this piece's host inputs into ``out`` (``int64 [1 + P + N]``, the layout of
-        :attr:`ints`): positions ``start .. start + N - 1`` of the request whose prompt (up
-        to the chunk's end) is ``token_ids`` and whose pages are ``pages``."""
-        out[0] = start
-        out[1 : 1 + self.pages] = page_table_array([pages], self.pages).reshape(-1)
-        out[1 + self.pages :] = token_ids[start : start + self.num_tokens]
+             start: int, real: int | None = None) -> None:
+        """Write this piece's host inputs into ``out`` (``int64 [2 + P + N]``, the layout of
+        :attr:`ints`): positions ``start .. start + real - 1`` of the request whose prompt (up
+        to the chunk's end) is ``token_ids`` and whose pages are ``pages``, then ``N - real``
+        padding tokens (id 0; ``real`` defaults to ``N``).
+
+        Raises:
+            ValueError: ``real`` is not in ``1..N`` or ``token_ids`` ends before it.
+        """
+        n = self.num_tokens if real is None else real
+        if not 0 < n <= self.num_tokens or start + n > len(token_ids):
+            raise ValueError(f"real={n} tokens from {start}: expected 1..{self.num_tokens} "
+                             f"within the {len(token_ids)} token ids")
+        out[0], out[1] = start, n - 1
+        out[2 : 2 + self.pages] = page_table_array([pages], self.pages).reshape(-1)
+        ids = out[2 + self.pages :]
+        ids[:n] = token_ids[start : start + n]
+        ids[n:] = 0
 
     def forward(self, model: nn.Module, kv_pool: KVPool, page_size: int) -> torch.Tensor:
         """The piece's forward on the static inputs, run eagerly (what the graph records):
-        writes its K/V, returns the last position's logits ``[1, V]`` float32."""
+        writes its K/V, returns the last real position's logits ``[1, V]`` float32."""
         fb = build_verify_batch_from_tensors(self.token_ids, self.depth, self.ancestor_mask,
                                              self.start, self.page_table, page_size=page_size)
         hidden = model(fb, kv_pool).hidden_states  # [1, N, H]
-        return model.compute_logits(hidden[:, -1])
+        return model.compute_logits(hidden[0].index_select(0, self.last))
 
     def capture(self, model: nn.Module, kv_pool: KVPool, page_size: int, pool: tuple) -> None:
         """Warm up once on a side stream, then capture into ``pool``. Syncs the device (only
@@ -181,13 +220,13 @@ class PrefillGraphCache:
         """
         ring = staging.ring(torch.int64)
         logits: torch.Tensor | None = None
-        for pos, piece, width in plan_pieces(start, len(token_ids), page_size=self.page_size,
-                                             page_buckets=self.page_buckets):
+        for pos, piece, width, real in plan_pieces(
+                start, len(token_ids), page_size=self.page_size, page_buckets=self.page_buckets):
             g = self.graphs.get((piece, width))
             if g is None:
                 g = self.graphs[(piece, width)] = PrefillGraph(piece, width, self.device)
             buf = ring.acquire(g.ints.numel())
-            g.fill(buf.numpy(), token_ids, pages, pos)
+            g.fill(buf.numpy(), token_ids, pages, pos, real)
             ring.copy_to(buf, g.ints)  # stream-ordered before the replay that reads it
             if g.graph is None:
                 g.capture(self.model, self.kv_pool, self.page_size, self.pool)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -37,13 +38,12 @@ def test_split_chunk_examples_and_errors() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_prefill_graph_matches_the_eager_prefill_on_cuda() -> None:
-    """A prompt prefilled eagerly, then again in two chunks through the graphs (pieces of
-    several buckets, the second over the first's KV) into other pages: the last position's
-    logits and every position's K/V agree (float32: only the attention's split order
-    differs)."""
+    """A prompt prefilled eagerly, then again in two chunks through the graphs (padded
+    pieces, the second over the first's KV) into other pages: the last position's logits and
+    every position's K/V agree (float32: only the attention's split order differs)."""
     from structspec import LLM
 
-    llm = LLM(device="cuda", dtype="float32", max_batch_size=4)
+    llm = LLM(device="cuda", dtype="float32", max_batch_size=4, max_model_len=2048)
     try:
         runner = llm.engine.runner
         assert runner.prefill_graphs is not None
@@ -57,7 +57,7 @@ def test_prefill_graph_matches_the_eager_prefill_on_cuda() -> None:
         runner.prefill([prompt[:300]], [graph_pages], logits_only=True)
         got = runner.prefill([prompt], [graph_pages], [300], logits_only=True)
         assert got.hidden_states.shape[1] == 0
-        assert len(runner.prefill_graphs.graphs) >= 2  # 256 + 32 + ... pieces
+        assert runner.prefill_graphs.graphs  # the padded 512-token pieces
         torch.testing.assert_close(got.logits, want, atol=2e-3, rtol=2e-3)
         k = runner.kv_pool.k_cache[5]
         slots = lambda pages: torch.tensor(  # noqa: E731
@@ -76,10 +76,40 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> ModelRunner:
                        max_position_embeddings=512, num_pages=200)
 
 
+def test_plan_pieces_pads_the_rest_to_one_bucket() -> None:
+    buckets = (16, 32, 64, 128)  # pages of 16 tokens: up to 2,048 positions
+    # 7,000-token prompts end with 344 tokens: one 512 piece (344 real), not 256+64+16+8
+    assert plan_pieces(0, 344, page_size=16, page_buckets=buckets) == [(0, 512, 32, 344)]
+    assert plan_pieces(100, 2148 - 48, page_size=16, page_buckets=(64, 128, 256)) == [
+        (100, 2048, 256, 2000)]
+    got = plan_pieces(0, 2053, page_size=16, page_buckets=(64, 128, 256))
+    assert got == [(0, 2048, 128, 2048), (2048, 8, 256, 5)]
+    # near the largest bucket the rest is split unpadded: 2,000 + 40 = 2,040 fits 2,048 but
+    # 2,000 + 64 does not
+    assert plan_pieces(2000, 2040, page_size=16, page_buckets=buckets) == [
+        (2000, 32, 128, 32), (2032, 8, 128, 8)]
+    with pytest.raises(ValueError, match="start=5, end=5"):
+        plan_pieces(5, 5, page_size=16, page_buckets=buckets)
+    with pytest.raises(ValueError, match="exceed the largest page bucket"):
+        plan_pieces(2040, 2050, page_size=16, page_buckets=buckets)
+
+
+def test_fill_pads_with_token_zero_and_points_at_the_last_real_position() -> None:
+    g = PrefillGraph(8, 3, torch.device("cpu"))
+    out = np.full(g.ints.numel(), -1, dtype=np.int64)
+    g.fill(out, list(range(100, 113)), [7, 9], 10, real=3)
+    assert out.tolist() == [10, 2, 7, 9, 0, 110, 111, 112, 0, 0, 0, 0, 0]
+    with pytest.raises(ValueError, match="real=4"):
+        g.fill(out, list(range(100, 113)), [7, 9], 10, real=4)  # only 3 ids left
+    with pytest.raises(ValueError, match="real=9"):
+        g.fill(out, list(range(100, 200)), [7, 9], 10, real=9)
+
+
 def test_chain_pieces_equal_the_eager_prefill_on_cpu(tiny: ModelRunner) -> None:
     """What a prefill graph records, run eagerly on the CPU: a prompt computed as chain-tree
-    pieces over its cached prefix (two chunks, pieces of several buckets, page-table widths
-    from the verify graphs' buckets) gives the eager prefill's last logits and K/V."""
+    pieces over its cached prefix (two chunks, each ending in a padded piece; page-table
+    widths from the verify graphs' buckets) gives the eager prefill's last logits and K/V,
+    and the padding writes nothing outside the request's own pages and the sink."""
     runner = tiny
     page = runner.page_size
     buckets = sorted({-(-n // page) for n in kv_len_buckets(512)})
@@ -88,17 +118,27 @@ def test_chain_pieces_equal_the_eager_prefill_on_cpu(tiny: ModelRunner) -> None:
     eager_pages = list(range(1, 1 + npages))
     piece_pages = list(range(1 + npages, 1 + 2 * npages))
     want = runner.prefill([prompt], [eager_pages]).logits
+    others = [p for p in range(1, runner.kv_pool.k_cache[1].shape[0] // page)
+              if p not in piece_pages]
+    slots = lambda pages: torch.tensor(  # noqa: E731
+        [p * page + i for p in pages for i in range(page)])
+    before = runner.kv_pool.k_cache[1][slots(others)].clone()
     got = None
+    plans = []
     with torch.inference_mode():
-        for start, end in ((0, 100), (100, len(prompt))):  # pieces 64+32+4, then 128+64+8
-            for pos, n, width in plan_pieces(start, end, page_size=page, page_buckets=buckets):
+        for start, end in ((0, 100), (100, len(prompt))):  # 100 -> 128, then 200 -> 256
+            plan = plan_pieces(start, end, page_size=page, page_buckets=buckets)
+            plans.append(plan)
+            for pos, n, width, real in plan:
                 g = PrefillGraph(n, width, torch.device("cpu"))
-                g.fill(g.ints.numpy(), prompt[:end], piece_pages, pos)
+                g.fill(g.ints.numpy(), prompt[:end], piece_pages, pos, real)
                 got = g.forward(runner.model, runner.kv_pool, page)
+    assert [[(n, real) for _, n, _, real in p] for p in plans] == [[(128, 100)], [(256, 200)]]
     assert got is not None
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     k = runner.kv_pool.k_cache[1]
-    slots = lambda pages: torch.tensor(  # noqa: E731
+    positions = lambda pages: torch.tensor(  # noqa: E731
         [pages[p // page] * page + p % page for p in range(len(prompt))])
-    torch.testing.assert_close(k[slots(piece_pages)], k[slots(eager_pages)],
+    torch.testing.assert_close(k[positions(piece_pages)], k[positions(eager_pages)],
                                atol=1e-5, rtol=1e-5)
+    assert torch.equal(k[slots(others)], before)  # padding: own pages and the sink only
