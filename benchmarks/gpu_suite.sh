@@ -90,19 +90,19 @@ for s in $stages; do case $s in
     run priority_latency 110 python3 benchmarks/priority_latency.py --device cuda
     run gpu_serving_core_tests 220 python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu_serving_core.py ;;
   itl)
-    run gpu_prefill_graph_tests 90 python3 -m pytest -q -s -p no:cacheprovider tests/runner/test_prefill_graph.py
-    run long_prompt_itl 100 python3 benchmarks/long_prompt_itl.py --device cuda --budgets 512
-    run long_prompt_itl_profiled 100 python3 benchmarks/long_prompt_itl.py --device cuda --budgets 512 --configs no_arrival chunked --profile ;;
+    run long_prompt_itl 130 python3 benchmarks/long_prompt_itl.py --device cuda --budgets 512 256 --print-steps
+    run long_prompt_itl_profiled 100 python3 benchmarks/long_prompt_itl.py --device cuda --budgets 512 --configs no_arrival chunked --profile
+    run gpu_prefill_graph_tests 170 python3 -m pytest -q -s -p no:cacheprovider -o faulthandler_timeout=150 tests/runner/test_prefill_graph.py ;;
   mixed_tree)
     run gpu_mixed_tree_tests 500 python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu_engine.py -k "mixed_tree_sizes or do_not_sync" ;;
   prefix_distinct)
     run prefix_cache 200 python3 benchmarks/prefix_cache.py --device cuda --num-requests 256 --max-batch-size 64 --system-tokens 2048 --max-tokens 64
     run distinct_schemas_ngram 420 python3 benchmarks/distinct_schemas.py --device cuda --prompt schema --num-requests 300 --max-batch-size 64 --max-tokens 512 --workers 0 8 --algorithms ngram --repeats 3 ;;
   llguidance)
-    run grammar_overlap_llg 240 python3 benchmarks/grammar_overlap.py --device cuda --batch 1 8 32 64 --steps 60 --algorithms ngram --overlap on --repeats 3 --grammar-backend llguidance
+    run grammar_overlap_llg 240 python3 benchmarks/grammar_overlap.py --device cuda --batch 1 8 32 64 --steps 60 --algorithms ngram --overlap on --repeats 2 --grammar-backend llguidance
     run maskbench_auto 170 python3 benchmarks/maskbench_e2e.py --device cuda --speculative-algorithm ngram --limit 120 --max-tokens 1024 --skip-slow-compile --grammar-backend auto --out "$OUT/maskbench_auto.jsonl" ;;
   llguidance2)
-    run grammar_ttft 120 python3 benchmarks/grammar_backends.py --ttft --device cuda --num-schemas 50
+    run grammar_ttft 240 python3 benchmarks/grammar_backends.py --ttft --device cuda --num-schemas 50
     run maskbench_auto_t06 170 python3 benchmarks/maskbench_e2e.py --device cuda --speculative-algorithm ngram --limit 120 --max-tokens 1024 --skip-slow-compile --grammar-backend auto --temperature 0.6 --top-p 0.95 --out "$OUT/maskbench_auto_t06.jsonl" ;;
   ab_overlap)
     run ab_overlap 560 python3 benchmarks/ab_compare.py --old "$OLD" --new . --rounds 2 -- benchmarks/grammar_overlap.py --device cuda --batch 1 32 64 --steps 100 --algorithms ngram --overlap on ;;

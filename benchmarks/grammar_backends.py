@@ -188,6 +188,7 @@ def run_ttft(args: argparse.Namespace, cases: list[tuple[str, dict]]) -> None:
         finally:
             llm.close()
         ttft[name] = got
+        print(f"# {name}: {len(got)} of {candidates} schemas served", flush=True)
     common = sorted(set.intersection(*(set(v) for v in ttft.values())))[: args.num_schemas]
     for name in backends:
         values = [ttft[name][c] for c in common]

@@ -134,11 +134,20 @@ def step_ms(llm: LLM, prompts: Sequence[str | list[int]], grammar: bool, steps: 
     engine = llm.engine
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True,
                         grammar=JsonSchemaConstraint(LONG_SCHEMA) if grammar else None)
-    for p, one in zip(prompts, params or [sp] * len(prompts), strict=True):
-        engine.add_request(p, one)
+    ids = [engine.add_request(p, one)
+           for p, one in zip(prompts, params or [sp] * len(prompts), strict=True)]
     sched = engine.scheduler
-    while sched.waiting or sched.grammar_queue:
-        engine.step()
+    # until every request runs: a grammar compiles off the step loop (a worker process for
+    # xgrammar, a thread for llguidance), and the window must not start before it is in
+    deadline = time.perf_counter() + 600
+    while len(sched.running) < len(prompts):
+        for o in engine.step():
+            if o.request_id in ids and o.finished:
+                raise RuntimeError(f"request {o.request_id} ended before the window: "
+                                   f"{o.finish_reason} {o.error}")
+        if time.perf_counter() > deadline:
+            raise RuntimeError(f"{len(sched.running)} of {len(prompts)} requests running "
+                               "after 600 s")
     # Capture every KV-length bucket of this batch size now: the window's sequences grow by
     # ~N tokens per step and would otherwise capture (and JIT-compile kernels) inside it
     # (with the penalised post graphs when the requests have penalties).

@@ -17,7 +17,7 @@ cache. Prints one line per configuration, then the issue's gate (chunked ITL p99
 the no-arrival p99):
 
     config=chunked budget=512 streams=32 long_prompt_tokens=7000 itl_p50_ms=... \\
-        itl_p99_ms=... itl_max_ms=... window_ms=... ttft_ms=... steps=... stream_tokens=... slowest_steps_ms=STEP:MS,...
+        itl_p99_ms=... itl_max_ms=... window_ms=... ttft_ms=... steps=... stream_tokens=... slowest_steps_ms=STEP:MS,... [window_steps_ms=MS,...]
 
     python benchmarks/long_prompt_itl.py --num-streams 2 --long-prompt-tokens 600  # CPU
     python benchmarks/long_prompt_itl.py --device cuda                              # H200
@@ -124,7 +124,8 @@ def run_once(llm: LLM, args: argparse.Namespace, config: str, budget: int,
                 itl_p99_ms=percentile(gaps, 0.99), itl_max_ms=max(gaps, default=0.0),
                 window_ms=1e3 * (t_end - t_arrival), ttft_ms=ttft_ms, steps=steps,
                 stream_tokens=stream_tokens,
-                slowest_steps=",".join(f"{i}:{window_steps[i]:.1f}" for i in slowest))
+                slowest_steps=",".join(f"{i}:{window_steps[i]:.1f}" for i in slowest),
+                window_steps=",".join(f"{v:.1f}" for v in window_steps))
 
 
 def profiled(llm: LLM, fn: Any) -> dict[str, Any]:
@@ -169,7 +170,8 @@ def line(r: dict[str, Any], args: argparse.Namespace) -> str:
             f"long_prompt_tokens={args.long_prompt_tokens} itl_p50_ms={r['itl_p50_ms']:.2f} "
             f"itl_p99_ms={r['itl_p99_ms']:.2f} itl_max_ms={r['itl_max_ms']:.2f} "
             f"window_ms={r['window_ms']:.1f} ttft_ms={ttft} steps={r['steps']} "
-            f"stream_tokens={r['stream_tokens']} slowest_steps_ms={r['slowest_steps']}")
+            f"stream_tokens={r['stream_tokens']} slowest_steps_ms={r['slowest_steps']}"
+            + (f" window_steps_ms={r['window_steps']}" if args.print_steps else ""))
 
 
 def main() -> None:
@@ -189,6 +191,8 @@ def main() -> None:
                    help="chunked runs' --max-num-batched-tokens (default: the engine's auto)")
     p.add_argument("--configs", nargs="+", default=["no_arrival", "chunked", "unchunked"],
                    choices=["no_arrival", "chunked", "unchunked"])
+    p.add_argument("--print-steps", action="store_true",
+                   help="print every window step's wall time in order (window_steps_ms=)")
     p.add_argument("--profile", action="store_true",
                    help="profile the reported run of each configuration (torch.profiler: top "
                         "ops by self device and host time; host time per prefill / verify step)")

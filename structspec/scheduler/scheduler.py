@@ -255,7 +255,6 @@ class Scheduler:
             One output per request that gained tokens or finished since the last step.
         """
         self._poll_grammar()
-        self._poll_grammar()
         self.preemption.make_room_for_priority()
         self.preemption.resume()  # preempted requests at the queue's front rebuild their KV
         live = [r for r in self.running if not r.finished]
