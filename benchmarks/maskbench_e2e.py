@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> dict:
               num_draft_tokens=args.num_draft_tokens, max_batch_size=args.max_batch_size,
               kv_capacity_tokens=args.kv_capacity_tokens,
               grammar_compile_timeout_s=args.compile_timeout,
-              grammar_backend=args.grammar_backend)
+              grammar_backend=args.grammar_backend, grammar_workers=args.grammar_workers)
     prompts = [schema_prompt(c["schema"]) for c in cases]
     repeat = (None if args.stop_on_repeat is None
               else RepetitionStop(min_tokens=args.stop_on_repeat))
@@ -146,6 +146,8 @@ def main() -> None:
                     help="the grammar engine per schema (auto: xgrammar when it enforces the "
                          "schema exactly, else llguidance)")
     ap.add_argument("--skip-slow-compile", action="store_true")
+    ap.add_argument("--grammar-workers", type=int, default=None,
+                    help="mask worker processes (default: the engine's auto)")
     ap.add_argument("--presence-penalty", type=float, default=0.0)
     ap.add_argument("--frequency-penalty", type=float, default=0.0)
     ap.add_argument("--repetition-penalty", type=float, default=1.0)
