@@ -53,6 +53,21 @@ class PrefixCacheStats:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
 
+@dataclass(frozen=True)
+class RegisterCursor:
+    """Where a request's :meth:`PrefixCachingAllocator.register` walk stopped.
+
+    Attributes:
+        num_pages: leading pages of the request already registered (or found cached).
+        parent_page: the cached page whose entry is the next page's parent (None: the root).
+        parent_id: that entry's id (a check that the entry was not evicted since).
+    """
+
+    num_pages: int
+    parent_page: int | None
+    parent_id: int
+
+
 class PrefixCachingAllocator:
     """A :class:`~structspec.kvcache.allocator.PageAllocator` with a cache of full prompt pages.
 
@@ -202,7 +217,8 @@ class PrefixCachingAllocator:
             self._refs[p] += 1
             self._evictable.pop(p, None)
 
-    def register(self, token_ids: Sequence[int], pages: Sequence[int], num_tokens: int) -> None:
+    def register(self, token_ids: Sequence[int], pages: Sequence[int], num_tokens: int,
+                 cursor: RegisterCursor | None = None) -> RegisterCursor | None:
         """Cache the full pages of a request's first ``num_tokens`` tokens, whose KV is final.
 
         ``pages`` are the request's pages in position order (``pages[i]`` holds positions
@@ -210,12 +226,27 @@ class PrefixCachingAllocator:
         A page whose key is already cached under another page (two requests prefilled the
         same prefix at once) stays the request's own, uncached; the chain goes on through
         the cached one.
+
+        ``cursor``: what the request's previous call returned (its pages and their first
+        ``num_tokens`` tokens unchanged since): the walk resumes after the pages already
+        registered instead of hashing the prompt from its first page again. A chunked
+        prefill registers after every chunk, so without it a prompt of ``P`` pages in ``C``
+        chunks costs ``O(P * C)`` (~0.3 ms a chunk at 7,000 tokens, on the step that
+        stalls the running streams). A cursor whose parent entry was evicted since is
+        ignored (the walk starts over, as without one).
+
+        Returns:
+            The cursor for the request's next call (None when caching is off).
         """
         if not self.enabled:
-            return
+            return None
         ps = self.page_size
-        parent = _ROOT_ID
-        for i in range(min(num_tokens // ps, len(pages))):
+        start, parent = 0, _ROOT_ID
+        if cursor is not None and cursor.parent_page is not None \
+                and self._id_of_page.get(cursor.parent_page) == cursor.parent_id:
+            start, parent = cursor.num_pages, cursor.parent_id
+        parent_page = None if start == 0 else cursor.parent_page  # type: ignore[union-attr]
+        for i in range(start, min(num_tokens // ps, len(pages))):
             page = pages[i]
             key = (parent, tuple(token_ids[i * ps:(i + 1) * ps]))
             have = self._entry_of_key.get(key)
@@ -228,7 +259,9 @@ class PrefixCachingAllocator:
                 self._next_id += 1
                 self._refs[page] = 1  # the registering request holds it
                 have = page
-            parent = self._id_of_page[have]
+            parent, parent_page = self._id_of_page[have], have
+            start = i + 1
+        return RegisterCursor(start, parent_page, parent)
 
     def record_admission(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted request's prompt tokens and cache hits (hit-rate counters)."""

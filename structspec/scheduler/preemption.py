@@ -55,6 +55,7 @@ def release_kv(req: Req, allocator: PrefixCachingAllocator, page_table: HostPage
     if req.pages:
         allocator.free(req.pages)
         req.pages = []
+    req.cache_cursor = None
     if req.page_row is not None:
         page_table.remove(req.page_row)
         req.page_row = None
@@ -250,7 +251,7 @@ class Preemption:
         for r, i, c in zip(batch, ids, cached, strict=True):
             r.seq_len = len(i)
             # only prompt pages are ever cached (drafted KV never lands in a cached page)
-            self.allocator.register(r.prompt_ids, r.pages, len(r.prompt_ids))
+            r.cache_cursor = self.allocator.register(r.prompt_ids, r.pages, len(r.prompt_ids))
             r.preempted = False
             r.status = ReqStatus.RUNNING
             self.running.append(r)

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from structspec.grammar.backend import GrammarFuture
     from structspec.grammar.matchers import AnyMatcher
     from structspec.grammar.select_backend import AutoFuture
+    from structspec.kvcache.prefix_cache import RegisterCursor
     from structspec.models.tokenizer import IncrementalDetokenizer
 
 
@@ -55,6 +56,9 @@ class Req:
     pages: list[int] = field(default_factory=list)
     # the request's row of the scheduler's HostPageTable while it holds pages
     page_row: int | None = None
+    # where its prefix-cache registration stopped (the next chunk resumes there; reset with
+    # its pages)
+    cache_cursor: RegisterCursor | None = None
     seq_len: int = 0
     # leading prompt tokens whose KV came from the prefix cache (set at admission)
     num_cached_tokens: int = 0

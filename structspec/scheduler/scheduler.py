@@ -410,7 +410,8 @@ class Scheduler:
             feed_prompt_features(self.draft, chunks, out)
         for c in chunks:
             # the prompt's full pages written so far are final (later writes start past them)
-            self.allocator.register(c.req.prompt_ids, c.req.pages, c.end)
+            c.req.cache_cursor = self.allocator.register(c.req.prompt_ids, c.req.pages,
+                                                         c.end, c.req.cache_cursor)
         batch = self.chunks.after_forward(chunks)
         if not batch:
             return

@@ -97,3 +97,53 @@ def test_hit_rate_counters() -> None:
     alloc.record_admission(10, 0)
     alloc.record_admission(10, 8)
     assert alloc.stats.hit_rate == pytest.approx(0.4)
+
+
+def _cache_state(alloc: PrefixCachingAllocator) -> tuple:
+    return (dict(alloc._entry_of_key), dict(alloc._refs))  # noqa: SLF001
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4, 5, 8, 30])
+def test_chunked_registration_with_a_cursor_equals_one_registration(chunk: int) -> None:
+    """A prompt registered chunk by chunk, each call resuming at the previous call's cursor,
+    caches exactly what one registration of the whole prompt does (same keys, same pages,
+    same references), also when another request registered the same first pages first."""
+    prompt = [7, 7, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23,
+              24, 25, 26, 27, 28, 29]
+    states = []
+    for chunked in (False, True):
+        alloc = PrefixCachingAllocator(32, PS)
+        other = alloc.allocate(2)
+        alloc.register(prompt[:8], other, 8)  # two of the prompt's pages, cached already
+        pages = alloc.allocate(alloc.pages_for(len(prompt)))
+        if chunked:
+            cursor = None
+            for end in [*range(chunk, len(prompt), chunk), len(prompt)]:
+                cursor = alloc.register(prompt, pages, end, cursor)
+            assert cursor is not None and cursor.num_pages == len(prompt) // PS
+        else:
+            alloc.register(prompt, pages, len(prompt))
+        states.append(_cache_state(alloc))
+        assert alloc.match(prompt + [0])[:2] == other
+    assert states[0] == states[1]
+
+
+def test_a_cursor_whose_parent_was_evicted_starts_over() -> None:
+    alloc = PrefixCachingAllocator(8, PS)
+    prompt = list(range(12))
+    other = alloc.allocate(1)
+    cursor_other = alloc.register(prompt, other, 4)  # page 0 of the prompt, held by "other"
+    mine = alloc.allocate(3)
+    cursor = alloc.register(prompt, mine, 4)  # chains through other's cached page
+    assert cursor is not None and cursor.parent_page == other[0] and cursor_other is not None
+    alloc.free(other)
+    alloc.allocate(alloc.num_free_pages)  # evicts other's page
+    assert alloc.match(prompt) == []
+    cursor = alloc.register(prompt, mine, 12, cursor)  # stale: walks from the first page
+    assert cursor is not None and cursor.num_pages == 3
+    assert alloc.match(prompt + [0]) == mine  # my own pages now carry the prefix
+
+
+def test_register_returns_no_cursor_when_disabled() -> None:
+    alloc = PrefixCachingAllocator(8, PS, enabled=False)
+    assert alloc.register(list(range(8)), alloc.allocate(2), 8) is None
