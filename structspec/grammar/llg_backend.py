@@ -28,7 +28,7 @@ from structspec.grammar.errors import PARAM_BY_KIND, GrammarError
 from structspec.grammar.limits import upfront_error
 from structspec.grammar.llg_compile import compile_llguidance
 from structspec.grammar.llg_matcher import LlgCompiled, LlgMatcher
-from structspec.grammar.llg_tokenizer import LlgTokenizerSource
+from structspec.grammar.llg_tokenizer import LlgTokenizerSource, check_token_bytes
 
 
 def llguidance_tokenizer(tokenizer_hf: Any, *, vocab_size: int,
@@ -70,6 +70,7 @@ class LlgBackend:
         self.tokenizer_source = LlgTokenizerSource.from_hf(
             tokenizer_hf, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
         self.tokenizer = self.tokenizer_source.build()
+        check_token_bytes(self.tokenizer, self.tokenizer_source.tokenizer_json)
         self._executor = ThreadPoolExecutor(max(1, self.config.num_compile_threads),
                                             thread_name_prefix="llg-compile")
         self._lock = threading.Lock()

@@ -105,3 +105,58 @@ def byte_level_decoder(tokenizer_json: str) -> str:
         return tokenizer_json
     spec["decoder"] = steps[-1]
     return json.dumps(spec, ensure_ascii=False)
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """The byte-level BPE alphabet, character -> byte: printable bytes stand for themselves,
+    the other 68 (controls, space, 127-160, 173) for the characters from U+0100 on, in byte
+    order (the GPT-2 convention every byte-level tokenizer follows)."""
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    out = {chr(b): b for b in keep}
+    shifted = 0
+    for b in range(256):
+        if b not in out.values():
+            out[chr(256 + shifted)] = b
+            shifted += 1
+    return out
+
+
+#: every this-many-th vocabulary id is checked by :func:`check_token_bytes`
+_CHECK_STRIDE = 8
+
+
+def check_token_bytes(tokenizer: llguidance.LLTokenizer, tokenizer_json: str) -> None:
+    """Check that llguidance reads the vocabulary tokens of a byte-level BPE as the bytes its
+    byte alphabet spells (``Ġ"`` must be `` "``); other tokenizers are not checked.
+
+    Why: llguidance derives token bytes from the tokenizer JSON's decoder, and a decoder it
+    misreads (the chain transformers 5.17 saves, module doc) gives masks its own matcher then
+    refuses, request after request. This fails the engine's start instead. Every
+    :data:`_CHECK_STRIDE`-th id is checked: ~60 ms (warm; ~270 ms the first call) for SmolLM2's 49k vocabulary, most of it
+    parsing the JSON.
+
+    Raises:
+        ValueError: tokens whose bytes differ (up to three named, with both readings).
+    """
+    spec = json.loads(tokenizer_json)
+    model = spec.get("model") or {}
+    vocab = model.get("vocab")
+    if not (_is_byte_level(spec.get("pre_tokenizer")) and isinstance(vocab, dict)):
+        return
+    alphabet = _byte_alphabet()
+    added = {t.get("id") for t in spec.get("added_tokens") or []}
+    wrong = []
+    for text, token_id in vocab.items():
+        if token_id % _CHECK_STRIDE or token_id in added or token_id >= tokenizer.vocab_size:
+            continue  # a sample: a misread decoder misreads whole classes of tokens
+        want = bytes(alphabet[c] for c in text) if all(c in alphabet for c in text) else None
+        if want is None:
+            continue  # not spelled in the byte alphabet (a byte-fallback token such as <0x0A>)
+        got = tokenizer.decode_bytes([token_id])
+        if got != want:
+            wrong.append(f"{token_id} {text!r}: llguidance {got!r}, tokenizer {want!r}")
+    if wrong:
+        raise ValueError(f"llguidance reads {len(wrong)} tokens of this tokenizer with other "
+                         f"bytes than the tokenizer does ({'; '.join(wrong[:3])}): its masks "
+                         "would not match its matcher; use --grammar-backend xgrammar")
+

@@ -14,7 +14,11 @@ from structspec.constraints import JsonSchemaConstraint
 from structspec.grammar.bitmask import allocate_bitmask
 from structspec.grammar.llg_compile import compile_llguidance
 from structspec.grammar.llg_matcher import LlgMatcher, decode_mask_row
-from structspec.grammar.llg_tokenizer import LlgTokenizerSource, byte_level_decoder
+from structspec.grammar.llg_tokenizer import (
+    LlgTokenizerSource,
+    byte_level_decoder,
+    check_token_bytes,
+)
 
 from .conftest import STOP_ID
 
@@ -72,3 +76,18 @@ def test_byte_level_decoder_leaves_other_tokenizers_alone(hf_tokenizer: Any) -> 
     spec["decoder"] = {"type": "Sequence", "decoders": DECODER_517}
     sentencepiece_like = json.dumps(spec)
     assert byte_level_decoder(sentencepiece_like) == sentencepiece_like
+
+
+def test_token_bytes_check_catches_a_misread_decoder(hf_tokenizer: Any) -> None:
+    """The engine-start check: the 5.17-style JSON as it was fed to llguidance before the
+    decoder fix is refused (every token outside printable ASCII misread); after the fix, and
+    with the 5.24 JSON, it passes."""
+    tok = _as_saved_by_transformers_517(hf_tokenizer)
+    vocab = len(hf_tokenizer)
+    raw = LlgTokenizerSource(tok.backend_tokenizer.to_str(), vocab, (STOP_ID,))
+    with pytest.raises(ValueError, match=r"llguidance reads \d+ tokens .*--grammar-backend"):
+        check_token_bytes(raw.build(), raw.tokenizer_json)
+    for fixed in (LlgTokenizerSource.from_hf(tok, vocab_size=vocab, stop_token_ids=[STOP_ID]),
+                  LlgTokenizerSource.from_hf(hf_tokenizer, vocab_size=vocab,
+                                             stop_token_ids=[STOP_ID])):
+        check_token_bytes(fixed.build(), fixed.tokenizer_json)
