@@ -32,7 +32,9 @@ def _as_saved_by_transformers_517(hf_tokenizer: Any) -> PreTrainedTokenizerFast:
     """The same vocabulary with the decoder chain (and byte fallback) of transformers 5.17's
     GGUF conversion; decoding gives the same text."""
     spec = json.loads(hf_tokenizer.backend_tokenizer.to_str())
-    assert spec["decoder"]["type"] == "ByteLevel"
+    if spec["decoder"]["type"] != "ByteLevel":  # this host's transformers saved the chain
+        assert [d["type"] for d in spec["decoder"]["decoders"]][-1] == "ByteLevel"
+        return hf_tokenizer
     spec["decoder"] = {"type": "Sequence", "decoders": [*DECODER_517, spec["decoder"]]}
     spec["model"]["byte_fallback"] = True
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)))
