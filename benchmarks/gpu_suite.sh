@@ -31,7 +31,7 @@
 #             issue 17: distinct schemas per request, ngram, 0 vs 8 mask workers, 3 alternating repeats
 #   itl       issue 21: the prefill-graph test, the chunked-prefill ITL (budget 512), once plain
 #             and once profiled (host time of every prefill / verify step in order)
-#   llguidance  issue 19: grammar overlap with every request on llguidance (ngram, batch 1/8/32/64),
+#   llguidance  issue 19: the llguidance tokenizer tests (this host's transformers), grammar overlap with every request on llguidance (ngram, batch 1/8/32/64),
 #             MaskBench end to end with --grammar-backend auto (greedy)
 #   llguidance2  issue 19: first-request TTFT per backend, MaskBench auto at T=0.6
 #   ab_overlap, ab_peer  this checkout against another one at $OLD (e.g. `git archive` of an
@@ -99,6 +99,7 @@ for s in $stages; do case $s in
     run prefix_cache 200 python3 benchmarks/prefix_cache.py --device cuda --num-requests 256 --max-batch-size 64 --system-tokens 2048 --max-tokens 64
     run distinct_schemas_ngram 420 python3 benchmarks/distinct_schemas.py --device cuda --prompt schema --num-requests 300 --max-batch-size 64 --max-tokens 512 --workers 0 8 --algorithms ngram --repeats 3 ;;
   llguidance)
+    run llg_tokenizer_tests 60 python3 -m pytest -q -s -p no:cacheprovider tests/grammar/test_llg_tokenizer.py
     run grammar_overlap_llg 240 python3 benchmarks/grammar_overlap.py --device cuda --batch 1 8 32 64 --steps 60 --algorithms ngram --overlap on --repeats 2 --grammar-backend llguidance
     run maskbench_auto 170 python3 benchmarks/maskbench_e2e.py --device cuda --speculative-algorithm ngram --limit 120 --max-tokens 1024 --skip-slow-compile --grammar-backend auto --out "$OUT/maskbench_auto.jsonl" ;;
   llguidance2)
