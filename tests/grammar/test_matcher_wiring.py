@@ -73,11 +73,13 @@ def test_valid_instances_same_as_bare_xgrammar(
         maskbench: list[tuple[str, dict[str, Any]]]) -> None:
     t0 = time.perf_counter()
     fast = fast_compile_names()
-    total, accepted = _run(backend, hf_tokenizer, [(n, c) for n, c in maskbench if n in fast])
+    # every other fast-compiling case (the suite's time budget; all of them: the slow test)
+    total, accepted = _run(backend, hf_tokenizer,
+                           [(n, c) for n, c in maskbench if n in fast][::2])
     print(f"\nwiring: {accepted}/{total} valid instances accepted "
           f"({accepted / total:.1%}) by ours and bare xgrammar alike, "
           f"{time.perf_counter() - t0:.1f}s")
-    assert total > 350 and 0.75 < accepted / total < 0.95
+    assert total > 170 and 0.75 < accepted / total < 0.95
 
 
 @pytest.mark.slow
