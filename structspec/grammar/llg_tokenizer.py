@@ -113,11 +113,8 @@ def _byte_alphabet() -> dict[str, int]:
     order (the GPT-2 convention every byte-level tokenizer follows)."""
     keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
     out = {chr(b): b for b in keep}
-    shifted = 0
-    for b in range(256):
-        if b not in out.values():
-            out[chr(256 + shifted)] = b
-            shifted += 1
+    rest = sorted(set(range(256)) - set(keep))
+    out.update((chr(256 + i), b) for i, b in enumerate(rest))
     return out
 
 

@@ -241,11 +241,10 @@ class PrefixCachingAllocator:
         if not self.enabled:
             return None
         ps = self.page_size
-        start, parent = 0, _ROOT_ID
+        start, parent, parent_page = 0, _ROOT_ID, None
         if cursor is not None and cursor.parent_page is not None \
                 and self._id_of_page.get(cursor.parent_page) == cursor.parent_id:
-            start, parent = cursor.num_pages, cursor.parent_id
-        parent_page = None if start == 0 else cursor.parent_page  # type: ignore[union-attr]
+            start, parent, parent_page = cursor.num_pages, cursor.parent_id, cursor.parent_page
         for i in range(start, min(num_tokens // ps, len(pages))):
             page = pages[i]
             key = (parent, tuple(token_ids[i * ps:(i + 1) * ps]))

@@ -469,6 +469,7 @@ def _staggered_reference(llm: LLM) -> dict[str, tuple[list[int], object]]:
     return ref
 
 
+@pytest.mark.slow  # ~15 s on 2 cores: the suite's time budget (README, tests)
 def test_mask_workers_with_staggered_arrivals_match_in_process(make_llm, ngram_pool_llm
                                                                ) -> None:
     """Requests that lag their mirrors leave the batch while another, alone below the worker
