@@ -20,6 +20,7 @@ composition siblings    keywords beside ``$ref``/``allOf``/``anyOf``/``oneOf`` i
 dependencies            ``dependencies``/``dependentRequired``/``dependentSchemas``    data
 ``if``/``then``/``else``  ignored                                                       mini
 ``uniqueItems``         ignored                                                       mini
+``contains`` (min/max)  ignored (``[""]`` passes ``contains: {const: "x"}``)            user
 ``multipleOf``          ignored unless the type is integer and the divisor an integer mini
 pattern + length        ``minLength``/``maxLength`` ignored beside ``pattern``        data
 format + pattern/len    ``pattern``/lengths ignored beside a known ``format``          mini
@@ -32,7 +33,7 @@ undeclared required     a ``required`` name missing from ``properties`` is dropp
 ======================  ============================================================  =========
 
 Usages that xgrammar makes *stricter* than the schema (property order, compact enum values,
-anchored ``pattern``, ``patternProperties``, ``contains``) are not reported: they lose valid
+anchored ``pattern``, ``patternProperties``) are not reported: they lose valid
 outputs but never admit an invalid one.
 """
 
@@ -179,6 +180,10 @@ def _node_problems(node: dict[str, Any], root: Any) -> Iterator[str]:
         yield "'if'/'then'/'else' is ignored by the grammar engine"
     if node.get("uniqueItems") is True:
         yield "'uniqueItems' is ignored by the grammar engine"
+    # xgrammar 0.2.8 compiles 'contains' to a plain array: [""] passes {"contains": {"const":
+    # "x"}} (checked with its matcher), so it is a weakening, not a stricter rule
+    for key in sorted(keys & {"contains", "minContains", "maxContains"}):
+        yield f"'{key}' is ignored by the grammar engine"
     if "multipleOf" in keys and not _integer_multiple_of(node):
         yield ("'multipleOf' is enforced only for type 'integer' with an integer divisor; "
                "here it would be ignored")

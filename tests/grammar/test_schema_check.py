@@ -76,6 +76,8 @@ RULES: dict[str, tuple[dict[str, Any], Any, dict[str, Any]]] = {
                 {"type": "object", "properties": {"a": {"type": "integer"}}}),
     "uniqueItems": ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, [1, 1],
                     {"type": "array", "items": {"type": "integer"}, "uniqueItems": False}),
+    "contains": ({"type": "array", "items": {"type": "string"}, "contains": {"const": "x"}},
+                 [""], {"type": "array", "items": {"type": "string"}, "minItems": 1}),
     "multipleOf on numbers": ({"type": "number", "multipleOf": 0.5}, 1.2,
                               {"type": "integer", "multipleOf": 3}),
     "length beside pattern": ({"type": "string", "pattern": "^[a-z]+$", "minLength": 3}, "ab",
