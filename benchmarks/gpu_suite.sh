@@ -29,6 +29,8 @@
 #   mixed_tree  the no-sync tests with mixed tree sizes and every drafter (4 engines, ~4-8 min)
 #   prefix_distinct  issue 21: shared 2k-token prefix, cache on / off (256 requests, 64 running);
 #             issue 17: distinct schemas per request, ngram, 0 vs 8 mask workers, 3 alternating repeats
+#   attn      issue 21: the attention kernel tests, and a prompt chunk's attention under the
+#             masked kernel vs the causal-chain kernel per tile config (attention_causal.py)
 #   itl       issue 21: the prefill-graph test, the chunked-prefill ITL (budget 512), once plain
 #             and once profiled (host time of every prefill / verify step in order)
 #   llguidance  issue 19: the llguidance tokenizer tests (this host's transformers), grammar overlap with every request on llguidance (ngram, batch 1/8/32/64),
@@ -42,7 +44,7 @@
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
-run() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$? $name"; grep -E "^(ab_compare|drafter_speed|eagle_accept|grammar_overlap|mask_build|decode|peer|hbm|floor|maskbench|penalty_cost|config=|prefix_cache|distinct_schemas|ttft|gate|  errors|[0-9]+ passed|FAILED|ERROR)|passed|failed" "$OUT/$name.log" | tail -n 40; }
+run() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$? $name"; grep -E "^(attention_causal|best per|Q=|ab_compare|drafter_speed|eagle_accept|grammar_overlap|mask_build|decode|peer|hbm|floor|maskbench|penalty_cost|config=|prefix_cache|distinct_schemas|ttft|gate|  errors|[0-9]+ passed|FAILED|ERROR)|passed|failed" "$OUT/$name.log" | tail -n 40; }
 stages=${*:-tests smol peer llama8b llama8b_overlap invariant maskbench loopguards loopguards2 penalty_cost eagle_speed}
 L8=benchmarks/assets/llama3-8b-shape
 python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())'
@@ -89,6 +91,9 @@ for s in $stages; do case $s in
     run long_prompt_itl 150 python3 benchmarks/long_prompt_itl.py --device cuda --budgets 512 2048 --profile
     run priority_latency 110 python3 benchmarks/priority_latency.py --device cuda
     run gpu_serving_core_tests 220 python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu_serving_core.py ;;
+  attn)
+    run attention_tests 150 python3 -m pytest -q -s -p no:cacheprovider tests/kernels/test_attention.py
+    run attention_causal 200 python3 benchmarks/attention_causal.py ;;
   itl)
     run long_prompt_itl 130 python3 benchmarks/long_prompt_itl.py --device cuda --budgets 512 256 --print-steps
     run long_prompt_itl_profiled 100 python3 benchmarks/long_prompt_itl.py --device cuda --budgets 512 --configs no_arrival chunked --profile

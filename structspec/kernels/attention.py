@@ -25,6 +25,7 @@ on the batch or the query count (a verify forward's first-chain nodes match plai
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -126,6 +127,114 @@ def _attn_kernel(
 
 
 @triton.jit
+def _causal_kernel(
+    Q, KC, VC, Slots, Start, Out, Lse,
+    stride_qb, stride_qq, stride_qh,
+    stride_kcs, stride_kch, stride_vcs, stride_vch,
+    stride_sb,
+    stride_os, stride_ob, stride_oq, stride_oh,
+    stride_ls, stride_lb, stride_lq,
+    num_q, kv_len, kv_chunk, qk_scale,
+    HKV: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr, IEEE: tl.constexpr,
+):
+    """:func:`_attn_kernel` for a causal chain, with no mask tensor: query ``qi`` of request
+    ``b`` sits at position ``Start[b] + qi`` and sees columns ``0 .. Start[b] + qi``.
+
+    The FlashAttention-2 loop split (Dao, "FlashAttention-2", 2023, section 3.1.1): columns
+    below the program's first row position are visible to every row, so that stretch runs
+    without any mask (its loads and dots are software-pipelined); only the diagonal tiles
+    after it apply the causal rule, and columns past the program's last row are never read.
+    """
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    b = (pid_bh // HKV).to(tl.int64)
+    kvh = pid_bh % HKV
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < num_q * GROUP
+    qi = rows // GROUP
+    h = kvh * GROUP + rows % GROUP
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q = tl.load(
+        Q + b * stride_qb + qi[:, None] * stride_qq + h[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+    )
+    start = tl.load(Start + b)
+    q_pos = start + qi  # the last column each row sees
+    first_pos = start + (pid_m * BLOCK_M) // GROUP  # columns <= this: visible to every row
+    last_pos = start + tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // GROUP, num_q - 1)
+    lo = pid_s * kv_chunk
+    hi = tl.minimum(tl.minimum(lo + kv_chunk, kv_len), last_pos + 1)
+    full_hi = tl.maximum(lo, lo + (tl.minimum(hi, first_pos + 1) - lo) // BLOCK_N * BLOCK_N)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    slot_row = Slots + b * stride_sb
+    for n0 in range(lo, full_hi, BLOCK_N):  # every column visible to every row
+        cols = n0 + tl.arange(0, BLOCK_N)
+        slots = tl.load(slot_row + cols)
+        kt = tl.load(KC + slots[None, :] * stride_kcs + kvh * stride_kch + d[:, None],
+                     mask=d_ok[:, None], other=0.0)
+        if IEEE:  # float32 models: no TF32 rounding in the scores
+            s = tl.dot(q, kt, input_precision="ieee") * qk_scale
+        else:
+            s = tl.dot(q, kt) * qk_scale
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(VC + slots[:, None] * stride_vcs + kvh * stride_vch + d[None, :],
+                    mask=d_ok[None, :], other=0.0)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    for n0 in range(full_hi, hi, BLOCK_N):  # the diagonal: the causal rule per row
+        cols = n0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < hi
+        allowed = (cols[None, :] <= q_pos[:, None]) & col_ok[None, :]
+        slots = tl.load(slot_row + cols, mask=col_ok, other=0)
+        kt = tl.load(KC + slots[None, :] * stride_kcs + kvh * stride_kch + d[:, None],
+                     mask=d_ok[:, None] & col_ok[None, :], other=0.0)
+        if IEEE:
+            s = tl.dot(q, kt, input_precision="ieee")
+        else:
+            s = tl.dot(q, kt)
+        s = tl.where(allowed, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row that has seen no column yet keeps m = -inf (module doc of _attn_kernel).
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(VC + slots[:, None] * stride_vcs + kvh * stride_vch + d[None, :],
+                    mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    o_ptr = (Out + pid_s.to(tl.int64) * stride_os + b * stride_ob + qi[:, None] * stride_oq
+             + h[:, None] * stride_oh + d[None, :])
+    o_mask = row_ok[:, None] & d_ok[None, :]
+    if SPLIT:
+        tl.store(o_ptr, o, mask=o_mask)
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+        tl.store(Lse + pid_s.to(tl.int64) * stride_ls + b * stride_lb + qi * stride_lq + h, lse,
+                 mask=row_ok)
+    else:
+        tl.store(o_ptr, o.to(Out.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
 def _combine_kernel(
     Part, Lse, Out, num_splits, stride_ps, stride_ls,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -177,6 +286,35 @@ def _combine_ordered_kernel(
     tl.store(Out + r * HEAD_DIM + d, (acc / den).to(Out.dtype.element_ty), mask=d_ok)
 
 
+@dataclass(frozen=True)
+class CausalConfig:
+    """Launch shape of :func:`_causal_kernel` (prompt chunks: many query rows, long prefix).
+
+    Attributes:
+        block_m: (query token, head-in-group) rows per program, a power of two >= 16; a
+            forward with fewer rows uses ``next_pow2(rows)``.
+        block_n: KV columns per tile, a power of two >= 16.
+        num_warps, num_stages: Triton launch options (``num_stages`` pipelines the unmasked
+            prefix loop's K/V loads).
+
+    Defaults measured on an H200 (``benchmarks/attention_causal.py``, benchmarks/README.md).
+    """
+
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"CausalConfig.{name}={v}: expected a power of two >= 16")
+        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
+            raise ValueError(f"CausalConfig: num_warps={self.num_warps} (1..16, a power of "
+                             f"two) / num_stages={self.num_stages} (>= 1)")
+
+
 class TritonAttentionBackend:
     """Triton attention with the interface of
     :class:`~structspec.layers.attention.TorchAttentionBackend`.
@@ -199,13 +337,16 @@ class TritonAttentionBackend:
             Nondeterminism in LLM Inference" (cf. sglang ``--enable-deterministic-inference``,
             vLLM ``VLLM_BATCH_INVARIANT``). Slower on short batches (fewer, fixed splits).
         kv_chunk: keys per split in batch-invariant mode (a multiple of 64; tests shrink it).
+        causal_config: tile sizes of the causal-chain kernel (forwards that set
+            ``fb.causal_start``: prompts and prompt chunks; not in batch-invariant mode).
 
     Runs on CUDA (or on CPU tensors under ``TRITON_INTERPRET=1``). Launch shapes depend only
     on tensor shapes, so forwards can be captured in CUDA graphs.
     """
 
     def __init__(self, num_splits: int | None = None, max_splits: int = 32, *,
-                 batch_invariant: bool = False, kv_chunk: int = INVARIANT_KV_CHUNK) -> None:
+                 batch_invariant: bool = False, kv_chunk: int = INVARIANT_KV_CHUNK,
+                 causal_config: CausalConfig = CausalConfig()) -> None:
         if batch_invariant and (not isinstance(kv_chunk, int) or isinstance(kv_chunk, bool)
                                 or kv_chunk <= 0 or kv_chunk % 64):
             raise ValueError(f"kv_chunk={kv_chunk}: expected a positive multiple of 64")
@@ -216,6 +357,7 @@ class TritonAttentionBackend:
         self.max_splits = max_splits
         self.batch_invariant = batch_invariant
         self.kv_chunk = kv_chunk
+        self.causal_config = causal_config
 
     def _splits(self, programs: int, kv_len: int, block_n: int, device: torch.device) -> int:
         if self.num_splits is not None:
@@ -262,8 +404,10 @@ class TritonAttentionBackend:
         if out.numel() == 0:
             return out
         rows = nq * group
-        block_n = 64 if d <= 128 else 32
         block_d = max(16, next_pow2(d))
+        if fb.causal_start is not None and not self.batch_invariant:
+            return self._causal(q, kc, vc, slots, fb.causal_start, out, group, block_d)
+        block_n = 64 if d <= 128 else 32
         if self.batch_invariant:  # nothing below may depend on B or Q (see the class doc)
             block_m = 16
             chunk = self.kv_chunk
@@ -302,6 +446,53 @@ class TritonAttentionBackend:
                 HEAD_DIM=d, BLOCK_D=block_d, num_warps=1,
             )
             return out
+        _combine_kernel[(bsz * nq * hq,)](
+            part, lse, out, splits, part.stride(0), lse.stride(0),
+            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=next_pow2(splits), num_warps=1,
+        )
+        return out
+
+    def _causal(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                slots: torch.Tensor, start: torch.Tensor, out: torch.Tensor, group: int,
+                block_d: int) -> torch.Tensor:
+        """:meth:`forward` of a causal chain (``fb.causal_start`` set) through
+        :func:`_causal_kernel`; same splitting and merge as the masked kernel."""
+        bsz, nq, hq, d = q.shape
+        hkv = kc.shape[1]
+        kv_len = slots.shape[1]
+        cfg = self.causal_config
+        rows = nq * group
+        block_m = min(cfg.block_m, max(16, next_pow2(rows)))
+        block_n = cfg.block_n if d <= 128 else min(cfg.block_n, 32)
+        m_blocks = triton.cdiv(rows, block_m)
+        splits = self._splits(m_blocks * bsz * hkv, kv_len, block_n, q.device)
+        chunk = triton.cdiv(triton.cdiv(kv_len, splits), block_n) * block_n
+        splits = triton.cdiv(kv_len, chunk)
+        if start.dtype != torch.int64 or start.shape != (bsz,):
+            raise ValueError(f"fb.causal_start: expected int64 [{bsz}], got {start.dtype} "
+                             f"{tuple(start.shape)}")
+        meta = dict(HKV=hkv, GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m,
+                    BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        grid = (m_blocks, bsz * hkv, splits)
+        common = (q.stride(0), q.stride(1), q.stride(2), kc.stride(0), kc.stride(1),
+                  vc.stride(0), vc.stride(1), slots.stride(0))
+        qk_scale = _LOG2E / math.sqrt(d)
+        if splits == 1:
+            _causal_kernel[grid](
+                q, kc, vc, slots, start, out, out, *common,
+                0, out.stride(0), out.stride(1), out.stride(2), 0, 0, 0,
+                nq, kv_len, chunk, qk_scale, SPLIT=False, **meta,
+            )
+            return out
+        part = torch.empty((splits, bsz, nq, hq, d), dtype=torch.float32, device=q.device)
+        lse = torch.empty((splits, bsz, nq, hq), dtype=torch.float32, device=q.device)
+        _causal_kernel[grid](
+            q, kc, vc, slots, start, part, lse, *common,
+            part.stride(0), part.stride(1), part.stride(2), part.stride(3),
+            lse.stride(0), lse.stride(1), lse.stride(2),
+            nq, kv_len, chunk, qk_scale, SPLIT=True, **meta,
+        )
         _combine_kernel[(bsz * nq * hq,)](
             part, lse, out, splits, part.stride(0), lse.stride(0),
             HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=next_pow2(splits), num_warps=1,

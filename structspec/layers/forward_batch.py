@@ -29,6 +29,13 @@ class ForwardBatch:
             never sees an all ``-inf`` row.
         logits_indices: ``[R]`` int64 indices into the flattened ``[B * Q]`` rows whose logits
             are needed (last prompt token in prefill, every node in verify); None = all rows.
+        causal_start: ``[B]`` int64, set only when the forward is a causal chain (a prompt or
+            a prompt chunk): query row ``q`` of request ``b`` sits at position
+            ``causal_start[b] + q`` and ``attn_mask[b, q]`` is True exactly on columns
+            ``0 .. causal_start[b] + q`` for every real row. A backend may then apply that
+            rule instead of reading the mask (the Triton backend does: no ``[Q, L]`` mask
+            traffic, no masking of the cached prefix); padding rows' outputs are discarded
+            and may differ between the two. None = use ``attn_mask``.
     """
 
     input_ids: torch.Tensor
@@ -37,6 +44,7 @@ class ForwardBatch:
     kv_slots: torch.Tensor
     attn_mask: torch.Tensor
     logits_indices: torch.Tensor | None = None
+    causal_start: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

@@ -90,6 +90,7 @@ def build_prefill_batch(
         kv_slots=kv_slots.to(device),
         attn_mask=mask,
         logits_indices=logits_indices.to(device),
+        causal_start=starts.to(device),
     )
 
 

@@ -161,6 +161,7 @@ class PrefillGraph:
         writes its K/V, returns the last real position's logits ``[1, V]`` float32."""
         fb = build_verify_batch_from_tensors(self.token_ids, self.depth, self.ancestor_mask,
                                              self.start, self.page_table, page_size=page_size)
+        fb.causal_start = self.start  # a chain: the Triton backend's causal kernel, no mask
         hidden = model(fb, kv_pool).hidden_states  # [1, N, H]
         return model.compute_logits(hidden[0].index_select(0, self.last))
 
