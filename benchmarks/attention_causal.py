@@ -93,7 +93,7 @@ def main() -> None:
                 try:
                     out = backend.forward(q, 0, causal_fb, pool)
                     diff = (out.float() - ref.float()).abs().max().item()
-                    us_c = graph_us(lambda b=backend, q=q: b.forward(q, 0, causal_fb, pool))
+                    us_c = graph_us(lambda b=backend, q=q, f=causal_fb: b.forward(q, 0, f, pool))
                 except Exception as e:  # noqa: BLE001 - report and go on with the next config
                     print(f"attention_causal {shape} variant=causal:{name} ERROR "
                           f"{type(e).__name__}: {str(e)[:300]}", flush=True)

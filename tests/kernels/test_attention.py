@@ -161,7 +161,7 @@ def test_causal_chain_matches_masked(dev: torch.device, case: str, splits: int |
     pool = _pool(hkv, d, torch.float32, dev, seed)
     fb = _batch("causal", b, nq, lens, kv_len, seed, dev)
     real = [min(nq, n) for n in lens]
-    fb.causal_start = torch.tensor([n - r for n, r in zip(lens, real)], device=dev)
+    fb.causal_start = torch.tensor([n - r for n, r in zip(lens, real, strict=True)], device=dev)
     q = torch.randn(b, nq, hq, d, generator=torch.Generator().manual_seed(seed)).to(dev)
     ref = TorchAttentionBackend().forward(q, 1, fb, pool)
     cfg = CausalConfig(block_m=blocks[0], block_n=blocks[1], num_warps=4)
