@@ -17,9 +17,14 @@ Policy (``SchedulerConfig.enable_chunked_prefill``, ``max_num_batched_tokens``):
   Only the step's first request may get a partial chunk (a long prompt progresses a budget
   at a time); every later one must fit whole, so at most one request is part-way through its
   prompt at any time, and it comes first in the next prefill step (first come, first served).
-* **Alternation.** While requests decode, prefill steps and verify steps alternate: after a
-  prefill step, the next step is a verify step. With nothing decoding, prefill steps run
-  back to back. The running streams thus wait at most one chunk between two of their steps.
+* **Chunks ride with verify steps.** While requests decode, every step launches its chunks
+  first, then the running requests' verify forward queued behind them on the same stream:
+  one step, one output collection. A running stream thus waits one chunk's device time per
+  token, not a separate prefill step's host time plus it (with alternating prefill and
+  verify steps, the H200's streams waited a verify step plus a prefill step, 4-6 ms, per
+  token beside a 7,000-token prompt; benchmarks/README.md "Chunked prefill"). With nothing
+  decoding, prefill steps run back to back. Without chunking a prefill step stays a step of
+  its own (whole prompts).
 
 Drafters across chunks: EAGLE gets the target features of each chunk's positions after its
 forward (``Drafter.on_target_hidden`` with ``seq_len = start``, in position order, so its
@@ -145,16 +150,6 @@ class ChunkedPrefill:
         self.budget_tokens = budget or 0
         self.max_prefill_tokens = config.max_prefill_tokens
         self.prefilling: list[Req] = []
-        self._prefilled_last = False  # the previous step was a prefill step
-
-    def turn(self, decoding: bool) -> bool:
-        """Whether this step may be a prefill step: always without chunking (as before), and
-        with it unless requests decode and the previous step was a prefill step (this step
-        is then theirs, and the next one may prefill again)."""
-        if self.enabled and decoding and self._prefilled_last:
-            self._prefilled_last = False
-            return False
-        return True
 
     def budget(self) -> WholePromptBudget | ChunkBudget:
         """A fresh budget for one prefill step."""
@@ -177,14 +172,12 @@ class ChunkedPrefill:
     def plan(self, continued: list[PrefillChunk], admitted: Sequence[Req],
              budget: WholePromptBudget | ChunkBudget) -> list[PrefillChunk]:
         """This step's chunks: ``continued``, then the first chunk of each newly ``admitted``
-        request (whose grants follow the continued ones' in ``budget.grants``); records
-        whether the step is a prefill step (for :meth:`turn`)."""
+        request (whose grants follow the continued ones' in ``budget.grants``)."""
         chunks = list(continued)
         grants = budget.grants[len(continued):]
         for req, take in zip(admitted, grants, strict=False):
             start = req.num_cached_tokens
             chunks.append(PrefillChunk(req, start, start + take, first=True))
-        self._prefilled_last = bool(chunks)
         return chunks
 
     def after_forward(self, chunks: Sequence[PrefillChunk]) -> list[Req]:

@@ -245,7 +245,9 @@ class Scheduler:
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step (a prefill or a verify forward) and report progress.
+        """Run one scheduling step and report progress: a prefill forward (whole prompts or
+        chunks), a verify forward, or, with chunked prefill while requests decode, both (the
+        chunks first, the verify forward queued behind them).
 
         With ``SchedulerConfig.overlap`` the text processing (detokenization, stop strings,
         outputs) and the grammar advance of step k run after step k+1's verify launch, under
@@ -258,16 +260,21 @@ class Scheduler:
         self.preemption.make_room_for_priority()
         self.preemption.resume()  # preempted requests at the queue's front rebuild their KV
         live = [r for r in self.running if not r.finished]
-        chunks: list[PrefillChunk] = []
-        if self.chunks.turn(decoding=bool(live)):
-            budget = self.chunks.budget()
-            continued = self.chunks.continue_prefills(budget)
-            chunks = self.chunks.plan(continued, self._admit(budget), budget)
+        budget = self.chunks.budget()
+        continued = self.chunks.continue_prefills(budget)
+        chunks = self.chunks.plan(continued, self._admit(budget), budget)
         if chunks:
             self._run_prefill(chunks)
-        elif live := self.preemption.grow_for_verify(live):
+            if not self.chunks.enabled:
+                return self._collect_outputs()  # whole prompts: a step of their own
+            # Chunked: the running requests' verify step rides in the same step, its forward
+            # queued behind the chunk's on the stream (module doc of chunked_prefill), so a
+            # stream waits one chunk's device time, not a whole extra step, per token. The
+            # chunk's step ran the previous verify step's deferred work; some may have ended.
+            live = [r for r in live if not r.finished]
+        if live := self.preemption.grow_for_verify(live):
             self._run_verify(live)
-        else:
+        elif not chunks:
             self._finish_deferred()
         return self._collect_outputs()
 

@@ -187,8 +187,8 @@ def test_high_priority_request_runs_at_once_behind_a_full_batch(make_llm,
         engine.step()
     short_id = engine.add_request(PROMPTS[9], SamplingParams(
         max_tokens=4, temperature=0.0, ignore_eos=True), raw_prompt=True, priority=-1)
-    # at most one verify step first (prefill and verify steps alternate while requests
-    # decode, with chunked prefill), its prefill, three verify steps, the step reporting it
+    # its prefill (with the running requests' verify forward in the same step, chunked
+    # prefill), three verify steps, the step reporting it
     for _ in range(6):
         for out in engine.step():
             if out.finished:
