@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -44,6 +45,53 @@ partial sum starts and ends never depends on the batch, the query count or the G
 
 
 @triton.jit
+def _program_rows(Q, stride_qb, stride_qq, stride_qh, num_q,
+                  HKV: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """A program's rows and queries: program ``(pid_m, b * HKV + kvh, split)`` owns rows
+    ``pid_m * BLOCK_M ..`` of request ``b``'s ``num_q * GROUP`` (query token, head-in-group)
+    pairs; row ``r`` is query token ``r // GROUP`` of query head ``kvh * GROUP + r % GROUP``.
+    Returns ``b, kvh, qi, h, d, row_ok, d_ok`` and the ``[BLOCK_M, BLOCK_D]`` queries (0 on
+    rows and dims past the ends)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // HKV).to(tl.int64)
+    kvh = pid_bh % HKV
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < num_q * GROUP
+    qi = rows // GROUP
+    h = kvh * GROUP + rows % GROUP
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q = tl.load(
+        Q + b * stride_qb + qi[:, None] * stride_qq + h[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+    )
+    return b, kvh, qi, h, d, row_ok, d_ok, q
+
+
+@triton.jit
+def _store_rows(Out, Lse, acc, m_i, l_i, pid_s, b, qi, h, d, row_ok, d_ok,
+                stride_os, stride_ob, stride_oq, stride_oh, stride_ls, stride_lb, stride_lq,
+                SPLIT: tl.constexpr):
+    """A program's epilogue: ``acc / l`` per row, in ``Out``'s dtype (one split), or the
+    float32 partial and its log2-sum-exp for :func:`_combine_kernel` (split ``pid_s``). A row
+    that saw no column (``l = 0``) stores 0 and ``lse = -inf`` (weight 0 in the merge)."""
+    pid_s = pid_s.to(tl.int64)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    o_ptr = (Out + pid_s * stride_os + b * stride_ob + qi[:, None] * stride_oq
+             + h[:, None] * stride_oh + d[None, :])
+    o_mask = row_ok[:, None] & d_ok[None, :]
+    if SPLIT:
+        tl.store(o_ptr, o, mask=o_mask)
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+        tl.store(Lse + pid_s * stride_ls + b * stride_lb + qi * stride_lq + h, lse, mask=row_ok)
+    else:
+        tl.store(o_ptr, o.to(Out.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
 def _attn_kernel(
     Q, KC, VC, Slots, Mask, Out, Lse,
     stride_qb, stride_qq, stride_qh,
@@ -56,22 +104,9 @@ def _attn_kernel(
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, IEEE: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2).to(tl.int64)
-    b = (pid_bh // HKV).to(tl.int64)
-    kvh = pid_bh % HKV
-    # Row r of this program = query token r // GROUP, query head kvh * GROUP + r % GROUP.
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < num_q * GROUP
-    qi = rows // GROUP
-    h = kvh * GROUP + rows % GROUP
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    q = tl.load(
-        Q + b * stride_qb + qi[:, None] * stride_qq + h[:, None] * stride_qh + d[None, :],
-        mask=row_ok[:, None] & d_ok[None, :], other=0.0,
-    )
+    b, kvh, qi, h, d, row_ok, d_ok, q = _program_rows(
+        Q, stride_qb, stride_qq, stride_qh, num_q, HKV, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -113,17 +148,38 @@ def _attn_kernel(
                 pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    o = acc / l_safe[:, None]
-    o_ptr = (Out + pid_s * stride_os + b * stride_ob + qi[:, None] * stride_oq
-             + h[:, None] * stride_oh + d[None, :])
-    o_mask = row_ok[:, None] & d_ok[None, :]
-    if SPLIT:
-        tl.store(o_ptr, o, mask=o_mask)
-        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-        tl.store(Lse + pid_s * stride_ls + b * stride_lb + qi * stride_lq + h, lse, mask=row_ok)
+    _store_rows(Out, Lse, acc, m_i, l_i, pid_s, b, qi, h, d, row_ok, d_ok,
+                stride_os, stride_ob, stride_oq, stride_oh, stride_ls, stride_lb, stride_lq,
+                SPLIT=SPLIT)
+
+
+@triton.jit
+def _softmax_tile(q, kt, v_ptrs, v_mask, cols, last_col, m_i, l_i, acc, qk_scale,
+                  MASKED: tl.constexpr, IEEE: tl.constexpr):
+    """One K/V tile of the online softmax (FlashAttention-2): scores ``q @ kt`` scaled to
+    log2 units, ``MASKED`` keeps column ``c`` for a row only where ``c <= last_col[row]``;
+    the V tile (``v_ptrs`` under ``v_mask``) is loaded once the probabilities are known.
+    Returns the updated running max ``m``, denominator ``l`` and output accumulator."""
+    if IEEE:  # float32 models: no TF32 rounding in the scores
+        s = tl.dot(q, kt, input_precision="ieee") * qk_scale
     else:
-        tl.store(o_ptr, o.to(Out.dtype.element_ty), mask=o_mask)
+        s = tl.dot(q, kt) * qk_scale
+    if MASKED:
+        s = tl.where(cols[None, :] <= last_col[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    if MASKED:  # a row that has seen no column yet keeps m = -inf: 0 as its reference
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+    if IEEE:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
 
 
 @triton.jit
@@ -148,20 +204,9 @@ def _causal_kernel(
     after it apply the causal rule, and columns past the program's last row are never read.
     """
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
-    b = (pid_bh // HKV).to(tl.int64)
-    kvh = pid_bh % HKV
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < num_q * GROUP
-    qi = rows // GROUP
-    h = kvh * GROUP + rows % GROUP
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    q = tl.load(
-        Q + b * stride_qb + qi[:, None] * stride_qq + h[:, None] * stride_qh + d[None, :],
-        mask=row_ok[:, None] & d_ok[None, :], other=0.0,
-    )
+    b, kvh, qi, h, d, row_ok, d_ok, q = _program_rows(
+        Q, stride_qb, stride_qq, stride_qh, num_q, HKV, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M)
     start = tl.load(Start + b)
     q_pos = start + qi  # the last column each row sees
     first_pos = start + (pid_m * BLOCK_M) // GROUP  # columns <= this: visible to every row
@@ -178,60 +223,23 @@ def _causal_kernel(
         slots = tl.load(slot_row + cols)
         kt = tl.load(KC + slots[None, :] * stride_kcs + kvh * stride_kch + d[:, None],
                      mask=d_ok[:, None], other=0.0)
-        if IEEE:  # float32 models: no TF32 rounding in the scores
-            s = tl.dot(q, kt, input_precision="ieee") * qk_scale
-        else:
-            s = tl.dot(q, kt) * qk_scale
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(VC + slots[:, None] * stride_vcs + kvh * stride_vch + d[None, :],
-                    mask=d_ok[None, :], other=0.0)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        v_ptrs = VC + slots[:, None] * stride_vcs + kvh * stride_vch + d[None, :]
+        m_i, l_i, acc = _softmax_tile(q, kt, v_ptrs, d_ok[None, :], cols, q_pos, m_i, l_i,
+                                      acc, qk_scale, MASKED=False, IEEE=IEEE)
     for n0 in range(full_hi, hi, BLOCK_N):  # the diagonal: the causal rule per row
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < hi
-        allowed = (cols[None, :] <= q_pos[:, None]) & col_ok[None, :]
         slots = tl.load(slot_row + cols, mask=col_ok, other=0)
         kt = tl.load(KC + slots[None, :] * stride_kcs + kvh * stride_kch + d[:, None],
                      mask=d_ok[:, None] & col_ok[None, :], other=0.0)
-        if IEEE:
-            s = tl.dot(q, kt, input_precision="ieee")
-        else:
-            s = tl.dot(q, kt)
-        s = tl.where(allowed, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # A row that has seen no column yet keeps m = -inf (module doc of _attn_kernel).
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(s - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(VC + slots[:, None] * stride_vcs + kvh * stride_vch + d[None, :],
-                    mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    o = acc / l_safe[:, None]
-    o_ptr = (Out + pid_s.to(tl.int64) * stride_os + b * stride_ob + qi[:, None] * stride_oq
-             + h[:, None] * stride_oh + d[None, :])
-    o_mask = row_ok[:, None] & d_ok[None, :]
-    if SPLIT:
-        tl.store(o_ptr, o, mask=o_mask)
-        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-        tl.store(Lse + pid_s.to(tl.int64) * stride_ls + b * stride_lb + qi * stride_lq + h, lse,
-                 mask=row_ok)
-    else:
-        tl.store(o_ptr, o.to(Out.dtype.element_ty), mask=o_mask)
+        v_ptrs = VC + slots[:, None] * stride_vcs + kvh * stride_vch + d[None, :]
+        # one bound for both rules: c <= q_pos (causal) and c < hi (this split's end)
+        m_i, l_i, acc = _softmax_tile(q, kt, v_ptrs, col_ok[:, None] & d_ok[None, :], cols,
+                                      tl.minimum(q_pos, hi - 1), m_i, l_i, acc, qk_scale,
+                                      MASKED=True, IEEE=IEEE)
+    _store_rows(Out, Lse, acc, m_i, l_i, pid_s, b, qi, h, d, row_ok, d_ok,
+                stride_os, stride_ob, stride_oq, stride_oh, stride_ls, stride_lb, stride_lq,
+                SPLIT=SPLIT)
 
 
 @triton.jit
@@ -284,6 +292,39 @@ def _combine_ordered_kernel(
         acc += w * part
     den = tl.where(den == 0.0, 1.0, den)
     tl.store(Out + r * HEAD_DIM + d, (acc / den).to(Out.dtype.element_ty), mask=d_ok)
+
+
+def _launch(kernel: Any, grid: tuple[int, int, int], inputs: tuple[torch.Tensor, ...],
+            strides: tuple[int, ...], out: torch.Tensor, kv_len: int, chunk: int,
+            meta: dict[str, Any], *, ordered: bool) -> torch.Tensor:
+    """Launch ``kernel`` (:func:`_attn_kernel` or :func:`_causal_kernel`, whose arguments
+    share one layout: ``inputs``, the outputs, ``strides``, the output strides, sizes) over
+    ``grid = (row blocks, B * Hkv, splits)``: straight into ``out`` ``[B, Q, Hq, D]`` with one
+    split, else into float32 partials merged by :func:`_combine_kernel` (or, ``ordered``,
+    :func:`_combine_ordered_kernel`). Returns ``out``."""
+    bsz, nq, hq, d = out.shape
+    splits = grid[2]
+    qk_scale = _LOG2E / math.sqrt(d)
+    if splits == 1:
+        kernel[grid](*inputs, out, out, *strides,
+                     0, out.stride(0), out.stride(1), out.stride(2), 0, 0, 0,
+                     nq, kv_len, chunk, qk_scale, SPLIT=False, **meta)
+        return out
+    part = torch.empty((splits, bsz, nq, hq, d), dtype=torch.float32, device=out.device)
+    lse = torch.empty((splits, bsz, nq, hq), dtype=torch.float32, device=out.device)
+    kernel[grid](*inputs, part, lse, *strides,
+                 part.stride(0), part.stride(1), part.stride(2), part.stride(3),
+                 lse.stride(0), lse.stride(1), lse.stride(2),
+                 nq, kv_len, chunk, qk_scale, SPLIT=True, **meta)
+    combine = dict(HEAD_DIM=d, BLOCK_D=meta["BLOCK_D"], num_warps=1)
+    if ordered:
+        _combine_ordered_kernel[(bsz * nq * hq,)](
+            part, lse, out, splits, part.stride(0), lse.stride(0), **combine)
+    else:
+        _combine_kernel[(bsz * nq * hq,)](
+            part, lse, out, splits, part.stride(0), lse.stride(0),
+            BLOCK_S=next_pow2(splits), **combine)
+    return out
 
 
 @dataclass(frozen=True)
@@ -422,39 +463,12 @@ class TritonAttentionBackend:
             chunk = triton.cdiv(triton.cdiv(kv_len, splits), block_n) * block_n
         m_blocks = triton.cdiv(rows, block_m)
         splits = triton.cdiv(kv_len, chunk)
-        ieee = q.dtype == torch.float32
-        qk_scale = _LOG2E / math.sqrt(d)
         meta = dict(HKV=hkv, GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m,
-                    BLOCK_N=block_n, IEEE=ieee, num_warps=4)
-        grid = (m_blocks, bsz * hkv, splits)
-        common = (q.stride(0), q.stride(1), q.stride(2), kc.stride(0), kc.stride(1),
-                  vc.stride(0), vc.stride(1), slots.stride(0), mask.stride(0), mask.stride(1))
-        if splits == 1:
-            _attn_kernel[grid](
-                q, kc, vc, slots, mask, out, out, *common,
-                0, out.stride(0), out.stride(1), out.stride(2), 0, 0, 0,
-                nq, kv_len, chunk, qk_scale, SPLIT=False, **meta,
-            )
-            return out
-        part = torch.empty((splits, bsz, nq, hq, d), dtype=torch.float32, device=q.device)
-        lse = torch.empty((splits, bsz, nq, hq), dtype=torch.float32, device=q.device)
-        _attn_kernel[grid](
-            q, kc, vc, slots, mask, part, lse, *common,
-            part.stride(0), part.stride(1), part.stride(2), part.stride(3),
-            lse.stride(0), lse.stride(1), lse.stride(2),
-            nq, kv_len, chunk, qk_scale, SPLIT=True, **meta,
-        )
-        if self.batch_invariant:
-            _combine_ordered_kernel[(bsz * nq * hq,)](
-                part, lse, out, splits, part.stride(0), lse.stride(0),
-                HEAD_DIM=d, BLOCK_D=block_d, num_warps=1,
-            )
-            return out
-        _combine_kernel[(bsz * nq * hq,)](
-            part, lse, out, splits, part.stride(0), lse.stride(0),
-            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=next_pow2(splits), num_warps=1,
-        )
-        return out
+                    BLOCK_N=block_n, IEEE=q.dtype == torch.float32, num_warps=4)
+        strides = (q.stride(0), q.stride(1), q.stride(2), kc.stride(0), kc.stride(1),
+                   vc.stride(0), vc.stride(1), slots.stride(0), mask.stride(0), mask.stride(1))
+        return _launch(_attn_kernel, (m_blocks, bsz * hkv, splits), (q, kc, vc, slots, mask),
+                       strides, out, kv_len, chunk, meta, ordered=self.batch_invariant)
 
     def _causal(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
                 slots: torch.Tensor, start: torch.Tensor, out: torch.Tensor, group: int,
@@ -479,29 +493,10 @@ class TritonAttentionBackend:
         meta = dict(HKV=hkv, GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m,
                     BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        grid = (m_blocks, bsz * hkv, splits)
-        common = (q.stride(0), q.stride(1), q.stride(2), kc.stride(0), kc.stride(1),
-                  vc.stride(0), vc.stride(1), slots.stride(0))
-        qk_scale = _LOG2E / math.sqrt(d)
-        if splits == 1:
-            _causal_kernel[grid](
-                q, kc, vc, slots, start, out, out, *common,
-                0, out.stride(0), out.stride(1), out.stride(2), 0, 0, 0,
-                nq, kv_len, chunk, qk_scale, SPLIT=False, **meta,
-            )
-            return out
-        part = torch.empty((splits, bsz, nq, hq, d), dtype=torch.float32, device=q.device)
-        lse = torch.empty((splits, bsz, nq, hq), dtype=torch.float32, device=q.device)
-        _causal_kernel[grid](
-            q, kc, vc, slots, start, part, lse, *common,
-            part.stride(0), part.stride(1), part.stride(2), part.stride(3),
-            lse.stride(0), lse.stride(1), lse.stride(2),
-            nq, kv_len, chunk, qk_scale, SPLIT=True, **meta,
-        )
-        _combine_kernel[(bsz * nq * hq,)](
-            part, lse, out, splits, part.stride(0), lse.stride(0),
-            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=next_pow2(splits), num_warps=1,
-        )
-        return out
+        strides = (q.stride(0), q.stride(1), q.stride(2), kc.stride(0), kc.stride(1),
+                   vc.stride(0), vc.stride(1), slots.stride(0))
+        return _launch(_causal_kernel, (m_blocks, bsz * hkv, splits),
+                       (q, kc, vc, slots, start), strides, out, kv_len, chunk, meta,
+                       ordered=False)
 
     __call__ = forward
