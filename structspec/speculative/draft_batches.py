@@ -73,8 +73,9 @@ def build_extend_batch(
         A ForwardBatch on ``device``, ``Q = max(len(token_ids[b]))``: ``input_ids``,
         ``positions``, ``out_slots`` ``[B, Q]`` int64, ``kv_slots`` ``[B, P * page_size]``
         int64, ``attn_mask`` ``[B, Q, P * page_size]`` bool, ``logits_indices`` ``[B]`` int64
-        (the flat row of each request's last new token). Padding query rows write slot 0 and
-        attend column 0 only.
+        (the flat row of each request's last new token), ``causal_start`` ``[B]`` int64
+        (``starts``: the mask is the causal rule). Padding query rows write slot 0 and attend
+        column 0 only.
     """
     input_ids, lens = padded_rows(token_ids)
     start = torch.tensor(list(starts), dtype=torch.int64)
@@ -98,6 +99,7 @@ def build_extend_batch(
         kv_slots=to_device(kv_slots, device, staging),
         attn_mask=to_device(mask, device, staging),
         logits_indices=to_device(logits_indices, device, staging),
+        causal_start=to_device(start, device, staging),  # a causal extend: no mask needed
     )
 
 
