@@ -12,7 +12,8 @@ Differences from xgrammar that this wrapper hides:
   xgrammar's meaning (the stop token is always the last accepted token, so any rollback
   undoes it).
 - llguidance has no draft-tree traversal: :meth:`traverse_draft_tree` is a depth-first walk in
-  Python (fill the node's row, consume an allowed child, recurse, roll back one token). It
+  Python (fill the node's row, consume an allowed child, recurse, roll back one token), or,
+  for a chain, one call of llguidance's draft-token mask fill (``LLExecutor``). It
   runs in the engine process or, on a mirror matcher compiled there from the grammar text, in
   a mask worker process (docs/architecture.md, "Grammar backends").
 
@@ -22,6 +23,7 @@ word ``t // 32``), so rows of both backends share one batch bitmask.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -55,6 +57,19 @@ class LlgCompiled:
 
 class _WalkTimeout(Exception):
     """A draft-tree walk ran past its time limit (internal to :meth:`traverse_draft_tree`)."""
+
+
+_EXECUTORS = threading.local()
+
+
+def _chain_executor() -> llguidance.LLExecutor:
+    """This thread's one-thread ``LLExecutor`` (for :meth:`LlgMatcher.traverse_draft_tree`'s
+    chains). One per calling thread: the engine process walks trees on several threads at
+    once, which one shared executor's single Rust thread would serialize."""
+    ex = getattr(_EXECUTORS, "executor", None)
+    if ex is None:
+        ex = _EXECUTORS.executor = llguidance.LLExecutor(1)
+    return ex
 
 
 class LlgMatcher:
@@ -165,7 +180,8 @@ class LlgMatcher:
         Depth first from node 0 (the state before the tree): fill the node's row, then for
         each child whose token the row allows and that is not a stop token, consume it,
         recurse, roll back one token. Rows of nodes never expanded are left as they are (all
-        ones when the caller allocated them so; the settle step resets them anyway).
+        ones when the caller allocated them so; the settle step resets them anyway). A chain
+        goes to llguidance in one call, with the same rows (:meth:`_walk_chain`).
 
         Args:
             next_token, next_sibling, draft_tokens: ``int64 [N]`` host tensors of the tree.
@@ -177,6 +193,9 @@ class LlgMatcher:
             before the walk either way).
         """
         nxt, sib, toks = next_token.tolist(), next_sibling.tolist(), draft_tokens.tolist()
+        chain_result = self._walk_chain(nxt, sib, toks, rows, time_limit_s)
+        if chain_result is not None:
+            return chain_result
         words = rows.numpy()
         width_bytes = self._width * 4
         base, stride_bytes = rows.data_ptr(), rows.stride(0) * rows.element_size()
@@ -212,6 +231,50 @@ class LlgMatcher:
                 llg.rollback(depth)
             return False
         return True
+
+    def _walk_chain(self, nxt: list[int], sib: list[int], toks: list[int],
+                    rows: torch.Tensor, time_limit_s: float) -> bool | None:
+        """:meth:`traverse_draft_tree` of a chain in one call into llguidance: the n-gram
+        drafter's trees on repetitive outputs (nodes ``0 -> 1 -> ... -> k``, no siblings).
+
+        ``LLExecutor.unsafe_compute_mask_ptr_with_draft_token`` fills row 0, then for each
+        drafted token that the previous row allows consumes it and fills the next row; it
+        stops at the first token refused, leaving the later rows untouched, and rolls the
+        matcher back: the recursive walk's rows and end state, without its Python calls per
+        node (a fifth of an 8-node chain's walk; ``benchmarks/tree_mask_cost.py``). The chain
+        is cut before the first stop token (the walk never consumes one) and before an id
+        outside ``[0, 32 * W)`` (llguidance would enter its error state on it), as the
+        recursive walk skips them.
+
+        The time limit is checked after the call (at most ``N`` masks): past it, the walk
+        counts as timed out; the matcher is back at its state either way.
+
+        Returns:
+            None, with nothing done, when the tree is not such a chain or ``rows`` is not
+            ``[N, W]`` contiguous (the caller walks it in Python); else False past the time
+            limit, True otherwise.
+        """
+        width = self._width
+        if not rows.is_contiguous() or rows.shape != (len(nxt), width):
+            return None
+        limit, stop = 32 * width, self._stop_set
+        tokens: list[int] = []
+        node = 0
+        while (child := nxt[node]) != -1:
+            if child != node + 1 or sib[child] != -1:
+                return None
+            tok = toks[child]
+            if not 0 <= tok < limit or tok in stop:
+                break  # never expanded: its row and those below it stay as they are
+            tokens.append(tok)
+            node = child
+        t0 = time.perf_counter()
+        if tokens:
+            _chain_executor().unsafe_compute_mask_ptr_with_draft_token(
+                [(self._llg, 0, tokens)], rows.data_ptr(), width * 4, rows.shape[0])
+        else:  # the root alone (llguidance refuses an empty draft)
+            self._llg.unsafe_compute_mask_ptr(rows.data_ptr(), width * 4)
+        return time.perf_counter() - t0 <= time_limit_s
 
 
 def decode_mask_row(row: torch.Tensor | np.ndarray, vocab_size: int) -> list[int]:

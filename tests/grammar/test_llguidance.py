@@ -21,7 +21,12 @@ from structspec.constraints import (
     JsonSchemaConstraint,
     RegexConstraint,
 )
-from structspec.grammar import GrammarBackend, GrammarError, GrammarTree, build_grammar_vocab_mask
+from structspec.grammar import (
+    GrammarBackend,
+    GrammarError,
+    GrammarTree,
+    build_grammar_vocab_mask,
+)
 from structspec.grammar.llg_backend import LlgBackend
 from structspec.grammar.llg_matcher import LlgCompiled, LlgMatcher, decode_mask_row
 from structspec.grammar.select_backend import SelectingBackend
@@ -96,6 +101,127 @@ def test_tree_walk_matches_sequential_reference(llg_backend: LlgBackend, hf_toke
             elif STOP_ID not in path:
                 assert torch.equal(row, ref), (trial, node, path)
         assert mask.rejected_by_grammar == [rejected]
+
+
+def _recursive_walk(m: LlgMatcher, nt: list[int], ns: list[int], dt: list[int],
+                    rows: torch.Tensor) -> list[str]:
+    """The recursive walk of ``LlgMatcher.traverse_draft_tree`` written out (fill, consume
+    an allowed non-stop child, recurse, ``rollback(1)``): the reference of its rows.
+    Returns the filled nodes in order."""
+    llg, words, order = m._llg, rows.numpy(), []  # noqa: SLF001 - the reference walk
+    width_bytes = rows.shape[1] * 4
+
+    def expand(node: int) -> None:
+        llg.unsafe_compute_mask_ptr(rows[node].data_ptr(), width_bytes)
+        order.append(str(node))
+        child = nt[node]
+        while child != -1:
+            tok = dt[child]
+            if 0 <= tok < 32 * words.shape[1] and tok != STOP_ID \
+                    and (int(words[node, tok >> 5]) >> (tok & 31)) & 1:
+                assert llg.consume_token(tok)
+                expand(child)
+                llg.rollback(1)
+            child = ns[child]
+
+    expand(0)
+    return order
+
+
+def _wide_tree(ids: list[int], rng: random.Random, n: int, noise: list[int],
+               chain: bool = False) -> tuple[list[int], list[int], list[int]]:
+    """Like :func:`_random_tree`, with stop tokens, padding (-1) and out-of-vocabulary ids
+    among the noise, and nodes attached mostly near the root (wide trees, many backtracks);
+    ``chain``: node ``i``'s parent is ``i - 1`` (the n-gram drafter's trees), and the chain
+    may end early (the later nodes are unreachable padding)."""
+    toks, parents, pos = [ids[0]], [-1], {0: 1}
+    end = rng.randrange(1, n + 1) if chain else n
+    for i in range(1, n):
+        p = (i - 1 if i < end else -2) if chain else min(rng.randrange(i), rng.randrange(i))
+        if p == -2:  # padding past the chain's end: linked nowhere
+            toks.append(-1)
+        elif p in pos and pos[p] < len(ids) and rng.random() < 0.85:
+            toks.append(ids[pos[p]])
+            pos[i] = pos[p] + 1
+        else:
+            toks.append(rng.choice(noise + [STOP_ID, -1, 10**6]))
+        parents.append(max(p, -1))
+    nt, ns = [-1] * n, [-1] * n
+    for c in range(n - 1, 0, -1):
+        if parents[c] >= 0:
+            ns[c], nt[parents[c]] = nt[parents[c]], c
+    return nt, ns, toks
+
+
+@pytest.mark.parametrize("chain", [False, True], ids=["tree", "chain"])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_walk_equals_recursive_reference(llg_backend: LlgBackend, hf_tokenizer: Any,
+                                         case: int, chain: bool,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The walk (for chains: llguidance's draft-token fill) fills exactly the rows of the
+    recursive reference walk, bit for bit (unfilled rows untouched), on random trees and
+    chains with stop tokens, padding and out-of-vocabulary ids, and leaves the matcher where
+    it was (the next mask and a full accept of the rest are a fresh matcher's)."""
+    calls: list[bool | None] = []
+    real = LlgMatcher._walk_chain  # noqa: SLF001 - records which path each walk took
+
+    def walk_chain(self: LlgMatcher, *args: Any) -> bool | None:
+        calls.append(real(self, *args))
+        return calls[-1]
+
+    monkeypatch.setattr(LlgMatcher, "_walk_chain", walk_chain)
+    spec, text = CASES[case]
+    compiled = llg_backend.compile(spec)
+    ids = hf_tokenizer.encode(text, add_special_tokens=False) + [STOP_ID]
+    noise = hf_tokenizer.encode(' "x", 12} abc ,. yes no big', add_special_tokens=False)
+    rng = random.Random(100 + case)
+    width = (llg_backend.vocab_size + 31) // 32
+    for _ in range(40):
+        cut = rng.randrange(len(ids) - 1)
+        m = llg_backend.create_matcher(compiled)
+        ref_m = llg_backend.create_matcher(compiled)
+        assert m.accept_run(ids[: cut + 1]) == cut + 1 == ref_m.accept_run(ids[: cut + 1])
+        n = rng.choice([2, 5, 8, 16])
+        nt, ns, dt = _wide_tree(ids[cut:], rng, n, noise, chain)
+        rows = torch.full((n, width), 7, dtype=torch.int32)  # 7: "never written"
+        ref_rows = rows.clone()
+        as_t = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+        assert m.traverse_draft_tree(as_t(nt), as_t(ns), as_t(dt), rows, 10.0)
+        _recursive_walk(ref_m, nt, ns, dt, ref_rows)
+        assert torch.equal(rows, ref_rows)
+        assert m.num_accepted == cut + 1
+        after, ref_after = torch.zeros(2, width, dtype=torch.int32).unbind(0)
+        m.fill_bitmask(after[None], 0)
+        ref_m.fill_bitmask(ref_after[None], 0)
+        assert torch.equal(after, ref_after)
+        assert m.accept_run(ids[cut + 1:]) == len(ids) - cut - 1
+    if chain:
+        assert calls == [True] * 40  # every chain went to llguidance in one call
+    else:
+        assert None in calls  # trees with branches: the Python walk
+
+
+def test_chain_timeout_leaves_state_and_exact_root_row(llg_backend: LlgBackend,
+                                                       hf_tokenizer: Any) -> None:
+    """A chain past its time limit (checked after llguidance's call): reported timed out,
+    the matcher where it was, row 0 exact and the other rows all ones."""
+    compiled = llg_backend.compile(CASES[1][0])
+    ids = hf_tokenizer.encode("Hello big bright world.", add_special_tokens=False)
+    m = llg_backend.create_matcher(compiled)
+    m.accept_run(ids[:1])
+    n = len(ids)
+    nt = torch.tensor([list(range(1, n)) + [-1]], dtype=torch.int64)
+    ns = torch.full((1, n), -1, dtype=torch.int64)
+    dt = torch.tensor([ids], dtype=torch.int64)
+    mask = build_grammar_vocab_mask([m], GrammarTree.from_host(nt, ns, dt),
+                                    vocab_size=llg_backend.vocab_size, device="cpu",
+                                    time_limit_s=0.0)
+    assert mask is not None and mask.truncated_requests == [0]
+    assert m.num_accepted == 1 and m.accept_run(ids[1:]) == n - 1
+    ref = _sequential_row(llg_backend, compiled, ids[:1], [],  # type: ignore[arg-type]
+                          llg_backend.vocab_size)
+    assert ref is not None and torch.equal(mask.bitmask_cpu[0], ref)
+    assert bool((mask.bitmask_cpu[1:] == -1).all())
 
 
 def test_hand_built_json_tree_counts(llg_backend: LlgBackend, hf_tokenizer: Any) -> None:
