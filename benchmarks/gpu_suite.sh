@@ -33,7 +33,9 @@
 #             masked kernel vs the causal-chain kernel per tile config (attention_causal.py)
 #   itl       issue 21: the prefill-graph test, the chunked-prefill ITL (budget 512), once plain
 #             and once profiled (host time of every prefill / verify step in order)
-#   llguidance  issue 19: the llguidance tokenizer tests (this host's transformers), grammar overlap with every request on llguidance (ngram, batch 1/8/32/64),
+#   llguidance  issue 19: the llguidance tokenizer tests (this host's transformers), the host's
+#             tree-mask cost per backend (tree_mask_cost.py, 8 worker processes), grammar overlap
+#             with every request on llguidance (ngram, batch 1/8/32/64),
 #             MaskBench end to end with --grammar-backend auto (greedy)
 #   llguidance2  issue 19: first-request TTFT per backend, MaskBench auto at T=0.6
 #   ab_overlap, ab_peer  this checkout against another one at $OLD (e.g. `git archive` of an
@@ -44,7 +46,7 @@
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
-run() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$? $name"; grep -E "^(attention_causal|best per|Q=|ab_compare|drafter_speed|eagle_accept|grammar_overlap|mask_build|decode|peer|hbm|floor|maskbench|penalty_cost|config=|prefix_cache|distinct_schemas|ttft|gate|  errors|[0-9]+ passed|FAILED|ERROR)|passed|failed" "$OUT/$name.log" | tail -n 40; }
+run() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$? $name"; grep -E "^(tree_mask_cost|attention_causal|best per|Q=|ab_compare|drafter_speed|eagle_accept|grammar_overlap|mask_build|decode|peer|hbm|floor|maskbench|penalty_cost|config=|prefix_cache|distinct_schemas|ttft|gate|  errors|[0-9]+ passed|FAILED|ERROR)|passed|failed" "$OUT/$name.log" | tail -n 40; }
 stages=${*:-tests smol peer llama8b llama8b_overlap invariant maskbench loopguards loopguards2 penalty_cost eagle_speed}
 L8=benchmarks/assets/llama3-8b-shape
 python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())'
@@ -104,7 +106,8 @@ for s in $stages; do case $s in
     run prefix_cache 200 python3 benchmarks/prefix_cache.py --device cuda --num-requests 256 --max-batch-size 64 --system-tokens 2048 --max-tokens 64
     run distinct_schemas_ngram 420 python3 benchmarks/distinct_schemas.py --device cuda --prompt schema --num-requests 300 --max-batch-size 64 --max-tokens 512 --workers 0 8 --algorithms ngram --repeats 3 ;;
   llguidance)
-    run llg_tokenizer_tests 60 python3 -m pytest -q -s -p no:cacheprovider tests/grammar/test_llg_tokenizer.py
+    run llg_tokenizer_tests 150 python3 -m pytest -q -s -p no:cacheprovider tests/grammar/test_llg_tokenizer.py
+    run tree_mask_cost 120 python3 benchmarks/tree_mask_cost.py --requests 64 --pool-workers 8
     run grammar_overlap_llg 240 python3 benchmarks/grammar_overlap.py --device cuda --batch 1 8 32 64 --steps 60 --algorithms ngram --overlap on --repeats 2 --grammar-backend llguidance
     run maskbench_auto 170 python3 benchmarks/maskbench_e2e.py --device cuda --speculative-algorithm ngram --limit 120 --max-tokens 1024 --skip-slow-compile --grammar-backend auto --out "$OUT/maskbench_auto.jsonl" ;;
   llguidance2)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from structspec.config import EngineConfig, ModelConfig, check_max_model_len, resolve_engine_config
-from structspec.engine.cpu_threads import set_cpu_threads
+from structspec.engine.cpu_threads import set_cpu_threads, set_gpu_host_threads
 from structspec.grammar.backend import GrammarBackend
 from structspec.grammar.llg_backend import LlgBackend
 from structspec.grammar.select_backend import SelectingBackend
@@ -87,6 +87,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
         # before the first torch op spawns the OpenMP pool.
         torch.set_flush_denormal(True)
         set_cpu_threads()
+    else:
+        set_gpu_host_threads()
     model_path = resolve_model_path(config.model)
     # From config.json alone: a context the model does not have fails before the weights load.
     max_model_len = check_max_model_len(

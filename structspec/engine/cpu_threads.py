@@ -1,11 +1,19 @@
-"""Intra-op threads of a CPU engine: one per physical core this process may run on.
+"""Torch's intra-op threads in the engine process.
 
-A CPU decode step of a small model is a chain of small GEMMs bound by memory bandwidth; a
-second hardware thread of the same core (SMT) adds no bandwidth and makes every OpenMP
-barrier wait for the slower sibling, so torch's threads are set to the physical cores of the
-process's CPU affinity set (torch's own default counts logical CPUs on some builds and
-ignores the affinity mask on others). ``OMP_NUM_THREADS`` set by the user wins: the engine
-leaves the count alone then.
+CPU engine: one per physical core this process may run on. A CPU decode step of a small model
+is a chain of small GEMMs bound by memory bandwidth; a second hardware thread of the same core
+(SMT) adds no bandwidth and makes every OpenMP barrier wait for the slower sibling, so torch's
+threads are set to the physical cores of the process's CPU affinity set (torch's own default
+counts logical CPUs on some builds and ignores the affinity mask on others).
+
+GPU engine: one. Its host-side torch work is bookkeeping on small CPU tensors (tree links,
+bitmask rows, staging copies), yet a host op past torch's grain size (a batch's bitmask slab,
+``64 x 8 x 1,536`` words, filled or copied) wakes one OpenMP thread per core, and those spin
+after the region ends: on a 16-core GPU host, 16 spinning threads beside the step loop, the
+grammar's mask worker processes and its compile threads. vLLM's GPU workers make the same
+choice (``OMP_NUM_THREADS=1`` unless set, "to avoid unnecessary CPU contention").
+
+``OMP_NUM_THREADS`` set by the user wins on both: the engine leaves the count alone then.
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["physical_cores", "set_cpu_threads"]
+__all__ = ["physical_cores", "set_cpu_threads", "set_gpu_host_threads"]
 
 
 def physical_cores(cpus: set[int] | None = None) -> int:
@@ -45,4 +53,12 @@ def set_cpu_threads() -> int:
         n = physical_cores()
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)
+    return torch.get_num_threads()
+
+
+def set_gpu_host_threads() -> int:
+    """A GPU engine's host threads (module doc): torch's intra-op threads set to 1 unless
+    ``OMP_NUM_THREADS`` is set; returns the thread count in effect. Process-wide."""
+    if not os.environ.get("OMP_NUM_THREADS") and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
     return torch.get_num_threads()
