@@ -23,6 +23,10 @@
 #             and without a JSON Schema, held-out ShareGPT and extraction prompts (drafter_speed.py
 #             --compact, ~3 min), and the grammar overlap with the shipped EAGLE head (batch
 #             1/8/32/64, overlap on, 3 alternating repeats, ~3 min)
+#   eagle_speed2  issue 18: none vs eagle with full trees every step (--speculative-adaptive off,
+#             128 new tokens, 4 prompts at batch 1: the compact run's windows were 0.2-1.4 s and its
+#             batch-8 accept lengths looked like the adaptive sizing, not the drafter), then the
+#             EAGLE grammar overlap (2 alternating repeats)
 #   serving_core  issue 21: the prefill-graph test, a 7,000-token prompt arriving while 32 streams
 #             decode (ITL per chunk budget, profiled), a short request behind 40 long, the CUDA
 #             serving-core tests (prefix cache / chunked == unchunked, one engine per drafter)
@@ -88,6 +92,9 @@ for s in $stages; do case $s in
   eagle_speed)
     run drafter_speed 300 python3 benchmarks/drafter_speed.py --device cuda --compact
     run grammar_overlap_eagle 420 python3 benchmarks/grammar_overlap.py --device cuda --batch 1 8 32 64 --steps 60 --algorithms eagle --overlap on --repeats 3 --speculative-adaptive off ;;
+  eagle_speed2)
+    run drafter_speed_fixed_trees 300 python3 benchmarks/drafter_speed.py --device cuda --algorithms none eagle --speculative-adaptive off --max-tokens 128 --batch1-prompts 4
+    run grammar_overlap_eagle 280 python3 benchmarks/grammar_overlap.py --device cuda --batch 1 8 32 64 --steps 60 --algorithms eagle --overlap on --repeats 2 --speculative-adaptive off ;;
   serving_core)
     run gpu_prefill_graph_tests 90 python3 -m pytest -q -s -p no:cacheprovider tests/runner/test_prefill_graph.py
     run long_prompt_itl 150 python3 benchmarks/long_prompt_itl.py --device cuda --budgets 512 2048 --profile
