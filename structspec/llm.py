@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -160,6 +161,10 @@ class LLM:
                                       max_num_batched_tokens=max_num_batched_tokens),
         )
         self.engine = LLMEngine(config)
+        # The engine steps on one thread: two generate() calls stepping it at once each took
+        # the other's finished outputs and failed with KeyError('gen-5-0'), and interleaved
+        # scheduler steps. Concurrent calls therefore run one after the other.
+        self._generate_lock = threading.Lock()
 
     @property
     def tokenizer(self) -> Any:
@@ -181,7 +186,8 @@ class LLM:
         first (admission order, and the last preempted when the KV cache runs out); None
         is 0 for all (first come, first served).
         A request with bad input comes back finished with ``finish_reason == "abort"`` and
-        ``error`` set; the other requests run normally.
+        ``error`` set; the other requests run normally. Calls from several threads are safe:
+        they run one after the other, each returning its own prompts' outputs.
 
         Returns:
             One :class:`RequestOutput` per prompt, in order.
@@ -203,8 +209,9 @@ class LLM:
 
             progress = tqdm(total=len(batch), desc="generate", unit="req")
         try:
-            return self.engine.generate_all(batch, params, raw_prompt=raw_prompt,
-                                            progress=progress, priorities=priorities)
+            with self._generate_lock:
+                return self.engine.generate_all(batch, params, raw_prompt=raw_prompt,
+                                                progress=progress, priorities=priorities)
         finally:
             if progress is not None:
                 progress.close()

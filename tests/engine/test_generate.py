@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import jsonschema
 import pytest
@@ -225,6 +226,34 @@ def test_chat_template_error_is_prefixed_once(make_llm, monkeypatch: pytest.Monk
     out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2))[0]
     assert out.error == "chat template failed to render: only user turns, please"
     assert out.error_param == "messages"
+
+
+def test_generate_from_two_threads_at_once(make_llm) -> None:
+    """Two threads calling ``generate`` on one LLM at once (one constrained, one not) each get
+    their own outputs, the ones a call alone gives; before the lock each call collected the
+    other's finished outputs and failed with ``KeyError('gen-5-0')``."""
+    llm = make_llm()
+    jobs = [(PROMPTS[:2], SamplingParams(max_tokens=8)),
+            (PROMPTS[5], SamplingParams(max_tokens=12,
+                                        grammar=JsonSchemaConstraint(PERSON_SCHEMA)))]
+    alone = [[o.token_ids for o in llm.generate(p, sp)] for p, sp in jobs]
+    start = threading.Barrier(len(jobs))
+    got: list[object] = [None] * len(jobs)
+
+    def call(i: int) -> None:
+        start.wait()
+        try:
+            got[i] = [o.token_ids for o in llm.generate(*jobs[i])]
+        except Exception as e:  # reported by the assert below, not lost in the thread
+            got[i] = e
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert got == alone
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_failed_add_leaves_no_trace(make_llm, monkeypatch: pytest.MonkeyPatch) -> None:
