@@ -65,6 +65,9 @@ class LLMEngine:
         self.drafter = parts.drafter
         self.scheduler = parts.scheduler
         self._next_id = 0
+        #: outputs of requests added with :meth:`add_request` that finished while
+        #: :meth:`generate_all` stepped the engine; :meth:`step` returns them first
+        self._held_outputs: list[RequestOutput] = []
         #: set by :meth:`close`; a closed engine takes no requests and runs no steps
         self.closed = False
         #: detokenize every request in the engine (text in outputs). A front end that
@@ -214,7 +217,8 @@ class LLMEngine:
             RuntimeError: the engine was closed (:meth:`close`).
         """
         self._check_open()
-        return self.scheduler.step()
+        held, self._held_outputs = self._held_outputs, []
+        return held + self.scheduler.step()
 
     def _check_open(self) -> None:
         if self.closed:
@@ -230,7 +234,8 @@ class LLMEngine:
         self._heap_hold()  # once: a second close() does nothing
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or bool(self.scheduler._finished_unreported)
+        return (self.scheduler.num_unfinished > 0 or bool(self.scheduler._finished_unreported)
+                or bool(self._held_outputs))
 
     def stats(self) -> dict[str, Any]:
         """Queue sizes, KV usage and prefix-cache counters (for logs and /metrics).
@@ -278,7 +283,11 @@ class LLMEngine:
     ) -> list[RequestOutput]:
         """Run prompts to completion; bad requests come back as ``abort`` outputs with an
         error instead of raising, so one bad request never stops the others.
-        ``priorities``: one per prompt (None: 0 for all; see :meth:`add_request`)."""
+        ``priorities``: one per prompt (None: 0 for all; see :meth:`add_request`).
+
+        Requests added earlier with :meth:`add_request` keep running beside these; it returns
+        once its own are done, and the final outputs of the others that finished meanwhile
+        are kept for the next :meth:`step` (their streamed deltas are folded into them)."""
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
         base = self._next_id
@@ -295,15 +304,22 @@ class LLMEngine:
         self._next_id += 1
         report = self.report_unfinished
         self.report_unfinished = False  # only final outputs are read here
+        mine = set(order)
+        held: list[RequestOutput] = []
         try:
-            while self.has_unfinished_requests():
+            sched = self.scheduler  # not has_unfinished_requests(): held outputs are no work
+            while len(results) < len(order) and (sched.num_unfinished > 0
+                                                 or sched._finished_unreported):
                 for out in self.step():
-                    if out.finished:
+                    if out.request_id not in mine:
+                        held.append(out)  # an add_request caller's: never dropped
+                    elif out.finished:
                         results[out.request_id] = out
                         if progress is not None:
                             progress.update(1)
         finally:
             self.report_unfinished = report
+            self._held_outputs = held + self._held_outputs
         return [results[r] for r in order]
 
 

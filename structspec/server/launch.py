@@ -133,7 +133,8 @@ def serve(args: argparse.Namespace) -> int:
         import uvicorn  # noqa: F401  (fail before loading anything)
     except ImportError as e:
         print(f"structspec serve: {e.name} is not installed; install the server extra: "
-              "pip install 'structspec[server]'", file=sys.stderr)
+              "pip install 'structspec[server]' (in a checkout: pip install -e '.[server]' "
+              "--config-settings editable_mode=compat)", file=sys.stderr)
         return 2
     try:
         sock = bind_socket(args.host, args.port)

@@ -256,6 +256,26 @@ def test_generate_from_two_threads_at_once(make_llm) -> None:
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_generate_keeps_outputs_of_requests_added_before_it(make_llm) -> None:
+    """A request added with ``engine.add_request`` keeps running through a ``generate`` call
+    and its final output is not lost: ``generate`` returns its own, the next ``step`` returns
+    the other's, equal to its run alone."""
+    llm = make_llm()
+    engine = llm.engine
+    longer = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    alone = llm.generate([PROMPTS[3]], [longer])[0].token_ids
+    other = engine.add_request(PROMPTS[3], longer)
+    got = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=16, temperature=0.0,
+                                                   ignore_eos=True))
+    assert [len(o.token_ids) for o in got] == [16, 16]
+    assert engine.has_unfinished_requests()
+    finals = []
+    while engine.has_unfinished_requests():
+        finals += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in finals] == [other]
+    assert finals[0].token_ids == alone
+
+
 def test_failed_add_leaves_no_trace(make_llm, monkeypatch: pytest.MonkeyPatch) -> None:
     """A request whose add fails after validation (here the grammar submit raises) is not
     left registered: its id can be used again, and the engine serves it."""
