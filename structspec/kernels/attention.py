@@ -2,9 +2,10 @@
 
 Drop-in for :class:`structspec.layers.attention.TorchAttentionBackend`: queries ``[B, Q, Hq,
 D]`` attend over the KV-pool slots ``fb.kv_slots [B, L]`` under the boolean mask
-``fb.attn_mask [B, Q, L]``; K/V are gathered from the pool on the fly (no ``index_select``
-copies), scale ``1/sqrt(D)``, online softmax in float32, GQA with query head ``h`` reading KV
-head ``h // (Hq // Hkv)``.
+``fb.mask() [B, Q, L]`` (for a causal chain, the rule ``fb.causal_start`` gives, with no mask
+built); K/V are gathered from the pool on the fly (no ``index_select`` copies), scale
+``1/sqrt(D)``, online softmax in float32, GQA with query head ``h`` reading KV head
+``h // (Hq // Hkv)``.
 
 Work split: one program owns ``BLOCK_M`` rows of the ``Q * G`` (query token, head-in-group)
 pairs of one ``(request, KV head)``, so each K/V tile is loaded once for the whole GQA group.
@@ -422,8 +423,9 @@ class TritonAttentionBackend:
             q: ``[B, Q, Hq, D]`` queries after rotary (any strides with unit stride on ``D``),
                 float16/bfloat16/float32, on the pool's device.
             layer_id: decoder layer index into ``kv_pool``.
-            fb: uses ``kv_slots [B, L]`` int64 and ``attn_mask [B, Q, L]`` bool; every row
-                must allow at least one column (as :class:`ForwardBatch` guarantees).
+            fb: uses ``kv_slots [B, L]`` int64 and ``causal_start`` (the causal kernel) or
+                the mask ``fb.mask()`` ``[B, Q, L]`` bool; every row must allow at least one
+                column (as :class:`ForwardBatch` guarantees).
             kv_pool: ``k_cache[layer_id]`` / ``v_cache[layer_id]`` ``[num_slots, Hkv, D]``
                 holding this forward's K/V already.
 
@@ -438,12 +440,9 @@ class TritonAttentionBackend:
         group = hq // hkv
         if q.stride(-1) != 1:
             q = q.contiguous()
-        slots, mask = fb.kv_slots, fb.attn_mask
+        slots = fb.kv_slots
         if slots.stride(-1) != 1:
             slots = slots.contiguous()
-        if mask.stride(-1) != 1:
-            mask = mask.contiguous()
-        mask = mask.view(torch.uint8)  # same bytes; Triton loads bytes more portably than i1
         kv_len = slots.shape[1]
         out = torch.empty((bsz, nq, hq, d), dtype=q.dtype, device=q.device)
         if out.numel() == 0:
@@ -452,6 +451,10 @@ class TritonAttentionBackend:
         block_d = max(16, next_pow2(d))
         if fb.causal_start is not None and not self.batch_invariant:
             return self._causal(q, kc, vc, slots, fb.causal_start, out, group, block_d)
+        mask = fb.mask()
+        if mask.stride(-1) != 1:
+            mask = mask.contiguous()
+        mask = mask.view(torch.uint8)  # same bytes; Triton loads bytes more portably than i1
         block_n = 64 if d <= 128 else 32
         if self.batch_invariant:  # nothing below may depend on B or Q (see the class doc)
             block_m = 16

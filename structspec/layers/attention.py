@@ -22,7 +22,7 @@ class AttentionBackend(Protocol):
     def forward(
         self, q: torch.Tensor, layer_id: int, fb: ForwardBatch, kv_pool: KVPool
     ) -> torch.Tensor:
-        """``q [B, Q, Hq, D]`` -> ``[B, Q, Hq, D]`` over ``fb.kv_slots`` under ``fb.attn_mask``."""
+        """``q [B, Q, Hq, D]`` -> ``[B, Q, Hq, D]`` over ``fb.kv_slots`` under ``fb.mask()``."""
         ...
 
 
@@ -68,7 +68,7 @@ class TorchAttentionBackend:
         Args:
             q: ``[B, Q, Hq, D]`` queries (after rotary), model dtype/device.
             layer_id: decoder layer index into ``kv_pool``.
-            fb: batch metadata; uses ``kv_slots [B, L]`` and ``attn_mask [B, Q, L]``.
+            fb: batch metadata; uses ``kv_slots [B, L]`` and the mask ``[B, Q, L]`` (``fb.mask()``).
             kv_pool: KV storage.
 
         Returns:
@@ -84,13 +84,13 @@ class TorchAttentionBackend:
         if self.fold_gqa and q.is_cuda and hkv != hq:
             g = hq // hkv  # query head h reads KV head h // g (HF repeat_kv order)
             qf = q.view(b, s, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(b, hkv, s * g, d)
-            mask = fb.attn_mask[:, None, :, None, :].expand(b, 1, s, g, num_kv)
+            mask = fb.mask()[:, None, :, None, :].expand(b, 1, s, g, num_kv)
             out = F.scaled_dot_product_attention(
                 qf, k, v, attn_mask=mask.reshape(b, 1, s * g, num_kv), scale=d**-0.5
             )
             return out.view(b, hkv, s, g, d).permute(0, 2, 1, 3, 4).reshape(b, s, hq, d)
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k, v, attn_mask=fb.attn_mask[:, None], scale=d**-0.5,
+            q.transpose(1, 2), k, v, attn_mask=fb.mask()[:, None], scale=d**-0.5,
             enable_gqa=hkv != hq,
         )
         return out.transpose(1, 2)

@@ -3,7 +3,8 @@
 One layout serves prefill (many query tokens per request), decode (one) and draft-tree verify
 (N tree nodes per request with an ancestor mask): a padded ``[B, Q]`` block of query tokens per
 request, explicit rotary positions, the KV slot each query token writes, the KV slots each
-request reads, and a boolean mask between them.
+request reads, and a boolean mask between them (for a causal chain, a prompt or a prompt
+chunk, the mask is a rule given by ``causal_start`` and built only when a backend asks).
 """
 
 from __future__ import annotations
@@ -26,25 +27,43 @@ class ForwardBatch:
             *including* the slots written by this forward (``out_slots``); padding holds 0.
         attn_mask: ``[B, Q, L]`` bool, True where query ``q`` may attend to ``kv_slots[b, l]``.
             Every row has at least one True entry (padding rows attend to column 0), so softmax
-            never sees an all ``-inf`` row.
+            never sees an all ``-inf`` row. None when ``causal_start`` gives the rule instead
+            (backends read :meth:`mask`).
         logits_indices: ``[R]`` int64 indices into the flattened ``[B * Q]`` rows whose logits
             are needed (last prompt token in prefill, every node in verify); None = all rows.
         causal_start: ``[B]`` int64, set only when the forward is a causal chain (a prompt or
             a prompt chunk): query row ``q`` of request ``b`` sits at position
-            ``causal_start[b] + q`` and ``attn_mask[b, q]`` is True exactly on columns
-            ``0 .. causal_start[b] + q`` for every real row. A backend may then apply that
-            rule instead of reading the mask (the Triton backend does: no ``[Q, L]`` mask
-            traffic, no masking of the cached prefix); padding rows' outputs are discarded
-            and may differ between the two. None = use ``attn_mask``.
+            ``causal_start[b] + q`` and sees exactly columns ``0 .. causal_start[b] + q`` (on
+            every real row; padding rows' outputs are discarded). The Triton backend applies
+            that rule in its causal kernel and never builds the ``[B, Q, L]`` mask; the torch
+            reference builds it from the rule (:meth:`mask`). None = ``attn_mask`` is given.
     """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     out_slots: torch.Tensor
     kv_slots: torch.Tensor
-    attn_mask: torch.Tensor
+    attn_mask: torch.Tensor | None
     logits_indices: torch.Tensor | None = None
     causal_start: torch.Tensor | None = None
+
+    def mask(self) -> torch.Tensor:
+        """``[B, Q, L]`` bool attention mask: ``attn_mask``, or, for a causal chain, the rule
+        ``column <= causal_start[b] + q`` built once on the batch's device and kept (the
+        reference backend asks once per layer).
+
+        Raises:
+            ValueError: neither ``attn_mask`` nor ``causal_start`` is set.
+        """
+        if self.attn_mask is None:
+            if self.causal_start is None:
+                raise ValueError("ForwardBatch: neither attn_mask nor causal_start is set")
+            device = self.kv_slots.device
+            last = (self.causal_start.view(-1, 1, 1)
+                    + torch.arange(self.input_ids.shape[1], device=device).view(1, -1, 1))
+            self.attn_mask = (torch.arange(self.kv_slots.shape[1], device=device)
+                              .view(1, 1, -1) <= last)
+        return self.attn_mask
 
     @property
     def batch_size(self) -> int:

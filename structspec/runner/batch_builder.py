@@ -52,7 +52,8 @@ def build_prefill_batch(
         A ForwardBatch of ``[B, Q]`` query rows (``Q`` = the longest computed part; row ``j``
         of request ``b`` is position ``num_cached[b] + j``) over ``[B, L]`` KV columns
         (``L`` = the longest prompt; column ``l`` = position ``l``), whose
-        ``logits_indices`` select each request's last prompt token.
+        ``logits_indices`` select each request's last prompt token; ``causal_start`` =
+        ``num_cached`` and no mask (:meth:`ForwardBatch.mask` builds it on demand).
     """
     bsz = len(token_ids)
     lens = torch.tensor([len(t) for t in token_ids], dtype=torch.int64)
@@ -75,20 +76,16 @@ def build_prefill_batch(
     col_ok = col < lens.unsqueeze(1)
     kv_slots = torch.where(col_ok, slots_for_positions(table, torch.where(col_ok, col, 0),
                                                        page_size), 0)
-    positions_dev, valid_dev = positions.to(device), valid.to(device)
-    # causal: query at position p sees columns 0..p (cached prefix included). Built on the
-    # device: the [B, Q, L] mask of a long prompt's chunk (2048 x 8192 = 16M entries) took
-    # milliseconds of host time and a pageable copy, added to every chunk's step.
-    col_dev = torch.arange(kv_len, device=device)
-    mask = (col_dev.view(1, 1, -1) <= positions_dev.unsqueeze(2)) & valid_dev.unsqueeze(2)
-    mask[:, :, 0] |= ~valid_dev  # padding rows attend to column 0 only (never all -inf)
     logits_indices = torch.arange(bsz) * q + q_lens - 1
+    # causal: query at position p sees columns 0..p (cached prefix included), the rule
+    # causal_start gives; no [B, Q, L] mask is built here (a long prompt's chunk: 2048 x 8192
+    # entries), only by a backend that reads one (ForwardBatch.mask)
     return ForwardBatch(
         input_ids=input_ids.to(device),
-        positions=positions_dev,
+        positions=positions.to(device),
         out_slots=out_slots.to(device),
         kv_slots=kv_slots.to(device),
-        attn_mask=mask,
+        attn_mask=None,
         logits_indices=logits_indices.to(device),
         causal_start=starts.to(device),
     )
@@ -142,15 +139,8 @@ def build_verify_batch_from_tensors(
         The verify ForwardBatch, ``kv_len = P * page_size``, all tensors on the inputs' device.
     """
     bsz, n = draft_tokens.shape
-    device = draft_tokens.device
-    node = torch.arange(n, device=device)
-    out_pos = seq_lens.unsqueeze(1) + node
-    out_slots = slots_for_positions(page_table, out_pos, page_size)
-    kv_len = int(page_table.shape[1]) * page_size  # static per page-table width: no host sync
-    kv_pos = torch.arange(kv_len, device=device).expand(bsz, kv_len)
-    total = (seq_lens + n).unsqueeze(1)
-    kv_slots = slots_for_positions(page_table, torch.minimum(kv_pos, total - 1), page_size)
-    kv_slots = torch.where(kv_pos < total, kv_slots, torch.zeros_like(kv_slots))
+    out_slots, kv_slots, kv_pos = _appended_slots(seq_lens, n, page_table, page_size)
+    kv_len = kv_pos.shape[1]
     prefix = kv_pos < seq_lens.unsqueeze(1)  # [B, L]
     tree_col = kv_pos - seq_lens.unsqueeze(1)  # [B, L], node index of tree columns
     in_tree = (tree_col >= 0) & (tree_col < n)
@@ -166,6 +156,58 @@ def build_verify_batch_from_tensors(
         attn_mask=mask,
         logits_indices=None,
     )
+
+
+def build_chain_batch(
+    token_ids: torch.Tensor,
+    start: torch.Tensor,
+    page_table: torch.Tensor,
+    *,
+    page_size: int,
+) -> ForwardBatch:
+    """Positions ``start[b] .. start[b] + N - 1`` of each request computed over the ``start[b]``
+    before them, causally: a prompt chunk over its cached prefix (the prefill graphs). The
+    layout of :func:`build_verify_batch_from_tensors` for a chain tree (node ``j`` at depth
+    ``j``), with ``causal_start = start`` and no mask built. Device ops only, shapes static:
+    capturable.
+
+    Args:
+        token_ids: ``[B, N]`` int64 (padding positions hold 0).
+        start: ``[B]`` int64 positions already in each request's pages.
+        page_table: ``[B, P]`` int64 pages covering ``start + N`` positions.
+
+    Returns:
+        The ForwardBatch, ``kv_len = P * page_size``, on the inputs' device.
+    """
+    n = token_ids.shape[1]
+    out_slots, kv_slots, _ = _appended_slots(start, n, page_table, page_size)
+    return ForwardBatch(
+        input_ids=token_ids,
+        positions=start.unsqueeze(1) + torch.arange(n, device=token_ids.device),
+        out_slots=out_slots,
+        kv_slots=kv_slots,
+        attn_mask=None,
+        logits_indices=None,
+        causal_start=start,
+    )
+
+
+def _appended_slots(seq_lens: torch.Tensor, n: int, page_table: torch.Tensor,
+                    page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The slots of ``n`` entries appended after ``seq_lens[b]`` cached ones: ``out_slots``
+    ``[B, n]`` (where they are written), ``kv_slots`` ``[B, L]`` (every position up to
+    ``seq_lens + n`` in order, then the sink 0) and the column positions ``[B, L]``,
+    ``L = P * page_size`` (static per page-table width: no host sync)."""
+    bsz = seq_lens.shape[0]
+    device = seq_lens.device
+    out_pos = seq_lens.unsqueeze(1) + torch.arange(n, device=device)
+    out_slots = slots_for_positions(page_table, out_pos, page_size)
+    kv_len = int(page_table.shape[1]) * page_size
+    kv_pos = torch.arange(kv_len, device=device).expand(bsz, kv_len)
+    total = (seq_lens + n).unsqueeze(1)
+    kv_slots = slots_for_positions(page_table, torch.minimum(kv_pos, total - 1), page_size)
+    kv_slots = torch.where(kv_pos < total, kv_slots, torch.zeros_like(kv_slots))
+    return out_slots, kv_slots, kv_pos
 
 
 def page_table_array(pages: Sequence[Sequence[int]] | PageRows, width: int) -> np.ndarray:

@@ -10,8 +10,8 @@ launches.
 
 A chunk of ``n`` prompt positions computed over ``start`` positions already in its pages is
 a verify forward of one *chain* tree (node ``j`` at depth ``j``, ancestors ``0..j``) with
-``seq_len = start``: :func:`~structspec.runner.batch_builder.build_verify_batch_from_tensors`
-builds exactly the causal mask over the cached prefix and the chunk. ``n`` is cut into pieces
+``seq_len = start``: :func:`~structspec.runner.batch_builder.build_chain_batch` lays it out,
+the causal rule over the cached prefix and the chunk given by ``causal_start`` (no mask). ``n`` is cut into pieces
 whose sizes are graph buckets (:func:`plan_pieces`: pieces of :data:`MAX_PIECE_TOKENS`, then
 the rest *padded* up to the next power of two), each piece one replay over the KV the previous
 pieces wrote (stream order). Padding instead of splitting the rest into its binary digits
@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from structspec.kvcache.pool import KVPool
-from structspec.runner.batch_builder import build_verify_batch_from_tensors, page_table_array
+from structspec.runner.batch_builder import build_chain_batch, page_table_array
 from structspec.runner.cuda_graph import capture_after_warmup, pick_bucket
 from structspec.staging import Staging
 
@@ -118,8 +118,6 @@ class PrefillGraph:
         ints: ``[2 + P + N]`` int64 device buffer ``start | last | page_table | token_ids``
             (the host fills all of it: one staged copy per replay); ``last`` is the index
             of the piece's last real position (``< N`` when the piece is padded).
-        depth: ``[1, N]`` int64 ``0..N-1``; ancestor_mask: ``[1, N, N]`` bool lower
-            triangle (constants: a chain).
         logits: ``[1, V]`` float32 static output, the last real position's (after capture).
     """
 
@@ -130,9 +128,6 @@ class PrefillGraph:
         self.last = self.ints[1:2]
         self.page_table = self.ints[2 : 2 + pages].view(1, pages)
         self.token_ids = self.ints[2 + pages :].view(1, num_tokens)
-        self.depth = torch.arange(num_tokens, device=device).view(1, num_tokens)
-        self.ancestor_mask = torch.ones((num_tokens, num_tokens), dtype=torch.bool,
-                                        device=device).tril_().view(1, num_tokens, num_tokens)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
 
@@ -159,9 +154,7 @@ class PrefillGraph:
     def forward(self, model: nn.Module, kv_pool: KVPool, page_size: int) -> torch.Tensor:
         """The piece's forward on the static inputs, run eagerly (what the graph records):
         writes its K/V, returns the last real position's logits ``[1, V]`` float32."""
-        fb = build_verify_batch_from_tensors(self.token_ids, self.depth, self.ancestor_mask,
-                                             self.start, self.page_table, page_size=page_size)
-        fb.causal_start = self.start  # a chain: the Triton backend's causal kernel, no mask
+        fb = build_chain_batch(self.token_ids, self.start, self.page_table, page_size=page_size)
         hidden = model(fb, kv_pool).hidden_states  # [1, N, H]
         return model.compute_logits(hidden[0].index_select(0, self.last))
 

@@ -72,10 +72,10 @@ def build_extend_batch(
     Returns:
         A ForwardBatch on ``device``, ``Q = max(len(token_ids[b]))``: ``input_ids``,
         ``positions``, ``out_slots`` ``[B, Q]`` int64, ``kv_slots`` ``[B, P * page_size]``
-        int64, ``attn_mask`` ``[B, Q, P * page_size]`` bool, ``logits_indices`` ``[B]`` int64
-        (the flat row of each request's last new token), ``causal_start`` ``[B]`` int64
-        (``starts``: the mask is the causal rule). Padding query rows write slot 0 and attend
-        column 0 only.
+        int64, ``logits_indices`` ``[B]`` int64 (the flat row of each request's last new
+        token), ``causal_start`` ``[B]`` int64 (``starts``: the causal rule, no mask built;
+        :meth:`ForwardBatch.mask` builds it for a backend that reads one). Padding query rows
+        write slot 0.
     """
     input_ids, lens = padded_rows(token_ids)
     start = torch.tensor(list(starts), dtype=torch.int64)
@@ -89,17 +89,15 @@ def build_extend_batch(
     total = (start + lens).unsqueeze(1)
     kv_slots = slots_for_positions(page_table, torch.minimum(kv_pos, total - 1), page_size)
     kv_slots = torch.where(kv_pos < total, kv_slots, torch.zeros_like(kv_slots))
-    mask = (kv_pos.unsqueeze(1) <= positions.unsqueeze(2)) & valid.unsqueeze(2)
-    mask[:, :, 0] |= ~valid  # padding rows attend to column 0 only
     logits_indices = torch.arange(bsz) * q + lens - 1
     return ForwardBatch(
         input_ids=to_device(input_ids, device, staging),
         positions=to_device(positions, device, staging),
         out_slots=to_device(out_slots, device, staging),
         kv_slots=to_device(kv_slots, device, staging),
-        attn_mask=to_device(mask, device, staging),
+        attn_mask=None,  # the causal rule: a long catch-up's [B, Q, L] mask is never built
         logits_indices=to_device(logits_indices, device, staging),
-        causal_start=to_device(start, device, staging),  # a causal extend: no mask needed
+        causal_start=to_device(start, device, staging),
     )
 
 

@@ -1,6 +1,7 @@
-"""``ForwardBatch.causal_start``: every builder that sets it builds a mask that is exactly the
-causal rule on its real rows, which is what the Triton backend's mask-free causal kernel
-applies instead of reading the mask (structspec/kernels/attention.py)."""
+"""``ForwardBatch.causal_start``: every builder that sets it lays out a causal chain whose mask
+(built on demand by ``ForwardBatch.mask``) is exactly the causal rule on its real rows, which
+is what the Triton backend's mask-free causal kernel applies (structspec/kernels/attention.py);
+for the prefill graphs' chain, the same mask the tree-verify builder gives a chain tree."""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ import pytest
 import torch
 
 from structspec.layers.forward_batch import ForwardBatch
-from structspec.runner.batch_builder import build_prefill_batch, build_verify_batch_from_tensors
+from structspec.runner.batch_builder import (
+    build_chain_batch,
+    build_prefill_batch,
+    build_verify_batch_from_tensors,
+)
 from structspec.speculative.draft_batches import build_extend_batch
 
 PAGE = 4
@@ -30,12 +35,13 @@ def assert_causal_rule(fb: ForwardBatch, real_rows: list[int]) -> None:
     ``0 .. causal_start[b] + q``, and their rotary positions are ``causal_start[b] + q``."""
     assert fb.causal_start is not None and fb.causal_start.dtype == torch.int64
     assert fb.causal_start.shape == (fb.batch_size,)
-    cols = torch.arange(fb.attn_mask.shape[2])
+    mask = fb.mask()
+    cols = torch.arange(mask.shape[2])
     for b, rows in enumerate(real_rows):
         start = int(fb.causal_start[b])
         for q in range(rows):
             assert int(fb.positions[b, q]) == start + q
-            assert torch.equal(fb.attn_mask[b, q], cols <= start + q), (b, q)
+            assert torch.equal(mask[b, q], cols <= start + q), (b, q)
 
 
 @pytest.mark.parametrize("cached", [None, [0, 5, 9]])
@@ -64,13 +70,24 @@ def test_extend_batch() -> None:
 
 
 def test_prefill_graph_chain_is_the_causal_rule() -> None:
-    """The prefill graphs' batch: a chain tree over ``start`` cached positions, with
-    ``causal_start = start`` (structspec/runner/prefill_graph.py)."""
+    """The prefill graphs' batch (``build_chain_batch``): the slots, positions and mask of a
+    chain tree over ``start`` cached positions as the verify builder lays it out."""
     n, start = 6, 9
     table = torch.tensor([_pages([start + n])[0]])
-    fb = build_verify_batch_from_tensors(
-        torch.arange(1, n + 1).view(1, n), torch.arange(n).view(1, n),
-        torch.ones(n, n, dtype=torch.bool).tril().view(1, n, n), torch.tensor([start]), table,
-        page_size=PAGE)
-    fb.causal_start = torch.tensor([start])
+    ids = torch.arange(1, n + 1).view(1, n)
+    fb = build_chain_batch(ids, torch.tensor([start]), table, page_size=PAGE)
+    assert fb.attn_mask is None  # no mask built for the Triton backend's causal kernel
+    ref = build_verify_batch_from_tensors(
+        ids, torch.arange(n).view(1, n), torch.ones(n, n, dtype=torch.bool).tril().view(1, n, n),
+        torch.tensor([start]), table, page_size=PAGE)
+    for name in ("input_ids", "positions", "out_slots", "kv_slots"):
+        assert torch.equal(getattr(fb, name), getattr(ref, name)), name
+    assert torch.equal(fb.mask(), ref.attn_mask)
     assert_causal_rule(fb, [n])
+
+
+def test_mask_needs_a_mask_or_a_rule() -> None:
+    ids = torch.zeros(1, 2, dtype=torch.int64)
+    fb = ForwardBatch(ids, ids, ids, torch.zeros(1, 4, dtype=torch.int64), None)
+    with pytest.raises(ValueError, match="neither attn_mask nor causal_start"):
+        fb.mask()
