@@ -80,3 +80,26 @@ def slots_for_positions(page_table: torch.Tensor, positions: torch.Tensor, page_
     page_idx = torch.div(positions, page_size, rounding_mode="floor")
     pages = torch.gather(page_table, 1, page_idx)
     return pages * page_size + positions % page_size
+
+
+def kv_slots_through(page_table: torch.Tensor, lengths: torch.Tensor,
+                     page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The KV columns of a forward: each request's slots for positions ``0 .. lengths[b] - 1``
+    in order, then the sink slot 0, over ``L = P * page_size`` columns (static per page-table
+    width: no host sync, capturable).
+
+    Args:
+        page_table: ``[B, P]`` int64 (any device).
+        lengths: ``[B]`` int64 positions each request attends over (``>= 1``), same device.
+        page_size: tokens per page.
+
+    Returns:
+        ``kv_slots`` ``[B, L]`` int64 and the column positions ``kv_pos`` ``[B, L]`` int64 (an
+        expanded ``arange``, for the caller's mask).
+    """
+    bsz = page_table.shape[0]
+    kv_len = int(page_table.shape[1]) * page_size
+    kv_pos = torch.arange(kv_len, device=page_table.device).expand(bsz, kv_len)
+    total = lengths.unsqueeze(1)
+    kv_slots = slots_for_positions(page_table, torch.minimum(kv_pos, total - 1), page_size)
+    return torch.where(kv_pos < total, kv_slots, torch.zeros_like(kv_slots)), kv_pos

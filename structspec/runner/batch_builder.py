@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from structspec.draft_tree.layout import VerifyTree
-from structspec.kvcache.allocator import slots_for_positions
+from structspec.kvcache.allocator import kv_slots_through, slots_for_positions
 from structspec.kvcache.page_table import PageRows
 from structspec.kvcache.pool import KVPool
 from structspec.layers.forward_batch import ForwardBatch
@@ -198,15 +198,9 @@ def _appended_slots(seq_lens: torch.Tensor, n: int, page_table: torch.Tensor,
     ``[B, n]`` (where they are written), ``kv_slots`` ``[B, L]`` (every position up to
     ``seq_lens + n`` in order, then the sink 0) and the column positions ``[B, L]``,
     ``L = P * page_size`` (static per page-table width: no host sync)."""
-    bsz = seq_lens.shape[0]
-    device = seq_lens.device
-    out_pos = seq_lens.unsqueeze(1) + torch.arange(n, device=device)
+    out_pos = seq_lens.unsqueeze(1) + torch.arange(n, device=seq_lens.device)
     out_slots = slots_for_positions(page_table, out_pos, page_size)
-    kv_len = int(page_table.shape[1]) * page_size
-    kv_pos = torch.arange(kv_len, device=device).expand(bsz, kv_len)
-    total = (seq_lens + n).unsqueeze(1)
-    kv_slots = slots_for_positions(page_table, torch.minimum(kv_pos, total - 1), page_size)
-    kv_slots = torch.where(kv_pos < total, kv_slots, torch.zeros_like(kv_slots))
+    kv_slots, kv_pos = kv_slots_through(page_table, seq_lens + n, page_size)
     return out_slots, kv_slots, kv_pos
 
 

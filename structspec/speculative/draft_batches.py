@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from structspec.kvcache.allocator import slots_for_positions
+from structspec.kvcache.allocator import kv_slots_through, slots_for_positions
 from structspec.layers.forward_batch import ForwardBatch
 from structspec.staging import Staging, to_device
 
@@ -84,11 +84,7 @@ def build_extend_batch(
     valid = col < lens.unsqueeze(1)
     positions = torch.where(valid, start.unsqueeze(1) + col, torch.zeros_like(col))
     out_slots = torch.where(valid, slots_for_positions(page_table, positions, page_size), 0)
-    kv_len = int(page_table.shape[1]) * page_size
-    kv_pos = torch.arange(kv_len).expand(bsz, kv_len)
-    total = (start + lens).unsqueeze(1)
-    kv_slots = slots_for_positions(page_table, torch.minimum(kv_pos, total - 1), page_size)
-    kv_slots = torch.where(kv_pos < total, kv_slots, torch.zeros_like(kv_slots))
+    kv_slots, _ = kv_slots_through(page_table, start + lens, page_size)
     logits_indices = torch.arange(bsz) * q + lens - 1
     return ForwardBatch(
         input_ids=to_device(input_ids, device, staging),
@@ -138,11 +134,8 @@ def build_frontier_batch(
     node = torch.arange(k, device=device)
     out_pos = base_len.unsqueeze(1) + (step - 1) * k + node
     out_slots = slots_for_positions(page_table, out_pos, page_size)
-    kv_len = int(page_table.shape[1]) * page_size
-    kv_pos = torch.arange(kv_len, device=device).expand(bsz, kv_len)
-    total = (base_len + scratch).unsqueeze(1)
-    kv_slots = slots_for_positions(page_table, torch.minimum(kv_pos, total - 1), page_size)
-    kv_slots = torch.where(kv_pos < total, kv_slots, torch.zeros_like(kv_slots))
+    kv_slots, kv_pos = kv_slots_through(page_table, base_len + scratch, page_size)
+    kv_len = kv_pos.shape[1]
     prefix = kv_pos < base_len.unsqueeze(1)
     col = kv_pos - base_len.unsqueeze(1)
     in_scratch = (col >= 0) & (col < scratch)
@@ -192,11 +185,7 @@ def build_catch_up_batch(
     zeros = torch.zeros_like(col)
     positions = torch.where(valid, start.unsqueeze(1) + col, zeros)
     out_slots = torch.where(valid, slots_for_positions(page_table, positions, page_size), zeros)
-    kv_len = int(page_table.shape[1]) * page_size  # static per bucket
-    kv_pos = torch.arange(kv_len, device=device).expand(bsz, kv_len)
-    total = (start + length).unsqueeze(1)
-    kv_slots = slots_for_positions(page_table, torch.minimum(kv_pos, total - 1), page_size)
-    kv_slots = torch.where(kv_pos < total, kv_slots, torch.zeros_like(kv_slots))
+    kv_slots, kv_pos = kv_slots_through(page_table, start + length, page_size)
     mask = (kv_pos.unsqueeze(1) <= positions.unsqueeze(2)) & valid.unsqueeze(2)
     mask[:, :, 0] |= ~valid  # padding rows attend to column 0 only
     logits_indices = torch.arange(bsz, device=device) * q + length - 1
