@@ -26,7 +26,7 @@
 #   eagle_speed2  issue 18: none vs eagle with full trees every step (--speculative-adaptive off,
 #             128 new tokens, 4 prompts at batch 1: the compact run's windows were 0.2-1.4 s and its
 #             batch-8 accept lengths looked like the adaptive sizing, not the drafter), then the
-#             EAGLE grammar overlap (2 alternating repeats)
+#             EAGLE grammar overlap (2 alternating repeats), host profiles of eagle / none steps
 #   serving_core  issue 21: the prefill-graph test, a 7,000-token prompt arriving while 32 streams
 #             decode (ITL per chunk budget, profiled), a short request behind 40 long, the CUDA
 #             serving-core tests (prefix cache / chunked == unchunked, one engine per drafter)
@@ -94,7 +94,9 @@ for s in $stages; do case $s in
     run grammar_overlap_eagle 420 python3 benchmarks/grammar_overlap.py --device cuda --batch 1 8 32 64 --steps 60 --algorithms eagle --overlap on --repeats 3 --speculative-adaptive off ;;
   eagle_speed2)
     run drafter_speed_fixed_trees 300 python3 benchmarks/drafter_speed.py --device cuda --algorithms none eagle --speculative-adaptive off --max-tokens 128 --batch1-prompts 4
-    run grammar_overlap_eagle 280 python3 benchmarks/grammar_overlap.py --device cuda --batch 1 8 32 64 --steps 60 --algorithms eagle --overlap on --repeats 2 --speculative-adaptive off ;;
+    run grammar_overlap_eagle 200 python3 benchmarks/grammar_overlap.py --device cuda --batch 1 8 32 64 --steps 60 --algorithms eagle --overlap on --repeats 2 --speculative-adaptive off
+    run profile_eagle 45 python3 benchmarks/profile_step.py --algorithm eagle --batch 1 --steps 50 --grammar --top 30
+    run profile_none 45 python3 benchmarks/profile_step.py --algorithm none --batch 1 --steps 50 --grammar --top 30 ;;
   serving_core)
     run gpu_prefill_graph_tests 90 python3 -m pytest -q -s -p no:cacheprovider tests/runner/test_prefill_graph.py
     run long_prompt_itl 150 python3 benchmarks/long_prompt_itl.py --device cuda --budgets 512 2048 --profile
