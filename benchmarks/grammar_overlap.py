@@ -148,14 +148,11 @@ def step_ms(llm: LLM, prompts: Sequence[str | list[int]], grammar: bool, steps: 
         if time.perf_counter() > deadline:
             raise RuntimeError(f"{len(sched.running)} of {len(prompts)} requests running "
                                "after 600 s")
-    # Capture every KV-length bucket of this batch size now: the window's sequences grow by
-    # ~N tokens per step and would otherwise capture (and JIT-compile kernels) inside it
-    # (with the penalised post graphs when the requests have penalties).
-    engine.runner.warmup_cuda_graphs(engine.drafter.num_nodes, batch_sizes=[len(prompts)],
-                                     penalty_table=sched.penalties.table)
-    # The draft model's propose graphs (catch-up + expansion) likewise (a no-op for drafters
-    # without graphs).
-    engine.drafter.warmup_cuda_graphs(batch_sizes=[len(prompts)])
+    # Capture every graph of this batch size now (each KV-length bucket, each tree size the
+    # adaptive sizer may pick, the drafter's propose graphs, the penalised post graphs): the
+    # window's sequences grow by ~N tokens per step, and a lazy capture inside it (an eager
+    # warm-up forward plus the capture) would count as a step.
+    engine.warmup_cuda_graphs(batch_sizes=[len(prompts)])
     for _ in range(3):  # warm-up steps (Triton kernels outside the graphs compile here)
         engine.step()
     cuda = torch.cuda.is_available() and engine.runner.device.type == "cuda"

@@ -192,8 +192,7 @@ def graph_warmup(llm: LLM, bsz: int, args: argparse.Namespace) -> None:
     while length < args.max_tokens + 2048:
         kv_lens.append(length)
         length *= 2
-    eng.runner.warmup_cuda_graphs(eng.drafter.num_nodes, batch_sizes=sizes, kv_lens=kv_lens)
-    eng.drafter.warmup_cuda_graphs(batch_sizes=sizes, kv_lens=kv_lens)
+    eng.warmup_cuda_graphs(batch_sizes=sizes, kv_lens=kv_lens)
 
 
 def live_tokens(llm: LLM) -> int:

@@ -82,11 +82,10 @@ def structspec_rows(prompts: list[str], max_tokens: int, device: str, batch64: i
                             grammar=JsonSchemaConstraint(EXTRACTION_SCHEMA) if grammar else None)
         work = prompts if bs == 1 else (prompts * (-(-batch64 // len(prompts))))[:batch64]
         # Warm-up outside the clock: grammar compile, Triton JIT, and the CUDA graphs of every
-        # KV-length bucket of this batch size (captured lazily they would cost ~0.3 s each
+        # KV-length bucket and tree size of this batch size (captured lazily they would cost ~0.3 s each
         # inside the timed run: measured 350-525 tok/s for the same plain bs=1 run).
         if llm.engine.runner.device.type == "cuda":
-            llm.engine.runner.warmup_cuda_graphs(llm.engine.drafter.num_nodes,
-                                                 batch_sizes=[bs])
+            llm.engine.warmup_cuda_graphs(batch_sizes=[bs])
         llm.generate(work[:bs], sp)
         # The median of several timed runs: one batch-64 run lasts ~0.2 s on an H200, most of
         # it admission and prefill, and single runs of one commit varied by 20% (old/new A/B of

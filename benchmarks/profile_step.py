@@ -37,7 +37,7 @@ def main() -> None:
     for p, _ in extraction_prompts(args.batch, seed=3):
         eng.add_request(p, sp)
     eng.step()  # prefill
-    eng.runner.warmup_cuda_graphs(eng.drafter.num_nodes, batch_sizes=[args.batch])
+    eng.warmup_cuda_graphs(batch_sizes=[args.batch])
     for _ in range(5):
         eng.step()
     prof = cProfile.Profile()

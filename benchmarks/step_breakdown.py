@@ -43,8 +43,7 @@ def main() -> None:
               max_batch_size=64)
     sp = SamplingParams(max_tokens=args.max_tokens, grammar=JsonSchema(EXTRACTION_SCHEMA))
     if llm.engine.runner.device.type == "cuda":
-        llm.engine.runner.warmup_cuda_graphs(llm.engine.drafter.num_nodes,
-                                             batch_sizes=[args.batch])
+        llm.engine.warmup_cuda_graphs(batch_sizes=[args.batch])
     llm.generate(work, sp)
     timer = llm.engine.scheduler.timer
     for rep in range(args.repeats):

@@ -267,6 +267,43 @@ class LLMEngine:
             "preemption_recomputed_tokens": preempt.recomputed_tokens,
         }
 
+    def tree_sizes(self) -> tuple[int, ...]:
+        """Every verify tree size ``N`` this engine's steps can use, ascending: with adaptive
+        tree sizing (``auto`` / ``on``) the sizer's choices (``1`` and powers of two below the
+        drafter's ``N``, then ``N``), else the drafter's ``N`` alone (``1`` without one)."""
+        sizer = self.scheduler.sizer
+        if sizer is None or sizer.mode == "off":
+            return (self.drafter.num_nodes,)
+        return tuple(sizer.sizes)
+
+    def warmup_cuda_graphs(self, batch_sizes: Sequence[int] | None = None,
+                           kv_lens: Sequence[int] | None = None) -> int:
+        """Capture, before any timing or traffic, every CUDA graph the given buckets can
+        replay: the target's verify graphs for each of :meth:`tree_sizes` (with their post
+        graphs, penalised ones included) and the drafter's propose graphs. Graphs are
+        otherwise captured lazily at first use, and a capture (an eager warm-up forward plus
+        the capture, tens of ms) lands inside the step that needed it: a stall for the
+        running streams, and an outlier in a benchmark window. No-op off CUDA or with
+        ``cuda_graph`` off.
+
+        Args:
+            batch_sizes: batch sizes whose buckets to capture (default: every bucket).
+            kv_lens: KV lengths whose buckets to capture (default: every bucket).
+
+        Returns:
+            The number of graphs captured by this call (target forwards plus propose graphs).
+
+        Raises:
+            RuntimeError: the engine was closed.
+        """
+        self._check_open()
+        table = self.scheduler.penalties.table
+        count = 0
+        for n in self.tree_sizes():
+            count += self.runner.warmup_cuda_graphs(n, batch_sizes=batch_sizes, kv_lens=kv_lens,
+                                                    penalty_table=table)
+        return count + self.drafter.warmup_cuda_graphs(batch_sizes=batch_sizes, kv_lens=kv_lens)
+
     def step_stats(self, reset: bool = False) -> dict[str, float]:
         """Mean verify-step timings since start or the last reset (ms; see
         :meth:`structspec.scheduler.step_stats.StepTimer.summary`): wall time, host time per

@@ -1,0 +1,61 @@
+"""``LLMEngine.warmup_cuda_graphs``: every tree size the engine can verify with is captured
+ahead of time, so that no step captures a graph lazily (a capture inside a step is a stall for
+the running streams and an outlier in a benchmark window).
+
+CPU: the tree sizes per configuration, and the warm-up is a no-op (no graphs off CUDA).
+GPU (marker ``gpu``): after the warm-up of one batch bucket and one KV bucket, a generate at
+that batch size with the adaptive sizer on captures no further verify graph."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from structspec import SamplingParams
+
+
+@pytest.mark.parametrize(("kw", "sizes"), [
+    ({"speculative_algorithm": "ngram", "num_draft_tokens": 8, "speculative_adaptive": "on"},
+     (1, 2, 4, 8)),
+    ({"speculative_algorithm": "ngram", "num_draft_tokens": 6, "speculative_adaptive": "on"},
+     (1, 2, 4, 6)),
+    ({"speculative_algorithm": "ngram", "num_draft_tokens": 8, "speculative_adaptive": "off"},
+     (8,)),
+    ({"speculative_algorithm": "none"}, (1,)),
+])
+def test_tree_sizes_and_cpu_warmup(make_llm: Callable[..., Any], kw: dict,
+                                   sizes: tuple[int, ...]) -> None:
+    engine = make_llm(**kw).engine
+    assert engine.tree_sizes() == sizes
+    assert engine.warmup_cuda_graphs(batch_sizes=[1]) == 0  # CPU: no graphs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_warmup_captures_every_tree_size_on_cuda() -> None:
+    from structspec import LLM
+
+    llm = LLM(device="cuda", speculative_algorithm="ngram", num_draft_tokens=8,
+              max_batch_size=4, speculative_adaptive="on", enable_prefix_caching=False)
+    try:
+        engine = llm.engine
+        graphs = engine.runner.graphs
+        assert graphs is not None
+
+        def captured() -> set:
+            return {k for k, g in graphs.graphs.items() if g.captured}
+
+        count = engine.warmup_cuda_graphs(batch_sizes=[1], kv_lens=[256])
+        keys = captured()
+        assert count == len(keys) == len(engine.tree_sizes()), sorted(keys)
+        assert sorted(k[1] for k in keys) == list(engine.tree_sizes())
+        assert engine.warmup_cuda_graphs(batch_sizes=[1], kv_lens=[256]) == 0  # idempotent
+        out = llm.generate(["Name three colours, as a list."],
+                           SamplingParams(max_tokens=24, temperature=0.0))[0]
+        assert out.error is None and len(out.token_ids) > 0
+        assert captured() == keys  # nothing captured lazily inside a step
+    finally:
+        llm.close()
