@@ -56,7 +56,7 @@ from structspec.layers.attention import AttentionBackend, TorchAttentionBackend
 from structspec.layers.forward_batch import ForwardBatch
 from structspec.layers.norm import RMSNorm
 from structspec.layers.rotary import RotaryEmbedding
-from structspec.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+from structspec.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, triton_ops
 
 #: checkpoint tensors a head may carry that it does not use (its own copy of the target's
 #: embeddings; EAGLE-3's target-to-draft vocabulary mask, the inverse of ``d2t``).
@@ -197,6 +197,29 @@ class Eagle3DecoderLayer(nn.Module):
         h = h + self.self_attn(x, cos, sin, fb, kv_pool, backend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def forward_fused(
+        self, embeds: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        fb: ForwardBatch, kv_pool: KVPool, backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """:meth:`forward` with the target's Triton kernels (CUDA; CPU under
+        ``TRITON_INTERPRET=1``): the norms, rotary + K/V store, SwiGLU and the skinny GEMV.
+        A draft forward has few rows, so its time is the count of kernel launches (in the
+        propose graph, a few us each): ~14 launches here against ~50 for the torch ops.
+
+        ``embeds, h [B, Q, H]`` (``h`` is not written: the residual stream starts as a copy,
+        since ``h`` may be the stored features or a parent's fed-back output) ->
+        ``[B, Q, H]``. Same rounding points as :meth:`forward` (the residual sum is rounded to
+        the model dtype before the post-attention norm); only reduction orders differ.
+        """
+        ops = triton_ops()
+        x = torch.cat((ops.rmsnorm(embeds, self.input_layernorm.weight, self.input_layernorm.eps),
+                       ops.rmsnorm(h, self.hidden_norm.weight, self.hidden_norm.eps)), dim=-1)
+        attn = self.self_attn.forward_fused(x, cos, sin, fb, kv_pool, backend)
+        residual = h.clone(memory_format=torch.contiguous_format)
+        post = self.post_attention_layernorm
+        x = ops.fused_add_rmsnorm(attn, residual, post.weight, post.eps)
+        return residual + self.mlp.forward_fused(x)
+
 
 class EagleHead(nn.Module):
     """The draft head (no embeddings; the caller passes the target's token embeddings).
@@ -236,6 +259,36 @@ class EagleHead(nn.Module):
             max_position_embeddings=c.max_position_embeddings, rope_scaling=c.rope_scaling_dict,
         )
         self.backend: AttentionBackend = TorchAttentionBackend()
+        #: ``"torch"`` (reference ops) or ``"triton"`` (:meth:`set_kernels`)
+        self.kernels = "torch"
+
+    def set_kernels(self, kernels: str) -> None:
+        """The head's implementation, as the target's (``LlamaForCausalLM.set_kernels``):
+        ``"torch"``: reference ops and the torch attention backend; ``"triton"``: the Triton
+        attention backend, and for an EAGLE-3 head the fused layer
+        (:meth:`Eagle3DecoderLayer.forward_fused`) and final norm. EAGLE-1 layers keep the
+        torch ops apart from attention.
+
+        Raises:
+            ValueError: any other value.
+        """
+        if kernels == "triton":
+            from structspec.kernels.attention import TritonAttentionBackend
+
+            self.backend = TritonAttentionBackend()
+        elif kernels == "torch":
+            self.backend = TorchAttentionBackend()
+        else:
+            raise ValueError(f"kernels={kernels!r}: expected 'torch' or 'triton'")
+        self.kernels = kernels
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The head's final norm of ``x [..., H]`` (``x`` itself without one)."""
+        if self.norm is None:
+            return x
+        if self.kernels == "triton":
+            return triton_ops().rmsnorm(x, self.norm.weight, self.norm.eps)
+        return self.norm(x)
 
     @property
     def num_layers(self) -> int:
@@ -260,7 +313,9 @@ class EagleHead(nn.Module):
         """
         cos, sin = self.rotary(fb.positions, embeds.dtype)
         if self.midlayer is not None:
-            return self.midlayer(embeds, h, cos, sin, fb, kv_pool, self.backend)
+            layer = (self.midlayer.forward_fused if self.kernels == "triton"
+                     else self.midlayer)
+            return layer(embeds, h, cos, sin, fb, kv_pool, self.backend)
         x = self.fc(torch.cat((embeds, h), dim=-1))
         for layer in self.layers:
             x = layer(x, cos, sin, fb, kv_pool, self.backend)

@@ -39,7 +39,7 @@ __all__ = ["LlamaForCausalLM", "ModelOutput", "Qwen2ForCausalLM", "Qwen3ForCausa
 
 
 @functools.cache
-def _triton_ops() -> SimpleNamespace:
+def triton_ops() -> SimpleNamespace:
     """The fused kernels, imported on first use (triton is optional; CPU CI lacks it)."""
     from structspec.kernels.activation import silu_and_mul
     from structspec.kernels.gemv import invariant_linear, linear
@@ -57,8 +57,8 @@ def _linear(layer: nn.Linear, x: torch.Tensor, batch_invariant: bool = False) ->
     ``batch_invariant`` :func:`structspec.kernels.gemv.invariant_linear` (any row count, each
     row's bits independent of the others; see :meth:`LlamaForCausalLM.set_kernels`)."""
     if batch_invariant:
-        return _triton_ops().invariant_linear(x, layer.weight, layer.bias)
-    return _triton_ops().linear(x, layer.weight, layer.bias)
+        return triton_ops().invariant_linear(x, layer.weight, layer.bias)
+    return triton_ops().linear(x, layer.weight, layer.bias)
 
 
 def _o_proj_bias(config: ModelConfig) -> bool:
@@ -109,7 +109,7 @@ class LlamaAttention(nn.Module):
 
         ``x [B, Q, H]`` (model dtype, CUDA) -> ``[B, Q, H]``.
         """
-        ops = _triton_ops()
+        ops = triton_ops()
         b, s, _ = x.shape
         q, k, v = _linear(self.qkv_proj, x, self.batch_invariant).split(
             [self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -144,7 +144,7 @@ class LlamaMLP(nn.Module):
         """:meth:`forward` with the Triton ``silu_and_mul`` (CUDA): ``[..., H]`` -> ``[..., H]``."""
         inv = self.batch_invariant
         return _linear(self.down_proj,
-                       _triton_ops().silu_and_mul(_linear(self.gate_up_proj, x, inv)), inv)
+                       triton_ops().silu_and_mul(_linear(self.gate_up_proj, x, inv)), inv)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -181,7 +181,7 @@ class LlamaDecoderLayer(nn.Module):
         Returns:
             ``next_norm(residual)`` after the update, ``[B, Q, H]``.
         """
-        add_norm = _triton_ops().fused_add_rmsnorm
+        add_norm = triton_ops().fused_add_rmsnorm
         attn = self.self_attn.forward_fused(x, cos, sin, fb, kv_pool, backend)
         post = self.post_attention_layernorm
         x = add_norm(attn, residual, post.weight, post.eps)
@@ -312,7 +312,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> ModelOutput:
         """The layer loop with Triton kernels: ``h [B, Q, H]`` embeddings (a fresh tensor,
         used as the residual stream and updated in place)."""
-        rmsnorm = _triton_ops().rmsnorm
+        rmsnorm = triton_ops().rmsnorm
         if not self.layers:
             return ModelOutput(rmsnorm(h, self.norm.weight, self.norm.eps), [])
         residual = h
@@ -338,8 +338,8 @@ class LlamaForCausalLM(nn.Module):
         if isinstance(self.lm_head, Int8Linear | Int4Linear | Fp16Linear):  # --quantization
             return self.lm_head(hidden_rows)
         if self.kernels == "triton":
-            linear = (_triton_ops().invariant_linear if self.batch_invariant
-                      else _triton_ops().linear)
+            linear = (triton_ops().invariant_linear if self.batch_invariant
+                      else triton_ops().linear)
             return linear(hidden_rows, self.lm_head.weight, out_dtype=torch.float32)
         return linear_fp32_out(hidden_rows, self.lm_head.weight)
 

@@ -88,10 +88,9 @@ class EagleDrafter(TreeDrafter):
             head = load_eagle_head(spec.draft_model, target.model_config, device=device,
                                    dtype=dtype)
         if getattr(target, "kernels", None) == "triton":
-            # The head's layers keep the torch ops; only attention (the gathers + SDPA) swaps.
-            from structspec.kernels.attention import TritonAttentionBackend
-
-            head.backend = TritonAttentionBackend()
+            # the target's fused kernels for the head too: a draft forward's few rows make its
+            # time the count of kernel launches
+            head.set_kernels("triton")
         self.head = head
         self.target_model = target.model
         page_size = int(target.page_size)
@@ -207,7 +206,7 @@ class EagleDrafter(TreeDrafter):
 
     def _logp(self, out: torch.Tensor) -> torch.Tensor:
         """Head output ``[..., H]`` -> float32 log-probs over the draft vocabulary."""
-        x = self.head.norm(out) if self.head.norm is not None else out
+        x = self.head.final_norm(out)
         if self.head.lm_head is not None:
             logits = F.linear(x, self.head.lm_head.weight).float()
         elif self.reduced_lm_head is not None:
