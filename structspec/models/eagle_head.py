@@ -175,6 +175,11 @@ def parse_eagle_config(
     )
 
 
+#: positions past ``max_position_embeddings`` the head's rotary table still covers (the
+#: expansion's scratch positions run a few past a sequence's end)
+ROTARY_TABLE_MARGIN = 1024
+
+
 class Eagle3DecoderLayer(nn.Module):
     """EAGLE-3 ``midlayer``: attention over ``[input_layernorm(embed); hidden_norm(h)]``."""
 
@@ -261,13 +266,18 @@ class EagleHead(nn.Module):
         self.backend: AttentionBackend = TorchAttentionBackend()
         #: ``"torch"`` (reference ops) or ``"triton"`` (:meth:`set_kernels`)
         self.kernels = "torch"
+        #: ``[P, 2, head_dim]`` cos / sin per position in the head's dtype (Triton path only,
+        #: :meth:`rotary_cos_sin`), or None
+        self._rotary_table: torch.Tensor | None = None
 
-    def set_kernels(self, kernels: str) -> None:
+    def set_kernels(self, kernels: str, max_positions: int = 0) -> None:
         """The head's implementation, as the target's (``LlamaForCausalLM.set_kernels``):
         ``"torch"``: reference ops and the torch attention backend; ``"triton"``: the Triton
         attention backend, and for an EAGLE-3 head the fused layer
         (:meth:`Eagle3DecoderLayer.forward_fused`) and final norm. EAGLE-1 layers keep the
-        torch ops apart from attention.
+        torch ops apart from attention. ``max_positions``: the longest sequence the target
+        serves (its ``max_position_embeddings``), when longer than the head's own: the Triton
+        path's rotary table covers both, plus :data:`ROTARY_TABLE_MARGIN`.
 
         Raises:
             ValueError: any other value.
@@ -276,11 +286,38 @@ class EagleHead(nn.Module):
             from structspec.kernels.attention import TritonAttentionBackend
 
             self.backend = TritonAttentionBackend()
+            self._rotary_table = self._build_rotary_table(max_positions)
         elif kernels == "torch":
             self.backend = TorchAttentionBackend()
+            self._rotary_table = None
         else:
             raise ValueError(f"kernels={kernels!r}: expected 'torch' or 'triton'")
         self.kernels = kernels
+
+    @torch.no_grad()
+    def _build_rotary_table(self, max_positions: int) -> torch.Tensor:
+        """cos / sin of every position below ``max(max_position_embeddings, max_positions)``
+        plus a margin for the expansion's scratch positions, ``[P, 2, head_dim]`` in the
+        head's dtype and on its device: the same float32 maths as :class:`RotaryEmbedding`
+        (one call over all positions), so a lookup equals a recomputation up to the last ulp
+        of ``cos``."""
+        weight = self.fc.weight
+        n = max(self.config.layer.max_position_embeddings, max_positions) + ROTARY_TABLE_MARGIN
+        cos, sin = self.rotary(torch.arange(n, device=weight.device).unsqueeze(0), weight.dtype)
+        return torch.stack((cos[0], sin[0]), dim=1)
+
+    def rotary_cos_sin(self, positions: torch.Tensor,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions [B, Q]`` int64 -> ``(cos, sin)``, each ``[B, Q, head_dim]`` of
+        ``dtype``: :class:`RotaryEmbedding`'s values. On the Triton path one lookup into a
+        table (2 launches instead of ~9: the head runs few rows a forward, four forwards a
+        propose); positions past the table read its last row (a draft's rotation only, never
+        the target's)."""
+        table = self._rotary_table
+        if table is None or table.dtype != dtype or table.device != positions.device:
+            return self.rotary(positions, dtype)
+        cos_sin = table[positions.clamp(0, table.shape[0] - 1)]  # [B, Q, 2, D]
+        return cos_sin[..., 0, :], cos_sin[..., 1, :]
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         """The head's final norm of ``x [..., H]`` (``x`` itself without one)."""
@@ -311,7 +348,7 @@ class EagleHead(nn.Module):
         Returns:
             ``[B, Q, H]`` pre-norm output (fed back as the children's feature).
         """
-        cos, sin = self.rotary(fb.positions, embeds.dtype)
+        cos, sin = self.rotary_cos_sin(fb.positions, embeds.dtype)
         if self.midlayer is not None:
             layer = (self.midlayer.forward_fused if self.kernels == "triton"
                      else self.midlayer)

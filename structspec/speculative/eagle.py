@@ -90,7 +90,8 @@ class EagleDrafter(TreeDrafter):
         if getattr(target, "kernels", None) == "triton":
             # the target's fused kernels for the head too: a draft forward's few rows make its
             # time the count of kernel launches
-            head.set_kernels("triton")
+            head.set_kernels("triton",
+                             max_positions=int(target.model_config.max_position_embeddings))
         self.head = head
         self.target_model = target.model
         page_size = int(target.page_size)

@@ -49,6 +49,10 @@ def test_fused_eagle3_layer_matches_torch(dev: torch.device, tmp_path) -> None:
                make_batch([tree_row(i, len(s), t, parents)
                            for i, (s, t) in enumerate(zip(seqs, trees, strict=True))], dev)]
     pools = _pool(3, dev), _pool(3, dev)
+    pos = torch.tensor([[0, 5, 511], [700, 3, 2000]], device=dev)  # 2000: past the table
+    want_cs = ref.rotary(pos.clamp(max=fused._rotary_table.shape[0] - 1), torch.float32)
+    for got_t, want_t in zip(fused.rotary_cos_sin(pos, torch.float32), want_cs, strict=True):
+        torch.testing.assert_close(got_t, want_t, atol=1e-6, rtol=1e-6)
     for fb in batches:
         shape = (*fb.input_ids.shape, hidden)
         embeds = torch.randn(shape, generator=g).to(dev)
