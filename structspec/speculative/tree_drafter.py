@@ -30,7 +30,12 @@ from structspec.kvcache.pool import KVPool
 from structspec.layers.forward_batch import ForwardBatch
 from structspec.runner.cuda_graph import DEFAULT_BATCH_SIZES
 from structspec.speculative.base import Drafter, DraftRequest
-from structspec.speculative.draft_batches import build_extend_batch, build_frontier_batch
+from structspec.speculative.draft_batches import (
+    FrontierLayout,
+    build_extend_batch,
+    build_frontier_batch,
+    frontier_layout,
+)
 from structspec.speculative.draft_graph import (
     DraftGraph,
     DraftGraphCache,
@@ -361,10 +366,14 @@ class TreeDrafter(Drafter):
         n = self.num_nodes if num_nodes is None else num_nodes
         depth = max(1, min(self.depth, n - 1))
 
+        layouts: list[FrontierLayout] = []  # the steps' shared layout, built at step 1
+
         def step_fn(step: int, tokens: torch.Tensor, parent: torch.Tensor,
                     scratch_mask: torch.Tensor) -> torch.Tensor:
-            fb = build_frontier_batch(tokens, base_len, step, scratch_mask, table,
-                                      page_size=self.page_size)
+            if not layouts:
+                layouts.append(frontier_layout(base_len, scratch_mask.shape[2], table,
+                                               page_size=self.page_size))
+            fb = build_frontier_batch(tokens, step, scratch_mask, layouts[0])
             return self.step_forward(fb, parent, root_state, step)
 
         return expand_tree(root_logp, step_fn, topk=self.topk, depth=depth,

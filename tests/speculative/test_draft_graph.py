@@ -19,11 +19,17 @@ import torch
 
 from structspec.config import CacheConfig, SpecConfig
 from structspec.draft_tree.layout import VerifyTree
+from structspec.kvcache.allocator import slots_for_positions
 from structspec.models.eagle_head import build_random_eagle_head
 from structspec.models.loader import load_model
 from structspec.runner.model_runner import ModelRunner
 from structspec.speculative.base import DraftRequest
-from structspec.speculative.draft_batches import build_catch_up_batch, build_extend_batch
+from structspec.speculative.draft_batches import (
+    build_catch_up_batch,
+    build_extend_batch,
+    build_frontier_batch,
+    frontier_layout,
+)
 from structspec.speculative.draft_graph import DraftGraph, DraftGraphCache, draft_page_buckets
 from structspec.speculative.draft_model import DraftModelDrafter
 from structspec.speculative.eagle import EagleDrafter
@@ -199,6 +205,39 @@ def test_catch_up_batch_matches_extend_batch() -> None:
         assert int(ref.logits_indices[i]) == i * qr + n - 1
     assert (fb.out_slots[3:] == 0).all() and (fb.kv_slots[3:] == 0).all()
     assert fb.attn_mask[3:].sum(-1).eq(1).all() and fb.attn_mask[3:, :, 0].all()
+
+
+@torch.inference_mode()
+def test_frontier_batches_follow_the_layout_rule() -> None:
+    """Each expansion step's batch, built from the propose's shared layout, is the rule of the
+    module doc computed from scratch: node j of step s writes position base + (s-1) k + j,
+    sits at rotary position base + s - 1, and sees the committed entries plus the scratch
+    columns its mask row sets; columns past the scratch are never seen."""
+    k, depth, width = 2, 4, 6
+    scratch = (depth - 1) * k
+    base = torch.tensor([3, 9, 1])
+    g = torch.Generator().manual_seed(1)
+    table = torch.randperm(40, generator=g)[: 3 * width].view(3, width) + 1
+    layout = frontier_layout(base, scratch, table, page_size=PAGE)
+    cols = width * PAGE
+    for step in range(1, depth):
+        tokens = torch.randint(0, VOCAB, (3, k), generator=g)
+        smask = torch.rand(3, k, scratch, generator=g) < 0.5
+        fb = build_frontier_batch(tokens, step, smask, layout)
+        pos = base.unsqueeze(1) + (step - 1) * k + torch.arange(k)
+        assert torch.equal(fb.out_slots, slots_for_positions(table, pos, PAGE))
+        assert torch.equal(fb.positions, (base + step - 1).unsqueeze(1).expand(3, k))
+        assert torch.equal(fb.input_ids, tokens)
+        want = torch.zeros(3, k, cols, dtype=torch.bool)
+        for b in range(3):
+            want[b, :, : int(base[b])] = True
+            want[b, :, int(base[b]) : int(base[b]) + scratch] = smask[b]
+            lens = torch.tensor([int(base[b]) + scratch])
+            assert torch.equal(fb.kv_slots[b, : int(lens)],
+                               slots_for_positions(table[b : b + 1],
+                                                   torch.arange(int(lens)).unsqueeze(0),
+                                                   PAGE)[0])
+        assert torch.equal(fb.attn_mask, want)
 
 
 @torch.inference_mode()
