@@ -24,11 +24,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from structspec.config import SpecConfig
-from structspec.kvcache.allocator import slots_for_positions
 from structspec.kvcache.pool import KVPool
 from structspec.layers.forward_batch import ForwardBatch
 from structspec.models.eagle_head import EagleHead, load_eagle_head
@@ -173,22 +173,27 @@ class EagleDrafter(TreeDrafter):
         gathered = torch.gather(feats, 1, rows.clamp(min=0).unsqueeze(2).expand(
             bsz, width, feats.shape[2]))
         stored = self.head.project_target(gathered.to(self.features.dtype))
-        valid = torch.arange(width).unsqueeze(0) < torch.tensor(list(num_rows)).unsqueeze(1)
-        dropped: list[int] = []
+        # The destination slots are host bookkeeping, in numpy: a few small arrays per step
+        # (torch's per-op overhead on host tensors cost more than the work, on the critical
+        # path of every batch-1 step)
+        seq = np.empty(bsz, dtype=np.int64)
+        count = np.asarray(num_rows, dtype=np.int64)
         for b, r in enumerate(reqs):
             st = self.state(r.request_id)
             end = r.seq_len + num_rows[b]
+            seq[b] = r.seq_len
             if not self.ensure_capacity(st, end + self.scratch + 1) or r.seq_len > st.feat_len:
-                dropped.append(b)  # no room, or a gap in the features: never drafted
+                count[b] = 0  # no room, or a gap in the features: never drafted
             else:
                 st.feat_len = max(st.feat_len, end)
-        if dropped:
-            valid[dropped] = False
-        table = self.page_table_host([r.request_id for r in reqs])
-        seq = torch.tensor([r.seq_len for r in reqs], dtype=torch.int64)
-        pos = torch.where(valid, seq.unsqueeze(1) + torch.arange(width), 0)
-        slots = torch.where(valid, slots_for_positions(table, pos, self.page_size), 0)
-        self.features.index_copy_(0, self._to_device(slots.flatten()),
+        page_rows = self.page_rows([r.request_id for r in reqs])
+        table = page_rows.take(self.page_table.width(page_rows.rows.tolist()))
+        col = np.arange(width)
+        valid = col < count[:, None]
+        pos = np.where(valid, seq[:, None] + col, 0)
+        pages = np.take_along_axis(table, pos // self.page_size, axis=1)
+        slots = np.where(valid, pages * self.page_size + pos % self.page_size, 0)
+        self.features.index_copy_(0, self._to_device(torch.from_numpy(slots.reshape(-1))),
                                   stored.reshape(-1, stored.shape[-1]))
 
     # -- TreeDrafter interface ---------------------------------------------------------------
