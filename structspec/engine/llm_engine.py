@@ -295,8 +295,14 @@ class LLMEngine:
 
         Raises:
             RuntimeError: the engine was closed.
+            ValueError: a batch size or KV length that is not a positive int (named).
         """
         self._check_open()
+        for name, values in (("batch_sizes", batch_sizes), ("kv_lens", kv_lens)):
+            bad = [v for v in values or () if isinstance(v, bool) or not isinstance(v, int)
+                   or v < 1]
+            if bad:
+                raise ValueError(f"{name} must hold positive ints, got {bad[0]!r}")
         table = self.scheduler.penalties.table
         count = 0
         for n in self.tree_sizes():

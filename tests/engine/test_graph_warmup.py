@@ -31,6 +31,10 @@ def test_tree_sizes_and_cpu_warmup(make_llm: Callable[..., Any], kw: dict,
     engine = make_llm(**kw).engine
     assert engine.tree_sizes() == sizes
     assert engine.warmup_cuda_graphs(batch_sizes=[1]) == 0  # CPU: no graphs
+    for kwargs, name in (({"batch_sizes": [0]}, "batch_sizes"), ({"kv_lens": [256, -1]}, "kv_lens"),
+                         ({"batch_sizes": [1.5]}, "batch_sizes"), ({"kv_lens": [True]}, "kv_lens")):
+        with pytest.raises(ValueError, match=name):
+            engine.warmup_cuda_graphs(**kwargs)
 
 
 @pytest.mark.gpu
