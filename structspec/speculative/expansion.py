@@ -149,13 +149,13 @@ def expand_tree(
     front_tokens = tokens[0]  # [B, k]
     front_cand = torch.arange(k, device=device).expand(bsz, k)  # candidate index of each node
     front_parent = torch.zeros((bsz, k), dtype=torch.int64, device=device)
-    cols = torch.arange(scratch, device=device)
+    # Frontier node j of step s writes scratch column (s-1)*k + j: its own column is row
+    # (s-1)*k + j of the identity (built once: a graph replays every step's ops)
+    own_cols = torch.eye(scratch, dtype=torch.bool, device=device)
     front_anc = torch.zeros((bsz, k, scratch), dtype=torch.bool, device=device)
     offset = k
     for step in range(1, depth):
-        # Frontier node j of this step writes scratch column (step-1)*k + j.
-        own = cols.view(1, 1, -1) == ((step - 1) * k + torch.arange(k, device=device)).view(1, k, 1)
-        front_anc = front_anc | own
+        front_anc = front_anc | own_cols[(step - 1) * k : step * k].unsqueeze(0)
         logp = step_fn(step, front_tokens, front_parent, front_anc)  # [B, k, V']
         child = torch.topk(logp.float(), k, dim=2)
         cum = front_scores.unsqueeze(2) + child.values  # [B, k, k]
