@@ -8,7 +8,7 @@ runner, grammar, drafter, scheduler) is built in one place, :mod:`structspec.eng
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from structspec.config import EngineConfig
@@ -295,14 +295,13 @@ class LLMEngine:
 
         Raises:
             RuntimeError: the engine was closed.
-            ValueError: a batch size or KV length that is not a positive int (named).
+            ValueError: naming the argument: ``batch_sizes`` / ``kv_lens`` that is not a
+                list or tuple (a bare int, a string, a mapping...) or holds an item that is
+                not a positive int.
         """
         self._check_open()
-        for name, values in (("batch_sizes", batch_sizes), ("kv_lens", kv_lens)):
-            bad = [v for v in values or () if isinstance(v, bool) or not isinstance(v, int)
-                   or v < 1]
-            if bad:
-                raise ValueError(f"{name} must hold positive ints, got {bad[0]!r}")
+        batch_sizes = _bucket_values("batch_sizes", batch_sizes)
+        kv_lens = _bucket_values("kv_lens", kv_lens)
         table = self.scheduler.penalties.table
         count = 0
         for n in self.tree_sizes():
@@ -364,6 +363,29 @@ class LLMEngine:
             self.report_unfinished = report
             self._held_outputs = held + self._held_outputs
         return [results[r] for r in order]
+
+
+def _bucket_values(name: str, values: object) -> tuple[int, ...] | None:
+    """``values`` (a :meth:`LLMEngine.warmup_cuda_graphs` argument) as a tuple of positive
+    ints, or None for None. Checked before anything is captured: a bare ``0`` or ``""`` is
+    falsy and was taken for the default (every bucket) on CPU, while on CUDA the runner
+    failed on it mid-capture without naming it; a generator was consumed by the check and
+    then captured nothing. Any other non-string, non-mapping iterable is materialised once.
+
+    Raises:
+        ValueError: naming ``name``: not an iterable of items, or an item that is not a
+            positive int (bools refused).
+    """
+    if values is None:
+        return None
+    if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable):
+        raise ValueError(f"{name} must be a list or tuple of positive ints (or None), got "
+                         f"{type_name(values)} {values!r}")
+    out = tuple(values)
+    bad = [v for v in out if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+    if bad:
+        raise ValueError(f"{name} must hold positive ints, got {bad[0]!r}")
+    return out
 
 
 def check_priority(priority: object) -> None:

@@ -32,9 +32,28 @@ def test_tree_sizes_and_cpu_warmup(make_llm: Callable[..., Any], kw: dict,
     assert engine.tree_sizes() == sizes
     assert engine.warmup_cuda_graphs(batch_sizes=[1]) == 0  # CPU: no graphs
     for kwargs, name in (({"batch_sizes": [0]}, "batch_sizes"), ({"kv_lens": [256, -1]}, "kv_lens"),
-                         ({"batch_sizes": [1.5]}, "batch_sizes"), ({"kv_lens": [True]}, "kv_lens")):
+                         ({"batch_sizes": [1.5]}, "batch_sizes"), ({"kv_lens": [True]}, "kv_lens"),
+                         ({"batch_sizes": [1, None]}, "batch_sizes"),
+                         # not a list: a bare int (0 and False are falsy: they were taken for
+                         # the default), a string, a mapping
+                         ({"batch_sizes": 4}, "batch_sizes"), ({"batch_sizes": 0}, "batch_sizes"),
+                         ({"kv_lens": False}, "kv_lens"), ({"kv_lens": ""}, "kv_lens"),
+                         ({"batch_sizes": "4"}, "batch_sizes"), ({"kv_lens": {256: 1}}, "kv_lens")):
         with pytest.raises(ValueError, match=name):
             engine.warmup_cuda_graphs(**kwargs)
+
+
+def test_warmup_bucket_arguments_are_materialised_once() -> None:
+    """A generator is read once, checked, and the same values reach every capture (the
+    runner's per tree size and the drafter's); a bad item in it is still named."""
+    from structspec.engine.llm_engine import _bucket_values
+
+    assert _bucket_values("batch_sizes", None) is None
+    assert _bucket_values("batch_sizes", (b for b in (1, 2))) == (1, 2)
+    assert _bucket_values("kv_lens", range(256, 1024, 256)) == (256, 512, 768)
+    assert _bucket_values("batch_sizes", []) == ()
+    with pytest.raises(ValueError, match="kv_lens must hold positive ints, got -1"):
+        _bucket_values("kv_lens", (v for v in (256, -1)))
 
 
 @pytest.mark.gpu
