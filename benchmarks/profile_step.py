@@ -9,6 +9,7 @@ import argparse
 import cProfile
 import pstats
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -36,7 +37,14 @@ def main() -> None:
                         grammar=JsonSchemaConstraint(LONG_SCHEMA) if args.grammar else None)
     for p, _ in extraction_prompts(args.batch, seed=3):
         eng.add_request(p, sp)
-    eng.step()  # prefill
+    # until every request runs (a grammar compiles off the step loop, so the first steps
+    # may have nothing to run), then the graphs of this batch size, then a few warm steps
+    deadline = time.perf_counter() + 600
+    while len(eng.scheduler.running) < args.batch:
+        eng.step()
+        if time.perf_counter() > deadline:
+            raise SystemExit(f"{len(eng.scheduler.running)} of {args.batch} requests running "
+                             "after 600 s")
     eng.warmup_cuda_graphs(batch_sizes=[args.batch])
     for _ in range(5):
         eng.step()
