@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import sys
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +38,7 @@ from structspec.speculative.draft_graph import DraftGraph  # noqa: E402
 #: aten ops that only make views, metadata or uninitialised allocations (no kernel on a GPU)
 VIEW_OPS = frozenset({
     "aten.empty.memory_format", "aten.empty_strided.default", "aten.empty_like.default",
-    "aten.new_empty.default",
+    "aten.new_empty.default", "aten.promote_types.default", "aten.result_type.Tensor",
     "aten.view.default", "aten.reshape.default", "aten.unsqueeze.default", "aten.slice.Tensor",
     "aten.expand.default", "aten.transpose.int", "aten.select.int", "aten.split.Tensor",
     "aten.split_with_sizes.default", "aten.lift_fresh.default", "aten.detach_.default",
@@ -71,8 +73,10 @@ class LaunchCounter(TorchDispatchMode):
         return out
 
 
-def count_triton_launches(counter: LaunchCounter) -> None:
-    """Count every interpreted Triton kernel launch into ``counter`` (as ``triton:<kernel>``)."""
+@contextlib.contextmanager
+def count_triton_launches(counter: LaunchCounter) -> Iterator[None]:
+    """While active, count every interpreted Triton kernel launch into ``counter`` (as
+    ``triton:<kernel>``); the tensor ops inside a kernel are not counted as launches."""
     from triton.runtime.interpreter import InterpretedFunction
 
     run = InterpretedFunction.run
@@ -86,6 +90,10 @@ def count_triton_launches(counter: LaunchCounter) -> None:
             counter.in_kernel -= 1
 
     InterpretedFunction.run = counted  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        InterpretedFunction.run = run  # type: ignore[method-assign]
 
 
 def main() -> None:
@@ -106,11 +114,11 @@ def main() -> None:
     for kernels in configs:
         drafter.head.set_kernels(kernels, max_positions=8192)
         counter = LaunchCounter()
-        if kernels == "triton":
-            count_triton_launches(counter)
         with torch.inference_mode():
             graph.forward(drafter)  # first call: anything lazy happens here
-            with counter:
+            triton = (count_triton_launches(counter) if kernels == "triton"
+                      else contextlib.nullcontext())
+            with triton, counter:
                 graph.forward(drafter)
         total = sum(counter.by_site.values())
         triton = sum(v for k, v in counter.by_site.items() if k.startswith("triton:"))
