@@ -235,8 +235,7 @@ class GrammarService:
         matchers = [r.matcher for r in reqs]
         pool = self.pool
         requests = self._pool_requests(reqs)
-        if pool is not None and (mirrors or
-                                 sum(q is not None for q in requests) >= pool.num_workers):
+        if pool is not None and self._pool_builds(requests, plan):
             extra = [r for r in mirror_extra if r.matcher is not None]
             try:
                 mask = build_grammar_vocab_mask_pooled(
@@ -276,7 +275,21 @@ class GrammarService:
         self._timer.phase("mask")
         return mask
 
+    def walks_in_pool(self, reqs: Sequence[Req], plan: GrammarPlan | None) -> bool:
+        """Whether :meth:`build_mask` would send these requests' tree walks to the worker
+        pool (the same rule; a pool that then fails still falls back in process)."""
+        return self.pool is not None and self._pool_builds(self._pool_requests(reqs), plan)
+
     # ------------------------------------------------------------------ mirrors and pool
+
+    def _pool_builds(self, requests: Sequence[PoolRequest | None],
+                     plan: GrammarPlan | None) -> bool:
+        """The pool builds the mask when the mirrors serve the barrier, or when the batch has
+        at least as many requests on the workers as there are workers (below that the round
+        trip costs more than the walks it spreads)."""
+        pool = self.pool
+        return pool is not None and ((plan is not None and plan.barrier_in_workers)
+                                     or sum(q is not None for q in requests) >= pool.num_workers)
 
     def _mirrors_serve(self, reqs: Sequence[Req]) -> bool:
         """Whether the worker pool's mirror matchers advance these requests' grammar state

@@ -7,7 +7,8 @@
    (a device tree's D2H copy queued behind the draft kernels) and the grammar service plans
    the barrier (:class:`~structspec.scheduler.grammar_service.GrammarPlan`);
 3. **launch verify**: the target verify forward is queued (a drafter that cannot overlap
-   gets its mask built first, the GPU idling meanwhile);
+   gets its mask built first, the GPU idling meanwhile; a host tree whose walks go to the
+   mask workers has its build sent first, and the launch runs while they walk);
 4. **grammar mask**, under the forward: the previous step's grammar barrier and, where it
    pays, its text work (:class:`~structspec.scheduler.deferred_work.PreviousStepWork`), then
    the tree bitmask, queued to the device;
@@ -43,7 +44,7 @@ from structspec.scheduler.grammar_service import GrammarPlan, GrammarService
 from structspec.scheduler.logprobs import trim_logprobs
 from structspec.scheduler.pending import PendingStep
 from structspec.scheduler.request import Req
-from structspec.scheduler.select_verify import SelectVerifyPhase
+from structspec.scheduler.select_verify import Selection, SelectVerifyPhase
 from structspec.scheduler.step_stats import StepTimer
 from structspec.scheduler.tree_fit import fit_trees, real_nodes, tree_to_device
 from structspec.scheduler.tree_sizing import AdaptiveTreeSizer, TreePlan, host_tree_nodes
@@ -149,11 +150,16 @@ class VerifyStep:
         work = PreviousStepWork(staged.plan, self.grammar, timer, text_first=text_first,
                                 mask_build=staged.grammar_tree is not None)
         early_mask = self._mask_before_launch(proposal, staged, work)
-        fwd = self._launch_verify(proposal)  # 3. launch verify
-        # From here the GPU runs the verify forward; the host work below hides under it.
-        selection = self.select.prepare(reqs, proposal.tree.num_nodes, fwd.logits.device, fwd)
-        mask = early_mask if staged.mask_before_launch else self._grammar_mask(
-            proposal, staged, work, selection.graph_bitmask)  # 4. barrier + grammar mask
+        if self._walks_before_launch(proposal, staged):
+            # 3 and 4 together: the workers walk while this thread launches the verify
+            fwd, selection, mask = self._launch_under_walks(proposal, staged, work)
+        else:
+            fwd = self._launch_verify(proposal)  # 3. launch verify
+            # From here the GPU runs the verify forward; the host work below hides under it.
+            selection = self.select.prepare(reqs, proposal.tree.num_nodes, fwd.logits.device,
+                                            fwd)
+            mask = early_mask if staged.mask_before_launch else self._grammar_mask(
+                proposal, staged, work, selection.graph_bitmask)  # 4. barrier + grammar mask
         timer.event("post")
         pending = self.select.launch(reqs, proposal.tree, fwd.logits, fwd, selection,
                                      mask)  # 5. select/verify, D2H copy queued
@@ -250,6 +256,45 @@ class VerifyStep:
         self.timer.event("fwd_end")
         self.timer.phase("launch")
         return fwd
+
+    def _walks_before_launch(self, proposal: Proposal, staged: StagedTree) -> bool:
+        """A host tree (n-gram) whose walks go to the mask workers: its build can be sent
+        before the verify launch, since the tree is on the host already and the launch reads
+        nothing the build changes."""
+        return (self.drafter.tree_on_host and staged.grammar_tree is not None
+                and not staged.mask_before_launch
+                and self.grammar.walks_in_pool(proposal.reqs, staged.plan))
+
+    def _launch_under_walks(self, proposal: Proposal, staged: StagedTree,
+                            work: PreviousStepWork
+                            ) -> tuple[VerifyForwardOutput, Selection, GrammarMaskResult | None]:
+        """Phases 3 and 4 for :meth:`_walks_before_launch`: the workers get their walks first,
+        and the verify launch (a graph replay's staging, ~0.5-1 ms of host time at batch
+        32-64 on the H200 host) runs while they walk, then the barrier and text work; the
+        walks used to start only after the launch, so the forward could finish before its
+        mask. The mask is uploaded into a buffer of its own (the post graph's static bitmask
+        is known only after the launch) and copied into the graph's on the device.
+
+        The launch runs once: a pool that fails mid-build retries in process and calls
+        ``while_walking`` again, which then runs only the (idempotent) barrier and text work.
+        """
+        reqs = proposal.reqs
+        launched: list[tuple[VerifyForwardOutput, Selection]] = []
+
+        def launch_then_barrier() -> None:
+            if not launched:
+                fwd = self._launch_verify(proposal)
+                launched.append((fwd, self.select.prepare(
+                    reqs, proposal.tree.num_nodes, fwd.logits.device, fwd)))
+            work.barrier_and_text()
+
+        assert staged.grammar_tree is not None
+        mask = self.grammar.build_mask(reqs, staged.grammar_tree, plan=staged.plan,
+                                       while_walking=launch_then_barrier)
+        if not launched:  # every path of build_mask runs while_walking; kept for safety
+            launch_then_barrier()
+        fwd, selection = launched[0]
+        return fwd, selection, mask
 
     def _grammar_mask(self, proposal: Proposal, staged: StagedTree, work: PreviousStepWork,
                       graph_bitmask: torch.Tensor | None) -> GrammarMaskResult | None:
