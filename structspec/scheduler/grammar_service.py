@@ -218,7 +218,9 @@ class GrammarService:
 
     def build_mask(self, reqs: Sequence[Req], gtree: GrammarTree, *,
                    plan: GrammarPlan | None, while_walking: Callable[[], None] | None,
-                   out: torch.Tensor | None = None) -> GrammarMaskResult | None:
+                   out: torch.Tensor | None = None,
+                   pool_requests: list[PoolRequest | None] | None = None,
+                   ) -> GrammarMaskResult | None:
         """Barrier, then the tree bitmask (queued to the device ``non_blocking``, into ``out``
         when given); the tree walks run in the worker pool when there is one and the batch
         has at least as many constrained requests as it has workers, or when ``plan`` says
@@ -229,12 +231,14 @@ class GrammarService:
         from the new ids are applied as soon as the build is sent, before ``while_walking``;
         a mirror's verdict that contradicts its prediction ends that request
         (:meth:`_settle_mismatches`). ``plan`` None: a prefill (no barrier, no mirrors).
+        ``pool_requests``: :meth:`pool_walks` of the same requests and plan in this step,
+        when the caller asked already (else computed here).
         """
         mirrors = plan is not None and plan.barrier_in_workers
         mirror_extra = plan.extra if plan is not None else ()
         matchers = [r.matcher for r in reqs]
         pool = self.pool
-        requests = self._pool_requests(reqs)
+        requests = pool_requests if pool_requests is not None else self._pool_requests(reqs)
         if pool is not None and self._pool_builds(requests, plan):
             extra = [r for r in mirror_extra if r.matcher is not None]
             try:
@@ -275,10 +279,15 @@ class GrammarService:
         self._timer.phase("mask")
         return mask
 
-    def walks_in_pool(self, reqs: Sequence[Req], plan: GrammarPlan | None) -> bool:
-        """Whether :meth:`build_mask` would send these requests' tree walks to the worker
-        pool (the same rule; a pool that then fails still falls back in process)."""
-        return self.pool is not None and self._pool_builds(self._pool_requests(reqs), plan)
+    def pool_walks(self, reqs: Sequence[Req],
+                   plan: GrammarPlan | None) -> list[PoolRequest | None] | None:
+        """What the worker pool would walk for these requests (pass it to :meth:`build_mask`
+        as ``pool_requests``), or None when :meth:`build_mask` would walk them in process
+        (the same rule; a pool that then fails still falls back in process)."""
+        if self.pool is None:
+            return None
+        requests = self._pool_requests(reqs)
+        return requests if self._pool_builds(requests, plan) else None
 
     # ------------------------------------------------------------------ mirrors and pool
 

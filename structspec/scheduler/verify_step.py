@@ -34,6 +34,7 @@ import torch
 
 from structspec.core import now
 from structspec.draft_tree.layout import VerifyTree
+from structspec.grammar.pool_types import PoolRequest
 from structspec.grammar.tree_mask import GrammarMaskResult, GrammarTree
 from structspec.kvcache.page_table import HostPageTable, PageRows
 from structspec.runner.model_runner import ModelRunner, VerifyForwardOutput
@@ -150,9 +151,10 @@ class VerifyStep:
         work = PreviousStepWork(staged.plan, self.grammar, timer, text_first=text_first,
                                 mask_build=staged.grammar_tree is not None)
         early_mask = self._mask_before_launch(proposal, staged, work)
-        if self._walks_before_launch(proposal, staged):
+        pool_walks = self._walks_before_launch(proposal, staged)
+        if pool_walks is not None:
             # 3 and 4 together: the workers walk while this thread launches the verify
-            fwd, selection, mask = self._launch_under_walks(proposal, staged, work)
+            fwd, selection, mask = self._launch_under_walks(proposal, staged, work, pool_walks)
         else:
             fwd = self._launch_verify(proposal)  # 3. launch verify
             # From here the GPU runs the verify forward; the host work below hides under it.
@@ -257,16 +259,19 @@ class VerifyStep:
         self.timer.phase("launch")
         return fwd
 
-    def _walks_before_launch(self, proposal: Proposal, staged: StagedTree) -> bool:
-        """A host tree (n-gram) whose walks go to the mask workers: its build can be sent
-        before the verify launch, since the tree is on the host already and the launch reads
-        nothing the build changes."""
-        return (self.drafter.tree_on_host and staged.grammar_tree is not None
-                and not staged.mask_before_launch
-                and self.grammar.walks_in_pool(proposal.reqs, staged.plan))
+    def _walks_before_launch(self, proposal: Proposal,
+                             staged: StagedTree) -> list[PoolRequest | None] | None:
+        """For a host tree (n-gram) whose walks go to the mask workers, what the pool walks
+        (:meth:`GrammarService.pool_walks`): its build can be sent before the verify launch,
+        since the tree is on the host already and the launch reads nothing the build
+        changes. None otherwise."""
+        if (not self.drafter.tree_on_host or staged.grammar_tree is None
+                or staged.mask_before_launch):
+            return None
+        return self.grammar.pool_walks(proposal.reqs, staged.plan)
 
     def _launch_under_walks(self, proposal: Proposal, staged: StagedTree,
-                            work: PreviousStepWork
+                            work: PreviousStepWork, pool_walks: list[PoolRequest | None],
                             ) -> tuple[VerifyForwardOutput, Selection, GrammarMaskResult | None]:
         """Phases 3 and 4 for :meth:`_walks_before_launch`: the workers get their walks first,
         and the verify launch (a graph replay's staging, ~0.5-1 ms of host time at batch
@@ -290,7 +295,8 @@ class VerifyStep:
 
         assert staged.grammar_tree is not None
         mask = self.grammar.build_mask(reqs, staged.grammar_tree, plan=staged.plan,
-                                       while_walking=launch_then_barrier)
+                                       while_walking=launch_then_barrier,
+                                       pool_requests=pool_walks)
         if not launched:  # every path of build_mask runs while_walking; kept for safety
             launch_then_barrier()
         fwd, selection = launched[0]
