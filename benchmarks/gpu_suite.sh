@@ -56,7 +56,7 @@ L8=benchmarks/assets/llama3-8b-shape
 python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())'
 for s in $stages; do case $s in
   tests)
-    run gpu_tests 480 python3 -m pytest -q -s -p no:cacheprovider tests/kernels tests/engine/test_gpu_engine.py tests/engine/test_cuda_graph.py tests/speculative tests/grammar/test_worker_pool.py tests/engine/test_penalty_graph.py ;;
+    run gpu_tests 480 python3 -m pytest -q -s -p no:cacheprovider tests/kernels tests/engine/test_gpu_engine.py tests/engine/test_cuda_graph.py tests/speculative tests/grammar/test_worker_pool.py tests/engine/test_penalty_graph.py tests/engine/test_graph_warmup.py ;;
   smol)
     run mask_build 60 python3 benchmarks/mask_build.py --batch 1 8 32 64 --threads 1 2 4 8 --reps 10
     run gpu_decode 60 python3 benchmarks/gpu_decode.py --skip-eager --skip-fold
