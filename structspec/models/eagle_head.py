@@ -178,6 +178,8 @@ def parse_eagle_config(
 #: positions past ``max_position_embeddings`` the head's rotary table still covers (the
 #: expansion's scratch positions run a few past a sequence's end)
 ROTARY_TABLE_MARGIN = 1024
+#: positions per block while the rotary table is built (bounds its float32 temporaries)
+ROTARY_TABLE_BLOCK = 16384
 
 
 class Eagle3DecoderLayer(nn.Module):
@@ -270,14 +272,14 @@ class EagleHead(nn.Module):
         #: :meth:`rotary_cos_sin`), or None
         self._rotary_table: torch.Tensor | None = None
 
-    def set_kernels(self, kernels: str, max_positions: int = 0) -> None:
+    def set_kernels(self, kernels: str, max_positions: int | None = None) -> None:
         """The head's implementation, as the target's (``LlamaForCausalLM.set_kernels``):
         ``"torch"``: reference ops and the torch attention backend; ``"triton"``: the Triton
         attention backend, and for an EAGLE-3 head the fused layer
         (:meth:`Eagle3DecoderLayer.forward_fused`) and final norm. EAGLE-1 layers keep the
-        torch ops apart from attention. ``max_positions``: the longest sequence the target
-        serves (its ``max_position_embeddings``), when longer than the head's own: the Triton
-        path's rotary table covers both, plus :data:`ROTARY_TABLE_MARGIN`.
+        torch ops apart from attention. ``max_positions``: the longest sequence the engine
+        serves; the Triton path's rotary table covers it plus :data:`ROTARY_TABLE_MARGIN`
+        (default: the head's ``max_position_embeddings``).
 
         Raises:
             ValueError: any other value.
@@ -295,16 +297,24 @@ class EagleHead(nn.Module):
         self.kernels = kernels
 
     @torch.no_grad()
-    def _build_rotary_table(self, max_positions: int) -> torch.Tensor:
-        """cos / sin of every position below ``max(max_position_embeddings, max_positions)``
-        plus a margin for the expansion's scratch positions, ``[P, 2, head_dim]`` in the
-        head's dtype and on its device: the same float32 maths as :class:`RotaryEmbedding`
-        (one call over all positions), so a lookup equals a recomputation up to the last ulp
-        of ``cos``."""
+    def _build_rotary_table(self, max_positions: int | None) -> torch.Tensor:
+        """cos / sin of every position below ``max_positions`` (default: the head's
+        ``max_position_embeddings``) plus a margin for the expansion's scratch positions,
+        ``[P, 2, head_dim]`` in the head's dtype and on its device: the same float32 maths as
+        :class:`RotaryEmbedding`, so a lookup equals a recomputation up to the last ulp of
+        ``cos``. Built in blocks of positions, so the float32 temporaries stay small."""
         weight = self.fc.weight
-        n = max(self.config.layer.max_position_embeddings, max_positions) + ROTARY_TABLE_MARGIN
-        cos, sin = self.rotary(torch.arange(n, device=weight.device).unsqueeze(0), weight.dtype)
-        return torch.stack((cos[0], sin[0]), dim=1)
+        limit = (max_positions if max_positions is not None
+                 else self.config.layer.max_position_embeddings)
+        n = limit + ROTARY_TABLE_MARGIN
+        table = torch.empty((n, 2, self.config.layer.head_dim), dtype=weight.dtype,
+                            device=weight.device)
+        for start in range(0, n, ROTARY_TABLE_BLOCK):
+            pos = torch.arange(start, min(n, start + ROTARY_TABLE_BLOCK), device=weight.device)
+            cos, sin = self.rotary(pos.unsqueeze(0), weight.dtype)
+            table[start : start + pos.shape[0], 0] = cos[0]
+            table[start : start + pos.shape[0], 1] = sin[0]
+        return table
 
     def rotary_cos_sin(self, positions: torch.Tensor,
                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

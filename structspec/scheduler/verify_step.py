@@ -280,24 +280,35 @@ class VerifyStep:
         mask. The mask is uploaded into a buffer of its own (the post graph's static bitmask
         is known only after the launch) and copied into the graph's on the device.
 
-        The launch runs once: a pool that fails mid-build retries in process and calls
-        ``while_walking`` again, which then runs only the (idempotent) barrier and text work.
+        The launch is attempted once: a pool that fails mid-build retries in process and
+        calls ``while_walking`` again, which then runs only the (idempotent) barrier and text
+        work; a launch that raised (its error possibly replaced by a worker's failure read
+        in the pool's cleanup) is raised again after the build, never retried.
         """
         reqs = proposal.reqs
+        attempted: list[bool] = []
         launched: list[tuple[VerifyForwardOutput, Selection]] = []
+        failed: list[BaseException] = []
 
         def launch_then_barrier() -> None:
-            if not launched:
-                fwd = self._launch_verify(proposal)
-                launched.append((fwd, self.select.prepare(
-                    reqs, proposal.tree.num_nodes, fwd.logits.device, fwd)))
+            if not attempted:
+                attempted.append(True)
+                try:
+                    fwd = self._launch_verify(proposal)
+                    launched.append((fwd, self.select.prepare(
+                        reqs, proposal.tree.num_nodes, fwd.logits.device, fwd)))
+                except BaseException as e:
+                    failed.append(e)
+                    raise
             work.barrier_and_text()
 
         assert staged.grammar_tree is not None
         mask = self.grammar.build_mask(reqs, staged.grammar_tree, plan=staged.plan,
                                        while_walking=launch_then_barrier,
                                        pool_requests=pool_walks)
-        if not launched:  # every path of build_mask runs while_walking; kept for safety
+        if failed:
+            raise failed[0]
+        if not attempted:  # every path of build_mask runs while_walking; kept for safety
             launch_then_barrier()
         fwd, selection = launched[0]
         return fwd, selection, mask

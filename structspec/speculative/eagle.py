@@ -90,8 +90,13 @@ class EagleDrafter(TreeDrafter):
         if getattr(target, "kernels", None) == "triton":
             # the target's fused kernels for the head too: a draft forward's few rows make its
             # time the count of kernel launches
-            head.set_kernels("triton",
-                             max_positions=int(target.model_config.max_position_embeddings))
+            # the rotary table covers the positions the engine serves: its graphs' longest
+            # sequence when it has graphs, else the model's (a 1M-token model's full table
+            # would hold ~0.5 GB for a drafter that never sees such positions)
+            graphs = getattr(target, "graphs", None)
+            served = (max(graphs.page_buckets) * int(target.page_size) if graphs is not None
+                      else int(target.model_config.max_position_embeddings))
+            head.set_kernels("triton", max_positions=served)
         self.head = head
         self.target_model = target.model
         page_size = int(target.page_size)
@@ -177,7 +182,7 @@ class EagleDrafter(TreeDrafter):
         # (torch's per-op overhead on host tensors cost more than the work, on the critical
         # path of every batch-1 step)
         seq = np.empty(bsz, dtype=np.int64)
-        count = np.asarray(num_rows, dtype=np.int64)
+        count = np.array(num_rows, dtype=np.int64)  # a copy: rows dropped below are zeroed
         for b, r in enumerate(reqs):
             st = self.state(r.request_id)
             end = r.seq_len + num_rows[b]

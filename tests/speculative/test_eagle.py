@@ -326,3 +326,25 @@ def test_sized_propose_runs_only_the_depths_its_tree_uses(runner: ModelRunner,
         assert chain_four == chain_full[: len(chain_four)] and chain_four
     for rid in list(sim.hist):
         drafter.release(rid)
+
+
+def test_rotary_table_equals_recomputation(runner: ModelRunner, head_dir: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused head's rotary table (built in blocks of positions) holds what
+    ``RotaryEmbedding`` computes per position, across block boundaries; lookups past it read
+    its last row."""
+    import structspec.models.eagle_head as eagle_head
+
+    head = make_drafter(runner, head_dir).head
+    monkeypatch.setattr(eagle_head, "ROTARY_TABLE_BLOCK", 100)
+    table = head._build_rotary_table(300)
+    assert table.shape == (300 + eagle_head.ROTARY_TABLE_MARGIN, 2, head.rotary.inv_freq.shape[0] * 2)
+    pos = torch.arange(table.shape[0]).unsqueeze(0)
+    cos, sin = head.rotary(pos, table.dtype)
+    torch.testing.assert_close(table[:, 0], cos[0], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(table[:, 1], sin[0], atol=1e-6, rtol=1e-6)
+    head._rotary_table = table
+    got_cos, _ = head.rotary_cos_sin(torch.tensor([[5, 10_000]]), table.dtype)
+    torch.testing.assert_close(got_cos[0, 0], cos[0, 5])
+    torch.testing.assert_close(got_cos[0, 1], cos[0, -1])
+    head._rotary_table = None  # the torch path again for the other tests
