@@ -208,7 +208,11 @@ def build_catch_up_batch(
 
     Returns:
         The ForwardBatch (``[B, Q]`` queries over ``[B, P * page_size]`` KV slots) on the inputs'
-        device; ``logits_indices [B]`` = the flat row of each request's last new entry.
+        device; ``logits_indices [B]`` = the flat row of each request's last new entry;
+        ``causal_start = start`` (the causal rule, as :func:`build_extend_batch`: no
+        ``[B, Q, L]`` mask is built, and the causal attention kernel reads none). A padding
+        row ``q >= qlen`` then sees columns up to ``start + q``, the ones past its request's
+        entries being the sink slot 0: its output is never read and it writes the sink.
     """
     bsz, q = tokens.shape
     device = tokens.device
@@ -218,9 +222,8 @@ def build_catch_up_batch(
     zeros = torch.zeros_like(col)
     positions = torch.where(valid, start.unsqueeze(1) + col, zeros)
     out_slots = torch.where(valid, slots_for_positions(page_table, positions, page_size), zeros)
-    kv_slots, kv_pos = kv_slots_through(page_table, start + length, page_size)
-    mask = (kv_pos.unsqueeze(1) <= positions.unsqueeze(2)) & valid.unsqueeze(2)
-    mask[:, :, 0] |= ~valid  # padding rows attend to column 0 only
+    kv_slots, _ = kv_slots_through(page_table, start + length, page_size)
     logits_indices = torch.arange(bsz, device=device) * q + length - 1
     return ForwardBatch(input_ids=tokens, positions=positions, out_slots=out_slots,
-                        kv_slots=kv_slots, attn_mask=mask, logits_indices=logits_indices)
+                        kv_slots=kv_slots, attn_mask=None, logits_indices=logits_indices,
+                        causal_start=start)

@@ -175,8 +175,9 @@ def test_draft_page_buckets() -> None:
 
 @torch.inference_mode()
 def test_catch_up_batch_matches_extend_batch() -> None:
-    """Real rows of the fixed-shape device batch equal :func:`build_extend_batch`'s; dummy
-    rows write slot 0 and attend column 0 only."""
+    """Real rows of the fixed-shape device batch equal :func:`build_extend_batch`'s (the same
+    causal rule, no mask built); padding and dummy rows write the sink slot 0 and see only
+    sink columns past their request's entries."""
     q, width = 5, 6
     tokens = [[4, 5, 6], [9], [1, 2, 3, 4, 5]]
     starts = [2, 7, 0]
@@ -192,19 +193,23 @@ def test_catch_up_batch_matches_extend_batch() -> None:
     full_table = torch.cat([table, torch.zeros(2, width, dtype=torch.int64)])
     fb = build_catch_up_batch(tok, start, qlen, full_table, page_size=PAGE)
     qr = ref.input_ids.shape[1]
+    assert fb.attn_mask is None and ref.attn_mask is None  # the causal rule, no mask built
     for i, t in enumerate(tokens):
         n = len(t)
         assert torch.equal(fb.input_ids[i, :n], ref.input_ids[i, :n])
         assert torch.equal(fb.positions[i, :n], ref.positions[i, :n])
         assert torch.equal(fb.out_slots[i, :n], ref.out_slots[i, :n])
         assert torch.equal(fb.kv_slots[i], ref.kv_slots[i])
-        assert torch.equal(fb.attn_mask[i, :n], ref.mask()[i, :n])
+        assert torch.equal(fb.mask()[i, :n], ref.mask()[i, :n])
         assert (fb.out_slots[i, n:] == 0).all()  # padding rows: the sink
-        assert fb.attn_mask[i, n:].sum(-1).eq(1).all() and fb.attn_mask[i, n:, 0].all()
+        # what a padding row sees past its request's entries is the sink
+        seen = fb.mask()[i, n:]
+        assert (fb.kv_slots[i].expand_as(seen)[seen & (torch.arange(seen.shape[1])
+                                                         >= starts[i] + n)] == 0).all()
         assert int(fb.logits_indices[i]) == i * q + n - 1
         assert int(ref.logits_indices[i]) == i * qr + n - 1
     assert (fb.out_slots[3:] == 0).all() and (fb.kv_slots[3:] == 0).all()
-    assert fb.attn_mask[3:].sum(-1).eq(1).all() and fb.attn_mask[3:, :, 0].all()
+    assert (fb.causal_start[3:] == 0).all()
 
 
 @torch.inference_mode()
