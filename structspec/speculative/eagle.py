@@ -38,6 +38,7 @@ from structspec.speculative.tree_drafter import (
     DraftReqState,
     TreeDrafter,
     default_draft_pages,
+    target_graph_max_len,
     target_graph_options,
 )
 
@@ -93,10 +94,9 @@ class EagleDrafter(TreeDrafter):
             # the rotary table covers the positions the engine serves: its graphs' longest
             # sequence when it has graphs, else the model's (a 1M-token model's full table
             # would hold ~0.5 GB for a drafter that never sees such positions)
-            graphs = getattr(target, "graphs", None)
-            served = (max(graphs.page_buckets) * int(target.page_size) if graphs is not None
-                      else int(target.model_config.max_position_embeddings))
-            head.set_kernels("triton", max_positions=served)
+            served = target_graph_max_len(target)
+            head.set_kernels("triton", max_positions=served if served is not None else
+                             int(target.model_config.max_position_embeddings))
         self.head = head
         self.target_model = target.model
         page_size = int(target.page_size)

@@ -60,6 +60,13 @@ def default_draft_pages(spec: SpecConfig, target: Any, max_batch_size: int) -> i
     return int(target.kv_pool.num_pages) + max_batch_size * scratch_pages
 
 
+def target_graph_max_len(target: Any) -> int | None:
+    """The longest sequence the target runner's verify graphs cover (its largest KV bucket,
+    tokens), or None when it has no graphs."""
+    graphs = getattr(target, "graphs", None)
+    return None if graphs is None else max(graphs.page_buckets) * int(target.page_size)
+
+
 def target_graph_options(
     target: Any, use_cuda_graph: bool, batch_sizes: Sequence[int] | None
 ) -> dict[str, Any]:
@@ -74,7 +81,7 @@ def target_graph_options(
     if graphs is not None:
         if batch_sizes is None:
             opts["cuda_graph_batch_sizes"] = tuple(graphs.batch_sizes)
-        opts["cuda_graph_max_model_len"] = max(graphs.page_buckets) * int(target.page_size)
+        opts["cuda_graph_max_model_len"] = target_graph_max_len(target)
     return opts
 
 
