@@ -34,6 +34,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.grammar_overlap import breakdown  # noqa: E402
 from benchmarks.workloads import maskbench_cases, schema_prompt  # noqa: E402
 from structspec import LLM, FinishReason, JsonSchemaConstraint, SamplingParams  # noqa: E402
 from structspec.grammar.errors import GrammarError  # noqa: E402
@@ -64,6 +65,7 @@ def run_one(args: argparse.Namespace, algo: str, workers: int,
               kv_capacity_tokens=args.kv_capacity_tokens, grammar_workers=workers,
               grammar_compile_timeout_s=args.compile_timeout)
     engine = llm.engine
+    engine.scheduler._verify.walks_before_launch = args.walks_order == "before"
     pool = engine.scheduler.mask_pool  # kept: the scheduler drops it if a worker fails
     compile_s = 0.0
     if args.precompile:
@@ -107,6 +109,7 @@ def run_one(args: argparse.Namespace, algo: str, workers: int,
         "pool_alive": engine.scheduler.mask_pool is not None if workers else None,
         "step_wall_ms": stats.get("wall_ms", 0.0), "steps": stats.get("steps", 0),
         "compile_s": compile_s,
+        "breakdown": breakdown("step", stats),
     }
     llm.close()
     del llm, engine, pool
@@ -117,14 +120,14 @@ def run_one(args: argparse.Namespace, algo: str, workers: int,
 def print_summary(args: argparse.Namespace, s: dict[str, Any]) -> None:
     """One summary line for one run (and the errors by message, if any)."""
     print(f"distinct_schemas algo={s['algo']} workers={s['workers']} n={s['n']} "
-          f"batch={args.max_batch_size} max_tokens={args.max_tokens} "
+          f"batch={args.max_batch_size} max_tokens={args.max_tokens} walks={args.walks_order} "
           f"wall_s={s['wall_s']:.2f} tok_s={s['tok_s']:.1f} tokens={s['tokens']} "
           f"stop={s['stop']} errors={s['errors']} "
           f"ship_step_ms={s['ship_step_ms']:.2f} "
           f"ship_thread_ms={s['ship_thread_ms']:.1f} shipped={s['shipped']} "
           f"pool_builds={s['pool_builds']} pool_alive={s['pool_alive']} "
           f"steps={s['steps']} step_wall_ms={s['step_wall_ms']:.2f} "
-          f"compile_s={s['compile_s']:.1f}", flush=True)
+          f"compile_s={s['compile_s']:.1f} {s['breakdown']}", flush=True)
     if s["error_kinds"]:
         print(f"  errors by message: {s['error_kinds']}", flush=True)
 
@@ -151,6 +154,9 @@ def main() -> None:
     ap.add_argument("--compile-timeout", type=float, default=60.0)
     ap.add_argument("--no-precompile", dest="precompile", action="store_false",
                     help="compile inside the timed run (as live traffic would)")
+    ap.add_argument("--walks-order", default="before", choices=["before", "after"],
+                    help="a host tree's mask-worker build sent before the verify launch "
+                         "(the default) or after it")
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs per configuration, the worker order reversed every other round; "
                          "a median line per configuration follows when > 1")

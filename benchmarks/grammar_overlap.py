@@ -248,6 +248,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="per request (default: (steps + 8) * num_draft_tokens + 64, enough to "
                          "stay alive through the window; KV is reserved for all of it)")
+    ap.add_argument("--walks-order", default="before", choices=["before", "after"],
+                    help="a host tree's mask-worker build sent before the verify launch "
+                         "(the default) or after it")
     args = ap.parse_args()
     max_tokens = args.max_tokens or (args.steps + 8) * args.num_draft_tokens + 64
     model_name = Path(args.model).name if args.model else "smollm2-135m"
@@ -262,6 +265,7 @@ def main() -> None:
                       grammar_backend=args.grammar_backend,
                       speculative_adaptive=args.speculative_adaptive)
             kernels = llm.engine.config.kernels
+            llm.engine.scheduler._verify.walks_before_launch = args.walks_order == "before"
             prompts_all: Sequence[str | list[int]] = (
                 record_prompts(llm, max(args.batch),
                                check_tokens=0 if args.load_format == "dummy" else 128)
@@ -286,7 +290,7 @@ def main() -> None:
                           f"repeats={len(pairs)} " if len(pairs) > 1 else "")
                 print(f"grammar_overlap model={model_name} kernels={kernels} algo={algo} "
                       f"workers={llm.engine.config.grammar.mask_build_workers} "
-                      f"grammar_backend={args.grammar_backend} "
+                      f"grammar_backend={args.grammar_backend} walks={args.walks_order} "
                       f"overlap={'on' if overlap else 'off'} "
                       f"bs={bs:<3} N={llm.engine.drafter.num_nodes} "
                       f"step_ms_no_grammar={plain['event_ms']:.3f} "

@@ -130,6 +130,9 @@ class VerifyStep:
         self.overlap = overlap
         self.feeds_hidden = feeds_hidden
         self.page_table = page_table
+        #: send a host tree's pool build before the verify launch (:meth:`_launch_under_walks`);
+        #: False: launch first, then send (the order before; kept to measure both)
+        self.walks_before_launch = True
 
     def run(self, reqs: list[Req], previous: list[Req]) -> StepOutcome:
         """One verify step over ``reqs`` (running, unfinished); ``previous`` are the last
@@ -265,8 +268,8 @@ class VerifyStep:
         (:meth:`GrammarService.pool_walks`): its build can be sent before the verify launch,
         since the tree is on the host already and the launch reads nothing the build
         changes. None otherwise."""
-        if (not self.drafter.tree_on_host or staged.grammar_tree is None
-                or staged.mask_before_launch):
+        if (not self.walks_before_launch or not self.drafter.tree_on_host
+                or staged.grammar_tree is None or staged.mask_before_launch):
             return None
         return self.grammar.pool_walks(proposal.reqs, staged.plan)
 
