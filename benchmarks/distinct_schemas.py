@@ -34,7 +34,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.grammar_overlap import breakdown  # noqa: E402
+from benchmarks.grammar_overlap import breakdown, set_build_order  # noqa: E402
 from benchmarks.workloads import maskbench_cases, schema_prompt  # noqa: E402
 from structspec import LLM, FinishReason, JsonSchemaConstraint, SamplingParams  # noqa: E402
 from structspec.grammar.errors import GrammarError  # noqa: E402
@@ -65,7 +65,7 @@ def run_one(args: argparse.Namespace, algo: str, workers: int,
               kv_capacity_tokens=args.kv_capacity_tokens, grammar_workers=workers,
               grammar_compile_timeout_s=args.compile_timeout)
     engine = llm.engine
-    engine.scheduler._verify.walks_before_launch = args.walks_order == "before"
+    set_build_order(engine, args.walks_order)
     pool = engine.scheduler.mask_pool  # kept: the scheduler drops it if a worker fails
     compile_s = 0.0
     if args.precompile:
@@ -154,9 +154,10 @@ def main() -> None:
     ap.add_argument("--compile-timeout", type=float, default=60.0)
     ap.add_argument("--no-precompile", dest="precompile", action="store_false",
                     help="compile inside the timed run (as live traffic would)")
-    ap.add_argument("--walks-order", default="before", choices=["before", "after"],
-                    help="a host tree's mask-worker build sent before the verify launch "
-                         "(the default) or after it")
+    ap.add_argument("--walks-order", default="auto", choices=["auto", "before", "after"],
+                    help="a host tree's mask-worker build sent before the verify launch, "
+                         "after it, or chosen per step from the measured times (auto, the "
+                         "engine's default)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs per configuration, the worker order reversed every other round; "
                          "a median line per configuration follows when > 1")

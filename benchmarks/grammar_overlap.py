@@ -56,6 +56,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.workloads import extraction_prompts  # noqa: E402
 from structspec import LLM, JsonSchemaConstraint, SamplingParams  # noqa: E402
+from structspec.engine.llm_engine import LLMEngine  # noqa: E402
+from structspec.scheduler.build_order import PoolBuildOrder  # noqa: E402
 
 LONG_SCHEMA = {
     "type": "object",
@@ -200,6 +202,14 @@ def draft_for(algo: str, args: argparse.Namespace) -> str | None:
     return resolve_model_path(args.model)
 
 
+def set_build_order(engine: LLMEngine, mode: str) -> None:
+    """Fix when a host tree's mask-worker build is sent (``before`` / ``after`` the verify
+    launch) or leave it to the engine (``auto``): :mod:`structspec.scheduler.build_order`."""
+    verify = engine.scheduler._verify
+    verify.build_order = PoolBuildOrder(mode,  # type: ignore[arg-type]
+                                        forward_on_host=engine.runner.device.type != "cuda")
+
+
 def breakdown(tag: str, s: dict[str, float]) -> str:
     """``tag.key=value`` pairs of the step summary that explain a step time (ms)."""
     keys = ("gpu_forward_ms", "gpu_busy_ms", "gpu_idle_before_ms", "gpu_grammar_stall_ms",
@@ -248,9 +258,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="per request (default: (steps + 8) * num_draft_tokens + 64, enough to "
                          "stay alive through the window; KV is reserved for all of it)")
-    ap.add_argument("--walks-order", default="before", choices=["before", "after"],
-                    help="a host tree's mask-worker build sent before the verify launch "
-                         "(the default) or after it")
+    ap.add_argument("--walks-order", default="auto", choices=["auto", "before", "after"],
+                    help="a host tree's mask-worker build sent before the verify launch, "
+                         "after it, or chosen per step from the measured times (auto, the "
+                         "engine's default)")
     args = ap.parse_args()
     max_tokens = args.max_tokens or (args.steps + 8) * args.num_draft_tokens + 64
     model_name = Path(args.model).name if args.model else "smollm2-135m"
@@ -265,7 +276,7 @@ def main() -> None:
                       grammar_backend=args.grammar_backend,
                       speculative_adaptive=args.speculative_adaptive)
             kernels = llm.engine.config.kernels
-            llm.engine.scheduler._verify.walks_before_launch = args.walks_order == "before"
+            set_build_order(llm.engine, args.walks_order)
             prompts_all: Sequence[str | list[int]] = (
                 record_prompts(llm, max(args.batch),
                                check_tokens=0 if args.load_format == "dummy" else 128)

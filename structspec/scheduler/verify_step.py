@@ -8,7 +8,8 @@
    the barrier (:class:`~structspec.scheduler.grammar_service.GrammarPlan`);
 3. **launch verify**: the target verify forward is queued (a drafter that cannot overlap
    gets its mask built first, the GPU idling meanwhile; a host tree whose walks go to the
-   mask workers has its build sent first, and the launch runs while they walk);
+   mask workers has its build sent first when they would not hide under the forward, and
+   the launch runs while they walk: :mod:`~structspec.scheduler.build_order`);
 4. **grammar mask**, under the forward: the previous step's grammar barrier and, where it
    pays, its text work (:class:`~structspec.scheduler.deferred_work.PreviousStepWork`), then
    the tree bitmask, queued to the device;
@@ -38,6 +39,7 @@ from structspec.grammar.pool_types import PoolRequest
 from structspec.grammar.tree_mask import GrammarMaskResult, GrammarTree
 from structspec.kvcache.page_table import HostPageTable, PageRows
 from structspec.runner.model_runner import ModelRunner, VerifyForwardOutput
+from structspec.scheduler.build_order import PoolBuildOrder
 from structspec.scheduler.commit import commit_tokens
 from structspec.scheduler.deferred_work import PreviousStepWork, finish_deferred
 from structspec.scheduler.draft_guard import GuardedDrafter
@@ -130,9 +132,10 @@ class VerifyStep:
         self.overlap = overlap
         self.feeds_hidden = feeds_hidden
         self.page_table = page_table
-        #: send a host tree's pool build before the verify launch (:meth:`_launch_under_walks`);
-        #: False: launch first, then send (the order before; kept to measure both)
-        self.walks_before_launch = True
+        #: whether a host tree's pool build is sent before the verify launch
+        #: (:meth:`_launch_under_walks`) or right after it, from the measured walk and
+        #: forward times (:mod:`~structspec.scheduler.build_order`)
+        self.build_order = PoolBuildOrder(forward_on_host=runner.device.type != "cuda")
 
     def run(self, reqs: list[Req], previous: list[Req]) -> StepOutcome:
         """One verify step over ``reqs`` (running, unfinished); ``previous`` are the last
@@ -189,6 +192,7 @@ class VerifyStep:
         for req in reqs:
             trim_logprobs(req)
         timer.end()
+        self.build_order.observe(timer.records[-1] if timer.records else None)
         return outcome
 
     # ------------------------------------------------------------------ phases
@@ -267,9 +271,10 @@ class VerifyStep:
         """For a host tree (n-gram) whose walks go to the mask workers, what the pool walks
         (:meth:`GrammarService.pool_walks`): its build can be sent before the verify launch,
         since the tree is on the host already and the launch reads nothing the build
-        changes. None otherwise."""
-        if (not self.walks_before_launch or not self.drafter.tree_on_host
-                or staged.grammar_tree is None or staged.mask_before_launch):
+        changes. None otherwise, and when the build order (:attr:`build_order`) puts the
+        launch first this step."""
+        if (not self.drafter.tree_on_host or staged.grammar_tree is None
+                or staged.mask_before_launch or not self.build_order.send_first()):
             return None
         return self.grammar.pool_walks(proposal.reqs, staged.plan)
 

@@ -415,6 +415,36 @@ def test_committed_id_the_grammar_forbids_is_never_reported(make_llm, ngram_pool
             assert b.error is None and b.schema_valid in (True, None), b
 
 
+def test_pool_build_sent_after_the_launch_matches_in_process(ngram_pool_llm, in_process_outputs,
+                                                            monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    """The pool build sent right after the verify launch (the order the engine picks on a
+    GPU while the walks hide under the forward; the CPU sends first) gives the in-process
+    outputs: the mirrors serve the barrier and the walks the same way in either order."""
+    from structspec.scheduler.build_order import PoolBuildOrder
+    from structspec.scheduler.verify_step import VerifyStep
+
+    ref = in_process_outputs("ngram")[:4]
+    verify = ngram_pool_llm.engine.scheduler._verify
+    assert verify.build_order.send_first()  # the CPU default
+    under_walks = [0]
+    launch_under_walks = VerifyStep._launch_under_walks
+
+    def counting(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        under_walks[0] += 1
+        return launch_under_walks(self, *args, **kwargs)
+
+    monkeypatch.setattr(VerifyStep, "_launch_under_walks", counting)
+    monkeypatch.setattr(verify, "build_order", PoolBuildOrder("after"))
+    pool = ngram_pool_llm.engine.scheduler.mask_pool
+    builds = pool.num_builds
+    got = ngram_pool_llm.generate(PROMPTS[:4], cut_params()[:4])
+    assert pool.num_builds > builds and under_walks[0] == 0
+    for a, b in zip(ref, got, strict=True):
+        assert a.token_ids == b.token_ids and a.text == b.text
+        assert a.finish_reason == b.finish_reason
+
+
 LIST_SCHEMA = {"type": "object", "properties": {"items": {"type": "array",
                                                           "items": {"type": "string"}}},
                "required": ["items"]}

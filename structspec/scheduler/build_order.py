@@ -1,0 +1,85 @@
+"""When a host tree's mask-worker build is sent: before or after the verify launch.
+
+With a host tree (n-gram) whose walks go to the mask worker pool, the step can send the pool
+its build before launching the verify forward, or launch first and send right after:
+
+- launch first: the GPU starts ``S`` (the send, ~0.1 ms) earlier; the walks start only after
+  the launch's host staging ``L`` (0.4-4 ms at batch 8-64 on the H200 host). The step ends at
+  about ``L + max(F, S + W)`` (``F`` the GPU forward, ``W`` the workers' round trip).
+- send first: the walks run during the launch; the GPU starts ``S`` later. The step ends at
+  about ``S + max(L + F, W)``.
+
+So the launch goes first while the walks hide under the forward (``S + W <= F``), and the build
+goes first when they do not. Measured on the H200 (benchmarks/README.md, "Pool build before
+or after the launch"): with the build always sent first, the llguidance grammar overlap at
+batch 8 / 32 was 1.11 / 1.14 against 1.07 / 1.04 launching first, and 300 distinct MaskBench
+schemas ran at 5.3-6.4k tok/s with the default workers against 8.4k launching first.
+
+On the CPU the verify "launch" is the forward itself (the CPU ops run as they are called), so
+the build always goes first there: walking after it would serialize the two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from structspec.scheduler.step_record import StepRecord
+
+BuildOrderMode = Literal["auto", "before", "after"]
+
+#: weight of the newest step in the moving averages of the walk and forward times
+EMA_WEIGHT = 0.1
+
+
+@dataclass
+class PoolBuildOrder:
+    """Decides, per verify step, whether the pool build is sent before the launch.
+
+    Args:
+        mode: ``auto`` (from the measured times, see the module doc), ``before`` or
+            ``after`` (fixed; for measurements and tests).
+        forward_on_host: the forward runs inside the launch (CPU): ``auto`` sends first.
+
+    Attributes:
+        walk_ms: moving average over the pool's steps of the send time plus the busiest
+            worker's round trip (ms), or None before the first such step was read.
+        forward_ms: moving average of the GPU verify forward (ms), or None before the first
+            step's CUDA events were read.
+    """
+
+    mode: BuildOrderMode = "auto"
+    forward_on_host: bool = False
+    walk_ms: float | None = None
+    forward_ms: float | None = None
+    _last: StepRecord | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("auto", "before", "after"):
+            raise ValueError(f"build order mode must be auto, before or after, not {self.mode!r}")
+
+    def send_first(self) -> bool:
+        """Whether this step's pool build goes out before the verify launch."""
+        if self.mode != "auto":
+            return self.mode == "before"
+        if self.forward_on_host:
+            return True
+        if self.walk_ms is None or self.forward_ms is None:
+            return False  # the measured default until both are known
+        return self.walk_ms > self.forward_ms
+
+    def observe(self, rec: StepRecord | None) -> None:
+        """Fold in the newest finished step record (the step timer reads a step's CUDA
+        events one step late; a record already seen is skipped)."""
+        if rec is None or rec is self._last:
+            return
+        self._last = rec
+        if rec.gpu_forward_ms is not None:
+            self.forward_ms = _ema(self.forward_ms, rec.gpu_forward_ms)
+        if rec.pool_worker_max_ms is not None:
+            walk = (rec.pool_send_ms or 0.0) + rec.pool_worker_max_ms
+            self.walk_ms = _ema(self.walk_ms, walk)
+
+
+def _ema(avg: float | None, value: float) -> float:
+    return value if avg is None else avg + EMA_WEIGHT * (value - avg)
