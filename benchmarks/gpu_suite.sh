@@ -27,6 +27,9 @@
 #             128 new tokens, 4 prompts at batch 1: the compact run's windows were 0.2-1.4 s and its
 #             batch-8 accept lengths looked like the adaptive sizing, not the drafter), then the
 #             EAGLE grammar overlap (2 alternating repeats), host profiles of eagle / none steps
+#   eagle_trace  issue 18: torch.profiler over 200 steady EAGLE / none steps at batch 1 with a
+#             JSON Schema (profile_step.py --trace: host and kernel time per step phase, kernels
+#             per step, top kernels): is the propose bound by its kernels or its launches?
 #   serving_core  issue 21: the prefill-graph test, a 7,000-token prompt arriving while 32 streams
 #             decode (ITL per chunk budget, profiled), a short request behind 40 long, the CUDA
 #             serving-core tests (prefix cache / chunked == unchunked, one engine per drafter)
@@ -50,7 +53,7 @@
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
-run() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$? $name"; grep -E "^(# [a-z_]+ batch=|tree_mask_cost|attention_causal|best per|Q=|ab_compare|drafter_speed|eagle_accept|grammar_overlap|mask_build|decode|peer|hbm|floor|maskbench|penalty_cost|config=|prefix_cache|distinct_schemas|ttft|gate|  errors|[0-9]+ passed|FAILED|ERROR)|passed|failed" "$OUT/$name.log" | tail -n 40; }
+run() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$? $name"; grep -E "^(# [a-z_]+ batch=|trace |tree_mask_cost|attention_causal|best per|Q=|ab_compare|drafter_speed|eagle_accept|grammar_overlap|mask_build|decode|peer|hbm|floor|maskbench|penalty_cost|config=|prefix_cache|distinct_schemas|ttft|gate|  errors|[0-9]+ passed|FAILED|ERROR)|passed|failed" "$OUT/$name.log" | tail -n 40; }
 stages=${*:-tests smol peer llama8b llama8b_overlap invariant maskbench loopguards loopguards2 penalty_cost eagle_speed}
 L8=benchmarks/assets/llama3-8b-shape
 python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())'
@@ -97,6 +100,9 @@ for s in $stages; do case $s in
     run grammar_overlap_eagle 200 python3 benchmarks/grammar_overlap.py --device cuda --batch 1 8 32 64 --steps 60 --algorithms eagle --overlap on --repeats 2 --speculative-adaptive off
     run profile_eagle 120 python3 benchmarks/profile_step.py --algorithm eagle --batch 1 --steps 300 --grammar --top 30
     run profile_none 100 python3 benchmarks/profile_step.py --algorithm none --batch 1 --steps 300 --grammar --top 30 ;;
+  eagle_trace)
+    run trace_eagle 150 python3 benchmarks/profile_step.py --algorithm eagle --batch 1 --steps 200 --grammar --trace --top 25
+    run trace_none 100 python3 benchmarks/profile_step.py --algorithm none --batch 1 --steps 200 --grammar --trace --top 15 ;;
   serving_core)
     run gpu_prefill_graph_tests 90 python3 -m pytest -q -s -p no:cacheprovider tests/runner/test_prefill_graph.py
     run long_prompt_itl 150 python3 benchmarks/long_prompt_itl.py --device cuda --budgets 512 2048 --profile

@@ -1,6 +1,12 @@
 """Host profile (cProfile, sorted by own time) of steady-state verify steps on one config.
 
     PYTHONPATH=$PWD python benchmarks/profile_step.py --algorithm ngram --batch 1 --steps 50
+
+``--trace`` profiles the same window with torch.profiler instead (no cProfile: the host runs
+at its own speed): per step phase (draft, launch, mask, select, commit) the host time and the
+device time of the kernels launched inside it, ms per step, then the kernels per step and
+their summed device time against the window's wall time (a draft whose GPU interval is much
+longer than its kernels is bound by its launches, not its kernels), and the top kernels.
 """
 
 from __future__ import annotations
@@ -11,12 +17,16 @@ import pstats
 import sys
 import time
 from pathlib import Path
+from typing import Any
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.grammar_overlap import LONG_SCHEMA, draft_for  # noqa: E402
 from benchmarks.workloads import extraction_prompts  # noqa: E402
 from structspec import LLM, JsonSchemaConstraint, SamplingParams  # noqa: E402
+from structspec.engine.llm_engine import LLMEngine  # noqa: E402
 
 
 def main() -> None:
@@ -29,6 +39,8 @@ def main() -> None:
     ap.add_argument("--draft-model", default=None)
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--top", type=int, default=35)
+    ap.add_argument("--trace", action="store_true",
+                    help="torch.profiler per phase and kernel instead of cProfile")
     args = ap.parse_args()
     llm = LLM(args.model, speculative_algorithm=args.algorithm, max_batch_size=args.batch,
               load_format=args.load_format, draft_model=draft_for(args.algorithm, args))
@@ -48,6 +60,11 @@ def main() -> None:
     eng.warmup_cuda_graphs(batch_sizes=[args.batch])
     for _ in range(5):
         eng.step()
+    if args.trace:
+        eng.step_stats(reset=True)
+        traced(eng, args.steps, args.top, f"{args.algorithm} batch={args.batch} "
+               f"grammar={args.grammar}")
+        return
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(args.steps):
@@ -56,6 +73,72 @@ def main() -> None:
     print(f"# {args.algorithm} batch={args.batch} grammar={args.grammar}: "
           + " ".join(f"{k}={v:.3f}" for k, v in eng.step_stats().items()))
     pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
+
+
+#: step phases traced as ``step.<name>`` ranges: (object path from the verify step, method)
+TRACED_PHASES = {"draft": ("", "_propose"), "launch": ("", "_launch_verify"),
+                 "mask": ("grammar", "build_mask"), "select": ("select", "launch"),
+                 "commit": ("", "_commit")}
+
+
+def traced(eng: LLMEngine, steps: int, top: int, tag: str) -> None:
+    """``steps`` engine steps under torch.profiler, each phase of :data:`TRACED_PHASES` in a
+    ``step.<name>`` range; prints one ``trace`` line per phase (host and device ms per step),
+    one ``trace kernels`` line and the top kernels by device time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    verify = eng.scheduler._verify
+    patched = []
+    for name, (path, method) in TRACED_PHASES.items():
+        owner = getattr(verify, path) if path else verify
+        original = getattr(owner, method)
+
+        def in_range(*a: Any, _f: Any = original, _n: str = name, **k: Any) -> Any:
+            with record_function(f"step.{_n}"):
+                return _f(*a, **k)
+
+        setattr(owner, method, in_range)  # an instance attribute over the class's method
+        patched.append((owner, method))
+    cuda = torch.cuda.is_available() and eng.runner.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    try:
+        with profile(activities=activities) as prof:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                eng.step()
+            if cuda:
+                torch.cuda.synchronize()
+            wall_ms = (time.perf_counter() - t0) * 1e3
+    finally:
+        for owner, method in patched:
+            delattr(owner, method)
+    print(f"# {tag}: " + " ".join(f"{k}={v:.3f}" for k, v in eng.step_stats().items()))
+    rows = {r.key: r for r in prof.key_averages()}
+    for name in TRACED_PHASES:
+        r = rows.get(f"step.{name}")
+        if r is None:
+            continue
+        print(f"trace {tag} phase={name} calls={r.count} host_ms={r.cpu_time_total / 1e3 / steps:.3f}"
+              f" device_ms={_device_us(r) / 1e3 / steps:.3f}")
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    kernel_ms = sum(_device_us(e, total=False) for e in kernels) / 1e3
+    print(f"trace {tag} kernels_per_step={len(kernels) / steps:.1f} "
+          f"kernel_ms_per_step={kernel_ms / steps:.3f} wall_ms_per_step={wall_ms / steps:.3f}")
+    if cuda:
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=top,
+                                        max_name_column_width=70))
+
+
+def _device_us(ev: Any, total: bool = True) -> float:
+    """An event's device time in us (``device_time_total`` / ``device_time``, or the older
+    ``cuda_*`` names)."""
+    names = ("device_time_total", "cuda_time_total") if total else ("device_time", "cuda_time")
+    for attr in names:
+        value = getattr(ev, attr, None)
+        if value is not None:
+            return float(value)
+    return 0.0
 
 
 if __name__ == "__main__":
