@@ -161,7 +161,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs per configuration, the worker order reversed every other round; "
                          "a median line per configuration follows when > 1")
+    ap.add_argument("--warmup-runs", type=int, default=None,
+                    help="runs before the measured ones, not counted (the first engine of a "
+                         "process pays the kernel compiles and graph captures: on the H200 "
+                         "it ran at 0.6-0.7x of the later ones); default 1 on CUDA, 0 on CPU")
     args = ap.parse_args()
+    if args.warmup_runs is None:
+        args.warmup_runs = 1 if args.device == "cuda" else 0
     if args.num_requests < 1 or args.max_batch_size < 1 or args.max_tokens < 1:
         ap.error("--num-requests, --max-batch-size and --max-tokens must be >= 1")
     if any(w < 0 for w in args.workers):
@@ -170,6 +176,9 @@ def main() -> None:
         ap.error("--repeats: must be >= 1")
     schemas = pick_schemas(Path(args.data), args.num_requests, args.max_compile_s)
     tok_s: dict[tuple[str, int], list[float]] = {}
+    for _ in range(max(args.warmup_runs, 0)):
+        schemas, s = run_one(args, args.algorithms[0], args.workers[0], schemas)
+        print(f"# warm-up run (not counted): {s['tok_s']:.1f} tok/s", flush=True)
     for algo in args.algorithms:
         for rep in range(args.repeats):
             # alternate the order so that a drift of the machine (clocks, other jobs) does not
