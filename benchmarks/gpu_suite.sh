@@ -42,7 +42,8 @@
 #             and once profiled (host time of every prefill / verify step in order)
 #   llguidance  issue 19: the llguidance tokenizer tests (this host's transformers), the host's
 #             tree-mask cost per backend (tree_mask_cost.py, 8 worker processes), grammar overlap
-#             with every request on llguidance (ngram, batch 1/8/32/64),
+#             with every request on llguidance (ngram, batch 1/8/32/64, 150 steps, 3 repeats:
+#             60-step pairs spread 0.98-1.39 at batch 8),
 #             MaskBench end to end with --grammar-backend auto (greedy)
 #   llguidance2  issue 19: first-request TTFT per backend, MaskBench auto at T=0.6
 #   ab_overlap, ab_peer  this checkout against another one at $OLD (e.g. `git archive` of an
@@ -123,7 +124,7 @@ for s in $stages; do case $s in
   llguidance)
     run llg_tokenizer_tests 150 python3 -m pytest -q -s -p no:cacheprovider tests/grammar/test_llg_tokenizer.py
     run tree_mask_cost 120 python3 benchmarks/tree_mask_cost.py --requests 64 --pool-workers 8
-    run grammar_overlap_llg 240 python3 benchmarks/grammar_overlap.py --device cuda --batch 1 8 32 64 --steps 60 --algorithms ngram --overlap on --repeats 2 --grammar-backend llguidance
+    run grammar_overlap_llg 450 python3 benchmarks/grammar_overlap.py --device cuda --batch 1 8 32 64 --steps 150 --algorithms ngram --overlap on --repeats 3 --grammar-backend llguidance
     run maskbench_auto 170 python3 benchmarks/maskbench_e2e.py --device cuda --speculative-algorithm ngram --limit 120 --max-tokens 1024 --skip-slow-compile --grammar-backend auto --out "$OUT/maskbench_auto.jsonl" ;;
   llguidance2)
     run grammar_ttft 240 python3 benchmarks/grammar_backends.py --ttft --device cuda --num-schemas 50
