@@ -42,9 +42,10 @@
 #             and once profiled (host time of every prefill / verify step in order)
 #   llguidance  issue 19: the llguidance tokenizer tests (this host's transformers), the host's
 #             tree-mask cost per backend (tree_mask_cost.py, 8 worker processes), grammar overlap
-#             with every request on llguidance (ngram, batch 1/8/32/64, 150 steps, 3 repeats:
-#             60-step pairs spread 0.98-1.39 at batch 8),
+#             (see llguidance_overlap),
 #             MaskBench end to end with --grammar-backend auto (greedy)
+#   llguidance_overlap  issue 19: grammar overlap with every request on llguidance (ngram,
+#             batch 1/8/32/64, 150 steps, 3 repeats: 60-step pairs spread 0.98-1.39 at batch 8)
 #   llguidance2  issue 19: first-request TTFT per backend, MaskBench auto at T=0.6
 #   ab_overlap, ab_peer  this checkout against another one at $OLD (e.g. `git archive` of an
 #             earlier commit), alternated back to back (benchmarks/ab_compare.py): grammar
@@ -124,8 +125,9 @@ for s in $stages; do case $s in
   llguidance)
     run llg_tokenizer_tests 150 python3 -m pytest -q -s -p no:cacheprovider tests/grammar/test_llg_tokenizer.py
     run tree_mask_cost 120 python3 benchmarks/tree_mask_cost.py --requests 64 --pool-workers 8
-    run grammar_overlap_llg 450 python3 benchmarks/grammar_overlap.py --device cuda --batch 1 8 32 64 --steps 150 --algorithms ngram --overlap on --repeats 3 --grammar-backend llguidance
     run maskbench_auto 170 python3 benchmarks/maskbench_e2e.py --device cuda --speculative-algorithm ngram --limit 120 --max-tokens 1024 --skip-slow-compile --grammar-backend auto --out "$OUT/maskbench_auto.jsonl" ;;
+  llguidance_overlap)
+    run grammar_overlap_llg 450 python3 benchmarks/grammar_overlap.py --device cuda --batch 1 8 32 64 --steps 150 --algorithms ngram --overlap on --repeats 3 --grammar-backend llguidance ;;
   llguidance2)
     run grammar_ttft 240 python3 benchmarks/grammar_backends.py --ttft --device cuda --num-schemas 50
     run maskbench_auto_t06 170 python3 benchmarks/maskbench_e2e.py --device cuda --speculative-algorithm ngram --limit 120 --max-tokens 1024 --skip-slow-compile --grammar-backend auto --temperature 0.6 --top-p 0.95 --out "$OUT/maskbench_auto_t06.jsonl" ;;
