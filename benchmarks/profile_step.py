@@ -12,10 +12,12 @@ longer than its kernels is bound by its launches, not its kernels), and the top 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import pstats
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -102,8 +104,9 @@ def traced(eng: LLMEngine, steps: int, top: int, tag: str) -> None:
         patched.append((owner, method))
     cuda = torch.cuda.is_available() and eng.runner.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    compiles: list[str] = []
     try:
-        with profile(activities=activities) as prof:
+        with triton_compiles(compiles), profile(activities=activities) as prof:
             t0 = time.perf_counter()
             for _ in range(steps):
                 eng.step()
@@ -124,10 +127,41 @@ def traced(eng: LLMEngine, steps: int, top: int, tag: str) -> None:
     kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     kernel_ms = sum(_device_us(e, total=False) for e in kernels) / 1e3
     print(f"trace {tag} kernels_per_step={len(kernels) / steps:.1f} "
-          f"kernel_ms_per_step={kernel_ms / steps:.3f} wall_ms_per_step={wall_ms / steps:.3f}")
+          f"kernel_ms_per_step={kernel_ms / steps:.3f} wall_ms_per_step={wall_ms / steps:.3f} "
+          f"triton_compiles={len(compiles)}")
+    for name in compiles[:8]:  # a compile inside a steady window is a bug of its own
+        print(f"trace {tag} compiled: {name[:160]}")
     if cuda:
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=top,
                                         max_name_column_width=70))
+
+
+@contextlib.contextmanager
+def triton_compiles(out: list[str]) -> Iterator[None]:
+    """Append to ``out`` the kernel of every Triton JIT compile (a miss of Triton's in-memory
+    kernel cache: a new kernel or a new specialization of its arguments) while the block runs.
+    Uses ``triton.knobs.runtime.jit_cache_hook`` (Triton >= 3.4), else the older
+    ``JITFunction.cache_hook``; without Triton nothing is counted."""
+    try:
+        import triton
+    except ImportError:
+        yield
+        return
+    knobs = getattr(triton, "knobs", None)
+    owner: Any = knobs.runtime if knobs is not None else triton.runtime.jit.JITFunction
+    attr = "jit_cache_hook" if knobs is not None else "cache_hook"
+    previous = getattr(owner, attr, None)
+
+    def hook(*args: Any, **kwargs: Any) -> bool | None:
+        out.append(str(kwargs.get("repr", "?")))
+        # a true return value would tell Triton to skip the compile (and the launch)
+        return previous(*args, **kwargs) if previous is not None else None
+
+    setattr(owner, attr, hook)
+    try:
+        yield
+    finally:
+        setattr(owner, attr, previous)
 
 
 def _device_us(ev: Any, total: bool = True) -> float:
