@@ -41,7 +41,8 @@
 #   itl       issue 21: the prefill-graph test, the chunked-prefill ITL (budget 512), once plain
 #             and once profiled (host time of every prefill / verify step in order)
 #   llguidance  issue 19: the llguidance tokenizer tests (this host's transformers), the host's
-#             tree-mask cost per backend (tree_mask_cost.py, 8 worker processes), MaskBench end to end with --grammar-backend auto (greedy)
+#             tree-mask cost per backend (tree_mask_cost.py, 8 worker processes), MaskBench end
+#             to end with --grammar-backend auto (greedy)
 #   llguidance_overlap  issue 19: grammar overlap with every request on llguidance (ngram,
 #             batch 1/8/32/64, 150 steps, 3 repeats: 60-step pairs spread 0.98-1.39 at batch 8)
 #   llguidance2  issue 19: first-request TTFT per backend, MaskBench auto at T=0.6

@@ -86,7 +86,12 @@ TRACED_PHASES = {"draft": ("", "_propose"), "launch": ("", "_launch_verify"),
 def traced(eng: LLMEngine, steps: int, top: int, tag: str) -> None:
     """``steps`` engine steps under torch.profiler, each phase of :data:`TRACED_PHASES` in a
     ``step.<name>`` range; prints one ``trace`` line per phase (host and device ms per step),
-    one ``trace kernels`` line and the top kernels by device time."""
+    one ``trace kernels`` line and the top kernels by device time.
+
+    The ranges can nest: a host tree whose pool build is sent before the launch
+    (:mod:`structspec.scheduler.build_order`; always on the CPU) launches inside
+    ``build_mask``, so ``mask`` then holds ``launch``'s host and device time too. The
+    ``kernels`` counts are every device event (kernels, memcpys, memsets)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, record_function
 

@@ -10,10 +10,18 @@ its build before launching the verify forward, or launch first and send right af
   about ``S + max(L + F, W)``.
 
 So the launch goes first while the walks hide under the forward (``S + W <= F``), and the build
-goes first when they do not. Measured on the H200 (benchmarks/README.md, "Pool build before
-or after the launch"): with the build always sent first, the llguidance grammar overlap at
-batch 8 / 32 was 1.11 / 1.14 against 1.07 / 1.04 launching first, and 300 distinct MaskBench
-schemas ran at 5.3-6.4k tok/s with the default workers against 8.4k launching first.
+goes first when they do not. Measured on the H200 (benchmarks/README.md, "Fourth and fifth
+H200 runs: the pool build before or after the launch"): with the build always sent first, the
+llguidance grammar overlap at batch 8 / 32 was 1.11 / 1.14 against 1.07 / 1.04 launching
+first, and 300 distinct MaskBench schemas ran at 5.3-6.4k tok/s with the default workers
+against 8.4k launching first.
+
+``F`` is the forward's GPU time left once the launch returned: the step record's
+``gpu_forward_ms`` (``fwd_start`` to ``fwd_end`` on the GPU) less ``host_fwd_launch_ms`` (the
+host time between recording the two). A host tree has no draft kernels, so the GPU reaches
+``fwd_start`` at once and waits there through ``L`` (and, sending first, through ``S``):
+``gpu_forward_ms`` alone counts ``L + F`` and would keep the launch first while ``F < S + W <
+L + F``, where sending first saves up to ``L`` per step.
 
 On the CPU the verify "launch" is the forward itself (the CPU ops run as they are called), so
 the build always goes first there: walking after it would serialize the two.
@@ -44,8 +52,8 @@ class PoolBuildOrder:
     Attributes:
         walk_ms: moving average over the pool's steps of the send time plus the busiest
             worker's round trip (ms), or None before the first such step was read.
-        forward_ms: moving average of the GPU verify forward (ms), or None before the first
-            step's CUDA events were read.
+        forward_ms: moving average of the GPU verify forward's time after its launch (ms;
+            ``F`` of the module doc), or None before the first step's CUDA events were read.
     """
 
     mode: BuildOrderMode = "auto"
@@ -75,11 +83,14 @@ class PoolBuildOrder:
             return
         self._last = rec
         if rec.gpu_forward_ms is not None:
-            self.forward_ms = _ema(self.forward_ms, rec.gpu_forward_ms)
+            # the GPU waited for the launch's host staging; the walks' window opens after it
+            after_launch = rec.gpu_forward_ms - (rec.host_fwd_launch_ms or 0.0)
+            self.forward_ms = _ema(self.forward_ms, max(after_launch, 0.0))
         if rec.pool_worker_max_ms is not None:
             walk = (rec.pool_send_ms or 0.0) + rec.pool_worker_max_ms
             self.walk_ms = _ema(self.walk_ms, walk)
 
 
 def _ema(avg: float | None, value: float) -> float:
+    """``avg`` moved :data:`EMA_WEIGHT` of the way to ``value`` (``value`` when None)."""
     return value if avg is None else avg + EMA_WEIGHT * (value - avg)

@@ -30,6 +30,10 @@ class StepRecord:
         pool_workers, pool_send_ms, pool_worker_max_ms: when the mask worker pool built the
             step's tree bitmask, the workers messaged, the host time spent sending to them,
             and the busiest worker's time from message to reply (None otherwise).
+        host_fwd_launch_ms: on CUDA, the host time from recording ``fwd_start`` to recording
+            ``fwd_end``: staging the tree and launching the verify forward (and, when the pool
+            build goes first, sending it). Without device draft kernels the GPU reaches
+            ``fwd_start`` at once and waits through it, so ``gpu_forward_ms`` includes it.
     """
 
     batch_size: int
@@ -47,6 +51,7 @@ class StepRecord:
     pool_workers: int | None = None
     pool_send_ms: float | None = None
     pool_worker_max_ms: float | None = None
+    host_fwd_launch_ms: float | None = None
 
     @property
     def gpu_busy_ms(self) -> float | None:

@@ -56,6 +56,7 @@ class StepTimer:
         self._events: _Events | None = None
         self._t_mark = 0.0
         self._t_start = 0.0
+        self._t_fwd_start = 0.0  # host clock when ``fwd_start`` was recorded
         self._unread: tuple[StepRecord, _Events] | None = None
         self._prev: _Events | None = None  # events of the last step read (its ``end``)
         self._free: list[_Events] = []
@@ -104,9 +105,15 @@ class StepTimer:
         rec.pool_worker_max_ms = max(worker_busy_ms, default=0.0)
 
     def event(self, name: str) -> None:
-        """Record the CUDA event ``name`` (``fwd_start``, ``fwd_end``, ``post``, ``end``)."""
+        """Record the CUDA event ``name`` (``fwd_start``, ``fwd_end``, ``post``, ``end``); the
+        host time from ``fwd_start`` to ``fwd_end`` goes to ``host_fwd_launch_ms``."""
         if self._events is not None and self._current is not None:
+            if name == "fwd_end":  # before its record: the forward's launches are all queued
+                self._current.host_fwd_launch_ms = (time.perf_counter()
+                                                    - self._t_fwd_start) * 1e3
             getattr(self._events, name).record(self._stream)
+            if name == "fwd_start":
+                self._t_fwd_start = time.perf_counter()
 
     def end(self) -> None:
         """Finish the step's host timing; GPU times are read after the next step's wait."""
@@ -156,6 +163,13 @@ class StepTimer:
             if len(buf) > self.keep:
                 del buf[: len(buf) - self.keep]
 
+    def latest(self) -> StepRecord | None:
+        """The newest record whose times are all read, or None (none yet, or a reset since).
+        Right after :meth:`end` that is the ended step's record on the CPU and the previous
+        verify step's on CUDA (events are read one step late, or at a :meth:`flush` in
+        between); the same record can be returned by several calls."""
+        return self.records[-1] if self.records else None
+
     def drain(self) -> list[StepRecord]:
         """Records finished since the last call (for metrics exporters); no host sync, so
         the latest step's record arrives with the next call."""
@@ -173,8 +187,9 @@ class StepTimer:
         """Mean of every timing over the kept records (ms), plus ``steps``.
 
         Keys: ``wall_ms``, ``cpu_<phase>_ms`` for :data:`CPU_PHASES`, on CUDA ``gpu_busy_ms``
-        and ``<interval>_ms`` for :data:`GPU_INTERVALS`, and for the steps that used the mask
-        worker pool ``pool_workers``, ``pool_send_ms`` and ``pool_worker_max_ms``.
+        and ``<interval>_ms`` for :data:`GPU_INTERVALS` and ``host_fwd_launch_ms``, and for the
+        steps that used the mask worker pool ``pool_workers``, ``pool_send_ms`` and
+        ``pool_worker_max_ms``.
         """
         self.flush()
         recs = self.records
@@ -184,7 +199,8 @@ class StepTimer:
         out["wall_ms"] = sum(r.wall_ms for r in recs) / len(recs)
         for p in CPU_PHASES:
             out[f"cpu_{p}_ms"] = sum(r.cpu_ms.get(p, 0.0) for r in recs) / len(recs)
-        names = [f.name for f in fields(StepRecord) if f.name.startswith(("gpu_", "pool_"))]
+        names = [f.name for f in fields(StepRecord)
+                 if f.name.startswith(("gpu_", "pool_", "host_"))]
         for name in names:
             vals = [getattr(r, name) for r in recs if getattr(r, name) is not None]
             if vals:

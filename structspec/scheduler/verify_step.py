@@ -192,7 +192,7 @@ class VerifyStep:
         for req in reqs:
             trim_logprobs(req)
         timer.end()
-        self.build_order.observe(timer.records[-1] if timer.records else None)
+        self.build_order.observe(timer.latest())
         return outcome
 
     # ------------------------------------------------------------------ phases

@@ -415,34 +415,54 @@ def test_committed_id_the_grammar_forbids_is_never_reported(make_llm, ngram_pool
             assert b.error is None and b.schema_valid in (True, None), b
 
 
-def test_pool_build_sent_after_the_launch_matches_in_process(ngram_pool_llm, in_process_outputs,
-                                                            monkeypatch: pytest.MonkeyPatch
-                                                            ) -> None:
+def test_pool_build_after_the_launch_and_switched_per_step_matches_in_process(
+        ngram_pool_llm, in_process_outputs, monkeypatch: pytest.MonkeyPatch) -> None:
     """The pool build sent right after the verify launch (the order the engine picks on a
-    GPU while the walks hide under the forward; the CPU sends first) gives the in-process
-    outputs: the mirrors serve the barrier and the walks the same way in either order."""
+    GPU while the walks hide under the forward; the CPU sends first), and the order switched
+    from step to step as the measured times may switch it, give the in-process outputs: the
+    mirrors get the same new ids, and the barrier and the walks run the same way, in either
+    order."""
     from structspec.scheduler.build_order import PoolBuildOrder
     from structspec.scheduler.verify_step import VerifyStep
+
+    class Alternating(PoolBuildOrder):
+        """Launch first on the first step, then the other order each step."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.steps = 0
+
+        def send_first(self) -> bool:
+            self.steps += 1
+            return self.steps % 2 == 0
 
     ref = in_process_outputs("ngram")[:4]
     verify = ngram_pool_llm.engine.scheduler._verify
     assert verify.build_order.send_first()  # the CPU default
-    under_walks = [0]
-    launch_under_walks = VerifyStep._launch_under_walks
-
-    def counting(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        under_walks[0] += 1
-        return launch_under_walks(self, *args, **kwargs)
-
-    monkeypatch.setattr(VerifyStep, "_launch_under_walks", counting)
-    monkeypatch.setattr(verify, "build_order", PoolBuildOrder("after"))
     pool = ngram_pool_llm.engine.scheduler.mask_pool
-    builds = pool.num_builds
-    got = ngram_pool_llm.generate(PROMPTS[:4], cut_params()[:4])
-    assert pool.num_builds > builds and under_walks[0] == 0
-    for a, b in zip(ref, got, strict=True):
-        assert a.token_ids == b.token_ids and a.text == b.text
-        assert a.finish_reason == b.finish_reason
+    builds = {"before": 0, "after": 0}  # pool builds per order
+
+    def counted(method, order: str):  # type: ignore[no-untyped-def]
+        def run(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            n = pool.num_builds
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                builds[order] += pool.num_builds - n
+        return run
+
+    monkeypatch.setattr(VerifyStep, "_launch_under_walks",
+                        counted(VerifyStep._launch_under_walks, "before"))
+    monkeypatch.setattr(VerifyStep, "_grammar_mask", counted(VerifyStep._grammar_mask, "after"))
+    for order in (PoolBuildOrder("after"), Alternating()):
+        monkeypatch.setattr(verify, "build_order", order)
+        before = dict(builds)
+        got = ngram_pool_llm.generate(PROMPTS[:4], cut_params()[:4])
+        assert builds["after"] > before["after"], order
+        assert (builds["before"] > before["before"]) == isinstance(order, Alternating)
+        for a, b in zip(ref, got, strict=True):
+            assert a.token_ids == b.token_ids and a.text == b.text
+            assert a.finish_reason == b.finish_reason
 
 
 LIST_SCHEMA = {"type": "object", "properties": {"items": {"type": "array",

@@ -8,8 +8,12 @@ from structspec.scheduler.build_order import PoolBuildOrder
 from structspec.scheduler.step_record import StepRecord
 
 
-def record(forward_ms: float | None, walk_ms: float | None = None) -> StepRecord:
-    rec = StepRecord(batch_size=8, num_nodes=8, constrained=8, gpu_forward_ms=forward_ms)
+def record(forward_ms: float | None, walk_ms: float | None = None,
+           launch_ms: float | None = None) -> StepRecord:
+    """A step record: GPU ``fwd_start`` to ``fwd_end`` ``forward_ms``, of which ``launch_ms``
+    the host spent launching; the pool's send plus busiest worker ``walk_ms``."""
+    rec = StepRecord(batch_size=8, num_nodes=8, constrained=8, gpu_forward_ms=forward_ms,
+                     host_fwd_launch_ms=launch_ms)
     if walk_ms is not None:
         rec.pool_workers, rec.pool_send_ms, rec.pool_worker_max_ms = 8, 0.1, walk_ms - 0.1
     return rec
@@ -26,6 +30,19 @@ def test_auto_launches_first_until_walks_outlast_the_forward() -> None:
     for _ in range(40):  # steps without the pool move only the forward's average
         order.observe(record(4.0))
     assert order.walk_ms == pytest.approx(3.0, abs=0.05) and not order.send_first()
+
+
+def test_the_launch_is_not_counted_as_forward() -> None:
+    """The GPU waits at ``fwd_start`` through the launch's host staging; the walks can hide
+    only under the forward left after it (module doc: ``F``, not ``L + F``)."""
+    order = PoolBuildOrder()
+    order.observe(record(3.0, walk_ms=1.5, launch_ms=2.0))  # 1.0 ms of forward after the launch
+    assert order.forward_ms == pytest.approx(1.0) and order.send_first()
+    order = PoolBuildOrder()
+    order.observe(record(3.0, walk_ms=1.5, launch_ms=1.0))
+    assert order.forward_ms == pytest.approx(2.0) and not order.send_first()
+    order.observe(record(1.0, launch_ms=1.5))  # the clocks disagree: no negative forward
+    assert order.forward_ms == pytest.approx(1.8)
 
 
 def test_a_record_is_folded_in_once() -> None:

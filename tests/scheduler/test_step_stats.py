@@ -52,3 +52,71 @@ def test_phases_summary_and_drain(monkeypatch: pytest.MonkeyPatch) -> None:
     timer.phase("draft")  # outside a step: ignored
     timer.reset()
     assert timer.summary() == {"steps": 0.0}
+
+
+class FakeEvent:
+    """A CUDA event on a fake GPU that reaches each event :attr:`lag_ms` after the host
+    records it (the lag set before the forward's ``fwd_end``: the forward runs after it)."""
+
+    lag_ms = 0.0
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+        self.t_ms = 0.0
+
+    def record(self, stream: object = None) -> None:
+        self.t_ms = self.clock.now * 1e3 + FakeEvent.lag_ms
+
+    def elapsed_time(self, other: FakeEvent) -> float:
+        return other.t_ms - self.t_ms
+
+    def synchronize(self) -> None:
+        pass
+
+
+def test_cuda_records_one_step_late_feed_the_build_order(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """On CUDA a step's record is read at the next step's end (or a flush): ``latest()``
+    after ``end()`` is the previous step's, with the forward's GPU time and the host's launch
+    time, and the build order (fed as VerifyStep.run feeds it) folds each record in once."""
+    from structspec.scheduler.build_order import PoolBuildOrder
+
+    clock = FakeClock()
+    monkeypatch.setattr(step_stats.time, "perf_counter", clock)
+    monkeypatch.setattr(step_stats.torch.cuda, "Event",
+                        lambda enable_timing=False: FakeEvent(clock))
+    monkeypatch.setattr(step_stats.torch.cuda, "current_stream", lambda: None)
+    timer = StepTimer(torch.device("cuda"))
+    order = PoolBuildOrder()
+    seen = []
+
+    def step(launch_ms: float, forward_ms: float) -> None:
+        FakeEvent.lag_ms = 0.0
+        timer.begin(batch_size=8, num_nodes=8, constrained=8)
+        timer.event("fwd_start")
+        clock.advance_ms(launch_ms)  # the GPU waits for the launch at fwd_start
+        FakeEvent.lag_ms = forward_ms
+        for name in ("fwd_end", "post", "end"):
+            timer.event(name)
+        clock.advance_ms(forward_ms + 0.5)  # the wait and the commit
+        timer.end()
+        order.observe(timer.latest())
+        seen.append(order.forward_ms)
+
+    step(2.0, 1.0)
+    assert timer.latest() is None and seen == [None]  # nothing read yet
+    step(1.0, 3.0)
+    rec = timer.latest()
+    assert rec is not None and rec.gpu_forward_ms == pytest.approx(3.0)
+    assert rec.host_fwd_launch_ms == pytest.approx(2.0) and seen[-1] == pytest.approx(1.0)
+    timer.break_chain()  # a prefill: the second step's record is read now
+    step(0.5, 2.0)
+    assert timer.latest().gpu_forward_ms == pytest.approx(4.0)  # type: ignore[union-attr]
+    assert seen[-1] == pytest.approx(1.0 + 0.1 * (3.0 - 1.0))
+    order.observe(timer.latest())  # read again: not folded in twice
+    assert order.forward_ms == pytest.approx(seen[-1])
+    assert timer.summary()["host_fwd_launch_ms"] == pytest.approx((2.0 + 1.0 + 0.5) / 3)
+    timer.reset()
+    assert timer.latest() is None
+    step(1.0, 1.0)
+    assert timer.latest() is None and order.forward_ms == pytest.approx(seen[-2])
