@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from structspec.regex_check import find_regex_problem
+
 
 def escape_pointer_token(token: str) -> str:
     """A key as a JSON Pointer token (RFC 6901: ``~`` -> ``~0``, ``/`` -> ``~1``)."""
@@ -51,7 +53,10 @@ def find_structure_problem(schema: Any) -> str | None:
     - a ``$ref`` that is not a local reference (``#...``) into the same schema: the engine
       never fetches a schema (a URL would make it issue network requests chosen by the
       client), and xgrammar silently ignores references it cannot resolve;
-    - a local ``$ref`` JSON pointer (``#/...``) whose target does not exist.
+    - a local ``$ref`` JSON pointer (``#/...``) whose target does not exist;
+    - a ``pattern`` or ``patternProperties`` regex with an escape of an unknown letter or an
+      empty character class (refused as in the ``regex`` field:
+      :func:`~structspec.regex_check.find_regex_problem`).
 
     The walk is iterative (a deep schema cannot overflow Python's stack here).
 
@@ -85,12 +90,32 @@ def find_structure_problem(schema: Any) -> str | None:
             if (key == "$ref" and ref[1:2] in ("", "/")
                     and resolve_local_ref(schema, ref) is None):
                 return f"{where}: {key} {ref!r} points to nothing in the schema"
+        problem = _pattern_problem(node, pointer)
+        if problem is not None:
+            return problem
         for name, child in reversed(list(node.items())):
             if name not in _DATA_KEYWORDS:
                 stack.append((child, f"{pointer}/{escape_pointer_token(name)}", depth + 1))
             elif depth + _nesting(child) > MAX_SCHEMA_NESTING:  # data: depth only
                 return (f"{pointer}/{escape_pointer_token(name)}: the schema nests deeper than "
                         f"{MAX_SCHEMA_NESTING} levels")
+    return None
+
+
+def _pattern_problem(node: dict[str, Any], pointer: str) -> str | None:
+    """A ``pattern`` or ``patternProperties`` regex of ``node`` whose meaning differs between
+    regex dialects (:func:`~structspec.regex_check.find_regex_problem`: ``\\q``, ``[^]``),
+    as the ``regex`` field refuses it: the grammar would enforce something else than the
+    client meant, and the output check could not read it."""
+    pattern = node.get("pattern")
+    if isinstance(pattern, str) and (problem := find_regex_problem(pattern)) is not None:
+        return f"{pointer}/pattern: {problem} in {pattern[:80]!r}"
+    keys = node.get("patternProperties")
+    if isinstance(keys, dict):
+        for key in keys:
+            if isinstance(key, str) and (problem := find_regex_problem(key)) is not None:
+                return (f"{pointer}/patternProperties/{escape_pointer_token(key)}: {problem} "
+                        f"in {key[:80]!r}")
     return None
 
 

@@ -31,6 +31,12 @@ def _nested(levels: int) -> dict[str, Any]:
     ({"$ref": "#/$defs/missing", "$defs": {}}, "/$ref: $ref '#/$defs/missing' points to nothing"),
     (_nested(MAX_SCHEMA_NESTING), "the schema nests deeper than 128 levels"),
     ({"default": _nested(MAX_SCHEMA_NESTING)}, "/default: the schema nests deeper"),
+    # regexes refused as the regex field refuses them (an unknown escape, an empty class)
+    ({"type": "string", "pattern": "\\q"}, "/pattern: unknown escape '\\q' at position 0"),
+    ({"properties": {"a": {"type": "string", "pattern": "x[^]"}}},
+     "/properties/a/pattern: empty character class '[^]'"),
+    ({"type": "object", "patternProperties": {"^a\\z": {}}},
+     "/patternProperties/^a\\z: unknown escape"),
 ])
 def test_refused_structure_names_the_pointer(schema: Any, expected: str) -> None:
     problem = find_structure_problem(schema)
@@ -44,6 +50,8 @@ def test_refused_structure_names_the_pointer(schema: Any, expected: str) -> None
     {"$ref": "#node", "$anchor": "node"},  # anchors are not resolved here
     {"const": {"$ref": "http://not.a.reference/"}},  # instance data, not a subschema
     {"properties": {"$ref": {"type": "string"}}},  # a property named "$ref"
+    {"properties": {"pattern": {"type": "string", "pattern": "^[a-z]\\d+\\.$"}}},
+    {"enum": [{"pattern": "\\q"}]},  # instance data, not a regex
     _nested(MAX_SCHEMA_NESTING // 2 - 1),
     True,
 ])

@@ -201,9 +201,14 @@ def _node_problems(node: dict[str, Any], root: Any) -> Iterator[str]:
     pattern = node.get("pattern")
     if isinstance(pattern, str) and ("(?=" in pattern or "(?!" in pattern):
         yield "lookahead assertions in 'pattern' are ignored by the grammar engine"
-    if ("enum" in keys or "const" in keys) and not _enum_respects_siblings(node):
+    if "enum" in keys or "const" in keys:
         key = "const" if "const" in keys else "enum"
-        yield f"keywords beside '{key}' are ignored and some {key} values violate them"
+        respected = _enum_respects_siblings(node)
+        if respected is None:
+            yield (f"keywords beside '{key}' are ignored and a 'pattern' among them takes "
+                   f"too long to check the {key} values against")
+        elif not respected:
+            yield f"keywords beside '{key}' are ignored and some {key} values violate them"
     required = node.get("required")
     if isinstance(required, list):
         props = node.get("properties")
@@ -223,19 +228,23 @@ def _integer_multiple_of(node: dict[str, Any]) -> bool:
     return isinstance(divisor, int) or (isinstance(divisor, float) and divisor.is_integer())
 
 
-def _enum_respects_siblings(node: dict[str, Any]) -> bool:
-    """Whether every enum/const value already satisfies the keywords beside it."""
+def _enum_respects_siblings(node: dict[str, Any]) -> bool | None:
+    """Whether every enum/const value already satisfies the keywords beside it; None when a
+    ``pattern`` beside them is too slow to decide (over the bounded validator's time limit:
+    a client's pattern must not stall the engine, :mod:`~structspec.grammar.bounded_validator`)."""
     siblings = {k: v for k, v in node.items() if k in ASSERTIONS and k not in ("enum", "const")}
     if not siblings:
         return True
     if any(k in siblings for k in COMPOSITION) or "$ref" in repr(siblings):
         return False  # cannot validate without the whole document; be conservative
     values = list(node.get("enum") or []) + ([node["const"]] if "const" in node else [])
-    import jsonschema  # only needed here; keep the module importable without it
+    from structspec.grammar.bounded_validator import PatternTimeLimit, bounded_validator
 
     try:
-        validator = jsonschema.Draft202012Validator(siblings)
-        return all(validator.is_valid(v) for v in values)
+        validator = bounded_validator(siblings)
+        return validator is not None and all(validator.is_valid(v) for v in values)
+    except PatternTimeLimit:
+        return None
     except Exception:  # noqa: BLE001 - a malformed sibling: let the compiler report it
         return False
 

@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
+from structspec.grammar.bounded_validator import PatternTimeLimit, bounded_validator
 from structspec.grammar.schema_check import ASSERTIONS, KNOWN_FORMATS, UNENFORCED_FORMATS
 from structspec.grammar.schema_check import _provably_disjoint as _disjoint_by_check
 from structspec.schema_structure import escape_pointer_token as _escape
@@ -169,14 +170,14 @@ class _Context:
 
     def validator(self, node: Any) -> Any | None:
         """A ``jsonschema`` validator of ``node`` that resolves ``$ref`` in the whole document
-        (the draft of its ``$schema``, 2020-12 without one), or None for a node with an
-        assertion keyword that draft does not implement (its meaning would be ambiguous)."""
-        import jsonschema  # only the rewrites need it; keep the module light to import
-
+        (the draft of its ``$schema``, 2020-12 without one; its regex searches time-limited:
+        :mod:`~structspec.grammar.bounded_validator`), or None for a node with an assertion
+        keyword that draft does not implement (its meaning would be ambiguous), or for a
+        document whose regex keywords cannot be bounded."""
         if self._validator is None:
-            cls = jsonschema.validators.validator_for(self.root,
-                                                      default=jsonschema.Draft202012Validator)
-            self._validator = cls(self.root)
+            self._validator = bounded_validator(self.root) or False
+        if self._validator is False:
+            return None
         if isinstance(node, dict):
             unknown = (set(node) & ASSERTIONS) - set(self._validator.VALIDATORS)
             if unknown - {"$ref"}:
@@ -441,7 +442,12 @@ def _finite_excluded(ctx: _Context, a: Any, b: Any) -> bool:
     if values is None:
         return False
     validator = ctx.validator(b)
-    return validator is not None and not any(validator.is_valid(v) for v in values)
+    if validator is None:
+        return False
+    try:
+        return not any(validator.is_valid(v) for v in values)
+    except PatternTimeLimit:  # a pattern too slow to decide: not proven disjoint
+        return False
 
 
 def _deref(ctx: _Context, node: Any) -> Any:

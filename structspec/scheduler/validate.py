@@ -13,8 +13,11 @@ def check_schema_output(spec: GrammarConstraint, text: str) -> bool | None:
     JSON Schema outputs are checked with the ``jsonschema`` package (the draft named by the
     schema's ``$schema``, else the latest it knows), with an empty reference registry: a
     ``$ref`` is never retrieved over the network (jsonschema's default would fetch it, with
-    no timeout, from a URL the client chose). A schema the validator cannot use gives no
-    verdict (None) instead of an exception: this check runs inside the engine's step.
+    no timeout, from a URL the client chose), and its regex searches are time-limited
+    (:mod:`~structspec.grammar.bounded_validator`: a client's backtracking pattern would hold
+    the GIL for hours). A schema the validator cannot use, or a pattern over its time limit,
+    gives no verdict (None) instead of an exception: this check runs inside the engine's
+    step.
     """
     if not isinstance(spec, (JsonSchemaConstraint, JsonObjectConstraint)):
         return None
@@ -31,12 +34,16 @@ def check_schema_output(spec: GrammarConstraint, text: str) -> bool | None:
 
     import referencing
 
+    from structspec.grammar.bounded_validator import bounded_validator
+
     try:
         schema = json.loads(spec.canonical_text())
-        validator_cls = jsonschema.validators.validator_for(schema)
-        validator_cls(schema, registry=referencing.Registry()).validate(value)
+        validator = bounded_validator(schema, registry=referencing.Registry())
+        if validator is None:  # regex keywords that cannot be time-limited
+            return None
+        validator.validate(value)
     except jsonschema.ValidationError:
         return False
-    except Exception:  # noqa: BLE001 - unresolvable $ref, bad schema, recursion: no verdict
-        return None
+    except Exception:  # noqa: BLE001 - unresolvable $ref, bad schema, recursion, a pattern
+        return None  # over its time limit (PatternTimeLimit): no verdict
     return True
