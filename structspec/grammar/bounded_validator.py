@@ -10,7 +10,9 @@ check of ``enum``/``const`` values against their siblings
 would stall every other one. Here those keywords (and ``additionalProperties``, which matches
 the ``patternProperties`` keys) run on the ``regex`` package with a per-search time limit;
 a search over it raises :class:`PatternTimeLimit`, which each caller treats as "cannot tell"
-(no verdict, no rewrite, not proven). ``regex`` reads patterns as ``re`` does (its version 0
+(no verdict, no rewrite, not proven). Each caller also runs its whole document under
+:func:`pattern_budget`, so a schema with many such patterns costs one budget, not one limit
+per pattern. ``regex`` reads patterns as ``re`` does (its version 0
 mode), so verdicts within the limit are unchanged.
 
 ``unevaluatedProperties`` evaluates ``patternProperties`` through ``jsonschema``'s own code,
@@ -20,14 +22,36 @@ which this module cannot bound, so a document that uses both gets no validator
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import time
 from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import Any
 
 import regex
 
 #: seconds one regex search may take (a client's pattern against one string)
 PATTERN_TIME_LIMIT_S = 0.05
+#: seconds all the searches of one document's check may take together (:func:`pattern_budget`)
+DOCUMENT_TIME_BUDGET_S = 0.25
+
+#: the deadline (``time.perf_counter()`` seconds) of the check running in this context
+_DEADLINE: ContextVar[float | None] = ContextVar("pattern_deadline", default=None)
+
+
+@contextlib.contextmanager
+def pattern_budget(total_s: float = DOCUMENT_TIME_BUDGET_S) -> Iterator[None]:
+    """Bound every :func:`bounded_search` inside the block by one shared deadline ``total_s``
+    seconds away (each search keeps its own limit too); once it has passed, every search
+    raises :class:`PatternTimeLimit` at once. Nested blocks keep the earlier deadline."""
+    deadline = time.perf_counter() + total_s
+    outer = _DEADLINE.get()
+    token = _DEADLINE.set(deadline if outer is None else min(outer, deadline))
+    try:
+        yield
+    finally:
+        _DEADLINE.reset(token)
 
 
 class PatternTimeLimit(RuntimeError):
@@ -37,15 +61,24 @@ class PatternTimeLimit(RuntimeError):
 def bounded_search(pattern: str, text: str) -> bool:
     """``re.search(pattern, text) is not None`` within :data:`PATTERN_TIME_LIMIT_S`.
 
+    Inside :func:`pattern_budget` the search also ends at the block's deadline.
+
     Raises:
-        PatternTimeLimit: the search ran past the limit.
+        PatternTimeLimit: the search ran past its limit, or the budget was spent.
         regex.error: ``pattern`` is not a valid regular expression.
     """
+    limit = PATTERN_TIME_LIMIT_S
+    deadline = _DEADLINE.get()
+    if deadline is not None:
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            raise PatternTimeLimit("the document's regex time budget is spent")
+        limit = min(limit, left)
     try:
-        return regex.search(pattern, text, timeout=PATTERN_TIME_LIMIT_S) is not None
+        return regex.search(pattern, text, timeout=limit) is not None
     except TimeoutError as e:
         raise PatternTimeLimit(
-            f"pattern {pattern[:80]!r} took more than {PATTERN_TIME_LIMIT_S} s on a "
+            f"pattern {pattern[:80]!r} took more than {limit:.3f} s on a "
             f"{len(text)}-character string") from e
 
 

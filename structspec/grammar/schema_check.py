@@ -105,10 +105,13 @@ def find_unenforceable(schema: dict[str, Any] | bool) -> list[tuple[str, str]]:
         docstring). Each reason names the keyword, e.g. ``"'not' is ignored by the grammar
         engine"``.
     """
+    from structspec.grammar.bounded_validator import pattern_budget
+
     found: list[tuple[str, str]] = []
     seen: set[str] = set()
-    for pointer, node in _walk(schema, schema, "", seen):
-        found.extend((pointer, reason) for reason in _node_problems(node, schema))
+    with pattern_budget():  # the enum/const checks' regex searches, for the whole schema
+        for pointer, node in _walk(schema, schema, "", seen):
+            found.extend((pointer, reason) for reason in _node_problems(node, schema))
     return found
 
 

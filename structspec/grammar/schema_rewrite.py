@@ -54,7 +54,11 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
-from structspec.grammar.bounded_validator import PatternTimeLimit, bounded_validator
+from structspec.grammar.bounded_validator import (
+    PatternTimeLimit,
+    bounded_validator,
+    pattern_budget,
+)
 from structspec.grammar.schema_check import ASSERTIONS, KNOWN_FORMATS, UNENFORCED_FORMATS
 from structspec.grammar.schema_check import _provably_disjoint as _disjoint_by_check
 from structspec.schema_structure import escape_pointer_token as _escape
@@ -142,7 +146,8 @@ def rewrite_schema_text(text: str) -> str:
         schema = json.loads(text)
     except ValueError:
         return text  # the caller's parse reports it
-    out, done = rewrite_schema(schema)
+    with pattern_budget():  # the enum filter's and the disjointness checks' regex searches
+        out, done = rewrite_schema(schema)
     if not done:
         return text
     return json.dumps(out, ensure_ascii=False, separators=(",", ":"))

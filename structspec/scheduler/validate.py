@@ -34,14 +34,15 @@ def check_schema_output(spec: GrammarConstraint, text: str) -> bool | None:
 
     import referencing
 
-    from structspec.grammar.bounded_validator import bounded_validator
+    from structspec.grammar.bounded_validator import bounded_validator, pattern_budget
 
     try:
         schema = json.loads(spec.canonical_text())
         validator = bounded_validator(schema, registry=referencing.Registry())
         if validator is None:  # regex keywords that cannot be time-limited
             return None
-        validator.validate(value)
+        with pattern_budget():
+            validator.validate(value)
     except jsonschema.ValidationError:
         return False
     except Exception:  # noqa: BLE001 - unresolvable $ref, bad schema, recursion, a pattern

@@ -85,3 +85,15 @@ def test_the_engines_checks_finish_on_a_backtracking_pattern() -> None:
     fast = {"type": "string", "pattern": "^a+b$"}
     assert check_schema_output(JsonSchemaConstraint(fast), json.dumps(SLOW_TEXT)) is True
     assert check_schema_output(JsonSchemaConstraint(fast), '"ba"') is False
+
+
+def test_a_schema_of_many_slow_patterns_costs_one_budget() -> None:
+    """60 properties, each a const beside a backtracking pattern: the strict check and the
+    rewrite each stop at the document's budget (0.25 s), not at 60 x the per-search limit."""
+    node = {"type": "string", "const": SLOW_TEXT, "pattern": "^(?:(a|a)*c|a*b)$"}
+    schema = {"type": "object", "properties": {f"p{i}": dict(node) for i in range(60)}}
+    t0 = time.perf_counter()
+    problems = find_unenforceable(schema)
+    assert len(problems) == 60  # every node reported, most without a search
+    assert json.loads(str(rewrite_schema_text(json.dumps(schema)))) == schema
+    assert time.perf_counter() - t0 < 1.5
