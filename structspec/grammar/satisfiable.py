@@ -228,6 +228,8 @@ def _explain(root: dict[str, Any], nodes: dict[str, dict[str, Any]],
 
 def _local_reason(node: dict[str, Any]) -> str:
     if "not" in node and _always_true(node["not"]):
+        if len(node) == 1:  # {"not": {}}: also the object form of the schema false
+            return "the schema accepts no value (false, or 'not' of a schema that accepts everything)"
         return "'not' of a schema that accepts everything accepts no value"
     if isinstance(node.get("enum"), list) and not node["enum"]:
         return "an empty 'enum' accepts no value"

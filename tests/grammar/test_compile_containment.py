@@ -189,7 +189,8 @@ def test_100k_enum_compiles_alone(backend: GrammarBackend) -> None:
 
 @pytest.mark.parametrize("schema, fragment", [
     (False, "/: the schema is false"),
-    ({"not": {}}, "/: 'not' of a schema that accepts everything"),
+    ({"not": {}}, "/: the schema accepts no value (false, or 'not' of a schema that accepts"),
+    ({"type": "string", "not": {}}, "/: 'not' of a schema that accepts everything"),
     ({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
      "/properties/a: a required value refers back to / with no finite way out"),
     ({"properties": {"a": {"$ref": "#"}}, "required": ["a"]}, "refers back to /"),
