@@ -30,6 +30,9 @@ class StepRecord:
         pool_workers, pool_send_ms, pool_worker_max_ms: when the mask worker pool built the
             step's tree bitmask, the workers messaged, the host time spent sending to them,
             and the busiest worker's time from message to reply (None otherwise).
+        pool_sent_first: when the pool built the step's bitmask, whether its build went out
+            before the verify launch (:mod:`~structspec.scheduler.build_order`; the
+            summary's mean is the share of such steps).
         host_fwd_launch_ms: on CUDA, the host time from recording ``fwd_start`` to recording
             ``fwd_end``: staging the tree and launching the verify forward (and, when the pool
             build goes first, sending it). Without device draft kernels the GPU reaches
@@ -51,6 +54,7 @@ class StepRecord:
     pool_workers: int | None = None
     pool_send_ms: float | None = None
     pool_worker_max_ms: float | None = None
+    pool_sent_first: bool | None = None
     host_fwd_launch_ms: float | None = None
 
     @property

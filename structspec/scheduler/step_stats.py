@@ -104,6 +104,13 @@ class StepTimer:
         rec.pool_send_ms = send_ms
         rec.pool_worker_max_ms = max(worker_busy_ms, default=0.0)
 
+    def pool_order(self, sent_first: bool) -> None:
+        """Note whether the step's pool build went out before the verify launch (kept only
+        for a step whose bitmask the pool built: :meth:`pool` was called)."""
+        rec = self._current
+        if rec is not None and rec.pool_workers is not None:
+            rec.pool_sent_first = sent_first
+
     def event(self, name: str) -> None:
         """Record the CUDA event ``name`` (``fwd_start``, ``fwd_end``, ``post``, ``end``); the
         host time from ``fwd_start`` to ``fwd_end`` goes to ``host_fwd_launch_ms``."""
@@ -188,8 +195,9 @@ class StepTimer:
 
         Keys: ``wall_ms``, ``cpu_<phase>_ms`` for :data:`CPU_PHASES`, on CUDA ``gpu_busy_ms``
         and ``<interval>_ms`` for :data:`GPU_INTERVALS` and ``host_fwd_launch_ms``, and for the
-        steps that used the mask worker pool ``pool_workers``, ``pool_send_ms`` and
-        ``pool_worker_max_ms``.
+        steps that used the mask worker pool ``pool_workers``, ``pool_send_ms``,
+        ``pool_worker_max_ms`` and ``pool_sent_first`` (the share of them whose build went out
+        before the launch).
         """
         self.flush()
         recs = self.records

@@ -168,6 +168,7 @@ class VerifyStep:
                                             fwd)
             mask = early_mask if staged.mask_before_launch else self._grammar_mask(
                 proposal, staged, work, selection.graph_bitmask)  # 4. barrier + grammar mask
+        timer.pool_order(pool_walks is not None)  # kept only if the pool built the mask
         timer.event("post")
         pending = self.select.launch(reqs, proposal.tree, fwd.logits, fwd, selection,
                                      mask)  # 5. select/verify, D2H copy queued

@@ -457,9 +457,14 @@ def test_pool_build_after_the_launch_and_switched_per_step_matches_in_process(
     for order in (PoolBuildOrder("after"), Alternating()):
         monkeypatch.setattr(verify, "build_order", order)
         before = dict(builds)
+        ngram_pool_llm.engine.step_stats(reset=True)
         got = ngram_pool_llm.generate(PROMPTS[:4], cut_params()[:4])
         assert builds["after"] > before["after"], order
         assert (builds["before"] > before["before"]) == isinstance(order, Alternating)
+        # the step records say which order each pooled step took
+        sent_first = ngram_pool_llm.engine.step_stats()["pool_sent_first"]
+        pooled = builds["before"] - before["before"] + builds["after"] - before["after"]
+        assert sent_first == pytest.approx((builds["before"] - before["before"]) / pooled)
         for a, b in zip(ref, got, strict=True):
             assert a.token_ids == b.token_ids and a.text == b.text
             assert a.finish_reason == b.finish_reason
