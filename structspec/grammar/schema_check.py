@@ -205,13 +205,9 @@ def _node_problems(node: dict[str, Any], root: Any) -> Iterator[str]:
     if isinstance(pattern, str) and ("(?=" in pattern or "(?!" in pattern):
         yield "lookahead assertions in 'pattern' are ignored by the grammar engine"
     if "enum" in keys or "const" in keys:
-        key = "const" if "const" in keys else "enum"
-        respected = _enum_respects_siblings(node)
-        if respected is None:
-            yield (f"keywords beside '{key}' are ignored and a 'pattern' among them takes "
-                   f"too long to check the {key} values against")
-        elif not respected:
-            yield f"keywords beside '{key}' are ignored and some {key} values violate them"
+        problem = _enum_sibling_problem(node, "const" if "const" in keys else "enum")
+        if problem is not None:
+            yield problem
     required = node.get("required")
     if isinstance(required, list):
         props = node.get("properties")
@@ -231,25 +227,32 @@ def _integer_multiple_of(node: dict[str, Any]) -> bool:
     return isinstance(divisor, int) or (isinstance(divisor, float) and divisor.is_integer())
 
 
-def _enum_respects_siblings(node: dict[str, Any]) -> bool | None:
-    """Whether every enum/const value already satisfies the keywords beside it; None when a
-    ``pattern`` beside them is too slow to decide (over the bounded validator's time limit:
-    a client's pattern must not stall the engine, :mod:`~structspec.grammar.bounded_validator`)."""
+def _enum_sibling_problem(node: dict[str, Any], key: str) -> str | None:
+    """Why the ``enum``/``const`` values of ``node`` (``key`` names which) cannot be served
+    exactly beside the keywords next to them, or None when every value satisfies them: the
+    grammar engine keeps the values and ignores the rest. Regex searches are time-limited (a
+    client's pattern must not stall the engine, :mod:`~structspec.grammar.bounded_validator`)."""
     siblings = {k: v for k, v in node.items() if k in ASSERTIONS and k not in ("enum", "const")}
     if not siblings:
-        return True
+        return None
+    ignored = f"keywords beside '{key}' are ignored"
     if any(k in siblings for k in COMPOSITION) or "$ref" in repr(siblings):
-        return False  # cannot validate without the whole document; be conservative
+        # cannot validate without the whole document; be conservative
+        return (f"{ignored} and the {key} values cannot be checked against them here (a "
+                "'$ref' or a composition among them)")
     values = list(node.get("enum") or []) + ([node["const"]] if "const" in node else [])
     from structspec.grammar.bounded_validator import PatternTimeLimit, bounded_validator
 
     try:
         validator = bounded_validator(siblings)
-        return validator is not None and all(validator.is_valid(v) for v in values)
+        if validator is not None and all(validator.is_valid(v) for v in values):
+            return None
     except PatternTimeLimit:
-        return None
+        return (f"{ignored} and a 'pattern' among them takes too long to check the {key} "
+                "values against")
     except Exception:  # noqa: BLE001 - a malformed sibling: let the compiler report it
-        return False
+        pass
+    return f"{ignored} and some {key} values violate them"
 
 
 _NUMERIC = {"integer", "number"}

@@ -97,3 +97,13 @@ def test_a_schema_of_many_slow_patterns_costs_one_budget() -> None:
     assert len(problems) == 60  # every node reported, most without a search
     assert json.loads(str(rewrite_schema_text(json.dumps(schema)))) == schema
     assert time.perf_counter() - t0 < 1.5
+
+
+def test_a_ref_beside_const_is_reported_as_unchecked_not_violated() -> None:
+    """A ``$ref`` among a const's siblings cannot be checked node by node: the strict check
+    says so instead of claiming the value violates them (it matches ``a*b`` here)."""
+    schema = {"$defs": {"s": {"type": "string", "pattern": "^(?:(a|a)*c|a*b)$"}},
+              "$ref": "#/$defs/s", "const": SLOW_TEXT}
+    reasons = [why for _, why in find_unenforceable(schema)]
+    assert any("cannot be checked against them here" in why for why in reasons), reasons
+    assert not any("violate" in why for why in reasons), reasons
