@@ -55,7 +55,8 @@ def pattern_budget(total_s: float = DOCUMENT_TIME_BUDGET_S) -> Iterator[None]:
 
 
 class PatternTimeLimit(RuntimeError):
-    """A ``pattern`` / ``patternProperties`` search ran past :data:`PATTERN_TIME_LIMIT_S`."""
+    """A ``pattern`` / ``patternProperties`` search ran past :data:`PATTERN_TIME_LIMIT_S`, or
+    the document's :func:`pattern_budget` was spent."""
 
 
 def bounded_search(pattern: str, text: str) -> bool:
@@ -126,15 +127,17 @@ def _bounded_class(base: type) -> type:
         "additionalProperties": _additional_properties})
 
 
-def _uses_both(node: Any, found: set[str]) -> bool:
+def _uses_both(node: Any) -> bool:
     """Whether ``unevaluatedProperties`` and ``patternProperties`` both occur as keys
     anywhere under ``node`` (a conservative walk: data under ``enum`` counts too)."""
+    wanted = {"unevaluatedProperties", "patternProperties"}
+    found: set[str] = set()
     stack = [node]
     while stack:
         item = stack.pop()
         if isinstance(item, dict):
-            found.update(k for k in ("unevaluatedProperties", "patternProperties") if k in item)
-            if len(found) == 2:
+            found.update(wanted.intersection(item))
+            if found == wanted:
                 return True
             stack.extend(item.values())
         elif isinstance(item, list):
@@ -153,7 +156,7 @@ def bounded_validator(schema: Any, *, default: type | None = None,
     """
     import jsonschema
 
-    if _uses_both(schema, set()):
+    if _uses_both(schema):
         return None
     base = jsonschema.validators.validator_for(
         schema, default=default or jsonschema.Draft202012Validator)
