@@ -54,6 +54,19 @@ def workloads(names: list[str], n: int) -> dict[str, list[tuple[str, dict | None
     return out
 
 
+def scale_head_scores(temperature: float) -> None:
+    """Make every EAGLE drafter of this process rank its tree by ``log_softmax(logp / T)``
+    (a benchmark-only wrapper of ``EagleDrafter._logp``; the engine has no such option)."""
+    from structspec.speculative.eagle import EagleDrafter
+
+    logp = EagleDrafter._logp
+
+    def scaled(self: EagleDrafter, out: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(logp(self, out) / temperature, dim=-1)
+
+    EagleDrafter._logp = scaled  # type: ignore[method-assign]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -69,7 +82,14 @@ def main() -> None:
                     help="tree sizing (off: every step verifies the drafter's full tree)")
     ap.add_argument("--draft-vocab", nargs="+", default=["auto"], choices=["auto", "full"],
                     help="eagle's --speculative-draft-vocab (several: one eagle run each)")
+    ap.add_argument("--head-temperature", type=float, default=1.0,
+                    help="divide the EAGLE head's log-probabilities by this before the EAGLE-2 "
+                         "ranking (a calibration check of the head's scores; 1: as shipped)")
     args = ap.parse_args()
+    if not args.head_temperature > 0:
+        ap.error("--head-temperature must be > 0")
+    if args.head_temperature != 1.0:
+        scale_head_scores(args.head_temperature)
     model = resolve_model_path(args.model)
     work = workloads(args.workloads, args.num_prompts)
     for shape in args.shapes:
