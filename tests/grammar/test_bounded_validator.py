@@ -57,7 +57,7 @@ def test_a_backtracking_pattern_stops_at_the_limit() -> None:
                                    "patternProperties": {SLOW_PATTERN: {"type": "integer"}}})
     with pytest.raises(PatternTimeLimit):
         validator.is_valid({SLOW_TEXT: 1})
-    assert time.perf_counter() - t0 < 2.0
+    assert time.perf_counter() - t0 < 10.0  # hours without the limit; wide for a loaded CI machine
 
 
 def test_unevaluated_properties_beside_pattern_properties_gets_no_validator() -> None:
@@ -80,7 +80,7 @@ def test_the_engines_checks_finish_on_a_backtracking_pattern() -> None:
     assert json.loads(str(rewrite_schema_text(json.dumps(strict)))) == strict
     problems = find_unenforceable(strict)
     assert any("too long to check the const" in why for _, why in problems), problems
-    assert time.perf_counter() - t0 < 3.0
+    assert time.perf_counter() - t0 < 10.0  # hours without the limit
     # a fast pattern keeps its verdicts
     fast = {"type": "string", "pattern": "^a+b$"}
     assert check_schema_output(JsonSchemaConstraint(fast), json.dumps(SLOW_TEXT)) is True
@@ -96,7 +96,7 @@ def test_a_schema_of_many_slow_patterns_costs_one_budget() -> None:
     problems = find_unenforceable(schema)
     assert len(problems) == 60  # every node reported, most without a search
     assert json.loads(str(rewrite_schema_text(json.dumps(schema)))) == schema
-    assert time.perf_counter() - t0 < 1.5
+    assert time.perf_counter() - t0 < 2.5  # 60 x the 50 ms per-search limit would be 3 s
 
 
 def test_a_ref_beside_const_is_reported_as_unchecked_not_violated() -> None:
