@@ -34,7 +34,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.grammar_overlap import breakdown, set_build_order  # noqa: E402
+from benchmarks.grammar_overlap import (  # noqa: E402
+    WALKS_ORDER_HELP,
+    breakdown,
+    set_build_order,
+)
 from benchmarks.workloads import maskbench_cases, schema_prompt  # noqa: E402
 from structspec import LLM, FinishReason, JsonSchemaConstraint, SamplingParams  # noqa: E402
 from structspec.grammar.errors import GrammarError  # noqa: E402
@@ -155,9 +159,7 @@ def main() -> None:
     ap.add_argument("--no-precompile", dest="precompile", action="store_false",
                     help="compile inside the timed run (as live traffic would)")
     ap.add_argument("--walks-order", default="auto", choices=["auto", "before", "after"],
-                    help="a host tree's mask-worker build sent before the verify launch, "
-                         "after it, or chosen per step from the measured times (auto, the "
-                         "engine's default)")
+                    help=WALKS_ORDER_HELP)
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs per configuration, the worker order reversed every other round; "
                          "a median line per configuration follows when > 1")

@@ -202,6 +202,11 @@ def draft_for(algo: str, args: argparse.Namespace) -> str | None:
     return resolve_model_path(args.model)
 
 
+#: ``--walks-order`` (here and in ``distinct_schemas.py``)
+WALKS_ORDER_HELP = ("a host tree's mask-worker build sent before the verify launch, after it, "
+                    "or chosen per step from the measured times (auto, the engine's default)")
+
+
 def set_build_order(engine: LLMEngine, mode: str) -> None:
     """Fix when a host tree's mask-worker build is sent (``before`` / ``after`` the verify
     launch) or leave it to the engine (``auto``): :mod:`structspec.scheduler.build_order`."""
@@ -260,9 +265,7 @@ def main() -> None:
                     help="per request (default: (steps + 8) * num_draft_tokens + 64, enough to "
                          "stay alive through the window; KV is reserved for all of it)")
     ap.add_argument("--walks-order", default="auto", choices=["auto", "before", "after"],
-                    help="a host tree's mask-worker build sent before the verify launch, "
-                         "after it, or chosen per step from the measured times (auto, the "
-                         "engine's default)")
+                    help=WALKS_ORDER_HELP)
     args = ap.parse_args()
     max_tokens = args.max_tokens or (args.steps + 8) * args.num_draft_tokens + 64
     model_name = Path(args.model).name if args.model else "smollm2-135m"
