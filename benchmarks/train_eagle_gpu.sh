@@ -17,7 +17,8 @@
 # stops adding prompts DATA_TIME_LIMIT s (default 430) after it starts and saves; sequences are
 # saved in shards as they come, so the same command continues a stopped pass (--resume, with any
 # number of GPUs). NUM_SHAREGPT (8994: every train-side ShareGPT prompt under the 1024-token
-# cap), NUM_EXTRACTION (1500), NUM_SCHEMA (1300) and SAMPLED (sampled passes: 1; k adds
+# cap), NUM_EXTRACTION (1500), NUM_SCHEMA (1300), NUM_SHAREGPT_LATER (0; later human turns of the
+# train-side conversations, each alone, in the greedy pass: ~38k are available) and SAMPLED (sampled passes: 1; k adds
 # DIR/sampled_2 .. DIR/sampled_k with seeds 2 .. k, ~90 s each on one H200; 0: none) override it.
 # train runs one process per GPU under torchrun when NGPU > 1 (DistributedDataParallel): each
 # optimizer step takes NGPU batches of BATCH_TOKENS (default 32768) tokens, one per GPU; STEPS
@@ -71,7 +72,8 @@ case $stage in
         --no-progress "$@" $EXTRA
     }
     pass_ greedy --num-sharegpt "${NUM_SHAREGPT:-8994}" \
-      --num-extraction "${NUM_EXTRACTION:-1500}" --num-schema "${NUM_SCHEMA:-1300}"
+      --num-extraction "${NUM_EXTRACTION:-1500}" --num-schema "${NUM_SCHEMA:-1300}" \
+      --num-sharegpt-later "${NUM_SHAREGPT_LATER:-0}"
     # sampled passes: seed 1 -> DIR/sampled, seed k > 1 -> DIR/sampled_k
     for k in $(seq 1 "${SAMPLED:-1}"); do
       sub=sampled

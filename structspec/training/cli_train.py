@@ -49,6 +49,9 @@ def add_train_eagle_parser(sub: Any, formatter_class: type[argparse.HelpFormatte
                         "OUT/sequences.npz (skips the data stage)")
     g.add_argument("--num-sharegpt", type=int, default=d.num_sharegpt,
                    help="ShareGPT conversation prompts")
+    g.add_argument("--num-sharegpt-later", type=int, default=d.num_sharegpt_later,
+                   help="later human turns of the train-side ShareGPT conversations, each "
+                        "sent alone")
     g.add_argument("--num-extraction", type=int, default=d.num_extraction,
                    help="JSON extraction prompts")
     g.add_argument("--num-schema", type=int, default=d.num_schema,
@@ -126,7 +129,8 @@ def config_from_args(args: argparse.Namespace) -> TrainEagleConfig:
         out=args.out, model=args.model, load_format=args.load_format, stage=args.stage,
         sequences=tuple(args.sequences) if args.sequences else None,
         num_sharegpt=args.num_sharegpt, num_extraction=args.num_extraction,
-        num_schema=args.num_schema, max_tokens=args.max_tokens,
+        num_schema=args.num_schema, num_sharegpt_later=args.num_sharegpt_later,
+        max_tokens=args.max_tokens,
         gen_batch_size=args.gen_batch_size, temperature=args.temperature,
         data_time_limit_s=args.data_time_limit, data_parallel=args.data_parallel,
         steps=args.steps, grad_accum=args.grad_accum,

@@ -87,6 +87,7 @@ def data_options(config: TrainEagleConfig, prompts: Sequence[TrainPrompt]) -> di
     return {"model": model, "load_format": config.load_format, "dtype": config.dtype,
             "seed": config.seed, "num_sharegpt": config.num_sharegpt,
             "num_extraction": config.num_extraction, "num_schema": config.num_schema,
+            "num_sharegpt_later": config.num_sharegpt_later,
             "max_tokens": config.max_tokens, "temperature": config.temperature,
             "prompt_set": prompt_set_digest(prompts)}
 

@@ -182,7 +182,9 @@ def distill_rank(config: TrainEagleConfig, out: Path, *, start_s: float, rank: i
         # turns: their prefill is slow and the head trains on the response only).
         prompts = build_prompt_set(num_sharegpt=config.num_sharegpt,
                                    num_extraction=config.num_extraction,
-                                   num_schema=config.num_schema, seed=config.seed,
+                                   num_schema=config.num_schema,
+                                   num_sharegpt_later=config.num_sharegpt_later,
+                                   seed=config.seed,
                                    tokenizer=llm.tokenizer)
         return generate_data(llm, prompts, config, out, start_s=start_s, rank=rank,
                              world=world, extra_stop=extra_stop)

@@ -1,11 +1,15 @@
 """The prompt set of EAGLE self-distillation: chat prompts and structured prompts, each with
 the grammar its response is generated under.
 
-Three sources (:data:`structspec.training.sequences.SOURCES`):
+Four sources (:data:`structspec.training.sequences.SOURCES`):
 
 * ``sharegpt``: first human turns of ShareGPT V3 (:mod:`structspec.training.sharegpt`), from
   the train side of a fixed split (:data:`SHAREGPT_HELD_OUT_FRACTION`,
   :data:`SHAREGPT_HELD_OUT_SEED`); no grammar.
+* ``sharegpt_later``: the later human turns of the same conversations, each sent alone (without
+  the turns before it), from train-side conversations only: a conversation whose first turn is
+  held out gives none, nor does any of its other parts (see
+  :func:`sharegpt_later_turn_prompts`); no grammar.
 * ``extraction``: the benchmarks' JSON extraction prompts
   (:func:`structspec.training.workloads.extraction_prompts`) under
   :data:`~structspec.training.workloads.EXTRACTION_SCHEMA`, drawn with generator seeds
@@ -33,7 +37,11 @@ from typing import Any
 from structspec.constraints import GrammarConstraint, JsonSchemaConstraint
 from structspec.models.tokenizer import Tokenizer
 from structspec.training.sequences import SOURCES
-from structspec.training.sharegpt import read_sharegpt_first_turns, split_held_out
+from structspec.training.sharegpt import (
+    read_sharegpt_first_turns,
+    read_sharegpt_human_turns,
+    split_held_out,
+)
 from structspec.training.workloads import (
     EXTRACTION_SCHEMA,
     MASKBENCH_EVAL_LIMIT,
@@ -48,6 +56,10 @@ from structspec.training.workloads import (
 #: that split. Fixed, not the prompt set's ``seed``: every prompt set leaves out the same ones.
 SHAREGPT_HELD_OUT_FRACTION = 0.05
 SHAREGPT_HELD_OUT_SEED = 0
+
+#: Later ShareGPT turns shorter than this (characters, stripped) are left out: alone, without
+#: the conversation before them, "continue" or "thanks" say nothing the head can learn from.
+SHAREGPT_LATER_MIN_CHARS = 20
 
 #: The generator seeds of :func:`extraction_prompts` used by ``benchmarks/`` and ``tests/``,
 #: and how many prompts of each are compared against (more than any of them draws).
@@ -125,19 +137,22 @@ def build_prompt_set(
     num_extraction: int,
     num_schema: int,
     seed: int,
+    num_sharegpt_later: int = 0,
     tokenizer: Tokenizer | None = None,
     max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
     sharegpt_path: Path | None = None,
     maskbench_dir: Path | None = None,
 ) -> list[TrainPrompt]:
     """The prompts to distill: ``num_sharegpt`` ShareGPT, then ``num_extraction`` extraction,
-    then ``num_schema`` schema prompts (in that order), all distinct within their source.
+    then ``num_schema`` schema, then ``num_sharegpt_later`` later-turn ShareGPT prompts (in
+    that order), all distinct within their source.
 
     Deterministic: the same arguments (and data files) give the same list. Each source is
     drawn with its own generator seeded from ``seed``.
 
     Args:
-        num_sharegpt / num_extraction / num_schema: how many of each source (>= 0, not all 0).
+        num_sharegpt / num_extraction / num_schema / num_sharegpt_later: how many of each
+            source (>= 0, not all 0).
         seed: which draw (>= 0).
         tokenizer: the target's tokenizer; with it, prompts whose chat-templated ids exceed
             ``max_prompt_tokens`` are skipped (and others drawn instead). None: no cap.
@@ -154,13 +169,13 @@ def build_prompt_set(
         ShareGPTFormatError: see :func:`read_sharegpt_first_turns`.
     """
     counts = {"num_sharegpt": num_sharegpt, "num_extraction": num_extraction,
-              "num_schema": num_schema, "seed": seed}
+              "num_schema": num_schema, "num_sharegpt_later": num_sharegpt_later, "seed": seed}
     for name, value in counts.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-    if num_sharegpt + num_extraction + num_schema == 0:
-        raise ValueError("empty prompt set: num_sharegpt, num_extraction and num_schema are "
-                         "all 0")
+    if num_sharegpt + num_extraction + num_schema + num_sharegpt_later == 0:
+        raise ValueError("empty prompt set: num_sharegpt, num_extraction, num_schema and "
+                         "num_sharegpt_later are all 0")
     if isinstance(max_prompt_tokens, bool) or not isinstance(max_prompt_tokens, int) \
             or max_prompt_tokens < 1:
         raise ValueError(f"max_prompt_tokens must be an integer >= 1, got {max_prompt_tokens!r}")
@@ -173,6 +188,9 @@ def build_prompt_set(
     if num_schema:
         root = Path(maskbench_dir) if maskbench_dir is not None else DEFAULT_MASKBENCH_DIR
         out += _take(_schema_prompts(root, seed), num_schema, fits, "num_schema")
+    if num_sharegpt_later:
+        out += _take(_sharegpt_later_prompts(sharegpt_path, seed), num_sharegpt_later, fits,
+                     "num_sharegpt_later")
     return out
 
 
@@ -189,6 +207,38 @@ def sharegpt_held_out_prompts(path: Path | None = None) -> list[str]:
     _, held_out = split_held_out(read_sharegpt_first_turns(path), SHAREGPT_HELD_OUT_FRACTION,
                                  SHAREGPT_HELD_OUT_SEED)
     return list(dict.fromkeys(held_out))
+
+
+def sharegpt_later_turn_prompts(path: Path | None = None) -> list[str]:
+    """The distinct later human turns (not a conversation's opening turn) that training may
+    use, in file order.
+
+    Left out: every turn of a conversation any of whose parts opens with a held-out first turn
+    (:func:`sharegpt_held_out_prompts`; parts share the id before their ``_<part>`` suffix), a
+    turn whose text is a held-out or a train-side first turn (the ``sharegpt`` source has it),
+    and turns under :data:`SHAREGPT_LATER_MIN_CHARS` characters.
+
+    Raises:
+        FileNotFoundError, ShareGPTFormatError: see :func:`read_sharegpt_first_turns`.
+    """
+    parts = read_sharegpt_human_turns(path)
+    firsts = [p.first for p in parts if p.first is not None]
+    if not firsts:
+        raise ValueError("no ShareGPT conversation opens with a non-empty human turn")
+    train, held_out = split_held_out(firsts, SHAREGPT_HELD_OUT_FRACTION, SHAREGPT_HELD_OUT_SEED)
+    held = set(held_out)
+    held_ids = {p.conversation_id for p in parts if p.first in held}
+    skip = held | set(train)
+    out: dict[str, None] = {}
+    for p in parts:
+        if p.conversation_id in held_ids and p.conversation_id:
+            continue
+        if p.first is not None and p.first in held:  # a part without an id, held out itself
+            continue
+        for text in p.later:
+            if len(text.strip()) >= SHAREGPT_LATER_MIN_CHARS and text not in skip:
+                out[text] = None
+    return list(out)
 
 
 def training_schema_cases(root: Path) -> list[dict[str, Any]]:
@@ -227,6 +277,13 @@ def _sharegpt_prompts(path: Path | None, seed: int) -> Iterator[TrainPrompt]:
     random.Random(f"sharegpt:{seed}").shuffle(texts)
     for text in texts:
         yield TrainPrompt.user(text, None, "sharegpt")
+
+
+def _sharegpt_later_prompts(path: Path | None, seed: int) -> Iterator[TrainPrompt]:
+    texts = sharegpt_later_turn_prompts(path)
+    random.Random(f"sharegpt_later:{seed}").shuffle(texts)
+    for text in texts:
+        yield TrainPrompt.user(text, None, "sharegpt_later")
 
 
 @functools.cache

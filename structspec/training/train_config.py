@@ -35,6 +35,8 @@ class TrainEagleConfig:
         sequences: prebuilt sequences file(s) to train on, concatenated in order (default:
             ``out/sequences.npz``): one path or a tuple of paths.
         num_sharegpt, num_extraction, num_schema: prompts of each kind the data stage builds.
+        num_sharegpt_later: later human turns of train-side ShareGPT conversations, each sent
+            alone (:func:`~structspec.training.prompts.sharegpt_later_turn_prompts`).
         max_tokens: response length limit of the data stage's generation.
         gen_batch_size: requests the data stage generates at once.
         temperature: sampling temperature of the data stage (0 = greedy).
@@ -97,6 +99,7 @@ class TrainEagleConfig:
     num_sharegpt: int = 2000
     num_extraction: int = 500
     num_schema: int = 500
+    num_sharegpt_later: int = 0
     max_tokens: int = 512
     gen_batch_size: int = 64
     temperature: float = 0.0
@@ -146,7 +149,8 @@ class TrainEagleConfig:
                              f"{', '.join(TTT_ATTENTION)}")
         positive = ("max_tokens", "gen_batch_size", "batch_tokens", "max_seq_len", "ttt_steps",
                     "data_parallel", "grad_accum")
-        non_negative = ("num_sharegpt", "num_extraction", "num_schema", "steps", "epochs",
+        non_negative = ("num_sharegpt", "num_extraction", "num_schema", "num_sharegpt_later",
+                        "steps", "epochs",
                         "warmup_steps", "checkpoint_every", "draft_vocab_size", "stop_at_step",
                         "seed")
         for f in fields(self):

@@ -249,6 +249,46 @@ def test_sharegpt_prompts_train_side_only_and_capped(tmp_path: Path, tokenizer: 
     assert sorted(p.messages[0]["content"] for p in other) == sorted(texts)
 
 
+def test_sharegpt_later_turns_leave_held_out_conversations_out(tmp_path: Path) -> None:
+    """Later turns come only from train-side conversations: every part of a conversation whose
+    first turn is held out is skipped, as are first-turn texts, short turns and duplicates."""
+    firsts = [f"Question {i}: what is {i} times {i} exactly?" for i in range(60)]
+    _, held = split_held_out(firsts, P.SHAREGPT_HELD_OUT_FRACTION, P.SHAREGPT_HELD_OUT_SEED)
+    held_i = [i for i, f in enumerate(firsts) if f in held]
+    assert held_i
+
+    def later(i: int, k: int) -> str:
+        return f"And a follow-up number {k} of conversation {i}, please?"
+
+    convs: list[dict[str, Any]] = []
+    for i, f in enumerate(firsts):
+        convs.append({"id": f"c{i}_0", "conversations": [
+            {"from": "human", "value": f}, {"from": "gpt", "value": "an answer"},
+            {"from": "human", "value": later(i, 1)}, {"from": "gpt", "value": "another"},
+            {"from": "human", "value": "thanks"},  # under the length floor
+            {"from": "human", "value": firsts[(i + 1) % 60]}]})  # a first turn's text
+        # the conversation's second part opens with the assistant: its human turns are later
+        convs.append({"id": f"c{i}_3", "conversations": [
+            {"from": "gpt", "value": "continued"}, {"from": "human", "value": later(i, 2)},
+            {"from": "human", "value": later(i, 1)}]})  # a duplicate
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps(convs))
+    texts = P.sharegpt_later_turn_prompts(path)
+    train_i = [i for i in range(60) if i not in held_i]
+    assert sorted(texts) == sorted(later(i, k) for i in train_i for k in (1, 2))
+    got = build_prompt_set(num_sharegpt=3, num_extraction=0, num_schema=0, seed=0,
+                           num_sharegpt_later=len(texts), sharegpt_path=path)
+    assert [p.source for p in got] == ["sharegpt"] * 3 + ["sharegpt_later"] * len(texts)
+    assert sorted(p.messages[0]["content"] for p in got[3:]) == sorted(texts)
+    assert all(p.grammar is None for p in got)
+    with pytest.raises(ValueError, match=f"num_sharegpt_later={len(texts) + 1} but only"):
+        build_prompt_set(num_sharegpt=0, num_extraction=0, num_schema=0, seed=0,
+                         num_sharegpt_later=len(texts) + 1, sharegpt_path=path)
+    with pytest.raises(ValueError, match="num_sharegpt_later must be an integer >= 0"):
+        build_prompt_set(num_sharegpt=1, num_extraction=0, num_schema=0, seed=0,
+                         num_sharegpt_later=-1, sharegpt_path=path)
+
+
 def test_train_prompt_checks() -> None:
     p = TrainPrompt([{"role": "user", "content": "hi"}], None, "sharegpt")
     assert isinstance(p.messages, tuple)
