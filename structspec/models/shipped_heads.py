@@ -14,8 +14,9 @@ from structspec.models.default_model import default_gguf_path
 
 HEADS_DIR = Path(__file__).resolve().parent / "heads"
 #: The EAGLE-3 head of SmolLM2-135M-Instruct (sglang/SpecForge layout, bfloat16, 10.2 MB;
-#: it shares the target's embedding and lm_head, so its draft vocabulary is the full 49,152).
-#: How it was trained, and its accept lengths: README.md, "A trained EAGLE-3 head".
+#: it shares the target's embedding and lm_head, and drafts over the 16,384 rows its
+#: ``draft_vocab.json`` names). How it was trained, and its accept lengths: its folder's
+#: README.md and the top-level README, "The shipped EAGLE-3 head".
 DEFAULT_MODEL_EAGLE_HEAD = HEADS_DIR / "smollm2-135m-instruct-eagle3"
 
 
