@@ -18,7 +18,9 @@
 # saved in shards as they come, so the same command continues a stopped pass (--resume, with any
 # number of GPUs). NUM_SHAREGPT (8994: every train-side ShareGPT prompt under the 1024-token
 # cap), NUM_EXTRACTION (1500), NUM_SCHEMA (1300), NUM_SHAREGPT_LATER (0; later human turns of the
-# train-side conversations, each alone, in the greedy pass: ~38k are available) and SAMPLED (sampled passes: 1; k adds
+# train-side conversations, each alone, in the greedy pass: 37,965 are available), HELD_OUT (256:
+# held-out ShareGPT first turns answered greedily into DIR/heldout, the evaluation file that
+# train then reads with --eval-sequences every EVAL_EVERY (250) steps; 0: none) and SAMPLED (sampled passes: 1; k adds
 # DIR/sampled_2 .. DIR/sampled_k with seeds 2 .. k, ~90 s each on one H200; 0: none) override it.
 # train runs one process per GPU under torchrun when NGPU > 1 (DistributedDataParallel): each
 # optimizer step takes NGPU batches of BATCH_TOKENS (default 32768) tokens, one per GPU; STEPS
@@ -74,6 +76,12 @@ case $stage in
     pass_ greedy --num-sharegpt "${NUM_SHAREGPT:-8994}" \
       --num-extraction "${NUM_EXTRACTION:-1500}" --num-schema "${NUM_SCHEMA:-1300}" \
       --num-sharegpt-later "${NUM_SHAREGPT_LATER:-0}"
+    # evaluation data: held-out ShareGPT first turns (the last ones; benchmarks read the first),
+    # answered greedily; the train stage evaluates on it and never trains on it
+    if [ "${HELD_OUT:-256}" -gt 0 ]; then
+      pass_ heldout --num-sharegpt 0 --num-extraction 0 --num-schema 0 \
+        --num-sharegpt-held-out "${HELD_OUT:-256}"
+    fi
     # sampled passes: seed 1 -> DIR/sampled, seed k > 1 -> DIR/sampled_k
     for k in $(seq 1 "${SAMPLED:-1}"); do
       sub=sampled
@@ -87,11 +95,16 @@ case $stage in
     for f in "$dir"/sampled/sequences.npz "$dir"/sampled_*/sequences.npz; do
       if [ -f "$f" ]; then seqs="$seqs $f"; fi
     done
-    train_eagle --stage train --out "$dir/head" --sequences $seqs --steps "${STEPS:-1500}" \
+    evals=""
+    if [ -f "$dir/heldout/sequences.npz" ]; then
+      evals="--eval-sequences $dir/heldout/sequences.npz --eval-every ${EVAL_EVERY:-250}"
+    fi
+    train_eagle --stage train --out "$dir/head" --sequences $seqs $evals --steps "${STEPS:-1500}" \
       --batch-tokens "$batch_tokens" --max-seq-len 2048 --ttt-steps "${TTT_STEPS:-5}" \
       --lr "${LR:-6e-4}" --warmup-steps 60 --checkpoint-every 250 \
       --time-limit "${TIME_LIMIT:-525}" --no-progress $EXTRA
     summary "$dir/head/train_log.jsonl"
+    if [ -f "$dir/head/eval_log.jsonl" ]; then cat "$dir/head/eval_log.jsonl"; fi
     ls -la "$dir/head" ;;
   synthetic)
     d=/tmp/eagle_synth; mkdir -p $d

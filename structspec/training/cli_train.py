@@ -52,6 +52,9 @@ def add_train_eagle_parser(sub: Any, formatter_class: type[argparse.HelpFormatte
     g.add_argument("--num-sharegpt-later", type=int, default=d.num_sharegpt_later,
                    help="later human turns of the train-side ShareGPT conversations, each "
                         "sent alone")
+    g.add_argument("--num-sharegpt-held-out", type=int, default=d.num_sharegpt_held_out,
+                   help="held-out ShareGPT first turns (an evaluation file for "
+                        "--eval-sequences; never trained on)")
     g.add_argument("--num-extraction", type=int, default=d.num_extraction,
                    help="JSON extraction prompts")
     g.add_argument("--num-schema", type=int, default=d.num_schema,
@@ -121,6 +124,15 @@ def add_train_eagle_parser(sub: Any, formatter_class: type[argparse.HelpFormatte
                    help="stop (checkpoint + export) at this step; --resume continues")
     t.add_argument("--time-limit", type=float, default=d.time_limit_s,
                    help="stop (checkpoint + export) after this many seconds of training")
+    t.add_argument("--eval-sequences", default=None, nargs="+", metavar="FILE",
+                   help="evaluate the head on these sequences (never trained on; e.g. a data "
+                        "stage of --num-sharegpt-held-out prompts): loss and top-1 agreement "
+                        "per TTT step in OUT/eval_log.jsonl")
+    t.add_argument("--eval-every", type=int, default=d.eval_every,
+                   help="evaluate every N steps and at the end (0: at the end only)")
+    t.add_argument("--eval-max-tokens", type=int, default=d.eval_max_tokens,
+                   help="tokens of the eval files read, in order (the same at every "
+                        "evaluation)")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainEagleConfig:
@@ -130,6 +142,9 @@ def config_from_args(args: argparse.Namespace) -> TrainEagleConfig:
         sequences=tuple(args.sequences) if args.sequences else None,
         num_sharegpt=args.num_sharegpt, num_extraction=args.num_extraction,
         num_schema=args.num_schema, num_sharegpt_later=args.num_sharegpt_later,
+        num_sharegpt_held_out=args.num_sharegpt_held_out,
+        eval_sequences=tuple(args.eval_sequences) if args.eval_sequences else None,
+        eval_every=args.eval_every, eval_max_tokens=args.eval_max_tokens,
         max_tokens=args.max_tokens,
         gen_batch_size=args.gen_batch_size, temperature=args.temperature,
         data_time_limit_s=args.data_time_limit, data_parallel=args.data_parallel,

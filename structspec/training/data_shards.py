@@ -88,6 +88,7 @@ def data_options(config: TrainEagleConfig, prompts: Sequence[TrainPrompt]) -> di
             "seed": config.seed, "num_sharegpt": config.num_sharegpt,
             "num_extraction": config.num_extraction, "num_schema": config.num_schema,
             "num_sharegpt_later": config.num_sharegpt_later,
+            "num_sharegpt_held_out": config.num_sharegpt_held_out,
             "max_tokens": config.max_tokens, "temperature": config.temperature,
             "prompt_set": prompt_set_digest(prompts)}
 

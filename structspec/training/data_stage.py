@@ -184,6 +184,7 @@ def distill_rank(config: TrainEagleConfig, out: Path, *, start_s: float, rank: i
                                    num_extraction=config.num_extraction,
                                    num_schema=config.num_schema,
                                    num_sharegpt_later=config.num_sharegpt_later,
+                                   num_sharegpt_held_out=config.num_sharegpt_held_out,
                                    seed=config.seed,
                                    tokenizer=llm.tokenizer)
         return generate_data(llm, prompts, config, out, start_s=start_s, rank=rank,

@@ -1,7 +1,7 @@
 """The prompt set of EAGLE self-distillation: chat prompts and structured prompts, each with
 the grammar its response is generated under.
 
-Four sources (:data:`structspec.training.sequences.SOURCES`):
+Four training sources and one for evaluation (:data:`structspec.training.sequences.SOURCES`):
 
 * ``sharegpt``: first human turns of ShareGPT V3 (:mod:`structspec.training.sharegpt`), from
   the train side of a fixed split (:data:`SHAREGPT_HELD_OUT_FRACTION`,
@@ -10,6 +10,9 @@ Four sources (:data:`structspec.training.sequences.SOURCES`):
   the turns before it), from train-side conversations only: a conversation whose first turn is
   held out gives none, nor does any of its other parts (see
   :func:`sharegpt_later_turn_prompts`); no grammar.
+* ``sharegpt_held_out``: the held-out first turns themselves, last first (the benchmarks
+  measure the first ones), for an evaluation file (``train-eagle --eval-sequences``): the train
+  stage refuses to train on this source.
 * ``extraction``: the benchmarks' JSON extraction prompts
   (:func:`structspec.training.workloads.extraction_prompts`) under
   :data:`~structspec.training.workloads.EXTRACTION_SCHEMA`, drawn with generator seeds
@@ -36,7 +39,7 @@ from typing import Any
 
 from structspec.constraints import GrammarConstraint, JsonSchemaConstraint
 from structspec.models.tokenizer import Tokenizer
-from structspec.training.sequences import SOURCES
+from structspec.training.sequences import HELD_OUT_SOURCE, SOURCES
 from structspec.training.sharegpt import (
     read_sharegpt_first_turns,
     read_sharegpt_human_turns,
@@ -138,21 +141,23 @@ def build_prompt_set(
     num_schema: int,
     seed: int,
     num_sharegpt_later: int = 0,
+    num_sharegpt_held_out: int = 0,
     tokenizer: Tokenizer | None = None,
     max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
     sharegpt_path: Path | None = None,
     maskbench_dir: Path | None = None,
 ) -> list[TrainPrompt]:
     """The prompts to distill: ``num_sharegpt`` ShareGPT, then ``num_extraction`` extraction,
-    then ``num_schema`` schema, then ``num_sharegpt_later`` later-turn ShareGPT prompts (in
-    that order), all distinct within their source.
+    then ``num_schema`` schema, then ``num_sharegpt_later`` later-turn ShareGPT prompts, then
+    ``num_sharegpt_held_out`` held-out ShareGPT prompts (in that order; the held-out ones from
+    the last backwards, whatever the seed), all distinct within their source.
 
     Deterministic: the same arguments (and data files) give the same list. Each source is
     drawn with its own generator seeded from ``seed``.
 
     Args:
-        num_sharegpt / num_extraction / num_schema / num_sharegpt_later: how many of each
-            source (>= 0, not all 0).
+        num_sharegpt / num_extraction / num_schema / num_sharegpt_later /
+            num_sharegpt_held_out: how many of each source (>= 0, not all 0).
         seed: which draw (>= 0).
         tokenizer: the target's tokenizer; with it, prompts whose chat-templated ids exceed
             ``max_prompt_tokens`` are skipped (and others drawn instead). None: no cap.
@@ -169,13 +174,14 @@ def build_prompt_set(
         ShareGPTFormatError: see :func:`read_sharegpt_first_turns`.
     """
     counts = {"num_sharegpt": num_sharegpt, "num_extraction": num_extraction,
-              "num_schema": num_schema, "num_sharegpt_later": num_sharegpt_later, "seed": seed}
+              "num_schema": num_schema, "num_sharegpt_later": num_sharegpt_later,
+              "num_sharegpt_held_out": num_sharegpt_held_out, "seed": seed}
     for name, value in counts.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-    if num_sharegpt + num_extraction + num_schema + num_sharegpt_later == 0:
-        raise ValueError("empty prompt set: num_sharegpt, num_extraction, num_schema and "
-                         "num_sharegpt_later are all 0")
+    if sum(v for k, v in counts.items() if k != "seed") == 0:
+        raise ValueError("empty prompt set: num_sharegpt, num_extraction, num_schema, "
+                         "num_sharegpt_later and num_sharegpt_held_out are all 0")
     if isinstance(max_prompt_tokens, bool) or not isinstance(max_prompt_tokens, int) \
             or max_prompt_tokens < 1:
         raise ValueError(f"max_prompt_tokens must be an integer >= 1, got {max_prompt_tokens!r}")
@@ -191,6 +197,13 @@ def build_prompt_set(
     if num_sharegpt_later:
         out += _take(_sharegpt_later_prompts(sharegpt_path, seed), num_sharegpt_later, fits,
                      "num_sharegpt_later")
+    if num_sharegpt_held_out:
+        # from the end of the file backwards, whatever the seed: the same evaluation prompts
+        # for every run, and not the first ones, which the benchmarks measure
+        # (benchmarks/eagle_accept.py, drafter_speed.py take the held-out turns from the start)
+        held = (TrainPrompt.user(t, None, HELD_OUT_SOURCE)
+                for t in reversed(sharegpt_held_out_prompts(sharegpt_path)))
+        out += _take(held, num_sharegpt_held_out, fits, "num_sharegpt_held_out")
     return out
 
 

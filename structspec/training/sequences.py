@@ -31,7 +31,10 @@ import numpy as np
 
 #: The sources of distilled sequences (see :mod:`structspec.training.prompts`). A sequence
 #: may name another (e.g. ``synthetic`` for throughput runs on random ids).
-SOURCES: tuple[str, ...] = ("sharegpt", "extraction", "schema", "sharegpt_later")
+SOURCES: tuple[str, ...] = ("sharegpt", "extraction", "schema", "sharegpt_later",
+                            "sharegpt_held_out")
+#: The source of sequences answered for held-out prompts: evaluation data, never trained on.
+HELD_OUT_SOURCE = "sharegpt_held_out"
 
 #: Version of the file layout (bumped on an incompatible change).
 FORMAT_VERSION = 1

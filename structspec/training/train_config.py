@@ -18,6 +18,8 @@ SEQUENCES_FILE = "sequences.npz"
 CHECKPOINT_FILE = "checkpoint/train_state.pt"
 #: one JSON record per optimizer step, under ``out``.
 LOG_FILE = "train_log.jsonl"
+#: one JSON record per evaluation on ``eval_sequences``, under ``out``.
+EVAL_LOG_FILE = "eval_log.jsonl"
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,9 @@ class TrainEagleConfig:
         num_sharegpt, num_extraction, num_schema: prompts of each kind the data stage builds.
         num_sharegpt_later: later human turns of train-side ShareGPT conversations, each sent
             alone (:func:`~structspec.training.prompts.sharegpt_later_turn_prompts`).
+        num_sharegpt_held_out: held-out ShareGPT first turns (the last first): a data stage of
+            these alone writes an evaluation file for ``eval_sequences``; the train stage
+            refuses them as training data.
         max_tokens: response length limit of the data stage's generation.
         gen_batch_size: requests the data stage generates at once.
         temperature: sampling temperature of the data stage (0 = greedy).
@@ -88,6 +93,14 @@ class TrainEagleConfig:
         stop_at_step: stop (checkpoint + export) once this step is reached (0 = no); the
             schedule still spans ``steps``, so a later ``resume`` continues it.
         time_limit_s: stop (checkpoint + export) after this many seconds of training (0 = no).
+        eval_sequences: sequences file(s) the head is evaluated on, never trained on (e.g. a
+            data stage of ``num_sharegpt_held_out`` prompts alone): the TTT loss and top-1
+            agreement per TTT step with no gradient, logged to ``eval_log.jsonl``; None = no
+            evaluation.
+        eval_every: evaluate every N optimizer steps and at the end (0 = at the end only).
+        eval_max_tokens: the evaluation reads the eval files' sequences in order up to this
+            many tokens (each truncated to ``max_seq_len``), the same ones at every
+            evaluation.
         progress: show tqdm bars.
     """
 
@@ -100,6 +113,7 @@ class TrainEagleConfig:
     num_extraction: int = 500
     num_schema: int = 500
     num_sharegpt_later: int = 0
+    num_sharegpt_held_out: int = 0
     max_tokens: int = 512
     gen_batch_size: int = 64
     temperature: float = 0.0
@@ -129,6 +143,9 @@ class TrainEagleConfig:
     compile: bool = False
     stop_at_step: int = 0
     time_limit_s: float = 0.0
+    eval_sequences: str | tuple[str, ...] | None = None
+    eval_every: int = 0
+    eval_max_tokens: int = 131072
     progress: bool = True
 
     def validate(self) -> None:
@@ -139,18 +156,20 @@ class TrainEagleConfig:
         """
         if not self.out:
             raise ValueError("out: an output directory is required")
-        if isinstance(self.sequences, tuple) and (
-                not self.sequences or not all(isinstance(p, str) and p for p in self.sequences)):
-            raise ValueError(f"sequences={self.sequences!r}: expected one or more file paths")
+        for name in ("sequences", "eval_sequences"):
+            paths = getattr(self, name)
+            if isinstance(paths, tuple) and (
+                    not paths or not all(isinstance(p, str) and p for p in paths)):
+                raise ValueError(f"{name}={paths!r}: expected one or more file paths")
         if self.stage not in STAGES:
             raise ValueError(f"stage={self.stage!r}: expected one of {', '.join(STAGES)}")
         if self.ttt_attention not in TTT_ATTENTION:
             raise ValueError(f"ttt_attention={self.ttt_attention!r}: expected one of "
                              f"{', '.join(TTT_ATTENTION)}")
         positive = ("max_tokens", "gen_batch_size", "batch_tokens", "max_seq_len", "ttt_steps",
-                    "data_parallel", "grad_accum")
+                    "data_parallel", "grad_accum", "eval_max_tokens")
         non_negative = ("num_sharegpt", "num_extraction", "num_schema", "num_sharegpt_later",
-                        "steps", "epochs",
+                        "num_sharegpt_held_out", "eval_every", "steps", "epochs",
                         "warmup_steps", "checkpoint_every", "draft_vocab_size", "stop_at_step",
                         "seed")
         for f in fields(self):
@@ -201,8 +220,9 @@ class TrainEagleConfig:
         d: dict[str, Any] = json.loads(text)
         if not isinstance(d, dict) or set(d) - {f.name for f in fields(cls)}:
             raise ValueError(f"not a TrainEagleConfig: {text[:200]!r}")
-        if isinstance(d.get("sequences"), list):
-            d["sequences"] = tuple(d["sequences"])
+        for name in ("sequences", "eval_sequences"):
+            if isinstance(d.get(name), list):
+                d[name] = tuple(d[name])
         if d.get("aux_hidden_layers") is not None:
             d["aux_hidden_layers"] = tuple(d["aux_hidden_layers"])
         return cls(**d)

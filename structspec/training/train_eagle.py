@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -35,7 +36,7 @@ from structspec.training.distributed import (
     launched_world_size,
     shutdown,
 )
-from structspec.training.sequences import TrainSequence, load_sequences
+from structspec.training.sequences import HELD_OUT_SOURCE, TrainSequence, load_sequences
 from structspec.training.train_config import SEQUENCES_FILE, TrainEagleConfig
 from structspec.write_probe import probe_dir_writable
 
@@ -81,23 +82,56 @@ def prepare_out(out: str) -> Path:
     return p
 
 
-def read_sequences(path: Path) -> list[TrainSequence]:
+def read_sequences(path: Path, field: str = "sequences") -> list[TrainSequence]:
     """The sequences of ``path``.
 
+    Args:
+        field: the option that named ``path``, for the errors.
+
     Raises:
-        FileNotFoundError: ``path`` does not exist (naming ``sequences``).
-        ValueError: malformed or empty file (naming ``sequences``).
+        FileNotFoundError: ``path`` does not exist (naming ``field``).
+        ValueError: malformed or empty file (naming ``field``).
     """
     if not path.is_file():
-        raise FileNotFoundError(f"sequences: {str(path)!r} not found (run --stage data first, "
-                                f"or pass --sequences FILE)")
+        hint = (" (run --stage data first, or pass --sequences FILE)"
+                if field == "sequences" else "")
+        raise FileNotFoundError(f"{field}: {str(path)!r} not found{hint}")
     try:
         seqs = load_sequences(path)
     except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"sequences: {e}") from e
+        raise ValueError(f"{field}: {e}") from e
     if not seqs:
-        raise ValueError(f"sequences: {str(path)!r} holds no sequences")
+        raise ValueError(f"{field}: {str(path)!r} holds no sequences")
     return seqs
+
+
+def training_sequences(paths: Sequence[Path]) -> list[TrainSequence]:
+    """The training sequences of ``paths`` (concatenated in order).
+
+    Raises:
+        FileNotFoundError, ValueError: see :func:`read_sequences`; ValueError also when a
+            file holds sequences of held-out prompts (:data:`HELD_OUT_SOURCE`: evaluation
+            data, passed as ``eval_sequences``), naming the file and the count.
+    """
+    out: list[TrainSequence] = []
+    for path in paths:
+        seqs = read_sequences(path)
+        held = sum(s.source == HELD_OUT_SOURCE for s in seqs)
+        if held:
+            raise ValueError(f"sequences: {str(path)!r} holds {held} sequences of held-out "
+                             f"prompts (source {HELD_OUT_SOURCE!r}): evaluation data is never "
+                             f"trained on; pass it as --eval-sequences")
+        out += seqs
+    return out
+
+
+def eval_paths(config: TrainEagleConfig) -> list[Path]:
+    """The evaluation files of ``config.eval_sequences`` (none when unset)."""
+    listed = config.eval_sequences
+    if not listed:
+        return []
+    listed = (listed,) if isinstance(listed, str) else listed
+    return [Path(p).expanduser() for p in listed]
 
 
 def sequence_paths(config: TrainEagleConfig, out: Path) -> list[Path]:
@@ -121,7 +155,9 @@ def run_train_stage(config: TrainEagleConfig, out: Path,
     from structspec.training.trainer import train_head
 
     ctx = dist_ctx or DistContext()
-    seqs = [s for path in sequence_paths(config, out) for s in read_sequences(path)]
+    seqs = training_sequences(sequence_paths(config, out))
+    eval_seqs = [s for path in eval_paths(config)
+                 for s in read_sequences(path, "eval_sequences")]
     device, dtype = resolve_device(config.device, config.dtype)
     model, model_config = load_model(config.model, device=device, dtype=dtype,
                                      load_format=config.load_format, seed=config.seed)
@@ -135,7 +171,7 @@ def run_train_stage(config: TrainEagleConfig, out: Path,
                          f"target's vocab_size {model_config.vocab_size}")
     t0 = time.perf_counter()
     result = train_head(config, model, model_config, seqs, device=device, dtype=dtype,
-                        dist_ctx=ctx)
+                        dist_ctx=ctx, eval_seqs=eval_seqs)
     dt = time.perf_counter() - t0
     last = result.last or {}
     if not ctx.is_main:
@@ -145,6 +181,10 @@ def run_train_stage(config: TrainEagleConfig, out: Path,
           f"loss {last.get('loss', float('nan')):.4f}, top-1 agreement per TTT step "
           f"{last.get('acc')}, {last.get('tokens_per_s')} tokens/s{on} -> {result.head_dir}",
           file=sys.stderr)
+    if result.last_eval is not None:
+        ev = result.last_eval
+        print(f"train-eagle eval: step {ev['step']} on {ev['tokens']} tokens: loss "
+              f"{ev['loss']:.4f}, top-1 agreement per TTT step {ev['acc']}", file=sys.stderr)
     return result.head_dir
 
 

@@ -38,12 +38,17 @@ from torch.nn.parallel import DistributedDataParallel
 from structspec.config import ModelConfig
 from structspec.models.eagle_head import EagleHead, parse_eagle_config, read_head_tensors
 from structspec.training.batch_stream import BatchStream, total_steps
-from structspec.training.batching import collate, draft_vocabulary, trainable
+from structspec.training.batching import collate, draft_vocabulary, plan_epoch, trainable
 from structspec.training.distributed import DistContext, barrier, reduce_step
 from structspec.training.export import eagle3_head_config, export_eagle3_head
 from structspec.training.features import TargetFeatureExtractor, default_aux_layers
 from structspec.training.sequences import TrainSequence
-from structspec.training.train_config import CHECKPOINT_FILE, LOG_FILE, TrainEagleConfig
+from structspec.training.train_config import (
+    CHECKPOINT_FILE,
+    EVAL_LOG_FILE,
+    LOG_FILE,
+    TrainEagleConfig,
+)
 from structspec.training.train_state import (
     Checkpoint,
     check_fingerprint,
@@ -66,12 +71,15 @@ class TrainResult:
         total_steps: the schedule's length.
         last: the last step's log record (loss, per-step top-1 agreement, lr, tokens/s), or
             None when no step ran in this call.
+        last_eval: the last evaluation's record (``step``, ``loss``, ``acc`` per TTT step,
+            ``tokens``), or None without ``eval_sequences``.
     """
 
     head_dir: Path
     step: int
     total_steps: int
     last: dict[str, Any] | None
+    last_eval: dict[str, Any] | None = None
 
 
 def lr_factor(step: int, warmup: int, total: int) -> float:
@@ -80,6 +88,27 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
         return (step + 1) / warmup
     span = max(1, total - warmup)
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - warmup) / span)))
+
+
+def eval_batches(seqs: list[TrainSequence], *, max_tokens: int, batch_tokens: int,
+                 max_len: int) -> list[list[int]]:
+    """The evaluation's batches (index lists into ``seqs``): the trainable sequences in order
+    until ``max_tokens`` tokens (each counted truncated to ``max_len``; at least one sequence),
+    packed like a training epoch (:func:`~structspec.training.batching.plan_epoch`, seed 0),
+    so every evaluation reads the same rows."""
+    chosen: list[int] = []
+    total = 0
+    for i, s in enumerate(seqs):
+        if not trainable(s, max_len):
+            continue
+        n = min(len(s.token_ids), max_len)
+        if chosen and total + n > max_tokens:
+            break
+        chosen.append(i)
+        total += n
+    lengths = [min(len(seqs[i].token_ids), max_len) for i in chosen]
+    plan = plan_epoch(lengths, batch_tokens=batch_tokens, max_len=max_len, seed=0, epoch=0)
+    return [[chosen[j] for j in batch] for batch in plan]
 
 
 def _autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
@@ -142,7 +171,8 @@ def init_from_export(head: EagleHead, path: str, target_config: ModelConfig) -> 
 
 def train_head(cfg: TrainEagleConfig, target: nn.Module, target_config: ModelConfig,
                seqs: list[TrainSequence], *, device: torch.device, dtype: torch.dtype,
-               dist_ctx: DistContext | None = None) -> TrainResult:
+               dist_ctx: DistContext | None = None,
+               eval_seqs: list[TrainSequence] | None = None) -> TrainResult:
     """Train (or, with ``cfg.resume``, continue training) an EAGLE-3 head on ``seqs`` and
     export it to ``cfg.out``.
 
@@ -152,10 +182,13 @@ def train_head(cfg: TrainEagleConfig, target: nn.Module, target_config: ModelCon
         device, dtype: the target's device and dtype (the head's autocast dtype).
         dist_ctx: this process's place in a ``torchrun`` job (default: one process). Every
             rank must pass the same ``cfg`` and ``seqs``.
+        eval_seqs: sequences to evaluate on (``cfg.eval_every``; never trained on); rank 0
+            alone evaluates and writes ``eval_log.jsonl``.
 
     Raises:
         ValueError: no sequence has a response to train on; a token id outside the target's
-            vocabulary; a ``resume`` checkpoint from a different run (the field is named).
+            vocabulary (training or eval sequences); eval sequences with no response to
+            count; a ``resume`` checkpoint from a different run (the field is named).
         FileNotFoundError: ``resume`` without a checkpoint.
     """
     ctx = dist_ctx or DistContext()
@@ -169,6 +202,16 @@ def train_head(cfg: TrainEagleConfig, target: nn.Module, target_config: ModelCon
     seqs = [s for s in seqs if trainable(s, cfg.max_seq_len)]
     if not seqs:
         raise ValueError("sequences: no sequence has a response of 2+ tokens to train on")
+    eval_plan: list[list[int]] = []
+    if eval_seqs:
+        if any(s.token_ids and max(s.token_ids) >= vocab for s in eval_seqs):
+            raise ValueError(f"eval_sequences: a token id >= the target's vocab_size {vocab} "
+                             "(sequences from another model?)")
+        eval_plan = eval_batches(eval_seqs, max_tokens=cfg.eval_max_tokens,
+                                 batch_tokens=cfg.batch_tokens, max_len=cfg.max_seq_len)
+        if not eval_plan:
+            raise ValueError("eval_sequences: no sequence has a response of 2+ tokens to "
+                             "evaluate on")
     lengths = [min(len(s.token_ids), cfg.max_seq_len) for s in seqs]
     aux = cfg.aux_hidden_layers or default_aux_layers(target_config.num_hidden_layers)
     per_step = ctx.world * cfg.grad_accum
@@ -203,6 +246,7 @@ def train_head(cfg: TrainEagleConfig, target: nn.Module, target_config: ModelCon
                          seed=cfg.seed)
     step = 0
     log_path = out / LOG_FILE
+    eval_log_path = out / EVAL_LOG_FILE
     if cfg.resume:
         state = ckpt.load()
         check_fingerprint(state["fingerprint"], finger)
@@ -217,9 +261,12 @@ def train_head(cfg: TrainEagleConfig, target: nn.Module, target_config: ModelCon
             torch.cuda.set_rng_state(state["rng_cuda"], device)
         if ctx.is_main:
             truncate_log(log_path, step)
+            truncate_log(eval_log_path, step)
     elif ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
         log_path.write_text("")
+        if eval_plan:
+            eval_log_path.write_text("")
 
     def save() -> None:
         ckpt.save({"head": head.state_dict(), "d2t": head.d2t.cpu(),
@@ -231,10 +278,35 @@ def train_head(cfg: TrainEagleConfig, target: nn.Module, target_config: ModelCon
                    "fingerprint": finger})
         export_eagle3_head(head, out, target=target_config, dtype=DTYPES[cfg.export_dtype])
 
+    def evaluate() -> dict[str, Any]:
+        """The TTT loss and top-1 agreement per TTT step on the eval batches (no gradient,
+        the same autocast as training), appended to the eval log."""
+        totals = StepTotals(cfg.ttt_steps, device)
+        with torch.no_grad():
+            for indices in eval_plan:
+                batch = [eval_seqs[i] for i in indices]  # type: ignore[index]
+                ids, lens, prompt = collate(batch, cfg.max_seq_len, device)
+                feats = extractor(ids)
+                targets = soft_targets(feats.logits,
+                                       head.d2t if head.lm_head is not None else None)
+                with _autocast(device, dtype):
+                    loss, step_loss, correct, count = loss_module(
+                        ids, feats.aux_hidden, lens, prompt, targets.probs, targets.top1)
+                del feats, targets
+                totals.add(loss, step_loss, correct, count, rows=len(batch),
+                           tokens=int(lens.sum()))
+        rec = totals.record(totals.values, len(eval_plan))
+        record = {"step": step, "loss": rec["loss"], "acc": rec["acc"],
+                  "step_loss": rec["step_loss"], "rows": rec["rows"], "tokens": rec["tokens"]}
+        with open(eval_log_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        return record
+
     # the statistics travel in the process group's collectives: on the GPU for NCCL
     stats_device = device if ctx.backend != "gloo" else torch.device("cpu")
     bar = _progress(cfg.progress and ctx.is_main, total, step)
     last: dict[str, Any] | None = None
+    last_eval: dict[str, Any] | None = None
     started = time.perf_counter()
     try:
         while step < total:
@@ -289,6 +361,9 @@ def train_head(cfg: TrainEagleConfig, target: nn.Module, target_config: ModelCon
             if ctx.is_main and cfg.checkpoint_every and step % cfg.checkpoint_every == 0 \
                     and step < total:
                 save()
+            if ctx.is_main and eval_plan and cfg.eval_every and step % cfg.eval_every == 0 \
+                    and step < total and not stop:
+                last_eval = evaluate()
             if stop:
                 break
     finally:
@@ -296,8 +371,11 @@ def train_head(cfg: TrainEagleConfig, target: nn.Module, target_config: ModelCon
             bar.close()
     if ctx.is_main:
         save()
+        if eval_plan:
+            last_eval = evaluate()
     barrier(ctx)  # every rank returns once the export is on disk
-    return TrainResult(head_dir=out, step=step, total_steps=total, last=last)
+    return TrainResult(head_dir=out, step=step, total_steps=total, last=last,
+                       last_eval=last_eval)
 
 
 def _progress(enabled: bool, total: int, initial: int) -> Any:

@@ -251,7 +251,8 @@ def test_sharegpt_prompts_train_side_only_and_capped(tmp_path: Path, tokenizer: 
 
 def test_sharegpt_later_turns_leave_held_out_conversations_out(tmp_path: Path) -> None:
     """Later turns come only from train-side conversations: every part of a conversation whose
-    first turn is held out is skipped, as are first-turn texts, short turns and duplicates."""
+    first turn is held out is skipped, as are first-turn texts, short turns and duplicates;
+    the held-out source is the held-out first turns."""
     firsts = [f"Question {i}: what is {i} times {i} exactly?" for i in range(60)]
     _, held = split_held_out(firsts, P.SHAREGPT_HELD_OUT_FRACTION, P.SHAREGPT_HELD_OUT_SEED)
     held_i = [i for i, f in enumerate(firsts) if f in held]
@@ -287,6 +288,12 @@ def test_sharegpt_later_turns_leave_held_out_conversations_out(tmp_path: Path) -
     with pytest.raises(ValueError, match="num_sharegpt_later must be an integer >= 0"):
         build_prompt_set(num_sharegpt=1, num_extraction=0, num_schema=0, seed=0,
                          num_sharegpt_later=-1, sharegpt_path=path)
+    # the held-out source: exactly the held-out first turns, last first, whatever the seed
+    for seed in (0, 5):
+        ev = build_prompt_set(num_sharegpt=0, num_extraction=0, num_schema=0, seed=seed,
+                              num_sharegpt_held_out=len(held_i), sharegpt_path=path)
+        assert [p.messages[0]["content"] for p in ev] == [firsts[i] for i in held_i[::-1]]
+        assert {p.source for p in ev} == {"sharegpt_held_out"}
 
 
 def test_train_prompt_checks() -> None:

@@ -23,8 +23,13 @@ from structspec.models.loader import load_model
 from structspec.training.cli_train import add_train_eagle_parser
 from structspec.training.export import export_eagle3_head
 from structspec.training.features import TargetFeatureExtractor, default_aux_layers
-from structspec.training.sequences import TrainSequence, load_sequences, save_sequences
-from structspec.training.train_config import LOG_FILE, TrainEagleConfig
+from structspec.training.sequences import (
+    HELD_OUT_SOURCE,
+    TrainSequence,
+    load_sequences,
+    save_sequences,
+)
+from structspec.training.train_config import EVAL_LOG_FILE, LOG_FILE, TrainEagleConfig
 from structspec.training.train_eagle import train_eagle
 from structspec.training.trainer import build_head
 from structspec.training.ttt import TTTForward
@@ -60,6 +65,48 @@ def _config(out: Path, seq_file: Path, **kw: Any) -> TrainEagleConfig:
 
 def _log(out: Path) -> list[dict[str, Any]]:
     return [json.loads(ln) for ln in (out / LOG_FILE).read_text().splitlines()]
+
+
+def test_eval_sequences_logged_side_effect_free_and_held_out_refused(
+        small_dir: Path, small_seqs: Path, tmp_path: Path) -> None:
+    """``eval_sequences``: records at every ``eval_every`` step and at the end, the eval loss
+    falls on sequences of the training distribution that were not trained on, and training
+    with evaluation takes the same steps as without it; held-out-source sequences are refused
+    as training data and accepted as eval data."""
+    seqs = load_sequences(small_seqs)
+    train_path, eval_path = tmp_path / "train.npz", tmp_path / "eval.npz"
+    save_sequences(train_path, seqs[:24])
+    save_sequences(eval_path, [replace(s, source=HELD_OUT_SOURCE) for s in seqs[24:]])
+    base = _config(tmp_path / "plain", train_path, model=str(small_dir), steps=12, lr=1e-2)
+    train_eagle(base)
+    with_eval = replace(base, out=str(tmp_path / "eval"), eval_sequences=(str(eval_path),),
+                        eval_every=4)
+    train_eagle(with_eval)
+    plain, evaluated = _log(tmp_path / "plain"), _log(tmp_path / "eval")
+    for ra, rb in zip(plain, evaluated, strict=True):
+        assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-6, abs=1e-7)
+        assert ra["acc"] == rb["acc"]
+    ev = [json.loads(ln) for ln in (tmp_path / "eval" / EVAL_LOG_FILE).read_text().splitlines()]
+    assert [r["step"] for r in ev] == [4, 8, 12]
+    assert all(len(r["acc"]) == 3 and r["tokens"] > 0 for r in ev)
+    assert ev[-1]["tokens"] == sum(min(len(s.token_ids), 64) for s in seqs[24:])
+    assert ev[-1]["loss"] < ev[0]["loss"], ev
+    # a cap on the eval tokens takes the file's first sequences, the same at every evaluation
+    capped = replace(with_eval, out=str(tmp_path / "capped"), eval_max_tokens=40, steps=2,
+                     eval_every=1)
+    train_eagle(capped)
+    cev = [json.loads(ln) for ln in
+           (tmp_path / "capped" / EVAL_LOG_FILE).read_text().splitlines()]
+    assert [r["step"] for r in cev] == [1, 2]
+    assert cev[0]["tokens"] == cev[1]["tokens"] == min(len(seqs[24].token_ids), 64)
+    with pytest.raises(ValueError, match=r"holds 8 sequences of held-out prompts .*"
+                                         r"--eval-sequences"):
+        train_eagle(replace(base, out=str(tmp_path / "bad"), sequences=(str(eval_path),)))
+    with pytest.raises(FileNotFoundError, match="eval_sequences: .*missing.npz"):
+        train_eagle(replace(base, out=str(tmp_path / "bad2"),
+                            eval_sequences=(str(tmp_path / "missing.npz"),)))
+    with pytest.raises(ValueError, match="eval_every=-1: must be >= 0"):
+        train_eagle(replace(base, eval_every=-1))
 
 
 def test_ttt_forward_equals_inference_head(small_dir: Path) -> None:
