@@ -7,6 +7,10 @@
 #                                                    # prompt, greedy) then DIR/sampled (every
 #                                                    # ShareGPT prompt again at temperature 0.8)
 #   bash benchmarks/train_eagle_gpu.sh train [DIR]   # ~9 min: the head, exported into DIR/head
+#   bash benchmarks/train_eagle_gpu.sh eval  [DIR]   # ~6 min: DIR/head's draft vocabulary from
+#                                                    # DIR/greedy, then its accept lengths beside
+#                                                    # the shipped head, ngram and the self-draft
+#                                                    # ceiling (full trees, 32 prompts, 128 tokens)
 #   bash benchmarks/train_eagle_gpu.sh synthetic     # ~3 min, no weights or data needed:
 #                                                    # training tokens/s and memory at the
 #                                                    # SmolLM2 shape (random weights, random ids)
@@ -35,7 +39,7 @@
 set -eu
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-stage=${1:?usage: train_eagle_gpu.sh data|train|synthetic [OUT]}
+stage=${1:?usage: train_eagle_gpu.sh data|train|eval|synthetic [OUT]}
 dir=${2:-${OUT:-out}/eagle_smollm2}
 EXTRA=${EXTRA:-}
 ngpu=${NGPU:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)}
@@ -106,6 +110,20 @@ case $stage in
     summary "$dir/head/train_log.jsonl"
     if [ -f "$dir/head/eval_log.jsonl" ]; then cat "$dir/head/eval_log.jsonl"; fi
     ls -la "$dir/head" ;;
+  eval)
+    python3 -m structspec.speculative.draft_vocab --data "$dir/greedy/sequences.npz" \
+      --head "$dir/head" --vocab-size 49152 --size "${DRAFT_VOCAB:-16384}"
+    accept() {
+      timeout "$1" python3 benchmarks/eagle_accept.py --device cuda --num-prompts 32 \
+        --max-tokens 128 --speculative-adaptive off "${@:2}" 2>&1 | grep '^eagle_accept' || true
+    }
+    # the gate row first: the new head and the ceiling on held-out ShareGPT
+    accept 170 --draft-model "$dir/head" --algorithms eagle draft_model --workloads sharegpt \
+      --shapes tree
+    accept 110 --algorithms eagle --workloads sharegpt maskbench --shapes tree   # shipped head
+    accept 200 --draft-model "$dir/head" --algorithms eagle ngram --workloads maskbench \
+      extraction --shapes tree chain
+    accept 60 --draft-model "$dir/head" --algorithms eagle --workloads sharegpt --shapes chain ;;
   synthetic)
     d=/tmp/eagle_synth; mkdir -p $d
     python3 benchmarks/train_eagle_synthetic.py $d/sequences.npz --num 3000
