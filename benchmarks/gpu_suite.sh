@@ -27,6 +27,9 @@
 #             128 new tokens, 4 prompts at batch 1: the compact run's windows were 0.2-1.4 s and its
 #             batch-8 accept lengths looked like the adaptive sizing, not the drafter), then the
 #             EAGLE grammar overlap (2 alternating repeats), host profiles of eagle / none steps
+#   eagle_tests  issue 18: tests/engine/test_gpu_engine.py alone (no-sync steps with every drafter
+#             and the shipped EAGLE head, bf16 and batch-invariant spec vs plain with ngram and
+#             eagle; ~3 min)
 #   eagle_trace  issue 18: torch.profiler over 200 steady EAGLE / none steps at batch 1 with a
 #             JSON Schema (profile_step.py --trace: host and kernel time per step phase, kernels
 #             per step, top kernels): is the propose bound by its kernels or its launches?
@@ -61,6 +64,8 @@ python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())
 for s in $stages; do case $s in
   tests)
     run gpu_tests 480 python3 -m pytest -q -s -p no:cacheprovider tests/kernels tests/engine/test_gpu_engine.py tests/engine/test_cuda_graph.py tests/speculative tests/grammar/test_worker_pool.py tests/engine/test_penalty_graph.py tests/engine/test_graph_warmup.py ;;
+  eagle_tests)
+    run gpu_engine_tests 300 python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu_engine.py ;;
   smol)
     run mask_build 60 python3 benchmarks/mask_build.py --batch 1 8 32 64 --threads 1 2 4 8 --reps 10
     run gpu_decode 60 python3 benchmarks/gpu_decode.py --skip-eager --skip-fold
