@@ -54,7 +54,7 @@ def add_train_eagle_parser(sub: Any, formatter_class: type[argparse.HelpFormatte
                         "sent alone")
     g.add_argument("--num-sharegpt-held-out", type=int, default=d.num_sharegpt_held_out,
                    help="held-out ShareGPT first turns (an evaluation file for "
-                        "--eval-sequences; never trained on)")
+                        "--eval-sequences; never trained on; with the other prompt counts 0)")
     g.add_argument("--num-extraction", type=int, default=d.num_extraction,
                    help="JSON extraction prompts")
     g.add_argument("--num-schema", type=int, default=d.num_schema,

@@ -216,7 +216,8 @@ def train_eagle(config: TrainEagleConfig) -> Path:
         ValueError: a bad option (named), an unwritable ``out``, an empty prompt set, an empty
             or malformed sequences file, a data stage under ``torchrun``; for ``stage="all"``
             without ``sequences``, held-out prompts to generate or an ``eval_sequences`` path
-            that is not a file (both before the data stage runs).
+            that is not a file (both before the data stage runs); held-out prompts beside
+            prompts of another source in one data stage.
         FileNotFoundError: a missing model, sequences or eval sequences file.
         structspec.training.data_parallel.DataRankError: a ``data_parallel`` rank crashed.
     """
@@ -239,6 +240,15 @@ def train_eagle(config: TrainEagleConfig) -> Path:
                              f"pass its sequences file as eval_sequences")
         for path in eval_paths(config):
             require_file(path, "eval_sequences")
+    others = {name: getattr(config, name) for name in (
+        "num_sharegpt", "num_extraction", "num_schema", "num_sharegpt_later")}
+    if data_stage and config.num_sharegpt_held_out and any(others.values()):
+        # a mixed file is refused as training data, and as evaluation data it would hold the
+        # training prompts themselves (the same seed draws them again)
+        given = ", ".join(f"{k}={v}" for k, v in others.items() if v)
+        raise ValueError(f"num_sharegpt_held_out={config.num_sharegpt_held_out}: held-out "
+                         f"prompts are answered in a data stage of their own, with the other "
+                         f"prompt counts 0 (got {given}; the defaults are not 0)")
     out = prepare_out(config.out)
     if data_stage:
         if config.data_parallel > 1:  # the parent only merges: no engine here

@@ -355,6 +355,11 @@ def test_bad_inputs_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture[s
         train_eagle(_config(tmp_path / "o9", empty, eval_sequences=(str(tmp_path),),
                             **{**every, "num_sharegpt": 1}))
     assert not (tmp_path / "o9").exists()
+    with pytest.raises(ValueError, match=r"num_sharegpt_held_out=2: .* a data stage of their "
+                                         r"own.*\(got num_sharegpt=2000, num_extraction=500"):
+        train_eagle(TrainEagleConfig(out=str(tmp_path / "o11"), stage="data",
+                                     num_sharegpt_held_out=2))
+    assert not (tmp_path / "o11").exists()
     assert main(["train-eagle", "--out", str(a_file), "--stage", "train"]) == 2
     assert "--out: out:" in capsys.readouterr().err
     assert main(["train-eagle", "--out", str(tmp_path / "o5"), "--sequences", str(empty),
