@@ -54,7 +54,7 @@ def add_train_eagle_parser(sub: Any, formatter_class: type[argparse.HelpFormatte
                         "sent alone")
     g.add_argument("--num-sharegpt-held-out", type=int, default=d.num_sharegpt_held_out,
                    help="held-out ShareGPT first turns (an evaluation file for "
-                        "--eval-sequences; never trained on)")
+                        "--eval-sequences; never trained on; with the other prompt counts 0)")
     g.add_argument("--num-extraction", type=int, default=d.num_extraction,
                    help="JSON extraction prompts")
     g.add_argument("--num-schema", type=int, default=d.num_schema,
@@ -129,7 +129,8 @@ def add_train_eagle_parser(sub: Any, formatter_class: type[argparse.HelpFormatte
                         "stage of --num-sharegpt-held-out prompts): loss and top-1 agreement "
                         "per TTT step in OUT/eval_log.jsonl")
     t.add_argument("--eval-every", type=int, default=d.eval_every,
-                   help="evaluate every N steps and at the end (0: at the end only)")
+                   help="evaluate every N steps and at the end (0: at the end only; needs "
+                        "--eval-sequences)")
     t.add_argument("--eval-max-tokens", type=int, default=d.eval_max_tokens,
                    help="tokens of the eval files read, in order (the same at every "
                         "evaluation)")

@@ -172,6 +172,12 @@ def read_npz(path: Path, keys: Sequence[str], kind: str) -> dict[str, np.ndarray
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such {kind}")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic not in (b"PK\x03\x04", b"PK\x05\x06"):
+        # np.load would read it as a .npy or a pickle, and a text file's error advises
+        # allow_pickle=True: say what the file is not instead
+        raise ValueError(f"{path}: not a {kind} (not an .npz archive: no zip header)")
     try:
         with np.load(path, allow_pickle=False) as z:
             missing = [k for k in keys if k not in z.files]

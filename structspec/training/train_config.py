@@ -202,6 +202,9 @@ class TrainEagleConfig:
         if self.aux_hidden_layers is not None and len(self.aux_hidden_layers) != 3:
             raise ValueError(f"aux_hidden_layers={self.aux_hidden_layers}: EAGLE-3 needs "
                              f"exactly 3 layers")
+        if self.eval_every and not self.eval_sequences:
+            raise ValueError(f"eval_every={self.eval_every}: there is nothing to evaluate "
+                             f"without eval_sequences")
         if self.init_from and self.resume:
             raise ValueError("init_from: a resumed run continues from its checkpoint; use "
                              "init_from only to start a new run")

@@ -82,6 +82,26 @@ def prepare_out(out: str) -> Path:
     return p
 
 
+def require_file(path: Path, field: str = "sequences") -> None:
+    """Check that ``path`` is a file, before anything is loaded or generated.
+
+    Args:
+        field: the option that named ``path``, for the errors.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist (naming ``field``).
+        ValueError: ``path`` is a directory or another non-file (naming ``field``).
+    """
+    if path.is_file():
+        return
+    if path.exists():
+        raise ValueError(f"{field}: {str(path)!r} is a directory or another non-file, not a "
+                         f"sequences file (OUT/sequences.npz of a data stage)")
+    hint = (" (run --stage data first, or pass --sequences FILE)"
+            if field == "sequences" else "")
+    raise FileNotFoundError(f"{field}: {str(path)!r} not found{hint}")
+
+
 def read_sequences(path: Path, field: str = "sequences") -> list[TrainSequence]:
     """The sequences of ``path``.
 
@@ -90,12 +110,9 @@ def read_sequences(path: Path, field: str = "sequences") -> list[TrainSequence]:
 
     Raises:
         FileNotFoundError: ``path`` does not exist (naming ``field``).
-        ValueError: malformed or empty file (naming ``field``).
+        ValueError: ``path`` is a directory; malformed or empty file (naming ``field``).
     """
-    if not path.is_file():
-        hint = (" (run --stage data first, or pass --sequences FILE)"
-                if field == "sequences" else "")
-        raise FileNotFoundError(f"{field}: {str(path)!r} not found{hint}")
+    require_file(path, field)
     try:
         seqs = load_sequences(path)
     except (ValueError, UnicodeDecodeError) as e:
@@ -197,8 +214,11 @@ def train_eagle(config: TrainEagleConfig) -> Path:
 
     Raises:
         ValueError: a bad option (named), an unwritable ``out``, an empty prompt set, an empty
-            or malformed sequences file, a data stage under ``torchrun``.
-        FileNotFoundError: a missing model or sequences file.
+            or malformed sequences file, a data stage under ``torchrun``; for ``stage="all"``
+            without ``sequences``, held-out prompts to generate or an ``eval_sequences`` path
+            that is not a file (both before the data stage runs); held-out prompts beside
+            prompts of another source in one data stage.
+        FileNotFoundError: a missing model, sequences or eval sequences file.
         structspec.training.data_parallel.DataRankError: a ``data_parallel`` rank crashed.
     """
     config.validate()
@@ -211,6 +231,24 @@ def train_eagle(config: TrainEagleConfig) -> Path:
         raise ValueError(f"stage={config.stage!r}: under torchrun (WORLD_SIZE={world}) only the "
                          f"train stage runs; generate the data once with --stage data "
                          f"--data-parallel N, without torchrun")
+    if data_stage and config.stage == "all":
+        # refused before the data stage spends its time, not after it
+        if config.num_sharegpt_held_out:
+            raise ValueError(f"num_sharegpt_held_out={config.num_sharegpt_held_out}: held-out "
+                             f"prompts are evaluation data, never trained on; answer them in "
+                             f"a stage 'data' of their own (the other prompt counts 0) and "
+                             f"pass its sequences file as eval_sequences")
+        for path in eval_paths(config):
+            require_file(path, "eval_sequences")
+    others = {name: getattr(config, name) for name in (
+        "num_sharegpt", "num_extraction", "num_schema", "num_sharegpt_later")}
+    if data_stage and config.num_sharegpt_held_out and any(others.values()):
+        # a mixed file is refused as training data, and as evaluation data it would hold the
+        # training prompts themselves (the same seed draws them again)
+        given = ", ".join(f"{k}={v}" for k, v in others.items() if v)
+        raise ValueError(f"num_sharegpt_held_out={config.num_sharegpt_held_out}: held-out "
+                         f"prompts are answered in a data stage of their own, with the other "
+                         f"prompt counts 0 (got {given}; the defaults are not 0)")
     out = prepare_out(config.out)
     if data_stage:
         if config.data_parallel > 1:  # the parent only merges: no engine here

@@ -72,7 +72,8 @@ class TrainResult:
         last: the last step's log record (loss, per-step top-1 agreement, lr, tokens/s), or
             None when no step ran in this call.
         last_eval: the last evaluation's record (``step``, ``loss``, ``acc`` per TTT step,
-            ``tokens``), or None without ``eval_sequences``.
+            ``tokens``), or None when none ran in this call (no ``eval_sequences``, or a resumed
+            run that had already evaluated its last step).
     """
 
     head_dir: Path
@@ -265,8 +266,14 @@ def train_head(cfg: TrainEagleConfig, target: nn.Module, target_config: ModelCon
     elif ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
         log_path.write_text("")
+        # a new run: an earlier run's evaluations must not sit beside its log
         if eval_plan:
             eval_log_path.write_text("")
+        else:
+            eval_log_path.unlink(missing_ok=True)
+    # the step of the eval log's last record: a resumed run that has nothing left to train
+    # does not evaluate the same weights again
+    evaluated_step = _last_step(eval_log_path) if ctx.is_main and cfg.resume else None
 
     def save() -> None:
         ckpt.save({"head": head.state_dict(), "d2t": head.d2t.cpu(),
@@ -358,24 +365,34 @@ def train_head(cfg: TrainEagleConfig, target: nn.Module, target_config: ModelCon
                 bar.set_postfix(loss=f"{last['loss']:.3f}",
                                 acc="/".join(f"{a:.2f}" for a in last["acc"]),
                                 tok_s=f"{last['tokens_per_s']:.0f}")
-            if ctx.is_main and cfg.checkpoint_every and step % cfg.checkpoint_every == 0 \
-                    and step < total:
-                save()
+            # evaluate before the checkpoint: a run killed between the two then resumes from
+            # the previous checkpoint, whose truncated eval log this evaluation is not in
             if ctx.is_main and eval_plan and cfg.eval_every and step % cfg.eval_every == 0 \
                     and step < total and not stop:
                 last_eval = evaluate()
+            if ctx.is_main and cfg.checkpoint_every and step % cfg.checkpoint_every == 0 \
+                    and step < total:
+                save()
             if stop:
                 break
     finally:
         if bar is not None:
             bar.close()
     if ctx.is_main:
-        save()
-        if eval_plan:
+        if eval_plan and evaluated_step != step:
             last_eval = evaluate()
+        save()
     barrier(ctx)  # every rank returns once the export is on disk
     return TrainResult(head_dir=out, step=step, total_steps=total, last=last,
                        last_eval=last_eval)
+
+
+def _last_step(path: Path) -> int | None:
+    """The ``step`` of the last record of the JSON-lines log ``path`` (None: no record)."""
+    if not path.is_file():
+        return None
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    return int(json.loads(lines[-1])["step"]) if lines else None
 
 
 def _progress(enabled: bool, total: int, initial: int) -> Any:

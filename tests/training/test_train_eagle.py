@@ -109,6 +109,40 @@ def test_eval_sequences_logged_side_effect_free_and_held_out_refused(
         train_eagle(replace(base, eval_every=-1))
 
 
+def test_eval_log_consistent_over_stop_and_resume(small_dir: Path, small_seqs: Path,
+                                                  tmp_path: Path) -> None:
+    """A run stopped and resumed logs the uninterrupted run's evaluations (plus the one at the
+    stop), a resumed run with nothing left to train adds no second record of its last step,
+    and a new run without evaluation in the same folder leaves no earlier eval log behind."""
+    seqs = load_sequences(small_seqs)
+    train_path, eval_path = tmp_path / "train.npz", tmp_path / "eval.npz"
+    save_sequences(train_path, seqs[:24])
+    save_sequences(eval_path, seqs[24:])
+
+    def eval_log(out: Path) -> list[dict[str, Any]]:
+        return [json.loads(ln) for ln in (out / EVAL_LOG_FILE).read_text().splitlines()]
+
+    full = _config(tmp_path / "full", train_path, model=str(small_dir), steps=6, lr=1e-2,
+                   eval_sequences=(str(eval_path),), eval_every=2)
+    train_eagle(full)
+    a = eval_log(tmp_path / "full")
+    assert [r["step"] for r in a] == [2, 4, 6]
+    part = replace(full, out=str(tmp_path / "part"), stop_at_step=3)
+    train_eagle(part)
+    assert [r["step"] for r in eval_log(tmp_path / "part")] == [2, 3]
+    resumed = replace(part, stop_at_step=0, resume=True)
+    train_eagle(resumed)
+    train_eagle(resumed)  # nothing left to train: the step-6 record is not written twice
+    b = eval_log(tmp_path / "part")
+    assert [r["step"] for r in b] == [2, 3, 4, 6]
+    for ra, rb in zip(a, [b[0], *b[2:]], strict=True):
+        assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-6, abs=1e-7), (ra, rb)
+        assert ra["acc"] == rb["acc"]
+    train_eagle(replace(full, out=str(tmp_path / "part"), eval_sequences=None, eval_every=0,
+                        steps=1))
+    assert not (tmp_path / "part" / EVAL_LOG_FILE).exists()
+
+
 def test_ttt_forward_equals_inference_head(small_dir: Path) -> None:
     """Step k, row t of the training forward is the inference head's k-th chained draft
     after entry t (same modules, KV-pool attention): to fp32 rounding."""
@@ -305,6 +339,27 @@ def test_bad_inputs_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture[s
         train_eagle(_config(tmp_path / "o3", tmp_path / "missing.npz"))
     with pytest.raises(ValueError, match="ttt_steps=0"):
         train_eagle(_config(tmp_path / "o4", empty, ttt_steps=0))
+    with pytest.raises(ValueError, match=r"sequences: .* is a directory or another non-file"):
+        train_eagle(_config(tmp_path / "o7", tmp_path))
+    with pytest.raises(ValueError, match="eval_every=3: there is nothing to evaluate"):
+        train_eagle(_config(tmp_path / "o8", empty, eval_every=3))
+    # stage 'all': refused before the data stage runs (no model is loaded, no folder made)
+    every = dict(stage="all", sequences=None, num_sharegpt=0, num_extraction=0, num_schema=0)
+    with pytest.raises(ValueError, match="num_sharegpt_held_out=2: held-out prompts are "
+                                         "evaluation data"):
+        train_eagle(_config(tmp_path / "o9", empty, num_sharegpt_held_out=2, **every))
+    with pytest.raises(FileNotFoundError, match="eval_sequences: .*missing.npz' not found"):
+        train_eagle(_config(tmp_path / "o9", empty, eval_sequences=(
+            str(tmp_path / "missing.npz"),), **{**every, "num_sharegpt": 1}))
+    with pytest.raises(ValueError, match="eval_sequences: .* is a directory"):
+        train_eagle(_config(tmp_path / "o9", empty, eval_sequences=(str(tmp_path),),
+                            **{**every, "num_sharegpt": 1}))
+    assert not (tmp_path / "o9").exists()
+    with pytest.raises(ValueError, match=r"num_sharegpt_held_out=2: .* a data stage of their "
+                                         r"own.*\(got num_sharegpt=2000, num_extraction=500"):
+        train_eagle(TrainEagleConfig(out=str(tmp_path / "o11"), stage="data",
+                                     num_sharegpt_held_out=2))
+    assert not (tmp_path / "o11").exists()
     assert main(["train-eagle", "--out", str(a_file), "--stage", "train"]) == 2
     assert "--out: out:" in capsys.readouterr().err
     assert main(["train-eagle", "--out", str(tmp_path / "o5"), "--sequences", str(empty),
@@ -313,6 +368,9 @@ def test_bad_inputs_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert main(["train-eagle", "--out", str(tmp_path / "o6"), "--stage", "data",
                  "--data-time-limit", "-1"]) == 2
     assert "--data-time-limit: data_time_limit_s=-1.0" in capsys.readouterr().err
+    assert main(["train-eagle", "--out", str(tmp_path / "o10"), "--stage", "all",
+                 "--num-sharegpt-held-out", "4"]) == 2
+    assert "--num-sharegpt-held-out: num_sharegpt_held_out=4" in capsys.readouterr().err
 
 
 def test_several_sequences_files(tmp_path: Path) -> None:
