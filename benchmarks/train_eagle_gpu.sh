@@ -22,7 +22,7 @@
 # saved in shards as they come, so the same command continues a stopped pass (--resume, with any
 # number of GPUs). NUM_SHAREGPT (8994: every train-side ShareGPT prompt under the 1024-token
 # cap), NUM_EXTRACTION (1500), NUM_SCHEMA (1300), NUM_SHAREGPT_LATER (0; later human turns of the
-# train-side conversations, each alone, in the greedy pass: 37,965 are available), HELD_OUT (256:
+# train-side conversations, each alone, in the greedy pass: 37,777 are available), HELD_OUT (256:
 # held-out ShareGPT first turns answered greedily into DIR/heldout, the evaluation file that
 # train then reads with --eval-sequences every EVAL_EVERY (250) steps; 0: none) and SAMPLED (sampled passes: 1; k adds
 # DIR/sampled_2 .. DIR/sampled_k with seeds 2 .. k, ~90 s each on one H200; 0: none) override it.

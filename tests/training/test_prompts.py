@@ -296,6 +296,33 @@ def test_sharegpt_later_turns_leave_held_out_conversations_out(tmp_path: Path) -
         assert {p.source for p in ev} == {"sharegpt_held_out"}
 
 
+def test_sharegpt_later_turns_leave_out_held_out_text_seen_elsewhere(tmp_path: Path) -> None:
+    """A train-side conversation's later turn is left out when it repeats a human turn of a
+    held-out conversation or quotes a held-out first turn of 40+ characters; a short held-out
+    first turn (a stock phrase) inside a later turn does not count."""
+    firsts = ([f"Question {i}: what is {i} times {i} exactly, in full detail?" for i in range(60)]
+              + [f"ok {k}" for k in range(60)])
+    _, held = split_held_out(firsts, P.SHAREGPT_HELD_OUT_FRACTION, P.SHAREGPT_HELD_OUT_SEED)
+    long_held = next(f for f in held if f.startswith("Question"))
+    short_held = next(f for f in held if f.startswith("ok "))  # the split is fixed: "ok 5"
+    assert len(short_held) < P.SHAREGPT_HELD_OUT_QUOTE_MIN_CHARS <= len(long_held)
+    train_first = next(f for f in firsts if f not in held)
+    template = "Now I will give you some examples of prompts to imitate."
+    quoting = f"Earlier someone asked: {long_held} Answer that again."
+    stock = f"{short_held} then, and now a longer follow-up question"
+    kept = "A later turn that only the train-side conversation has."
+
+    def conv(cid: str, *texts: str) -> dict[str, Any]:
+        return {"id": cid, "conversations": [{"from": "human", "value": t} for t in texts]}
+
+    convs = [conv("held_0", long_held, template),
+             conv("train_0", train_first, template, quoting, kept, stock)]
+    convs += [conv(f"c{i}", f) for i, f in enumerate(firsts) if f not in (long_held, train_first)]
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps(convs))
+    assert P.sharegpt_later_turn_prompts(path) == [kept, stock]
+
+
 def test_train_prompt_checks() -> None:
     p = TrainPrompt([{"role": "user", "content": "hi"}], None, "sharegpt")
     assert isinstance(p.messages, tuple)
