@@ -6,7 +6,9 @@ Workloads (prompts the head never trained on):
   maskbench   the MaskBench cases ``maskbench_e2e.py`` evaluates, under their JSON Schema
   extraction  JSON extraction prompts (``benchmarks/workloads.py``, seed 0) under their schema
 Drafters: ``eagle`` (``--draft-model``, default: the head shipped for the default model),
-``ngram``, ``draft_model`` with the target as its own draft (the ceiling), ``none``; shapes:
+``ngram``, ``ngram_eagle`` (the n-gram trie and the head's tree in one tree, the nodes split by
+each one's recent acceptance; same head), ``draft_model`` with the target as its own draft (the
+ceiling), ``none``; shapes:
 ``tree`` (N=8, depth 4, top-k 2) and ``chain`` (depth 4, top-k 1, N=4). One summary line per
 (workload, shape, drafter):
 
@@ -98,9 +100,10 @@ def main() -> None:
                             for v in (args.draft_vocab if a == "eagle" else ["auto"])]:
             if algo == "none" and shape != args.shapes[0]:
                 continue
-            draft = {"eagle": args.draft_model, "draft_model": model}.get(algo)
-            # the target as named (None: the default model, whose shipped head eagle drafts
-            # with when --draft-model is not given)
+            draft = {"eagle": args.draft_model, "ngram_eagle": args.draft_model,
+                     "draft_model": model}.get(algo)
+            # the target as named (None: the default model, whose shipped head eagle and
+            # ngram_eagle draft with when --draft-model is not given)
             llm = LLM(args.model, device=args.device, speculative_algorithm=algo, draft_model=draft,
                       num_draft_tokens=n, speculative_depth=depth, speculative_topk=topk,
                       max_batch_size=args.max_batch_size,
