@@ -5,9 +5,11 @@ Workloads (prompts the head never trained on):
   sharegpt    held-out ShareGPT first turns (the fixed 5% split of train-eagle), no grammar
   maskbench   the MaskBench cases ``maskbench_e2e.py`` evaluates, under their JSON Schema
   extraction  JSON extraction prompts (``benchmarks/workloads.py``, seed 0) under their schema
+              (SmolLM2-135M answers all of them with the format example they end with)
+  extraction_no_example  the same prompts without the example (the model extracts each person)
 Drafters: ``eagle`` (``--draft-model``, default: the head shipped for the default model),
-``ngram``, ``ngram_eagle`` (the n-gram trie and the head's tree in one tree, the nodes split by
-each one's recent acceptance; same head), ``draft_model`` with the target as its own draft (the
+``ngram``, ``ngram_eagle`` (the n-gram trie and the head's tree in one tree, the nodes ranked
+by the trie's learned confidence against the head's scores; same head), ``draft_model`` with the target as its own draft (the
 ceiling), ``none``; shapes:
 ``tree`` (N=8, depth 4, top-k 2) and ``chain`` (depth 4, top-k 1, N=4). One summary line per
 (workload, shape, drafter):
@@ -53,6 +55,9 @@ def workloads(names: list[str], n: int) -> dict[str, list[tuple[str, dict | None
                             for c in maskbench_eval_cases(MASKBENCH_DIR)[:n]]
     if "extraction" in names:
         out["extraction"] = [(p, EXTRACTION_SCHEMA) for p, _ in extraction_prompts(n, seed=0)]
+    if "extraction_no_example" in names:
+        out["extraction_no_example"] = [(p, EXTRACTION_SCHEMA) for p, _ in
+                                        extraction_prompts(n, seed=0, example=False)]
     return out
 
 
