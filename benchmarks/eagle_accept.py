@@ -5,8 +5,12 @@ Workloads (prompts the head never trained on):
   sharegpt    held-out ShareGPT first turns (the fixed 5% split of train-eagle), no grammar
   maskbench   the MaskBench cases ``maskbench_e2e.py`` evaluates, under their JSON Schema
   extraction  JSON extraction prompts (``benchmarks/workloads.py``, seed 0) under their schema
+              (SmolLM2-135M answers all of them with the format example they end with)
+  extraction_no_example  the same prompts without the example (the model extracts each person)
 Drafters: ``eagle`` (``--draft-model``, default: the head shipped for the default model),
-``ngram``, ``draft_model`` with the target as its own draft (the ceiling), ``none``; shapes:
+``ngram``, ``ngram_eagle`` (the n-gram trie and the head's tree in one tree, the nodes ranked
+by the trie's learned confidence against the head's scores; same head), ``draft_model`` with the target as its own draft (the
+ceiling), ``none``; shapes:
 ``tree`` (N=8, depth 4, top-k 2) and ``chain`` (depth 4, top-k 1, N=4). One summary line per
 (workload, shape, drafter):
 
@@ -51,6 +55,9 @@ def workloads(names: list[str], n: int) -> dict[str, list[tuple[str, dict | None
                             for c in maskbench_eval_cases(MASKBENCH_DIR)[:n]]
     if "extraction" in names:
         out["extraction"] = [(p, EXTRACTION_SCHEMA) for p, _ in extraction_prompts(n, seed=0)]
+    if "extraction_no_example" in names:
+        out["extraction_no_example"] = [(p, EXTRACTION_SCHEMA) for p, _ in
+                                        extraction_prompts(n, seed=0, example=False)]
     return out
 
 
@@ -98,9 +105,10 @@ def main() -> None:
                             for v in (args.draft_vocab if a == "eagle" else ["auto"])]:
             if algo == "none" and shape != args.shapes[0]:
                 continue
-            draft = {"eagle": args.draft_model, "draft_model": model}.get(algo)
-            # the target as named (None: the default model, whose shipped head eagle drafts
-            # with when --draft-model is not given)
+            draft = {"eagle": args.draft_model, "ngram_eagle": args.draft_model,
+                     "draft_model": model}.get(algo)
+            # the target as named (None: the default model, whose shipped head eagle and
+            # ngram_eagle draft with when --draft-model is not given)
             llm = LLM(args.model, device=args.device, speculative_algorithm=algo, draft_model=draft,
                       num_draft_tokens=n, speculative_depth=depth, speculative_topk=topk,
                       max_batch_size=args.max_batch_size,

@@ -58,6 +58,7 @@ from benchmarks.workloads import extraction_prompts  # noqa: E402
 from structspec import LLM, JsonSchemaConstraint, SamplingParams  # noqa: E402
 from structspec.engine.llm_engine import LLMEngine  # noqa: E402
 from structspec.scheduler.build_order import PoolBuildOrder  # noqa: E402
+from structspec.speculative.registry import drafter_info  # noqa: E402
 
 LONG_SCHEMA = {
     "type": "object",
@@ -189,13 +190,14 @@ def step_ms(llm: LLM, prompts: Sequence[str | list[int]], grammar: bool, steps: 
 
 
 def draft_for(algo: str, args: argparse.Namespace) -> str | None:
-    """The draft model of ``draft_model``/``eagle``: ``--draft-model``; without it, for
-    ``eagle`` None (the engine resolves the head shipped for the default model; another
-    ``--model`` needs ``--draft-model``), for ``draft_model`` the target itself (SmolLM2 has no
-    smaller sibling offline)."""
-    if algo not in ("draft_model", "eagle"):
+    """The draft of ``algo``: ``--draft-model`` for the drafters that read one; else for an
+    EAGLE head (``eagle``, ``ngram_eagle``) None, which the engine resolves to the head shipped
+    for the default model (another ``--model`` needs ``--draft-model``), and for
+    ``draft_model`` the target itself (SmolLM2 has no smaller sibling offline)."""
+    info = drafter_info(algo)
+    if not info.needs_draft_model:
         return None
-    if args.draft_model or algo == "eagle":
+    if args.draft_model or info.eagle_head:
         return args.draft_model
     from structspec.models.default_model import resolve_model_path
 

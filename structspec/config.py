@@ -364,14 +364,14 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
     if spec.algorithm != "none" and not 2 <= spec.num_draft_tokens <= MAX_DRAFT_TOKENS:
         raise ValueError(f"num_draft_tokens={spec.num_draft_tokens}: expected 2.."
                          f"{MAX_DRAFT_TOKENS} when speculation is on")
-    if spec.algorithm == "eagle" and not spec.draft_model:
+    if drafter.eagle_head and not spec.draft_model:
         from structspec.models.shipped_heads import default_eagle_head
 
         head = default_eagle_head(config.model)
         if head is None:
-            raise ValueError("speculative_algorithm='eagle' needs draft_model=PATH (an EAGLE "
-                             "head directory): a trained head ships only for the default "
-                             "model, SmolLM2-135M-Instruct")
+            raise ValueError(f"speculative_algorithm={spec.algorithm!r} needs draft_model=PATH "
+                             "(an EAGLE head directory): a trained head ships only for the "
+                             "default model, SmolLM2-135M-Instruct")
         spec = dataclasses.replace(spec, draft_model=head)
     if drafter.needs_draft_model and not spec.draft_model:
         raise ValueError(f"speculative_algorithm={spec.algorithm!r} needs draft_model=PATH")

@@ -53,15 +53,16 @@ def check_model_and_draft_flags(model: str | None, algorithm: str, draft_model: 
     if not info.needs_draft_model:
         return
     if draft_model is None:
-        if algorithm == "eagle" and default_eagle_head(model) is not None:
+        if info.eagle_head and default_eagle_head(model) is not None:
             return  # the head shipped for the default model
         raise ValueError(f"--speculative-algorithm {algorithm} needs --draft-model "
-                         f"{_what_to_give(algorithm)}")
-    _check_draft_path(algorithm, Path(draft_model).expanduser(), draft_model, load_format)
+                         f"{_what_to_give(algorithm, info.eagle_head)}")
+    _check_draft_path(algorithm, info.eagle_head, Path(draft_model).expanduser(), draft_model,
+                      load_format)
 
 
-def _what_to_give(algorithm: str) -> str:
-    if algorithm == "eagle":
+def _what_to_give(algorithm: str, eagle_head: bool) -> str:
+    if eagle_head:
         return (f"DIR: {EAGLE_HEAD_LAYOUT}; a trained head ships only for the default model, "
                 "SmolLM2-135M-Instruct")
     if algorithm == "draft_model":
@@ -70,12 +71,13 @@ def _what_to_give(algorithm: str) -> str:
     return "PATH"
 
 
-def _check_draft_path(algorithm: str, path: Path, shown: str, load_format: str) -> None:
+def _check_draft_path(algorithm: str, eagle_head: bool, path: Path, shown: str,
+                      load_format: str) -> None:
     """Refuse a ``--draft-model`` path the drafter cannot load (see
-    :func:`check_model_and_draft_flags`)."""
+    :func:`check_model_and_draft_flags`); ``eagle_head``: the drafter reads an EAGLE head."""
     if not path.exists():
         raise ValueError(f"--draft-model: no such file or directory {shown!r}")
-    if algorithm == "eagle":
+    if eagle_head:
         if not path.is_dir():
             raise ValueError(f"--draft-model: {shown!r} is a file; {EAGLE_HEAD_LAYOUT}")
         if not (path / "config.json").is_file():

@@ -40,7 +40,9 @@ the same stream, and the graph catches up on the last ``Q``. So a batch mixing n
 requests still drafts with one replay.
 
 Static outputs (the graph's pool): the tree ``[B, N]`` (:class:`VerifyTree` fields, built by
-:meth:`VerifyTree.from_parents` inside the graph) and, when
+:meth:`VerifyTree.from_parents` inside the graph), its nodes' EAGLE-2 scores ``[B, N]`` float32
+(``TreeDrafter.last_node_scores``: what a drafter that keeps only part of the tree ranks by) and,
+when
 ``TreeDrafter.graph_keeps_root_logp``, ``root_logp [B, V']`` float32. A propose returns views of
 rows ``[:batch]``: valid until the next propose.
 """
@@ -74,11 +76,13 @@ class GraphDrafter(Protocol):
         page_size: KV slots per draft page.
         graph_keeps_root_logp: keep ``root_logp`` as a static graph output.
         last_root_logp: ``[B, V']`` float32 of the last propose, or None (set here).
+        last_node_scores: ``[B, N]`` float32 node scores of the last propose (set here).
     """
 
     page_size: int
     graph_keeps_root_logp: bool
     last_root_logp: torch.Tensor | None
+    last_node_scores: torch.Tensor | None
 
     def extend_forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Catch-up forward: ``(root_logp [B, V'] float32, root_state [B, ...] or None)``."""
@@ -129,6 +133,8 @@ class DraftGraph:
         roots: ``[B]`` node-0 tokens.  start: ``[B]``.  qlen: ``[B]`` (0 = dummy row).
         tokens: ``[B, Q]``.  page_table: ``[B, P]``.
         tree: static output tree ``[B, N]`` (after capture, or after an eager :meth:`run`).
+        scores: static output ``[B, N]`` float32, each node's cumulative log-probability (0 for
+            node 0, ``-inf`` for padding and dummy rows).
         root_logp: ``[B, V']`` float32 static output, or None (see the module docstring).
     """
 
@@ -145,6 +151,7 @@ class DraftGraph:
         self.page_table = self.ints[o:].view(bsz, pages)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.tree: VerifyTree | None = None
+        self.scores: torch.Tensor | None = None
         self.root_logp: torch.Tensor | None = None
 
     @property
@@ -155,11 +162,12 @@ class DraftGraph:
         """Make every row a dummy row (a device op; before an ahead-of-time capture)."""
         self.ints.zero_()
 
-    def forward(self, drafter: GraphDrafter) -> tuple[torch.Tensor, VerifyTree]:
+    def forward(self, drafter: GraphDrafter) -> tuple[torch.Tensor, VerifyTree, torch.Tensor]:
         """The whole propose on the static inputs, run eagerly (what the graph records).
 
         Returns:
-            ``(root_logp [B, V'] float32, tree [B, N])``, fresh tensors on the buffers' device.
+            ``(root_logp [B, V'] float32, tree [B, N], scores [B, N] float32)``, fresh tensors
+            on the buffers' device.
         """
         fb = build_catch_up_batch(self.tokens, self.start, self.qlen, self.page_table,
                                   page_size=drafter.page_size)
@@ -170,14 +178,17 @@ class DraftGraph:
         tokens = torch.where(active, expanded.tokens, torch.full_like(expanded.tokens, -1))
         tokens[:, 0] = self.roots
         parents = torch.where(active, expanded.parents, torch.zeros_like(expanded.parents))
-        return root_logp, VerifyTree.from_parents(tokens, parents)
+        scores = torch.where(active, expanded.scores,
+                             torch.full_like(expanded.scores, float("-inf")))
+        scores[:, 0] = 0.0
+        return root_logp, VerifyTree.from_parents(tokens, parents), scores
 
     def capture(self, drafter: GraphDrafter, pool: tuple, keep_root_logp: bool) -> None:
         """Warm up once on a side stream, then capture into ``pool``. Syncs the device (only
         here, never in replay). The warm-up writes the same KV the replay will write."""
         # (the staged inputs and any eager catch-up prefix come before the warm-up)
-        graph, (root_logp, self.tree) = capture_after_warmup(lambda: self.forward(drafter),
-                                                             pool)
+        graph, (root_logp, self.tree, self.scores) = capture_after_warmup(
+            lambda: self.forward(drafter), pool)
         # A dropped root_logp's pool block may be reused by later captures: this graph still
         # writes it, harmlessly, since nobody reads it.
         self.root_logp = root_logp if keep_root_logp else None
@@ -280,7 +291,7 @@ class DraftGraphCache:
         """Compute ``g``'s outputs from its staged inputs: capture if needed, then replay (on
         the current stream, after the staging copy). On CPU: the eager static forward."""
         if self.pool is None:
-            g.root_logp, g.tree = g.forward(drafter)
+            g.root_logp, g.tree, g.scores = g.forward(drafter)
         else:
             if not g.captured:
                 g.capture(drafter, self.pool, drafter.graph_keeps_root_logp)
@@ -311,9 +322,10 @@ class DraftGraphCache:
         stage_propose_inputs(buf.numpy(), g, drafter, reqs, plan, starts)
         self.ring.copy_to(buf, g.ints)  # one async H2D copy, stream-ordered before the replay
         self.run(g, drafter)
-        assert g.tree is not None
+        assert g.tree is not None and g.scores is not None
         t = g.tree
         drafter.last_root_logp = g.root_logp[:bsz] if g.root_logp is not None else None
+        drafter.last_node_scores = g.scores[:bsz]
         return VerifyTree(draft_tokens=t.draft_tokens[:bsz], parents=t.parents[:bsz],
                           depth=t.depth[:bsz], next_token=t.next_token[:bsz],
                           next_sibling=t.next_sibling[:bsz],

@@ -22,6 +22,7 @@ under the verify forward too (``supports_grammar_overlap``).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -168,6 +169,46 @@ def continuation_starts_batch(
     np.cumsum(np.minimum(counts, max_candidates), out=offsets[1:])
     begin = end - lens - 1  # [B] row of each request's first token
     return ends[top] - begin[req[top]] + 1, offsets
+
+
+def suffix_match_length(history: np.ndarray, start: int, max_window: int) -> int:
+    """How many tokens before ``start`` agree with the history's last tokens, read backwards:
+    the match length (capped at ``max_window``) that made ``history[start:]`` a continuation
+    (:func:`continuation_starts` computes the same lengths for ranking, and drops them).
+
+    Args:
+        history: ``[L]`` int64 token ids.
+        start: a continuation start, ``1 <= start < L`` (``history[start - 1]`` holds the last
+            token).
+        max_window: the cap.
+
+    Returns:
+        The length, ``>= 1`` for a start from :func:`continuation_starts`.
+    """
+    n = len(history)
+    k = 0
+    while k < max_window and start - 1 - k >= 0 and history[start - 1 - k] == history[n - 1 - k]:
+        k += 1
+    return k
+
+
+@dataclass
+class AnnotatedTrie:
+    """One request's n-gram trie with what says how much to trust each node.
+
+    Attributes:
+        tokens: node tokens, node 0 (the last committed token) first.
+        parents: each node's parent (-1 for node 0); parents before children.
+        match: per node, the suffix match length of the continuation that added it (the best
+            one through it: continuations merge best first); 0 for node 0.
+        support: per node, how many of the looked-up continuations pass through it (all of
+            them, also those merged after the trie was full); 0 for node 0.
+    """
+
+    tokens: list[int]
+    parents: list[int]
+    match: list[int]
+    support: list[int]
 
 
 def find_continuations(
@@ -334,6 +375,51 @@ class NgramDrafter(Drafter):
             else:
                 trees.append(self.merge_continuations(hist, flat[off[b]: off[b + 1]]))
         return pack_trees(trees, n)
+
+    def annotated_tries(self, reqs: Sequence[DraftRequest]) -> list[AnnotatedTrie]:
+        """Each request's trie, the same as :meth:`propose` builds, with each node's match
+        length and support (:class:`AnnotatedTrie`): one batched lookup, then per request the
+        trie merge, walking every looked-up continuation (at most 16) along the full trie to
+        count its support."""
+        histories = self.sync_histories(reqs)
+        starts, offsets = continuation_starts_batch(
+            histories, min_window=self.min_window, max_window=self.max_window)
+        flat, off = starts.tolist(), offsets.tolist()
+        return [self.annotate(hist, flat[off[b]: off[b + 1]])
+                for b, hist in enumerate(histories)]
+
+    def annotate(self, history: np.ndarray, starts: Sequence[int]) -> AnnotatedTrie:
+        """:meth:`merge_continuations` of one request (the same trie), annotated.
+
+        Args:
+            history: ``[L]`` int64, ``L >= 1``: this request's token ids.
+            starts: continuation starts, best first (as for :meth:`merge_continuations`).
+        """
+        tokens = [int(history[-1])]
+        parents = [-1]
+        match = [0]
+        support = [0]
+        children: list[dict[int, int]] = [{}]
+        budget = self.num_nodes - 1
+        for start in starts:
+            m = suffix_match_length(history, start, self.max_window)
+            node = 0
+            for tok in history[start: start + self.branch_length].tolist():
+                nxt = children[node].get(tok)
+                if nxt is None:
+                    if budget <= 0:
+                        break
+                    nxt = len(tokens)
+                    tokens.append(tok)
+                    parents.append(node)
+                    match.append(m)
+                    support.append(0)
+                    children.append({})
+                    children[node][tok] = nxt
+                    budget -= 1
+                support[nxt] += 1
+                node = nxt
+        return AnnotatedTrie(tokens, parents, match, support)
 
     def release(self, request_id: str) -> None:
         self._histories.pop(request_id, None)

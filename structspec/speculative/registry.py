@@ -54,6 +54,9 @@ class DrafterInfo:
             ``MAX_DRAFT_TOPK``) before any model loads.
         description: a few words on what it drafts with (the CLI's ``--speculative-algorithm``
             help is built from them).
+        eagle_head: ``SpecConfig.draft_model`` is an EAGLE head directory: the head shipped
+            for the default model is used when none is given, and ``--draft-model`` is
+            checked as a head.
     """
 
     name: str
@@ -61,6 +64,7 @@ class DrafterInfo:
     needs_draft_model: bool = False
     expands_tree: bool = False
     description: str = ""
+    eagle_head: bool = False
 
 
 _REGISTRY: dict[str, DrafterInfo] = {}
@@ -73,6 +77,7 @@ def register_drafter(
     needs_draft_model: bool = False,
     expands_tree: bool = False,
     description: str = "",
+    eagle_head: bool = False,
     replace: bool = False,
 ) -> DrafterInfo:
     """Register ``factory`` under ``name`` (a new ``--speculative-algorithm`` value).
@@ -83,6 +88,7 @@ def register_drafter(
         needs_draft_model: see :class:`DrafterInfo`.
         expands_tree: see :class:`DrafterInfo`.
         description: see :class:`DrafterInfo`.
+        eagle_head: see :class:`DrafterInfo`.
         replace: allow replacing an already registered name.
 
     Returns:
@@ -97,7 +103,8 @@ def register_drafter(
     if name in _REGISTRY and not replace:
         raise ValueError(f"drafter {name!r} is already registered")
     info = DrafterInfo(name=name, factory=factory, needs_draft_model=needs_draft_model,
-                       expands_tree=expands_tree, description=description)
+                       expands_tree=expands_tree, description=description,
+                       eagle_head=eagle_head)
     _REGISTRY[name] = info
     return info
 
@@ -188,4 +195,11 @@ register_drafter(
     _lazy_factory("structspec.speculative.draft_model", "create_draft_model_drafter"),
     needs_draft_model=True, expands_tree=True, description="a small draft model")
 register_drafter("eagle", _lazy_factory("structspec.speculative.eagle", "create_eagle_drafter"),
-                 needs_draft_model=True, expands_tree=True, description="an EAGLE head")
+                 needs_draft_model=True, expands_tree=True, description="an EAGLE head",
+                 eagle_head=True)
+register_drafter(
+    "ngram_eagle",
+    _lazy_factory("structspec.speculative.ngram_eagle", "create_ngram_eagle_drafter"),
+    needs_draft_model=True, expands_tree=True, eagle_head=True,
+    description="n-gram prompt lookup and an EAGLE head in one tree, the nodes ranked by "
+                "the trie's per-step confidence and EAGLE's scores")

@@ -160,6 +160,11 @@ class TreeDrafter(Drafter):
         #: request b (tests and debugging; rows of requests that were not drafted are
         #: undefined; None after a graph propose unless :attr:`graph_keeps_root_logp`).
         self.last_root_logp: torch.Tensor | None = None
+        #: ``[B, N]`` float32 EAGLE-2 score (cumulative draft log-probability) of each node of
+        #: the last proposed tree: 0 for node 0, ``-inf`` for padding (a graph propose returns
+        #: a view of the graph's static output: valid until the next propose). A drafter that
+        #: keeps only part of the tree (``ngram_eagle``) keeps the best-scored nodes.
+        self.last_node_scores: torch.Tensor | None = None
         #: ``max(catch-up length)`` up to which requests share one catch-up forward; longer
         #: ones (first sight of a prompt) run in a second forward so short rows are not padded.
         #: Also the graphs' catch-up width ``Q``.
@@ -289,6 +294,9 @@ class TreeDrafter(Drafter):
         plan = self._plan(reqs)
         if not plan.active:
             self.last_root_logp = None
+            scores = torch.full((len(reqs), self.num_nodes), float("-inf"), device=self.device)
+            scores[:, 0] = 0.0
+            self.last_node_scores = scores
             return _padded_tree(self._to_device(torch.tensor(plan.roots, dtype=torch.int64)),
                                 self.num_nodes)
         g = self._graph_for(len(reqs), plan) if max_nodes >= self.num_nodes else None
@@ -336,20 +344,25 @@ class TreeDrafter(Drafter):
         root_logp, root_state = self._catch_up(act_reqs, plan.starts, plan.ends, table_host)
         base_len = self._to_device(torch.tensor(plan.ends, dtype=torch.int64))
         tree = self.expand(root_logp, root_state, base_len, table, num_nodes=budget)
-        tokens, parents = tree.tokens, tree.parents
+        tokens, parents, scores = tree.tokens, tree.parents, tree.scores
         if budget < n:  # padding nodes past the budget keep propose's [B, N] shape
             pad = tokens.shape[0], n - budget
             tokens = torch.cat([tokens, tokens.new_full(pad, -1)], dim=1)
             parents = torch.cat([parents, parents.new_zeros(pad)], dim=1)
+            scores = torch.cat([scores, scores.new_full(pad, float("-inf"))], dim=1)
         if len(plan.active) < bsz:
             idx = self._to_device(torch.tensor(plan.active, dtype=torch.int64))
             full_tokens = torch.full((bsz, n), -1, dtype=torch.int64, device=self.device)
             full_parents = torch.zeros((bsz, n), dtype=torch.int64, device=self.device)
             tokens = full_tokens.index_copy(0, idx, tokens)
             parents = full_parents.index_copy(0, idx, parents)
+            full_scores = torch.full((bsz, n), float("-inf"), device=self.device)
+            full_scores[:, 0] = 0.0
+            scores = full_scores.index_copy(0, idx, scores)
             root_logp = root_logp.new_zeros((bsz, root_logp.shape[1])).index_copy(
                 0, idx, root_logp)
         self.last_root_logp = root_logp
+        self.last_node_scores = scores
         tokens = tokens.clone()
         tokens[:, 0] = roots_dev
         return VerifyTree.from_parents(tokens, parents)

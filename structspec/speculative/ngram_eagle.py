@@ -1,0 +1,151 @@
+"""The ``ngram_eagle`` drafter: an n-gram (prompt lookup) branch and EAGLE branches in one
+verify tree.
+
+Structured extraction mixes text copied from the prompt, which prompt lookup predicts far
+ahead, with text the model writes itself, which only a learned drafter predicts. Each step,
+per request:
+
+1. the n-gram drafter builds its trie on the host, each node annotated with the suffix match
+   length of the continuation that added it and how many continuations pass through it
+   (:meth:`~structspec.speculative.ngram.NgramDrafter.annotated_tries`);
+2. the n-gram branch's per-step confidence
+   (:class:`~structspec.speculative.ngram_confidence.TrieConfidence`) turns those into a score
+   per trie node (the estimated log-probability that the target accepts its path); tokens,
+   parents and scores go to the device in one staged non-blocking copy;
+3. the EAGLE drafter proposes its full tree as always (its CUDA-graph replay is unchanged),
+   with each node's EAGLE-2 score;
+4. :func:`~structspec.speculative.tree_union.union_trees` merges the two on the device: EAGLE
+   nodes on a path the trie already holds merge into the trie's nodes, and the ``N - 1`` best
+   scored nodes of both are kept. A trie from a long match keeps its nodes; where the trie is a
+   guess (a short match), EAGLE's likelier nodes take its deeper slots; slots the trie leaves
+   free go to EAGLE;
+5. after the commit, the committed run updates the confidence estimates (every trie node the
+   run tested, proposed or not).
+
+The tree is a device tree like EAGLE's (``tree_on_host = False``): the grammar service copies
+it to the host behind the draft kernels and builds its bitmask under the verify forward like
+any other tree. Host work per step: the n-gram lookup and trie annotation, and the EAGLE plan;
+no host sync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from structspec.config import SpecConfig
+from structspec.draft_tree.layout import VerifyTree
+from structspec.speculative.base import Drafter, DraftRequest
+from structspec.speculative.eagle import EagleDrafter, create_eagle_drafter
+from structspec.speculative.ngram import AnnotatedTrie, NgramDrafter
+from structspec.speculative.ngram_confidence import TrieConfidence
+from structspec.speculative.tree_union import union_trees
+from structspec.staging import to_device
+
+#: fixed-point scale of the trie scores staged with the trie's int64 tokens and parents
+#: (one copy; a log-probability is exact to 1e-6)
+SCORE_SCALE = 1_000_000
+#: the staged score of a padding node (far below any real one; it is masked anyway)
+PAD_SCORE = -(10**15)
+
+
+class NgramEagleDrafter(Drafter):
+    """n-gram trie + EAGLE tree in one verify tree (see the module doc).
+
+    Args:
+        spec: ``num_draft_tokens`` (N, node 0 included) and the n-gram and EAGLE settings.
+        ngram: the n-gram drafter (its ``num_nodes`` must be N).
+        eagle: the EAGLE drafter (its ``num_nodes`` must be N).
+        confidence: the trie node estimates (default: :class:`TrieConfidence` with the
+            n-gram drafter's ``max_window``).
+
+    Raises:
+        ValueError: a drafter's ``num_nodes`` differs from ``spec.num_draft_tokens``.
+    """
+
+    name = "ngram_eagle"
+    tree_on_host = False
+    supports_grammar_overlap = True
+
+    def __init__(self, spec: SpecConfig, *, ngram: NgramDrafter, eagle: EagleDrafter,
+                 confidence: TrieConfidence | None = None) -> None:
+        super().__init__(spec.num_draft_tokens)
+        for what, d in (("ngram", ngram), ("eagle", eagle)):
+            if d.num_nodes != self.num_nodes:
+                raise ValueError(f"{what} drafter has {d.num_nodes} nodes, num_draft_tokens="
+                                 f"{self.num_nodes}")
+        self.ngram = ngram
+        self.eagle = eagle
+        self.confidence = confidence if confidence is not None else TrieConfidence(
+            max_match=ngram.max_window)
+        self.aux_hidden_layers = eagle.aux_hidden_layers
+        self._proposed: dict[str, AnnotatedTrie] = {}
+
+    def propose(self, reqs: Sequence[DraftRequest]) -> VerifyTree:
+        """``[B, N]`` merged trees on EAGLE's device (see the module doc). No host sync: the
+        trie and its scores go up with one staged non-blocking copy, the merge is device
+        ops."""
+        n = self.num_nodes
+        eagle = self.eagle
+        tries = self.ngram.annotated_tries(reqs)
+        etree = eagle.propose(reqs)
+        scores = eagle.last_node_scores
+        assert scores is not None  # every propose sets it
+        host = np.zeros((len(reqs), 3, n), dtype=np.int64)  # tokens | parents | scores
+        host[:, 0] = -1
+        host[:, 2] = PAD_SCORE
+        for b, (trie, req) in enumerate(zip(tries, reqs, strict=True)):
+            k = len(trie.tokens)  # <= n: the trie's budget is the tree's
+            host[b, 0, :k] = trie.tokens
+            host[b, 1, :k] = trie.parents
+            host[b, 2, :k] = np.round(np.asarray(self.confidence.path_logp(trie))
+                                      * SCORE_SCALE)
+            self._proposed[req.request_id] = trie
+        staged = to_device(torch.from_numpy(host), eagle.device, eagle.staging)
+        tokens, parents = union_trees(
+            staged[:, 0], staged[:, 1], staged[:, 2].float() / SCORE_SCALE,
+            etree.draft_tokens, etree.parents, etree.depth, scores, max_depth=eagle.depth)
+        return VerifyTree.from_parents(tokens, parents)
+
+    def on_verified(self, reqs: Sequence[DraftRequest], committed: Sequence[list[int]]) -> None:
+        """Update the trie confidence from each proposed request's committed run, then the two
+        drafters' own hooks."""
+        for req, run in zip(reqs, committed, strict=True):
+            trie = self._proposed.pop(req.request_id, None)
+            if trie is not None and run:
+                self.confidence.observe(trie, run)
+        self.ngram.on_verified(reqs, committed)
+        self.eagle.on_verified(reqs, committed)
+
+    def on_target_hidden(self, reqs: Sequence[DraftRequest], hidden_states: torch.Tensor,
+                         rows: torch.Tensor | None, num_rows: Sequence[int],
+                         aux_hidden_states: Sequence[torch.Tensor] = ()) -> None:
+        """EAGLE's features (:meth:`EagleDrafter.on_target_hidden`)."""
+        self.eagle.on_target_hidden(reqs, hidden_states, rows, num_rows, aux_hidden_states)
+
+    def release(self, request_id: str) -> None:
+        """Forget the request in both drafters."""
+        self.ngram.release(request_id)
+        self.eagle.release(request_id)
+        self._proposed.pop(request_id, None)
+
+    def warmup_cuda_graphs(
+        self, batch_sizes: Sequence[int] | None = None, kv_lens: Sequence[int] | None = None
+    ) -> int:
+        """EAGLE's propose graphs (:meth:`TreeDrafter.warmup_cuda_graphs`)."""
+        return self.eagle.warmup_cuda_graphs(batch_sizes, kv_lens)
+
+
+def create_ngram_eagle_drafter(
+    spec: SpecConfig, *, target: Any, device: torch.device | str, dtype: torch.dtype,
+    max_batch_size: int = 64, **context: Any,
+) -> NgramEagleDrafter:
+    """Registry factory of ``"ngram_eagle"`` (:mod:`structspec.speculative.registry`): the
+    EAGLE head is read from ``spec.draft_model`` (the shipped head for the default model when
+    none is given); the n-gram settings are ``spec.ngram_*``."""
+    eagle = create_eagle_drafter(spec, target=target, device=device, dtype=dtype,
+                                 max_batch_size=max_batch_size, **context)
+    return NgramEagleDrafter(spec, ngram=NgramDrafter(spec), eagle=eagle)
