@@ -27,6 +27,8 @@
 #             128 new tokens, 4 prompts at batch 1: the compact run's windows were 0.2-1.4 s and its
 #             batch-8 accept lengths looked like the adaptive sizing, not the drafter), then the
 #             EAGLE grammar overlap (2 alternating repeats), host profiles of eagle / none steps
+#   combo_speed  issue 18: MaskBench end to end (120 schemas, greedy, N=8, 512 tokens) with ngram,
+#             eagle and ngram_eagle at batch 64 and 1: tok/s and accept length (~6-10 min)
 #   eagle_tests  issue 18: tests/engine/test_gpu_engine.py alone (no-sync steps with every drafter
 #             and the shipped EAGLE head, bf16 and batch-invariant spec vs plain with ngram and
 #             eagle; ~3 min)
@@ -64,6 +66,10 @@ python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())
 for s in $stages; do case $s in
   tests)
     run gpu_tests 480 python3 -m pytest -q -s -p no:cacheprovider tests/kernels tests/engine/test_gpu_engine.py tests/engine/test_cuda_graph.py tests/speculative tests/grammar/test_worker_pool.py tests/engine/test_penalty_graph.py tests/engine/test_graph_warmup.py ;;
+  combo_speed)
+    for algo in ngram eagle ngram_eagle; do for bs in 64 1; do
+      run "maskbench_${algo}_bs${bs}" 150 python3 benchmarks/maskbench_e2e.py --device cuda --speculative-algorithm "$algo" --limit 120 --max-tokens 512 --skip-slow-compile --max-batch-size "$bs" --out "$OUT/maskbench_${algo}_bs${bs}.jsonl"
+    done; done ;;
   eagle_tests)
     run gpu_engine_tests 300 python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu_engine.py ;;
   smol)
