@@ -50,6 +50,8 @@
 #             to end with --grammar-backend auto (greedy)
 #   llguidance_overlap  issue 19: grammar overlap with every request on llguidance (ngram,
 #             batch 1/8/32/64, 150 steps, 3 repeats: 60-step pairs spread 0.98-1.39 at batch 8)
+#   llguidance_bs8  issue 19: the same at batch 8 alone, 5 repeats (~2-3 min; the one batch size
+#             above the gate, 1.067, with a repeat spread as wide as the distance to it)
 #   llguidance2  issue 19: first-request TTFT per backend, MaskBench auto at T=0.6
 #   ab_overlap, ab_peer  this checkout against another one at $OLD (e.g. `git archive` of an
 #             earlier commit), alternated back to back (benchmarks/ab_compare.py): grammar
@@ -138,6 +140,8 @@ for s in $stages; do case $s in
     run maskbench_auto 170 python3 benchmarks/maskbench_e2e.py --device cuda --speculative-algorithm ngram --limit 120 --max-tokens 1024 --skip-slow-compile --grammar-backend auto --out "$OUT/maskbench_auto.jsonl" ;;
   llguidance_overlap)
     run grammar_overlap_llg 450 python3 benchmarks/grammar_overlap.py --device cuda --batch 1 8 32 64 --steps 150 --algorithms ngram --overlap on --repeats 3 --grammar-backend llguidance ;;
+  llguidance_bs8)
+    run grammar_overlap_llg_bs8 300 python3 benchmarks/grammar_overlap.py --device cuda --batch 8 --steps 150 --algorithms ngram --overlap on --repeats 5 --grammar-backend llguidance ;;
   llguidance2)
     run grammar_ttft 240 python3 benchmarks/grammar_backends.py --ttft --device cuda --num-schemas 50
     run maskbench_auto_t06 170 python3 benchmarks/maskbench_e2e.py --device cuda --speculative-algorithm ngram --limit 120 --max-tokens 1024 --skip-slow-compile --grammar-backend auto --temperature 0.6 --top-p 0.95 --out "$OUT/maskbench_auto_t06.jsonl" ;;
