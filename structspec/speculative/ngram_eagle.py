@@ -88,10 +88,25 @@ class NgramEagleDrafter(Drafter):
         """``[B, N]`` merged trees on EAGLE's device (see the module doc). No host sync: the
         trie and its scores go up with one staged non-blocking copy, the merge is device
         ops."""
+        return self._propose(reqs, self.num_nodes)
+
+    def propose_sized(self, reqs: Sequence[DraftRequest], max_nodes: int) -> VerifyTree:
+        """:meth:`propose` for a verify that keeps only the first ``max_nodes`` nodes (the
+        adaptive tree sizer's plan): EAGLE's :meth:`~structspec.speculative.tree_drafter.
+        TreeDrafter.propose_sized` runs only the expansion depths such a tree can use (a
+        2-node probe: its catch-up forward alone), then the merge as in :meth:`propose`. The
+        merged tree is in rank order, so the kept prefix is its best ``max_nodes - 1`` nodes
+        and a tree (:func:`~structspec.speculative.tree_union.union_trees`)."""
+        return self._propose(reqs, max_nodes)
+
+    def _propose(self, reqs: Sequence[DraftRequest], max_nodes: int) -> VerifyTree:
+        """:meth:`propose` with EAGLE's tree sized for a verify of ``max_nodes`` nodes (the
+        trie is built whole: its host cost does not grow with the tree)."""
         n = self.num_nodes
         eagle = self.eagle
         tries = self.ngram.annotated_tries(reqs)
-        etree = eagle.propose(reqs)
+        etree = (eagle.propose(reqs) if max_nodes >= n
+                 else eagle.propose_sized(reqs, max_nodes))
         scores = eagle.last_node_scores
         assert scores is not None  # every propose sets it
         host = np.zeros((len(reqs), 3, n), dtype=np.int64)  # tokens | parents | scores
