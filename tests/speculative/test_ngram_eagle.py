@@ -166,6 +166,10 @@ def test_confidence_learns_from_the_committed_run() -> None:
     # a node deeper than the run is not tested: only 5 (hit) and 8 (miss)
     conf.observe(trie, [5])
     assert conf.trials[1:4, 0].tolist() == pytest.approx([6.0, 3.0, 3.0])
+    # the scores follow the updated estimates (path_logp's log table is rebuilt)
+    q = [conf.accept_prob(m, 1) for m in range(5)]
+    assert q[1] != p[1]
+    assert conf.path_logp(trie)[3] == pytest.approx(np.log(q[1] * q[2] * q[3]))
     assert TrieConfidence.effective_match(2, 3) == 4
     assert support_level(1) == 0 and support_level(3) == 1 and support_level(9) == 2
     assert prior_accept(8, 2) == 0.9
