@@ -112,21 +112,23 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--speculative-algorithm", default="none", choices=list(drafter_names()),
                    help=speculative_algorithm_help())
     s.add_argument("--draft-model", default=None,
-                   help="draft model / EAGLE head checkpoint (eagle on the default model: "
+                   help="draft model / EAGLE head checkpoint (eagle, ngram_eagle on the default "
+                        "model: "
                         "the head shipped in the package when omitted)")
     s.add_argument("--num-draft-tokens", type=int, default=8,
                    help="verify tree size N, including the last committed token")
     s.add_argument("--speculative-depth", type=int, default=4,
-                   help="draft_model/eagle: tree depth (expansion steps)")
+                   help="draft_model/eagle/ngram_eagle: tree depth (expansion steps)")
     s.add_argument("--speculative-topk", type=int, default=2,
-                   help="draft_model/eagle: children kept per expanded node")
+                   help="draft_model/eagle/ngram_eagle: children kept per expanded "
+                        "node")
     s.add_argument("--speculative-adaptive", choices=("auto", "on", "off"), default="auto",
                    help="size each request's draft tree from its recent acceptance and the "
                         "verify cost measured on this device, down to a plain decode: on, "
                         "off (always --num-draft-tokens nodes), auto (where a full tree "
                         "costs 1.25x a decode or more: CPUs, GPUs at large batch)")
     s.add_argument("--speculative-draft-vocab", choices=("auto", "full"), default="auto",
-                   help="eagle: draft over the head's draft vocabulary (the target's most "
+                   help="eagle, ngram_eagle: draft over the head's draft vocabulary (the target's most "
                         "frequent tokens) when the head ships one (auto), or over the whole "
                         "vocabulary (full); the target verifies over the whole one either way")
 

@@ -25,7 +25,6 @@ both together).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -69,9 +68,14 @@ class TrieConfidence:
         shape = (max_match + 1, len(SUPPORT_LEVELS))
         prior = np.array([[prior_accept(m, s) for s in range(shape[1])]
                           for m in range(shape[0])])
-        #: accepted and tested pseudo-counts per (match length, support level)
+        #: accepted and tested pseudo-counts per (match length, support level) (updated by
+        #: :meth:`observe` only: it invalidates the log table below)
         self.hits = prior * prior_strength
         self.trials = np.full(shape, prior_strength)
+        #: ``log(hits / trials)`` as nested lists, rebuilt after an :meth:`observe`: the
+        #: per-node loop of :meth:`path_logp` reads plain floats (numpy scalar indexing and
+        #: division per node made it ~3 ms per step at batch 64, N=64, on this 2-core CPU)
+        self._log_table: list[list[float]] | None = None
 
     def _bucket(self, match: int, support: int) -> tuple[int, int]:
         return min(max(match, 1), self.max_match), support_level(support)
@@ -85,14 +89,18 @@ class TrieConfidence:
         """Cumulative log-probability of each node's path (0.0 for node 0), never above the
         parent's. A node at depth ``d`` is scored by its effective match length
         (:meth:`effective_match`)."""
+        if self._log_table is None:
+            self._log_table = np.log(self.hits / self.trials).tolist()
+        table = self._log_table
+        parents, match, support = trie.parents, trie.match, trie.support
         out = [0.0]
         depth = [0]
         for i in range(1, len(trie.tokens)):
-            p = trie.parents[i]
-            depth.append(depth[p] + 1)
-            prob = self.accept_prob(self.effective_match(trie.match[i], depth[-1]),
-                                    trie.support[i])
-            out.append(out[p] + math.log(prob))
+            p = parents[i]
+            d = depth[p] + 1
+            depth.append(d)
+            m, s = self._bucket(self.effective_match(match[i], d), support[i])
+            out.append(out[p] + table[m][s])
         return out
 
     @staticmethod
@@ -122,4 +130,5 @@ class TrieConfidence:
             m, s = self._bucket(self.effective_match(trie.match[i], depth[i]), trie.support[i])
             self.trials[m, s] += 1.0
             self.hits[m, s] += float(hit)
+            self._log_table = None
 

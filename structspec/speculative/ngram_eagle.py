@@ -88,25 +88,41 @@ class NgramEagleDrafter(Drafter):
         """``[B, N]`` merged trees on EAGLE's device (see the module doc). No host sync: the
         trie and its scores go up with one staged non-blocking copy, the merge is device
         ops."""
+        return self._propose(reqs, self.num_nodes)
+
+    def propose_sized(self, reqs: Sequence[DraftRequest], max_nodes: int) -> VerifyTree:
+        """:meth:`propose` for a verify that keeps only the first ``max_nodes`` nodes (the
+        adaptive tree sizer's plan): EAGLE's :meth:`~structspec.speculative.tree_drafter.
+        TreeDrafter.propose_sized` runs only the expansion depths such a tree can use (a
+        2-node probe: its catch-up forward alone), then the merge as in :meth:`propose`. The
+        merged tree is in rank order, so the kept prefix is its best ``max_nodes - 1`` nodes
+        and a tree (:func:`~structspec.speculative.tree_union.union_trees`)."""
+        return self._propose(reqs, max_nodes)
+
+    def _propose(self, reqs: Sequence[DraftRequest], max_nodes: int) -> VerifyTree:
+        """:meth:`propose` with EAGLE's tree sized for a verify of ``max_nodes`` nodes (the
+        trie is built whole: its host cost does not grow with the tree)."""
         n = self.num_nodes
         eagle = self.eagle
         tries = self.ngram.annotated_tries(reqs)
-        etree = eagle.propose(reqs)
+        etree = (eagle.propose(reqs) if max_nodes >= n
+                 else eagle.propose_sized(reqs, max_nodes))
         scores = eagle.last_node_scores
         assert scores is not None  # every propose sets it
-        host = np.zeros((len(reqs), 3, n), dtype=np.int64)  # tokens | parents | scores
-        host[:, 0] = -1
-        host[:, 2] = PAD_SCORE
-        for b, (trie, req) in enumerate(zip(tries, reqs, strict=True)):
-            k = len(trie.tokens)  # <= n: the trie's budget is the tree's
-            host[b, 0, :k] = trie.tokens
-            host[b, 1, :k] = trie.parents
-            host[b, 2, :k] = np.round(np.asarray(self.confidence.path_logp(trie))
-                                      * SCORE_SCALE)
+        # [3, B, N] int64: tokens | parents | fixed-point scores, built as Python lists and
+        # converted once (per-request numpy slice writes cost ~5 numpy calls a request)
+        rows: list[list[list[int]]] = [[], [], []]
+        for trie, req in zip(tries, reqs, strict=True):
+            pad = n - len(trie.tokens)  # >= 0: the trie's budget is the tree's
+            rows[0].append(trie.tokens + [-1] * pad)
+            rows[1].append(trie.parents + [0] * pad)
+            rows[2].append([round(x * SCORE_SCALE) for x in self.confidence.path_logp(trie)]
+                           + [PAD_SCORE] * pad)
             self._proposed[req.request_id] = trie
-        staged = to_device(torch.from_numpy(host), eagle.device, eagle.staging)
+        host = torch.from_numpy(np.array(rows, dtype=np.int64).reshape(3, len(reqs), n))
+        staged = to_device(host, eagle.device, eagle.staging)
         tokens, parents = union_trees(
-            staged[:, 0], staged[:, 1], staged[:, 2].float() / SCORE_SCALE,
+            staged[0], staged[1], staged[2].float() / SCORE_SCALE,
             etree.draft_tokens, etree.parents, etree.depth, scores, max_depth=eagle.depth)
         return VerifyTree.from_parents(tokens, parents)
 

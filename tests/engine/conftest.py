@@ -133,6 +133,8 @@ def tiny_drafters(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory)
                             num_draft_tokens=5, speculative_depth=3, speculative_topk=2),
         "eagle": dict(speculative_algorithm="eagle", draft_model=str(eagle_dir),
                       num_draft_tokens=5, speculative_depth=3, speculative_topk=2),
+        "ngram_eagle": dict(speculative_algorithm="ngram_eagle", draft_model=str(eagle_dir),
+                            num_draft_tokens=5, speculative_depth=3, speculative_topk=2),
     }
 
 

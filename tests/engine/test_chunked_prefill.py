@@ -76,7 +76,7 @@ def _params() -> list[SamplingParams]:
     return [plain, schema, plain, schema]
 
 
-@pytest.mark.parametrize("drafter", ["none", "ngram", "draft_model", "eagle"])
+@pytest.mark.parametrize("drafter", ["none", "ngram", "draft_model", "eagle", "ngram_eagle"])
 def test_greedy_same_with_and_without_chunking(make_llm, tiny_model_dir: str,
                                               tiny_drafters: dict, drafter: str,
                                               monkeypatch: pytest.MonkeyPatch) -> None:

@@ -61,7 +61,7 @@ def _run_streaming(llm: Any, prompts: list[str], params: list[SamplingParams],
     return {r: done[r] for r in rids}, streamed
 
 
-@pytest.mark.parametrize("drafter", ["none", "ngram", "draft_model", "eagle"])
+@pytest.mark.parametrize("drafter", ["none", "ngram", "draft_model", "eagle", "ngram_eagle"])
 def test_oversubscribed_kv_completes_with_the_same_outputs(make_llm, tiny_model_dir: str,
                                                            tiny_drafters: dict,
                                                            drafter: str) -> None:

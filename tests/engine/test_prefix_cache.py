@@ -76,7 +76,7 @@ def assert_cached_kv_is_prompt_kv(llm: Any, prompt_ids: list[int]) -> None:
         alloc.free(hits)
 
 
-@pytest.mark.parametrize("drafter", ["none", "ngram", "draft_model", "eagle"])
+@pytest.mark.parametrize("drafter", ["none", "ngram", "draft_model", "eagle", "ngram_eagle"])
 def test_greedy_same_with_and_without_prefix_cache(make_llm, tiny_model_dir: str,
                                                    tiny_drafters: dict, drafter: str) -> None:
     kw = dict(model=tiny_model_dir, **tiny_drafters[drafter])

@@ -15,6 +15,7 @@ from structspec.draft_tree.layout import VerifyTree
 from structspec.speculative.base import DraftRequest
 from structspec.speculative.ngram import AnnotatedTrie, NgramDrafter, suffix_match_length
 from structspec.speculative.ngram_confidence import TrieConfidence, prior_accept, support_level
+from structspec.speculative.ngram_eagle import NgramEagleDrafter
 from structspec.speculative.registry import drafter_info, drafter_names
 from structspec.speculative.tree_union import union_trees
 
@@ -165,6 +166,10 @@ def test_confidence_learns_from_the_committed_run() -> None:
     # a node deeper than the run is not tested: only 5 (hit) and 8 (miss)
     conf.observe(trie, [5])
     assert conf.trials[1:4, 0].tolist() == pytest.approx([6.0, 3.0, 3.0])
+    # the scores follow the updated estimates (path_logp's log table is rebuilt)
+    q = [conf.accept_prob(m, 1) for m in range(5)]
+    assert q[1] != p[1]
+    assert conf.path_logp(trie)[3] == pytest.approx(np.log(q[1] * q[2] * q[3]))
     assert TrieConfidence.effective_match(2, 3) == 4
     assert support_level(1) == 0 and support_level(3) == 1 and support_level(9) == 2
     assert prior_accept(8, 2) == 0.9
@@ -176,3 +181,55 @@ def test_registered_with_an_eagle_head() -> None:
     assert "ngram_eagle" in drafter_names()
     info = drafter_info("ngram_eagle")
     assert info.eagle_head and info.needs_draft_model and info.expands_tree
+
+
+class _StubEagle:
+    """What :class:`NgramEagleDrafter` reads of an EAGLE drafter: a fixed chain tree of
+    ``depth`` drafts (tokens 101, 102, ...) per request, cut to a sized propose's budget."""
+
+    def __init__(self, num_nodes: int, depth: int) -> None:
+        self.num_nodes, self.depth = num_nodes, depth
+        self.device, self.staging = torch.device("cpu"), None
+        self.aux_hidden_layers: tuple[int, ...] = ()
+        self.last_node_scores: torch.Tensor | None = None
+        self.calls: list[int | None] = []
+
+    def _tree(self, reqs: list[DraftRequest], real: int) -> VerifyTree:
+        n = self.num_nodes
+        toks = torch.full((len(reqs), n), -1, dtype=torch.int64)
+        pars = torch.zeros((len(reqs), n), dtype=torch.int64)
+        scores = torch.full((len(reqs), n), float("-inf"))
+        for b, r in enumerate(reqs):
+            toks[b, 0], pars[b, 0], scores[b, 0] = r.token_ids[-1], -1, 0.0
+            for i in range(1, real + 1):
+                toks[b, i], pars[b, i], scores[b, i] = 100 + i, i - 1, -0.01 * i
+        self.last_node_scores = scores
+        return VerifyTree.from_parents(toks, pars)
+
+    def propose(self, reqs: list[DraftRequest]) -> VerifyTree:
+        self.calls.append(None)
+        return self._tree(reqs, min(self.depth, self.num_nodes - 1))
+
+    def propose_sized(self, reqs: list[DraftRequest], max_nodes: int) -> VerifyTree:
+        self.calls.append(max_nodes)
+        return self._tree(reqs, min(self.depth, max_nodes - 1))
+
+
+def test_sized_propose_runs_the_sized_eagle_propose_and_keeps_the_best_first() -> None:
+    # The adaptive sizer's small trees (a 2-node probe) must not pay EAGLE's full expansion:
+    # the sized propose asks EAGLE for a sized tree, and the merged tree's first max_nodes
+    # columns (what the verify keeps) are a tree of the best nodes.
+    spec = SpecConfig(algorithm="ngram_eagle", num_draft_tokens=6)
+    eagle = _StubEagle(6, depth=4)
+    drafter = NgramEagleDrafter(spec, ngram=NgramDrafter(spec), eagle=eagle)  # type: ignore[arg-type]
+    hist = [7, 8, 9, 7, 8]  # the trie: 9 -> 7 -> 8 (a 2-token match)
+    reqs = [DraftRequest("a", hist, len(hist) - 1)]
+    full = drafter.propose(reqs)
+    sized = drafter.propose_sized(reqs, 2)
+    assert eagle.calls == [None, 2]
+    assert full.draft_tokens.shape == sized.draft_tokens.shape == (1, 6)
+    # EAGLE's chain scores above the trie's guess: its first draft leads both trees
+    assert full.draft_tokens[0, :2].tolist() == sized.draft_tokens[0, :2].tolist() == [8, 101]
+    assert sized.parents[0, 1].item() == 0
+    # the sized EAGLE tree had one draft: the trie fills the rest
+    assert 102 not in sized.draft_tokens[0].tolist() and 9 in sized.draft_tokens[0].tolist()
