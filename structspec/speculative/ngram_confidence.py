@@ -16,7 +16,8 @@ node too: :meth:`TrieConfidence.effective_match`):
 a Beta estimate started from a prior that rises with both (:func:`prior_accept`) and updated
 after every step from the target's committed run: every trie node whose parent the run reached
 was tested (accepted when its token is the run's next one), whether the node was in the merged
-tree or not, since the run is the target's own greedy continuation. The estimates are engine-wide
+tree or not, since the run is the target's own greedy continuation; a bucket's counts are halved
+once they pass ``max_trials``, so it follows its recent tests. The estimates are engine-wide
 (all requests' steps feed them); a request's confidence is per step, from the trie it has now.
 A node's score is the sum of the log-probabilities along its path, comparable with EAGLE-2's
 cumulative draft log-probabilities (:func:`~structspec.speculative.tree_union.union_trees` ranks
@@ -54,17 +55,28 @@ class TrieConfidence:
         max_match: match lengths above this share its bucket (the n-gram drafter's
             ``max_window`` caps them anyway).
         prior_strength: pseudo-trials of each bucket's prior.
+        max_trials: a bucket's counts are halved once its trials pass this (the estimates
+            follow the last ~``max_trials`` tests of each bucket, not the whole history).
 
     Raises:
-        ValueError: ``max_match < 1`` or ``prior_strength <= 0``.
+        ValueError: ``max_match < 1``, ``prior_strength <= 0`` or ``max_trials <=
+            prior_strength``.
     """
 
-    def __init__(self, *, max_match: int = 8, prior_strength: float = 8.0) -> None:
+    def __init__(self, *, max_match: int = 8, prior_strength: float = 8.0,
+                 max_trials: float = 2000.0) -> None:
         if max_match < 1:
             raise ValueError(f"max_match={max_match}: expected >= 1")
         if prior_strength <= 0:
             raise ValueError(f"prior_strength={prior_strength}: expected > 0")
+        if not max_trials > prior_strength:
+            raise ValueError(f"max_trials={max_trials}: expected > prior_strength "
+                             f"({prior_strength})")
         self.max_match = max_match
+        #: a bucket's pseudo-trials are scaled back to half this once they pass it (hits with
+        #: them, so the estimate is unchanged at that moment): its estimate keeps following a
+        #: workload that changes over a long-running server, from its last ~max_trials tests
+        self.max_trials = max_trials
         shape = (max_match + 1, len(SUPPORT_LEVELS))
         prior = np.array([[prior_accept(m, s) for s in range(shape[1])]
                           for m in range(shape[0])])
@@ -130,5 +142,9 @@ class TrieConfidence:
             m, s = self._bucket(self.effective_match(trie.match[i], depth[i]), trie.support[i])
             self.trials[m, s] += 1.0
             self.hits[m, s] += float(hit)
+            if self.trials[m, s] > self.max_trials:
+                scale = 0.5 * self.max_trials / self.trials[m, s]
+                self.trials[m, s] *= scale
+                self.hits[m, s] *= scale
             self._log_table = None
 

@@ -177,6 +177,23 @@ def test_confidence_learns_from_the_committed_run() -> None:
         TrieConfidence(max_match=0)
 
 
+def test_confidence_forgets_old_steps_once_a_bucket_is_full() -> None:
+    """A bucket's counts are halved when its trials pass ``max_trials``: after a long run of
+    hits, a run of misses moves the estimate down within about ``max_trials`` tests (without
+    the cap it would stay near 1 for as many misses as there were hits)."""
+    conf = TrieConfidence(max_match=4, prior_strength=2.0, max_trials=40.0)
+    trie = AnnotatedTrie(tokens=[9, 5], parents=[-1, 0], match=[0, 3], support=[0, 1])
+    for _ in range(1000):
+        conf.observe(trie, [5, 1])
+    assert conf.trials[3, 0] <= 40.0 and conf.accept_prob(3, 1) > 0.95
+    for _ in range(60):
+        conf.observe(trie, [4])
+    assert conf.trials[3, 0] <= 40.0 and conf.accept_prob(3, 1) < 0.2
+    assert 0.0 < conf.accept_prob(3, 1) < 1.0
+    with pytest.raises(ValueError, match="max_trials"):
+        TrieConfidence(prior_strength=8.0, max_trials=8.0)
+
+
 def test_registered_with_an_eagle_head() -> None:
     assert "ngram_eagle" in drafter_names()
     info = drafter_info("ngram_eagle")
