@@ -40,9 +40,9 @@ the same stream, and the graph catches up on the last ``Q``. So a batch mixing n
 requests still drafts with one replay.
 
 Static outputs (the graph's pool): the tree ``[B, N]`` (:class:`VerifyTree` fields, built by
-:meth:`VerifyTree.from_parents` inside the graph), its nodes' EAGLE-2 scores ``[B, N]`` float32
-(``TreeDrafter.last_node_scores``: what a drafter that keeps only part of the tree ranks by) and,
-when
+:meth:`VerifyTree.from_parents` inside the graph), with ``TreeDrafter.keeps_node_scores`` its
+nodes' EAGLE-2 scores ``[B, N]`` float32 (``TreeDrafter.last_node_scores``: what a drafter that
+keeps only part of the tree ranks by) and, when
 ``TreeDrafter.graph_keeps_root_logp``, ``root_logp [B, V']`` float32. A propose returns views of
 rows ``[:batch]``: valid until the next propose.
 """
@@ -75,12 +75,15 @@ class GraphDrafter(Protocol):
     Attributes:
         page_size: KV slots per draft page.
         graph_keeps_root_logp: keep ``root_logp`` as a static graph output.
+        keeps_node_scores: record the node scores as a static graph output.
         last_root_logp: ``[B, V']`` float32 of the last propose, or None (set here).
-        last_node_scores: ``[B, N]`` float32 node scores of the last propose (set here).
+        last_node_scores: ``[B, N]`` float32 node scores of the last propose, or None (set
+            here).
     """
 
     page_size: int
     graph_keeps_root_logp: bool
+    keeps_node_scores: bool
     last_root_logp: torch.Tensor | None
     last_node_scores: torch.Tensor | None
 
@@ -134,7 +137,8 @@ class DraftGraph:
         tokens: ``[B, Q]``.  page_table: ``[B, P]``.
         tree: static output tree ``[B, N]`` (after capture, or after an eager :meth:`run`).
         scores: static output ``[B, N]`` float32, each node's cumulative log-probability (0 for
-            node 0, ``-inf`` for padding and dummy rows).
+            node 0, ``-inf`` for padding and dummy rows), or None when the drafter does not
+            keep node scores.
         root_logp: ``[B, V']`` float32 static output, or None (see the module docstring).
     """
 
@@ -162,12 +166,14 @@ class DraftGraph:
         """Make every row a dummy row (a device op; before an ahead-of-time capture)."""
         self.ints.zero_()
 
-    def forward(self, drafter: GraphDrafter) -> tuple[torch.Tensor, VerifyTree, torch.Tensor]:
+    def forward(self, drafter: GraphDrafter
+                ) -> tuple[torch.Tensor, VerifyTree, torch.Tensor | None]:
         """The whole propose on the static inputs, run eagerly (what the graph records).
 
         Returns:
-            ``(root_logp [B, V'] float32, tree [B, N], scores [B, N] float32)``, fresh tensors
-            on the buffers' device.
+            ``(root_logp [B, V'] float32, tree [B, N], scores [B, N] float32 or None)``, fresh
+            tensors on the buffers' device; ``scores`` only for a drafter that
+            ``keeps_node_scores``.
         """
         fb = build_catch_up_batch(self.tokens, self.start, self.qlen, self.page_table,
                                   page_size=drafter.page_size)
@@ -178,9 +184,11 @@ class DraftGraph:
         tokens = torch.where(active, expanded.tokens, torch.full_like(expanded.tokens, -1))
         tokens[:, 0] = self.roots
         parents = torch.where(active, expanded.parents, torch.zeros_like(expanded.parents))
-        scores = torch.where(active, expanded.scores,
-                             torch.full_like(expanded.scores, float("-inf")))
-        scores[:, 0] = 0.0
+        scores = None
+        if drafter.keeps_node_scores:
+            scores = torch.where(active, expanded.scores,
+                                 torch.full_like(expanded.scores, float("-inf")))
+            scores[:, 0] = 0.0
         return root_logp, VerifyTree.from_parents(tokens, parents), scores
 
     def capture(self, drafter: GraphDrafter, pool: tuple, keep_root_logp: bool) -> None:
@@ -322,10 +330,10 @@ class DraftGraphCache:
         stage_propose_inputs(buf.numpy(), g, drafter, reqs, plan, starts)
         self.ring.copy_to(buf, g.ints)  # one async H2D copy, stream-ordered before the replay
         self.run(g, drafter)
-        assert g.tree is not None and g.scores is not None
+        assert g.tree is not None
         t = g.tree
         drafter.last_root_logp = g.root_logp[:bsz] if g.root_logp is not None else None
-        drafter.last_node_scores = g.scores[:bsz]
+        drafter.last_node_scores = g.scores[:bsz] if g.scores is not None else None
         return VerifyTree(draft_tokens=t.draft_tokens[:bsz], parents=t.parents[:bsz],
                           depth=t.depth[:bsz], next_token=t.next_token[:bsz],
                           next_sibling=t.next_sibling[:bsz],

@@ -79,6 +79,9 @@ class NgramEagleDrafter(Drafter):
                                  f"{self.num_nodes}")
         self.ngram = ngram
         self.eagle = eagle
+        # the merge ranks EAGLE's nodes by their scores (set before any propose graph is
+        # captured: the graphs record the scores only for such a drafter)
+        eagle.keeps_node_scores = True
         self.confidence = confidence if confidence is not None else TrieConfidence(
             max_match=ngram.max_window)
         self.aux_hidden_layers = eagle.aux_hidden_layers

@@ -132,6 +132,10 @@ class TreeDrafter(Drafter):
     #: keep each graph's ``root_logp [B, V']`` as a static output, so :attr:`last_root_logp`
     #: is set after graph proposes (tests/debugging; costs ``B * V' * 4`` bytes per graph).
     graph_keeps_root_logp: bool = False
+    #: compute each proposed node's EAGLE-2 score into :attr:`last_node_scores` (a drafter
+    #: that keeps only part of the tree sets it, ``ngram_eagle``; off, a propose graph records
+    #: no kernels for them: a batch-1 propose is bound by its launches)
+    keeps_node_scores: bool = False
 
     def __init__(
         self, spec: SpecConfig, kv_pool: KVPool, *, device: torch.device,
@@ -162,8 +166,9 @@ class TreeDrafter(Drafter):
         self.last_root_logp: torch.Tensor | None = None
         #: ``[B, N]`` float32 EAGLE-2 score (cumulative draft log-probability) of each node of
         #: the last proposed tree: 0 for node 0, ``-inf`` for padding (a graph propose returns
-        #: a view of the graph's static output: valid until the next propose). A drafter that
-        #: keeps only part of the tree (``ngram_eagle``) keeps the best-scored nodes.
+        #: a view of the graph's static output: valid until the next propose); None unless
+        #: :attr:`keeps_node_scores`. A drafter that keeps only part of the tree
+        #: (``ngram_eagle``) keeps the best-scored nodes.
         self.last_node_scores: torch.Tensor | None = None
         #: ``max(catch-up length)`` up to which requests share one catch-up forward; longer
         #: ones (first sight of a prompt) run in a second forward so short rows are not padded.
@@ -294,9 +299,12 @@ class TreeDrafter(Drafter):
         plan = self._plan(reqs)
         if not plan.active:
             self.last_root_logp = None
-            scores = torch.full((len(reqs), self.num_nodes), float("-inf"), device=self.device)
-            scores[:, 0] = 0.0
-            self.last_node_scores = scores
+            self.last_node_scores = None
+            if self.keeps_node_scores:
+                scores = torch.full((len(reqs), self.num_nodes), float("-inf"),
+                                    device=self.device)
+                scores[:, 0] = 0.0
+                self.last_node_scores = scores
             return _padded_tree(self._to_device(torch.tensor(plan.roots, dtype=torch.int64)),
                                 self.num_nodes)
         g = self._graph_for(len(reqs), plan) if max_nodes >= self.num_nodes else None
@@ -344,21 +352,24 @@ class TreeDrafter(Drafter):
         root_logp, root_state = self._catch_up(act_reqs, plan.starts, plan.ends, table_host)
         base_len = self._to_device(torch.tensor(plan.ends, dtype=torch.int64))
         tree = self.expand(root_logp, root_state, base_len, table, num_nodes=budget)
-        tokens, parents, scores = tree.tokens, tree.parents, tree.scores
+        tokens, parents = tree.tokens, tree.parents
+        scores = tree.scores if self.keeps_node_scores else None
         if budget < n:  # padding nodes past the budget keep propose's [B, N] shape
             pad = tokens.shape[0], n - budget
             tokens = torch.cat([tokens, tokens.new_full(pad, -1)], dim=1)
             parents = torch.cat([parents, parents.new_zeros(pad)], dim=1)
-            scores = torch.cat([scores, scores.new_full(pad, float("-inf"))], dim=1)
+            if scores is not None:
+                scores = torch.cat([scores, scores.new_full(pad, float("-inf"))], dim=1)
         if len(plan.active) < bsz:
             idx = self._to_device(torch.tensor(plan.active, dtype=torch.int64))
             full_tokens = torch.full((bsz, n), -1, dtype=torch.int64, device=self.device)
             full_parents = torch.zeros((bsz, n), dtype=torch.int64, device=self.device)
             tokens = full_tokens.index_copy(0, idx, tokens)
             parents = full_parents.index_copy(0, idx, parents)
-            full_scores = torch.full((bsz, n), float("-inf"), device=self.device)
-            full_scores[:, 0] = 0.0
-            scores = full_scores.index_copy(0, idx, scores)
+            if scores is not None:
+                full_scores = torch.full((bsz, n), float("-inf"), device=self.device)
+                full_scores[:, 0] = 0.0
+                scores = full_scores.index_copy(0, idx, scores)
             root_logp = root_logp.new_zeros((bsz, root_logp.shape[1])).index_copy(
                 0, idx, root_logp)
         self.last_root_logp = root_logp
