@@ -389,7 +389,9 @@ class NgramDrafter(Drafter):
                 for b, hist in enumerate(histories)]
 
     def annotate(self, history: np.ndarray, starts: Sequence[int]) -> AnnotatedTrie:
-        """:meth:`merge_continuations` of one request (the same trie), annotated.
+        """:meth:`merge_continuations` of one request (the same trie), annotated. A loop of its
+        own: :meth:`merge_continuations` (every n-gram propose) stops at a full trie, this one
+        walks every continuation on to count support.
 
         Args:
             history: ``[L]`` int64, ``L >= 1``: this request's token ids.

@@ -285,6 +285,15 @@ def train_head(cfg: TrainEagleConfig, target: nn.Module, target_config: ModelCon
                    "fingerprint": finger})
         export_eagle3_head(head, out, target=target_config, dtype=DTYPES[cfg.export_dtype])
 
+    def batch_inputs(batch: list[TrainSequence]) -> tuple[torch.Tensor, ...]:
+        """A micro-batch's loss inputs: ``(ids, aux_hidden, lengths, num_prompt, probs,
+        top1)`` (the target's ``[B, T, V]`` logits are dropped here: only the probabilities
+        are kept)."""
+        ids, lens, prompt = collate(batch, cfg.max_seq_len, device)
+        feats = extractor(ids)
+        targets = soft_targets(feats.logits, head.d2t if head.lm_head is not None else None)
+        return ids, feats.aux_hidden, lens, prompt, targets.probs, targets.top1
+
     def evaluate() -> dict[str, Any]:
         """The TTT loss and top-1 agreement per TTT step on the eval batches (no gradient,
         the same autocast as training), appended to the eval log."""
@@ -292,16 +301,12 @@ def train_head(cfg: TrainEagleConfig, target: nn.Module, target_config: ModelCon
         with torch.no_grad():
             for indices in eval_plan:
                 batch = [eval_seqs[i] for i in indices]  # type: ignore[index]
-                ids, lens, prompt = collate(batch, cfg.max_seq_len, device)
-                feats = extractor(ids)
-                targets = soft_targets(feats.logits,
-                                       head.d2t if head.lm_head is not None else None)
+                inputs = batch_inputs(batch)
                 with _autocast(device, dtype):
-                    loss, step_loss, correct, count = loss_module(
-                        ids, feats.aux_hidden, lens, prompt, targets.probs, targets.top1)
-                del feats, targets
+                    loss, step_loss, correct, count = loss_module(*inputs)
                 totals.add(loss, step_loss, correct, count, rows=len(batch),
-                           tokens=int(lens.sum()))
+                           tokens=int(inputs[2].sum()))
+                del inputs
         rec = totals.record(totals.values, len(eval_plan))
         record = {"step": step, "loss": rec["loss"], "acc": rec["acc"],
                   "step_loss": rec["step_loss"], "rows": rec["rows"], "tokens": rec["tokens"]}
@@ -323,25 +328,19 @@ def train_head(cfg: TrainEagleConfig, target: nn.Module, target_config: ModelCon
             mine = stream.take_step(ctx.world, ctx.rank, cfg.grad_accum)
             for m, indices in enumerate(mine):
                 batch = [seqs[i] for i in indices]
-                ids, lens, prompt = collate(batch, cfg.max_seq_len, device)
-                feats = extractor(ids)
-                aux_hidden = feats.aux_hidden
-                targets = soft_targets(feats.logits,
-                                       head.d2t if head.lm_head is not None else None)
-                del feats  # the [B, T, V] logits: only the probabilities are kept
+                inputs = batch_inputs(batch)
                 # gradients are all-reduced once per step, at its last micro-batch
                 no_sync = (model.no_sync() if isinstance(model, DistributedDataParallel)
                            and m < len(mine) - 1 else contextlib.nullcontext())
                 with no_sync:
                     with _autocast(device, dtype):
-                        loss, step_loss, correct, count = model(
-                            ids, aux_hidden, lens, prompt, targets.probs, targets.top1)
+                        loss, step_loss, correct, count = model(*inputs)
                     (loss / len(mine)).backward()
                 totals.add(loss.detach().to(stats_device), step_loss.to(stats_device),
                            correct.to(stats_device), count.to(stats_device),
-                           rows=len(batch), tokens=int(lens.sum()))
+                           rows=len(batch), tokens=int(inputs[2].sum()))
                 # the next micro-batch's features must not sit beside these ([B*T, V'] probs)
-                del loss, aux_hidden, targets
+                del loss, inputs
             grad_norm = (float(torch.nn.utils.clip_grad_norm_(params, cfg.clip_grad_norm))
                          if cfg.clip_grad_norm else 0.0)
             lr = sched.get_last_lr()[0]
