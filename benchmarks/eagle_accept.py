@@ -89,6 +89,9 @@ def main() -> None:
                     help="tree sizing (off: every step verifies the drafter's full tree)")
     ap.add_argument("--draft-vocab", nargs="+", default=["auto"], choices=["auto", "full"],
                     help="eagle's --speculative-draft-vocab (several: one eagle run each)")
+    ap.add_argument("--quantization", default="auto",
+                    help="the target's weights on CPU (none: float32, the GPU runs' weights "
+                         "in a wider dtype; auto: the engine's CPU default)")
     ap.add_argument("--head-temperature", type=float, default=1.0,
                     help="divide the EAGLE head's log-probabilities by this before the EAGLE-2 "
                          "ranking (a calibration check of the head's scores; 1: as shipped)")
@@ -113,7 +116,7 @@ def main() -> None:
                       num_draft_tokens=n, speculative_depth=depth, speculative_topk=topk,
                       max_batch_size=args.max_batch_size,
                       speculative_adaptive=args.speculative_adaptive,
-                      speculative_draft_vocab=vocab)
+                      speculative_draft_vocab=vocab, quantization=args.quantization)
             for name, items in work.items():
                 params = [SamplingParams(max_tokens=args.max_tokens, temperature=0.0,
                                          grammar=JsonSchemaConstraint(s) if s else None)

@@ -23,7 +23,7 @@
 # number of GPUs). NUM_SHAREGPT (8994: every train-side ShareGPT prompt under the 1024-token
 # cap), NUM_EXTRACTION (1500), NUM_SCHEMA (1300), NUM_SHAREGPT_LATER (0; later human turns of the
 # train-side conversations, each alone, in the greedy pass: 37,777 are available), HELD_OUT (256:
-# held-out ShareGPT first turns answered greedily into DIR/heldout, the evaluation file that
+# held-out ShareGPT first turns answered greedily, HELD_OUT_TOKENS (128) new tokens each, into DIR/heldout, the evaluation file that
 # train then reads with --eval-sequences every EVAL_EVERY (250) steps; 0: none) and SAMPLED (sampled passes: 1; k adds
 # DIR/sampled_2 .. DIR/sampled_k with seeds 2 .. k, ~90 s each on one H200; 0: none) override it.
 # train runs one process per GPU under torchrun when NGPU > 1 (DistributedDataParallel): each
@@ -81,10 +81,13 @@ case $stage in
       --num-extraction "${NUM_EXTRACTION:-1500}" --num-schema "${NUM_SCHEMA:-1300}" \
       --num-sharegpt-later "${NUM_SHAREGPT_LATER:-0}"
     # evaluation data: held-out ShareGPT first turns (the last ones; benchmarks read the first),
-    # answered greedily; the train stage evaluates on it and never trains on it
+    # answered greedily; the train stage evaluates on it and never trains on it. 128 new tokens,
+    # as eagle_accept.py measures: SmolLM2's greedy answers grow repetitive toward 512 tokens,
+    # and the head's agreement there (0.87 at TTT step 0 in round 3) says little about the
+    # start of an answer (0.65 on eagle_accept's first 128 tokens, the same head)
     if [ "${HELD_OUT:-256}" -gt 0 ]; then
       pass_ heldout --num-sharegpt 0 --num-extraction 0 --num-schema 0 \
-        --num-sharegpt-held-out "${HELD_OUT:-256}"
+        --num-sharegpt-held-out "${HELD_OUT:-256}" --max-tokens "${HELD_OUT_TOKENS:-128}"
     fi
     # sampled passes: seed 1 -> DIR/sampled, seed k > 1 -> DIR/sampled_k
     for k in $(seq 1 "${SAMPLED:-1}"); do
