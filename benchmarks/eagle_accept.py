@@ -89,9 +89,9 @@ def main() -> None:
                     help="tree sizing (off: every step verifies the drafter's full tree)")
     ap.add_argument("--draft-vocab", nargs="+", default=["auto"], choices=["auto", "full"],
                     help="eagle's --speculative-draft-vocab (several: one eagle run each)")
-    ap.add_argument("--quantization", default="auto",
-                    help="the target's weights on CPU (none: float32, the GPU runs' weights "
-                         "in a wider dtype; auto: the engine's CPU default)")
+    ap.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                    help="the target's weight quantization (the engine's option): none keeps "
+                         "float weights, as on CUDA; auto quantizes on CPU")
     ap.add_argument("--head-temperature", type=float, default=1.0,
                     help="divide the EAGLE head's log-probabilities by this before the EAGLE-2 "
                          "ranking (a calibration check of the head's scores; 1: as shipped)")
