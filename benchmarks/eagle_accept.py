@@ -98,6 +98,8 @@ def main() -> None:
     args = ap.parse_args()
     if not args.head_temperature > 0:
         ap.error("--head-temperature must be > 0")
+    if args.draft_model is not None and not (Path(args.draft_model) / "config.json").is_file():
+        ap.error(f"--draft-model: {args.draft_model} is not an EAGLE head folder (no config.json)")
     if args.head_temperature != 1.0:
         scale_head_scores(args.head_temperature)
     model = resolve_model_path(args.model)
@@ -131,7 +133,8 @@ def main() -> None:
                 print(f"eagle_accept workload={name} shape={shape} algo={algo} "
                       f"accept_len={committed / max(steps, 1):.2f} prompts={len(items)} "
                       f"tokens={tokens} errors={errors} tok/s={tokens / dt:.0f} "
-                      f"adaptive={args.speculative_adaptive} draft_vocab={vocab}", flush=True)
+                      f"adaptive={args.speculative_adaptive} draft_vocab={vocab} "
+                      f"quantization={args.quantization}", flush=True)
             del llm
             if args.device == "cuda":
                 torch.cuda.empty_cache()

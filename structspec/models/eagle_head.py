@@ -116,33 +116,51 @@ def parse_eagle_config(
     """Build an :class:`EagleHeadConfig` from ``config.json`` and the tensor names.
 
     Raises:
-        ValueError: hidden size differs from the target's, a required field is missing, or an
+        ValueError: ``cfg`` is not a dict, a numeric field is not a number (named), hidden
+            size differs from the target's, a required field is missing, or an
             EAGLE-3 head without ``lm_head.weight`` declares a ``draft_vocab_size`` other than
             the target's ``vocab_size``.
     """
-    archs = " ".join(cfg.get("architectures") or [])
+    if not isinstance(cfg, dict):
+        raise ValueError(f"EAGLE head config.json: expected a JSON object, got "
+                         f"{type(cfg).__name__}")
+
+    def num(key: str, default: Any, kind: type = int) -> Any:
+        """``cfg[key]`` (``default`` when absent or null) as ``kind``, or a ValueError naming it."""
+        value = cfg.get(key)
+        if value is None:
+            return kind(default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"EAGLE head config.json: {key}={value!r}: expected a number")
+        return kind(value)
+
+    archs = cfg.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ValueError(f"EAGLE head config.json: architectures={archs!r}: expected a list of "
+                         f"strings")
+    archs = " ".join(archs)
     version = 3 if ("Eagle3" in archs or any(n.startswith("midlayer.") for n in names)) else 1
-    hidden = int(cfg.get("hidden_size", target.hidden_size))
+    hidden = num("hidden_size", target.hidden_size)
     if hidden != target.hidden_size:
         raise ValueError(f"EAGLE head hidden_size {hidden} != target hidden_size "
                          f"{target.hidden_size}")
-    heads = int(cfg.get("num_attention_heads", target.num_attention_heads))
+    heads = num("num_attention_heads", target.num_attention_heads)
     rope_scaling = cfg.get("rope_scaling")
     if isinstance(rope_scaling, dict) and rope_scaling.get(
         "rope_type", rope_scaling.get("type")
     ) in (None, "default"):
         rope_scaling = None
-    layers = 1 if version == 3 else int(cfg.get("num_hidden_layers", 1))
+    layers = 1 if version == 3 else num("num_hidden_layers", 1)
     layer = dataclasses.replace(
         target,
         hidden_size=hidden,
-        intermediate_size=int(cfg.get("intermediate_size", target.intermediate_size)),
+        intermediate_size=num("intermediate_size", target.intermediate_size),
         num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", target.rms_norm_eps)),
-        rope_theta=float(cfg.get("rope_theta", target.rope_theta)),
+        num_key_value_heads=num("num_key_value_heads", heads) or heads,
+        head_dim=num("head_dim", hidden // heads) or hidden // heads,
+        rms_norm_eps=num("rms_norm_eps", target.rms_norm_eps, float),
+        rope_theta=num("rope_theta", target.rope_theta, float),
         rope_scaling=(tuple(sorted(rope_scaling.items())) if rope_scaling
                       else (None if "rope_theta" in cfg else target.rope_scaling)),
         attention_bias=False, qk_norm=False, tie_word_embeddings=False,
@@ -150,13 +168,22 @@ def parse_eagle_config(
     nl = target.num_hidden_layers
     aux: tuple[int, ...] = ()
     if version == 3:
-        ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        eagle_cfg = cfg.get("eagle_config") or {}
+        if not isinstance(eagle_cfg, dict):
+            raise ValueError(f"EAGLE head config.json: eagle_config={eagle_cfg!r}: expected "
+                             f"an object")
+        ids = eagle_cfg.get("eagle_aux_hidden_state_layer_ids")
+        if ids is not None and (not isinstance(ids, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+            raise ValueError(f"EAGLE head config.json: eagle_config."
+                             f"eagle_aux_hidden_state_layer_ids={ids!r}: expected a list of "
+                             f"layer indices")
         default = (1, nl // 2 - 1, nl - 4)
         aux = tuple(min(max(int(i), 0), nl - 1) for i in (ids if ids else default))
     own_lm_head = version == 3 and "lm_head.weight" in names
     draft_vocab = target.vocab_size
     if version == 3:
-        draft_vocab = int(cfg.get("draft_vocab_size") or target.vocab_size)
+        draft_vocab = num("draft_vocab_size", target.vocab_size) or target.vocab_size
         if not own_lm_head and draft_vocab != target.vocab_size:
             raise ValueError(f"EAGLE-3 head: draft_vocab_size {draft_vocab} but no "
                              f"lm_head.weight tensor (a head that shares the target's lm_head "
@@ -455,7 +482,10 @@ def load_eagle_head(
     cfg_path = p / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{cfg_path}: not found; an EAGLE head needs config.json")
-    cfg = json.loads(cfg_path.read_text())
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
     tensors = read_head_tensors(p)
     config = parse_eagle_config(cfg, list(tensors), target_config)
     head = EagleHead(config)

@@ -348,3 +348,26 @@ def test_rotary_table_equals_recomputation(runner: ModelRunner, head_dir: Path,
     torch.testing.assert_close(got_cos[0, 0], cos[0, 5])
     torch.testing.assert_close(got_cos[0, 1], cos[0, -1])
     head._rotary_table = None  # the torch path again for the other tests
+
+
+@pytest.mark.parametrize(("text", "named"), [
+    ('{"hidden_size": 32,', "not valid JSON"),
+    ("[1, 2]", "expected a JSON object, got list"),
+    ('{"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": "abc"}', "hidden_size='abc'"),
+    ('{"architectures": "LlamaForCausalLMEagle3"}', "architectures="),
+    ('{"architectures": ["LlamaForCausalLMEagle3"], "eagle_config": [1]}', "eagle_config=[1]"),
+    ('{"architectures": ["LlamaForCausalLMEagle3"], '
+     '"eagle_config": {"eagle_aux_hidden_state_layer_ids": ["a", 1, 2]}}',
+     "eagle_aux_hidden_state_layer_ids"),
+])
+def test_malformed_config_names_the_problem(runner: ModelRunner, head_dir: Path, tmp_path: Path,
+                                            text: str, named: str) -> None:
+    """A head folder whose config.json is not JSON, not an object, or holds a field of the
+    wrong type is refused with a ValueError naming the file or the field (not a JSON decoder
+    or ``int()`` message, nor an AttributeError)."""
+    (tmp_path / "model.safetensors").write_bytes((head_dir / "model.safetensors").read_bytes())
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=named.replace("[", r"\[").replace("(", r"\(")) as e:
+        load_eagle_head(tmp_path, runner.model_config, device=CPU, dtype=torch.float32)
+    if named == "not valid JSON":
+        assert "config.json" in str(e.value)
