@@ -21,7 +21,7 @@
 # stops adding prompts DATA_TIME_LIMIT s (default 430) after it starts and saves; sequences are
 # saved in shards as they come, so the same command continues a stopped pass (--resume, with any
 # number of GPUs). NUM_SHAREGPT (8994: every train-side ShareGPT prompt under the 1024-token
-# cap), NUM_EXTRACTION (1500), NUM_SCHEMA (1300), NUM_SHAREGPT_LATER (0; later human turns of the
+# cap), MAX_TOKENS (512: new tokens per training answer), NUM_EXTRACTION (1500), NUM_SCHEMA (1300), NUM_SHAREGPT_LATER (0; later human turns of the
 # train-side conversations, each alone, in the greedy pass: 37,777 are available), HELD_OUT (256:
 # held-out ShareGPT first turns answered greedily, HELD_OUT_TOKENS (128) new tokens each, into DIR/heldout, the evaluation file that
 # train then reads with --eval-sequences every EVAL_EVERY (250) steps; 0: none) and SAMPLED (sampled passes: 1; k adds
@@ -73,7 +73,7 @@ case $stage in
     pass_() {
       local sub=$1; shift
       timeout "$(( ${DATA_TIME_LIMIT:-430} + 130 ))" python3 -m structspec train-eagle \
-        --stage data --out "$dir/$sub" --max-tokens 512 --gen-batch-size 256 \
+        --stage data --out "$dir/$sub" --max-tokens "${MAX_TOKENS:-512}" --gen-batch-size 256 \
         --data-time-limit "${DATA_TIME_LIMIT:-430}" --data-parallel "$data_ranks" --resume \
         --no-progress "$@" $EXTRA
     }
