@@ -178,6 +178,12 @@ def parse_eagle_config(
             raise ValueError(f"EAGLE head config.json: eagle_config."
                              f"eagle_aux_hidden_state_layer_ids={ids!r}: expected a list of "
                              f"layer indices")
+        if ids and not all(0 <= i < nl for i in ids):
+            # a head trained on another model's layers: its features would not exist here
+            raise ValueError(f"EAGLE head config.json: eagle_config."
+                             f"eagle_aux_hidden_state_layer_ids={ids}: the target has "
+                             f"{nl} decoder layers (0..{nl - 1})")
+        # the default, for targets of a few layers, clamped into range
         default = (1, nl // 2 - 1, nl - 4)
         aux = tuple(min(max(int(i), 0), nl - 1) for i in (ids if ids else default))
     own_lm_head = version == 3 and "lm_head.weight" in names

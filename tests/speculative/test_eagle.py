@@ -359,6 +359,9 @@ def test_rotary_table_equals_recomputation(runner: ModelRunner, head_dir: Path,
     ('{"architectures": ["LlamaForCausalLMEagle3"], '
      '"eagle_config": {"eagle_aux_hidden_state_layer_ids": ["a", 1, 2]}}',
      "eagle_aux_hidden_state_layer_ids"),
+    ('{"architectures": ["LlamaForCausalLMEagle3"], '
+     '"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 99]}}',
+     "the target has 4 decoder layers"),
 ])
 def test_malformed_config_names_the_problem(runner: ModelRunner, head_dir: Path, tmp_path: Path,
                                             text: str, named: str) -> None:
