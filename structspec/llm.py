@@ -32,7 +32,7 @@ class LLM:
     Args:
         model: local HF checkpoint directory or ``.gguf`` file; None = SmolLM2-135M-Instruct.
         speculative_algorithm: ``none``, ``ngram``, ``draft_model``, ``eagle`` or
-            ``ngram_eagle`` (the drafter registry's names).
+            ``ngram_eagle`` (the drafter registry's names); None means ``none``.
         draft_model: checkpoint of the draft model / EAGLE head (those algorithms only).
         num_draft_tokens: verify-tree size N including node 0.
         speculative_adaptive: ``auto`` (default), ``on`` or ``off``: size each request's tree
@@ -105,7 +105,7 @@ class LLM:
         self,
         model: str | None = None,
         *,
-        speculative_algorithm: SpecAlgorithmName = "none",
+        speculative_algorithm: SpecAlgorithmName | None = "none",
         draft_model: str | None = None,
         num_draft_tokens: int = 8,
         speculative_depth: int = 4,
@@ -149,7 +149,9 @@ class LLM:
             quantization=quantization,
             cache=CacheConfig(page_size=page_size, kv_capacity_tokens=kv_capacity_tokens,
                               enable_prefix_caching=enable_prefix_caching),
-            spec=SpecConfig(algorithm=speculative_algorithm, num_draft_tokens=num_draft_tokens,
+            # None: no drafter, as vLLM's speculative_config=None reads
+            spec=SpecConfig(algorithm="none" if speculative_algorithm is None
+                            else speculative_algorithm, num_draft_tokens=num_draft_tokens,
                             depth=speculative_depth, topk=speculative_topk,
                             draft_model=draft_model, adaptive=speculative_adaptive,
                             draft_vocab=speculative_draft_vocab),

@@ -354,3 +354,14 @@ def test_final_outputs_only_when_not_reporting_unfinished(make_llm) -> None:
         eng.report_unfinished = True
     for rid, ref in zip(ids, streamed, strict=True):
         assert got[rid].token_ids == ref.token_ids and got[rid].text == ref.text
+
+
+def test_speculative_algorithm_none_value_means_no_drafter(make_llm) -> None:
+    """``speculative_algorithm=None`` (how vLLM users switch speculation off) is ``"none"``:
+    the same engine settings and the same greedy output."""
+    plain = make_llm()
+    off = make_llm(speculative_algorithm=None)
+    assert off.engine.config.spec.algorithm == "none"
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    assert [o.token_ids for o in off.generate(PROMPTS[:2], params)] == \
+        [o.token_ids for o in plain.generate(PROMPTS[:2], params)]
