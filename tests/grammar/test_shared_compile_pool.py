@@ -26,7 +26,9 @@ def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as fh:
             return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
+        # gone before the open (no /proc entry) or reaped between the open and the read
+        # (the read then fails with ESRCH)
         return False
 
 
