@@ -11,7 +11,8 @@ Drafters: ``eagle`` (``--draft-model``, default: the head shipped for the defaul
 ``ngram``, ``ngram_eagle`` (the n-gram trie and the head's tree in one tree, the nodes ranked
 by the trie's learned confidence against the head's scores; same head), ``draft_model`` with the target as its own draft (the
 ceiling), ``none``; shapes:
-``tree`` (N=8, depth 4, top-k 2) and ``chain`` (depth 4, top-k 1, N=4). One summary line per
+``tree`` (N=8, depth 4, top-k 2), ``chain`` (depth 4, top-k 1, N=4) and ``chain1`` (one
+drafted token). One summary line per
 (workload, shape, drafter):
 
     PYTHONPATH=$PWD python benchmarks/eagle_accept.py --device cuda --num-prompts 64
@@ -38,11 +39,14 @@ from benchmarks.workloads import (  # noqa: E402
     schema_prompt,
 )
 from structspec import LLM, JsonSchemaConstraint, SamplingParams  # noqa: E402
+from structspec.config import QUANTIZATION_CHOICES  # noqa: E402
 from structspec.models.default_model import resolve_model_path  # noqa: E402
 from structspec.training.prompts import sharegpt_held_out_prompts  # noqa: E402
 
 MASKBENCH_DIR = Path(__file__).resolve().parents[1] / "tests" / "data" / "maskbench"
-SHAPES = {"tree": (8, 4, 2), "chain": (4, 4, 1)}
+SHAPES = {"tree": (8, 4, 2), "chain": (4, 4, 1),
+          # one drafted token: accept length - 1 = how often the head's top-1 is the target's
+          "chain1": (2, 1, 1)}
 
 
 def workloads(names: list[str], n: int) -> dict[str, list[tuple[str, dict | None]]]:
@@ -89,7 +93,7 @@ def main() -> None:
                     help="tree sizing (off: every step verifies the drafter's full tree)")
     ap.add_argument("--draft-vocab", nargs="+", default=["auto"], choices=["auto", "full"],
                     help="eagle's --speculative-draft-vocab (several: one eagle run each)")
-    ap.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+    ap.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES,
                     help="the target's weight quantization (the engine's option): none keeps "
                          "float weights, as on CUDA; auto quantizes on CPU")
     ap.add_argument("--head-temperature", type=float, default=1.0,

@@ -184,8 +184,8 @@ def parse_eagle_config(
                              f"eagle_aux_hidden_state_layer_ids={ids}: the target has "
                              f"{nl} decoder layers (0..{nl - 1})")
         # the default, for targets of a few layers, clamped into range
-        default = (1, nl // 2 - 1, nl - 4)
-        aux = tuple(min(max(int(i), 0), nl - 1) for i in (ids if ids else default))
+        aux = tuple(ids) if ids else tuple(
+            min(max(i, 0), nl - 1) for i in (1, nl // 2 - 1, nl - 4))
     own_lm_head = version == 3 and "lm_head.weight" in names
     draft_vocab = target.vocab_size
     if version == 3:
