@@ -493,7 +493,10 @@ def load_eagle_head(
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
         raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
     tensors = read_head_tensors(p)
-    config = parse_eagle_config(cfg, list(tensors), target_config)
+    try:
+        config = parse_eagle_config(cfg, list(tensors), target_config)
+    except ValueError as e:  # its messages name the field; the path says which head
+        raise ValueError(f"{p}: {e}") from None
     head = EagleHead(config)
     head.load_tensors(tensors, source=str(p))
     head.to(device=device, dtype=dtype)

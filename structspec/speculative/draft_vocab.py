@@ -87,17 +87,29 @@ def load_draft_vocab(head_dir: str | Path, vocab_size: int) -> torch.Tensor | No
         return None
     problem = f"{path}: expected JSON with 'token_ids', ascending unique ids in [0, {vocab_size})"
     try:
-        raw = json.loads(path.read_text())["token_ids"]
-        # torch.tensor(..., dtype=int64) would truncate 1.5 to 1 and take true as 1: a file
-        # holding anything but JSON integers is corrupt, not a vocabulary
-        if not isinstance(raw, list) or not all(type(t) is int for t in raw):
-            raise TypeError("token_ids: expected a list of integers")
+        data = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{problem}; not valid JSON ({e})") from None
+    raw = data.get("token_ids") if isinstance(data, dict) else None
+    # torch.tensor(..., dtype=int64) would truncate 1.5 to 1 and take true as 1: a file
+    # holding anything but JSON integers is corrupt, not a vocabulary
+    if not isinstance(raw, list) or not all(type(t) is int for t in raw):
+        raise ValueError(f"{problem}; 'token_ids' is not a list of integers")
+    if not raw:
+        raise ValueError(f"{problem}; 'token_ids' is empty")
+    try:
         ids = torch.tensor(raw, dtype=torch.int64)
-    except (ValueError, KeyError, TypeError, RuntimeError) as e:
-        raise ValueError(problem) from e
-    if (ids.dim() != 1 or ids.numel() == 0 or bool((ids[1:] <= ids[:-1]).any())
-            or int(ids[0]) < 0 or int(ids[-1]) >= vocab_size):
-        raise ValueError(problem)
+    except (RuntimeError, ValueError, OverflowError) as e:  # an integer past 64 bits
+        raise ValueError(f"{problem}; {e}") from None
+    out_of_range = ((ids < 0) | (ids >= vocab_size)).nonzero()
+    if out_of_range.numel():
+        i = int(out_of_range[0])
+        raise ValueError(f"{problem}; token_ids[{i}] = {int(ids[i])} is outside the vocabulary")
+    unordered = (ids[1:] <= ids[:-1]).nonzero()
+    if unordered.numel():
+        i = int(unordered[0]) + 1
+        raise ValueError(f"{problem}; token_ids[{i}] = {int(ids[i])} does not exceed "
+                         f"token_ids[{i - 1}] = {int(ids[i - 1])}")
     return ids
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,10 @@ from structspec.training.train_config import TrainEagleConfig
 
 #: Fingerprint keys that older checkpoints lack, with the value they had then.
 FINGERPRINT_DEFAULTS: dict[str, Any] = {"batches_per_step": 1}
+
+#: Keys every checkpoint holds (what a resume reads unconditionally).
+CHECKPOINT_KEYS = ("fingerprint", "head", "d2t", "optimizer", "scheduler", "step", "epoch", "pos",
+                   "plan", "rng_cpu")
 
 
 class Checkpoint:
@@ -43,10 +48,25 @@ class Checkpoint:
 
         Raises:
             FileNotFoundError: no checkpoint (naming ``--resume``).
+            ValueError: the file is not a readable checkpoint of this trainer (truncated,
+                another format, or a dict without the keys :meth:`save` writes), naming
+                ``--resume`` and the path.
         """
         if not self.path.is_file():
             raise FileNotFoundError(f"--resume: no checkpoint at {self.path}")
-        return torch.load(self.path, map_location="cpu", weights_only=True)
+        try:
+            state = torch.load(self.path, map_location="cpu", weights_only=True)
+        except (RuntimeError, EOFError, pickle.UnpicklingError, ValueError) as e:
+            # torch.load's own message ("PytorchStreamReader failed reading zip archive")
+            # names neither the file nor the flag
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(f"--resume: {self.path}: not a readable train-eagle checkpoint "
+                             f"({first})") from None
+        missing = [k for k in CHECKPOINT_KEYS if not isinstance(state, dict) or k not in state]
+        if missing:
+            raise ValueError(f"--resume: {self.path}: not a train-eagle checkpoint (missing "
+                             f"{', '.join(missing)})")
+        return state
 
 
 def fingerprint(cfg: TrainEagleConfig, seqs: list[TrainSequence], aux: tuple[int, ...],

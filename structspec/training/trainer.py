@@ -24,6 +24,7 @@ repeats the uninterrupted run's steps exactly.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import math
 import time
@@ -154,12 +155,13 @@ def init_from_export(head: EagleHead, path: str, target_config: ModelConfig) -> 
     cfg_path = src / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"init_from: {cfg_path} not found (an exported head directory)")
-    try:
+    try:  # the weights' errors name their file already
         tensors = read_head_tensors(src)
+    except (FileNotFoundError, ValueError) as e:
+        raise type(e)(f"init_from: {e}") from None
+    try:
         exported = parse_eagle_config(json.loads(cfg_path.read_text()), list(tensors),
                                       target_config)
-    except FileNotFoundError as e:
-        raise FileNotFoundError(f"init_from: {e}") from None
     except ValueError as e:  # config.json that is not JSON, or not an EAGLE head's config
         raise ValueError(f"init_from: {cfg_path}: {e}") from None
     mine = head.config
@@ -168,6 +170,17 @@ def init_from_export(head: EagleHead, path: str, target_config: ModelConfig) -> 
             raise ValueError(f"init_from: {src} has {name}={getattr(exported, name)}, this run "
                              f"trains {name}={getattr(mine, name)}")
     head.load_tensors(tensors, source=f"init_from {src}")
+
+
+def _no_forward_buffer_sync() -> dict[str, bool]:
+    """DDP's option for "no buffer broadcast before each forward": ``forward_sync_buffers``
+    where torch has it (2.13; ``broadcast_buffers`` warns there as deprecated), else
+    ``broadcast_buffers`` (2.11). The head's buffers (``d2t``, rotary frequencies) are the
+    same on every rank, so the one init-time sync the new option keeps changes nothing."""
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    if "forward_sync_buffers" in params:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
 
 
 def train_head(cfg: TrainEagleConfig, target: nn.Module, target_config: ModelConfig,
@@ -232,7 +245,7 @@ def train_head(cfg: TrainEagleConfig, target: nn.Module, target_config: ModelCon
         # (no unused-parameter search) holds; the head has no buffer that changes
         model = DistributedDataParallel(
             loss_module, device_ids=[device.index] if device.type == "cuda" else None,
-            broadcast_buffers=False)
+            **_no_forward_buffer_sync())
     extractor = TargetFeatureExtractor(target, target_config, aux,
                                        max_batch_tokens=cfg.batch_tokens, device=device,
                                        dtype=dtype)

@@ -3,6 +3,7 @@ projection against the full one, and the shipped head using it losslessly."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -35,12 +36,22 @@ def test_file_round_trip_and_bad_files(tmp_path: Path) -> None:
     assert load_draft_vocab(tmp_path, 100) is None
     save_draft_vocab(tmp_path, np.array([1, 4, 9]), coverage=0.5)
     assert load_draft_vocab(tmp_path, 100).tolist() == [1, 4, 9]
-    for bad in ('{"token_ids": [4, 1]}', '{"token_ids": []}', '{"token_ids": [1, 100]}',
-                '{"ids": [1]}', "not json", '{"token_ids": [1.5, 2.7]}',
-                '{"token_ids": [false, true]}', '{"token_ids": [1, 1e30]}', "[1, 2]"):
+    # each refusal names the file and what is wrong with it
+    for bad, why in (('{"token_ids": [4, 1]}', r"token_ids\[1\] = 1 does not exceed"),
+                     ('{"token_ids": [1, 4, 4]}', r"token_ids\[2\] = 4 does not exceed"),
+                     ('{"token_ids": []}', "is empty"),
+                     ('{"token_ids": [1, 100]}', r"token_ids\[1\] = 100 is outside"),
+                     ('{"token_ids": [-3, 1]}', r"token_ids\[0\] = -3 is outside"),
+                     ('{"ids": [1]}', "not a list of integers"), ("not json", "not valid JSON"),
+                     ('{"token_ids": [1.5, 2.7]}', "not a list of integers"),
+                     ('{"token_ids": [false, true]}', "not a list of integers"),
+                     ('{"token_ids": [1, 1e30]}', "not a list of integers"),
+                     ('{"token_ids": [1, 99999999999999999999999]}', "(?i)overflow"),
+                     ("[1, 2]", "not a list of integers")):
         (tmp_path / DRAFT_VOCAB_FILE).write_text(bad)
-        with pytest.raises(ValueError, match=DRAFT_VOCAB_FILE):
+        with pytest.raises(ValueError, match=DRAFT_VOCAB_FILE) as e:
             load_draft_vocab(tmp_path, 100)
+        assert re.search(why, str(e.value)), (bad, str(e.value))
 
 
 def test_cli_writes_the_most_frequent_response_tokens(tmp_path: Path) -> None:

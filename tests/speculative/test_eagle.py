@@ -372,5 +372,4 @@ def test_malformed_config_names_the_problem(runner: ModelRunner, head_dir: Path,
     (tmp_path / "config.json").write_text(text)
     with pytest.raises(ValueError, match=named.replace("[", r"\[").replace("(", r"\(")) as e:
         load_eagle_head(tmp_path, runner.model_config, device=CPU, dtype=torch.float32)
-    if named == "not valid JSON":
-        assert "config.json" in str(e.value)
+    assert str(e.value).startswith(str(tmp_path))  # which head folder

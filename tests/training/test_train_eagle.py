@@ -398,3 +398,29 @@ def test_several_sequences_files(tmp_path: Path) -> None:
         train_eagle(_config(tmp_path / "o", a, sequences=(str(a), str(b))))
     with pytest.raises(ValueError, match=r"sequences=\(\): expected one or more"):
         _config(tmp_path, a, sequences=()).validate()
+
+
+def test_resume_from_a_damaged_checkpoint_names_the_file(tmp_path: Path) -> None:
+    """A truncated checkpoint, a file of another format and a dict without the trainer's keys
+    give a ValueError naming ``--resume`` and the path (was torch.load's zip-reader error)."""
+    from structspec.training.train_state import CHECKPOINT_KEYS, Checkpoint
+
+    path = tmp_path / "checkpoint" / "train_state.pt"
+    ckpt = Checkpoint(path)
+    good = {k: torch.zeros(2) for k in CHECKPOINT_KEYS}
+    ckpt.save(good)
+    assert set(ckpt.load()) == set(CHECKPOINT_KEYS)
+    blob = path.read_bytes()
+    path.write_bytes(blob[: len(blob) // 2])
+    with pytest.raises(ValueError, match=rf"^--resume: {path}: not a readable train-eagle "
+                                         r"checkpoint \("):
+        ckpt.load()
+    path.write_text("not a checkpoint")
+    with pytest.raises(ValueError, match=r"^--resume: .*: not a readable"):
+        ckpt.load()
+    ckpt.save({"head": torch.zeros(1)})
+    with pytest.raises(ValueError, match=r"not a train-eagle checkpoint \(missing fingerprint, "):
+        ckpt.load()
+    torch.save([1, 2], path)
+    with pytest.raises(ValueError, match=r"missing fingerprint"):
+        ckpt.load()
