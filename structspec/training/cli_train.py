@@ -193,7 +193,7 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
         # A torchrun rank whose run finished: every rank passed the export barrier and the
         # process group is destroyed. Leave without the interpreter's teardown: there a
         # c10d/gloo thread still owned by module state can reach std::terminate ("terminate
-        # called without an active exception", SIGABRT; 1 run in 13 under load on a 2-core
+        # called without an active exception", SIGABRT; 1 run in 15 under load on a 2-core
         # machine), and torchrun would then report the finished run as failed.
         sys.stdout.flush()
         sys.stderr.flush()
