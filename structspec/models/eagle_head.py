@@ -465,6 +465,32 @@ class EagleHead(nn.Module):
                              f"{sorted(unexpected)[:8]}, missing tensors {sorted(pending)[:8]}")
 
 
+def read_head_folder(
+    path: Path, target_config: ModelConfig
+) -> tuple[EagleHeadConfig, dict[str, torch.Tensor]]:
+    """A head directory's parsed config and its tensors (CPU), for a target of
+    ``target_config``; shared by :func:`load_eagle_head` and train-eagle's ``--init-from``.
+
+    Raises:
+        FileNotFoundError: no config.json or no weights in ``path``.
+        ValueError: config.json is not JSON, or not a config this target can run (the message
+            starts with the file or folder and names the field).
+    """
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{cfg_path}: not found; an EAGLE head needs config.json")
+    tensors = read_head_tensors(path)  # missing weights first: the folder is not a head
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
+    try:
+        config = parse_eagle_config(cfg, list(tensors), target_config)
+    except ValueError as e:  # its messages name the field; the path says which head
+        raise ValueError(f"{path}: {e}") from None
+    return config, tensors
+
+
 def load_eagle_head(
     path: str | Path, target_config: ModelConfig, *, device: torch.device, dtype: torch.dtype
 ) -> EagleHead:
@@ -485,18 +511,7 @@ def load_eagle_head(
         ValueError: malformed or incompatible head (message names the problem).
     """
     p = Path(path).expanduser()
-    cfg_path = p / "config.json"
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"{cfg_path}: not found; an EAGLE head needs config.json")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
-        raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
-    tensors = read_head_tensors(p)
-    try:
-        config = parse_eagle_config(cfg, list(tensors), target_config)
-    except ValueError as e:  # its messages name the field; the path says which head
-        raise ValueError(f"{p}: {e}") from None
+    config, tensors = read_head_folder(p, target_config)
     head = EagleHead(config)
     head.load_tensors(tensors, source=str(p))
     head.to(device=device, dtype=dtype)

@@ -37,7 +37,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from structspec.config import ModelConfig
-from structspec.models.eagle_head import EagleHead, parse_eagle_config, read_head_tensors
+from structspec.models.eagle_head import EagleHead, read_head_folder
 from structspec.training.batch_stream import BatchStream, total_steps
 from structspec.training.batching import collate, draft_vocabulary, plan_epoch, trainable
 from structspec.training.distributed import DistContext, barrier, reduce_step
@@ -152,18 +152,10 @@ def init_from_export(head: EagleHead, path: str, target_config: ModelConfig) -> 
             this run trains (named, with both values).
     """
     src = Path(path).expanduser()
-    cfg_path = src / "config.json"
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"init_from: {cfg_path} not found (an exported head directory)")
-    try:  # the weights' errors name their file already
-        tensors = read_head_tensors(src)
+    try:  # the messages name the file or field; the prefix names the flag
+        exported, tensors = read_head_folder(src, target_config)
     except (FileNotFoundError, ValueError) as e:
         raise type(e)(f"init_from: {e}") from None
-    try:
-        exported = parse_eagle_config(json.loads(cfg_path.read_text()), list(tensors),
-                                      target_config)
-    except ValueError as e:  # config.json that is not JSON, or not an EAGLE head's config
-        raise ValueError(f"init_from: {cfg_path}: {e}") from None
     mine = head.config
     for name in ("aux_hidden_layers", "draft_vocab_size", "own_lm_head"):
         if getattr(exported, name) != getattr(mine, name):
