@@ -55,6 +55,11 @@ Stream ordering, pinned uploads:
 * :func:`upload_pinned` queues one ``non_blocking`` H2D copy on the current stream; stream
   order puts it before the kernels queued after it that read the destination (the mask
   application), so no event is needed on the device side.
+* :func:`upload_pinned_side` queues it on a copy stream instead, for a destination that is a
+  CUDA graph's static bitmask: the copy runs beside the verify forward rather than after it
+  (3.5 MB at batch 64 x 9 rows), and the post graph's stream waits on its event
+  (:func:`wait_upload`) right before the replay. The destination's earlier reader, the
+  previous step's post graph, finished before that step's results were waited for.
 * The source must not change until the copy ran. An in-process bitmask is a fresh
   :func:`pinned_full` buffer per step (torch's caching host allocator records the copy's event
   on the block and does not hand it out again before that event completed). The mask
@@ -127,6 +132,55 @@ def upload_pinned(host: torch.Tensor, device: torch.device | str, *,
         return host.to(device, non_blocking=True)
     out.copy_(host, non_blocking=True)
     return out
+
+
+#: one copy stream per CUDA device index for :func:`upload_pinned_side`
+_COPY_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def upload_pinned_side(host: torch.Tensor, out: torch.Tensor) -> torch.cuda.Event | None:
+    """Queue the H2D copy of a page-locked ``host`` into ``out`` on a copy stream of ``out``'s
+    device, so the copy engine runs it while the current stream is still busy (the verify
+    forward) instead of behind it; the consumer's stream waits on the returned event
+    (:func:`wait_upload`) just before the kernels that read ``out``.
+
+    Ordering (module doc, "Pinned uploads"): the copy stream waits for nothing on the current
+    stream, so ``out`` must be a persistent buffer (a CUDA graph's static input, never memory
+    of the caching allocator) whose earlier readers finished before the host got here: the
+    post graph of the previous step reads the graph's bitmask, and the scheduler waited for
+    that step's results, queued behind it, before this step's build started (invariant 6).
+    The host source is guarded as before: the copy's event is recorded on the block by the
+    caching host allocator (a :func:`pinned_full` buffer), and the workers' slab is rewritten
+    only after the step's results, queued behind the consumer's wait, were waited for.
+
+    Args:
+        host: the CPU source (page-locked for an asynchronous copy), ``out``'s shape and dtype.
+        out: the device destination.
+
+    Returns:
+        The event recorded on the copy stream after the copy; None when the copy was queued
+        on the current stream instead (a CPU ``out``, or a CUDA graph capture in progress),
+        which then needs no wait.
+    """
+    if out.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        upload_pinned(host, out.device, out=out)
+        return None
+    index = out.device.index if out.device.index is not None else torch.cuda.current_device()
+    stream = _COPY_STREAMS.get(index)
+    if stream is None:
+        stream = _COPY_STREAMS[index] = torch.cuda.Stream(device=index)
+    with torch.cuda.stream(stream):
+        out.copy_(host, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+    return done
+
+
+def wait_upload(done: torch.cuda.Event | None) -> None:
+    """Make the current stream wait (on the device; the host never blocks) for an upload of
+    :func:`upload_pinned_side`; None: nothing to wait for."""
+    if done is not None:
+        done.wait()  # the current stream of the current device, as the consumer's kernels
 
 
 def page_lock(host: torch.Tensor) -> int | None:

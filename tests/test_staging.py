@@ -26,6 +26,8 @@ from structspec.staging import (
     stack_to_device,
     to_device,
     upload_pinned,
+    upload_pinned_side,
+    wait_upload,
 )
 
 CPU = torch.device("cpu")
@@ -110,6 +112,14 @@ def test_upload_pinned_on_cpu() -> None:
     out = torch.zeros(2, 4, dtype=torch.int32)
     got = upload_pinned(host, "cpu", out=out[1])
     assert got.data_ptr() == out[1].data_ptr() and out.tolist() == [[0] * 4, [0, 1, 2, 3]]
+
+
+def test_side_upload_on_cpu_is_a_plain_copy_without_event() -> None:
+    host = torch.arange(4, dtype=torch.int32)
+    out = torch.zeros(2, 4, dtype=torch.int32)
+    assert upload_pinned_side(host, out[1]) is None
+    wait_upload(None)  # nothing to wait for
+    assert out.tolist() == [[0] * 4, [0, 1, 2, 3]]
 
 
 # --------------------------------------------------------------------- no hand-written staging
@@ -242,6 +252,39 @@ def test_pinned_uploads_do_not_sync() -> None:
     assert torch.equal(fresh, bitmask) and torch.equal(into, bitmask)
     assert torch.equal(from_slab, slab)
     assert bool((static[4:] == 0).all())
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA
+def test_side_upload_runs_beside_a_busy_stream_and_its_reader_waits() -> None:
+    """The bitmask's copy-stream upload lands while the current stream is still busy (a
+    ~0.1 s spin standing in for the verify forward), and a kernel queued after
+    :func:`wait_upload` reads the uploaded rows; no host sync on the way."""
+    dev = torch.device("cuda")
+    host = pinned_full((64, 1536), -1, torch.int32)
+    host[::3] = 7
+    static = torch.zeros(72, 1536, dtype=torch.int32, device=dev)
+
+    # load the kernels and make the copy stream first: a lazily loaded module can wait for
+    # the running kernels, which would read here as a copy that waited
+    static[:64].sum(dim=1)
+    wait_upload(upload_pinned_side(host[:8], static[64:]))
+    torch.cuda.synchronize()
+    static.zero_()
+
+    def upload() -> tuple[torch.cuda.Event | None, torch.Tensor]:
+        torch.cuda._sleep(200_000_000)  # the "forward": keeps the current stream busy
+        done = upload_pinned_side(host, static[:64])
+        wait_upload(done)
+        return done, static[:64].sum(dim=1)  # the "mask kernel", after the wait
+
+    done, sums = _no_sync(upload)
+    assert done is not None
+    done.synchronize()  # the copy alone (an event wait, not a stream sync)
+    assert not torch.cuda.current_stream().query(), "the copy waited for the busy stream"
+    torch.cuda.synchronize()
+    assert torch.equal(static[:64].cpu(), host) and bool((static[64:] == 0).all())
+    assert torch.equal(sums.cpu(), host.sum(dim=1, dtype=torch.int64).to(sums.dtype))
 
 
 @pytest.mark.gpu

@@ -10,8 +10,10 @@ Per speculative step (docs/architecture.md, the step timeline):
    advances the matchers over the previous step's committed runs, ``tree.resolve()`` waits on
    the event (the copies finished long ago, behind the draft, so this is short), the bitmask is
    built on the host (xgrammar ``traverse_draft_tree``: accept, fill row, recurse, roll back),
-   and a pinned -> device asynchronous copy is queued
-   (:func:`~structspec.staging.upload_pinned`); stream order puts it before the mask is
+   and a pinned -> device asynchronous copy is queued: into a CUDA graph's static bitmask on
+   the copy stream (:func:`~structspec.staging.upload_pinned_side`), so it runs beside the
+   forward and the post graph's stream waits on its event; otherwise on the current stream
+   (:func:`~structspec.staging.upload_pinned`), where stream order puts it before the mask is
    applied to the verify logits.
 
 Source of the design: sglang ``spec_utils.py`` (``GrammarTree``, ``build_grammar_vocab_mask``,
@@ -33,7 +35,13 @@ import torch
 from structspec.grammar.bitmask import allocate_bitmask
 from structspec.grammar.pool_types import PoolBuildResult, PoolRequest
 from structspec.grammar.worker_pool import MaskWorkerPool
-from structspec.staging import DeviceToHost, PendingCopy, upload_pinned
+from structspec.staging import (
+    DeviceToHost,
+    PendingCopy,
+    upload_pinned,
+    upload_pinned_side,
+    wait_upload,
+)
 
 if TYPE_CHECKING:  # the mask worker processes import this module: no llguidance import there
     from structspec.grammar.matchers import AnyMatcher
@@ -174,7 +182,8 @@ class GrammarMaskResult:
         bitmask_device: ``int32 [bs * N, W]`` on the verify device (row ``i * N + j`` =
             allowed tokens after the path to node ``j`` of request ``i``); the H2D copy is
             queued asynchronously on the current stream
-            (:func:`~structspec.staging.upload_pinned`).
+            (:func:`~structspec.staging.upload_pinned`), or on the copy stream when it goes
+            into a CUDA graph's static bitmask (then see ``upload_done``).
         bitmask_cpu: the pinned host source (a fresh buffer per step, or the worker pool's
             slab, reused only after the next wait; so no overwrite hazard).
         max_accept_cpu: ``int32 [bs]`` the most draft tokens the verifier may accept per
@@ -186,6 +195,10 @@ class GrammarMaskResult:
         build_s: host seconds spent in barrier + resolve + build (for metrics).
         mirror: the worker pool's result (its mirrors' verdicts on the new ids) when the
             pool built the mask; None for the in-process build.
+        upload_done: the copy stream's event after the upload
+            (:func:`~structspec.staging.upload_pinned_side`): the stream that reads
+            ``bitmask_device`` waits on it first (:meth:`wait_upload`); None when the copy
+            was queued on the current stream, or once waited for.
     """
 
     bitmask_device: torch.Tensor
@@ -195,6 +208,13 @@ class GrammarMaskResult:
     rejected_by_grammar: list[int]
     build_s: float = 0.0
     mirror: PoolBuildResult | None = None
+    upload_done: torch.cuda.Event | None = None
+
+    def wait_upload(self) -> None:
+        """Make the current stream wait (on the device) for a copy-stream upload of the bitmask;
+        once: later calls, and a current-stream upload, do nothing."""
+        wait_upload(self.upload_done)
+        self.upload_done = None
 
 
 def build_grammar_vocab_mask(
@@ -324,9 +344,16 @@ def _settle_and_upload(bitmask: torch.Tensor, matchers: Sequence[AnyMatcher | No
     max_accept = torch.full((bs,), n - 1, dtype=torch.int32)
     for i in timed_out:
         max_accept[i] = 0
-    bitmask_device = upload_pinned(bitmask, device, out=None if out is None else out[: bs * n])
+    upload_done = None
+    if out is None:
+        bitmask_device = upload_pinned(bitmask, device)
+    else:
+        # a graph's static bitmask: copied beside the verify forward on the copy stream
+        bitmask_device = out[: bs * n]
+        upload_done = upload_pinned_side(bitmask, bitmask_device)
     return GrammarMaskResult(bitmask_device, bitmask, max_accept, sorted(timed_out),
-                             rejected_np.tolist(), time.perf_counter() - t0)
+                             rejected_np.tolist(), time.perf_counter() - t0,
+                             upload_done=upload_done)
 
 
 def build_grammar_vocab_mask_pooled(

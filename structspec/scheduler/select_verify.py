@@ -154,6 +154,8 @@ class SelectVerifyPhase:
                 cap_cpu = mask.max_accept_cpu
             for req, rejected in zip(reqs, mask.rejected_by_grammar, strict=True):
                 req.spec.draft_tokens_rejected_by_grammar += rejected
+        if mask is not None:
+            mask.wait_upload()  # a copy-stream upload lands before the kernels that read it
         graph_bitmask = selection.graph_bitmask
         slots = self.penalties.slots_of(reqs)
         if graph_bitmask is not None:

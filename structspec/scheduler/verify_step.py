@@ -169,6 +169,10 @@ class VerifyStep:
             mask = early_mask if staged.mask_before_launch else self._grammar_mask(
                 proposal, staged, work, selection.graph_bitmask)  # 4. barrier + grammar mask
         timer.pool_order(pool_walks is not None)  # kept only if the pool built the mask
+        if mask is not None:
+            # before the "post" event, so a bitmask upload still running on the copy stream
+            # when the forward ends counts as the grammar stall (fwd_end -> post)
+            mask.wait_upload()
         timer.event("post")
         pending = self.select.launch(reqs, proposal.tree, fwd.logits, fwd, selection,
                                      mask)  # 5. select/verify, D2H copy queued

@@ -19,7 +19,7 @@ from structspec.runner.batch_builder import build_prefill_batch
 from structspec.runner.model_runner import ModelRunner
 from structspec.speculative.base import DraftRequest
 from structspec.speculative.draft_model import DraftModelDrafter
-from structspec.speculative.expansion import expand_tree
+from structspec.speculative.expansion import SMALL_TOP_K, expand_tree, top_k
 
 CPU = torch.device("cpu")
 VOCAB = 96
@@ -156,6 +156,27 @@ def test_expansion_keeps_best_scores() -> None:
     tree = expand_tree(root, step_fn, topk=topk, depth=depth, num_nodes=n)
     best = sorted(cands, reverse=True)[: n - 1]
     assert sorted(tree.scores[0, 1:].tolist(), reverse=True) == pytest.approx(best, abs=1e-6)
+
+
+@pytest.mark.parametrize("k", [1, 2, SMALL_TOP_K, SMALL_TOP_K + 1])
+@pytest.mark.parametrize("shape,dim", [((3, 257), 1), ((2, 3, 64), 2), ((5, 2, 7), 0)])
+def test_top_k_equals_torch_topk(k: int, shape: tuple[int, ...], dim: int) -> None:
+    """Values and indices of torch.topk on tie-free input (the iterative maxima up to
+    SMALL_TOP_K, torch.topk above); the input is left unchanged."""
+    torch.manual_seed(k)
+    x = torch.randn(shape)
+    before = x.clone()
+    values, indices = top_k(x, k, dim)
+    ref = torch.topk(x, k, dim=dim)
+    assert torch.equal(values, ref.values) and torch.equal(indices, ref.indices)
+    assert torch.equal(x, before)
+
+
+def test_top_k_ties_in_index_order() -> None:
+    x = torch.tensor([[0.0, -1.0, 0.0, 0.0, -2.0], [-3.0, -3.0, -1.0, -3.0, -1.0]])
+    values, indices = top_k(x, 3, dim=1)
+    assert indices.tolist() == [[0, 2, 3], [2, 4, 0]]
+    assert values.tolist() == [[0.0, 0.0, 0.0], [-1.0, -1.0, -3.0]]
 
 
 # ----------------------------------------------------------------------------- with models
