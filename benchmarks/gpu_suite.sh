@@ -31,7 +31,11 @@
 #             eagle and ngram_eagle at batch 64 and 1: tok/s and accept length (~6-10 min)
 #   eagle_tests  issue 18: tests/engine/test_gpu_engine.py alone (no-sync steps with every drafter
 #             and the shipped EAGLE head, bf16 and batch-invariant spec vs plain with ngram and
-#             eagle; ~3 min)
+#             eagle; did not finish in 300 s on 2026-12-03: five engines' captures first, so a
+#             call of its own)
+#   host_step  issue 18: host us per batch-1 step of each call a verify step makes (none and
+#             eagle with a JSON Schema), and the host cost of one forward-graph launch
+#             (host_step_cost.py, ~1.5 min)
 #   eagle_trace  issue 18: torch.profiler over 200 steady EAGLE / none steps at batch 1 with a
 #             JSON Schema (profile_step.py --trace: host and kernel time per step phase, kernels
 #             per step, top kernels): is the propose bound by its kernels or its launches?
@@ -61,7 +65,7 @@
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
-run() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$? $name"; grep -E "^(# [a-z_]+ batch=|trace |tree_mask_cost|attention_causal|best per|Q=|ab_compare|drafter_speed|eagle_accept|grammar_overlap|mask_build|decode|peer|hbm|floor|maskbench|penalty_cost|config=|prefix_cache|distinct_schemas|ttft|gate|  errors|[0-9]+ passed|FAILED|ERROR)|passed|failed" "$OUT/$name.log" | tail -n 40; }
+run() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$? $name"; grep -E "^(# [a-z_]+ batch=|trace |host_step|graph_launch|tree_mask_cost|attention_causal|best per|Q=|ab_compare|drafter_speed|eagle_accept|grammar_overlap|mask_build|decode|peer|hbm|floor|maskbench|penalty_cost|config=|prefix_cache|distinct_schemas|ttft|gate|  errors|[0-9]+ passed|FAILED|ERROR)|passed|failed" "$OUT/$name.log" | tail -n 40; }
 stages=${*:-tests smol peer llama8b llama8b_overlap invariant maskbench loopguards loopguards2 penalty_cost eagle_speed}
 L8=benchmarks/assets/llama3-8b-shape
 python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())'
@@ -73,7 +77,9 @@ for s in $stages; do case $s in
       run "maskbench_${algo}_bs${bs}" 150 python3 benchmarks/maskbench_e2e.py --device cuda --speculative-algorithm "$algo" --limit 120 --max-tokens 512 --skip-slow-compile --max-batch-size "$bs" --out "$OUT/maskbench_${algo}_bs${bs}.jsonl"
     done; done ;;
   eagle_tests)
-    run gpu_engine_tests 300 python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu_engine.py ;;
+    run gpu_engine_tests 560 python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu_engine.py ;;
+  host_step)
+    run host_step_cost 200 python3 benchmarks/host_step_cost.py --algorithms none eagle --grammar --steps 300 ;;
   smol)
     run mask_build 60 python3 benchmarks/mask_build.py --batch 1 8 32 64 --threads 1 2 4 8 --reps 10
     run gpu_decode 60 python3 benchmarks/gpu_decode.py --skip-eager --skip-fold

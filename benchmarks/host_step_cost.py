@@ -1,0 +1,165 @@
+"""Where a batch-1 verify step's host time goes: host microseconds per step of the calls the
+step makes (wrapped with a timer, no profiler), and what one CUDA-graph launch costs the host.
+
+    PYTHONPATH=$PWD python3 benchmarks/host_step_cost.py --algorithms none eagle --grammar
+
+At batch 1 a step is bound by its host (2026-12-03 trace, H200: an EAGLE + JSON step spent
+4.9 ms of host against 3.95 ms of GPU busy time; the verify launch alone 1.3-2.0 ms of host
+for a single graph replay), so the question is which calls hold it. Prints one ``host_step``
+line per configuration with the step's wall time and each wrapped call's host us per step
+(calls nest: ``verify`` holds ``stage_graph_inputs`` and ``forward_graph_replay``), then one
+``graph_launch`` line: host us of ``CUDAGraph.replay()`` of the batch's forward graph alone,
+back to back (the device drained every 16 launches, so the queue never blocks the host),
+against a one-kernel graph's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.grammar_overlap import LONG_SCHEMA, draft_for  # noqa: E402
+from benchmarks.workloads import extraction_prompts  # noqa: E402
+from structspec import LLM, JsonSchemaConstraint, SamplingParams  # noqa: E402
+from structspec.engine.llm_engine import LLMEngine  # noqa: E402
+from structspec.runner.cuda_graph import VerifyGraph  # noqa: E402
+from structspec.scheduler.pending import PendingStep  # noqa: E402
+
+
+class HostClock:
+    """Host time per label of wrapped callables (``perf_counter`` around each call)."""
+
+    def __init__(self) -> None:
+        self.us: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self._undo: list[Callable[[], None]] = []
+
+    def wrap(self, owner: Any, name: str, label: str) -> None:
+        """Time ``owner.name`` (an instance or a class attribute) as ``label``."""
+        original = getattr(owner, name)
+        on_class = isinstance(owner, type)
+        us, calls = self.us, self.calls
+
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return original(*a, **k)
+            finally:
+                us[label] += (time.perf_counter() - t0) * 1e6
+                calls[label] += 1
+
+        if on_class:
+            raw = owner.__dict__[name]
+            setattr(owner, name, timed)
+            self._undo.append(lambda: setattr(owner, name, raw))
+        else:
+            setattr(owner, name, timed)
+            self._undo.append(lambda: delattr(owner, name))
+
+    def reset(self) -> None:
+        self.us.clear()
+        self.calls.clear()
+
+    def restore(self) -> None:
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+
+
+def wrap_step(clock: HostClock, eng: LLMEngine) -> None:
+    """Wrap the calls of a verify step (labels as printed)."""
+    verify = eng.scheduler._verify
+    runner = eng.runner
+    clock.wrap(verify, "_propose", "propose")
+    clock.wrap(verify.drafter, "propose", "drafter.propose")
+    clock.wrap(verify, "_stage_tree", "stage_tree")
+    clock.wrap(runner, "verify", "verify")
+    clock.wrap(runner, "_stage_graph_inputs", "stage_graph_inputs")
+    clock.wrap(VerifyGraph, "replay", "forward_graph_replay")
+    clock.wrap(verify.select, "prepare", "select.prepare")
+    clock.wrap(verify.grammar, "build_mask", "build_mask")
+    clock.wrap(verify.select, "launch", "select.launch")
+    clock.wrap(runner, "greedy_verify", "greedy_verify")
+    clock.wrap(PendingStep, "wait", "wait")
+    clock.wrap(verify, "_commit", "commit")
+    if verify.feeds_hidden:
+        clock.wrap(verify.drafter, "on_target_hidden", "on_target_hidden")
+
+
+def graph_launch_us(eng: LLMEngine, reps: int = 320) -> tuple[float, float]:
+    """Host us per ``replay()`` of the batch-1 forward graph, and of a one-kernel graph."""
+    graphs = eng.runner.graphs
+    assert graphs is not None
+    captured = [g for g in graphs.graphs.values() if g.captured and g.bsz == 1]
+    # the full tree's graph (the steps above replayed it), at its smallest KV bucket
+    g = min(captured, key=lambda g: (-g.num_nodes, g.pages)) if captured else None
+
+    def per_launch(replay: Callable[[], None]) -> float:
+        total = 0.0
+        for _ in range(reps // 16):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(16):
+                replay()
+            total += time.perf_counter() - t0
+        torch.cuda.synchronize()
+        return total / (reps // 16 * 16) * 1e6
+
+    x = torch.zeros(1, device="cuda")
+    tiny = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(tiny):
+        x.add_(1)
+    tiny_us = per_launch(tiny.replay)
+    return (per_launch(g.graph.replay) if g is not None else float("nan")), tiny_us
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--algorithms", nargs="+", default=["none", "eagle"])
+    ap.add_argument("--grammar", action="store_true")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--draft-model", default=None)
+    ap.add_argument("--load-format", default="auto")
+    args = ap.parse_args()
+    for algo in args.algorithms:
+        llm = LLM(args.model, speculative_algorithm=algo, max_batch_size=1,
+                  load_format=args.load_format, draft_model=draft_for(algo, args),
+                  speculative_adaptive="off")
+        eng = llm.engine
+        sp = SamplingParams(max_tokens=(args.steps + 40) * 8, ignore_eos=True,
+                            grammar=JsonSchemaConstraint(LONG_SCHEMA) if args.grammar else None)
+        prompt, _ = extraction_prompts(1, seed=3)[0]
+        eng.add_request(prompt, sp)
+        while not eng.scheduler.running:
+            eng.step()
+        eng.warmup_cuda_graphs(batch_sizes=[1])
+        for _ in range(20):
+            eng.step()
+        clock = HostClock()
+        wrap_step(clock, eng)
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            eng.step()
+        wall_us = (time.perf_counter() - t0) * 1e6 / args.steps
+        clock.restore()
+        parts = " ".join(f"{k}={v / args.steps:.0f}" for k, v in clock.us.items())
+        print(f"host_step algo={algo} grammar={args.grammar} bs=1 wall_us={wall_us:.0f} {parts}")
+        if eng.runner.device.type == "cuda":
+            fwd_us, tiny_us = graph_launch_us(eng)
+            print(f"graph_launch algo={algo} forward_graph_replay_us={fwd_us:.1f} "
+                  f"one_kernel_graph_replay_us={tiny_us:.1f}")
+        llm.close()
+
+
+if __name__ == "__main__":
+    main()
