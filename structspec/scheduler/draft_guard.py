@@ -214,7 +214,7 @@ class GuardedDrafter:
         return to_device(torch.tensor(list(rows), dtype=torch.int64), device, self._staging)
 
     def on_target_hidden(self, reqs: Sequence[DraftRequest], hidden_states: torch.Tensor,
-                         rows: torch.Tensor | None, num_rows: Sequence[int],
+                         rows: torch.Tensor | None, num_rows: Sequence[int] | None,
                          aux_hidden_states: Sequence[torch.Tensor] = ()) -> None:
         """:meth:`Drafter.on_target_hidden` for the speculating requests (their rows of the
         batch tensors)."""
@@ -226,13 +226,25 @@ class GuardedDrafter:
             reqs = [reqs[i] for i in live]
             hidden_states = hidden_states[idx]
             rows = None if rows is None else rows[idx.to(rows.device)]
-            num_rows = [num_rows[i] for i in live]
+            num_rows = None if num_rows is None else [num_rows[i] for i in live]
             aux_hidden_states = [a[idx] for a in aux_hidden_states]
         try:
             self.drafter.on_target_hidden(reqs, hidden_states, rows, num_rows,
                                           aux_hidden_states)
         except Exception as e:  # noqa: BLE001 - contained: see the module doc
             self._fail("on_target_hidden", reqs, e)
+
+    def commit_target_hidden(self, reqs: Sequence[DraftRequest],
+                             num_rows: Sequence[int]) -> None:
+        """:meth:`Drafter.commit_target_hidden` for the speculating requests."""
+        live = self._speculating(reqs)
+        if not live:
+            return
+        try:
+            self.drafter.commit_target_hidden([reqs[i] for i in live],
+                                              [num_rows[i] for i in live])
+        except Exception as e:  # noqa: BLE001 - contained: see the module doc
+            self._fail("commit_target_hidden", [reqs[i] for i in live], e)
 
     def on_verified(self, reqs: Sequence[DraftRequest], committed: Sequence[list[int]]) -> None:
         """:meth:`Drafter.on_verified` for the speculating requests."""

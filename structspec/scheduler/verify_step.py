@@ -19,7 +19,9 @@
 6. **text**: the previous step's text work left, still under the GPU step;
 7. **wait**: the step's one planned host wait (docs/architecture.md, invariant 6);
 8. **commit**: accepted runs are committed (:mod:`structspec.scheduler.commit`); this step's
-   grammar barrier and text work are deferred to the next step (:class:`StepOutcome`).
+   grammar barrier and text work are deferred to the next step (:class:`StepOutcome`). A
+   drafter that reads target features (EAGLE) had them stored between 5 and 6, before the
+   wait, and gets the run lengths here.
 
 Timer phases (``draft``, ``launch``, ``barrier``, ``text``, ``mask``, ``wait``, ``commit``)
 and events (``fwd_start``, ``fwd_end``, ``post``, ``end``) mark these boundaries
@@ -178,11 +180,19 @@ class VerifyStep:
                                      mask)  # 5. select/verify, D2H copy queued
         timer.event("end")
         timer.phase("launch")
+        if self.feeds_hidden:
+            # The drafter's feature store, queued behind the post graph before the wait: its
+            # launches (~0.6 ms of host at batch 1 on the H200 host) then run while the GPU
+            # verifies instead of while it idles; the run lengths follow in _commit.
+            self.drafter.on_target_hidden(proposal.draft_reqs, fwd.hidden_states,
+                                          pending.result.accept_nodes, None,
+                                          fwd.aux_hidden_states)
+            timer.phase("commit")
         touched = work.finish_text()  # 6. the previous step's text work left
         timer.phase("text")
         runs = pending.wait()  # 7. the one planned host wait of the step
         timer.phase("wait")
-        self._commit(proposal, fwd, pending, runs)  # 8. commit
+        self._commit(proposal, pending, runs)  # 8. commit
         timer.phase("commit")
         if self.sizer is not None:
             plan = proposal.plan
@@ -338,8 +348,7 @@ class VerifyStep:
                                        while_walking=work.barrier_and_text,
                                        out=graph_bitmask)
 
-    def _commit(self, proposal: Proposal, fwd: VerifyForwardOutput, pending: PendingStep,
-                runs: list[list[int]]) -> None:
+    def _commit(self, proposal: Proposal, pending: PendingStep, runs: list[list[int]]) -> None:
         """Phase 8: commit each accepted run (stops trim it), count the speculation metrics,
         tell the drafter."""
         reqs, draft_reqs = proposal.reqs, proposal.draft_reqs
@@ -347,10 +356,9 @@ class VerifyStep:
             if not run and not req.finished:  # non-finite logits: it ends below, unhooked
                 self.drafter.stop(req.request_id)
         if self.feeds_hidden:
-            # Features of node 0 and the accepted drafts (the bonus has no KV yet).
-            self.drafter.on_target_hidden(draft_reqs, fwd.hidden_states,
-                                          pending.result.accept_nodes, [len(r) for r in runs],
-                                          fwd.aux_hidden_states)
+            # Features of node 0 and the accepted drafts count (the bonus has no KV yet);
+            # they were stored before the wait (run)
+            self.drafter.commit_target_hidden(draft_reqs, [len(r) for r in runs])
         t = now()
         committed: list[list[int]] = []
         ended: list[Req] = []

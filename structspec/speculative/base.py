@@ -157,7 +157,7 @@ class Drafter(ABC):
         reqs: Sequence[DraftRequest],
         hidden_states: torch.Tensor,
         rows: torch.Tensor | None,
-        num_rows: Sequence[int],
+        num_rows: Sequence[int] | None,
         aux_hidden_states: Sequence[torch.Tensor] = (),
     ) -> None:
         """Hook after every target forward (prefill and verify) with its hidden states, for
@@ -168,9 +168,18 @@ class Drafter(ABC):
             hidden_states: ``[B, Q, H]`` final target hidden states (device).
             rows: ``[B, R]`` int64 query row per newly committed position (device), or None
                 (row j = position j, after a prefill).
-            num_rows: host ints, valid entries of ``rows[b]`` (the committed run lengths).
+            num_rows: host ints, valid entries of ``rows[b]`` (the committed run lengths);
+                None after a verify whose results have not reached the host yet: store what
+                every column of ``rows`` would give, and count it once
+                :meth:`commit_target_hidden` brings the run lengths.
             aux_hidden_states: the outputs of :attr:`aux_hidden_layers`, each ``[B, Q, H]``.
         """
+
+    def commit_target_hidden(  # noqa: B027
+        self, reqs: Sequence[DraftRequest], num_rows: Sequence[int]
+    ) -> None:
+        """The committed run lengths (host ints) of the verify whose features
+        :meth:`on_target_hidden` got with ``num_rows=None``; a no-op by default."""
 
     def on_verified(  # noqa: B027
         self, reqs: Sequence[DraftRequest], committed: Sequence[list[int]]

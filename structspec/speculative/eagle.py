@@ -127,6 +127,9 @@ class EagleDrafter(TreeDrafter):
                 if self.reduced_lm_head is not None:
                     self.vocab_map = ids.to(device)
         self._prev_out: torch.Tensor | None = None
+        #: request id -> the ``seq_len`` of a verify whose features were stored before its
+        #: accepted counts were known (``num_rows=None``), until :meth:`commit_target_hidden`
+        self._uncommitted: dict[str, int] = {}
 
     # -- the hook ----------------------------------------------------------------------------
 
@@ -136,7 +139,7 @@ class EagleDrafter(TreeDrafter):
         reqs: Sequence[DraftRequest],
         hidden_states: torch.Tensor,
         rows: torch.Tensor | None,
-        num_rows: Sequence[int],
+        num_rows: Sequence[int] | None,
         aux_hidden_states: Sequence[torch.Tensor] = (),
     ) -> None:
         """Store the target features of newly committed positions (no host syncs).
@@ -149,18 +152,32 @@ class EagleDrafter(TreeDrafter):
         * after a verify: the ``DraftRequest`` of that step (``seq_len`` = committed KV length
           before the verify, node 0's position), ``rows = VerifyResult.accept_nodes`` (``[B, N]``,
           node 0 then the accepted drafts), ``num_rows = accept_len`` as host ints (the
-          committed run length, bonus included: its last node's row predicted the bonus).
+          committed run length, bonus included: its last node's row predicted the bonus);
+        * or the same before the verify's results reach the host: ``num_rows=None`` stores
+          every column of ``rows`` (positions ``seq_len .. seq_len + R - 1``; past the
+          accepted run a column is -1 and stores node 0's feature, never read: a feature
+          counts only once :meth:`commit_target_hidden` gives the run lengths, and the next
+          verify's store overwrites those positions). The scheduler queues this right behind
+          the verify's post graph, so its launches hide under the forward instead of leaving
+          the GPU idle while the host commits.
 
         Args:
             hidden_states: ``[B, Q, H]`` final (post-norm) target hidden states (EAGLE-1/2).
             rows: ``[B, R]`` int64 query row per stored position (device), or None.
-            num_rows: host ints, valid entries of ``rows[b]``.
+            num_rows: host ints, valid entries of ``rows[b]``; None: not known yet (above).
             aux_hidden_states: the forward's ``ModelOutput.aux_hidden_states`` for
                 ``self.aux_hidden_layers`` (EAGLE-3; each ``[B, Q, H]``).
 
         Raises:
-            ValueError: EAGLE-3 head but the aux layers are missing.
+            ValueError: EAGLE-3 head but the aux layers are missing; ``num_rows=None``
+                without ``rows``.
         """
+        early = num_rows is None
+        if num_rows is None:
+            if rows is None:
+                raise ValueError("on_target_hidden(num_rows=None) needs rows (a verify's "
+                                 "accept_nodes)")
+            num_rows = [int(rows.shape[1])] * len(reqs)
         bsz, q = hidden_states.shape[:2]
         if self.head.config.version == 3:
             if len(aux_hidden_states) != len(self.aux_hidden_layers):
@@ -189,6 +206,11 @@ class EagleDrafter(TreeDrafter):
             seq[b] = r.seq_len
             if not self.ensure_capacity(st, end + self.scratch + 1) or r.seq_len > st.feat_len:
                 count[b] = 0  # no room, or a gap in the features: never drafted
+                self._uncommitted.pop(r.request_id, None)
+            elif early:
+                # (the room for all R positions, at most one page more than the run needs:
+                # the draft pool holds the target's pages plus every request's scratch)
+                self._uncommitted[r.request_id] = r.seq_len
             else:
                 st.feat_len = max(st.feat_len, end)
         page_rows = self.page_rows([r.request_id for r in reqs])
@@ -200,6 +222,23 @@ class EagleDrafter(TreeDrafter):
         slots = np.where(valid, pages * self.page_size + pos % self.page_size, 0)
         self.features.index_copy_(0, self._to_device(torch.from_numpy(slots.reshape(-1))),
                                   stored.reshape(-1, stored.shape[-1]))
+
+    def commit_target_hidden(self, reqs: Sequence[DraftRequest],
+                             num_rows: Sequence[int]) -> None:
+        """The run lengths of a verify whose features :meth:`on_target_hidden` stored with
+        ``num_rows=None``: request ``b``'s features now count up to position
+        ``seq_len + num_rows[b]`` exactly (the positions past it hold rejected nodes' rows).
+        Requests stored without room, or with a gap, stay as they were."""
+        for r, n in zip(reqs, num_rows, strict=True):
+            seq_len = self._uncommitted.pop(r.request_id, None)
+            st = self.states.get(r.request_id)
+            if seq_len is not None and st is not None:
+                st.feat_len = seq_len + n
+
+    def release(self, request_id: str) -> None:
+        """:meth:`TreeDrafter.release`, and any features stored but not committed."""
+        self._uncommitted.pop(request_id, None)
+        super().release(request_id)
 
     # -- TreeDrafter interface ---------------------------------------------------------------
 

@@ -140,10 +140,15 @@ class NgramEagleDrafter(Drafter):
         self.eagle.on_verified(reqs, committed)
 
     def on_target_hidden(self, reqs: Sequence[DraftRequest], hidden_states: torch.Tensor,
-                         rows: torch.Tensor | None, num_rows: Sequence[int],
+                         rows: torch.Tensor | None, num_rows: Sequence[int] | None,
                          aux_hidden_states: Sequence[torch.Tensor] = ()) -> None:
         """EAGLE's features (:meth:`EagleDrafter.on_target_hidden`)."""
         self.eagle.on_target_hidden(reqs, hidden_states, rows, num_rows, aux_hidden_states)
+
+    def commit_target_hidden(self, reqs: Sequence[DraftRequest],
+                             num_rows: Sequence[int]) -> None:
+        """EAGLE's run lengths (:meth:`EagleDrafter.commit_target_hidden`)."""
+        self.eagle.commit_target_hidden(reqs, num_rows)
 
     def release(self, request_id: str) -> None:
         """Forget the request in both drafters."""

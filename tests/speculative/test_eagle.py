@@ -63,8 +63,12 @@ def head_dir(request: pytest.FixtureRequest, runner: ModelRunner,
 class Sim:
     """A minimal scheduler: target prefill/verify with the EAGLE hook, random accepted paths."""
 
-    def __init__(self, runner: ModelRunner, drafter: EagleDrafter, seed: int = 0) -> None:
+    def __init__(self, runner: ModelRunner, drafter: EagleDrafter, seed: int = 0,
+                 early_store: bool = False) -> None:
+        """``early_store``: verify features go through ``on_target_hidden(num_rows=None)``
+        then ``commit_target_hidden`` (the scheduler's order), else in one call."""
         self.runner, self.drafter = runner, drafter
+        self.early_store = early_store
         self.rng = random.Random(seed)
         self.hist: dict[str, list[int]] = {}
         self.seq: dict[str, int] = {}
@@ -117,8 +121,13 @@ class Sim:
         res = VerifyResult(accept_tokens=toks, accept_len=torch.tensor(lens), accept_nodes=nodes)
         self.runner.commit_accepted_kv(
             VerifyForwardOutput(logits, seq_t, table, out.hidden_states, []), res)
-        self.drafter.on_target_hidden(reqs, out.hidden_states, res.accept_nodes, lens,
-                                      out.aux_hidden_states)
+        if self.early_store:
+            self.drafter.on_target_hidden(reqs, out.hidden_states, res.accept_nodes, None,
+                                          out.aux_hidden_states)
+            self.drafter.commit_target_hidden(reqs, lens)
+        else:
+            self.drafter.on_target_hidden(reqs, out.hidden_states, res.accept_nodes, lens,
+                                          out.aux_hidden_states)
         committed = [toks[b, : lens[b]].tolist() for b in range(len(ids))]
         self.drafter.on_verified(reqs, committed)
         for r, c in zip(ids, committed, strict=True):
@@ -192,13 +201,17 @@ def test_no_features_no_drafts(runner: ModelRunner, head_dir: Path) -> None:
     assert tree.draft_tokens.tolist() == [[3, -1, -1, -1, -1, -1]]
 
 
+@pytest.mark.parametrize("early_store", [False, True], ids=["store_after", "store_before"])
 @pytest.mark.parametrize(("topk", "depth", "n"), [(2, 3, 8), (1, 4, 5)])
 def test_catch_up_matches_fresh_and_tree_valid(
-    runner: ModelRunner, head_dir: Path, topk: int, depth: int, n: int
+    runner: ModelRunner, head_dir: Path, topk: int, depth: int, n: int, early_store: bool
 ) -> None:
+    """The head's root log-probs after each verify equal a fresh prefill's, with the
+    verify's features stored after the run lengths are known or before (every tree row,
+    the lengths committed after)."""
     drafter = make_drafter(runner, head_dir, num_draft_tokens=n, depth=depth, topk=topk)
     free0 = drafter.allocator.num_free_pages
-    sim = Sim(runner, drafter)
+    sim = Sim(runner, drafter, early_store=early_store)
     sim.add({"a": [5, 17, 3, 44, 9], "b": [7]})
     allowed = set(drafter.vocab_map.tolist()) if drafter.vocab_map is not None else None
     for rnd in range(4):
@@ -218,6 +231,34 @@ def test_catch_up_matches_fresh_and_tree_valid(
     for rid in list(sim.hist):
         drafter.release(rid)
     assert drafter.allocator.num_free_pages == free0
+
+
+def test_features_stored_early_count_only_once_committed(runner: ModelRunner,
+                                                         head_dir: Path) -> None:
+    """A verify's features stored before its run lengths are known do not count (the request
+    is not drafted) until ``commit_target_hidden``; then exactly the committed run counts, and
+    a release forgets the uncommitted store."""
+    drafter = make_drafter(runner, head_dir, num_draft_tokens=5, depth=2, topk=2)
+    sim = Sim(runner, drafter)
+    sim.add({"a": [5, 17, 3, 44, 9]})
+    reqs = [DraftRequest("a", list(sim.hist["a"]), sim.seq["a"])]
+    tree = drafter.propose(reqs)
+    n = tree.num_nodes
+    out = sim.forward(build_verify_batch(tree, torch.tensor([sim.seq["a"]]),
+                                         page_table_tensor([sim.pages["a"]], CPU),
+                                         page_size=PAGE))
+    nodes = torch.full((1, n), -1)
+    nodes[0, :2] = torch.tensor([0, int(tree.next_token[0, 0])])  # node 0 + its first child
+    drafter.on_target_hidden(reqs, out.hidden_states, nodes, None, out.aux_hidden_states)
+    st = drafter.states["a"]
+    assert st.feat_len == sim.seq["a"] and drafter._uncommitted == {"a": sim.seq["a"]}
+    drafter.commit_target_hidden(reqs, [2])
+    assert st.feat_len == sim.seq["a"] + 2 and not drafter._uncommitted
+    drafter.on_target_hidden(reqs, out.hidden_states, nodes, None, out.aux_hidden_states)
+    drafter.release("a")
+    assert not drafter._uncommitted and "a" not in drafter.states
+    with pytest.raises(ValueError, match="needs rows"):
+        drafter.on_target_hidden(reqs, out.hidden_states, None, None, out.aux_hidden_states)
 
 
 @pytest.mark.parametrize(("topk", "n"), [(1, 5), (3, 12)])
