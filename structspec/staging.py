@@ -58,8 +58,10 @@ Stream ordering, pinned uploads:
 * :func:`upload_pinned_side` queues it on a copy stream instead, for a destination that is a
   CUDA graph's static bitmask: the copy runs beside the verify forward rather than after it
   (3.5 MB at batch 64 x 9 rows), and the post graph's stream waits on its event
-  (:func:`wait_upload`) right before the replay. The destination's earlier reader, the
-  previous step's post graph, finished before that step's results were waited for.
+  (:func:`wait_upload`) right before the replay. The destination is made by
+  :func:`side_upload_target` (filled on the copy stream, the current stream waiting for it),
+  and its earlier reader, the previous step's post graph, finished before that step's results
+  were waited for.
 * The source must not change until the copy ran. An in-process bitmask is a fresh
   :func:`pinned_full` buffer per step (torch's caching host allocator records the copy's event
   on the block and does not hand it out again before that event completed). The mask
@@ -138,6 +140,40 @@ def upload_pinned(host: torch.Tensor, device: torch.device | str, *,
 _COPY_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """The copy stream of a CUDA device (created at first use)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _COPY_STREAMS.get(index)
+    if stream is None:
+        stream = _COPY_STREAMS[index] = torch.cuda.Stream(device=index)
+    return stream
+
+
+def side_upload_target(shape: Sequence[int], fill: int | float, dtype: torch.dtype,
+                       device: torch.device) -> torch.Tensor:
+    """A persistent device tensor filled with ``fill`` that :func:`upload_pinned_side` may
+    write (a CUDA graph's static bitmask and cap).
+
+    On CUDA it is allocated and filled on the copy stream, and the current stream then waits
+    for that stream: every later copy-stream upload is ordered after the fill by stream order,
+    and every reader on the current stream too. (Filled on the current stream, the fill would
+    sit behind a forward already queued there while an upload on the copy stream ran first
+    and was then overwritten; and a block the caching allocator just freed on the current
+    stream may still be read by kernels queued there.) Never freed while uploads may target
+    it. Elsewhere, or during a CUDA graph capture, a plain ``torch.full``.
+
+    Returns:
+        A ``shape`` tensor of ``dtype`` on ``device``.
+    """
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return torch.full(tuple(shape), fill, dtype=dtype, device=device)
+    stream = _copy_stream(device)
+    with torch.cuda.stream(stream):
+        out = torch.full(tuple(shape), fill, dtype=dtype, device=device)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    return out
+
+
 def upload_pinned_side(host: torch.Tensor, out: torch.Tensor) -> torch.cuda.Event | None:
     """Queue the H2D copy of a page-locked ``host`` into ``out`` on a copy stream of ``out``'s
     device, so the copy engine runs it while the current stream is still busy (the verify
@@ -145,13 +181,14 @@ def upload_pinned_side(host: torch.Tensor, out: torch.Tensor) -> torch.cuda.Even
     (:func:`wait_upload`) just before the kernels that read ``out``.
 
     Ordering (module doc, "Pinned uploads"): the copy stream waits for nothing on the current
-    stream, so ``out`` must be a persistent buffer (a CUDA graph's static input, never memory
-    of the caching allocator) whose earlier readers finished before the host got here: the
-    post graph of the previous step reads the graph's bitmask, and the scheduler waited for
-    that step's results, queued behind it, before this step's build started (invariant 6).
-    The host source is guarded as before: the copy's event is recorded on the block by the
-    caching host allocator (a :func:`pinned_full` buffer), and the workers' slab is rewritten
-    only after the step's results, queued behind the consumer's wait, were waited for.
+    stream, so ``out`` must come from :func:`side_upload_target` (its fill is ordered before
+    the copy on the copy stream; never memory the caching allocator hands around), and its
+    earlier readers must have finished before the host got here: the post graph of the
+    previous step reads the graph's bitmask, and the scheduler waited for that step's
+    results, queued behind it, before this step's build started (invariant 6). The host
+    source is guarded as before: the copy's event is recorded on the block by the caching
+    host allocator (a :func:`pinned_full` buffer), and the workers' slab is rewritten only
+    after the step's results, queued behind the consumer's wait, were waited for.
 
     Args:
         host: the CPU source (page-locked for an asynchronous copy), ``out``'s shape and dtype.
@@ -165,10 +202,7 @@ def upload_pinned_side(host: torch.Tensor, out: torch.Tensor) -> torch.cuda.Even
     if out.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         upload_pinned(host, out.device, out=out)
         return None
-    index = out.device.index if out.device.index is not None else torch.cuda.current_device()
-    stream = _COPY_STREAMS.get(index)
-    if stream is None:
-        stream = _COPY_STREAMS[index] = torch.cuda.Stream(device=index)
+    stream = _copy_stream(out.device)
     with torch.cuda.stream(stream):
         out.copy_(host, non_blocking=True)
         done = torch.cuda.Event()

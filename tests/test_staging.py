@@ -23,6 +23,7 @@ from structspec.staging import (
     page_lock,
     page_unlock,
     pinned_full,
+    side_upload_target,
     stack_to_device,
     to_device,
     upload_pinned,
@@ -112,6 +113,11 @@ def test_upload_pinned_on_cpu() -> None:
     out = torch.zeros(2, 4, dtype=torch.int32)
     got = upload_pinned(host, "cpu", out=out[1])
     assert got.data_ptr() == out[1].data_ptr() and out.tolist() == [[0] * 4, [0, 1, 2, 3]]
+
+
+def test_side_upload_target_on_cpu_is_a_plain_full() -> None:
+    t = side_upload_target((2, 3), -1, torch.int32, torch.device("cpu"))
+    assert t.dtype == torch.int32 and t.tolist() == [[-1] * 3] * 2
 
 
 def test_side_upload_on_cpu_is_a_plain_copy_without_event() -> None:
@@ -285,6 +291,29 @@ def test_side_upload_runs_beside_a_busy_stream_and_its_reader_waits() -> None:
     torch.cuda.synchronize()
     assert torch.equal(static[:64].cpu(), host) and bool((static[64:] == 0).all())
     assert torch.equal(sums.cpu(), host.sum(dim=1, dtype=torch.int64).to(sums.dtype))
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA
+def test_side_upload_into_a_target_made_behind_a_busy_stream_keeps_the_rows() -> None:
+    """The post graph's bitmask is made lazily, after the forward was queued: its fill must
+    not land after a copy-stream upload that ran beside the forward (found in review: a
+    ``torch.full`` on the current stream overwrote the uploaded rows with -1)."""
+    dev = torch.device("cuda")
+    host = pinned_full((64, 1536), 7, torch.int32)
+    warm = side_upload_target((8, 1536), -1, torch.int32, dev)  # the copy stream exists
+    wait_upload(upload_pinned_side(host[:8], warm))
+    torch.cuda.synchronize()
+
+    def make_then_upload() -> torch.Tensor:
+        torch.cuda._sleep(200_000_000)  # the forward, queued first
+        static = side_upload_target((64, 1536), -1, torch.int32, dev)
+        wait_upload(upload_pinned_side(host, static))
+        return static
+
+    static = _no_sync(make_then_upload)
+    torch.cuda.synchronize()
+    assert bool((static == 7).all())
 
 
 @pytest.mark.gpu

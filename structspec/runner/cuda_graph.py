@@ -49,6 +49,7 @@ from structspec.draft_tree.verify import VerifyResult
 from structspec.kvcache.pool import KVPool
 from structspec.layers.penalties import PenaltyInputs, PenaltyTable
 from structspec.runner.batch_builder import build_verify_batch_from_tensors, compact_accepted_kv
+from structspec.staging import side_upload_target
 
 DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 MIN_KV_BUCKET = 256
@@ -362,9 +363,12 @@ class VerifyGraphCache:
         assert self.bitmask_width is not None, "ModelRunner.set_select_verify() first"
         key = (g.bsz, g.num_nodes)
         if key not in self._post_inputs:
+            # the bitmask is uploaded on the copy stream (staging.upload_pinned_side): made
+            # there, so its fill cannot land after an upload (it would, queued behind a
+            # forward already launched on this stream)
             self._post_inputs[key] = (
-                torch.full((g.bsz * g.num_nodes, self.bitmask_width), -1, dtype=torch.int32,
-                           device=self.device),
+                side_upload_target((g.bsz * g.num_nodes, self.bitmask_width), -1, torch.int32,
+                                   self.device),
                 torch.full((g.bsz,), g.num_nodes, dtype=torch.int64, device=self.device),
             )
         g.bitmask, g.cap = self._post_inputs[key]
