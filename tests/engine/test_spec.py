@@ -155,6 +155,42 @@ def test_shipped_head_drafts_over_its_draft_vocabulary(make_llm, draft_paths) ->
     assert sum(o.spec.draft_tokens_accepted for o in out) > 0
 
 
+def test_eagle_features_are_stored_before_the_wait(make_llm, draft_paths,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A verify step queues EAGLE's feature store (every tree row, ``num_rows=None``) before
+    its one host wait, and commits the run lengths after it: the store's launches overlap the
+    verify instead of leaving the device idle while the host commits."""
+    from structspec.scheduler.pending import PendingStep
+
+    llm = make_llm(**SPEC_CONFIGS["eagle_shipped_head"](draft_paths))
+    guard = llm.engine.scheduler._verify.drafter
+    events: list[str] = []
+    original_wait, store, commit = PendingStep.wait, guard.on_target_hidden, \
+        guard.commit_target_hidden
+
+    def wait(step: PendingStep) -> list[list[int]]:
+        events.append("wait")
+        return original_wait(step)
+
+    def on_target_hidden(reqs, hidden, rows, num_rows, aux=()) -> None:
+        events.append("store" if num_rows is None else "store_counted")
+        store(reqs, hidden, rows, num_rows, aux)
+
+    def commit_target_hidden(reqs, num_rows) -> None:
+        events.append("commit")
+        commit(reqs, num_rows)
+
+    monkeypatch.setattr(PendingStep, "wait", wait)
+    monkeypatch.setattr(guard, "on_target_hidden", on_target_hidden)
+    monkeypatch.setattr(guard, "commit_target_hidden", commit_target_hidden)
+    out = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=16, temperature=0.0))
+    assert sum(o.spec.draft_tokens_accepted for o in out) > 0
+    verify = [i for i, e in enumerate(events) if e == "store"]
+    assert verify, events
+    for i in verify:  # each verify step: store, its wait, then the commit of the counts
+        assert events[i + 1 : i + 3] == ["wait", "commit"], events[i : i + 3]
+
+
 def check_adaptive_lossless(name: str, llm: LLM, want: list) -> None:
     """Adaptive tree sizing (docs/architecture.md, invariant 2) only changes which drafts are
     proposed: with a CPU-like cost (fixed, so the sizes do not depend on this machine's
