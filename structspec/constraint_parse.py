@@ -239,7 +239,8 @@ def json_schema_constraint(value: object, name: str, style: FieldStyle, *, stric
             also locates an over-long integer literal); its own errors pass through.
 
     Raises:
-        ConstraintFieldError: text that is not JSON (``style.schema_text``), a value of
+        ConstraintFieldError: text that is not JSON (``style.schema_text``) or JSON text of a
+            string, a value of
             another type (``style.schema_type``) or a structure the engine refuses
             (``style.schema_structure``).
     """
@@ -247,6 +248,10 @@ def json_schema_constraint(value: object, name: str, style: FieldStyle, *, stric
     if isinstance(schema, str) and style.schema_text is not None:
         schema = (loads(schema) if loads is not None
                   else _json_loads(schema, name, style, style.schema_text))
+        if isinstance(schema, str):  # '"abc"': JSON, but a string is no schema (read
+            # again as schema text, it was reported as "not valid JSON")
+            raise ConstraintFieldError(f"{name}: a JSON string is not a JSON Schema (an "
+                                       "object, or true / false)", name)
     if style.schema_type is not None and not isinstance(schema, (dict, bool)):
         raise style.refuse(style.schema_type, name, schema)
     if isinstance(schema, bool):

@@ -122,6 +122,17 @@ def test_flag_schema_is_json_text() -> None:
     assert str(e).startswith("--json-schema is neither a file nor valid JSON: Expecting")
 
 
+@pytest.mark.parametrize("style,name", [(FLAG, "--json-schema"),
+                                        (cp.API_STYLE, "response_format.json_schema.schema")])
+def test_schema_text_of_a_json_string_is_refused_as_a_string(style: cp.FieldStyle,
+                                                             name: str) -> None:
+    """'"abc"' is JSON (a string), not a schema: refused naming the field and saying so, not
+    reported as text that is not JSON."""
+    e = refusal(cp.json_schema_constraint, '"abc"', name, style, strict=True)
+    assert e.field == name
+    assert str(e) == f"{name}: a JSON string is not a JSON Schema (an object, or true / false)"
+
+
 def test_flag_schema_of_another_json_type_is_left_to_the_engine() -> None:
     """``--json-schema 5`` was never checked here: its request fails when the engine reads
     the schema (kept as it was)."""
