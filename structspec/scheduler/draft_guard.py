@@ -204,7 +204,11 @@ class GuardedDrafter:
         for rows, tree in parts:
             if full.device != tree.device:
                 full = tree_to_device(full, tree.device, self._staging)
-            idx = self._index(rows, tree.device)
+            # a host drafter's trees merge on the host: its row index must stay there too (a
+            # staged index would be a device tensor, and indexing host trees with it copies it
+            # back: a blocking D2H sync every step a request's drafting is stopped)
+            idx = (torch.tensor(list(rows), dtype=torch.int64) if tree.device.type == "cpu"
+                   and self.drafter.tree_on_host else self._index(rows, tree.device))
             for name in _TREE_FIELDS:
                 getattr(full, name)[idx] = getattr(tree, name)
         return full

@@ -318,3 +318,32 @@ def test_mixed_trees_stage_host_values_through_the_pinned_ring() -> None:
     assert tree.draft_tokens.tolist() == [[10, 11, 12, 13], [20, -1, -1, -1], [30, 31, 32, 33]]
     assert guard_staging.staged == [((2,), torch.int64)]  # the live rows' index
     assert guard.propose(reqs, max_nodes=2).draft_tokens.shape == (3, 4)  # propose_sized
+
+
+class HostChainDrafter(ChainDrafter):
+    """:class:`ChainDrafter` as a host drafter (``tree_on_host = True``, like n-gram)."""
+
+    name = "host_chain"
+    tree_on_host = True
+
+
+def test_stopped_request_beside_a_host_drafter_stages_nothing() -> None:
+    """A host drafter's trees (n-gram) merged around a stopped request stay on the host: the
+    row index too. Found on the H200 (``test_mixed_tree_sizes_do_not_sync[ngram]``): the index
+    went through the staging ring to the GPU and indexing the host trees with it copied it
+    back, a blocking sync every step."""
+    staging = RecordingStaging()
+    guard = GuardedDrafter(HostChainDrafter(4), torch.device("cuda"),
+                           staging)  # type: ignore[arg-type]
+    guard.stopped.add("b")
+    reqs = [DraftRequest(r, [3, t], 1) for r, t in (("a", 10), ("b", 20), ("c", 30))]
+    tree = guard.propose(reqs)
+    assert tree.draft_tokens.device.type == "cpu"
+    assert tree.draft_tokens.tolist() == [[10, 11, 12, 13], [20, -1, -1, -1], [30, 31, 32, 33]]
+    plain = GuardedDrafter(HostChainDrafter(4), torch.device("cpu"), None)
+    plain.stopped.add("b")
+    want = plain.propose(reqs)
+    for name in ("draft_tokens", "parents", "depth", "next_token", "next_sibling",
+                 "ancestor_mask"):
+        assert torch.equal(getattr(tree, name), getattr(want, name)), name
+    assert staging.staged == []
