@@ -94,10 +94,16 @@ def test_speculative_algorithm_help_follows_the_registry(
 
 
 @pytest.mark.parametrize("flags,words", [
+    # where the schema breaks its metaschema, then the compiler's words (as the engine says)
     (["--json-schema", '{"type": "foo"}'],
-     '--json-schema: Failed to compile json_schema grammar: Unsupported type "foo"'),
+     "--json-schema: Failed to compile json_schema grammar: invalid JSON Schema at /type: "
+     "'foo' is not valid under any of the given schemas (compiler: Unsupported type \"foo\")"),
+    (["--json-schema", '{"properties": {"type": {"type": "string"}, "a": {"type": ["x"]}}}'],
+     "--json-schema: Failed to compile json_schema grammar: invalid JSON Schema at "
+     "/properties/a/type/0: 'x' is not one of"),
     (["--json-schema", '{"type": "object", "properties": 3}'],
-     "--json-schema: Failed to compile json_schema grammar: properties must be an object"),
+     "--json-schema: Failed to compile json_schema grammar: invalid JSON Schema at "
+     "/properties: 3 is not of type 'object' (compiler: properties must be an object)"),
     (["--json-schema", '{"type": "array", "uniqueItems": true}'],
      "--json-schema: json_schema cannot be enforced exactly in strict mode"),
     (["--regex", "(ab"], "--regex: Failed to compile regex grammar"),

@@ -47,7 +47,7 @@ def compile_only(compiler: xgr.GrammarCompiler, spec: GrammarConstraint, *,
     except GrammarError:
         raise
     except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError/...
-        raise GrammarError(f"Failed to compile {spec.kind} grammar: {_compiler_message(e)}",
+        raise GrammarError(f"Failed to compile {spec.kind} grammar: {compiler_message(e)}",
                            param=PARAM_BY_KIND.get(spec.kind)) from e
 
 
@@ -84,7 +84,7 @@ def compile_checked(compiler: xgr.GrammarCompiler, spec: GrammarConstraint, *,
     except GrammarError:
         raise
     except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError/...
-        message = _compiler_message(e)
+        message = compiler_message(e)
         if isinstance(spec, JsonSchemaConstraint):
             # xgrammar names neither the place nor the rule ("Unsupported type
             # "objectz"", or an internal check's text): say where the schema breaks its
@@ -245,8 +245,9 @@ def _ebnf_literal(text: str) -> str:
     return '"' + "".join(out) + '"'
 
 
-def _compiler_message(e: BaseException) -> str:
-    """The useful part of an xgrammar exception (drop the ``[time] file.cc:line:`` prefix)."""
+def compiler_message(e: BaseException) -> str:
+    """The useful part of an xgrammar exception: its last line, without the ``[time]
+    file.cc:line:`` prefix its C++ checks add."""
     lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
     msg = lines[-1] if lines else type(e).__name__
     if msg.startswith("[") and ": " in msg:

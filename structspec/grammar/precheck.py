@@ -25,7 +25,7 @@ from structspec.constraints import (
     JsonSchemaConstraint,
     RegexConstraint,
 )
-from structspec.grammar.compile_spec import schema_text
+from structspec.grammar.compile_spec import compiler_message, metaschema_problem, schema_text
 from structspec.grammar.errors import GrammarError
 from structspec.grammar.satisfiable import check_servable
 from structspec.grammar.schema_check import find_unenforceable
@@ -62,7 +62,8 @@ def check_grammar(spec: GrammarConstraint | None) -> None:
                 raise GrammarError("json_schema cannot be enforced exactly in strict mode: "
                                    + shown + more + ". Remove these keywords or use "
                                    "best effort (strict false).", param=param)
-        _convert(spec.kind, param, lambda: xgr.Grammar.from_json_schema(text, strict_mode=True))
+        _convert(spec.kind, param, lambda: xgr.Grammar.from_json_schema(text, strict_mode=True),
+                 explain=lambda: metaschema_problem(spec))
     elif isinstance(spec, RegexConstraint):
         _convert(spec.kind, param, lambda: xgr.Grammar.from_regex(spec.pattern))
     elif isinstance(spec, EbnfConstraint):
@@ -72,18 +73,24 @@ def check_grammar(spec: GrammarConstraint | None) -> None:
 
 
 def _convert(kind: str, param: str | None, build: Callable[[], object],
-             source: str | None = None) -> None:
+             source: str | None = None,
+             explain: Callable[[], str | None] | None = None) -> None:
     """Run ``build`` (an xgrammar converter call); its exception becomes a GrammarError.
 
     ``source``: the EBNF text, whose line an ``at line L, column C`` parser error is shown
-    with (:func:`ebnf_error_context`).
+    with (:func:`ebnf_error_context`). ``explain``: where a JSON Schema breaks its metaschema
+    (:func:`~structspec.grammar.compile_spec.metaschema_problem`), put before the converter's
+    words as the engine's compile does (xgrammar names no place: ``Unsupported type "foo"``).
     """
     try:
         build()
     except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError/...
-        msg = _converter_message(e)
+        msg = compiler_message(e)
         if source is not None:
             msg += ebnf_error_context(msg, source)
+        problem = explain() if explain is not None else None
+        if problem is not None:
+            msg = f"{problem} (compiler: {msg})"
         raise GrammarError(f"Failed to compile {kind} grammar: {msg}", param=param) from None
 
 
@@ -119,15 +126,3 @@ def ebnf_error_context(message: str, grammar: str) -> str:
         got = " (end of line)" if cut else ""
     head = f"  line {line_no}: "
     return f"{got}\n{head}{text}\n{' ' * (len(head) + column - 1)}^"
-
-
-def _converter_message(e: BaseException) -> str:
-    """The useful part of an xgrammar exception: its last line, without the ``[time]
-    file.cc:line:`` prefix its C++ checks add."""
-    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
-    msg = lines[-1] if lines else type(e).__name__
-    if msg.startswith("[") and ": " in msg:
-        head, _, rest = msg.partition(": ")
-        if ".cc:" in head or ".h:" in head:
-            msg = rest
-    return msg
