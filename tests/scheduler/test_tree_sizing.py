@@ -310,14 +310,23 @@ def test_mixed_trees_stage_host_values_through_the_pinned_ring() -> None:
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     assert staging.staged == [((4 * 4 + 2,), torch.int64)]  # roots + padding + index
     guard_staging = RecordingStaging()
-    guard = GuardedDrafter(ChainDrafter(4), torch.device("cpu"),
-                           guard_staging)  # type: ignore[arg-type]
+    guard, reqs, tree = _propose_beside_a_stopped_request(ChainDrafter(4), torch.device("cpu"),
+                                                          guard_staging)
+    assert guard_staging.staged == [((2,), torch.int64)]  # the live rows' index
+    assert guard.propose(reqs, max_nodes=2).draft_tokens.shape == (3, 4)  # propose_sized
+
+
+def _propose_beside_a_stopped_request(
+        drafter: Drafter, device: torch.device, staging: RecordingStaging | None,
+) -> tuple[GuardedDrafter, list[DraftRequest], VerifyTree]:
+    """Three requests, the middle one's drafting stopped, through a GuardedDrafter: the guard,
+    the requests and the merged tree (checked: drafted rows chains, the stopped row root-only)."""
+    guard = GuardedDrafter(drafter, device, staging)  # type: ignore[arg-type]
     guard.stopped.add("b")
     reqs = [DraftRequest(r, [3, t], 1) for r, t in (("a", 10), ("b", 20), ("c", 30))]
     tree = guard.propose(reqs)
     assert tree.draft_tokens.tolist() == [[10, 11, 12, 13], [20, -1, -1, -1], [30, 31, 32, 33]]
-    assert guard_staging.staged == [((2,), torch.int64)]  # the live rows' index
-    assert guard.propose(reqs, max_nodes=2).draft_tokens.shape == (3, 4)  # propose_sized
+    return guard, reqs, tree
 
 
 class HostChainDrafter(ChainDrafter):
@@ -333,16 +342,11 @@ def test_stopped_request_beside_a_host_drafter_stages_nothing() -> None:
     went through the staging ring to the GPU and indexing the host trees with it copied it
     back, a blocking sync every step."""
     staging = RecordingStaging()
-    guard = GuardedDrafter(HostChainDrafter(4), torch.device("cuda"),
-                           staging)  # type: ignore[arg-type]
-    guard.stopped.add("b")
-    reqs = [DraftRequest(r, [3, t], 1) for r, t in (("a", 10), ("b", 20), ("c", 30))]
-    tree = guard.propose(reqs)
+    _, _, tree = _propose_beside_a_stopped_request(HostChainDrafter(4), torch.device("cuda"),
+                                                   staging)
     assert tree.draft_tokens.device.type == "cpu"
-    assert tree.draft_tokens.tolist() == [[10, 11, 12, 13], [20, -1, -1, -1], [30, 31, 32, 33]]
-    plain = GuardedDrafter(HostChainDrafter(4), torch.device("cpu"), None)
-    plain.stopped.add("b")
-    want = plain.propose(reqs)
+    _, _, want = _propose_beside_a_stopped_request(HostChainDrafter(4), torch.device("cpu"),
+                                                   None)
     for name in ("draft_tokens", "parents", "depth", "next_token", "next_sibling",
                  "ancestor_mask"):
         assert torch.equal(getattr(tree, name), getattr(want, name)), name
