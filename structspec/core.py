@@ -64,6 +64,13 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _shown(value: object, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for error messages (a stop list may hold
+    thousands of strings)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 SEED_MIN = 0
 SEED_MAX = 2**63 - 1
 """The one range of a seed, inclusive, in the Python API (``SamplingParams.seed``,
@@ -130,12 +137,15 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # Accept lists / a single string for convenience, store tuples (frozen + hashable).
+        # Anything else stays as given for validate() to refuse naming the field (tuple() of
+        # an int raised a bare TypeError; of a dict it kept the keys).
+        # None means none (as in vLLM and the OpenAI API).
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        elif not isinstance(self.stop, tuple):
-            object.__setattr__(self, "stop", tuple(self.stop))
-        if not isinstance(self.stop_token_ids, tuple):
-            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        elif isinstance(self.stop, list) or self.stop is None:
+            object.__setattr__(self, "stop", tuple(self.stop or ()))
+        if isinstance(self.stop_token_ids, list) or self.stop_token_ids is None:
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         if isinstance(self.logit_bias, Mapping):  # a copy: the caller's dict may change later
             object.__setattr__(self, "logit_bias", dict(self.logit_bias) or None)
         object.__setattr__(self, "repetition_stop", as_repetition_stop(self.repetition_stop))
@@ -181,11 +191,15 @@ class SamplingParams:
                              f"vocabulary size keeps every token), got {self.top_k}")
         if not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError("stop must be a list of non-empty strings")
-        if any(not _is_int(t) or not 0 <= t < 2**63 for t in self.stop_token_ids):
+        if not isinstance(self.stop, tuple) or any(not isinstance(s, str) or not s
+                                                   for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of non-empty strings, got "
+                             f"{_shown(self.stop)}")
+        if not isinstance(self.stop_token_ids, tuple) or any(
+                not _is_int(t) or not 0 <= t < 2**63 for t in self.stop_token_ids):
             # token ids travel as int64; 2**64 used to be accepted and could never match
-            raise ValueError("stop_token_ids must be integers in [0, 2**63)")
+            raise ValueError(f"stop_token_ids must be a list of integers in [0, 2**63), got "
+                             f"{_shown(self.stop_token_ids)}")
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if self.grammar is not None and not isinstance(self.grammar, _CONSTRAINT_TYPES):

@@ -56,7 +56,7 @@ def test_engine_seed_takes_the_one_seed_range(seed: int) -> None:
 
 
 def test_stop_token_ids_past_int64_are_refused() -> None:
-    with pytest.raises(ValueError, match=r"stop_token_ids must be integers in \[0, 2\*\*63\)"):
+    with pytest.raises(ValueError, match=r"stop_token_ids must be a list of integers in \[0, 2\*\*63\)"):
         SamplingParams(stop_token_ids=(2**64,)).validate()
 
 
@@ -163,3 +163,28 @@ def test_precheck_refuses_a_schema_with_no_finite_value() -> None:
     schema = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
     with pytest.raises(GrammarError, match="accepts no finite JSON value"):
         check_grammar(JsonSchemaConstraint(schema, strict=False))
+
+
+@pytest.mark.parametrize(("kwargs", "words"), [
+    ({"stop": 5}, "stop must be a string or a list of non-empty strings, got 5"),
+    ({"stop": {"a": 1}}, "stop must be a string or a list of non-empty strings, got {'a': 1}"),
+    ({"stop": ["a", ""]}, "stop must be a string or a list of non-empty strings"),
+    ({"stop_token_ids": 5}, "stop_token_ids must be a list of integers in [0, 2**63), got 5"),
+    ({"stop_token_ids": [True]}, "stop_token_ids must be a list of integers"),
+])
+def test_stop_fields_of_another_type_name_the_field(kwargs: dict, words: str) -> None:
+    """Refused by validate() naming the field (construction raised a bare TypeError for an
+    int and kept a dict's keys)."""
+    params = SamplingParams(**kwargs)
+    with pytest.raises(ValueError) as e:
+        params.validate()
+    assert words in str(e.value)
+
+
+def test_stop_fields_take_none_a_string_and_lists() -> None:
+    assert SamplingParams(stop=None, stop_token_ids=None).stop == ()
+    assert SamplingParams(stop=None, stop_token_ids=None).stop_token_ids == ()
+    assert SamplingParams(stop="x").stop == ("x",)
+    params = SamplingParams(stop=["x", "y"], stop_token_ids=[1, 2])
+    params.validate()
+    assert params.stop == ("x", "y") and params.stop_token_ids == (1, 2)
