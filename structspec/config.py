@@ -12,6 +12,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -380,6 +381,11 @@ def resolve_engine_config(config: EngineConfig) -> EngineConfig:
             raise ValueError(f"speculative_depth={spec.depth}: expected 1..{MAX_DRAFT_DEPTH}")
         if not 1 <= spec.topk <= MAX_DRAFT_TOPK:
             raise ValueError(f"speculative_topk={spec.topk}: expected 1..{MAX_DRAFT_TOPK}")
+    if (drafter.needs_draft_model and isinstance(spec.draft_model, str)
+            and not Path(spec.draft_model).expanduser().exists()):
+        # before the target loads, naming the argument (the loader's FileNotFoundError named
+        # only a config.json path)
+        raise ValueError(f"draft_model={spec.draft_model!r}: no such file or directory")
     kernels = config.kernels
     if kernels not in ("auto", "triton", "torch"):
         raise ValueError(f"kernels={kernels!r}: expected auto, triton or torch")

@@ -239,3 +239,11 @@ def test_bad_min_prefill_batch_is_refused(value: object) -> None:
     sched = SchedulerConfig(min_prefill_batch=value)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="min_prefill_batch"):
         resolve_engine_config(EngineConfig(device="cpu", scheduler=sched))
+
+
+@pytest.mark.parametrize("algorithm", ["eagle", "draft_model"])
+def test_a_missing_draft_model_path_is_refused_naming_it(algorithm: str) -> None:
+    """Before the target loads (the loader's FileNotFoundError named only a config.json)."""
+    spec = SpecConfig(algorithm=algorithm, draft_model="/nonexistent/head")
+    with pytest.raises(ValueError, match="draft_model='/nonexistent/head': no such file"):
+        resolve_engine_config(EngineConfig(device="cpu", spec=spec))
