@@ -10,6 +10,7 @@ killed); :func:`compile_only` rebuilds an accepted grammar in the engine process
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -92,6 +93,8 @@ def compile_checked(compiler: xgr.GrammarCompiler, spec: GrammarConstraint, *,
             problem = metaschema_problem(spec)
             if problem is not None:
                 message = f"{problem} (compiler: {message})"
+        elif isinstance(spec, EbnfConstraint):
+            message += ebnf_error_context(message, spec.grammar)
         raise GrammarError(f"Failed to compile {kind} grammar: {message}", param=param) from e
     if isinstance(spec, (JsonSchemaConstraint, RegexConstraint, EbnfConstraint)):
         _check_accepts_output(compiled, param, vocab_size=vocab_size,
@@ -255,3 +258,37 @@ def compiler_message(e: BaseException) -> str:
         if ".cc:" in head or ".h:" in head:
             msg = rest
     return msg
+
+
+_LINE_COLUMN = re.compile(r"at line (\d+), column (\d+)")
+
+
+def ebnf_error_context(message: str, grammar: str) -> str:
+    """The grammar line an xgrammar EBNF parser error points at, as text to append to it.
+
+    xgrammar ends ``Expect element, but got `` with the offending character, which is nothing
+    at the end of a line or of the grammar (the message looked cut short); this names it and
+    shows the line with a caret under the column (at the end of the grammar: the last line
+    with text, the caret after it):
+    ``" (end of the grammar)\n  line 2: b ::=\n                ^"``. Empty when the message
+    has no line and column, or they are outside ``grammar``.
+    """
+    match = _LINE_COLUMN.search(message)
+    if match is None:
+        return ""
+    line_no, column = int(match[1]), int(match[2])
+    lines = grammar.split("\n")
+    if not 1 <= line_no <= len(lines) or column < 1:
+        return ""
+    rest = "\n".join([lines[line_no - 1][column - 1:], *lines[line_no:]])
+    cut = message.endswith("but got")  # xgrammar printed no character: an end
+    if not rest.strip():  # nothing but blanks from here on: the grammar ended too early
+        line_no = max((i for i, ln in enumerate(lines, 1) if ln.strip()), default=1)
+        text = lines[line_no - 1].rstrip()
+        column = len(text) + 1
+        got = " (end of the grammar)" if cut else " (at the end of the grammar)"
+    else:
+        text = lines[line_no - 1]
+        got = " (end of line)" if cut else ""
+    head = f"  line {line_no}: "
+    return f"{got}\n{head}{text}\n{' ' * (len(head) + column - 1)}^"

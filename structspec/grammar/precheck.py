@@ -13,7 +13,6 @@ refusals it would certainly make to before the load.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 
 import xgrammar as xgr
@@ -25,7 +24,12 @@ from structspec.constraints import (
     JsonSchemaConstraint,
     RegexConstraint,
 )
-from structspec.grammar.compile_spec import compiler_message, metaschema_problem, schema_text
+from structspec.grammar.compile_spec import (
+    compiler_message,
+    ebnf_error_context,
+    metaschema_problem,
+    schema_text,
+)
 from structspec.grammar.errors import GrammarError
 from structspec.grammar.satisfiable import check_servable
 from structspec.grammar.schema_check import find_unenforceable
@@ -92,37 +96,3 @@ def _convert(kind: str, param: str | None, build: Callable[[], object],
         if problem is not None:
             msg = f"{problem} (compiler: {msg})"
         raise GrammarError(f"Failed to compile {kind} grammar: {msg}", param=param) from None
-
-
-_LINE_COLUMN = re.compile(r"at line (\d+), column (\d+)")
-
-
-def ebnf_error_context(message: str, grammar: str) -> str:
-    """The grammar line an xgrammar EBNF parser error points at, as text to append to it.
-
-    xgrammar ends ``Expect element, but got `` with the offending character, which is nothing
-    at the end of a line or of the grammar (the message looked cut short); this names it and
-    shows the line with a caret under the column (at the end of the grammar: the last line
-    with text, the caret after it):
-    ``" (end of the grammar)\n  line 2: b ::=\n                ^"``. Empty when the message
-    has no line and column, or they are outside ``grammar``.
-    """
-    match = _LINE_COLUMN.search(message)
-    if match is None:
-        return ""
-    line_no, column = int(match[1]), int(match[2])
-    lines = grammar.split("\n")
-    if not 1 <= line_no <= len(lines) or column < 1:
-        return ""
-    rest = "\n".join([lines[line_no - 1][column - 1:], *lines[line_no:]])
-    cut = message.endswith("but got")  # xgrammar printed no character: an end
-    if not rest.strip():  # nothing but blanks from here on: the grammar ended too early
-        line_no = max((i for i, ln in enumerate(lines, 1) if ln.strip()), default=1)
-        text = lines[line_no - 1].rstrip()
-        column = len(text) + 1
-        got = " (end of the grammar)" if cut else " (at the end of the grammar)"
-    else:
-        text = lines[line_no - 1]
-        got = " (end of line)" if cut else ""
-    head = f"  line {line_no}: "
-    return f"{got}\n{head}{text}\n{' ' * (len(head) + column - 1)}^"

@@ -44,6 +44,9 @@ def _accepts(backend: GrammarBackend, cg: xgr.CompiledGrammar, text: str) -> boo
      "invalid JSON Schema at /type/1: 5 is not one of"),
     (RegexConstraint("(abc"), "regex", "Failed to compile regex grammar"),
     (EbnfConstraint('start ::= "a"'), "ebnf", "Failed to compile ebnf grammar"),
+    # the parser's position shown as the CLI's precheck shows it ("but got" named nothing)
+    (EbnfConstraint("root ::= ("), "ebnf",
+     "but got (end of the grammar)\n  line 1: root ::= (\n" + " " * 20 + "^"),
     (ChoiceConstraint(()), "choice", "non-empty list"),
     (ChoiceConstraint(("a", "")), "choice", "non-empty list"),
     # refused in every mode, before xgrammar (which would ignore them) and before any
