@@ -125,6 +125,13 @@ def main() -> None:
     print(f"# drafter_speed device={name} max_tokens={max_tokens} batch1_prompts={n1} "
           f"N={args.num_draft_tokens} depth={args.depth} topk={args.topk} "
           f"adaptive={args.speculative_adaptive}", flush=True)
+    if "sharegpt" in args.workloads:
+        # before any engine is built: a machine without the data used to find out only after
+        # each engine's graph captures (about a minute per algorithm)
+        try:
+            sharegpt_held_out_prompts()
+        except FileNotFoundError as e:
+            raise SystemExit(f"drafter_speed: --workloads sharegpt: {e}") from None
     base: dict[tuple[str, str, int], float] = {}
     t_start = time.perf_counter()
     for algo in args.algorithms:
