@@ -33,6 +33,7 @@ from structspec.constraints import (
     JsonObjectConstraint,
     JsonSchemaConstraint,
     RegexConstraint,
+    json_type_name,
 )
 from structspec.regex_check import find_regex_problem
 from structspec.schema_structure import find_structure_problem
@@ -57,9 +58,9 @@ class FieldStyle:
 
     Message templates are :meth:`str.format` strings over: ``name`` (the field as the caller
     spells it; ``{name!r}`` quotes it), ``shown`` (the value as JSON, cut to 80 characters),
-    ``json_type`` (its JSON type: ``null``, ``string``, ``array``, ...), ``py_type`` (its
-    Python type name), ``position`` (1-based index of the first bad item of a choice list;
-    0 when the list itself is bad), ``source`` (where the value was read from, e.g. a file
+    ``json_type`` (its JSON type: ``null``, ``string``, ``array``, ...), ``position``
+    (1-based index of the first bad item of a choice list; 0 when the list itself is bad),
+    ``source`` (where the value was read from, e.g. a file
     name), ``error`` (the JSON parser's message) and ``problem`` (why a schema's structure is
     refused).
 
@@ -112,8 +113,6 @@ class _TemplateFields(dict[str, object]):
             return shown_json(self._value)
         if key == "json_type":
             return json_type_name(self._value)
-        if key == "py_type":
-            return type(self._value).__name__
         raise KeyError(key)
 
 
@@ -151,7 +150,7 @@ API_STYLE = FieldStyle(
     choice="{name} must be a non-empty list of non-empty strings",
     boolean="{name} must be true or false",
     schema_text="{name} (a string) is not valid JSON: {error}",
-    schema_type="{name} must be a JSON Schema object, got {py_type}",
+    schema_type="{name} must be a JSON Schema object, got {json_type}",
     schema_structure="{name} cannot be served: {problem}",
     blank_regex_is_empty=False,
     boolean_schema_as_object=True,
@@ -279,14 +278,6 @@ def shown_json(value: object, limit: int = 80) -> str:
     characters so that a long value does not flood the error."""
     text = json.dumps(value, ensure_ascii=False)
     return text if len(text) <= limit else text[:limit] + "..."
-
-
-def json_type_name(value: object) -> str:
-    """The JSON name of ``value``'s type (``null``, ``string``, ...), for error messages."""
-    if value is None:
-        return "null"
-    return {bool: "boolean", int: "number", float: "number", str: "string", list: "array",
-            dict: "object"}.get(type(value), type(value).__name__)
 
 
 def without_number_bounds(grammar: GrammarConstraint | None, name: str) -> GrammarConstraint:

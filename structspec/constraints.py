@@ -14,6 +14,14 @@ from dataclasses import dataclass
 from typing import Any
 
 
+def json_type_name(value: object) -> str:
+    """The JSON name of ``value``'s type (``null``, ``string``, ...), for error messages."""
+    if value is None:
+        return "null"
+    return {bool: "boolean", int: "number", float: "number", str: "string", list: "array",
+            dict: "object"}.get(type(value), type(value).__name__)
+
+
 @dataclass(frozen=True)
 class JsonSchemaConstraint:
     """Output must be JSON valid under ``schema`` (a JSON Schema, as a dict or JSON text).
@@ -62,7 +70,7 @@ class JsonSchemaConstraint:
             except json.JSONDecodeError as e:
                 raise ValueError(f"json_schema is not valid JSON: {e}") from e
         if not isinstance(schema, (dict, bool)):
-            raise ValueError(f"json_schema must be a JSON object, got {type(schema).__name__}")
+            raise ValueError(f"json_schema must be a JSON object, got {json_type_name(schema)}")
         return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
 
 

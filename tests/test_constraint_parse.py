@@ -137,7 +137,7 @@ def test_flag_schema_of_another_json_type_is_left_to_the_engine() -> None:
     """``--json-schema 5`` was never checked here: its request fails when the engine reads
     the schema (kept as it was)."""
     got = cp.json_schema_constraint("5", "--json-schema", FLAG, strict=True)
-    with pytest.raises(ValueError, match="json_schema must be a JSON object, got int"):
+    with pytest.raises(ValueError, match="json_schema must be a JSON object, got number"):
         got.canonical_text()
 
 
@@ -172,7 +172,7 @@ def test_api_schema_text_objects_and_booleans() -> None:
     assert cp.json_schema_constraint(False, "guided_json", API, strict=True) == \
         JsonSchemaConstraint({"not": {}}, strict=True)
     e = refusal(cp.json_schema_constraint, "[1, 2]", "json_schema", API, strict=False)
-    assert (str(e), e.field) == ("json_schema must be a JSON Schema object, got list",
+    assert (str(e), e.field) == ("json_schema must be a JSON Schema object, got array",
                                  "json_schema")
     e = refusal(cp.json_schema_constraint, "{nope", "json_schema", API, strict=False)
     assert str(e).startswith("json_schema (a string) is not valid JSON: Expecting")

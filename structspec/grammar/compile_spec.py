@@ -95,6 +95,8 @@ def compile_checked(compiler: xgr.GrammarCompiler, spec: GrammarConstraint, *,
                 message = f"{problem} (compiler: {message})"
         elif isinstance(spec, EbnfConstraint):
             message += ebnf_error_context(message, spec.grammar)
+        elif isinstance(spec, RegexConstraint):
+            message = regex_compiler_message(message)
         raise GrammarError(f"Failed to compile {kind} grammar: {message}", param=param) from e
     if isinstance(spec, (JsonSchemaConstraint, RegexConstraint, EbnfConstraint)):
         _check_accepts_output(compiled, param, vocab_size=vocab_size,
@@ -246,6 +248,16 @@ def _ebnf_literal(text: str) -> str:
         else:
             out.append(ch)
     return '"' + "".join(out) + '"'
+
+
+_EBNF_POSITION = re.compile(r"^EBNF parser error at line \d+, column \d+: ")
+
+
+def regex_compiler_message(message: str) -> str:
+    """xgrammar's error for a regex without its EBNF position (``EBNF parser error at line 1,
+    column 11: Invalid character class: ...``): xgrammar parses a regex as the body of an EBNF
+    rule of its own, so the line and column name a text the client never wrote."""
+    return _EBNF_POSITION.sub("", message)
 
 
 def compiler_message(e: BaseException) -> str:

@@ -28,6 +28,7 @@ from structspec.grammar.compile_spec import (
     compiler_message,
     ebnf_error_context,
     metaschema_problem,
+    regex_compiler_message,
     schema_text,
 )
 from structspec.grammar.errors import GrammarError
@@ -69,7 +70,8 @@ def check_grammar(spec: GrammarConstraint | None) -> None:
         _convert(spec.kind, param, lambda: xgr.Grammar.from_json_schema(text, strict_mode=True),
                  explain=lambda: metaschema_problem(spec))
     elif isinstance(spec, RegexConstraint):
-        _convert(spec.kind, param, lambda: xgr.Grammar.from_regex(spec.pattern))
+        _convert(spec.kind, param, lambda: xgr.Grammar.from_regex(spec.pattern),
+                 rewrite=regex_compiler_message)
     elif isinstance(spec, EbnfConstraint):
         _convert(spec.kind, param,
                  lambda: xgr.Grammar.from_ebnf(spec.grammar, root_rule_name="root"),
@@ -78,18 +80,22 @@ def check_grammar(spec: GrammarConstraint | None) -> None:
 
 def _convert(kind: str, param: str | None, build: Callable[[], object],
              source: str | None = None,
-             explain: Callable[[], str | None] | None = None) -> None:
+             explain: Callable[[], str | None] | None = None,
+             rewrite: Callable[[str], str] | None = None) -> None:
     """Run ``build`` (an xgrammar converter call); its exception becomes a GrammarError.
 
     ``source``: the EBNF text, whose line an ``at line L, column C`` parser error is shown
     with (:func:`ebnf_error_context`). ``explain``: where a JSON Schema breaks its metaschema
     (:func:`~structspec.grammar.compile_spec.metaschema_problem`), put before the converter's
     words as the engine's compile does (xgrammar names no place: ``Unsupported type "foo"``).
+    ``rewrite``: applied to the converter's words (a regex's error loses its EBNF position).
     """
     try:
         build()
     except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError/...
         msg = compiler_message(e)
+        if rewrite is not None:
+            msg = rewrite(msg)
         if source is not None:
             msg += ebnf_error_context(msg, source)
         problem = explain() if explain is not None else None

@@ -43,6 +43,7 @@ def _accepts(backend: GrammarBackend, cg: xgr.CompiledGrammar, text: str) -> boo
     (JsonSchemaConstraint({"type": ["string", 5]}), "response_format.json_schema",
      "invalid JSON Schema at /type/1: 5 is not one of"),
     (RegexConstraint("(abc"), "regex", "Failed to compile regex grammar"),
+    (RegexConstraint("[z-a]"), "regex", "Failed to compile regex grammar: Invalid character"),
     (EbnfConstraint('start ::= "a"'), "ebnf", "Failed to compile ebnf grammar"),
     # the parser's position shown as the CLI's precheck shows it ("but got" named nothing)
     (EbnfConstraint("root ::= ("), "ebnf",
