@@ -263,8 +263,8 @@ def _as_prompt_list(prompts: Any) -> list[PromptInput]:
     if isinstance(prompts, str):
         return [prompts]
     if not isinstance(prompts, (list, tuple)):
-        raise TypeError(f"prompts must be {_PROMPTS_ACCEPTED}, got "
-                        f"{type_name(prompts)} {_short_repr(prompts)}")
+        got = "None" if prompts is None else f"{type_name(prompts)} {_short_repr(prompts)}"
+        raise TypeError(f"prompts must be {_PROMPTS_ACCEPTED}, got {got}")
     if prompts and all(isinstance(t, int) for t in prompts):
         # one token-id prompt (a bool among them is refused by the engine, naming `prompt`)
         return [list(prompts)]

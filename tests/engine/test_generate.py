@@ -200,8 +200,10 @@ def test_generate_names_prompts_of_another_type(make_llm, prompts: object) -> No
     ran its keys as prompts); it is a TypeError naming ``prompts`` and what it takes."""
     with pytest.raises(TypeError, match=r"^prompts must be a string, a list of token ids, a "
                                         r"chat \(a list of \{role, content\} dicts\) or a "
-                                        r"list/tuple of those, got "):
+                                        r"list/tuple of those, got ") as e:
         make_llm().generate(prompts, SamplingParams(max_tokens=2))
+    if prompts is None:
+        assert str(e.value).endswith("got None")  # was "got null None"
 
 
 def test_generate_names_sampling_params_of_another_type(make_llm) -> None:
