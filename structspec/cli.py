@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,9 @@ from structspec.penalty_params import (
 )
 from structspec.training.cli_train import add_train_eagle_parser, cmd_train_eagle
 from structspec.write_probe import probe_file_writable
+
+#: the opening of a Lark rule (``start: "a" | "b"``, ``?value: ...``)
+_LARK_RULE = re.compile(r"^\s*[?!]?[A-Za-z_][\w.]*\s*:(?!:)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -183,9 +187,12 @@ def _flag_grammar(args: argparse.Namespace) -> GrammarConstraint | None:
             raise ValueError("--ebnf: empty grammar")
         text = _read_text_arg(args.ebnf)
         if text is args.ebnf and "::=" not in text:
-            # neither a file nor a grammar (every GBNF grammar has a rule): a mistyped path
+            # neither a file nor a grammar (every GBNF grammar has a rule): a mistyped path,
+            # or a Lark grammar ("start: ..."), which no grammar kind here reads
+            lark = _LARK_RULE.match(text) is not None
             raise ValueError(f"--ebnf: no such file {args.ebnf!r} (and not an inline grammar: "
-                             "no 'name ::= ...' rule)")
+                             "no 'name ::= ...' rule" + ("; Lark rules ('name: ...') are not "
+                             "read: write them as GBNF, 'name ::= ...'" if lark else "") + ")")
         source = "" if text is args.ebnf else args.ebnf
         return cp.ebnf_constraint(text, "--ebnf", cp.FLAG_STYLE, source=source)
     if args.choice is not None:

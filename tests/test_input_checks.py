@@ -190,3 +190,17 @@ def test_stop_fields_take_none_a_string_and_lists() -> None:
     params = SamplingParams(stop=["x", "y"], stop_token_ids=[1, 2])
     params.validate()
     assert params.stop == ("x", "y") and params.stop_token_ids == (1, 2)
+
+
+@pytest.mark.parametrize(("value", "lark_hint"), [
+    ('start: "a" | "b"', True), ("?value: NUMBER", True), ("grammars/x.gbnf", False),
+])
+def test_ebnf_flag_neither_a_file_nor_a_grammar_says_so(
+        value: str, lark_hint: bool, capsys: pytest.CaptureFixture[str]) -> None:
+    """A mistyped path, or a Lark grammar (which no grammar kind reads): exit 2 before the
+    load, naming the flag, with a hint for Lark rules."""
+    code = main(["generate", "--model", "/nonexistent/model", "--device", "cpu",
+                 "--prompt", "hi", "--ebnf", value])
+    err = capsys.readouterr().err
+    assert code == 2 and "--ebnf: no such file" in err, err
+    assert ("Lark rules ('name: ...') are not read" in err) == lark_hint, err
