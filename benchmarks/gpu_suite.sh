@@ -29,6 +29,9 @@
 #             EAGLE grammar overlap (2 alternating repeats), host profiles of eagle / none steps
 #   combo_speed  issue 18: MaskBench end to end (120 schemas, greedy, N=8, 512 tokens) with ngram,
 #             eagle and ngram_eagle at batch 64 and 1: tok/s and accept length (~6-10 min)
+#   eagle_bs1  issue 18: the batch-1 gate's row (ShareGPT + JSON Schema, none vs eagle) with the
+#             adaptive sizer (auto) and with full trees at depths 3 / 4 / 5 (~5 min; needs
+#             .whl_sharegpt/ carried to this machine: drafter_speed exits at once without it)
 #   eagle_tests  issue 18: tests/engine/test_gpu_engine.py alone (no-sync steps with every drafter
 #             and the shipped EAGLE head, bf16 and batch-invariant spec vs plain with ngram and
 #             eagle; did not finish in 300 s on 2026-12-03: five engines' captures first, so a
@@ -76,6 +79,13 @@ for s in $stages; do case $s in
     for algo in ngram eagle ngram_eagle; do for bs in 64 1; do
       run "maskbench_${algo}_bs${bs}" 150 python3 benchmarks/maskbench_e2e.py --device cuda --speculative-algorithm "$algo" --limit 120 --max-tokens 512 --skip-slow-compile --max-batch-size "$bs" --out "$OUT/maskbench_${algo}_bs${bs}.jsonl"
     done; done ;;
+  eagle_bs1)
+    DS="python3 benchmarks/drafter_speed.py --device cuda --workloads sharegpt --grammar json_schema --batch 1 --max-tokens 128 --batch1-prompts 8"
+    run ds_bs1_none 150 $DS --algorithms none
+    run ds_bs1_eagle_auto 150 $DS --algorithms eagle
+    run ds_bs1_eagle_off 150 $DS --algorithms eagle --speculative-adaptive off
+    run ds_bs1_eagle_off_d3 150 $DS --algorithms eagle --speculative-adaptive off --depth 3
+    run ds_bs1_eagle_off_d5 150 $DS --algorithms eagle --speculative-adaptive off --depth 5 ;;
   eagle_tests)
     run gpu_engine_tests 560 python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu_engine.py ;;
   host_step)
