@@ -29,8 +29,8 @@ from structspec.penalty_params import (
 from structspec.training.cli_train import add_train_eagle_parser, cmd_train_eagle
 from structspec.write_probe import probe_file_writable
 
-#: the opening of a Lark rule (``start: "a" | "b"``, ``?value: ...``)
-_LARK_RULE = re.compile(r"^\s*[?!]?[A-Za-z_][\w.]*\s*:(?!:)")
+#: a line opening a Lark rule (``start: "a" | "b"``, ``?value: ...``) or an ``%import``
+_LARK_RULE = re.compile(r"^\s*(?:[?!]?[A-Za-z_]\w*\s*:(?![:/\\])|%import\s)", re.MULTILINE)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -189,7 +189,7 @@ def _flag_grammar(args: argparse.Namespace) -> GrammarConstraint | None:
         if text is args.ebnf and "::=" not in text:
             # neither a file nor a grammar (every GBNF grammar has a rule): a mistyped path,
             # or a Lark grammar ("start: ..."), which no grammar kind here reads
-            lark = _LARK_RULE.match(text) is not None
+            lark = _LARK_RULE.search(text) is not None
             raise ValueError(f"--ebnf: no such file {args.ebnf!r} (and not an inline grammar: "
                              "no 'name ::= ...' rule" + ("; Lark rules ('name: ...') are not "
                              "read: write them as GBNF, 'name ::= ...'" if lark else "") + ")")
@@ -207,7 +207,7 @@ def _precheck_grammar(args: argparse.Namespace, grammar: GrammarConstraint | Non
 
     Raises:
         ValueError: naming the flag (``--json-schema: Failed to compile json_schema grammar:
-            Unsupported type "foo"``).
+            invalid JSON Schema at /type: ...``).
     """
     if grammar is None:
         return
@@ -342,6 +342,8 @@ def _params(args: argparse.Namespace, grammar: GrammarConstraint | None,
             rec: dict[str, Any] | None = None) -> SamplingParams:
     rec = rec or {}
     stop = rec.get("stop", args.stop)
+    if stop is None:  # a --batch line's "stop": null, as the server and SamplingParams take it
+        stop = ()
     if not isinstance(stop, (str, list, tuple)):
         raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
     if "logit_bias" in rec:

@@ -9,7 +9,7 @@ import enum
 import math
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -64,11 +64,26 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _as_list(value: object) -> object:
+    """A stored tuple shown as the list the caller most likely gave (messages only)."""
+    return list(value) if isinstance(value, tuple) else value
+
+
 def _shown(value: object, limit: int = 80) -> str:
     """``repr(value)`` cut to ``limit`` characters, for error messages (a stop list may hold
     thousands of strings)."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _as_tuple(value: object) -> object:
+    """``value`` as a tuple when it is None (empty) or an iterable other than a mapping or
+    bytes; else as is (for ``validate()`` to refuse)."""
+    if value is None:
+        return ()
+    if isinstance(value, (tuple, Mapping, bytes, bytearray)) or not isinstance(value, Iterable):
+        return value
+    return tuple(value)
 
 
 SEED_MIN = 0
@@ -136,16 +151,15 @@ class SamplingParams:
     repetition_stop: RepetitionStop | None = None
 
     def __post_init__(self) -> None:
-        # Accept lists / a single string for convenience, store tuples (frozen + hashable).
-        # Anything else stays as given for validate() to refuse naming the field (tuple() of
-        # an int raised a bare TypeError; of a dict it kept the keys).
-        # None means none (as in vLLM and the OpenAI API).
+        # Accept a single string, None (none, as in vLLM and the OpenAI API) and any iterable
+        # for convenience, store tuples (frozen + hashable). A non-iterable or a mapping stays
+        # as given for validate() to refuse naming the field (tuple() of an int raised a bare
+        # TypeError; of a dict it kept the keys).
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        elif isinstance(self.stop, list) or self.stop is None:
-            object.__setattr__(self, "stop", tuple(self.stop or ()))
-        if isinstance(self.stop_token_ids, list) or self.stop_token_ids is None:
-            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        else:
+            object.__setattr__(self, "stop", _as_tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids))
         if isinstance(self.logit_bias, Mapping):  # a copy: the caller's dict may change later
             object.__setattr__(self, "logit_bias", dict(self.logit_bias) or None)
         object.__setattr__(self, "repetition_stop", as_repetition_stop(self.repetition_stop))
@@ -194,12 +208,12 @@ class SamplingParams:
         if not isinstance(self.stop, tuple) or any(not isinstance(s, str) or not s
                                                    for s in self.stop):
             raise ValueError(f"stop must be a string or a list of non-empty strings, got "
-                             f"{_shown(self.stop)}")
+                             f"{_shown(_as_list(self.stop))}")
         if not isinstance(self.stop_token_ids, tuple) or any(
                 not _is_int(t) or not 0 <= t < 2**63 for t in self.stop_token_ids):
             # token ids travel as int64; 2**64 used to be accepted and could never match
             raise ValueError(f"stop_token_ids must be a list of integers in [0, 2**63), got "
-                             f"{_shown(self.stop_token_ids)}")
+                             f"{_shown(_as_list(self.stop_token_ids))}")
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if self.grammar is not None and not isinstance(self.grammar, _CONSTRAINT_TYPES):

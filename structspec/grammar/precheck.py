@@ -46,8 +46,10 @@ def check_grammar(spec: GrammarConstraint | None) -> None:
 
     Raises:
         GrammarError: a ``ValueError`` whose message says why (``Failed to compile
-            json_schema grammar: Unsupported type "foo"``) and whose ``param`` is the
-            grammar kind's field (:data:`~structspec.constraints.PARAM_BY_KIND`).
+            json_schema grammar: invalid JSON Schema at /type: 'foo' is not valid under any of
+            the given schemas (compiler: Unsupported type "foo")``; without the ``jsonschema``
+            package the compiler's words alone) and whose ``param`` is the grammar kind's
+            field (:data:`~structspec.constraints.PARAM_BY_KIND`).
     """
     if spec is None:
         return
@@ -67,6 +69,14 @@ def check_grammar(spec: GrammarConstraint | None) -> None:
                 raise GrammarError("json_schema cannot be enforced exactly in strict mode: "
                                    + shown + more + ". Remove these keywords or use "
                                    "best effort (strict false).", param=param)
+        if not spec.strict and text != spec.canonical_text():
+            # as the engine's compile: when xgrammar refuses the exact rewrite, best effort
+            # serves the schema as sent (compile_spec._compile_or_unrewritten)
+            try:
+                xgr.Grammar.from_json_schema(text, strict_mode=True)
+                return
+            except Exception:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError/...
+                text = spec.canonical_text()
         _convert(spec.kind, param, lambda: xgr.Grammar.from_json_schema(text, strict_mode=True),
                  explain=lambda: metaschema_problem(spec))
     elif isinstance(spec, RegexConstraint):
