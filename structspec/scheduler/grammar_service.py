@@ -90,7 +90,6 @@ class GrammarService:
         backend: grammar backend for this model's tokenizer.
         device: where the verify logits live (the bitmask is uploaded there).
         vocab_size: the logits width.
-        tree_on_host: the drafter builds its trees on the host (n-gram, none).
         timer: the scheduler's step timer (phase ``mask`` and the pool's timings).
         live_requests: the requests whose host matchers replay their mirrors' lead when the
             pool is dropped (the scheduler's running and deferred requests).
@@ -98,14 +97,13 @@ class GrammarService:
     """
 
     def __init__(self, backend: GrammarBackend | SelectingBackend, *, device: torch.device, vocab_size: int,
-                 tree_on_host: bool, timer: StepTimer,
+                 timer: StepTimer,
                  live_requests: Callable[[], Sequence[Req]],
                  pool: MaskWorkerPool | None = None) -> None:
         self.backend = backend
         self.pool = pool
         self._device = device
         self._vocab_size = vocab_size
-        self._tree_on_host = tree_on_host
         self._timer = timer
         self._live_requests = live_requests
         #: worker pools replaced so far after a failure
@@ -304,14 +302,18 @@ class GrammarService:
         """Whether the worker pool's mirror matchers advance these requests' grammar state
         (the barrier) in place of the host matchers.
 
-        Only for host trees (n-gram): a device tree's barrier already hides in the wait for
-        the drafted tree. The pool serves a batch with at least as many constrained requests
+        For host trees (n-gram) and device trees (EAGLE, draft model) alike. A device tree's
+        barrier used to stay in this process, on the reasoning that it hides in the wait for
+        the drafted tree; on the H200 the tree has reached the host by the time the verify is
+        launched at batch 8-64 (2026-12-03, `grammar_overlap.py --algorithms eagle`), so the
+        barrier (0.2 ms at batch 8, 0.9 ms at 64) lengthened the step's host path, while the
+        workers split it. The pool serves a batch with at least as many constrained requests
         on the workers (:meth:`_on_worker`) as it has workers (below that its round trip
         costs more than it saves), and any batch holding a request whose host matcher lags its
         mirror (a host replay of that lag would stall the step).
         """
         pool = self.pool
-        if pool is None or not self._tree_on_host:
+        if pool is None:
             return False
         constrained = [r for r in reqs if self._on_worker(r)]
         if not constrained:

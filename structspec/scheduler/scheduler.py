@@ -120,7 +120,7 @@ class Scheduler:
         #: grammar compile, barrier and tree bitmask (owns the backend and the worker pool)
         self.grammar = GrammarService(
             grammar, device=runner.device, vocab_size=runner.vocab_size,
-            tree_on_host=drafter.tree_on_host, timer=self.timer,
+            timer=self.timer,
             live_requests=lambda: [*self.running, *self._deferred], pool=mask_pool)
         #: the penalised requests' rows of the device penalty table
         self.penalties = PenaltySlots(vocab_size=runner.vocab_size,
