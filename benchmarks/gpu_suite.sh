@@ -36,6 +36,9 @@
 #             and the shipped EAGLE head, bf16 and batch-invariant spec vs plain with ngram and
 #             eagle; did not finish in 300 s on 2026-12-03: five engines' captures first, so a
 #             call of its own)
+#   eagle_workers  issue 18: the mask workers' barrier for device trees on CUDA (no-sync test
+#             with the shipped head, tests/engine/test_gpu_mask_workers.py), then the EAGLE
+#             grammar overlap at batch 1/8/32/64 (2 alternating repeats; ~6 min)
 #   host_step  issue 18: host us per batch-1 step of each call a verify step makes (none and
 #             eagle with a JSON Schema), and the host cost of one forward-graph launch
 #             (host_step_cost.py, ~1.5 min)
@@ -88,6 +91,9 @@ for s in $stages; do case $s in
     run ds_bs1_eagle_off_d5 150 $DS --algorithms eagle --speculative-adaptive off --depth 5 ;;
   eagle_tests)
     run gpu_engine_tests 560 python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu_engine.py ;;
+  eagle_workers)
+    run gpu_mask_worker_tests 200 python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu_mask_workers.py
+    run grammar_overlap_eagle 260 python3 benchmarks/grammar_overlap.py --device cuda --batch 1 8 32 64 --steps 60 --algorithms eagle --overlap on --repeats 2 --speculative-adaptive off ;;
   host_step)
     run host_step_cost 200 python3 benchmarks/host_step_cost.py --algorithms none eagle --grammar --steps 300 ;;
   smol)
