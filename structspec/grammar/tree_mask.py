@@ -375,7 +375,9 @@ def build_grammar_vocab_mask_pooled(
     The same result, row for row. Order: for a host tree the workers start first and the
     ``barrier`` (the host matchers' advance over the same ids) runs while they walk; for a
     device tree the barrier runs first, while the drafted tree is still on its way to the
-    host (:meth:`GrammarTree.resolve` waits for it), then the workers walk. The ``local`` rows
+    host (:meth:`GrammarTree.resolve` waits for it), then the workers walk, unless the mirrors
+    advance the grammar (``on_verdicts`` given): then, as for a host tree, ``barrier`` runs
+    after the build is sent and its predicted verdicts are applied. The ``local`` rows
     are walked here, from the host matchers, after the barrier and while the workers walk.
 
     Args:
@@ -406,7 +408,11 @@ def build_grammar_vocab_mask_pooled(
             barrier()
         return None
     device_tree = tree.copy is not None
-    if device_tree and barrier is not None:
+    if device_tree and barrier is not None and on_verdicts is None:
+        # the host matchers' barrier into the wait for the drafted tree; with mirrors
+        # (``on_verdicts``) the barrier is theirs, and ``barrier`` (the previous step's text
+        # work) must run after the predicted verdicts are applied (a verdict may end a request
+        # or cut its run), i.e. inside ``pool.build``, once the build is sent
         barrier()
         barrier = None
     next_token, next_sibling, draft_tokens = tree.resolve()

@@ -411,13 +411,30 @@ def test_committed_id_the_grammar_forbids_is_never_reported(make_llm, ngram_pool
     the grammar (planted here; in the engine only a mask/matcher disagreement could commit
     one) contradicts the prediction: that request ends with a grammar error in the same step,
     the id is cut and its text dropped before anything is reported; the others run on."""
+    _check_bad_id_is_never_reported(make_llm(**SPEC_CONFIGS["ngram"]({})),
+                                    contextlib.nullcontext(ngram_pool_llm), monkeypatch)
+
+
+@pytest.mark.slow  # ~20 s on 2 cores: a draft-model engine with workers of its own
+def test_committed_id_the_grammar_forbids_is_never_reported_device_tree(
+        make_llm, draft_paths, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same with a device tree (the draft model), whose barrier the mirrors now run too
+    (the predicted verdicts are applied before the previous step's text work, as for host
+    trees)."""
+    config = SPEC_CONFIGS["draft_model_first_layers"](draft_paths)
+    _check_bad_id_is_never_reported(make_llm(**config), pool_llm(**config), monkeypatch)
+
+
+def _check_bad_id_is_never_reported(ref_llm: LLM,
+                                    pooled: contextlib.AbstractContextManager[LLM],
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
     from structspec.scheduler import verify_step as step_mod
     from structspec.scheduler.grammar_service import GrammarService
 
     params = [SamplingParams(max_tokens=40, grammar=JsonSchemaConstraint(PERSON_SCHEMA))
               for _ in range(4)]
-    ref = make_llm(**SPEC_CONFIGS["ngram"]({})).generate(PROMPTS[:4], params)
-    with contextlib.nullcontext(ngram_pool_llm) as llm:
+    ref = ref_llm.generate(PROMPTS[:4], params)
+    with pooled as llm:
         (newline,) = llm.engine.tokenizer.encode("\n")  # raw newlines break compact JSON
         commit = step_mod.commit_tokens
         planted: dict[str, int] = {}
