@@ -22,9 +22,10 @@ build:
 2. each worker advances its mirrors (the same rules as :meth:`Matcher.accept_run`), walks the
    trees into its rows of a shared-memory bitmask slab, and replies which requests it walked,
    which timed out, and the mirrors' verdicts on the new ids (ids not kept, grammar ended);
-3. meanwhile the host runs what the scheduler gives it. For a device tree that is its own
-   grammar barrier (the host matchers advance over the same ids while the tree is still on
-   its way). For a host tree (n-gram) the mirrors *are* the barrier: the scheduler lets its
+3. meanwhile the host runs what the scheduler gives it (the previous step's text work): the
+   mirrors *are* the grammar barrier, for host trees (n-gram) and device trees (EAGLE, draft
+   model) alike (a device tree's used to run on the host matchers while the tree was on its
+   way; on the H200 the tree had arrived by then at batch 8-64): the scheduler lets its
    own matchers lag, replaying the ids only if a later step walks in process; this takes the
    matcher advance (~0.8 ms per step at batch 64) off the scheduler's thread, whose time
    bounds the step for small models. It does not wait for the mirrors' verdicts either: it

@@ -10,7 +10,7 @@ B. The *grammar barrier* (with overlap it runs after the next verify launch, und
    forward): the grammar state advances over the ids committed since the last barrier, exactly
    once. It must run before the next bitmask is built, which reads that state. Either
    :func:`advance_grammar` advances the request's own matcher, or a mask worker's mirror
-   matcher advances (the worker pool, host trees) and :func:`settle_grammar_advance` applies
+   matcher advances (the worker pool) and :func:`settle_grammar_advance` applies
    its verdict (predicted from the ids before the mirror has advanced, then checked); the host
    matcher then lags behind (``Req.num_grammar_advanced``) and catches up in
    :func:`advance_grammar` only when the host needs it again.

@@ -4,7 +4,7 @@
 ``GrammarConfig.mask_build_workers > 0``, the :class:`MaskWorkerPool`. Everything about *how*
 the grammar work is served is decided here, not in the step: the tree walks run in this
 process or in the worker processes; the workers' mirror matchers stand in for the host
-matchers (the grammar barrier of a host tree) or not; the verdicts predicted from the new ids
+matchers (the grammar barrier, for host and device trees) or not; the verdicts predicted from the new ids
 are applied as a build is sent and checked when the walks arrive; a failed pool is dropped
 and the host matchers replay what the mirrors had advanced. A request whose grammar has not
 reached its worker yet (:meth:`MaskWorkerPool.ready`: grammars are shipped off the step loop)
@@ -66,8 +66,8 @@ class GrammarPlan:
     Attributes:
         previous: the previous step's requests, whose committed ids the barrier advances.
         barrier_in_workers: the mask workers' mirror matchers advance the grammar state of
-            the batch's requests on the workers and of ``extra`` (host trees only): the
-            previous step's text work may run while they advance and walk.
+            the batch's requests on the workers and of ``extra``: the previous step's text
+            work may run while they advance and walk.
         extra: previous-step requests that left the batch, advanced in the workers in the
             same round trip (empty unless ``barrier_in_workers``).
         host_advance: with ``barrier_in_workers``, the previous step's requests whose grammar
@@ -161,7 +161,7 @@ class GrammarService:
 
     def plan_step(self, reqs: Sequence[Req], previous: Sequence[Req]) -> GrammarPlan:
         """Decide, once per verify step, who advances the grammar over ``previous``'s
-        committed ids: with mirror matchers (worker pool, host tree) the pool's build advances
+        committed ids: with mirror matchers (worker pool) the pool's build advances
         the batch and the previous step's requests that left it in the same round trip; the
         verdicts predicted from the new ids are applied as the build is sent (the mirrors' own
         arrive with the walks and check them). Decided over the batch and those that left it

@@ -150,11 +150,11 @@ class VerifyStep:
         timer.note_nodes(proposal.tree.num_nodes, drafting, len(reqs) - drafting)
         timer.event("fwd_start")
         staged = self._stage_tree(proposal, previous)  # 2. stage tree, plan the barrier
-        # A device tree reaches the host only when the draft kernels finish; the mask build
-        # blocks on that copy, so the previous step's text work goes first, into that wait.
-        # A host tree is there already: its mask goes first (the forward is waiting for it),
-        # unless the mask workers advance the grammar (then the text work runs while they
-        # advance and walk).
+        # When the mask workers advance the grammar (either tree kind), the text work runs
+        # while they advance and walk, after their predicted verdicts are applied. Otherwise:
+        # a device tree reaches the host only when the draft kernels finish and the in-process
+        # build blocks on that copy, so the previous step's text work goes first, into that
+        # wait; a host tree is there already, so its mask goes first (the forward is waiting).
         text_first = not self.drafter.tree_on_host or staged.plan.barrier_in_workers
         work = PreviousStepWork(staged.plan, self.grammar, timer, text_first=text_first,
                                 mask_build=staged.grammar_tree is not None)
