@@ -403,6 +403,62 @@ def test_mask_worker_processes_give_identical_outputs(request: pytest.FixtureReq
     assert host_ids[0] <= sum(p.grammar is not None for p in params), host_ids[0]
 
 
+class _ArrivedCopy:
+    """Stands in for a CUDA tree's pending D2H copy on the CPU (already arrived): the mask
+    build then takes the device-tree path, which CPU trees never reach otherwise."""
+
+    def __init__(self, log: list[str]) -> None:
+        self._log = log
+
+    def wait(self) -> None:
+        self._log.append("resolve")
+
+
+def test_device_tree_with_mirrors_matches_in_process_and_texts_after_the_verdicts(
+        in_process_outputs, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device tree (the shipped EAGLE head's, its D2H copy simulated) with the mask workers'
+    mirrors serving the barrier gives the in-process outputs, and each step's text work for
+    the previous step runs only after the build is sent and its predicted verdicts applied,
+    never before the tree is resolved (the order host trees have had)."""
+    from structspec.scheduler import deferred_work, verify_step
+    from structspec.scheduler.grammar_service import GrammarService
+
+    log: list[str] = []
+    stage_tree, apply_verdicts = GrammarService.stage_tree, GrammarService._apply_verdicts
+    process_text, run = deferred_work.process_text, verify_step.VerifyStep.run
+
+    def staged_as_device(self, reqs, tree):  # type: ignore[no-untyped-def]
+        gtree = stage_tree(self, reqs, tree)
+        if gtree is not None and tree.num_nodes > 1:
+            gtree.copy = _ArrivedCopy(log)  # type: ignore[assignment]
+        return gtree
+
+    def logged(name: str, fn):  # type: ignore[no-untyped-def]
+        def call(*args, **kwargs):  # type: ignore[no-untyped-def]
+            log.append(name)
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(GrammarService, "stage_tree", staged_as_device)
+    monkeypatch.setattr(GrammarService, "_apply_verdicts",
+                        staticmethod(logged("verdicts", apply_verdicts)))
+    monkeypatch.setattr(deferred_work, "process_text", logged("text", process_text))
+    monkeypatch.setattr(verify_step.VerifyStep, "run", logged("step", run))
+    ref = in_process_outputs("eagle_shipped_head")
+    log.clear()
+    with pool_llm(**SPEC_CONFIGS["eagle_shipped_head"]({})) as llm:
+        got = llm.generate(PROMPTS[:8], cut_params())
+        assert llm.engine.scheduler.mask_pool.num_builds > 0
+    for a, b in zip(ref, got, strict=True):
+        assert a.token_ids == b.token_ids and a.text == b.text
+        assert a.finish_reason == b.finish_reason
+    steps = "|".join(log).split("step")
+    mirrored = [s for s in steps if "resolve" in s and "verdicts" in s]
+    assert mirrored, log
+    for s in mirrored:  # no text work between the step's start and its tree's resolve
+        assert "text" not in s.split("resolve")[0], s
+
+
 def test_committed_id_the_grammar_forbids_is_never_reported(make_llm, ngram_pool_llm,
                                                              monkeypatch: pytest.MonkeyPatch
                                                              ) -> None:
