@@ -474,9 +474,9 @@ def test_committed_id_the_grammar_forbids_is_never_reported(make_llm, ngram_pool
 @pytest.mark.slow  # ~20 s on 2 cores: a draft-model engine with workers of its own
 def test_committed_id_the_grammar_forbids_is_never_reported_device_tree(
         make_llm, draft_paths, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same with a device tree (the draft model), whose barrier the mirrors now run too
-    (the predicted verdicts are applied before the previous step's text work, as for host
-    trees)."""
+    """The same with a draft-model engine and workers, whose mirrors now serve the barrier
+    for its trees too (the order of the text work against the verdicts is checked by
+    :func:`test_device_tree_with_mirrors_matches_in_process_and_texts_after_the_verdicts`)."""
     config = SPEC_CONFIGS["draft_model_first_layers"](draft_paths)
     _check_bad_id_is_never_reported(make_llm(**config), pool_llm(**config), monkeypatch)
 
