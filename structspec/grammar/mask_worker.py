@@ -22,6 +22,7 @@ which the parent spent waiting.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -112,8 +113,11 @@ def _worker_main(conn: Connection, ship: Connection) -> None:
     """Worker loop: keep mirror matchers, walk trees into the shared slab, reply."""
     torch.set_num_threads(1)
     try:
-        tok_json, llg_source, shm_name, max_rows, width, stop_token_ids, max_rollback = \
-            conn.recv()
+        init = conn.recv()
+    except (EOFError, OSError):
+        return  # the parent closed the pool while this worker was starting: nothing to do
+    try:
+        tok_json, llg_source, shm_name, max_rows, width, stop_token_ids, max_rollback = init
         tokenizer_info = (None if tok_json is None
                           else xgr.TokenizerInfo.deserialize_json(tok_json))
         shm = SharedMemory(name=shm_name)
@@ -126,12 +130,16 @@ def _worker_main(conn: Connection, ship: Connection) -> None:
         links_all = torch.frombuffer(shm.buf, dtype=torch.int64, count=3 * max_rows,
                                      offset=links_offset(max_rows, width))
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises
-        conn.send(repr(e))
+        with contextlib.suppress(OSError):  # unless the parent is gone already
+            conn.send(repr(e))
         return
     grammars: dict[int, xgr.CompiledGrammar | LlgCompiled] = {}
     threading.Thread(target=_load_grammars, args=(ship, tokenizer_info, llg_source, grammars),
                      name="grammar-loader", daemon=True).start()
-    conn.send("ready")
+    try:
+        conn.send("ready")
+    except OSError:
+        return  # the parent closed the pool during this worker's start
     mirrors: dict[str, Matcher | LlgMatcher] = {}
     # (bs, N) -> per batch row: its next_token / next_sibling / draft_tokens views of the
     # shared links and its [N, W] slab rows. Built once per shape: torch slicing costs a few

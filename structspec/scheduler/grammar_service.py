@@ -18,6 +18,7 @@ Every committed id is advanced exactly once (docs/architecture.md, invariant 3).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -56,6 +57,9 @@ logger = logging.getLogger(__name__)
 #: failed worker pools replaced in the background per engine; after that the grammar work
 #: stays in the engine process (a pool that keeps dying would only cost restarts)
 MAX_POOL_RESPAWNS = 3
+
+#: seconds :meth:`GrammarService.close` waits for a replacement pool still starting
+RESPAWN_CLOSE_WAIT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -143,6 +147,11 @@ class GrammarService:
         if respawn is not None:  # a replacement on its way is closed once it is there
             respawn.add_done_callback(
                 lambda f: f.exception() is None and f.result().close())  # type: ignore[func-returns-value]
+            # ... which is soon (a pool starts in seconds): wait for it here, so a process
+            # that exits right after close() does not leave its shared memory to the resource
+            # tracker (the start runs in a daemon thread, cut off at exit)
+            with contextlib.suppress(Exception):
+                respawn.result(timeout=RESPAWN_CLOSE_WAIT_S)
         self.backend.shutdown()
 
     # ------------------------------------------------------------------ one step
