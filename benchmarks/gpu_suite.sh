@@ -51,6 +51,8 @@
 #   mixed_tree  the no-sync tests with mixed tree sizes and every drafter (4 engines, ~4-8 min)
 #   prefix_distinct  issue 21: shared 2k-token prefix, cache on / off (256 requests, 64 running);
 #             issue 17: distinct schemas per request, ngram, 0 vs 8 mask workers, 3 alternating repeats
+#   mixed_tree_ngram  the n-gram no-sync test with mixed tree sizes alone (two plain engines,
+#             ~1-2 min: the GuardedDrafter merge fix of 2026-12-03)
 #   attn      issue 21: the attention kernel tests, and a prompt chunk's attention under the
 #             masked kernel vs the causal-chain kernel per tile config (attention_causal.py)
 #   itl       issue 21: the prefill-graph test, the chunked-prefill ITL (budget 512), once plain
@@ -151,6 +153,8 @@ for s in $stages; do case $s in
     run long_prompt_itl 130 python3 benchmarks/long_prompt_itl.py --device cuda --budgets 512 256 --print-steps
     run long_prompt_itl_profiled 100 python3 benchmarks/long_prompt_itl.py --device cuda --budgets 512 --configs no_arrival chunked --profile
     run gpu_prefill_graph_tests 170 python3 -m pytest -q -s -p no:cacheprovider -o faulthandler_timeout=150 tests/runner/test_prefill_graph.py ;;
+  mixed_tree_ngram)
+    run gpu_mixed_tree_ngram 200 python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu_engine.py -k "mixed_tree_sizes and ngram" ;;
   mixed_tree)
     run gpu_mixed_tree_tests 500 python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu_engine.py -k "mixed_tree_sizes or do_not_sync" ;;
   prefix_distinct)
