@@ -85,19 +85,8 @@ def compile_checked(compiler: xgr.GrammarCompiler, spec: GrammarConstraint, *,
     except GrammarError:
         raise
     except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError/...
-        message = compiler_message(e)
-        if isinstance(spec, JsonSchemaConstraint):
-            # xgrammar names neither the place nor the rule ("Unsupported type
-            # "objectz"", or an internal check's text): say where the schema breaks its
-            # metaschema, when it does, and keep the compiler's words after it.
-            problem = metaschema_problem(spec)
-            if problem is not None:
-                message = f"{problem} (compiler: {message})"
-        elif isinstance(spec, EbnfConstraint):
-            message += ebnf_error_context(message, spec.grammar)
-        elif isinstance(spec, RegexConstraint):
-            message = regex_compiler_message(message)
-        raise GrammarError(f"Failed to compile {kind} grammar: {message}", param=param) from e
+        raise GrammarError(f"Failed to compile {kind} grammar: {explained_compile_error(spec, e)}",
+                           param=param) from e
     if isinstance(spec, (JsonSchemaConstraint, RegexConstraint, EbnfConstraint)):
         _check_accepts_output(compiled, param, vocab_size=vocab_size,
                               stop_token_ids=stop_token_ids)
@@ -250,10 +239,28 @@ def _ebnf_literal(text: str) -> str:
     return '"' + "".join(out) + '"'
 
 
+def explained_compile_error(spec: GrammarConstraint, e: BaseException) -> str:
+    """xgrammar's words for a grammar it refused (:func:`compiler_message`), made to say where:
+    a JSON Schema's metaschema violation (JSON pointer) before them, when there is one
+    (xgrammar names neither the place nor the rule: ``Unsupported type "objectz"``); an EBNF
+    grammar's line with a caret after them; a regex's error without xgrammar's internal EBNF
+    position. Used by the engine's compile and by the command line's precheck alike."""
+    message = compiler_message(e)
+    if isinstance(spec, JsonSchemaConstraint):
+        problem = metaschema_problem(spec)
+        if problem is not None:
+            message = f"{problem} (compiler: {message})"
+    elif isinstance(spec, EbnfConstraint):
+        message += _ebnf_error_context(message, spec.grammar)
+    elif isinstance(spec, RegexConstraint):
+        message = _regex_compiler_message(message)
+    return message
+
+
 _EBNF_POSITION = re.compile(r"^EBNF parser error at line \d+, column \d+: ")
 
 
-def regex_compiler_message(message: str) -> str:
+def _regex_compiler_message(message: str) -> str:
     """xgrammar's error for a regex without its EBNF position (``EBNF parser error at line 1,
     column 11: Invalid character class: ...``): xgrammar parses a regex as the body of an EBNF
     rule of its own, so the line and column name a text the client never wrote."""
@@ -275,7 +282,7 @@ def compiler_message(e: BaseException) -> str:
 _LINE_COLUMN = re.compile(r"at line (\d+), column (\d+)")
 
 
-def ebnf_error_context(message: str, grammar: str) -> str:
+def _ebnf_error_context(message: str, grammar: str) -> str:
     """The grammar line an xgrammar EBNF parser error points at, as text to append to it.
 
     xgrammar ends ``Expect element, but got `` with the offending character, which is nothing

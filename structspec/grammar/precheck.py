@@ -24,13 +24,7 @@ from structspec.constraints import (
     JsonSchemaConstraint,
     RegexConstraint,
 )
-from structspec.grammar.compile_spec import (
-    compiler_message,
-    ebnf_error_context,
-    metaschema_problem,
-    regex_compiler_message,
-    schema_text,
-)
+from structspec.grammar.compile_spec import explained_compile_error, schema_text
 from structspec.grammar.errors import GrammarError
 from structspec.grammar.satisfiable import check_servable
 from structspec.grammar.schema_check import find_unenforceable
@@ -77,38 +71,19 @@ def check_grammar(spec: GrammarConstraint | None) -> None:
                 return
             except Exception:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError/...
                 text = spec.canonical_text()
-        _convert(spec.kind, param, lambda: xgr.Grammar.from_json_schema(text, strict_mode=True),
-                 explain=lambda: metaschema_problem(spec))
+        _convert(spec, param, lambda: xgr.Grammar.from_json_schema(text, strict_mode=True))
     elif isinstance(spec, RegexConstraint):
-        _convert(spec.kind, param, lambda: xgr.Grammar.from_regex(spec.pattern),
-                 rewrite=regex_compiler_message)
+        _convert(spec, param, lambda: xgr.Grammar.from_regex(spec.pattern))
     elif isinstance(spec, EbnfConstraint):
-        _convert(spec.kind, param,
-                 lambda: xgr.Grammar.from_ebnf(spec.grammar, root_rule_name="root"),
-                 source=spec.grammar)
+        _convert(spec, param, lambda: xgr.Grammar.from_ebnf(spec.grammar, root_rule_name="root"))
 
 
-def _convert(kind: str, param: str | None, build: Callable[[], object],
-             source: str | None = None,
-             explain: Callable[[], str | None] | None = None,
-             rewrite: Callable[[str], str] | None = None) -> None:
-    """Run ``build`` (an xgrammar converter call); its exception becomes a GrammarError.
-
-    ``source``: the EBNF text, whose line an ``at line L, column C`` parser error is shown
-    with (:func:`ebnf_error_context`). ``explain``: where a JSON Schema breaks its metaschema
-    (:func:`~structspec.grammar.compile_spec.metaschema_problem`), put before the converter's
-    words as the engine's compile does (xgrammar names no place: ``Unsupported type "foo"``).
-    ``rewrite``: applied to the converter's words (a regex's error loses its EBNF position).
-    """
+def _convert(spec: GrammarConstraint, param: str | None, build: Callable[[], object]) -> None:
+    """Run ``build`` (an xgrammar converter call); its exception becomes a GrammarError
+    worded as the engine's compile words it
+    (:func:`~structspec.grammar.compile_spec.explained_compile_error`)."""
     try:
         build()
     except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError/...
-        msg = compiler_message(e)
-        if rewrite is not None:
-            msg = rewrite(msg)
-        if source is not None:
-            msg += ebnf_error_context(msg, source)
-        problem = explain() if explain is not None else None
-        if problem is not None:
-            msg = f"{problem} (compiler: {msg})"
-        raise GrammarError(f"Failed to compile {kind} grammar: {msg}", param=param) from None
+        raise GrammarError(f"Failed to compile {spec.kind} grammar: "
+                           f"{explained_compile_error(spec, e)}", param=param) from None

@@ -204,18 +204,20 @@ class GuardedDrafter:
         for rows, tree in parts:
             if full.device != tree.device:
                 full = tree_to_device(full, tree.device, self._staging)
-            # a host drafter's trees merge on the host: its row index must stay there too (a
-            # staged index would be a device tensor, and indexing host trees with it copies it
-            # back: a blocking D2H sync every step a request's drafting is stopped)
-            idx = (torch.tensor(list(rows), dtype=torch.int64) if tree.device.type == "cpu"
-                   and self.drafter.tree_on_host else self._index(rows, tree.device))
+            idx = self._index(rows, tree.device)
             for name in _TREE_FIELDS:
                 getattr(full, name)[idx] = getattr(tree, name)
         return full
 
     def _index(self, rows: Sequence[int], device: torch.device) -> torch.Tensor:
-        """``rows`` as an int64 index tensor on ``device`` (staged: no host sync)."""
-        return to_device(torch.tensor(list(rows), dtype=torch.int64), device, self._staging)
+        """``rows`` as an int64 index tensor on ``device`` (staged: no host sync). A host
+        drafter's trees merge on the host, and its index stays there: the staging ring puts
+        what it is given on the model's device, and indexing host trees with that copies it
+        back, a blocking sync every step a request's drafting is stopped."""
+        host = torch.tensor(list(rows), dtype=torch.int64)
+        if device.type == "cpu" and self.drafter.tree_on_host:
+            return host
+        return to_device(host, device, self._staging)
 
     def on_target_hidden(self, reqs: Sequence[DraftRequest], hidden_states: torch.Tensor,
                          rows: torch.Tensor | None, num_rows: Sequence[int] | None,
