@@ -75,6 +75,12 @@ class VerifyTree:
             )
         if draft_tokens.device.type == "cpu":
             return cls._from_parents_host(draft_tokens, parents)
+        if _layout_kernel_applies(draft_tokens):
+            from structspec.kernels.draft_tree import tree_layout
+
+            par, depth, next_token, next_sibling, anc = tree_layout(draft_tokens, parents)
+            return cls(draft_tokens=draft_tokens, parents=par, depth=depth,
+                       next_token=next_token, next_sibling=next_sibling, ancestor_mask=anc)
         return cls._from_parents_torch(draft_tokens, parents)
 
     @classmethod
@@ -171,3 +177,16 @@ class VerifyTree:
                              "ancestor_mask")
             }
         )
+
+
+def _layout_kernel_applies(draft_tokens: torch.Tensor) -> bool:
+    """Whether a device tree's layout is one Triton launch
+    (:func:`structspec.kernels.draft_tree.tree_layout`) instead of ~``6 N`` torch ops: CUDA
+    with the index kernels usable, int64 tokens, ``N`` within the kernel's tiles."""
+    from structspec.kernels import index_kernels_usable
+
+    if not (draft_tokens.is_cuda and index_kernels_usable(draft_tokens)):
+        return False
+    from structspec.kernels.draft_tree import MAX_NODES
+
+    return draft_tokens.dtype == torch.int64 and draft_tokens.shape[1] <= MAX_NODES

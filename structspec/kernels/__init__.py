@@ -8,6 +8,12 @@
 * :mod:`.bitmask` - grammar token-bitmask application to logits.
 * :mod:`.gemv` - skinny GEMM / GEMV for forwards of at most 16 rows (decode, small verify),
   and its batch-invariant variant for any row count (``EngineConfig.batch_invariant``).
+* :mod:`.draft_tree` - the EAGLE-2 expansion steps, node selection and verify-tree layout.
+* :mod:`.paging` - page-table slot lookups and the draft frontier's attention mask.
+
+The last two are *index kernels*: integer and comparison work that torch spreads over many
+tiny launches, equal to the torch ops element for element. :func:`index_kernels_usable` says
+where they run (``STRUCTSPEC_INDEX_KERNELS=0`` turns them off, for A/B runs).
 
 Importing this package does not import triton; the submodules do. The torch reference ops in
 :mod:`structspec.layers` remain the CPU path and the numerical reference. Under
@@ -17,6 +23,7 @@ Importing this package does not import triton; the submodules do. The torch refe
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 
@@ -44,3 +51,24 @@ def sm_count(device: Any) -> int:
 def next_pow2(n: int) -> int:
     """Smallest power of two ``>= n`` (``n >= 1``); Triton block sizes must be powers of two."""
     return 1 << (max(int(n), 1) - 1).bit_length()
+
+
+def _index_kernels_env() -> bool:
+    """``STRUCTSPEC_INDEX_KERNELS`` unset or anything but ``0`` / ``false`` / ``off`` / ``no``."""
+    value = os.environ.get("STRUCTSPEC_INDEX_KERNELS", "1").strip().lower()
+    return value not in ("0", "false", "off", "no")
+
+
+INDEX_KERNELS = _index_kernels_env()
+"""Whether the index kernels may run (read at call time; tests and A/B runs flip it)."""
+
+
+def index_kernels_usable(x: Any) -> bool:
+    """Whether the index kernels (:mod:`.draft_tree`, :mod:`.paging`) run on tensor ``x``'s
+    device: :data:`INDEX_KERNELS`, triton installed, and CUDA, or the CPU under Triton's
+    interpreter (``TRITON_INTERPRET=1``: tests and ``benchmarks/propose_launches.py``)."""
+    if not INDEX_KERNELS or not triton_available():
+        return False
+    if x.device.type == "cuda":
+        return True
+    return x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"

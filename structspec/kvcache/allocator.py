@@ -77,6 +77,10 @@ def slots_for_positions(page_table: torch.Tensor, positions: torch.Tensor, page_
     Returns:
         ``[B, T]`` int64 slots ``page_table[b, pos // page_size] * page_size + pos % page_size``.
     """
+    if _index_kernels(page_table):  # one launch instead of five (inside CUDA graphs too)
+        from structspec.kernels import paging
+
+        return paging.slots_for_positions(page_table, positions, page_size)
     page_idx = torch.div(positions, page_size, rounding_mode="floor")
     pages = torch.gather(page_table, 1, page_idx)
     return pages * page_size + positions % page_size
@@ -100,6 +104,18 @@ def kv_slots_through(page_table: torch.Tensor, lengths: torch.Tensor,
     bsz = page_table.shape[0]
     kv_len = int(page_table.shape[1]) * page_size
     kv_pos = torch.arange(kv_len, device=page_table.device).expand(bsz, kv_len)
+    if _index_kernels(page_table):  # one launch instead of ~10
+        from structspec.kernels import paging
+
+        return paging.kv_slots_through(page_table, lengths, page_size), kv_pos
     total = lengths.unsqueeze(1)
     kv_slots = slots_for_positions(page_table, torch.minimum(kv_pos, total - 1), page_size)
     return torch.where(kv_pos < total, kv_slots, torch.zeros_like(kv_slots)), kv_pos
+
+
+def _index_kernels(page_table: torch.Tensor) -> bool:
+    """Whether the page lookups run as :mod:`structspec.kernels.paging` launches: an int64
+    table where :func:`~structspec.kernels.index_kernels_usable` says so."""
+    from structspec.kernels import index_kernels_usable
+
+    return page_table.dtype == torch.int64 and index_kernels_usable(page_table)

@@ -109,19 +109,22 @@ class FrontierLayout:
     Attributes:
         base_len: ``[B]`` int64 committed draft entries (the scratch starts there).
         kv_slots: ``[B, L]`` int64 KV columns (``L = P * page_size``), the sink past the end.
+        scratch_slots: ``[B, S]`` int64 KV slot of each scratch position.
         prefix: ``[B, L]`` bool, the columns of committed entries (every node sees them).
         scratch_col: ``[B, L]`` int64 scratch column of each KV column, clamped into
             ``0 .. S - 1`` (a gather index into the scratch mask).
         in_scratch: ``[B, L]`` bool, the columns inside the scratch area.
-        scratch_slots: ``[B, S]`` int64 KV slot of each scratch position.
+
+    The last three are None where the index kernels build each step's mask from
+    ``base_len`` in one launch (:func:`structspec.kernels.paging.frontier_mask`).
     """
 
     base_len: torch.Tensor
     kv_slots: torch.Tensor
-    prefix: torch.Tensor
-    scratch_col: torch.Tensor
-    in_scratch: torch.Tensor
     scratch_slots: torch.Tensor
+    prefix: torch.Tensor | None = None
+    scratch_col: torch.Tensor | None = None
+    in_scratch: torch.Tensor | None = None
 
 
 def frontier_layout(base_len: torch.Tensor, scratch: int, page_table: torch.Tensor, *,
@@ -135,16 +138,27 @@ def frontier_layout(base_len: torch.Tensor, scratch: int, page_table: torch.Tens
         page_size: KV slots per page.
     """
     kv_slots, kv_pos = kv_slots_through(page_table, base_len + scratch, page_size)
-    col = kv_pos - base_len.unsqueeze(1)
     scratch_pos = base_len.unsqueeze(1) + torch.arange(scratch, device=base_len.device)
+    scratch_slots = slots_for_positions(page_table, scratch_pos, page_size)
+    if _mask_kernel(base_len):
+        return FrontierLayout(base_len=base_len, kv_slots=kv_slots, scratch_slots=scratch_slots)
+    col = kv_pos - base_len.unsqueeze(1)
     return FrontierLayout(
         base_len=base_len,
         kv_slots=kv_slots,
+        scratch_slots=scratch_slots,
         prefix=col < 0,
         scratch_col=col.clamp(0, max(scratch - 1, 0)),
         in_scratch=(col >= 0) & (col < scratch),
-        scratch_slots=slots_for_positions(page_table, scratch_pos, page_size),
     )
+
+
+def _mask_kernel(base_len: torch.Tensor) -> bool:
+    """Whether the frontier masks come from :func:`structspec.kernels.paging.frontier_mask`
+    (:func:`~structspec.kernels.index_kernels_usable`)."""
+    from structspec.kernels import index_kernels_usable
+
+    return index_kernels_usable(base_len)
 
 
 def build_frontier_batch(
@@ -173,12 +187,19 @@ def build_frontier_batch(
     bsz, k = tokens.shape
     kv_len = layout.kv_slots.shape[1]
     first = (step - 1) * k
-    seen = torch.gather(scratch_mask, 2,
-                        layout.scratch_col.unsqueeze(1).expand(bsz, k, kv_len))
-    mask = layout.prefix.unsqueeze(1) | (seen & layout.in_scratch.unsqueeze(1))
+    if layout.prefix is None:  # the index kernels' layout: mask and positions in one launch
+        from structspec.kernels.paging import frontier_mask
+
+        mask, positions = frontier_mask(scratch_mask, layout.base_len, kv_len, step - 1)
+    else:
+        assert layout.scratch_col is not None and layout.in_scratch is not None
+        seen = torch.gather(scratch_mask, 2,
+                            layout.scratch_col.unsqueeze(1).expand(bsz, k, kv_len))
+        mask = layout.prefix.unsqueeze(1) | (seen & layout.in_scratch.unsqueeze(1))
+        positions = (layout.base_len + step - 1).unsqueeze(1).expand(bsz, k).contiguous()
     return ForwardBatch(
         input_ids=tokens,
-        positions=(layout.base_len + step - 1).unsqueeze(1).expand(bsz, k).contiguous(),
+        positions=positions,
         out_slots=layout.scratch_slots[:, first : first + k],
         kv_slots=layout.kv_slots,
         attn_mask=mask,
