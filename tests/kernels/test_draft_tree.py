@@ -84,8 +84,8 @@ def test_expand_tree_dispatches_to_the_kernels_where_usable(dev: torch.device) -
 
     def fn(step, tokens, parent, mask):
         calls.append(step)
-        return torch.log_softmax(torch.arange(64.0).flip(0).repeat(2, 2, 1) + tokens[..., None]
-                                 * 0.01, -1).to(dev)
+        return torch.log_softmax(torch.arange(64.0, device=dev).flip(0).repeat(2, 2, 1)
+                                 + tokens[..., None] * 0.01, -1)
 
     assert expansion._tree_kernels_apply(root, 2, 3, 8)
     fused = expansion.expand_tree(root, fn, topk=2, depth=3, num_nodes=8)
