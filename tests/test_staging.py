@@ -86,6 +86,17 @@ def test_device_to_host_on_cpu_returns_values_without_event() -> None:
     assert as_int64.dtype == torch.int64 and as_int64.tolist() == [5, 6]
 
 
+def test_packed_device_to_host_on_cpu_converts_and_keeps_the_order() -> None:
+    a = torch.tensor([[1, 2], [3, 4]], dtype=torch.int64)
+    b = torch.tensor([[5, 6], [7, 8]], dtype=torch.int32)
+    copy = DeviceToHost().launch_packed([a, b], dtype=torch.int64)
+    assert copy.event is None
+    a.fill_(0)  # snapshots, as launch's
+    got = copy.wait()
+    assert [h.dtype for h in got] == [torch.int64, torch.int64]
+    assert got[0].tolist() == [[1, 2], [3, 4]] and got[1].tolist() == [[5, 6], [7, 8]]
+
+
 def test_pending_step_on_cpu() -> None:
     result = _result([[7, 8, -1], [9, -1, -1]], [2, 1], CPU)
     pool: dict = {}
@@ -232,6 +243,22 @@ def test_d2h_reuses_its_buffers_and_converts_dtype() -> None:
     assert second[0].data_ptr() == ptr and second[0].tolist() == [2 * i for i in range(8)]
     fresh = DeviceToHost().launch([src]).wait()[0]
     assert fresh.data_ptr() != ptr
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA
+def test_packed_d2h_is_one_copy_without_sync() -> None:
+    """A device tree's fields travel as one stacked copy: values and order kept, int32
+    converted on the device, no host sync before the wait, the one pinned buffer reused."""
+    dev = torch.device("cuda")
+    d2h = DeviceToHost(record_stream=True)
+    fields = [torch.arange(12, device=dev).view(3, 4) + 100 * k for k in range(3)]
+    fields.append(torch.arange(12, dtype=torch.int32, device=dev).view(3, 4) - 1)
+    got = _no_sync(lambda: d2h.launch_packed(fields, dtype=torch.int64).wait())
+    for k in range(3):
+        assert torch.equal(got[k], fields[k].cpu())
+    assert got[3].dtype == torch.int64 and torch.equal(got[3], fields[3].cpu().long())
+    assert len(d2h.buffers) == 1 and next(iter(d2h.buffers.values())).is_pinned()
 
 
 @pytest.mark.gpu

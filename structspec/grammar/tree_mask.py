@@ -78,10 +78,12 @@ class GrammarTree:
             parents: ``[bs, N]`` parent indices on the same device (optional; saves a host
                 walk in :meth:`resolve`).
 
-        On CUDA: each tensor is copied asynchronously into fresh pinned int64 host memory, its
-        source protected by ``record_stream``, and one event is recorded after the copies
-        (:class:`~structspec.staging.DeviceToHost`), so :meth:`resolve` later waits only for
-        them (not for the verify forward queued after). On the CPU: plain int64 views, no event.
+        On CUDA: the tensors are stacked on the device and copied asynchronously, as one
+        copy, into fresh pinned int64 host memory, the sources protected by ``record_stream``,
+        and one event is recorded after the copy
+        (:meth:`~structspec.staging.DeviceToHost.launch_packed`), so :meth:`resolve` later
+        waits only for it (not for the verify forward queued after). On the CPU: plain int64
+        views, no event.
         """
         bs, n = next_token.shape
         draft_tokens = draft_tokens.reshape(bs, n)
@@ -90,7 +92,7 @@ class GrammarTree:
         srcs = [next_token, next_sibling, draft_tokens] + ([] if parents is None else [parents])
         # A DeviceToHost per tree: fresh pinned buffers per step, as the tree has always had
         # (a steady-state pinned allocation is a caching-host-allocator lookup).
-        copy = DeviceToHost(record_stream=True).launch(srcs, dtype=torch.int64)
+        copy = DeviceToHost(record_stream=True).launch_packed(srcs, dtype=torch.int64)
         hosts = copy.hosts
         return cls(hosts[0], hosts[1], hosts[2], hosts[3] if parents is not None else None,
                    copy=copy)
