@@ -144,6 +144,8 @@ def main() -> None:
         configs += [("triton", False), ("triton", True)]
     for head_kernels, index in configs:
         drafter.head.set_kernels(head_kernels, max_positions=8192)
+        if drafter.reduced_lm_head is not None:
+            drafter.reduced_lm_head.set_kernels(head_kernels)
         kernels_pkg.INDEX_KERNELS = index
         counter = LaunchCounter()
         with torch.inference_mode(), device_tree_layout(index):

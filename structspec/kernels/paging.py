@@ -151,3 +151,70 @@ def frontier_mask(scratch_mask: torch.Tensor, base_len: torch.Tensor, kv_len: in
             mask.view(torch.uint8), positions, k, scratch, kv_len, position_offset,
             BLOCK=block, K_PAD=next_pow2(k), num_warps=4)
     return mask, positions
+
+
+@triton.jit
+def _catch_up_kernel(PageTable, stride_pt, num_pages, Start, QLen, Positions, OutSlots, KvSlots,
+                     LogitsIdx, q, kv_len, page_size, BLOCK_Q: tl.constexpr,
+                     BLOCK_L: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    start = tl.load(Start + b)
+    length = tl.maximum(tl.load(QLen + b), 1)  # a dummy row is one token at its start
+    table = PageTable + b * stride_pt
+    if blk == 0:
+        col = tl.arange(0, BLOCK_Q)
+        ok = col < q
+        valid = col < length
+        pos = tl.where(valid, start + col, 0)
+        page_idx = pos // page_size
+        page = tl.load(table + page_idx, mask=ok & valid & (page_idx < num_pages), other=0)
+        tl.store(Positions + b * q + col, pos, mask=ok)
+        tl.store(OutSlots + b * q + col, tl.where(valid, page * page_size + pos % page_size, 0),
+                 mask=ok)
+        tl.store(LogitsIdx + b, b * q + length - 1)
+    # the KV columns: positions 0 .. start + length - 1 in order, then the sink slot 0
+    kv = blk * BLOCK_L + tl.arange(0, BLOCK_L)
+    ok_kv = kv < kv_len
+    total = start + length
+    pos_kv = tl.minimum(kv, total - 1)
+    page_idx_kv = pos_kv // page_size
+    page_kv = tl.load(table + page_idx_kv, mask=ok_kv & (page_idx_kv < num_pages), other=0)
+    tl.store(KvSlots + b * kv_len + kv,
+             tl.where(kv < total, page_kv * page_size + pos_kv % page_size, 0), mask=ok_kv)
+
+
+def catch_up_layout(
+    start: torch.Tensor, qlen: torch.Tensor, q: int, page_table: torch.Tensor, page_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fixed-shape causal catch-up's layout in one launch
+    (:func:`structspec.speculative.draft_batches.build_catch_up_batch`'s integer tensors).
+
+    Args:
+        start: ``[B]`` int64 entries already cached, contiguous; CUDA (or CPU under the
+            interpreter).
+        qlen: ``[B]`` int64 entries to append (0 = a dummy row, laid out as one entry).
+        q: ``Q``, the query rows per request.
+        page_table: ``[B, P]`` int64 covering ``start + max(qlen, 1)`` positions.
+        page_size: tokens per page.
+
+    Returns:
+        ``(positions [B, Q], out_slots [B, Q], kv_slots [B, P * page_size],
+        logits_indices [B])``, int64.
+    """
+    bsz, num_pages = page_table.shape
+    if page_table.stride(1) != 1:
+        page_table = page_table.contiguous()
+    device = page_table.device
+    kv_len = num_pages * page_size
+    positions = torch.empty((bsz, q), dtype=torch.int64, device=device)
+    out_slots = torch.empty((bsz, q), dtype=torch.int64, device=device)
+    kv_slots = torch.empty((bsz, kv_len), dtype=torch.int64, device=device)
+    logits_indices = torch.empty(bsz, dtype=torch.int64, device=device)
+    if bsz:
+        block_l = min(_BLOCK, next_pow2(kv_len))
+        _catch_up_kernel[(bsz, triton.cdiv(kv_len, block_l))](
+            page_table, page_table.stride(0), num_pages, start.contiguous(), qlen.contiguous(),
+            positions, out_slots, kv_slots, logits_indices, q, kv_len, page_size,
+            BLOCK_Q=next_pow2(q), BLOCK_L=block_l, num_warps=4)
+    return positions, out_slots, kv_slots, logits_indices

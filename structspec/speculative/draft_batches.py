@@ -140,7 +140,7 @@ def frontier_layout(base_len: torch.Tensor, scratch: int, page_table: torch.Tens
     kv_slots, kv_pos = kv_slots_through(page_table, base_len + scratch, page_size)
     scratch_pos = base_len.unsqueeze(1) + torch.arange(scratch, device=base_len.device)
     scratch_slots = slots_for_positions(page_table, scratch_pos, page_size)
-    if _mask_kernel(base_len):
+    if _index_kernels(base_len):
         return FrontierLayout(base_len=base_len, kv_slots=kv_slots, scratch_slots=scratch_slots)
     col = kv_pos - base_len.unsqueeze(1)
     return FrontierLayout(
@@ -153,9 +153,9 @@ def frontier_layout(base_len: torch.Tensor, scratch: int, page_table: torch.Tens
     )
 
 
-def _mask_kernel(base_len: torch.Tensor) -> bool:
-    """Whether the frontier masks come from :func:`structspec.kernels.paging.frontier_mask`
-    (:func:`~structspec.kernels.index_kernels_usable`)."""
+def _index_kernels(base_len: torch.Tensor) -> bool:
+    """Whether the frontier masks and the catch-up layout come from
+    :mod:`structspec.kernels.paging` (:func:`~structspec.kernels.index_kernels_usable`)."""
     from structspec.kernels import index_kernels_usable
 
     return index_kernels_usable(base_len)
@@ -237,6 +237,14 @@ def build_catch_up_batch(
     """
     bsz, q = tokens.shape
     device = tokens.device
+    if _index_kernels(start) and page_table.dtype == torch.int64:  # one launch instead of ~14
+        from structspec.kernels.paging import catch_up_layout
+
+        positions, out_slots, kv_slots, logits_indices = catch_up_layout(
+            start, qlen, q, page_table, page_size)
+        return ForwardBatch(input_ids=tokens, positions=positions, out_slots=out_slots,
+                            kv_slots=kv_slots, attn_mask=None, logits_indices=logits_indices,
+                            causal_start=start)
     length = qlen.clamp(min=1)
     col = torch.arange(q, device=device).expand(bsz, q)
     valid = col < length.unsqueeze(1)

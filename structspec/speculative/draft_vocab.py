@@ -28,9 +28,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from structspec.layers.linear import linear_fp32_out
 from structspec.layers.quant_linear import Fp16Linear
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
@@ -129,12 +129,25 @@ class ReducedLmHead(nn.Module):
         rows = weight.detach()[token_ids.to(weight.device)].contiguous()
         self.packed: Fp16Linear | None = Fp16Linear.from_float(rows) if packed_fp16 else None
         self.register_buffer("weight", None if packed_fp16 else rows)
+        #: ``"triton"``: the skinny GEMV kernel where it applies (:meth:`set_kernels`)
+        self.kernels = "torch"
+
+    def set_kernels(self, kernels: str) -> None:
+        """``"triton"``: the projection runs :func:`structspec.kernels.gemv.linear` (the
+        target's skinny GEMV for forwards of at most 16 rows, float32 out: one launch where
+        cuBLAS plus a cast were two); ``"torch"``: :func:`linear_fp32_out`."""
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., H]`` -> logits ``[..., K]`` float32 (``x``'s device)."""
+        """``x [..., H]`` -> logits ``[..., K]`` float32 (``x``'s device); on CUDA the GEMM's
+        float32 accumulator, never rounded to ``x``'s dtype (as the target's LM head)."""
         if self.packed is not None:
             return self.packed(x.float())
-        return F.linear(x, self.weight).float()
+        if self.kernels == "triton":
+            from structspec.kernels.gemv import linear
+
+            return linear(x, self.weight, out_dtype=torch.float32)
+        return linear_fp32_out(x, self.weight)
 
 
 def reduced_lm_head(target_model: nn.Module, token_ids: torch.Tensor) -> ReducedLmHead | None:

@@ -125,6 +125,7 @@ class EagleDrafter(TreeDrafter):
             if ids is not None:
                 self.reduced_lm_head = reduced_lm_head(self.target_model, ids)
                 if self.reduced_lm_head is not None:
+                    self.reduced_lm_head.set_kernels(head.kernels)
                     self.vocab_map = ids.to(device)
         self._prev_out: torch.Tensor | None = None
         #: request id -> the ``seq_len`` of a verify whose features were stored before its

@@ -201,3 +201,20 @@ def test_out_dtype_rejected(dev: torch.device) -> None:
     x, w, _ = _data(2, 64, 64, torch.float32, dev)
     with pytest.raises(ValueError, match="out_dtype"):
         skinny_linear(x, w, out_dtype=torch.int32)
+
+
+def test_reduced_lm_head_on_the_gemv_kernel_matches_torch(dev: torch.device) -> None:
+    """The EAGLE draft vocabulary's projection on the skinny GEMV (``set_kernels("triton")``,
+    float32 out in one launch) equals its torch path."""
+    from structspec.speculative.draft_vocab import ReducedLmHead
+
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(300, 64, generator=g)
+    ids = torch.tensor([0, 7, 64, 299, 5, 11, 12, 13])
+    x = torch.randn(3, 2, 64, generator=g)
+    head = ReducedLmHead(weight.to(dev), ids, packed_fp16=False)
+    ref = head(x.to(dev))
+    head.set_kernels("triton")
+    got = head(x.to(dev))
+    assert got.dtype == torch.float32 and got.shape == (3, 2, 8)
+    torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
