@@ -39,10 +39,10 @@
 #   eagle_workers  issue 18: the mask workers' barrier for device trees on CUDA (no-sync test
 #             with the shipped head, tests/engine/test_gpu_mask_workers.py), then the EAGLE
 #             grammar overlap at batch 1/8/32/64 (2 alternating repeats; ~6 min)
-#   index_kernels  issue 18: the index kernels (EAGLE-2 expansion, tree layout, page lookups:
-#             kernels/draft_tree.py, kernels/paging.py) on CUDA: their tests and the propose-graph
-#             / EAGLE tests, then host_step_cost with them on and off (STRUCTSPEC_INDEX_KERNELS=0)
-#             (~5 min)
+#   index_kernels  issue 18: the index kernels (EAGLE-2 expansion, tree layout, page lookups,
+#             catch-up layout: kernels/draft_tree.py, kernels/paging.py) on CUDA: their tests, the
+#             GEMV / staging / propose-graph / EAGLE tests, then host_step_cost with them on and
+#             off (STRUCTSPEC_INDEX_KERNELS=0) (~5-6 min)
 #   eagle_bs1_pair  issue 18: the batch-1 gate's row, none and eagle in one run (~3.5 min)
 #   host_step  issue 18: host us per batch-1 step of each call a verify step makes (none and
 #             eagle with a JSON Schema), and the host cost of one forward-graph launch
@@ -97,7 +97,7 @@ for s in $stages; do case $s in
     run ds_bs1_eagle_off_d3 150 $DS --algorithms eagle --speculative-adaptive off --depth 3
     run ds_bs1_eagle_off_d5 150 $DS --algorithms eagle --speculative-adaptive off --depth 5 ;;
   index_kernels)
-    run index_kernel_tests 240 python3 -m pytest -q -s -p no:cacheprovider tests/kernels/test_draft_tree.py tests/kernels/test_paging.py tests/speculative/test_draft_graph.py tests/speculative/test_eagle.py
+    run index_kernel_tests 300 python3 -m pytest -q -s -p no:cacheprovider tests/kernels/test_draft_tree.py tests/kernels/test_paging.py tests/kernels/test_gemv.py tests/test_staging.py tests/speculative/test_draft_graph.py tests/speculative/test_eagle.py
     run host_step_index_on 150 python3 benchmarks/host_step_cost.py --algorithms none eagle --grammar --steps 300
     STRUCTSPEC_INDEX_KERNELS=0 run host_step_index_off 100 python3 benchmarks/host_step_cost.py --algorithms eagle --grammar --steps 300 ;;
   eagle_bs1_pair)
