@@ -160,6 +160,10 @@ def expand_tree(
 ) -> ExpandedTree:
     """EAGLE-2 dynamic tree expansion (see the module docstring). No host syncs.
 
+    Where the index kernels run (CUDA, or the CPU under Triton's interpreter; see
+    :func:`~structspec.kernels.index_kernels_usable`) and the shapes fit them, each step's
+    bookkeeping is one launch of :mod:`structspec.kernels.draft_tree`, with the same result.
+
     Args:
         root_logp: ``[B, V']`` float32 log-probabilities of the root's children (draft vocab).
         step_fn: runs one batched draft forward over a frontier (:data:`StepFn`).
