@@ -497,7 +497,13 @@ class DeviceToHost:
         Returns:
             A :class:`PendingCopy` whose ``hosts`` follow ``srcs``' order (views of the one
             pinned buffer on CUDA).
+
+        Raises:
+            ValueError: the sources' shapes differ.
         """
+        if any(t.shape != srcs[0].shape for t in srcs):
+            raise ValueError(f"launch_packed needs sources of one shape, got "
+                             f"{[tuple(t.shape) for t in srcs]}")
         if srcs[0].device.type != "cuda":
             return self.launch(srcs, dtype=dtype)
         if self.record_stream:

@@ -95,6 +95,8 @@ def test_packed_device_to_host_on_cpu_converts_and_keeps_the_order() -> None:
     got = copy.wait()
     assert [h.dtype for h in got] == [torch.int64, torch.int64]
     assert got[0].tolist() == [[1, 2], [3, 4]] and got[1].tolist() == [[5, 6], [7, 8]]
+    with pytest.raises(ValueError, match="one shape"):  # torch.stack would refuse on CUDA
+        DeviceToHost().launch_packed([a, b[0]], dtype=torch.int64)
 
 
 def test_pending_step_on_cpu() -> None:

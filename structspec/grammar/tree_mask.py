@@ -82,8 +82,8 @@ class GrammarTree:
         copy, into fresh pinned int64 host memory, the sources protected by ``record_stream``,
         and one event is recorded after the copy
         (:meth:`~structspec.staging.DeviceToHost.launch_packed`), so :meth:`resolve` later
-        waits only for it (not for the verify forward queued after). On the CPU: plain int64
-        views, no event.
+        waits only for it (not for the verify forward queued after). On the CPU: int64 host
+        tensors, no event.
         """
         bs, n = next_token.shape
         draft_tokens = draft_tokens.reshape(bs, n)

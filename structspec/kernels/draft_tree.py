@@ -16,7 +16,10 @@ request and replaces one of those groups:
 Results are equal, element for element, to the torch reference ops
 (:func:`structspec.speculative.expansion.expand_tree`,
 :meth:`~structspec.draft_tree.layout.VerifyTree.from_parents`): only comparisons, one float32
-addition per candidate (as in the reference) and copies. Ties rank in index order, as there.
+addition per candidate (as in the reference) and copies. Ties rank in index order, as there;
+a NaN log-probability ranks first among a node's children (``torch.max``'s order) and a NaN
+score as ``-inf`` in the rankings (:func:`~structspec.speculative.expansion.rank_order`), so a
+broken draft head yields in-range (if useless) drafts, never an out-of-range id.
 """
 
 from __future__ import annotations
@@ -66,9 +69,15 @@ def _expand_kernel(
             base = tl.load(FrontScores + b * P + j)
             parent_cand = tl.load(FrontCand + b * P + j)
         for c in tl.static_range(K):
-            # the largest remaining entry, the first of equal ones (expansion.top_k's order)
-            m = tl.max(x, axis=0)
+            # the largest remaining entry, the first of equal ones (expansion.top_k's order:
+            # torch.max's, where NaN ranks above every number)
+            is_nan = x != x
+            nan_i = tl.min(tl.where(is_nan, cols, BLOCK_V), axis=0)
+            m = tl.max(tl.where(is_nan, float("-inf"), x), axis=0)
             i = tl.min(tl.where(x == m, cols, BLOCK_V), axis=0)
+            has_nan = nan_i < BLOCK_V
+            i = tl.minimum(tl.where(has_nan, nan_i, i), vocab - 1)  # always a real column
+            m = tl.where(has_nan, float("nan"), m)
             x = tl.where(cols == i, float("-inf"), x)
             here = slots == j * K + c
             if HAS_FRONT:
@@ -88,8 +97,10 @@ def _expand_kernel(
     tl.store(CandParents + b * stride_cb + cand_offset + slots, cand_p, mask=real)
 
     # The next frontier: the K best slots by (score descending, slot ascending); NaN ranks
-    # last (the reference's nan_to_num before its stable sort).
+    # as -inf (the reference's nan_to_num before its stable sort).
     key = tl.where(real & (cand_v == cand_v), cand_v, float("-inf"))
+    if not HAS_FRONT:  # the root's children are the frontier in their top-k order, unranked
+        key = tl.where(real, 0.0, float("-inf"))
     taken = slots < 0
     front = tl.arange(0, K_PAD)
     nxt_v = tl.zeros([K_PAD], tl.float32)
@@ -102,7 +113,8 @@ def _expand_kernel(
         pick = slots == s
         taken = taken | pick
         here = front == c
-        nxt_v = tl.where(here, tl.max(tl.where(pick, cand_v, float("-inf")), axis=0), nxt_v)
+        # the picked slot's score plus zeros: exact, NaN and -inf kept (tl.max drops NaN)
+        nxt_v = tl.where(here, tl.sum(tl.where(pick, cand_v, 0.0), axis=0), nxt_v)
         nxt_t = tl.where(here, tl.sum(tl.where(pick, cand_t, 0), axis=0), nxt_t)
         nxt_s = tl.where(here, s.to(tl.int64), nxt_s)
     ok = front < K
@@ -217,7 +229,7 @@ def _select_kernel(
     s = tl.load(CandScores + b * stride_cb + ci, mask=ok, other=float("-inf"))
     tok = tl.load(CandTokens + b * stride_cb + ci, mask=ok, other=-1)
     par = tl.load(CandParents + b * stride_cb + ci, mask=ok, other=-1)
-    key = tl.where(ok & (s == s), s, float("-inf"))  # NaN ranks last
+    key = tl.where(ok & (s == s), s, float("-inf"))  # NaN ranks as -inf (rank_order)
     row = ci[:, None]
     col = ci[None, :]
     # rank of candidate `row`: the candidates ordered before it (score desc, index asc)

@@ -27,9 +27,11 @@ def _slots_kernel(PageTable, stride_pt, num_pages, Positions, stride_pb, stride_
     ok = t < t_len
     pos = tl.load(Positions + b * stride_pb + t * stride_pt2, mask=ok, other=0)
     page_idx = pos // page_size
-    page = tl.load(PageTable + b * stride_pt + page_idx,
-                   mask=ok & (page_idx >= 0) & (page_idx < num_pages), other=0)
-    tl.store(Out + b * t_len + t, page * page_size + pos % page_size, mask=ok)
+    inside = (pos >= 0) & (page_idx < num_pages)
+    page = tl.load(PageTable + b * stride_pt + page_idx, mask=ok & inside, other=0)
+    # a position outside the table maps to the sink slot 0 (never another page's slot)
+    tl.store(Out + b * t_len + t, tl.where(inside, page * page_size + pos % page_size, 0),
+             mask=ok)
 
 
 def slots_for_positions(page_table: torch.Tensor, positions: torch.Tensor,
@@ -40,13 +42,20 @@ def slots_for_positions(page_table: torch.Tensor, positions: torch.Tensor,
         page_table: ``[B, P]`` int64, unit stride on ``P``; CUDA (or CPU under the
             interpreter).
         positions: ``[B, T]`` int64 positions ``0 <= pos < P * page_size`` (any strides, e.g.
-            an expanded row); a position outside reads page 0.
+            an expanded row); a position outside maps to the sink slot 0 (the torch op
+            raises instead).
         page_size: tokens per page.
 
     Returns:
         ``[B, T]`` int64 slots, contiguous.
+
+    Raises:
+        ValueError: ``positions`` and ``page_table`` disagree on ``B``.
     """
     bsz, t_len = positions.shape
+    if page_table.shape[0] != bsz:
+        raise ValueError(f"positions {tuple(positions.shape)} and page_table "
+                         f"{tuple(page_table.shape)} must have the same rows")
     if page_table.stride(1) != 1:
         page_table = page_table.contiguous()
     out = torch.empty((bsz, t_len), dtype=torch.int64, device=positions.device)
@@ -83,13 +92,17 @@ def kv_slots_through(page_table: torch.Tensor, lengths: torch.Tensor,
     Args:
         page_table: ``[B, P]`` int64, unit stride on ``P``; CUDA (or CPU under the
             interpreter).
-        lengths: ``[B]`` int64 (``>= 1``), contiguous.
+        lengths: ``[B]`` (or ``[1]``, broadcast) int64, ``>= 1``.
         page_size: tokens per page.
 
     Returns:
         ``[B, L]`` int64, contiguous.
+
+    Raises:
+        RuntimeError: ``lengths`` does not broadcast to ``[B]`` (as the torch op).
     """
     bsz, num_pages = page_table.shape
+    lengths = lengths.reshape(-1).expand(bsz)
     if page_table.stride(1) != 1:
         page_table = page_table.contiguous()
     kv_len = num_pages * page_size

@@ -106,9 +106,11 @@ def rank_order(scores: torch.Tensor) -> torch.Tensor:
         scores: ``[B, C]`` float.
 
     Returns:
-        ``[B, C]`` int64. NaN scores rank last.
+        ``[B, C]`` int64. A NaN score ranks as ``-inf`` (in index order among them).
     """
-    clean = torch.nan_to_num(scores.float(), nan=float("-inf"))
+    # (infinities kept: nan_to_num's default would turn -inf into -FLT_MAX, above NaN)
+    clean = torch.nan_to_num(scores.float(), nan=float("-inf"), posinf=float("inf"),
+                             neginf=float("-inf"))
     # A stable ascending sort of the negated scores keeps equal scores in index order.
     return torch.sort(-clean, dim=1, stable=True).indices
 

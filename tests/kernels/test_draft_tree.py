@@ -163,3 +163,53 @@ def test_tree_layout_of_a_chain_and_of_a_star(dev: torch.device) -> None:
     assert sib.cpu().tolist() == [[-1, -1, -1, -1], [-1, 2, 3, -1]]
     assert anc[0].cpu().tolist() == torch.tril(torch.ones(4, 4, dtype=torch.bool)).tolist()
     assert par.cpu().tolist() == [[-1, 0, 1, 2], [-1, 0, 0, 0]]
+
+
+@pytest.mark.parametrize("vocab", [4, 5, 300])
+@pytest.mark.parametrize("mapped", [False, True])
+def test_nan_log_probs_give_the_reference_tree_and_in_range_ids(
+    dev: torch.device, vocab: int, mapped: bool
+) -> None:
+    """A broken head's NaN log-probs (all of a row, or some): the kernels rank NaN as the
+    torch ops do (first among a node's children, as -inf among scores) and never emit an id
+    outside the draft vocabulary (an all-NaN row once gave id ``V``, read past the map)."""
+    g = torch.Generator().manual_seed(vocab)
+    root = torch.log_softmax(torch.randn(3, vocab, generator=g), -1)
+    root[0] = float("nan")  # all NaN
+    root[1, ::3] = float("nan")  # some NaN
+    backing = torch.arange(10_000, 10_000 + vocab + 64)
+    vocab_map = backing[:vocab].to(dev) if mapped else None  # a view of a longer buffer
+
+    def fn(step, tokens, parent, mask):
+        logits = torch.randn(tokens.shape[0], tokens.shape[1], vocab, generator=g)
+        logits[0] = float("nan")
+        return torch.log_softmax(logits, -1).to(dev)
+
+    g_state = g.get_state()
+    got = expansion._expand_tree_kernels(root.to(dev), fn, k=2, depth=3, num_nodes=8,
+                                         vocab_map=vocab_map)
+    g.set_state(g_state)
+    old = kernels.INDEX_KERNELS
+    kernels.INDEX_KERNELS = False
+    try:
+        ref = expansion.expand_tree(root.to(dev), fn, topk=2, depth=3, num_nodes=8,
+                                    vocab_map=vocab_map)
+    finally:
+        kernels.INDEX_KERNELS = old
+    assert torch.equal(got.tokens.cpu(), ref.tokens.cpu())
+    assert torch.equal(got.parents.cpu(), ref.parents.cpu())
+    assert torch.equal(got.scores.cpu().nan_to_num(7.0), ref.scores.cpu().nan_to_num(7.0))
+    real = got.tokens[:, 1:].cpu()
+    real = real[real >= 0]
+    low, high = (10_000, 10_000 + vocab) if mapped else (0, vocab)
+    assert bool(((real >= low) & (real < high)).all())
+
+
+def test_nan_and_minus_inf_scores_rank_alike_in_both_paths(dev: torch.device) -> None:
+    scores = torch.tensor([[float("nan"), float("-inf"), -1.0, float("-inf"), float("nan")]])
+    tokens = torch.arange(5).unsqueeze(0)
+    parents = torch.full((1, 5), -1)
+    ref = expansion.select_top_nodes(scores, tokens, parents, 4)
+    got = draft_tree.select_nodes(scores.to(dev), tokens.to(dev), parents.to(dev), 4)
+    assert ref.tokens.tolist() == [[-1, 0, 1, 2]]  # -1.0 first, then NaN / -inf by index
+    assert torch.equal(got[0].cpu(), ref.tokens) and torch.equal(got[1].cpu(), ref.parents)

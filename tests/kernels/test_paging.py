@@ -100,3 +100,21 @@ def test_catch_up_batch_matches_torch(dev: torch.device) -> None:
                                page_size=4)
     for name in ("positions", "out_slots", "kv_slots", "logits_indices", "causal_start"):
         assert torch.equal(getattr(got, name).cpu(), getattr(ref, name)), name
+
+
+def test_paging_kernels_refuse_or_sink_bad_inputs(dev: torch.device) -> None:
+    table = _table(2, 3, seed=1).to(dev)
+    with pytest.raises(ValueError, match="same rows"):
+        paging.slots_for_positions(table[:1], torch.zeros(2, 3, dtype=torch.int64, device=dev),
+                                   4)
+    # positions outside the table map to the sink, never to another page's slot
+    pos = torch.tensor([[-1, 0, 11, 12], [-5, 3, 100, 4]], device=dev)
+    got = paging.slots_for_positions(table, pos, 4).cpu()
+    assert got[0, 0] == 0 and got[0, 3] == 0 and got[1, 0] == 0 and got[1, 2] == 0
+    assert got[0, 2] == table[0, 2].item() * 4 + 3
+    # a single length broadcasts as in the torch op; a wrong count is refused
+    one = paging.kv_slots_through(table, torch.tensor([5], device=dev), 4)
+    both = paging.kv_slots_through(table, torch.tensor([5, 5], device=dev), 4)
+    assert torch.equal(one, both)
+    with pytest.raises(RuntimeError):
+        paging.kv_slots_through(table, torch.tensor([5, 5, 5], device=dev), 4)
