@@ -20,17 +20,24 @@ _BLOCK = 256
 
 
 @triton.jit
+def _slot(table, num_pages, pos, page_size, valid):
+    """The KV slot of ``pos`` through one request's page-table row ``table``; 0 (the sink)
+    where ``valid`` is False or ``pos`` lies outside the row (no read there)."""
+    page_idx = pos // page_size
+    inside = valid & (pos >= 0) & (page_idx < num_pages)
+    page = tl.load(table + page_idx, mask=inside, other=0)
+    return tl.where(inside, page * page_size + pos % page_size, 0)
+
+
+@triton.jit
 def _slots_kernel(PageTable, stride_pt, num_pages, Positions, stride_pb, stride_pt2, Out, t_len,
                   page_size, BLOCK: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = t < t_len
     pos = tl.load(Positions + b * stride_pb + t * stride_pt2, mask=ok, other=0)
-    page_idx = pos // page_size
-    inside = (pos >= 0) & (page_idx < num_pages)
-    page = tl.load(PageTable + b * stride_pt + page_idx, mask=ok & inside, other=0)
     # a position outside the table maps to the sink slot 0 (never another page's slot)
-    tl.store(Out + b * t_len + t, tl.where(inside, page * page_size + pos % page_size, 0),
+    tl.store(Out + b * t_len + t, _slot(PageTable + b * stride_pt, num_pages, pos, page_size, ok),
              mask=ok)
 
 
@@ -75,11 +82,7 @@ def _kv_slots_kernel(PageTable, stride_pt, num_pages, Lengths, Out, kv_len, page
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = col < kv_len
     total = tl.load(Lengths + b)
-    pos = tl.minimum(col, total - 1)
-    page_idx = pos // page_size
-    page = tl.load(PageTable + b * stride_pt + page_idx,
-                   mask=ok & (page_idx >= 0) & (page_idx < num_pages), other=0)
-    slot = tl.where(col < total, page * page_size + pos % page_size, 0)
+    slot = _slot(PageTable + b * stride_pt, num_pages, col, page_size, ok & (col < total))
     tl.store(Out + b * kv_len + col, slot, mask=ok)
 
 
@@ -180,21 +183,15 @@ def _catch_up_kernel(PageTable, stride_pt, num_pages, Start, QLen, Positions, Ou
         ok = col < q
         valid = col < length
         pos = tl.where(valid, start + col, 0)
-        page_idx = pos // page_size
-        page = tl.load(table + page_idx, mask=ok & valid & (page_idx < num_pages), other=0)
         tl.store(Positions + b * q + col, pos, mask=ok)
-        tl.store(OutSlots + b * q + col, tl.where(valid, page * page_size + pos % page_size, 0),
+        tl.store(OutSlots + b * q + col, _slot(table, num_pages, pos, page_size, ok & valid),
                  mask=ok)
         tl.store(LogitsIdx + b, b * q + length - 1)
     # the KV columns: positions 0 .. start + length - 1 in order, then the sink slot 0
     kv = blk * BLOCK_L + tl.arange(0, BLOCK_L)
     ok_kv = kv < kv_len
-    total = start + length
-    pos_kv = tl.minimum(kv, total - 1)
-    page_idx_kv = pos_kv // page_size
-    page_kv = tl.load(table + page_idx_kv, mask=ok_kv & (page_idx_kv < num_pages), other=0)
     tl.store(KvSlots + b * kv_len + kv,
-             tl.where(kv < total, page_kv * page_size + pos_kv % page_size, 0), mask=ok_kv)
+             _slot(table, num_pages, kv, page_size, ok_kv & (kv < start + length)), mask=ok_kv)
 
 
 def catch_up_layout(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from structspec.kernels import index_kernels_usable
+
 
 class PageAllocator:
     """Hands out KV pages from a free list. Page 0 is never handed out (padding sink).
@@ -116,6 +118,4 @@ def kv_slots_through(page_table: torch.Tensor, lengths: torch.Tensor,
 def _index_kernels(page_table: torch.Tensor) -> bool:
     """Whether the page lookups run as :mod:`structspec.kernels.paging` launches: an int64
     table where :func:`~structspec.kernels.index_kernels_usable` says so."""
-    from structspec.kernels import index_kernels_usable
-
     return page_table.dtype == torch.int64 and index_kernels_usable(page_table)

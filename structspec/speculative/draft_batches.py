@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from structspec.kernels import index_kernels_usable
 from structspec.kvcache.allocator import kv_slots_through, slots_for_positions
 from structspec.layers.forward_batch import ForwardBatch
 from structspec.staging import Staging, to_device
@@ -140,7 +141,7 @@ def frontier_layout(base_len: torch.Tensor, scratch: int, page_table: torch.Tens
     kv_slots, kv_pos = kv_slots_through(page_table, base_len + scratch, page_size)
     scratch_pos = base_len.unsqueeze(1) + torch.arange(scratch, device=base_len.device)
     scratch_slots = slots_for_positions(page_table, scratch_pos, page_size)
-    if _index_kernels(base_len):
+    if index_kernels_usable(base_len):  # masks built per step by frontier_mask
         return FrontierLayout(base_len=base_len, kv_slots=kv_slots, scratch_slots=scratch_slots)
     col = kv_pos - base_len.unsqueeze(1)
     return FrontierLayout(
@@ -151,14 +152,6 @@ def frontier_layout(base_len: torch.Tensor, scratch: int, page_table: torch.Tens
         scratch_col=col.clamp(0, max(scratch - 1, 0)),
         in_scratch=(col >= 0) & (col < scratch),
     )
-
-
-def _index_kernels(base_len: torch.Tensor) -> bool:
-    """Whether the frontier masks and the catch-up layout come from
-    :mod:`structspec.kernels.paging` (:func:`~structspec.kernels.index_kernels_usable`)."""
-    from structspec.kernels import index_kernels_usable
-
-    return index_kernels_usable(base_len)
 
 
 def build_frontier_batch(
@@ -237,7 +230,7 @@ def build_catch_up_batch(
     """
     bsz, q = tokens.shape
     device = tokens.device
-    if _index_kernels(start) and page_table.dtype == torch.int64:  # one launch instead of ~14
+    if index_kernels_usable(start) and page_table.dtype == torch.int64:  # one launch instead of ~14
         from structspec.kernels.paging import catch_up_layout
 
         positions, out_slots, kv_slots, logits_indices = catch_up_layout(
