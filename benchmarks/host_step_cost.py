@@ -147,6 +147,7 @@ def main() -> None:
             eng.step()
         clock = HostClock()
         wrap_step(clock, eng)
+        eng.step_stats(reset=True)
         t0 = time.perf_counter()
         for _ in range(args.steps):
             eng.step()
@@ -154,6 +155,12 @@ def main() -> None:
         clock.restore()
         parts = " ".join(f"{k}={v / args.steps:.0f}" for k, v in clock.us.items())
         print(f"host_step algo={algo} grammar={args.grammar} bs=1 wall_us={wall_us:.0f} {parts}")
+        # the same steps seen from the GPU (the step timer's CUDA events): where the device
+        # is busy and how long it idles between one step's end and the next one's start
+        gpu = {k: v for k, v in eng.step_stats().items() if k.startswith("gpu_")}
+        if gpu:
+            print(f"gpu_step algo={algo} grammar={args.grammar} bs=1 "
+                  + " ".join(f"{k[4:-3]}_us={v * 1e3:.0f}" for k, v in gpu.items()))
         if eng.runner.device.type == "cuda":
             fwd_us, tiny_us = graph_launch_us(eng)
             print(f"graph_launch algo={algo} forward_graph_replay_us={fwd_us:.1f} "

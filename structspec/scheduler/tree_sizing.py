@@ -42,10 +42,19 @@ resets it, so a request recovers within a few steps once its text turns repetiti
 unpredictable one pays a vanishing probe cost.
 
 **Modes.** ``off``: every request gets ``num_draft_tokens`` nodes every step (no sizing).
-``on``: the sizing above. ``auto``: the sizing where the measured cost says rows are not free
-(``T(B N_max) >= auto_min_ratio x T(B)`` at the batch's size), else ``off``'s full trees; to
-know, the first steps at a new batch size run calibration sizes (full trees, then plain
-decodes, two of each: the first of each bucket is its warm-up).
+``on``: the sizing above. ``auto``: the sizing only where it can win, else ``off``'s full
+trees: where the measured cost says rows are not free (``T(B N_max) >= auto_min_ratio x
+T(B)`` at the batch's size) **and** full trees at the engine's average acceptance do not
+already beat plain decoding (``E(N_max, a_engine) / C(N_max) <= (1 + margin) B / T(B)``). The
+second test keeps full trees where drafting pays on average: at batch 1 on a GPU an EAGLE
+step costs ~2x a plain one in wall time (host work per node, the propose) yet commits ~2.5
+tokens, and sizing each request from a noisy few-step EWMA there demoted requests to plain
+decoding on their unlucky steps (ShareGPT + JSON Schema on the H200: 0.81x no drafter with
+sizing, 1.22x with full trees, benchmarks/README.md). ``a_engine`` is the ratio of slow EWMAs
+of successes and trials over every drafted request (the same maximum-likelihood estimate as
+the per-request one; a mean of per-step ratios would undercount long runs). To know the cost,
+the first steps at a new batch size run calibration sizes (full trees, then plain decodes, two
+of each: the first of each bucket is its warm-up).
 
 Adaptive sizing only changes which drafts are proposed: the verify commits the target's
 tokens either way (docs/architecture.md, invariant 2), and a 1-node tree is the root-only tree
@@ -65,6 +74,10 @@ ADAPTIVE_MODES = ("auto", "on", "off")
 
 #: EWMA weight of a step's acceptance observation
 ACCEPT_EWMA_ALPHA = 0.3
+
+#: EWMA weight of a step's observation in the engine-wide acceptance (about the last 20
+#: drafted request-steps matter)
+ENGINE_ACCEPT_EWMA_ALPHA = 0.05
 
 
 def tree_size_choices(max_nodes: int) -> tuple[int, ...]:
@@ -169,8 +182,8 @@ class AdaptiveTreeSizer:
         self.max_probe_every = max_probe_every
         self.margin = margin
         self.auto_min_ratio = auto_min_ratio
-        #: engine-wide EWMA of the per-token acceptance (a new request's starting estimate)
-        self.engine_accept = prior_accept
+        # engine-wide EWMAs of successes and trials (see engine_accept)
+        self._engine = _Acceptance(successes=prior_accept, trials=1.0)
         self._reqs: dict[str, _Acceptance] = {}
         self.counts = SizerCounts()
 
@@ -186,7 +199,7 @@ class AdaptiveTreeSizer:
         if calibration is not None:
             return self._note(self._fixed(calibration, everyone), bsz, active=False,
                               calibrating=True)
-        if self.mode == "auto" and not self._rows_cost(bsz):
+        if self.mode == "auto" and (not self._rows_cost(bsz) or self._full_trees_pay(bsz)):
             return self._note(TreePlan(self.max_nodes, everyone, full=True), bsz, active=False)
         chosen = [self._best_size(self._state(r).accept, bsz) for r in request_ids]
         drafted, probes = [], []
@@ -226,6 +239,16 @@ class AdaptiveTreeSizer:
         """``auto``: whether a full tree costs at least ``auto_min_ratio`` plain decodes."""
         full, plain = self.cost.verify_ms(bsz * self.max_nodes), self.cost.verify_ms(bsz)
         return full is not None and plain is not None and full >= self.auto_min_ratio * plain
+
+    def _full_trees_pay(self, bsz: int) -> bool:
+        """``auto``: whether full trees at :attr:`engine_accept` commit more tokens per ms
+        than plain decoding by :attr:`margin` (module doc); False while a cost is unknown."""
+        full, plain = self.cost.verify_ms(bsz * self.max_nodes), self.cost.verify_ms(bsz)
+        if full is None or plain is None or plain <= 0:
+            return False
+        per_request_ms = full / bsz + (self.cost.draft_ms(self.max_nodes) or 0.0)
+        rate_full = expected_tokens(self.max_nodes, self.engine_accept) / per_request_ms
+        return rate_full > (bsz / plain) * (1.0 + self.margin)
 
     def _best_size(self, accept: float, bsz: int) -> int:
         """``argmax_n E(n) / C(n)`` over :attr:`sizes` (module doc); 1 unless a tree beats
@@ -280,14 +303,24 @@ class AdaptiveTreeSizer:
         trials = accepted + (1 if accepted < proposed else 0)
         if trials == 0:
             return
-        alpha = ACCEPT_EWMA_ALPHA
-        st.successes += alpha * (accepted - st.successes)
-        st.trials += alpha * (trials - st.trials)
-        self.engine_accept += 0.05 * (accepted / trials - self.engine_accept)
+        for est, alpha in ((st, ACCEPT_EWMA_ALPHA), (self._engine, ENGINE_ACCEPT_EWMA_ALPHA)):
+            est.successes += alpha * (accepted - est.successes)
+            est.trials += alpha * (trials - est.trials)
         if probe:
             base = self.probe_every
             st.probe_every = base if accepted else min(2 * (st.probe_every or base),
                                                        self.max_probe_every)
+
+    @property
+    def engine_accept(self) -> float:
+        """Engine-wide per-token acceptance: slow EWMA of successes over slow EWMA of
+        trials of every drafted request-step (a new request's starting estimate, and
+        ``auto``'s full-tree test)."""
+        return self._engine.accept
+
+    @engine_accept.setter
+    def engine_accept(self, accept: float) -> None:
+        self._engine = _Acceptance(successes=float(accept), trials=1.0)
 
     def accept(self, request_id: str) -> float:
         """The request's current acceptance estimate (the engine's average if unseen)."""

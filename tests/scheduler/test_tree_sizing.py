@@ -160,6 +160,34 @@ def test_sizer_flat_cost_keeps_full_trees_and_auto_stays_off() -> None:
         AdaptiveTreeSizer("sometimes", 8)
 
 
+def test_auto_keeps_full_trees_where_they_pay_on_average() -> None:
+    """The GPU batch-1 regime: a full-tree step costs 2x a plain one in wall time, yet commits
+    ~2.6 tokens on average. ``on`` demotes a request after a few unlucky steps; ``auto`` keeps
+    full trees while the engine's acceptance says they pay, and sizes once it says not."""
+    def sizer(mode: str) -> AdaptiveTreeSizer:
+        return AdaptiveTreeSizer(mode, 8, cost=FixedCost(1.2, 0.15))  # T(8) / T(1) = 1.8
+    auto, on = sizer("auto"), sizer("on")
+    # runs of 0-4 accepted drafts and a full chain: ML acceptance ~0.68
+    runs = [1, 2, 0, 3, 1, 0, 2, 1, 0, 4, 2, 7] * 4
+    for s in (auto, on):
+        for n in runs:
+            s.observe_request("warm", 7, n)
+    assert 0.6 < auto.engine_accept < 0.72
+    # the mean of per-step ratios would say ~0.5, where full trees stop paying
+    assert expected_tokens(8, auto.engine_accept) / 2.4 > 1 / 1.35 * 1.03
+    for n in (0, 0, 1, 0):  # an unlucky stretch of one request
+        auto.observe_request("a", 7, n)
+        on.observe_request("a", 7, n)
+    assert on.plan(["a"]).num_nodes < 8  # per-request sizing shrinks its tree
+    plan = auto.plan(["a"])
+    assert plan.full and plan.num_nodes == 8 and not auto.counts.adaptive_active
+    # the workload turns unpredictable: the engine's acceptance falls, auto sizes
+    for _ in range(80):
+        auto.observe_request("b", 7, 0)
+    assert auto.engine_accept < 0.2
+    assert auto.plan(["a"]).num_nodes == 2 and auto.counts.adaptive_active  # a's own 0.31
+
+
 def test_mixed_batch_plain_rows_and_probes_with_backoff() -> None:
     sizer = AdaptiveTreeSizer("on", 8, cost=FixedCost(1.0, 2.0), probe_every=4,
                               max_probe_every=16)
