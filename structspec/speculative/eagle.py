@@ -34,6 +34,7 @@ from structspec.layers.forward_batch import ForwardBatch
 from structspec.models.eagle_head import EagleHead, load_eagle_head
 from structspec.speculative.base import DraftRequest
 from structspec.speculative.draft_vocab import ReducedLmHead, load_draft_vocab, reduced_lm_head
+from structspec.speculative.feature_graph import FeatureStoreGraphs
 from structspec.speculative.tree_drafter import (
     DraftReqState,
     TreeDrafter,
@@ -128,6 +129,10 @@ class EagleDrafter(TreeDrafter):
                     self.reduced_lm_head.set_kernels(head.kernels)
                     self.vocab_map = ids.to(device)
         self._prev_out: torch.Tensor | None = None
+        #: graphs of the feature store after a verify (CUDA graphs on), else None
+        self.store_graphs: FeatureStoreGraphs | None = None
+        if self.graphs is not None and self.staging is not None:
+            self.store_graphs = FeatureStoreGraphs(self.device, self.staging.ring(torch.int64))
         #: request id -> the ``seq_len`` of a verify whose features were stored before its
         #: accepted counts were known (``num_rows=None``), until :meth:`commit_target_hidden`
         self._uncommitted: dict[str, int] = {}
@@ -179,23 +184,17 @@ class EagleDrafter(TreeDrafter):
                 raise ValueError("on_target_hidden(num_rows=None) needs rows (a verify's "
                                  "accept_nodes)")
             num_rows = [int(rows.shape[1])] * len(reqs)
-        bsz, q = hidden_states.shape[:2]
+        bsz = hidden_states.shape[0]
         if self.head.config.version == 3:
             if len(aux_hidden_states) != len(self.aux_hidden_layers):
                 raise ValueError(f"EAGLE-3 head needs the target's aux hidden states of layers "
                                  f"{self.aux_hidden_layers}; got {len(aux_hidden_states)}")
-            feats = torch.cat(list(aux_hidden_states), dim=-1)
+            sources: tuple[torch.Tensor, ...] = tuple(aux_hidden_states)
         else:
-            feats = hidden_states
+            sources = (hidden_states,)
         width = max(num_rows, default=0)
         if width == 0:
             return
-        if rows is None:
-            rows = torch.arange(width, device=feats.device).expand(bsz, width)
-        rows = rows[:, :width]
-        gathered = torch.gather(feats, 1, rows.clamp(min=0).unsqueeze(2).expand(
-            bsz, width, feats.shape[2]))
-        stored = self.head.project_target(gathered.to(self.features.dtype))
         # The destination slots are host bookkeeping, in numpy: a few small arrays per step
         # (torch's per-op overhead on host tensors cost more than the work, on the critical
         # path of every batch-1 step)
@@ -221,8 +220,32 @@ class EagleDrafter(TreeDrafter):
         pos = np.where(valid, seq[:, None] + col, 0)
         pages = np.take_along_axis(table, pos // self.page_size, axis=1)
         slots = np.where(valid, pages * self.page_size + pos % self.page_size, 0)
-        self.features.index_copy_(0, self._to_device(torch.from_numpy(slots.reshape(-1))),
-                                  stored.reshape(-1, stored.shape[-1]))
+        if self.store_graphs is not None and early and rows is not None:
+            # a verify's store: its inputs are the verify graphs' static outputs, so the
+            # store's launches replay as one graph (feature_graph.py)
+            self.store_graphs.store(self._store_features, sources, rows, slots)
+            return
+        if rows is None:
+            rows = torch.arange(width, device=hidden_states.device).expand(bsz, width)
+        self._store_features(sources, rows[:, :width],
+                             self._to_device(torch.from_numpy(slots.reshape(-1))))
+
+    def _store_features(self, sources: Sequence[torch.Tensor], rows: torch.Tensor,
+                        slots: torch.Tensor) -> None:
+        """The device half of :meth:`on_target_hidden` (no host syncs; graph-capturable):
+        ``features[slots] = project_target(cat(sources)[b, rows[b, j]])``.
+
+        Args:
+            sources: ``[B, Q, H]`` each, concatenated on the last dimension.
+            rows: ``[B, R]`` int64 query rows (``-1`` reads row 0).
+            slots: ``[B * R]`` int64 destination slots (device; 0 = the sink).
+        """
+        feats = torch.cat(list(sources), dim=-1) if len(sources) > 1 else sources[0]
+        bsz, width = rows.shape
+        gathered = torch.gather(feats, 1, rows.clamp(min=0).unsqueeze(2).expand(
+            bsz, width, feats.shape[2]))
+        stored = self.head.project_target(gathered.to(self.features.dtype))
+        self.features.index_copy_(0, slots, stored.reshape(-1, stored.shape[-1]))
 
     def commit_target_hidden(self, reqs: Sequence[DraftRequest],
                              num_rows: Sequence[int]) -> None:

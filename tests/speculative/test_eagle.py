@@ -414,3 +414,58 @@ def test_malformed_config_names_the_problem(runner: ModelRunner, head_dir: Path,
     with pytest.raises(ValueError, match=named.replace("[", r"\[").replace("(", r"\(")) as e:
         load_eagle_head(tmp_path, runner.model_config, device=CPU, dtype=torch.float32)
     assert str(e.value).startswith(str(tmp_path))  # which head folder
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_feature_store_graph_writes_what_the_eager_store_writes(runner: ModelRunner,
+                                                               head_dir: Path) -> None:
+    """Verify-time stores through the feature-store graphs (first sighting eager, second
+    captured, later ones replayed without a host sync) leave the feature table bit-equal to
+    the eager store's, with new features, rows, positions and pages every step."""
+    dev = torch.device("cuda")
+    model, cfg = runner.model.to(dev), runner.model_config
+    target = ModelRunner(model, cfg, CacheConfig(page_size=PAGE, num_pages=80), device=dev,
+                         dtype=torch.float32)
+    spec = SpecConfig(algorithm="eagle", draft_model=str(head_dir), num_draft_tokens=4,
+                      depth=2, topk=2)
+    graphed, eager = (EagleDrafter(spec, target=target, device=dev, dtype=torch.float32,
+                                   num_pages=80, use_cuda_graph=g) for g in (True, False))
+    assert graphed.store_graphs is not None and eager.store_graphs is None
+    try:
+        gen = torch.Generator(device=dev).manual_seed(0)
+        nsrc = len(graphed.aux_hidden_layers) or 1
+        hidden = [torch.empty(2, 4, cfg.hidden_size, device=dev) for _ in range(nsrc)]
+        rows = torch.empty(2, 4, dtype=torch.int64, device=dev)  # static, like accept_nodes
+        prompts = {"a": 5, "b": 3}
+        for h in hidden:
+            h.normal_(generator=gen)
+        for d in (graphed, eager):
+            d.on_target_hidden([DraftRequest(r, [1] * n, 0) for r, n in prompts.items()],
+                               hidden[0], None, [5, 3], hidden if nsrc > 1 else ())
+        seq = dict(prompts)
+        rng = random.Random(0)
+        for step in range(6):
+            for h in hidden:
+                h.normal_(generator=gen)
+            rows.copy_(torch.randint(-1, 4, (2, 4), generator=gen, device=dev))
+            reqs = [DraftRequest(r, [1] * seq[r], seq[r]) for r in prompts]
+            runs = [rng.randint(1, 4) for _ in reqs]
+            for d in (graphed, eager):
+                check = d is graphed and step >= 2
+                if check:
+                    torch.cuda.synchronize()
+                    torch.cuda.set_sync_debug_mode("error")
+                try:
+                    d.on_target_hidden(reqs, hidden[0], rows, None, hidden if nsrc > 1 else ())
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+                d.commit_target_hidden(reqs, runs)
+            for r, n in zip(prompts, runs, strict=True):
+                seq[r] += n
+        assert graphed.store_graphs.replays == 4 and len(graphed.store_graphs) == 1
+        torch.cuda.synchronize()
+        assert torch.equal(graphed.features, eager.features)
+        assert {r: s.feat_len for r, s in graphed.states.items()} == seq
+    finally:
+        runner.model.to(CPU)
