@@ -44,6 +44,10 @@
 #             GEMV / staging / propose-graph / EAGLE tests, then host_step_cost with them on and
 #             off (STRUCTSPEC_INDEX_KERNELS=0) (~5-6 min)
 #   eagle_bs1_pair  issue 18: the batch-1 gate's row, none and eagle in one run (~3.5 min)
+#   feature_graph  issue 18: the EAGLE tests on CUDA (the feature-store graph vs the eager store,
+#             no host sync in its replays), the paging / GEMV / tree-kernel / staging tests (~4 min)
+#   eagle_bs1_auto  issue 18: host_step_cost (host us per call and the GPU's view of the same
+#             steps), then the batch-1 gate's row with the default sizer (auto) (~4.5 min)
 #   host_step  issue 18: host us per batch-1 step of each call a verify step makes (none and
 #             eagle with a JSON Schema), and the host cost of one forward-graph launch
 #             (host_step_cost.py, ~1.5 min)
@@ -100,6 +104,11 @@ for s in $stages; do case $s in
     run index_kernel_tests 300 python3 -m pytest -q -s -p no:cacheprovider tests/kernels/test_draft_tree.py tests/kernels/test_paging.py tests/kernels/test_gemv.py tests/test_staging.py tests/speculative/test_draft_graph.py tests/speculative/test_eagle.py
     run host_step_index_on 150 python3 benchmarks/host_step_cost.py --algorithms none eagle --grammar --steps 300
     STRUCTSPEC_INDEX_KERNELS=0 run host_step_index_off 100 python3 benchmarks/host_step_cost.py --algorithms eagle --grammar --steps 300 ;;
+  feature_graph)
+    run feature_graph_tests 280 python3 -m pytest -q -s -p no:cacheprovider tests/speculative/test_eagle.py tests/kernels/test_paging.py tests/kernels/test_gemv.py tests/kernels/test_draft_tree.py tests/test_staging.py ;;
+  eagle_bs1_auto)
+    run host_step_cost 120 python3 benchmarks/host_step_cost.py --algorithms none eagle --grammar --steps 300
+    run ds_bs1_auto 240 python3 benchmarks/drafter_speed.py --device cuda --workloads sharegpt --grammar json_schema --batch 1 --max-tokens 128 --batch1-prompts 8 --algorithms none eagle ;;
   eagle_bs1_pair)
     run ds_bs1_pair 300 python3 benchmarks/drafter_speed.py --device cuda --workloads sharegpt --grammar json_schema --batch 1 --max-tokens 128 --batch1-prompts 8 --algorithms none eagle ;;
   eagle_tests)
