@@ -438,11 +438,11 @@ def test_feature_store_graph_writes_what_the_eager_store_writes(runner: ModelRun
         hidden = [torch.empty(2, 4, cfg.hidden_size, device=dev) for _ in range(nsrc)]
         rows = torch.empty(2, 4, dtype=torch.int64, device=dev)  # static, like accept_nodes
         prompts = {"a": 5, "b": 3}
-        for h in hidden:
-            h.normal_(generator=gen)
+        prefill = [torch.randn(2, 5, cfg.hidden_size, generator=gen, device=dev)
+                   for _ in range(nsrc)]
         for d in (graphed, eager):
             d.on_target_hidden([DraftRequest(r, [1] * n, 0) for r, n in prompts.items()],
-                               hidden[0], None, [5, 3], hidden if nsrc > 1 else ())
+                               prefill[0], None, [5, 3], prefill if nsrc > 1 else ())
         seq = dict(prompts)
         rng = random.Random(0)
         for step in range(6):
