@@ -28,7 +28,9 @@
 #             batch-8 accept lengths looked like the adaptive sizing, not the drafter), then the
 #             EAGLE grammar overlap (2 alternating repeats), host profiles of eagle / none steps
 #   combo_speed  issue 18: MaskBench end to end (120 schemas, greedy, N=8, 512 tokens) with ngram,
-#             eagle and ngram_eagle at batch 64 and 1: tok/s and accept length (~6-10 min)
+#             eagle and ngram_eagle at batch 64 and 1: tok/s and accept length (~6-10 min;
+#             COMBO_BS="64" or "1" runs one batch size)
+#   host_step_eagle  host_step_cost for eagle + JSON alone (~2 min)
 #   eagle_bs1  issue 18: the batch-1 gate's row (ShareGPT + JSON Schema, none vs eagle) with the
 #             adaptive sizer (auto) and with full trees at depths 3 / 4 / 5 (~5 min; needs
 #             .whl_sharegpt/ carried to this machine: drafter_speed exits at once without it)
@@ -90,7 +92,7 @@ for s in $stages; do case $s in
   tests)
     run gpu_tests 480 python3 -m pytest -q -s -p no:cacheprovider tests/kernels tests/engine/test_gpu_engine.py tests/engine/test_cuda_graph.py tests/speculative tests/grammar/test_worker_pool.py tests/engine/test_penalty_graph.py tests/engine/test_graph_warmup.py ;;
   combo_speed)
-    for algo in ngram eagle ngram_eagle; do for bs in 64 1; do
+    for algo in ngram eagle ngram_eagle; do for bs in ${COMBO_BS:-64 1}; do
       run "maskbench_${algo}_bs${bs}" 150 python3 benchmarks/maskbench_e2e.py --device cuda --speculative-algorithm "$algo" --limit 120 --max-tokens 512 --skip-slow-compile --max-batch-size "$bs" --out "$OUT/maskbench_${algo}_bs${bs}.jsonl"
     done; done ;;
   eagle_bs1)
@@ -107,7 +109,7 @@ for s in $stages; do case $s in
   feature_graph)
     run feature_graph_tests 280 python3 -m pytest -q -s -p no:cacheprovider tests/speculative/test_eagle.py tests/kernels/test_paging.py tests/kernels/test_gemv.py tests/kernels/test_draft_tree.py tests/test_staging.py ;;
   eagle_bs1_auto)
-    run host_step_cost 120 python3 benchmarks/host_step_cost.py --algorithms none eagle --grammar --steps 300
+    run host_step_cost 200 python3 benchmarks/host_step_cost.py --algorithms none eagle --grammar --steps 300
     run ds_bs1_auto 240 python3 benchmarks/drafter_speed.py --device cuda --workloads sharegpt --grammar json_schema --batch 1 --max-tokens 128 --batch1-prompts 8 --algorithms none eagle ;;
   eagle_bs1_pair)
     run ds_bs1_pair 300 python3 benchmarks/drafter_speed.py --device cuda --workloads sharegpt --grammar json_schema --batch 1 --max-tokens 128 --batch1-prompts 8 --algorithms none eagle ;;
@@ -116,6 +118,8 @@ for s in $stages; do case $s in
   eagle_workers)
     run gpu_mask_worker_tests 200 python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu_mask_workers.py
     run grammar_overlap_eagle 260 python3 benchmarks/grammar_overlap.py --device cuda --batch 1 8 32 64 --steps 60 --algorithms eagle --overlap on --repeats 2 --speculative-adaptive off ;;
+  host_step_eagle)
+    run host_step_eagle 150 python3 benchmarks/host_step_cost.py --algorithms eagle --grammar --steps 300 ;;
   host_step)
     run host_step_cost 200 python3 benchmarks/host_step_cost.py --algorithms none eagle --grammar --steps 300 ;;
   smol)
