@@ -32,9 +32,9 @@ from structspec.config import SpecConfig
 from structspec.kvcache.pool import KVPool
 from structspec.layers.forward_batch import ForwardBatch
 from structspec.models.eagle_head import EagleHead, load_eagle_head
+from structspec.runner.keyed_graphs import KeyedGraphs
 from structspec.speculative.base import DraftRequest
 from structspec.speculative.draft_vocab import ReducedLmHead, load_draft_vocab, reduced_lm_head
-from structspec.speculative.feature_graph import FeatureStoreGraphs
 from structspec.speculative.tree_drafter import (
     DraftReqState,
     TreeDrafter,
@@ -129,10 +129,13 @@ class EagleDrafter(TreeDrafter):
                     self.reduced_lm_head.set_kernels(head.kernels)
                     self.vocab_map = ids.to(device)
         self._prev_out: torch.Tensor | None = None
-        #: graphs of the feature store after a verify (CUDA graphs on), else None
-        self.store_graphs: FeatureStoreGraphs | None = None
+        #: graphs of the feature store after a verify (CUDA graphs on), else None: its
+        #: inputs are the verify graphs' static outputs, so its ~8 launches (~0.5 ms of host
+        #: at batch 1 on the H200 host) replay as one (runner/keyed_graphs.py)
+        self.store_graphs: KeyedGraphs[None] | None = None
         if self.graphs is not None and self.staging is not None:
-            self.store_graphs = FeatureStoreGraphs(self.device, self.staging.ring(torch.int64))
+            self.store_graphs = KeyedGraphs(self._store_graphable, self.device,
+                                            self.staging.ring(torch.int64))
         #: request id -> the ``seq_len`` of a verify whose features were stored before its
         #: accepted counts were known (``num_rows=None``), until :meth:`commit_target_hidden`
         self._uncommitted: dict[str, int] = {}
@@ -221,14 +224,16 @@ class EagleDrafter(TreeDrafter):
         pages = np.take_along_axis(table, pos // self.page_size, axis=1)
         slots = np.where(valid, pages * self.page_size + pos % self.page_size, 0)
         if self.store_graphs is not None and early and rows is not None:
-            # a verify's store: its inputs are the verify graphs' static outputs, so the
-            # store's launches replay as one graph (feature_graph.py)
-            self.store_graphs.store(self._store_features, sources, rows, slots)
+            self.store_graphs.run((*sources, rows), slots.reshape(-1))
             return
         if rows is None:
             rows = torch.arange(width, device=hidden_states.device).expand(bsz, width)
         self._store_features(sources, rows[:, :width],
                              self._to_device(torch.from_numpy(slots.reshape(-1))))
+
+    def _store_graphable(self, *inputs: torch.Tensor) -> None:
+        """:meth:`_store_features` with flat arguments ``(*sources, rows, slots)``."""
+        self._store_features(inputs[:-2], inputs[-2], inputs[-1])
 
     def _store_features(self, sources: Sequence[torch.Tensor], rows: torch.Tensor,
                         slots: torch.Tensor) -> None:

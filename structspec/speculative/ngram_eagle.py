@@ -14,7 +14,8 @@ per request:
    parents and scores go to the device in one staged non-blocking copy;
 3. the EAGLE drafter proposes its full tree as always (its CUDA-graph replay is unchanged),
    with each node's EAGLE-2 score;
-4. :func:`~structspec.speculative.tree_union.union_trees` merges the two on the device: EAGLE
+4. :func:`~structspec.speculative.tree_union.union_trees` merges the two on the device (one
+   CUDA-graph replay when EAGLE's tree came from its propose graph: runner/keyed_graphs.py): EAGLE
    nodes on a path the trie already holds merge into the trie's nodes, and the ``N - 1`` best
    scored nodes of both are kept. A trie from a long match keeps its nodes; where the trie is a
    guess (a short match), EAGLE's likelier nodes take its deeper slots; slots the trie leaves
@@ -38,6 +39,7 @@ import torch
 
 from structspec.config import SpecConfig
 from structspec.draft_tree.layout import VerifyTree
+from structspec.runner.keyed_graphs import KeyedGraphs
 from structspec.speculative.base import Drafter, DraftRequest
 from structspec.speculative.eagle import EagleDrafter, create_eagle_drafter
 from structspec.speculative.ngram import AnnotatedTrie, NgramDrafter
@@ -86,6 +88,13 @@ class NgramEagleDrafter(Drafter):
             max_match=ngram.max_window)
         self.aux_hidden_layers = eagle.aux_hidden_layers
         self._proposed: dict[str, AnnotatedTrie] = {}
+        #: graphs of the merge (CUDA graphs on), else None: its inputs are the EAGLE propose
+        #: graph's static tree and scores plus the staged trie, so its ~100 small launches
+        #: (the host time of a batch-1 step) replay as one (runner/keyed_graphs.py)
+        self.merge_graphs: KeyedGraphs[VerifyTree] | None = None
+        if eagle.graphs is not None and eagle.staging is not None:
+            self.merge_graphs = KeyedGraphs(self._merge, eagle.device,
+                                            eagle.staging.ring(torch.int64))
 
     def propose(self, reqs: Sequence[DraftRequest]) -> VerifyTree:
         """``[B, N]`` merged trees on EAGLE's device (see the module doc). No host sync: the
@@ -122,11 +131,22 @@ class NgramEagleDrafter(Drafter):
             rows[2].append([round(x * SCORE_SCALE) for x in self.confidence.path_logp(trie)]
                            + [PAD_SCORE] * pad)
             self._proposed[req.request_id] = trie
-        host = torch.from_numpy(np.array(rows, dtype=np.int64).reshape(3, len(reqs), n))
-        staged = to_device(host, eagle.device, eagle.staging)
+        host = np.array(rows, dtype=np.int64).reshape(3, len(reqs), n)
+        inputs = (etree.draft_tokens, etree.parents, etree.depth, scores)
+        if self.merge_graphs is not None:
+            return self.merge_graphs.run(inputs, host)
+        return self._merge(*inputs, to_device(torch.from_numpy(host), eagle.device,
+                                              eagle.staging))
+
+    def _merge(self, eagle_tokens: torch.Tensor, eagle_parents: torch.Tensor,
+               eagle_depth: torch.Tensor, eagle_scores: torch.Tensor,
+               trie: torch.Tensor) -> VerifyTree:
+        """The merged device tree of EAGLE's ``[B, N]`` tree and scores and the staged
+        ``[3, B, N]`` int64 trie (tokens | parents | fixed-point scores); device ops only (no
+        host sync: graph-capturable)."""
         tokens, parents = union_trees(
-            staged[0], staged[1], staged[2].float() / SCORE_SCALE,
-            etree.draft_tokens, etree.parents, etree.depth, scores, max_depth=eagle.depth)
+            trie[0], trie[1], trie[2].float() / SCORE_SCALE, eagle_tokens, eagle_parents,
+            eagle_depth, eagle_scores, max_depth=self.eagle.depth)
         return VerifyTree.from_parents(tokens, parents)
 
     def on_verified(self, reqs: Sequence[DraftRequest], committed: Sequence[list[int]]) -> None:

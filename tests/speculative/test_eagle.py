@@ -463,7 +463,7 @@ def test_feature_store_graph_writes_what_the_eager_store_writes(runner: ModelRun
                 d.commit_target_hidden(reqs, runs)
             for r, n in zip(prompts, runs, strict=True):
                 seq[r] += n
-        assert graphed.store_graphs.replays == 4 and len(graphed.store_graphs) == 1
+        assert graphed.store_graphs.replays == 5 and len(graphed.store_graphs) == 1
         torch.cuda.synchronize()
         assert torch.equal(graphed.features, eager.features)
         assert {r: s.feat_len for r, s in graphed.states.items()} == seq
