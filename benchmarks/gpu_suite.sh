@@ -29,7 +29,9 @@
 #             EAGLE grammar overlap (2 alternating repeats), host profiles of eagle / none steps
 #   combo_speed  issue 18: MaskBench end to end (120 schemas, greedy, N=8, 512 tokens) with ngram,
 #             eagle and ngram_eagle at batch 64 and 1: tok/s and accept length (~6-10 min;
-#             COMBO_BS="64" or "1" runs one batch size)
+#             COMBO_BS="64" or "1" runs one batch size, COMBO_ALGOS a subset of the drafters)
+#   keyed_graphs  the keyed graphs (runner/keyed_graphs.py: EAGLE feature store, ngram_eagle
+#             merge) against their eager functions on CUDA, with the EAGLE / ngram_eagle tests
 #   host_step_eagle  host_step_cost for eagle + JSON alone (~2 min)
 #   eagle_bs1  issue 18: the batch-1 gate's row (ShareGPT + JSON Schema, none vs eagle) with the
 #             adaptive sizer (auto) and with full trees at depths 3 / 4 / 5 (~5 min; needs
@@ -84,7 +86,7 @@
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
-run() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$? $name"; grep -E "^(# [a-z_]+ batch=|trace |host_step|graph_launch|tree_mask_cost|attention_causal|best per|Q=|ab_compare|drafter_speed|eagle_accept|grammar_overlap|mask_build|decode|peer|hbm|floor|maskbench|penalty_cost|config=|prefix_cache|distinct_schemas|ttft|gate|  errors|[0-9]+ passed|FAILED|ERROR)|passed|failed" "$OUT/$name.log" | tail -n 40; }
+run() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$? $name"; grep -E "^(# [a-z_]+ batch=|trace |host_step|gpu_step|graph_launch|tree_mask_cost|attention_causal|best per|Q=|ab_compare|drafter_speed|eagle_accept|grammar_overlap|mask_build|decode|peer|hbm|floor|maskbench|penalty_cost|config=|prefix_cache|distinct_schemas|ttft|gate|  errors|[0-9]+ passed|FAILED|ERROR)|passed|failed" "$OUT/$name.log" | tail -n 40; }
 stages=${*:-tests smol peer llama8b llama8b_overlap invariant maskbench loopguards loopguards2 penalty_cost eagle_speed}
 L8=benchmarks/assets/llama3-8b-shape
 python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())'
@@ -92,7 +94,7 @@ for s in $stages; do case $s in
   tests)
     run gpu_tests 480 python3 -m pytest -q -s -p no:cacheprovider tests/kernels tests/engine/test_gpu_engine.py tests/engine/test_cuda_graph.py tests/speculative tests/grammar/test_worker_pool.py tests/engine/test_penalty_graph.py tests/engine/test_graph_warmup.py ;;
   combo_speed)
-    for algo in ngram eagle ngram_eagle; do for bs in ${COMBO_BS:-64 1}; do
+    for algo in ${COMBO_ALGOS:-ngram eagle ngram_eagle}; do for bs in ${COMBO_BS:-64 1}; do
       run "maskbench_${algo}_bs${bs}" 150 python3 benchmarks/maskbench_e2e.py --device cuda --speculative-algorithm "$algo" --limit 120 --max-tokens 512 --skip-slow-compile --max-batch-size "$bs" --out "$OUT/maskbench_${algo}_bs${bs}.jsonl"
     done; done ;;
   eagle_bs1)
@@ -106,6 +108,8 @@ for s in $stages; do case $s in
     run index_kernel_tests 300 python3 -m pytest -q -s -p no:cacheprovider tests/kernels/test_draft_tree.py tests/kernels/test_paging.py tests/kernels/test_gemv.py tests/test_staging.py tests/speculative/test_draft_graph.py tests/speculative/test_eagle.py
     run host_step_index_on 150 python3 benchmarks/host_step_cost.py --algorithms none eagle --grammar --steps 300
     STRUCTSPEC_INDEX_KERNELS=0 run host_step_index_off 100 python3 benchmarks/host_step_cost.py --algorithms eagle --grammar --steps 300 ;;
+  keyed_graphs)
+    run keyed_graph_tests 200 python3 -m pytest -q -s -p no:cacheprovider tests/test_keyed_graphs.py tests/speculative/test_eagle.py tests/speculative/test_ngram_eagle.py ;;
   feature_graph)
     run feature_graph_tests 280 python3 -m pytest -q -s -p no:cacheprovider tests/speculative/test_eagle.py tests/kernels/test_paging.py tests/kernels/test_gemv.py tests/kernels/test_draft_tree.py tests/test_staging.py ;;
   eagle_bs1_auto)
