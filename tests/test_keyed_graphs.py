@@ -1,22 +1,15 @@
 """KeyedGraphs (runner/keyed_graphs.py) on CUDA: a replay returns what the eager function
 returns for the same inputs, reads the inputs' current contents, never syncs the host, and
-fresh-address inputs run eagerly instead of capturing graph after graph. The ``ngram_eagle``
-merge through it equals the eager merge. CUDA only (CI has no GPU: skipped there)."""
+fresh-address inputs run eagerly instead of capturing graph after graph. CUDA only (CI has no
+GPU: skipped there)."""
 
 from __future__ import annotations
-
-import random
 
 import numpy as np
 import pytest
 import torch
 
-from structspec.config import SpecConfig
-from structspec.draft_tree.layout import VerifyTree
-from structspec.speculative.ngram import NgramDrafter
-from structspec.speculative.ngram_eagle import SCORE_SCALE, NgramEagleDrafter
 from structspec.staging import PinnedRing
-from tests.speculative.test_ngram_eagle import _random_tree
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -74,45 +67,3 @@ def test_fresh_inputs_stay_eager_past_the_graph_cap() -> None:
         got = graphs.run((a2, b2), np.ones((2, 4), dtype=np.int64))
     assert len(graphs) == 1 and graphs.replays == 3 and graphs.eager_runs == 6
     assert torch.equal(got[0], _fn(a2, b2, torch.ones(2, 4, device=DEV))[0])
-
-
-class _GraphEagle:
-    """What NgramEagleDrafter reads of EAGLE at construction, with graphs on."""
-
-    def __init__(self, n: int, depth: int) -> None:
-        self.num_nodes, self.depth, self.device = n, depth, DEV
-        self.graphs = object()  # "proposes from CUDA graphs"
-        from structspec.staging import Staging
-
-        self.staging = Staging(DEV)
-        self.aux_hidden_layers: tuple[int, ...] = ()
-
-
-def test_ngram_eagle_merge_graph_equals_the_eager_merge() -> None:
-    n, depth, bsz = 8, 4, 3
-    spec = SpecConfig(algorithm="ngram_eagle", num_draft_tokens=n, depth=depth)
-    drafter = NgramEagleDrafter(spec, ngram=NgramDrafter(spec),
-                                eagle=_GraphEagle(n, depth))  # type: ignore[arg-type]
-    assert drafter.merge_graphs is not None
-    static = {k: torch.empty(bsz, n, dtype=dt, device=DEV) for k, dt in
-              (("tok", torch.int64), ("par", torch.int64), ("dep", torch.int64),
-               ("score", torch.float32))}
-    rng = random.Random(0)
-    for step in range(5):
-        rows = [(_random_tree(rng, n, rng.randrange(0, n), 3, 6),
-                 _random_tree(rng, n, rng.randrange(0, n), 3, depth)) for _ in range(bsz)]
-        etree = VerifyTree.from_parents(torch.tensor([e[0] for _, e in rows], device=DEV),
-                                        torch.tensor([e[1] for _, e in rows], device=DEV))
-        static["tok"].copy_(etree.draft_tokens)
-        static["par"].copy_(etree.parents)
-        static["dep"].copy_(etree.depth)
-        static["score"].copy_(torch.tensor([e[2] for _, e in rows], device=DEV))
-        host = np.array([[g[0] for g, _ in rows], [g[1] for g, _ in rows],
-                         [[round(max(x, -1e9) * SCORE_SCALE) for x in g[2]] for g, _ in rows]],
-                        dtype=np.int64)
-        inputs = (static["tok"], static["par"], static["dep"], static["score"])
-        want = drafter._merge(*inputs, torch.from_numpy(host).to(DEV))
-        got = drafter.merge_graphs.run(inputs, host)
-        for field in ("draft_tokens", "parents", "depth", "next_token", "next_sibling"):
-            assert torch.equal(getattr(got, field), getattr(want, field)), (step, field)
-    assert drafter.merge_graphs.replays == 4

@@ -14,8 +14,7 @@ per request:
    parents and scores go to the device in one staged non-blocking copy;
 3. the EAGLE drafter proposes its full tree as always (its CUDA-graph replay is unchanged),
    with each node's EAGLE-2 score;
-4. :func:`~structspec.speculative.tree_union.union_trees` merges the two on the device (one
-   CUDA-graph replay when EAGLE's tree came from its propose graph: runner/keyed_graphs.py): EAGLE
+4. :func:`~structspec.speculative.tree_union.union_trees` merges the two on the device: EAGLE
    nodes on a path the trie already holds merge into the trie's nodes, and the ``N - 1`` best
    scored nodes of both are kept. A trie from a long match keeps its nodes; where the trie is a
    guess (a short match), EAGLE's likelier nodes take its deeper slots; slots the trie leaves
@@ -39,7 +38,6 @@ import torch
 
 from structspec.config import SpecConfig
 from structspec.draft_tree.layout import VerifyTree
-from structspec.runner.keyed_graphs import KeyedGraphs
 from structspec.speculative.base import Drafter, DraftRequest
 from structspec.speculative.eagle import EagleDrafter, create_eagle_drafter
 from structspec.speculative.ngram import AnnotatedTrie, NgramDrafter
@@ -88,13 +86,6 @@ class NgramEagleDrafter(Drafter):
             max_match=ngram.max_window)
         self.aux_hidden_layers = eagle.aux_hidden_layers
         self._proposed: dict[str, AnnotatedTrie] = {}
-        #: graphs of the merge (CUDA graphs on), else None: its inputs are the EAGLE propose
-        #: graph's static tree and scores plus the staged trie, so its ~100 small launches
-        #: (the host time of a batch-1 step) replay as one (runner/keyed_graphs.py)
-        self.merge_graphs: KeyedGraphs[VerifyTree] | None = None
-        if eagle.graphs is not None and eagle.staging is not None:
-            self.merge_graphs = KeyedGraphs(self._merge, eagle.device,
-                                            eagle.staging.ring(torch.int64))
 
     def propose(self, reqs: Sequence[DraftRequest]) -> VerifyTree:
         """``[B, N]`` merged trees on EAGLE's device (see the module doc). No host sync: the
@@ -132,11 +123,11 @@ class NgramEagleDrafter(Drafter):
                            + [PAD_SCORE] * pad)
             self._proposed[req.request_id] = trie
         host = np.array(rows, dtype=np.int64).reshape(3, len(reqs), n)
-        inputs = (etree.draft_tokens, etree.parents, etree.depth, scores)
-        if self.merge_graphs is not None:
-            return self.merge_graphs.run(inputs, host)
-        return self._merge(*inputs, to_device(torch.from_numpy(host), eagle.device,
-                                              eagle.staging))
+        # eager device ops: replayed through a KeyedGraphs graph, the merge measured slower
+        # on the H200 (MaskBench batch 1: 402 against 733 tok/s; batch 64 did not finish in
+        # 150 s; benchmarks/README.md), so it stays eager until that is understood
+        return self._merge(etree.draft_tokens, etree.parents, etree.depth, scores,
+                           to_device(torch.from_numpy(host), eagle.device, eagle.staging))
 
     def _merge(self, eagle_tokens: torch.Tensor, eagle_parents: torch.Tensor,
                eagle_depth: torch.Tensor, eagle_scores: torch.Tensor,

@@ -206,7 +206,7 @@ class _StubEagle:
 
     def __init__(self, num_nodes: int, depth: int) -> None:
         self.num_nodes, self.depth = num_nodes, depth
-        self.device, self.staging, self.graphs = torch.device("cpu"), None, None
+        self.device, self.staging = torch.device("cpu"), None
         self.aux_hidden_layers: tuple[int, ...] = ()
         self.last_node_scores: torch.Tensor | None = None
         self.calls: list[int | None] = []
