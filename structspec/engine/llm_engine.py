@@ -167,6 +167,13 @@ class LLMEngine:
         if bad_id is not None:
             raise RequestError(f"logit_bias key {bad_id} is not a token id of this model "
                                f"(vocabulary size {self.model_config.vocab_size})", "logit_bias")
+        bad_stop = next((t for t in params.stop_token_ids
+                         if t >= self.model_config.vocab_size), None)
+        if bad_stop is not None:
+            # never generated, so it would never stop anything: refused like the server does
+            raise RequestError(f"stop_token_ids entry {bad_stop} is not a token id of this "
+                               f"model (vocabulary size {self.model_config.vocab_size})",
+                               "stop_token_ids")
         ids = self.tokenize_prompt(prompt, raw=raw_prompt)
         if len(ids) >= self.max_model_len:
             raise self._too_long(len(ids), "prompt")

@@ -101,5 +101,10 @@ def test_logit_bias_outside_the_vocabulary_is_refused(make_llm: Callable[..., An
     with pytest.raises(RequestError) as e:
         llm.engine.add_request("hi", SamplingParams(max_tokens=2, logit_bias={vocab: 1.0}))
     assert e.value.param == "logit_bias" and str(vocab) in str(e.value)
+    with pytest.raises(RequestError) as e:  # a stop id the model never generates
+        llm.engine.add_request("hi", SamplingParams(max_tokens=2, stop_token_ids=[5, vocab]))
+    assert e.value.param == "stop_token_ids" and str(vocab) in str(e.value)
+    out = llm.generate("hi", SamplingParams(max_tokens=2, stop_token_ids=[vocab - 1]))[0]
+    assert out.error is None
     out = llm.generate("hi", SamplingParams(max_tokens=2, presence_penalty=9.0))[0]
     assert out.error is not None and out.error_param == "presence_penalty"
