@@ -302,9 +302,12 @@ def _ebnf_error_context(message: str, grammar: str) -> str:
     rest = "\n".join([lines[line_no - 1][column - 1:], *lines[line_no:]])
     cut = message.endswith("but got")  # xgrammar printed no character: an end
     if not rest.strip():  # nothing but blanks from here on: the grammar ended too early
-        line_no = max((i for i, ln in enumerate(lines, 1) if ln.strip()), default=1)
-        text = lines[line_no - 1].rstrip()
-        column = len(text) + 1
+        last = max((i for i, ln in enumerate(lines, 1) if ln.strip()), default=1)
+        if last == line_no:  # the reported line: the caret stays at the reported column
+            text = lines[line_no - 1]
+        else:  # blank lines after it: point after the last text instead
+            line_no, text = last, lines[last - 1].rstrip()
+            column = len(text) + 1
         got = " (end of the grammar)" if cut else " (at the end of the grammar)"
     else:
         text = lines[line_no - 1]

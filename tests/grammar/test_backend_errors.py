@@ -48,6 +48,10 @@ def _accepts(backend: GrammarBackend, cg: xgr.CompiledGrammar, text: str) -> boo
     # the parser's position shown as the CLI's precheck shows it ("but got" named nothing)
     (EbnfConstraint("root ::= ("), "ebnf",
      "but got (end of the grammar)\n  line 1: root ::= (\n" + " " * 20 + "^"),
+    # a trailing blank on the reported line: the caret under the column the parser named
+    (EbnfConstraint('root ::= "a" b\nb ::= '), "ebnf",
+     "line 2, column 7: Expect element, but got (end of the grammar)\n  line 2: b ::= \n"
+     + " " * 16 + "^"),
     (ChoiceConstraint(()), "choice", "non-empty list"),
     (ChoiceConstraint(("a", "")), "choice", "non-empty list"),
     # refused in every mode, before xgrammar (which would ignore them) and before any
