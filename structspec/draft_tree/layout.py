@@ -136,18 +136,23 @@ class VerifyTree:
         par[:, 0] = -1
         rows = np.arange(bsz)
         anc = np.broadcast_to(np.eye(n, dtype=bool), (bsz, n, n)).copy()
+        # A real node whose parent is negative (no drafter makes one) hangs under no node, as
+        # in the torch path: its ancestors are its own (row 0's: clamped like torch), and the
+        # walk below files it under a virtual column n (numpy's -1 would wrap to node n-1).
         for i in range(1, n):  # parents precede children: each parent's row is complete
-            anc[:, i] |= anc[rows, par[:, i]]
+            anc[:, i] |= anc[rows, np.maximum(par[:, i], 0)]
         depth = anc.sum(-1) - 1
-        next_token = np.full((bsz, n), -1, dtype=np.int64)
+        next_token = np.full((bsz, n + 1), -1, dtype=np.int64)
         next_sibling = np.full((bsz, n), -1, dtype=np.int64)
         # Walk children from the last node back: a node's next sibling is the child of the
         # same parent seen just before it, and a parent's first child is the last one seen.
         for c in range(n - 1, 0, -1):
             real = rows[valid[:, c]]
             p = par[real, c]
+            p = np.where(p < 0, n, p)
             next_sibling[real, c] = next_token[real, p]
             next_token[real, p] = c
+        next_token = np.ascontiguousarray(next_token[:, :n])
         return cls(
             draft_tokens=draft_tokens,
             parents=torch.from_numpy(par),
