@@ -32,7 +32,11 @@ from __future__ import annotations
 
 import torch
 
+from structspec.kernels import index_kernels_usable
 from structspec.speculative.expansion import rank_order
+
+#: largest tree the Triton merge takes (kernels/tree_union.py imports triton: not here)
+UNION_MAX_NODES = 64
 
 
 def union_trees(
@@ -81,6 +85,12 @@ def union_trees(
             raise ValueError(f"{name} {tuple(t.shape)} differs from ngram_tokens "
                              f"{tuple(shape)}")
     bsz, n = shape
+    if index_kernels_usable(ngram_tokens) and n <= UNION_MAX_NODES:
+        # one launch where the ops below are ~130 (kernels/tree_union.py; equal results)
+        from structspec.kernels.tree_union import union_trees_kernel
+
+        return union_trees_kernel(ngram_tokens, ngram_parents, ngram_scores, eagle_tokens,
+                                  eagle_parents, eagle_depth, eagle_scores, max_depth=max_depth)
     device = ngram_tokens.device
     neg_inf = torch.full((), float("-inf"), device=device)  # a fill, not a host copy
     g_real = ngram_tokens >= 0
