@@ -155,7 +155,7 @@ class SpecConfig:
     draft at all (:mod:`structspec.scheduler.tree_sizing`): ``on`` always, ``off`` never
     (every tree has ``num_draft_tokens`` nodes), ``auto`` where the measured cost of a full
     tree's rows reaches 1.25x a plain decode at the batch's size (a CPU; a GPU at large
-    batch) and full trees at the engine's average acceptance do not already beat plain
+    batch), unless below 2.5x full trees at the engine's average acceptance already beat plain
     decoding, decided while the engine runs, so it stays ``auto`` in a resolved config.
     """
 

@@ -126,8 +126,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="size each request's draft tree from its recent acceptance and the "
                         "verify cost measured on this device, down to a plain decode: on, "
                         "off (always --num-draft-tokens nodes), auto (where a full tree "
-                        "costs 1.25x a decode or more: CPUs, GPUs at large batch; and full "
-                        "trees do not pay at the engine's average acceptance)")
+                        "costs 1.25x a decode or more: CPUs, GPUs at large batch; unless, "
+                        "below 2.5x, full trees already pay at the engine's average "
+                        "acceptance)")
     s.add_argument("--speculative-draft-vocab", choices=("auto", "full"), default="auto",
                    help="eagle, ngram_eagle: draft over the head's draft vocabulary (the target's most "
                         "frequent tokens) when the head ships one (auto), or over the whole "

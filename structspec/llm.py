@@ -38,8 +38,8 @@ class LLM:
         speculative_adaptive: ``auto`` (default), ``on`` or ``off``: size each request's tree
             from its recent acceptance and the verify cost measured on this device, down to
             a plain decode (``SpecConfig.adaptive``; ``auto``: where a full tree's rows cost
-            1.25x a decode or more and full trees do not pay at the engine's average
-            acceptance).
+            1.25x a decode or more, unless below 2.5x full trees already pay at the engine's
+            average acceptance).
         speculative_draft_vocab: ``eagle`` / ``ngram_eagle``: ``auto`` (default) drafts over the head's draft
             vocabulary when it ships one (:mod:`structspec.speculative.draft_vocab`), ``full``
             over the whole vocabulary (``SpecConfig.draft_vocab``).

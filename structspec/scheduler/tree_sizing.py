@@ -44,13 +44,16 @@ unpredictable one pays a vanishing probe cost.
 **Modes.** ``off``: every request gets ``num_draft_tokens`` nodes every step (no sizing).
 ``on``: the sizing above. ``auto``: the sizing only where it can win, else ``off``'s full
 trees: where the measured cost says rows are not free (``T(B N_max) >= auto_min_ratio x
-T(B)`` at the batch's size) **and** full trees at the engine's average acceptance do not
-already beat plain decoding (``E(N_max, a_engine) / C(N_max) <= (1 + margin) B / T(B)``). The
-second test keeps full trees where drafting pays on average: at batch 1 on a GPU an EAGLE
-step costs ~2x a plain one in wall time (host work per node, the propose) yet commits ~2.5
-tokens, and sizing each request from a noisy few-step EWMA there demoted requests to plain
-decoding on their unlucky steps (ShareGPT + JSON Schema on the H200: 0.81x no drafter with
-sizing, 1.22x with full trees, benchmarks/README.md). ``a_engine`` is the ratio of slow EWMAs
+T(B)`` at the batch's size), except where the ratio stays below ``auto_full_max_ratio`` (2.5)
+and full trees at the engine's average acceptance already beat plain decoding
+(``E(N_max, a_engine) / C(N_max) > (1 + margin) B / T(B)``): there full trees are kept. That
+exception is the GPU at small batch: an EAGLE step at batch 1 on the H200 costs ~1.8x a plain
+one (host work per node, not the rows) yet commits ~2.5 tokens, and sizing each request from a
+noisy few-step EWMA demoted requests to plain decoding on their unlucky steps (ShareGPT + JSON
+Schema: 0.81x no drafter with sizing, 1.39x with this rule, benchmarks/README.md). On a CPU an
+8-row verify plus its propose costs ~3x a decode, and there the per-request sizing (2-node trees
+for EAGLE on chat) is what wins (1.22x against 0.92x with full trees, measured while deciding
+this bound). ``a_engine`` is the ratio of slow EWMAs
 of successes and trials over every drafted request (the same maximum-likelihood estimate as
 the per-request one; a mean of per-step ratios would undercount long runs). To know the cost,
 the first steps at a new batch size run calibration sizes (full trees, then plain decodes, two
@@ -164,6 +167,9 @@ class AdaptiveTreeSizer:
         max_probe_every: the interval's cap after failed probes (doubling).
         margin: relative gain over plain decoding a tree must promise.
         auto_min_ratio: ``auto`` sizes only where ``T(B N_max) / T(B)`` reaches this.
+        auto_full_max_ratio: below this ratio ``auto`` keeps full trees while they pay at
+            the engine's average acceptance (above it, rows dominate the step and each
+            request is sized).
 
     Raises:
         ValueError: an unknown ``mode``.
@@ -171,7 +177,8 @@ class AdaptiveTreeSizer:
 
     def __init__(self, mode: str, max_nodes: int, *, cost: VerifyCostModel | None = None,
                  prior_accept: float = 0.5, probe_every: int = 8, max_probe_every: int = 64,
-                 margin: float = 0.03, auto_min_ratio: float = 1.25) -> None:
+                 margin: float = 0.03, auto_min_ratio: float = 1.25,
+                 auto_full_max_ratio: float = 2.5) -> None:
         if mode not in ADAPTIVE_MODES:
             raise ValueError(f"speculative_adaptive={mode!r}: expected auto, on or off")
         self.mode = mode
@@ -182,6 +189,7 @@ class AdaptiveTreeSizer:
         self.max_probe_every = max_probe_every
         self.margin = margin
         self.auto_min_ratio = auto_min_ratio
+        self.auto_full_max_ratio = auto_full_max_ratio
         # engine-wide EWMAs of successes and trials (see engine_accept)
         self._engine = _Acceptance(successes=prior_accept, trials=1.0)
         self._reqs: dict[str, _Acceptance] = {}
@@ -199,7 +207,9 @@ class AdaptiveTreeSizer:
         if calibration is not None:
             return self._note(self._fixed(calibration, everyone), bsz, active=False,
                               calibrating=True)
-        if self.mode == "auto" and (not self._rows_cost(bsz) or self._full_trees_pay(bsz)):
+        if self.mode == "auto" and (not self._rows_cost(bsz) or (
+                not self._rows_cost(bsz, self.auto_full_max_ratio)
+                and self._full_trees_pay(bsz))):
             return self._note(TreePlan(self.max_nodes, everyone, full=True), bsz, active=False)
         chosen = [self._best_size(self._state(r).accept, bsz) for r in request_ids]
         drafted, probes = [], []
@@ -235,10 +245,13 @@ class AdaptiveTreeSizer:
             return 1
         return None
 
-    def _rows_cost(self, bsz: int) -> bool:
-        """``auto``: whether a full tree costs at least ``auto_min_ratio`` plain decodes."""
+    def _rows_cost(self, bsz: int, ratio: float | None = None) -> bool:
+        """``auto``: whether a full tree costs at least ``ratio`` (default
+        :attr:`auto_min_ratio`) plain decodes (False while either cost is unknown)."""
         full, plain = self.cost.verify_ms(bsz * self.max_nodes), self.cost.verify_ms(bsz)
-        return full is not None and plain is not None and full >= self.auto_min_ratio * plain
+        if ratio is None:
+            ratio = self.auto_min_ratio
+        return full is not None and plain is not None and full >= ratio * plain
 
     def _full_trees_pay(self, bsz: int) -> bool:
         """``auto``: whether full trees at :attr:`engine_accept` commit more tokens per ms

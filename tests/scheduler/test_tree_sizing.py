@@ -186,6 +186,14 @@ def test_auto_keeps_full_trees_where_they_pay_on_average() -> None:
         auto.observe_request("b", 7, 0)
     assert auto.engine_accept < 0.2
     assert auto.plan(["a"]).num_nodes == 2 and auto.counts.adaptive_active  # a's own 0.31
+    # rows dominate (a CPU: T(8) / T(1) ~ 3.4): sized per request even where full trees
+    # pay at the engine's acceptance
+    cpu = AdaptiveTreeSizer("auto", 8, cost=FixedCost(10.0, 30.0))  # T(1) 40, T(8) 250
+    cpu.engine_accept = 0.95
+    assert cpu._full_trees_pay(1)
+    for n in (0, 0, 1, 0):
+        cpu.observe_request("c", 7, n)
+    assert cpu.plan(["c"]).num_nodes < 8 and cpu.counts.adaptive_active
 
 
 def test_mixed_batch_plain_rows_and_probes_with_backoff() -> None:
