@@ -260,6 +260,8 @@ class AdaptiveTreeSizer:
         if full is None or plain is None or plain <= 0:
             return False
         per_request_ms = full / bsz + (self.cost.draft_ms(self.max_nodes) or 0.0)
+        if per_request_ms <= 0:
+            return False
         rate_full = expected_tokens(self.max_nodes, self.engine_accept) / per_request_ms
         return rate_full > (bsz / plain) * (1.0 + self.margin)
 
@@ -275,7 +277,10 @@ class AdaptiveTreeSizer:
             ms = self.cost.verify_ms(bsz * n)
             if ms is None:
                 continue
-            rate = expected_tokens(n, accept) / (ms / bsz + (self.cost.draft_ms(n) or 0.0))
+            per_request_ms = ms / bsz + (self.cost.draft_ms(n) or 0.0)
+            if per_request_ms <= 0:  # an unmeasurably fast size: no basis to prefer it
+                continue
+            rate = expected_tokens(n, accept) / per_request_ms
             if rate > threshold and rate > best_rate:
                 best_n, best_rate = n, rate
         return best_n
@@ -312,6 +317,8 @@ class AdaptiveTreeSizer:
         re-probe (its outcome sets the next probe interval)."""
         if proposed <= 0:
             return
+        # the engine passes counts of one verify; anything else must not poison the EWMAs
+        accepted = min(max(int(accepted), 0), int(proposed))
         st = self._state(request_id)
         trials = accepted + (1 if accepted < proposed else 0)
         if trials == 0:
@@ -333,7 +340,15 @@ class AdaptiveTreeSizer:
 
     @engine_accept.setter
     def engine_accept(self, accept: float) -> None:
-        self._engine = _Acceptance(successes=float(accept), trials=1.0)
+        """Reset the engine-wide estimate to ``accept``.
+
+        Raises:
+            ValueError: ``accept`` is not a number in [0, 1].
+        """
+        a = float(accept)
+        if not 0.0 <= a <= 1.0:  # NaN fails too: it would stick and stop all drafting
+            raise ValueError(f"engine_accept={accept!r}: expected a number in [0, 1]")
+        self._engine = _Acceptance(successes=a, trials=1.0)
 
     def accept(self, request_id: str) -> float:
         """The request's current acceptance estimate (the engine's average if unseen)."""

@@ -98,8 +98,13 @@ class VerifyCostModel:
                 all-sizes average learns from it).
         """
         b = self._buckets.setdefault(rows_bucket(rows), _Bucket())
-        b.seen += 1
-        if b.seen == 2:  # the first kept sample starts the average
+        # a time of 0 (or NaN) is no sample: kept, it would pin the bucket at 0 (the clamp
+        # below would be [0, 0]) and price every tree of that size as free
+        valid = verify_ms > 0.0
+        b.seen += 1 if valid else 0
+        if not valid:
+            pass
+        elif b.seen == 2:  # the first kept sample starts the average
             b.rows, b.ms = float(rows), float(verify_ms)
         elif b.seen > 2:
             # One outlier (a CUDA graph captured for a new page bucket, a burst of load on

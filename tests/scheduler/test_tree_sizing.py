@@ -387,3 +387,23 @@ def test_stopped_request_beside_a_host_drafter_stages_nothing() -> None:
                  "ancestor_mask"):
         assert torch.equal(getattr(tree, name), getattr(want, name)), name
     assert staging.staged == []
+
+
+def test_degenerate_observations_do_not_break_the_sizer() -> None:
+    """A 0 ms bucket, counts outside 0..proposed and bad acceptance values (a tester's
+    attack): no exception, no NaN, no bucket pinned at 0."""
+    c = VerifyCostModel()
+    for _ in range(3):
+        c.observe(8, 0.0)
+        c.observe(1, 1.0)
+    assert AdaptiveTreeSizer("on", 8, cost=c).plan(["a"]).num_nodes in (1, 2, 4, 8)
+    for _ in range(12):
+        c.observe(8, 80.0)
+    assert c.verify_ms(8) > 1.0  # recovers from the 0 ms samples
+    sizer = AdaptiveTreeSizer("on", 8)
+    sizer.observe_request("r", 3, -2)
+    sizer.observe_request("r", 1, 100)
+    assert 0.0 <= sizer.accept("r") <= 1.0 and 0.0 <= sizer.engine_accept <= 1.0
+    for bad in (float("nan"), float("inf"), -1.0, 2.0):
+        with pytest.raises(ValueError, match="engine_accept"):
+            sizer.engine_accept = bad
