@@ -299,6 +299,10 @@ def _ebnf_error_context(message: str, grammar: str) -> str:
     lines = grammar.split("\n")
     if not 1 <= line_no <= len(lines) or column < 1:
         return ""
+    # xgrammar counts bytes of UTF-8; the caret goes under characters
+    line_bytes = lines[line_no - 1].encode()
+    column = len(line_bytes[: column - 1].decode(errors="ignore")) + 1 + max(
+        0, column - 1 - len(line_bytes))
     rest = "\n".join([lines[line_no - 1][column - 1:], *lines[line_no:]])
     cut = message.endswith("but got")  # xgrammar printed no character: an end
     if not rest.strip():  # nothing but blanks from here on: the grammar ended too early
