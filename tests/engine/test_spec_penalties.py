@@ -108,3 +108,24 @@ def test_logit_bias_outside_the_vocabulary_is_refused(make_llm: Callable[..., An
     assert out.error is None
     out = llm.generate("hi", SamplingParams(max_tokens=2, presence_penalty=9.0))[0]
     assert out.error is not None and out.error_param == "presence_penalty"
+
+
+def test_steps_yield_the_core_while_only_grammars_compile(make_llm: Callable[..., Any],
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """A step with nothing to run but grammar compiles sleeps briefly instead of spinning (it
+    held the core the compile worker needed); a step with work to do never sleeps."""
+    import structspec.scheduler.scheduler as sched_mod
+
+    llm = make_llm()
+    naps: list[float] = []
+    monkeypatch.setattr(sched_mod.time, "sleep", lambda s: naps.append(s))
+    schema = {"type": "object", "properties": {"q": {"type": "string", "maxLength": 7}},
+              "required": ["q"]}  # new to the engine's compile cache: compiled fresh
+    out = llm.generate("hi", SamplingParams(max_tokens=12,
+                                            grammar=JsonSchemaConstraint(schema)))[0]
+    assert out.error is None and out.finish_reason is not None
+    assert naps and all(s == sched_mod.COMPILE_WAIT_S for s in naps)
+    naps.clear()
+    llm.generate("hi", SamplingParams(max_tokens=4))  # no grammar: nothing to wait for
+    assert naps == []
