@@ -30,6 +30,11 @@
 #   combo_speed  issue 18: MaskBench end to end (120 schemas, greedy, N=8, 512 tokens) with ngram,
 #             eagle and ngram_eagle at batch 64 and 1: tok/s and accept length (~6-10 min;
 #             COMBO_BS="64" or "1" runs one batch size, COMBO_ALGOS a subset of the drafters)
+#   union_ab  issue 18: the ngram_eagle merge as torch ops vs the Triton kernel
+#             (kernels/tree_union.py), MaskBench batch 1 and 64 back to back in one process
+#             order (torch first: the first run on a fresh machine also pays Triton's JIT cache)
+#   host_step_combo  issue 18: host_step_cost for ngram_eagle + JSON (its parts: trie, EAGLE
+#             propose, merge) and eagle + JSON (~3 min)
 #   keyed_graphs  the keyed graphs (runner/keyed_graphs.py: EAGLE feature store, ngram_eagle
 #             merge) against their eager functions on CUDA, with the EAGLE / ngram_eagle tests
 #   host_step_eagle  host_step_cost for eagle + JSON alone (~2 min)
@@ -108,6 +113,21 @@ for s in $stages; do case $s in
     run index_kernel_tests 300 python3 -m pytest -q -s -p no:cacheprovider tests/kernels/test_draft_tree.py tests/kernels/test_paging.py tests/kernels/test_gemv.py tests/test_staging.py tests/speculative/test_draft_graph.py tests/speculative/test_eagle.py
     run host_step_index_on 150 python3 benchmarks/host_step_cost.py --algorithms none eagle --grammar --steps 300
     STRUCTSPEC_INDEX_KERNELS=0 run host_step_index_off 100 python3 benchmarks/host_step_cost.py --algorithms eagle --grammar --steps 300 ;;
+  union_ab)
+    for bs in 1 64; do for v in torch kernel; do
+      # UNION_MAX_NODES = 0 sends every merge to the torch ops (read at call time)
+      run "union_${v}_bs${bs}" 150 python3 -c "
+import runpy, sys
+import structspec.speculative.tree_union as t
+if '$v' == 'torch':
+    t.UNION_MAX_NODES = 0
+sys.argv = ['maskbench_e2e.py', '--device', 'cuda', '--speculative-algorithm', 'ngram_eagle',
+            '--limit', '120', '--max-tokens', '512', '--skip-slow-compile',
+            '--max-batch-size', '$bs', '--out', '$OUT/union_${v}_bs${bs}.jsonl']
+runpy.run_path('benchmarks/maskbench_e2e.py', run_name='__main__')"
+    done; done ;;
+  host_step_combo)
+    run host_step_combo 200 python3 benchmarks/host_step_cost.py --algorithms ngram_eagle eagle --grammar --steps 300 ;;
   keyed_graphs)
     run keyed_graph_tests 200 python3 -m pytest -q -s -p no:cacheprovider tests/test_keyed_graphs.py tests/speculative/test_eagle.py tests/speculative/test_ngram_eagle.py ;;
   feature_graph)

@@ -181,6 +181,10 @@ def create_ngram_eagle_drafter(
     """Registry factory of ``"ngram_eagle"`` (:mod:`structspec.speculative.registry`): the
     EAGLE head is read from ``spec.draft_model`` (the shipped head for the default model when
     none is given); the n-gram settings are ``spec.ngram_*``."""
+    # the merged tree's trie branch reaches N - 1 drafts (EAGLE's own nodes only ``depth``):
+    # EAGLE's catch-up width covers the longest run, so its propose stays one graph replay
     eagle = create_eagle_drafter(spec, target=target, device=device, dtype=dtype,
-                                 max_batch_size=max_batch_size, **context)
+                                 max_batch_size=max_batch_size,
+                                 max_accept_drafts=max(spec.depth, spec.num_draft_tokens - 1),
+                                 **context)
     return NgramEagleDrafter(spec, ngram=NgramDrafter(spec), eagle=eagle)
