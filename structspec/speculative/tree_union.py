@@ -85,8 +85,13 @@ def union_trees(
             raise ValueError(f"{name} {tuple(t.shape)} differs from ngram_tokens "
                              f"{tuple(shape)}")
     bsz, n = shape
-    if index_kernels_usable(ngram_tokens) and n <= UNION_MAX_NODES:
-        # one launch where the ops below are ~130 (kernels/tree_union.py; equal results)
+    kernel_dtypes = (all(t.dtype == torch.int64 for t in (ngram_tokens, ngram_parents,
+                                                          eagle_tokens, eagle_parents, eagle_depth))
+                     and ngram_scores.dtype == eagle_scores.dtype == torch.float32)
+    if index_kernels_usable(ngram_tokens) and n <= UNION_MAX_NODES and kernel_dtypes:
+        # one launch where the ops below are ~130 (kernels/tree_union.py; equal results for
+        # the drafter's inputs: int64 trees, float32 scores, finite trie scores; other dtypes
+        # take the ops below, which promote them)
         from structspec.kernels.tree_union import union_trees_kernel
 
         return union_trees_kernel(ngram_tokens, ngram_parents, ngram_scores, eagle_tokens,

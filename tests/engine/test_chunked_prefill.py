@@ -21,7 +21,7 @@ from structspec.config import EngineConfig, SchedulerConfig, resolve_engine_conf
 from structspec.constraints import JsonSchemaConstraint
 from structspec.scheduler.chunked_prefill import ChunkBudget, PrefillChunk
 
-from .conftest import PERSON_SCHEMA
+from .conftest import PERSON_SCHEMA, feature_drafters
 from .test_prefix_cache import QUESTIONS, SYSTEM, assert_no_leak
 
 BUDGET = 16  # tokens per chunk: the prompts below take 4 to 25 chunks
@@ -76,7 +76,7 @@ def _params() -> list[SamplingParams]:
     return [plain, schema, plain, schema]
 
 
-@pytest.mark.parametrize("drafter", ["none", "ngram", "draft_model", "eagle", "ngram_eagle"])
+@pytest.mark.parametrize("drafter", feature_drafters())
 def test_greedy_same_with_and_without_chunking(make_llm, tiny_model_dir: str,
                                               tiny_drafters: dict, drafter: str,
                                               monkeypatch: pytest.MonkeyPatch) -> None:

@@ -78,7 +78,8 @@ def _same_as(reference: list[Any], got: list[Any]) -> None:
         assert b.token_ids == a.token_ids and b.finish_reason == a.finish_reason
 
 
-@pytest.mark.parametrize("where", ["propose", "on_verified"])
+# on_verified under -m slow: the same containment path as propose (the suite's time budget)
+@pytest.mark.parametrize("where", ["propose", pytest.param("on_verified", marks=pytest.mark.slow)])
 def test_drafter_failing_for_one_request_costs_no_request(
         faulty_llm: Any, reference: list[Any], where: str) -> None:
     """The drafter raises whenever request 2 is in its call. ``propose``: the batched call
@@ -154,7 +155,8 @@ def _poison(runner: Any, method: str, monkeypatch: pytest.MonkeyPatch,
     return hit
 
 
-@pytest.mark.parametrize("sampling", [False, True])
+# greedy under -m slow: the sampled run goes through the same NaN check plus the sampler
+@pytest.mark.parametrize("sampling", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_nan_logits_end_only_their_request(make_llm: Callable[..., Any], reference: list[Any],
                                            sampling: bool,
                                            monkeypatch: pytest.MonkeyPatch) -> None:

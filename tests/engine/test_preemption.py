@@ -21,7 +21,7 @@ from structspec import SamplingParams
 from structspec.constraints import JsonSchemaConstraint
 from structspec.core import RequestError
 
-from .conftest import PERSON_SCHEMA, PROMPTS
+from .conftest import PERSON_SCHEMA, PROMPTS, feature_drafters
 from .test_prefix_cache import assert_no_leak
 
 #: KV of the small engine: 6 pages of 16 tokens. Each request below needs up to ~65 tokens
@@ -61,7 +61,7 @@ def _run_streaming(llm: Any, prompts: list[str], params: list[SamplingParams],
     return {r: done[r] for r in rids}, streamed
 
 
-@pytest.mark.parametrize("drafter", ["none", "ngram", "draft_model", "eagle", "ngram_eagle"])
+@pytest.mark.parametrize("drafter", feature_drafters())
 def test_oversubscribed_kv_completes_with_the_same_outputs(make_llm, tiny_model_dir: str,
                                                            tiny_drafters: dict,
                                                            drafter: str) -> None:

@@ -16,7 +16,7 @@ import torch
 from structspec import SamplingParams
 from structspec.constraints import JsonSchemaConstraint
 
-from .conftest import PERSON_SCHEMA
+from .conftest import PERSON_SCHEMA, feature_drafters
 
 SYSTEM = ("You are a careful assistant for a shop. Answer in one short line, use plain words, "
           "never invent prices, and ask for the order number when it is missing. ") * 2
@@ -76,7 +76,7 @@ def assert_cached_kv_is_prompt_kv(llm: Any, prompt_ids: list[int]) -> None:
         alloc.free(hits)
 
 
-@pytest.mark.parametrize("drafter", ["none", "ngram", "draft_model", "eagle", "ngram_eagle"])
+@pytest.mark.parametrize("drafter", feature_drafters())
 def test_greedy_same_with_and_without_prefix_cache(make_llm, tiny_model_dir: str,
                                                    tiny_drafters: dict, drafter: str) -> None:
     kw = dict(model=tiny_model_dir, **tiny_drafters[drafter])

@@ -57,6 +57,7 @@ def test_spec_on_equals_spec_off_up_to_near_ties(make_llm, mode: str) -> None:
         assert set(json.loads(want[1].text)) == {"name", "age", "city"}
 
 
+@pytest.mark.slow  # ~20 s on 2 cores (two engines); the int4 / fp16 layers are checked in tests/layers
 def test_quantized_model_layers_and_teacher_forced_agreement(make_llm) -> None:
     """int4 (the CPU default) against float32 on the float32 path's own greedy tokens."""
     from structspec.training.features import TargetFeatureExtractor

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
+
 from structspec import SamplingParams
 
 
@@ -47,6 +49,7 @@ def test_tree_sampling_matches_target_distribution(make_llm, tiny_model_dir: str
 PENALTIES = dict(repetition_penalty=0.7, presence_penalty=-0.5)
 
 
+@pytest.mark.slow  # ~11 s on 2 cores; penalised greedy verify is lossless in test_spec_penalties
 def test_tree_sampling_with_penalties_matches_penalised_target(make_llm,
                                                                tiny_model_dir: str) -> None:
     """With penalties every tree row is sampled from the distribution penalised for its own

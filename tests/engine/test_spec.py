@@ -414,6 +414,7 @@ class _ArrivedCopy:
         self._log.append("resolve")
 
 
+@pytest.mark.slow  # ~28 s on 2 cores; the pooled build test below covers the mask workers
 def test_device_tree_with_mirrors_matches_in_process_and_texts_after_the_verdicts(
         in_process_outputs, monkeypatch: pytest.MonkeyPatch) -> None:
     """A device tree (the shipped EAGLE head's, its D2H copy simulated) with the mask workers'

@@ -68,3 +68,14 @@ def test_union_kernel_refuses_trees_past_its_tiles(dev: torch.device) -> None:
     big = torch.zeros((1, 65), dtype=torch.int64, device=dev)
     with pytest.raises(ValueError, match="65 nodes"):
         union_trees_kernel(big, big, big.float(), big, big, big, big.float(), max_depth=2)
+
+
+def test_other_dtypes_take_the_torch_merge(dev: torch.device) -> None:
+    # the kernel reads int64 trees and float32 scores; int32 trees / float64 scores (a caller
+    # other than the drafter) go to the torch ops, which give the int64 / float32 result
+    rng = random.Random(7)
+    args = _batch(rng, 3, 8, 4, 3, dev, special=False)
+    ref = _reference(*args, max_depth=4)
+    narrow = tuple(t.to(torch.int32) if t.dtype == torch.int64 else t.double() for t in args)
+    got = union_trees(*narrow, max_depth=4)
+    assert torch.equal(got[0].cpu(), ref[0].cpu()) and torch.equal(got[1].cpu(), ref[1].cpu())

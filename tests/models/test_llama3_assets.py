@@ -187,6 +187,7 @@ def test_dummy_engine_generates_schema_valid_json(tiny_llm: Any) -> None:
         jsonschema.validate(json.loads(out.text), SCHEMA)
 
 
+@pytest.mark.slow  # ~6 s on 2 cores; the Llama-3 vocabulary's grammar and engine tests stay
 def test_dummy_draft_model_with_llama3_tokenizer(tiny_llama3_dir: Path, tiny_llm: Any) -> None:
     """``speculative_algorithm="draft_model"`` loads its draft with ``load_format="dummy"`` too;
     a draft from the target's own directory and seed is the target (same seed, same random

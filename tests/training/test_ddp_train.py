@@ -85,6 +85,7 @@ def test_launch_checks(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
         train_eagle(TrainEagleConfig(out=str(tmp_path), stage="train"))
 
 
+@pytest.mark.slow  # ~13 s on 2 cores: two torch.distributed processes
 def test_two_processes_equal_one_with_accumulation_and_resume(
         small_dir: Path, small_seqs: Path, tmp_path: Path) -> None:
     """gloo, 2 processes x 1 batch a step == 1 process x 2 accumulated batches: the same
