@@ -206,12 +206,15 @@ def test_grammar_advance_and_stops_same_as_unchunked(make_llm, tiny_model_dir: s
 def test_abort_mid_prefill_frees_everything(make_llm, tiny_model_dir: str) -> None:
     llm = chunked_llm(make_llm, model=tiny_model_dir)
     engine, sched = llm.engine, llm.engine.scheduler
-    rid = engine.add_request(LONG, SamplingParams(max_tokens=4), raw_prompt=True)
-    engine.step()
-    assert sched.chunks.prefilling and sched.requests[rid].seq_len == BUDGET
-    assert engine.stats()["num_prefilling"] == 1 and engine.stats()["num_running"] == 0
-    assert engine.abort_request(rid)
-    outs = [o for _ in range(2) for o in engine.step()]
+    # a cold prefill: the shared engine may hold LONG's prefix from an earlier test (its first
+    # step then starts past the cached pages)
+    with no_prefix_cache(llm):
+        rid = engine.add_request(LONG, SamplingParams(max_tokens=4), raw_prompt=True)
+        engine.step()
+        assert sched.chunks.prefilling and sched.requests[rid].seq_len == BUDGET
+        assert engine.stats()["num_prefilling"] == 1 and engine.stats()["num_running"] == 0
+        assert engine.abort_request(rid)
+        outs = [o for _ in range(2) for o in engine.step()]
     assert [o.finish_reason for o in outs if o.request_id == rid] == [FinishReason.ABORT]
     assert not sched.chunks.prefilling and not engine.has_unfinished_requests()
     assert_no_leak(llm)
