@@ -134,6 +134,7 @@ class TreeDrafter(Drafter):
 
     Raises:
         ValueError: ``topk`` or ``depth`` below 1, or ``max_accept_drafts`` below ``depth``.
+        TypeError: ``max_accept_drafts`` not an int.
     """
 
     tree_on_host = False
@@ -154,6 +155,9 @@ class TreeDrafter(Drafter):
         super().__init__(spec.num_draft_tokens)
         if spec.topk < 1 or spec.depth < 1:
             raise ValueError(f"topk ({spec.topk}) and depth ({spec.depth}) must be >= 1")
+        if max_accept_drafts is not None and (not isinstance(max_accept_drafts, int)
+                                              or isinstance(max_accept_drafts, bool)):
+            raise TypeError(f"max_accept_drafts={max_accept_drafts!r}: expected an int")
         if max_accept_drafts is not None and max_accept_drafts < spec.depth:
             raise ValueError(f"max_accept_drafts ({max_accept_drafts}) is below depth "
                              f"({spec.depth}): the drafter's own trees reach depth")

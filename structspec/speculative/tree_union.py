@@ -74,9 +74,17 @@ def union_trees(
         nodes best first, then padding (-1 token, parent 0); parents precede children. Feed
         them to :meth:`~structspec.draft_tree.layout.VerifyTree.from_parents`.
 
+    Integer trees of any width and floating scores of any precision are promoted to int64 /
+    float32 first (no copies for the drafter's own inputs).
+
     Raises:
-        ValueError: the ``[B, N]`` inputs differ in shape.
+        ValueError: ``ngram_tokens`` not ``[B, N]`` with ``N >= 1``, the inputs differ in
+            shape, or ``max_depth`` below 0.
     """
+    if ngram_tokens.dim() != 2 or ngram_tokens.shape[1] < 1:
+        raise ValueError(f"ngram_tokens {tuple(ngram_tokens.shape)}: expected [B, N], N >= 1")
+    if max_depth < 0:
+        raise ValueError(f"max_depth={max_depth}: expected >= 0")
     shape = ngram_tokens.shape
     for name, t in (("ngram_parents", ngram_parents), ("ngram_scores", ngram_scores),
                     ("eagle_tokens", eagle_tokens), ("eagle_parents", eagle_parents),
@@ -84,14 +92,13 @@ def union_trees(
         if t.shape != shape:
             raise ValueError(f"{name} {tuple(t.shape)} differs from ngram_tokens "
                              f"{tuple(shape)}")
+    ngram_tokens, ngram_parents, eagle_tokens, eagle_parents, eagle_depth = (
+        t.long() for t in (ngram_tokens, ngram_parents, eagle_tokens, eagle_parents, eagle_depth))
+    ngram_scores, eagle_scores = ngram_scores.float(), eagle_scores.float()
     bsz, n = shape
-    kernel_dtypes = (all(t.dtype == torch.int64 for t in (ngram_tokens, ngram_parents,
-                                                          eagle_tokens, eagle_parents, eagle_depth))
-                     and ngram_scores.dtype == eagle_scores.dtype == torch.float32)
-    if index_kernels_usable(ngram_tokens) and n <= UNION_MAX_NODES and kernel_dtypes:
+    if index_kernels_usable(ngram_tokens) and n <= UNION_MAX_NODES:
         # one launch where the ops below are ~130 (kernels/tree_union.py; equal results for
-        # the drafter's inputs: int64 trees, float32 scores, finite trie scores; other dtypes
-        # take the ops below, which promote them)
+        # the drafter's inputs, whose trie scores are finite)
         from structspec.kernels.tree_union import union_trees_kernel
 
         return union_trees_kernel(ngram_tokens, ngram_parents, ngram_scores, eagle_tokens,

@@ -70,12 +70,25 @@ def test_union_kernel_refuses_trees_past_its_tiles(dev: torch.device) -> None:
         union_trees_kernel(big, big, big.float(), big, big, big, big.float(), max_depth=2)
 
 
-def test_other_dtypes_take_the_torch_merge(dev: torch.device) -> None:
-    # the kernel reads int64 trees and float32 scores; int32 trees / float64 scores (a caller
-    # other than the drafter) go to the torch ops, which give the int64 / float32 result
+@pytest.mark.parametrize("torch_ops", [False, True])
+def test_other_dtypes_are_promoted(dev: torch.device, torch_ops: bool) -> None:
+    # int32 trees / float64 scores (a caller other than the drafter) give the int64 / float32
+    # inputs' result, through the kernel and through the torch ops
     rng = random.Random(7)
     args = _batch(rng, 3, 8, 4, 3, dev, special=False)
     ref = _reference(*args, max_depth=4)
     narrow = tuple(t.to(torch.int32) if t.dtype == torch.int64 else t.double() for t in args)
-    got = union_trees(*narrow, max_depth=4)
+    got = _reference(*narrow, max_depth=4) if torch_ops else union_trees(*narrow, max_depth=4)
+    assert got[0].dtype == got[1].dtype == torch.int64
     assert torch.equal(got[0].cpu(), ref[0].cpu()) and torch.equal(got[1].cpu(), ref[1].cpu())
+
+
+def test_bad_shapes_and_depth_are_refused() -> None:
+    t = torch.zeros((2, 4), dtype=torch.int64)
+    f = t.float()
+    for bad, match in ((torch.zeros(4, dtype=torch.int64), "expected \\[B, N\\]"),
+                       (torch.zeros((2, 0), dtype=torch.int64), "N >= 1")):
+        with pytest.raises(ValueError, match=match):
+            union_trees(bad, bad, bad.float(), bad, bad, bad, bad.float(), max_depth=2)
+    with pytest.raises(ValueError, match="max_depth=-1"):
+        union_trees(t, t, f, t, t, t, f, max_depth=-1)

@@ -488,6 +488,7 @@ def test_catch_up_width_covers_the_deepest_accepted_run(runner: ModelRunner,
     assert combined.eagle.short_catch_up == (8 - 1) + 2
     assert make_drafter(runner, head_dir, num_draft_tokens=8, depth=3,
                         topk=2).short_catch_up == 3 + 2
-    with pytest.raises(ValueError, match="max_accept_drafts"):
-        EagleDrafter(spec, target=runner, device=CPU, dtype=torch.float32, num_pages=80,
-                     max_accept_drafts=2)
+    for bad, error in ((2, ValueError), (0, ValueError), (4.5, TypeError), (True, TypeError)):
+        with pytest.raises(error, match="max_accept_drafts"):
+            EagleDrafter(spec, target=runner, device=CPU, dtype=torch.float32, num_pages=80,
+                         max_accept_drafts=bad)

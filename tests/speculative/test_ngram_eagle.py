@@ -96,6 +96,11 @@ def test_union_matches_the_reference_and_is_a_tree(seed: int) -> None:
     tokens, parents = union_trees(t(0), t(1), t(2, torch.float32), etree.draft_tokens,
                                   etree.parents, etree.depth, t(5, torch.float32),
                                   max_depth=depth)
+    # int32 trees and float64 scores are promoted: the same merge
+    narrow = union_trees(t(0, torch.int32), t(1, torch.int32), t(2, torch.float64),
+                         etree.draft_tokens.int(), etree.parents.int(), etree.depth.int(),
+                         t(5, torch.float64), max_depth=depth)
+    assert torch.equal(narrow[0], tokens) and torch.equal(narrow[1], parents)
     for b, (g, e) in enumerate(rows):
         want = _reference(*g, *e, n)
         assert (tokens[b].tolist(), parents[b].tolist()) == want, b
