@@ -53,6 +53,19 @@ def next_pow2(n: int) -> int:
     return 1 << (max(int(n), 1) - 1).bit_length()
 
 
+def tree_row_tiles(n: int, max_nodes: int) -> tuple[int, int]:
+    """Tile width ``N_PAD`` and warp count of a kernel that lays out one ``n``-node tree per
+    program (:mod:`.draft_tree`'s layout, :mod:`.tree_union`'s merge).
+
+    Raises:
+        ValueError: ``n`` outside ``1..max_nodes``.
+    """
+    if not 1 <= n <= max_nodes:
+        raise ValueError(f"tree of {n} nodes: expected 1..{max_nodes}")
+    n_pad = next_pow2(n)
+    return n_pad, 4 if n_pad <= 32 else 8
+
+
 def _index_kernels_env() -> bool:
     """``STRUCTSPEC_INDEX_KERNELS`` unset or anything but ``0`` / ``false`` / ``off`` / ``no``."""
     value = os.environ.get("STRUCTSPEC_INDEX_KERNELS", "1").strip().lower()

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from structspec.kernels import next_pow2
+from structspec.kernels import next_pow2, tree_row_tiles
 
 MAX_TOPK = 4
 """Largest ``topk`` the expansion kernel unrolls (``topk**2`` rounds per step)."""
@@ -353,15 +353,13 @@ def tree_layout(
         ValueError: ``N`` above :data:`MAX_NODES`.
     """
     bsz, n = draft_tokens.shape
-    if not 1 <= n <= MAX_NODES:
-        raise ValueError(f"tree of {n} nodes: expected 1..{MAX_NODES}")
+    n_pad, num_warps = tree_row_tiles(n, MAX_NODES)
     device = draft_tokens.device
     draft_tokens = draft_tokens.contiguous()
     parents = parents.contiguous()
     outs = [torch.empty((bsz, n), dtype=torch.int64, device=device) for _ in range(4)]
     anc = torch.empty((bsz, n, n), dtype=torch.bool, device=device)
     if bsz:
-        n_pad = next_pow2(n)
         _layout_kernel[(bsz,)](draft_tokens, parents, *outs, anc.view(torch.uint8), n,
-                               N_PAD=n_pad, num_warps=4 if n_pad <= 32 else 8)
+                               N_PAD=n_pad, num_warps=num_warps)
     return outs[0], outs[1], outs[2], outs[3], anc

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from structspec.kernels import next_pow2
+from structspec.kernels import tree_row_tiles
 
 MAX_NODES = 64
 """Largest tree the kernel merges (``[N, N]`` tiles per program; larger trees keep the torch
@@ -128,15 +128,13 @@ def union_trees_kernel(
         ValueError: ``N`` above :data:`MAX_NODES`.
     """
     bsz, n = ngram_tokens.shape
-    if not 1 <= n <= MAX_NODES:
-        raise ValueError(f"tree of {n} nodes: expected 1..{MAX_NODES}")
+    n_pad, num_warps = tree_row_tiles(n, MAX_NODES)
     device = ngram_tokens.device
     ins = [t.contiguous() for t in (ngram_tokens, ngram_parents, ngram_scores, eagle_tokens,
                                      eagle_parents, eagle_depth, eagle_scores)]
     tokens = torch.empty((bsz, n), dtype=torch.int64, device=device)
     parents = torch.empty((bsz, n), dtype=torch.int64, device=device)
     if bsz:
-        n_pad = next_pow2(n)
         _union_kernel[(bsz,)](*ins, tokens, parents, n, N_PAD=n_pad, MAX_DEPTH=max_depth,
-                              num_warps=4 if n_pad <= 32 else 8)
+                              num_warps=num_warps)
     return tokens, parents

@@ -145,8 +145,6 @@ def feature_drafters() -> list[Any]:
     device tree and stored target features) in the default suite; the draft-model and
     combined drafters under ``-m slow`` (the suite's 10-minute budget on 2 cores; their
     speculation-on against -off outputs are checked in ``test_spec.py`` by default)."""
-    import pytest
-
     return [pytest.param(d, marks=pytest.mark.slow) if d in ("draft_model", "ngram_eagle")
             else d for d in ("none", "ngram", "draft_model", "eagle", "ngram_eagle")]
 
