@@ -146,10 +146,6 @@ def _grammar_backend(config: EngineConfig, tokenizer_hf: Any, *, vocab_size: int
                      config=config.grammar)
     return SelectingBackend(mode, xgrammar=xgr_backend, llguidance=llg)
 
-"""Longest wait for the grammar compile processes at engine start (then a warning, and
-compiles wait for them under their own time limits)."""
-
-
 def _fit_to_kv(runner: ModelRunner, config: EngineConfig, max_model_len: int) -> int:
     """``max_model_len``, lowered so that one request fits in the KV cache with its draft
     tree (:meth:`Scheduler.add`): a longer context could only be refused per request, so

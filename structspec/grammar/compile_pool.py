@@ -272,11 +272,16 @@ class CompilePool:
 
         ours, theirs = socket.socketpair()
         self._zygote = subprocess.Popen(
-            [sys.executable, "-m", _WORKER_MODULE, str(theirs.fileno())],
-            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+            self._zygote_command(theirs.fileno()), pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL)
         theirs.close()
         self._zygote_conn = Connection(ours.detach())
         self._zygote_conn.send(self._init)
+
+    def _zygote_command(self, fd: int) -> list[str]:
+        """The zygote's command line, given the file descriptor of its socket end (a
+        method so that tests can start a slower zygote)."""
+        return [sys.executable, "-m", _WORKER_MODULE, str(fd)]
 
     def _step(self) -> None:
         now = time.perf_counter()
@@ -299,7 +304,8 @@ class CompilePool:
 
     def _next_event(self, now: float) -> float:
         with self._lock:
-            times = [j.deadline for q in self._queues.values() for j in q]
+            times = [j.deadline for q in self._queues.values() for j in q
+                     if self._may_expire_queued(j)]
             for w in self._workers:
                 if w.job is not None:
                     times.append(w.job.deadline)
@@ -307,11 +313,19 @@ class CompilePool:
                         times.append(w.job.started_at + self._slice_s)
         return min([_MAX_WAIT_S] + [max(0.0, t - now) + 0.001 for t in times])
 
+    def _may_expire_queued(self, job: CompileJob) -> bool:
+        """Whether a queued job's deadline runs: a cancelled job always, others only once
+        the zygote is ready. Budgets count from ``ready_at`` (:meth:`_on_zygote` moves them
+        then), so a job queued during a start slower than its limit must not be failed by
+        its first deadline before that move: it was, and valid grammars got
+        ``grammar_too_complex`` on a loaded 2-core machine whose zygote took 3.3 s."""
+        return job.cancelled or self.ready_at is not None
+
     def _enforce_deadlines(self, now: float) -> None:
         with self._lock:
             expired = []
             for q in self._queues.values():
-                for job in [j for j in q if now >= j.deadline]:
+                for job in [j for j in q if now >= j.deadline and self._may_expire_queued(j)]:
                     q.remove(job)
                     expired.append(job)
         for job in expired:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -20,7 +21,7 @@ from structspec.constraints import (
     RegexConstraint,
 )
 from structspec.grammar import GrammarBackend, GrammarError
-from structspec.grammar.compile_pool import GENERAL, SMALL
+from structspec.grammar.compile_pool import GENERAL, SMALL, CompilePool
 from structspec.grammar.limits import find_limit_problem
 from structspec.grammar.satisfiable import find_unsatisfiable
 from structspec.regex_check import find_regex_problem
@@ -132,6 +133,43 @@ def test_small_lane_job_past_its_slice_moves_on(hf_tokenizer: Any) -> None:
         assert isinstance(slow.result(timeout=60), xgr.CompiledGrammar)
     finally:
         b.shutdown()
+
+
+class SlowStartPool(CompilePool):
+    """A compile pool whose zygote starts ``SLOW_START_S`` late (a loaded machine)."""
+
+    SLOW_START_S = 2.5
+
+    def _zygote_command(self, fd: int) -> list[str]:
+        return [sys.executable, "-c",
+                f"import sys, time; time.sleep({self.SLOW_START_S}); "
+                "from structspec.grammar.compile_worker import main; main(sys.argv[1:])",
+                str(fd)]
+
+
+def test_budget_of_a_job_queued_during_a_slow_start_counts_from_ready(hf_tokenizer: Any) -> None:
+    """A job submitted before the compile processes are ready, with a limit shorter than their
+    start, still compiles: its budget counts from ``ready_at``. (The dispatcher once expired
+    such jobs at their first deadline, before it moved them: CI saw valid regex requests
+    refused as ``grammar_too_complex``.)"""
+    info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=len(hf_tokenizer),
+                                              stop_token_ids=[2])
+    pool = SlowStartPool(info.serialize_json(), vocab_size=len(hf_tokenizer),
+                         stop_token_ids=[2], any_whitespace=False, general_workers=1,
+                         small_workers=1, small_slice_s=2.0)
+    try:
+        limit_s = 0.5
+        submitted = time.perf_counter()
+        jobs = [pool.submit(RegexConstraint(r"(yes|no), [0-9]{1,2}"), small=True,
+                            deadline=submitted + limit_s, limit_s=limit_s),
+                pool.submit(ChoiceConstraint(("a", "b")), small=False,
+                            deadline=submitted + limit_s, limit_s=limit_s)]
+        for job in jobs:
+            assert isinstance(job.future.result(timeout=60), float)  # compile seconds
+        assert pool.ready_at is not None
+        assert pool.ready_at - submitted >= SlowStartPool.SLOW_START_S - 0.1
+    finally:
+        pool.close()
 
 
 # ---------------------------------------------------------------------------------- limits
