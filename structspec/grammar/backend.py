@@ -272,11 +272,9 @@ class GrammarBackend:
         except (ValueError, TypeError) as e:
             return failed(GrammarError(str(e), param=param))
         with self._lock:
-            entry = self._cache.get(key)
+            entry = self._joinable(key, now + limit_s)
             if entry is not None:
                 self._cache.move_to_end(key)
-                if entry.job is not None and not entry.accepted:
-                    self.pool.extend(entry.job, now + limit_s)
                 return GrammarFuture(entry, timeout_s=limit_s, submitted_at=now, kind=kind,
                                      pool=self.pool)
         # up front: not cached (cheap to repeat; a refused 4 MB text would hold cache memory)
@@ -284,7 +282,7 @@ class GrammarBackend:
         if error is not None:
             return failed(error)
         with self._lock:
-            entry = self._cache.get(key)
+            entry = self._joinable(key, now + limit_s)
             if entry is None:
                 entry = _Entry(submitted_at=now)
                 entry.job = self.pool.submit(spec, small=is_small(text, self.config),
@@ -347,6 +345,16 @@ class GrammarBackend:
         self._finalizer()
 
     # -- internals ----------------------------------------------------------------------
+
+    def _joinable(self, key: CacheKey, deadline: float) -> _Entry | None:
+        """The cached entry of ``key`` a new request may share (with the lock held): a
+        finished one, or one whose worker compile now runs until ``deadline`` at least.
+        None when there is none, or when its compile is past its deadline and being stopped
+        (sharing it would fail the new request on a budget it never had)."""
+        entry = self._cache.get(key)
+        if entry is None or entry.job is None or entry.accepted:
+            return entry
+        return entry if self.pool.extend(entry.job, deadline) else None
 
     @staticmethod
     def _key(spec: GrammarConstraint, text: str) -> CacheKey:

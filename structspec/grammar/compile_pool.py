@@ -181,11 +181,21 @@ class CompilePool:
         self._wake()
         return job
 
-    def extend(self, job: CompileJob, deadline: float) -> None:
-        """Let ``job`` run until ``deadline`` if that is later (another request joined it)."""
+    def extend(self, job: CompileJob, deadline: float) -> bool:
+        """Let ``job`` run until ``deadline`` if that is later (another request joined it).
+
+        Returns False, moving nothing, when the job is done, cancelled or already past its
+        deadline: the dispatcher fails it (it may have taken it off its queue already), so
+        the joining request must start a compile of its own instead of sharing that
+        failure."""
         with self._lock:
-            if not job.cancelled:
-                job.deadline = max(job.deadline, deadline)
+            if job.cancelled or job.future.done():
+                return False
+            if time.perf_counter() >= job.deadline and (job.started_at is not None
+                                                        or self._may_expire_queued(job)):
+                return False
+            job.deadline = max(job.deadline, deadline)
+            return True
 
     def cancel(self, jobs: Sequence[CompileJob]) -> None:
         """Stop ``jobs`` without closing the pool (their backend shut down while other

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import time
 from typing import Any
@@ -123,24 +124,33 @@ def test_kinds_accept_what_they_should(backend: GrammarBackend) -> None:
 
 
 def test_timeout_expired_and_dedupe(hf_tokenizer: Any) -> None:
-    """A request's budget counts from its submission, queue wait included; a waiter that
-    joins an in-flight compile shares it; the timeout error names the real limit."""
+    """Once the compile processes are up, a request's budget counts from its submission,
+    queue wait included; a waiter that joins an in-flight compile shares it; the timeout error
+    names the real limit; a limit spent in the queue is not cached against the grammar."""
     b = GrammarBackend(hf_tokenizer, vocab_size=len(hf_tokenizer), stop_token_ids=[STOP_ID],
-                       config=GrammarConfig(compile_timeout_s=0.05, num_compile_threads=1,
+                       config=GrammarConfig(compile_timeout_s=60, num_compile_threads=1,
                                             num_small_compile_workers=0))
-    spec = RegexConstraint("slow[0-9]+")
-    fut = b.submit(spec)  # the workers are still starting: it can only wait in the queue
-    twin = b.submit(spec)
-    assert twin._entry is fut._entry and b.cache_size() == 1  # in-flight dedupe
-    assert not fut.done() and not fut.expired(time.perf_counter())
-    with pytest.raises(GrammarError, match=r"within the 0.05 s limit") as info:
-        fut.result()
-    assert info.value.param == "regex" and info.value.code == "grammar_too_complex"
-    assert fut.expired(time.perf_counter()) or fut.done()
-    # a time limit spent waiting in a queue is not cached against the grammar
-    b.config = GrammarConfig(compile_timeout_s=60, num_compile_threads=1)
-    assert isinstance(b.submit(spec).result(timeout=60), xgr.CompiledGrammar)
-    b.shutdown()
+    try:
+        b.compile(ChoiceConstraint(("warm",)), timeout=120)  # the processes are up
+        # holds the one worker for seconds (1,000 properties: ~7 s on a 2-core VM)
+        blocker = b.submit(JsonSchemaConstraint({"type": "object", "properties": {
+            f"p{i}": {"type": "integer"} for i in range(1000)}}, strict=False))
+        b.config = dataclasses.replace(b.config, compile_timeout_s=0.3)
+        spec = RegexConstraint("slow[0-9]+")
+        fut = b.submit(spec)  # it can only wait in the queue behind the blocker
+        twin = b.submit(spec)
+        assert twin._entry is fut._entry and b.cache_size() == 3  # in-flight dedupe
+        assert not fut.done() and not fut.expired(time.perf_counter())
+        with pytest.raises(GrammarError, match=r"within the 0.3 s limit") as info:
+            fut.result()
+        assert info.value.param == "regex" and info.value.code == "grammar_too_complex"
+        assert fut.expired(time.perf_counter()) or fut.done()
+        assert blocker._entry.job is not None
+        b.pool.cancel([blocker._entry.job])  # frees the worker
+        b.config = dataclasses.replace(b.config, compile_timeout_s=60)
+        assert isinstance(b.submit(spec).result(timeout=60), xgr.CompiledGrammar)
+    finally:
+        b.shutdown()
 
 
 def test_lru_bound(hf_tokenizer: Any) -> None:

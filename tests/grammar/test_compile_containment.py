@@ -164,10 +164,19 @@ def test_budget_of_a_job_queued_during_a_slow_start_counts_from_ready(hf_tokeniz
                             deadline=submitted + limit_s, limit_s=limit_s),
                 pool.submit(ChoiceConstraint(("a", "b")), small=False,
                             deadline=submitted + limit_s, limit_s=limit_s)]
+        time.sleep(limit_s)
+        assert pool.ready_at is None  # past its first deadline, still starting: joinable
+        assert pool.extend(jobs[0], time.perf_counter() + limit_s)
         for job in jobs:
             assert isinstance(job.future.result(timeout=60), float)  # compile seconds
         assert pool.ready_at is not None
         assert pool.ready_at - submitted >= SlowStartPool.SLOW_START_S - 0.1
+        assert not pool.extend(jobs[0], time.perf_counter() + 60)  # done: not joinable
+        late = pool.submit(ChoiceConstraint(("c",)), small=True,
+                           deadline=time.perf_counter() - 1, limit_s=limit_s)
+        assert not pool.extend(late, time.perf_counter() + 60)  # past its deadline
+        with pytest.raises(GrammarError, match="within the 0.5 s limit"):
+            late.future.result(timeout=30)
     finally:
         pool.close()
 
