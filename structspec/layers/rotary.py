@@ -22,7 +22,7 @@ SUPPORTED_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn", "dynami
 
 
 def _base_inv_freq(base: float, dim: int) -> torch.Tensor:
-    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
 
 
 def _llama3(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
@@ -63,8 +63,9 @@ def _yarn(base: float, dim: int, max_pos: int, p: dict[str, Any]) -> tuple[torch
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    ramp = torch.clamp(
+        (torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
     extra, inter = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
     extra_factor = 1 - ramp
     return inter * (1 - extra_factor) + extra * extra_factor, float(attn_factor)
@@ -120,8 +121,11 @@ class RotaryEmbedding(nn.Module):
             head_dim=head_dim, rope_theta=rope_theta,
             max_position_embeddings=max_position_embeddings, rope_scaling=rope_scaling,
         )
+        # computed on CPU, then placed on the default device (meta while a model is built):
+        # torch's meta-device decompositions of these ops import torch._dynamo (seconds)
         inv_freq, self.attention_scaling = compute_inv_freq(**self._args)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", inv_freq.to(torch.get_default_device()),
+                             persistent=False)
 
     def reset_inv_freq(self) -> None:
         """Recompute ``inv_freq`` in float32 on the buffer's current device."""

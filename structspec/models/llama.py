@@ -214,7 +214,13 @@ class LlamaForCausalLM(nn.Module):
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported (only 'silu')")
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # nn.Embedding's own init, but skipped on the meta device (the loader builds there and
+        # fills the weight): its normal_ there imports torch._dynamo, seconds of every engine
+        # process's start
+        weight = torch.empty(config.vocab_size, config.hidden_size)
+        if not weight.is_meta:
+            nn.init.normal_(weight)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)
         )

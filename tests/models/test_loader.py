@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -104,3 +106,16 @@ def test_weight_errors(ckpt: tuple[LlamaForCausalLM, Path]) -> None:
     weights.unlink()
     with pytest.raises(FileNotFoundError, match=r"no \*.safetensors weights"):
         load_model(str(path), device=CPU, dtype=torch.float32)
+
+
+def test_building_a_model_does_not_import_dynamo(ckpt: tuple[LlamaForCausalLM, Path]) -> None:
+    """Loading builds the model on the meta device; a meta-device op without a meta kernel
+    (nn.Embedding's normal_ init, the rotary frequencies) imports torch._dynamo there, which
+    cost every engine process 2-4 s of its start. The load runs in a fresh interpreter."""
+    code = ("import sys, torch\n"
+            "from structspec.models.loader import load_model\n"
+            f"load_model({str(ckpt[1])!r}, device=torch.device('cpu'), dtype=torch.float32)\n"
+            "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo'))[:3])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
