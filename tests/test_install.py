@@ -25,6 +25,16 @@ def test_every_editable_install_command_uses_compat_mode() -> None:
         assert all(COMPAT in c for c in commands), (path, commands)
 
 
+def test_ci_runs_the_readme_test_command() -> None:
+    """CI (.ci/run) runs exactly the README's "Run the tests" command, workers included."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("Run the tests:", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    ci_lines = [line for line in (ROOT / ".ci" / "run").read_text().splitlines()
+                if line and not line.startswith(("#", "set ", "cd "))]
+    assert ci_lines == [block.strip()]
+    assert "-n 2" in block  # the suite's time budget assumes its two workers
+
+
 @pytest.mark.slow
 def test_compat_editable_install_imports_from_a_folder_holding_the_checkout(
         tmp_path: Path) -> None:
