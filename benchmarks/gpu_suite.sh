@@ -33,6 +33,10 @@
 #   union_ab  issue 18: the ngram_eagle merge as torch ops vs the Triton kernel
 #             (kernels/tree_union.py), MaskBench batch 1 and 64 back to back in one process
 #             order (torch first: the first run on a fresh machine also pays Triton's JIT cache)
+#   combo_width  issue 18: ngram_eagle on MaskBench (120 schemas, greedy, N=8, 512 tokens) with
+#             EAGLE's catch-up width at depth + 2 (narrow: the seventh run's) and at N + 1 (wide:
+#             max_accept_drafts = N - 1, the eighth run's fix), batch 64 and 1, back to back
+#             (COMBO_BS picks the batch sizes; ~7 min)
 #   host_step_combo  issue 18: host_step_cost for ngram_eagle + JSON (its parts: trie, EAGLE
 #             propose, merge) and eagle + JSON (~3 min)
 #   keyed_graphs  the keyed graphs (runner/keyed_graphs.py: EAGLE feature store, ngram_eagle
@@ -131,6 +135,24 @@ if '$v' == 'torch':
 sys.argv = ['maskbench_e2e.py', '--device', 'cuda', '--speculative-algorithm', 'ngram_eagle',
             '--limit', '120', '--max-tokens', '512', '--skip-slow-compile',
             '--max-batch-size', '$bs', '--out', '$OUT/union_${v}_bs${bs}.jsonl']
+runpy.run_path('benchmarks/maskbench_e2e.py', run_name='__main__')"
+    done; done ;;
+  combo_width)
+    warm_triton
+    for bs in ${COMBO_BS:-64 1}; do for w in narrow wide; do
+      # narrow: every TreeDrafter built with max_accept_drafts=None (catch-up width depth + 2)
+      run "width_${w}_bs${bs}" 150 python3 -c "
+import runpy, sys
+import structspec.speculative.tree_drafter as td
+if '$w' == 'narrow':
+    init = td.TreeDrafter.__init__
+    def narrow(self, *a, **k):
+        k['max_accept_drafts'] = None
+        init(self, *a, **k)
+    td.TreeDrafter.__init__ = narrow
+sys.argv = ['maskbench_e2e.py', '--device', 'cuda', '--speculative-algorithm', 'ngram_eagle',
+            '--limit', '120', '--max-tokens', '512', '--skip-slow-compile',
+            '--max-batch-size', '$bs', '--out', '$OUT/width_${w}_bs${bs}.jsonl']
 runpy.run_path('benchmarks/maskbench_e2e.py', run_name='__main__')"
     done; done ;;
   host_step_combo)

@@ -17,6 +17,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+#: Host trees of batches up to this size are laid out in plain Python
+#: (:meth:`VerifyTree._from_parents_lists`: cost ~ ``B * N``), larger ones in numpy (~ ``N``
+#: numpy passes); the crossover measured on a 2-core EPYC VM lies at batch 8-16 for N = 8 and
+#: 16 (benchmarks/README.md, "Host tree layout at small batch").
+HOST_LIST_LAYOUT_MAX_BATCH = 8
+#: bit ``j`` of an ancestor bitset is node ``j``
+_BIT_INDEX = np.arange(64, dtype=np.uint64)
+
 
 @dataclass
 class VerifyTree:
@@ -125,9 +133,62 @@ class VerifyTree:
 
     @classmethod
     def _from_parents_host(cls, draft_tokens: torch.Tensor, parents: torch.Tensor) -> VerifyTree:
-        """:meth:`from_parents` for host tensors, in numpy: one pass per tree column instead
-        of ``[B, N, N]`` torch reductions (the n-gram drafter builds its trees on the host
-        every step, where torch's small CPU ops cost ~ms at batch 32)."""
+        """:meth:`from_parents` for host tensors (the n-gram drafter builds its trees on the
+        host every step, where torch's small CPU ops cost ~ms at batch 32): small batches in
+        plain Python (:meth:`_from_parents_lists`), larger ones in numpy, one pass per tree
+        column (:meth:`_from_parents_numpy`). Both give the torch path's layout."""
+        bsz, n = draft_tokens.shape
+        if bsz <= HOST_LIST_LAYOUT_MAX_BATCH and n <= 64:
+            return cls._from_parents_lists(draft_tokens, parents)
+        return cls._from_parents_numpy(draft_tokens, parents)
+
+    @classmethod
+    def _from_parents_lists(cls, draft_tokens: torch.Tensor,
+                            parents: torch.Tensor) -> VerifyTree:
+        """:meth:`_from_parents_numpy`'s passes over Python lists, each node's ancestors as
+        the bits of one int (``N <= 64``), converted to tensors once. The numpy passes cost
+        ~5 numpy calls per tree column whatever the batch (~140 us for one 8-node tree on
+        a 2-core EPYC VM, most of an n-gram propose at batch 1); these cost a few Python
+        operations per node."""
+        bsz, n = draft_tokens.shape
+        par_rows: list[list[int]] = []
+        anc_rows: list[list[int]] = []
+        depth_rows: list[list[int]] = []
+        next_rows: list[list[int]] = []
+        sib_rows: list[list[int]] = []
+        for toks, pars in zip(draft_tokens.tolist(), parents.tolist(), strict=True):
+            valid = [True] + [t >= 0 for t in toks[1:]]
+            par = [-1] + [p if v else 0 for p, v in zip(pars[1:], valid[1:], strict=True)]
+            anc = [1 << j for j in range(n)]
+            for i in range(1, n):  # parents precede children: each parent's bits are final
+                anc[i] |= anc[max(par[i], 0)]
+            # a real node under a negative parent files under a virtual column n (as numpy)
+            first = [-1] * (n + 1)
+            sib = [-1] * n
+            for c in range(n - 1, 0, -1):
+                if valid[c]:
+                    p = par[c] if par[c] >= 0 else n
+                    sib[c] = first[p]
+                    first[p] = c
+            par_rows.append(par)
+            anc_rows.append(anc)
+            depth_rows.append([a.bit_count() - 1 for a in anc])
+            next_rows.append(first[:n])
+            sib_rows.append(sib)
+        # one conversion for the four int64 fields ([4, B, N]: each [B, N] slice contiguous)
+        fields = torch.from_numpy(np.array([par_rows, depth_rows, next_rows, sib_rows],
+                                           dtype=np.int64).reshape(4, bsz, n))
+        bits = np.array(anc_rows, dtype=np.uint64).reshape(bsz, n, 1)
+        anc_mask = (bits >> _BIT_INDEX[:n]) & np.uint64(1)
+        return cls(draft_tokens=draft_tokens, parents=fields[0], depth=fields[1],
+                   next_token=fields[2], next_sibling=fields[3],
+                   ancestor_mask=torch.from_numpy(anc_mask.astype(bool)))
+
+    @classmethod
+    def _from_parents_numpy(cls, draft_tokens: torch.Tensor,
+                            parents: torch.Tensor) -> VerifyTree:
+        """:meth:`from_parents` for host tensors in numpy: one pass per tree column instead
+        of ``[B, N, N]`` torch reductions."""
         toks = draft_tokens.numpy()
         bsz, n = toks.shape
         valid = toks >= 0

@@ -38,14 +38,16 @@ def test_root_only() -> None:
 
 
 def test_host_and_torch_builds_agree_on_random_trees() -> None:
-    """The numpy host path (n-gram trees) and the torch path (device trees) are one layout,
-    also for a real node whose parent is -1 (numpy's index -1 wrapped to the last node)."""
+    """Both host paths (n-gram trees: plain Python up to batch 8, numpy above) and the torch
+    path (device trees) are one layout, also for a real node whose parent is -1 (numpy's
+    index -1 wrapped to the last node) and at 64 nodes (the list path's bitsets use all 64
+    bits of a uint64)."""
     import random
 
     rng = random.Random(0)
     fields = ("draft_tokens", "parents", "depth", "next_token", "next_sibling", "ancestor_mask")
     for _ in range(300):
-        b, n = rng.randint(1, 5), rng.randint(1, 12)
+        b, n = rng.randint(1, 12), rng.choice([1, 2, 5, 8, 12, 33, 64])
         toks = torch.randint(0, 100, (b, n))
         par = torch.zeros(b, n, dtype=torch.int64)
         for r in range(b):
@@ -53,10 +55,13 @@ def test_host_and_torch_builds_agree_on_random_trees() -> None:
                 par[r, i] = rng.randrange(i) if rng.random() > 0.05 else -1  # under none
                 if rng.random() < 0.2:
                     toks[r, i] = -1  # padding node
-        host = VerifyTree._from_parents_host(toks.clone(), par.clone())
         ref = VerifyTree._from_parents_torch(toks.clone(), par.clone())
-        for f in fields:
-            assert torch.equal(getattr(host, f), getattr(ref, f)), f
+        for build in (VerifyTree._from_parents_host, VerifyTree._from_parents_lists,
+                      VerifyTree._from_parents_numpy):
+            host = build(toks.clone(), par.clone())
+            for f in fields:
+                got, want = getattr(host, f), getattr(ref, f)
+                assert got.dtype == want.dtype and torch.equal(got, want), (build, f)
     last = torch.tensor([5, 7])
     root = VerifyTree.root_only(last)
     ref = VerifyTree._from_parents_torch(last.view(-1, 1), torch.full((2, 1), -1))
