@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -394,16 +395,20 @@ class ModelRunner:
         fill_seq_lens_and_pages(buf[: g.host_ints].numpy(), seq_lens, pages, need, g.bsz,
                                 width=g.pages)
         if host_tree:
-            fields = buf[g.host_ints : k].view(3, g.bsz, n)  # draft_tokens | depth | parents
-            fields[0, :bsz] = tree.draft_tokens
-            fields[1, :bsz] = tree.depth
-            fields[2, :bsz] = tree.parents
+            # filled through numpy views of the pinned buffers: a numpy slice assignment costs
+            # ~1 us of host, a torch CPU one ~5 us (27 -> 11 us for these fills at batch 1,
+            # 56 -> 18 us at batch 6 of 8 on a 2-core EPYC VM)
+            fields = buf[g.host_ints : k].numpy().reshape(3, g.bsz, n)  # tokens|depth|parents
+            fields[0, :bsz] = tree.draft_tokens.numpy()
+            fields[1, :bsz] = tree.depth.numpy()
+            fields[2, :bsz] = tree.parents.numpy()
             fields[:, bsz:] = 0
             ring.copy_to(buf, g.ints[:k])
             bring = self.staging.ring(torch.bool)
-            anc = bring.acquire(g.bsz * n * n).view(g.bsz, n, n)
-            anc[:bsz] = tree.ancestor_mask
-            anc[bsz:] = torch.eye(n, dtype=torch.bool)
+            anc = bring.acquire(g.bsz * n * n)
+            anc_rows = anc.numpy().reshape(g.bsz, n, n)
+            anc_rows[:bsz] = tree.ancestor_mask.numpy()
+            anc_rows[bsz:] = np.eye(n, dtype=bool)
             bring.copy_to(anc, g.ancestor_mask)
         else:
             ring.copy_to(buf, g.ints[:k])
