@@ -453,6 +453,12 @@ def build_grammar_vocab_mask_pooled(
     return mask
 
 
+#: :func:`settle_tree_rows_batch` walks this many requests or fewer node by node in Python
+#: (:func:`_settle_rows_lists`), more with numpy passes per tree column (the per-column
+#: calls cost the same at any batch; the Python walk grows with it).
+SETTLE_LIST_MAX_REQUESTS = 8
+
+
 def settle_tree_rows_batch(bitmask: torch.Tensor, draft_tokens: torch.Tensor,
                            parents: torch.Tensor, requests: Sequence[int], *,
                            stop_token_ids: Sequence[int] = ()) -> np.ndarray:
@@ -490,6 +496,9 @@ def settle_tree_rows_batch(bitmask: torch.Tensor, draft_tokens: torch.Tensor,
         return rejected
     words = bitmask.numpy().reshape(bs, n, -1)  # zero-copy view
     width = words.shape[2]
+    if len(requests) <= SETTLE_LIST_MAX_REQUESTS:
+        _settle_rows_lists(words, draft_tokens, parents, requests, stop_token_ids, rejected)
+        return rejected
     req = np.asarray(requests, dtype=np.int64)
     toks = draft_tokens.numpy()[req]
     par = parents.numpy()[req].clip(min=0)
@@ -515,6 +524,37 @@ def settle_tree_rows_batch(bitmask: torch.Tensor, draft_tokens: torch.Tensor,
     words[req[ri], nj] = -1
     rejected[req] = bad
     return rejected
+
+
+def _settle_rows_lists(words: np.ndarray, draft_tokens: torch.Tensor, parents: torch.Tensor,
+                       requests: Sequence[int], stop_token_ids: Sequence[int],
+                       rejected: np.ndarray) -> None:
+    """:func:`settle_tree_rows_batch`'s walk for a few requests, node by node in Python (the
+    same rules; ``words``: the ``[bs, N, W]`` int32 view of the rows, ``rejected`` written in
+    place). The vectorised walk is ~8 numpy calls per tree column whatever the batch (~150-270
+    us for one 8-node tree on a 2-core EPYC VM, more than xgrammar's walk of that tree); this
+    one costs a few Python operations per node."""
+    n = draft_tokens.shape[1]
+    limit = 32 * words.shape[2]
+    stops = set(stop_token_ids)
+    toks_all, par_all = draft_tokens.tolist(), parents.tolist()
+    for b in requests:
+        toks, par = toks_all[b], par_all[b]
+        rows = words[b]
+        expanded = [True] + [False] * (n - 1)
+        bad = 0
+        for j in range(1, n):
+            tok = toks[j]
+            if tok < 0 or not expanded[max(par[j], 0)]:
+                continue  # padding, or under a node that was not expanded: not reached
+            p = max(par[j], 0)
+            allowed = tok < limit and (int(rows[p, tok >> 5]) >> (tok & 31)) & 1 == 1
+            if allowed and tok not in stops:
+                expanded[j] = True
+            else:
+                rows[j] = -1  # rejected or terminating: all ones
+                bad += not allowed
+        rejected[b] = bad
 
 
 def settle_tree_rows(rows: torch.Tensor, next_token: torch.Tensor,

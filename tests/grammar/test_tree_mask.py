@@ -305,3 +305,40 @@ def test_parallel_traversal_speedup(backend: GrammarBackend, hf_tokenizer: Any) 
     assert torch.equal(serial, par)
     print(f"\ntree mask bs={bs} N={n}: serial {serial_s * 1e3:.2f} ms, 2 threads "
           f"{par_s * 1e3:.2f} ms, speedup {serial_s / par_s:.2f}x")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_settle_walks_agree(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Python walk of a few requests and the numpy walk of many settle the same rows and
+    count the same rejections: random trees (padding, out-of-vocabulary tokens, stop tokens,
+    parents under a padding node) over random filled rows, a random subset of requests."""
+    import numpy as np
+
+    from structspec.grammar import tree_mask
+
+    rng = random.Random(seed)
+    width = 3  # 96 token ids
+    for _ in range(150):
+        bs, n = rng.randint(1, 12), rng.randint(2, 12)
+        toks = torch.tensor([[rng.randrange(100)] + [
+            rng.randrange(100) if rng.random() > 0.15 else -1 for _ in range(n - 1)]
+            for _ in range(bs)])
+        parents = torch.tensor([[-1] + [rng.randrange(i) for i in range(1, n)]
+                                for _ in range(bs)])
+        words = torch.from_numpy(np.random.default_rng(rng.randrange(2**31)).integers(
+            -2**31, 2**31, size=(bs * n, width), dtype=np.int64).astype(np.int32))
+        # dense rows: a random token is allowed with probability ~3/4
+        words |= torch.from_numpy(np.random.default_rng(rng.randrange(2**31)).integers(
+            -2**31, 2**31, size=(bs * n, width), dtype=np.int64).astype(np.int32))
+        requests = sorted(rng.sample(range(bs), rng.randint(0, bs)))
+        stops = rng.sample(range(96), 3)
+        results = []
+        for limit in (0, 10**6):  # numpy walk, then the Python walk
+            monkeypatch.setattr(tree_mask, "SETTLE_LIST_MAX_REQUESTS", limit)
+            rows = words.clone()
+            bad = tree_mask.settle_tree_rows_batch(rows, toks, parents, requests,
+                                                   stop_token_ids=stops)
+            results.append((rows, bad))
+        (rows_np, bad_np), (rows_py, bad_py) = results
+        assert torch.equal(rows_np, rows_py)
+        assert bad_np.tolist() == bad_py.tolist() and bad_py.dtype == bad_np.dtype
