@@ -84,6 +84,9 @@ class VerifyCostModel:
         #: good: a size the sizer stops choosing is never measured again (EAGLE at batch 1 on
         #: the CPU settled on 2- or on 8-node trees from run to run, benchmarks/README.md)
         self._draft_first_ms: dict[int, float] = {}
+        #: the measured buckets' ``(rows, ms)`` in rows order, built on the first
+        #: :meth:`verify_ms` after an :meth:`observe` (the sizer asks ~10 times per step)
+        self._points: list[tuple[float, float]] | None = None
 
     def observe(self, rows: int, verify_ms: float, *, draft_ms: float = 0.0,
                 num_drafted: int = 0, draft_nodes: int = 0) -> None:
@@ -98,6 +101,7 @@ class VerifyCostModel:
                 all-sizes average learns from it).
         """
         b = self._buckets.setdefault(rows_bucket(rows), _Bucket())
+        self._points = None
         # a time of 0 (or NaN) is no sample: kept, it would pin the bucket at 0 (the clamp
         # below would be [0, 0]) and price every tree of that size as free
         valid = verify_ms > 0.0
@@ -153,7 +157,10 @@ class VerifyCostModel:
         """Estimated verify time (ms) of a step of ``rows`` rows; None before any bucket has a
         kept sample. Interpolated between measured buckets, extended past them with the slope
         of the two nearest (flat with one); never below 1% of the smallest measurement."""
-        pts = sorted((b.rows, b.ms) for b in self._buckets.values() if b.samples)
+        pts = self._points
+        if pts is None:
+            pts = self._points = sorted((b.rows, b.ms) for b in self._buckets.values()
+                                        if b.samples)
         if not pts:
             return None
         if len(pts) == 1:
@@ -167,4 +174,4 @@ class VerifyCostModel:
             i = next(i for i in range(1, len(pts)) if pts[i][0] >= x)
             (x0, y0), (x1, y1) = pts[i - 1], pts[i]
         y = y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-        return max(y, 0.01 * min(p[1] for p in pts))
+        return max(y, 0.01 * min(ms for _, ms in pts))
