@@ -20,7 +20,7 @@ import torch
 #: Host trees of batches up to this size are laid out in plain Python
 #: (:meth:`VerifyTree._from_parents_lists`: cost ~ ``B * N``), larger ones in numpy (~ ``N``
 #: numpy passes); the crossover measured on a 2-core EPYC VM lies at batch 8-16 for N = 8 and
-#: 16 (benchmarks/README.md, "Host tree layout at small batch").
+#: 16 (benchmarks/README.md, "Host work of a small-batch speculative step").
 HOST_LIST_LAYOUT_MAX_BATCH = 8
 #: bit ``j`` of an ancestor bitset is node ``j``
 _BIT_INDEX = np.arange(64, dtype=np.uint64)

@@ -548,7 +548,7 @@ def _settle_rows_lists(words: np.ndarray, draft_tokens: torch.Tensor, parents: t
             if tok < 0 or not expanded[max(par[j], 0)]:
                 continue  # padding, or under a node that was not expanded: not reached
             p = max(par[j], 0)
-            allowed = tok < limit and (int(rows[p, tok >> 5]) >> (tok & 31)) & 1 == 1
+            allowed = tok < limit and ((int(rows[p, tok >> 5]) >> (tok & 31)) & 1) == 1
             if allowed and tok not in stops:
                 expanded[j] = True
             else:
