@@ -19,7 +19,13 @@ from structspec.cli_version import VersionAction
 from structspec.constraints import GrammarConstraint, JsonObjectConstraint, JsonSchemaConstraint
 from structspec.core import ChatMessageError, RequestOutput, SamplingParams, check_chat_messages
 from structspec.draft_flags import check_model_and_draft_flags
-from structspec.engine_args import add_engine_args, engine_kwargs, flag_error, int_range
+from structspec.engine_args import (
+    add_engine_args,
+    engine_kwargs,
+    flag_error,
+    int_range,
+    unused_speculative_flags,
+)
 from structspec.penalty_params import (
     RepetitionStop,
     logit_bias_from_json,
@@ -457,6 +463,14 @@ def _model_flags_error(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _warn_unused_flags(args: argparse.Namespace) -> None:
+    """Say on stderr which speculative flags the chosen drafter ignores
+    (:func:`~structspec.engine_args.unused_speculative_flags`); the run goes on."""
+    for flag in unused_speculative_flags(args):
+        print(f"structspec generate: warning: {flag} has no effect with "
+              f"--speculative-algorithm {args.speculative_algorithm}", file=sys.stderr)
+
+
 def _logit_bias_flag_out_of_vocab(args: argparse.Namespace, llm: Any) -> str | None:
     """Why ``--logit-bias`` names a token id the loaded model does not have, else None.
 
@@ -589,6 +603,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if (why := _model_flags_error(args)) is not None:
             print(f"structspec generate: {why}", file=sys.stderr)
             return 2
+        _warn_unused_flags(args)
         llm = LLM(args.model, **engine_kwargs(args))
         if (why := _logit_bias_flag_out_of_vocab(args, llm)) is not None:
             print(f"structspec generate: {why}", file=sys.stderr)
@@ -630,6 +645,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if (why := _model_flags_error(args)) is not None:
         print(f"structspec generate: {why}", file=sys.stderr)
         return 2
+    _warn_unused_flags(args)
     llm = LLM(args.model, **engine_kwargs(args))
     if (why := _logit_bias_flag_out_of_vocab(args, llm)) is not None:
         print(f"structspec generate: {why}", file=sys.stderr)

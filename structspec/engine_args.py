@@ -111,28 +111,64 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     # the drafter registry is the one list of names (a drafter registered there is a choice)
     s.add_argument("--speculative-algorithm", default="none", choices=list(drafter_names()),
                    help=speculative_algorithm_help())
-    s.add_argument("--draft-model", default=None,
+    s.add_argument("--draft-model", default=SPECULATIVE_FLAG_DEFAULTS["draft_model"],
                    help="draft model / EAGLE head checkpoint (eagle, ngram_eagle on the default "
                         "model: "
                         "the head shipped in the package when omitted)")
-    s.add_argument("--num-draft-tokens", type=int, default=8,
+    s.add_argument("--num-draft-tokens", type=int,
+                   default=SPECULATIVE_FLAG_DEFAULTS["num_draft_tokens"],
                    help="verify tree size N, including the last committed token")
-    s.add_argument("--speculative-depth", type=int, default=4,
+    s.add_argument("--speculative-depth", type=int,
+                   default=SPECULATIVE_FLAG_DEFAULTS["speculative_depth"],
                    help="draft_model/eagle/ngram_eagle: tree depth (expansion steps)")
-    s.add_argument("--speculative-topk", type=int, default=2,
+    s.add_argument("--speculative-topk", type=int,
+                   default=SPECULATIVE_FLAG_DEFAULTS["speculative_topk"],
                    help="draft_model/eagle/ngram_eagle: children kept per expanded "
                         "node")
-    s.add_argument("--speculative-adaptive", choices=("auto", "on", "off"), default="auto",
+    s.add_argument("--speculative-adaptive", choices=("auto", "on", "off"),
+                   default=SPECULATIVE_FLAG_DEFAULTS["speculative_adaptive"],
                    help="size each request's draft tree from its recent acceptance and the "
                         "verify cost measured on this device, down to a plain decode: on, "
                         "off (always --num-draft-tokens nodes), auto (where a full tree "
                         "costs 1.25x a decode or more: CPUs, GPUs at large batch; unless, "
                         "below 2.5x, full trees already pay at the engine's average "
                         "acceptance)")
-    s.add_argument("--speculative-draft-vocab", choices=("auto", "full"), default="auto",
+    s.add_argument("--speculative-draft-vocab", choices=("auto", "full"),
+                   default=SPECULATIVE_FLAG_DEFAULTS["speculative_draft_vocab"],
                    help="eagle, ngram_eagle: draft over the head's draft vocabulary (the target's most "
                         "frequent tokens) when the head ships one (auto), or over the whole "
                         "vocabulary (full); the target verifies over the whole one either way")
+
+
+#: The speculative flags' defaults (``add_engine_args`` uses these values), by ``args`` field.
+SPECULATIVE_FLAG_DEFAULTS: Mapping[str, Any] = {
+    "draft_model": None, "num_draft_tokens": 8, "speculative_depth": 4, "speculative_topk": 2,
+    "speculative_adaptive": "auto", "speculative_draft_vocab": "auto",
+}
+
+
+def unused_speculative_flags(args: argparse.Namespace) -> list[str]:
+    """The speculative flags set away from their defaults that the chosen drafter does not
+    read, as typed (``--num-draft-tokens`` with ``--speculative-algorithm none``,
+    ``--speculative-depth`` with ``ngram``), so the CLI can say so instead of ignoring them
+    silently. Which drafter reads which flag comes from the registry
+    (:class:`~structspec.speculative.registry.DrafterInfo`): every drafter but ``none`` the
+    tree size and the sizer, an expanding one the depth and top-k, one with a draft
+    checkpoint ``--draft-model``, an EAGLE head the draft vocabulary."""
+    algo = args.speculative_algorithm
+    info = drafter_info(algo)
+    reads: set[str] = set()
+    if algo != "none":
+        reads |= {"num_draft_tokens", "speculative_adaptive"}
+    if info.expands_tree:
+        reads |= {"speculative_depth", "speculative_topk"}
+    if info.needs_draft_model or info.eagle_head:
+        reads.add("draft_model")
+    if info.eagle_head:
+        reads.add("speculative_draft_vocab")
+    return [FLAG_OF_ENGINE_FIELD.get(field, "--draft-model")
+            for field, default in SPECULATIVE_FLAG_DEFAULTS.items()
+            if field not in reads and getattr(args, field, default) != default]
 
 
 def speculative_algorithm_help() -> str:

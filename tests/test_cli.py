@@ -545,3 +545,21 @@ def test_llm_passes_batch_invariant(monkeypatch: pytest.MonkeyPatch) -> None:
     assert seen["config"].batch_invariant is True
     llm_mod.LLM("x")
     assert seen["config"].batch_invariant is False
+
+
+def test_flags_the_drafter_ignores_are_warned_about(monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """``--num-draft-tokens`` without a drafter was accepted silently: the run goes on, and
+    stderr says the flag has no effect."""
+    import structspec.llm as llm_mod
+
+    monkeypatch.setattr(llm_mod, "LLM", _FakeLLM)
+    _FakeLLM.seen = []
+    rc = main(["generate", "--prompt", "hi", "--num-draft-tokens", "16"])
+    err = capsys.readouterr().err
+    assert rc == 0 and len(_FakeLLM.seen) == 1
+    assert ("structspec generate: warning: --num-draft-tokens has no effect with "
+            "--speculative-algorithm none") in err
+    main(["generate", "--prompt", "hi", "--speculative-algorithm", "ngram",
+          "--num-draft-tokens", "16"])
+    assert "warning" not in capsys.readouterr().err

@@ -15,6 +15,7 @@ from structspec.engine_args import (
     engine_kwargs,
     flag_error,
     int_range,
+    unused_speculative_flags,
 )
 from structspec.speculative.registry import drafter_names
 
@@ -35,6 +36,27 @@ def test_speculative_algorithm_choices_are_the_registry_names() -> None:
     for name in drafter_names():
         assert engine_kwargs(parse("--speculative-algorithm", name))[
             "speculative_algorithm"] == name
+
+
+def test_flags_the_drafter_ignores_are_named() -> None:
+    """A speculative flag set away from its default that the chosen drafter does not read is
+    named (the CLI warns); defaults, and flags the drafter reads, are not."""
+    assert unused_speculative_flags(parse()) == []
+    assert unused_speculative_flags(parse("--num-draft-tokens", "16",
+                                          "--speculative-adaptive", "off")) == [
+        "--num-draft-tokens", "--speculative-adaptive"]
+    assert unused_speculative_flags(parse("--speculative-algorithm", "ngram",
+                                          "--num-draft-tokens", "16", "--speculative-depth",
+                                          "6", "--draft-model", "x")) == [
+        "--draft-model", "--speculative-depth"]
+    assert unused_speculative_flags(parse("--speculative-algorithm", "draft_model",
+                                          "--draft-model", "x", "--speculative-topk", "3",
+                                          "--speculative-draft-vocab", "full")) == [
+        "--speculative-draft-vocab"]
+    assert unused_speculative_flags(parse(
+        "--speculative-algorithm", "eagle", "--num-draft-tokens", "12", "--speculative-depth",
+        "5", "--speculative-topk", "3", "--speculative-adaptive", "on",
+        "--speculative-draft-vocab", "full")) == []
 
 
 def test_every_engine_option_has_its_flag() -> None:

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from structspec.engine_args import engine_kwargs, flag_error
+from structspec.engine_args import engine_kwargs, flag_error, unused_speculative_flags
 
 if TYPE_CHECKING:
     from structspec.server.codec import Codec
@@ -160,6 +160,9 @@ def serve(args: argparse.Namespace) -> int:
         if args.chat_template is not None:
             load_chat_template(args.chat_template, "--chat-template")
         config = build_engine_config(args.model, **engine_kwargs(args))
+        for flag in unused_speculative_flags(args):
+            logger.warning("%s has no effect with --speculative-algorithm %s", flag,
+                           args.speculative_algorithm)
         # The engine process resolves it again; checking here refuses a bad option with exit
         # 2 naming its flag, before an engine process is spawned (as ``generate`` does).
         resolve_engine_config(config)
