@@ -149,8 +149,15 @@ class VerifyTree:
         the bits of one int (``N <= 64``), converted to tensors once. The numpy passes cost
         ~5 numpy calls per tree column whatever the batch (~140 us for one 8-node tree on
         a 2-core EPYC VM, most of an n-gram propose at batch 1); these cost a few Python
-        operations per node."""
+        operations per node. ``parents`` keeps its dtype, as in the other paths.
+
+        Raises:
+            ValueError: ``N > 64`` (the bitsets are uint64; :meth:`_from_parents_host` sends
+                such trees to the numpy passes).
+        """
         bsz, n = draft_tokens.shape
+        if n > 64:
+            raise ValueError(f"{n} nodes: the list layout holds at most 64 (uint64 bitsets)")
         par_rows: list[list[int]] = []
         anc_rows: list[list[int]] = []
         depth_rows: list[list[int]] = []
@@ -180,7 +187,7 @@ class VerifyTree:
                                            dtype=np.int64).reshape(4, bsz, n))
         bits = np.array(anc_rows, dtype=np.uint64).reshape(bsz, n, 1)
         anc_mask = (bits >> _BIT_INDEX[:n]) & np.uint64(1)
-        return cls(draft_tokens=draft_tokens, parents=fields[0], depth=fields[1],
+        return cls(draft_tokens=draft_tokens, parents=fields[0].to(parents.dtype), depth=fields[1],
                    next_token=fields[2], next_sibling=fields[3],
                    ancestor_mask=torch.from_numpy(anc_mask.astype(bool)))
 

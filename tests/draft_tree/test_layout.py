@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from structspec.draft_tree.layout import VerifyTree
@@ -55,6 +56,8 @@ def test_host_and_torch_builds_agree_on_random_trees() -> None:
                 par[r, i] = rng.randrange(i) if rng.random() > 0.05 else -1  # under none
                 if rng.random() < 0.2:
                     toks[r, i] = -1  # padding node
+        if rng.random() < 0.2:
+            par = par.to(torch.int32)  # parents keep their dtype on every path
         ref = VerifyTree._from_parents_torch(toks.clone(), par.clone())
         for build in (VerifyTree._from_parents_host, VerifyTree._from_parents_lists,
                       VerifyTree._from_parents_numpy):
@@ -67,3 +70,11 @@ def test_host_and_torch_builds_agree_on_random_trees() -> None:
     ref = VerifyTree._from_parents_torch(last.view(-1, 1), torch.full((2, 1), -1))
     for f in fields:
         assert torch.equal(getattr(root, f), getattr(ref, f)), f
+
+
+def test_list_layout_refuses_more_than_64_nodes() -> None:
+    with pytest.raises(ValueError, match="64"):
+        VerifyTree._from_parents_lists(torch.arange(65).view(1, 65),
+                                       torch.arange(-1, 64).view(1, 65))
+    tree = VerifyTree.from_parents(torch.arange(65).view(1, 65), torch.arange(-1, 64).view(1, 65))
+    assert tree.depth[0, -1] == 64  # the dispatcher sends it to the numpy passes
