@@ -211,7 +211,8 @@ class AdaptiveTreeSizer:
                 not self._rows_cost(bsz, self.auto_full_max_ratio)
                 and self._full_trees_pay(bsz))):
             return self._note(TreePlan(self.max_nodes, everyone, full=True), bsz, active=False)
-        chosen = [self._best_size(self._state(r).accept, bsz) for r in request_ids]
+        costs = self._size_costs(bsz)  # per step: the same for every request of the batch
+        chosen = [self._best_size(self._state(r).accept, costs) for r in request_ids]
         drafted, probes = [], []
         for i, (rid, n) in enumerate(zip(request_ids, chosen, strict=True)):
             st = self._state(rid)
@@ -265,14 +266,16 @@ class AdaptiveTreeSizer:
         rate_full = expected_tokens(self.max_nodes, self.engine_accept) / per_request_ms
         return rate_full > (bsz / plain) * (1.0 + self.margin)
 
-    def _best_size(self, accept: float, bsz: int) -> int:
-        """``argmax_n E(n) / C(n)`` over :attr:`sizes` (module doc); 1 unless a tree beats
-        plain decoding by :attr:`margin`."""
+    def _size_costs(self, bsz: int) -> tuple[float, list[tuple[int, float]]] | None:
+        """What :meth:`_best_size` prices each request's sizes with at batch ``bsz``: the
+        plain decode's rate (tokens per ms per request) and each measured tree size's ms per
+        request (its verify share plus its propose), in :attr:`sizes` order; None while the
+        plain decode's cost is unknown. Computed once per step (the cost model's
+        interpolation per size and request was ~5 calls a request at batch 64)."""
         plain_ms = self.cost.verify_ms(bsz)
         if plain_ms is None or plain_ms <= 0:
-            return self.max_nodes
-        best_n, best_rate = 1, 1.0 / (plain_ms / bsz)
-        threshold = best_rate * (1.0 + self.margin)
+            return None
+        sizes = []
         for n in self.sizes[1:]:
             ms = self.cost.verify_ms(bsz * n)
             if ms is None:
@@ -280,6 +283,20 @@ class AdaptiveTreeSizer:
             per_request_ms = ms / bsz + (self.cost.draft_ms(n) or 0.0)
             if per_request_ms <= 0:  # an unmeasurably fast size: no basis to prefer it
                 continue
+            sizes.append((n, per_request_ms))
+        return 1.0 / (plain_ms / bsz), sizes
+
+    def _best_size(self, accept: float,
+                   costs: tuple[float, list[tuple[int, float]]] | None) -> int:
+        """``argmax_n E(n) / C(n)`` over :attr:`sizes` (module doc) with the step's
+        :meth:`_size_costs`; 1 unless a tree beats plain decoding by :attr:`margin`; the
+        full tree while the plain decode's cost is unknown."""
+        if costs is None:
+            return self.max_nodes
+        best_rate, sizes = costs
+        best_n = 1
+        threshold = best_rate * (1.0 + self.margin)
+        for n, per_request_ms in sizes:
             rate = expected_tokens(n, accept) / per_request_ms
             if rate > threshold and rate > best_rate:
                 best_n, best_rate = n, rate
