@@ -544,10 +544,9 @@ def _settle_rows_lists(words: np.ndarray, draft_tokens: torch.Tensor, parents: t
         expanded = [True] + [False] * (n - 1)
         bad = 0
         for j in range(1, n):
-            tok = toks[j]
-            if tok < 0 or not expanded[max(par[j], 0)]:
+            tok, p = toks[j], max(par[j], 0)
+            if tok < 0 or not expanded[p]:
                 continue  # padding, or under a node that was not expanded: not reached
-            p = max(par[j], 0)
             allowed = tok < limit and ((int(rows[p, tok >> 5]) >> (tok & 31)) & 1) == 1
             if allowed and tok not in stops:
                 expanded[j] = True

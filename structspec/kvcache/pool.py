@@ -85,7 +85,7 @@ def zeros_on_touch(shape: tuple[int, ...], *, dtype: torch.dtype,
     """
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     raw = torch.from_numpy(np.zeros(nbytes + _ALIGN_BYTES, dtype=np.uint8))
     start = -raw.data_ptr() % _ALIGN_BYTES  # calloc aligns to 16 bytes; SIMD rows like 64
     return raw[start:start + nbytes].view(dtype).view(shape)

@@ -154,6 +154,11 @@ class SizerCounts:
     calibrating: bool = False
 
 
+#: :meth:`AdaptiveTreeSizer._size_costs` of one step: the plain decode's tokens per ms per
+#: request, and ``(tree size, ms per request)`` of each measured size
+SizeCosts = tuple[float, list[tuple[int, float]]]
+
+
 class AdaptiveTreeSizer:
     """Sizes each request's draft tree per step (see the module doc for the formula).
 
@@ -266,7 +271,7 @@ class AdaptiveTreeSizer:
         rate_full = expected_tokens(self.max_nodes, self.engine_accept) / per_request_ms
         return rate_full > (bsz / plain) * (1.0 + self.margin)
 
-    def _size_costs(self, bsz: int) -> tuple[float, list[tuple[int, float]]] | None:
+    def _size_costs(self, bsz: int) -> SizeCosts | None:
         """What :meth:`_best_size` prices each request's sizes with at batch ``bsz``: the
         plain decode's rate (tokens per ms per request) and each measured tree size's ms per
         request (its verify share plus its propose), in :attr:`sizes` order; None while the
@@ -275,7 +280,7 @@ class AdaptiveTreeSizer:
         plain_ms = self.cost.verify_ms(bsz)
         if plain_ms is None or plain_ms <= 0:
             return None
-        sizes = []
+        sizes: list[tuple[int, float]] = []
         for n in self.sizes[1:]:
             ms = self.cost.verify_ms(bsz * n)
             if ms is None:
@@ -286,8 +291,7 @@ class AdaptiveTreeSizer:
             sizes.append((n, per_request_ms))
         return 1.0 / (plain_ms / bsz), sizes
 
-    def _best_size(self, accept: float,
-                   costs: tuple[float, list[tuple[int, float]]] | None) -> int:
+    def _best_size(self, accept: float, costs: SizeCosts | None) -> int:
         """``argmax_n E(n) / C(n)`` over :attr:`sizes` (module doc) with the step's
         :meth:`_size_costs`; 1 unless a tree beats plain decoding by :attr:`margin`; the
         full tree while the plain decode's cost is unknown."""
