@@ -41,7 +41,7 @@ from structspec.runner.cuda_graph import (
     VerifyGraphCache,
 )
 from structspec.runner.prefill_graph import PrefillGraphCache
-from structspec.staging import Staging
+from structspec.staging import Staging, to_device
 
 
 @dataclass
@@ -251,21 +251,22 @@ class ModelRunner:
                 ``num_cached`` is not 0. A later chunk of a prompt whose drafter already
                 has the earlier positions' features passes False.
             logits_only: the caller reads only ``logits`` (no drafter reads target
-                features): on CUDA a step of few requests then replays prefill graphs
-                (:mod:`.prefill_graph`; ~20 ms of eager launches become a few replays) and
-                ``hidden_states`` is ``[B, 0, H]``. Ignored when the runner keeps a feature
-                store or aux layers (the graphs compute neither).
+                features): ``hidden_states`` may then come back ``[B, 0, H]``.
+
+        On CUDA a step of few requests (:meth:`PrefillGraphCache.fits`) replays prefill graphs
+        (:mod:`.prefill_graph`: ~20 ms of eager launches become a few replays): logits-only
+        graphs, or feature graphs when the caller reads the hidden states or the runner keeps
+        a feature store. A step that gathers prompt features from the store runs eagerly.
         """
         cached = list(num_cached) if num_cached is not None else [0] * len(token_ids)
+        store = self.prompt_features
+        if gather_prompt_features is None:
+            gather_prompt_features = num_cached is not None and any(num_cached)
         graphs = self.prefill_graphs
-        if (logits_only and graphs is not None and self.prompt_features is None
-                and not self.aux_hidden_layers and graphs.fits(token_ids, cached)):
-            assert self.staging is not None
-            logits = torch.cat([graphs.run(self.staging, t, p, c)
-                                for t, p, c in zip(token_ids, pages, cached, strict=True)])
-            empty = logits.new_empty((len(token_ids), 0, self.model_config.hidden_size),
-                                     dtype=self._dtype)
-            return PrefillOutput(logits=logits, hidden_states=empty, aux_hidden_states=[])
+        if (graphs is not None and not (gather_prompt_features and store is not None)
+                and graphs.fits(token_ids, cached)):
+            return self._prefill_graphs(graphs, token_ids, pages, cached,
+                                        features=not logits_only or store is not None)
         fb = build_prefill_batch(token_ids, pages, page_size=self.page_size, device=self.device,
                                  num_cached=num_cached)
         out = self.model(fb, self.kv_pool, aux_hidden_layers=self.aux_hidden_layers)
@@ -273,14 +274,11 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[fb.logits_indices])
         result = PrefillOutput(logits=logits, hidden_states=out.hidden_states,
                                aux_hidden_states=list(out.aux_hidden_states))
-        store = self.prompt_features
         if store is not None:
             # padding rows write the sink's slot 0, like their KV
             feats = torch.cat([out.hidden_states, *out.aux_hidden_states], dim=-1)
             store.index_copy_(0, fb.out_slots.reshape(-1),
                               feats.reshape(-1, feats.shape[-1]).to(store.dtype))
-            if gather_prompt_features is None:
-                gather_prompt_features = num_cached is not None and any(num_cached)
             if gather_prompt_features:
                 # columns of kv_slots are prompt positions 0..L-1 (padding: slot 0)
                 full = store[fb.kv_slots]
@@ -288,6 +286,37 @@ class ModelRunner:
                 result.prompt_hidden_states = full[..., :h]
                 result.prompt_aux_hidden_states = list(full[..., h:].split(h, dim=-1))
         return result
+
+    def _prefill_graphs(self, graphs: PrefillGraphCache, token_ids: Sequence[Sequence[int]],
+                        pages: Sequence[Sequence[int]], cached: Sequence[int], *,
+                        features: bool) -> PrefillOutput:
+        """:meth:`prefill` through the prefill graphs, one request after the other. With
+        ``features``, the outputs are those of the eager path (``hidden_states`` and each aux
+        layer ``[B, Q, H]``, request ``b``'s row ``j`` = position ``cached[b] + j``, rows past
+        its chunk padding) and the feature store, when kept, gets every computed position."""
+        aux_layers = self.aux_hidden_layers if features else None
+        outs = [graphs.run(self.staging, t, p, c, aux_layers)  # type: ignore[arg-type]
+                for t, p, c in zip(token_ids, pages, cached, strict=True)]
+        logits = torch.cat([o.logits for o in outs]) if len(outs) > 1 else outs[0].logits
+        h = self.model_config.hidden_size
+        if not features:
+            empty = logits.new_empty((len(token_ids), 0, h), dtype=self._dtype)
+            return PrefillOutput(logits=logits, hidden_states=empty, aux_hidden_states=[])
+        hidden = _pad_rows([o.hidden_states for o in outs])  # type: ignore[misc]
+        aux = [_pad_rows([o.aux_hidden_states[i] for o in outs])
+               for i in range(len(self.aux_hidden_layers))]
+        store = self.prompt_features
+        if store is not None:
+            # the computed positions' KV slots, from the host's page lists (one staged copy)
+            slots = np.concatenate([
+                np.asarray(p, dtype=np.int64)[np.arange(c, len(t)) // self.page_size]
+                * self.page_size + np.arange(c, len(t)) % self.page_size
+                for t, p, c in zip(token_ids, pages, cached, strict=True)])
+            rows = torch.cat([torch.cat([o.hidden_states, *o.aux_hidden_states], dim=-1)[0]
+                              for o in outs])  # type: ignore[list-item]
+            store.index_copy_(0, to_device(torch.from_numpy(slots), self.device, self.staging),
+                              rows.to(store.dtype))
+        return PrefillOutput(logits=logits, hidden_states=hidden, aux_hidden_states=aux)
 
     @torch.inference_mode()
     def verify(
@@ -560,3 +589,15 @@ def _neutral_slots(slots: torch.Tensor) -> None:
     """Stage every row of a post graph's penalty-slot input to slot 0 (a warm-up's dummy
     rows: no penalties, nothing counted)."""
     slots.zero_()
+
+
+def _pad_rows(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Requests' ``[1, n_b, H]`` rows as one ``[B, max n_b, H]`` (zeros past each ``n_b``;
+    no copy for one request)."""
+    if len(parts) == 1:
+        return parts[0]
+    width = max(p.shape[1] for p in parts)
+    out = parts[0].new_zeros((len(parts), width, parts[0].shape[2]))
+    for b, p in enumerate(parts):
+        out[b, : p.shape[1]] = p[0]
+    return out

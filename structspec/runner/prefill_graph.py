@@ -24,15 +24,19 @@ real row; their K/V lands in the request's own pages past the chunk (rewritten b
 chunk or decode step before anything reads it: each layer stores its K/V before it attends)
 or, past the request's pages, in the sink page 0 (the page table's padding). Their token ids
 are 0 and the logits are read at the last real position (a staged index). One graph per
-``(piece tokens, page-table width)`` bucket, captured on first use
+``(piece tokens, page-table width, variant)`` bucket, captured on first use
 into a memory pool of its own (the verify graphs' static outputs are never overwritten by a
-prefill replay). Only the last position's logits are computed (``[1, V]``): no hidden states,
-so runners whose drafter reads target features (EAGLE) keep the eager prefill.
+prefill replay). A graph computes the last position's logits (``[1, V]``) and, in its *feature*
+variant (a runner whose drafter reads target features: EAGLE), also every position's final
+hidden states and the EAGLE-3 aux layers' outputs (``[1, N, H]`` each): an EAGLE request's
+prefill was the eager ~20 ms of launches before its first draft (H200 host, batch 1: 14-28 ms
+to the first token against 3.5 ms without a drafter), most of a short answer's time.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -118,11 +122,18 @@ class PrefillGraph:
         ints: ``[2 + P + N]`` int64 device buffer ``start | last | page_table | token_ids``
             (the host fills all of it: one staged copy per replay); ``last`` is the index
             of the piece's last real position (``< N`` when the piece is padded).
+        aux_hidden_layers: None: logits only; else the feature variant, which also outputs
+            the final hidden states and these decoder layers' outputs (EAGLE-3; may be empty).
         logits: ``[1, V]`` float32 static output, the last real position's (after capture).
+        hidden: ``[1, N, H]`` static final (post-norm) hidden states of every position (the
+            feature variant, after capture; rows past the piece's real tokens are padding).
+        aux: ``[1, N, H]`` static output per aux layer (the feature variant, after capture).
     """
 
-    def __init__(self, num_tokens: int, pages: int, device: torch.device) -> None:
+    def __init__(self, num_tokens: int, pages: int, device: torch.device,
+                 aux_hidden_layers: tuple[int, ...] | None = None) -> None:
         self.num_tokens, self.pages = num_tokens, pages
+        self.aux_hidden_layers = aux_hidden_layers
         self.ints = torch.zeros(2 + pages + num_tokens, dtype=torch.int64, device=device)
         self.start = self.ints[:1]
         self.last = self.ints[1:2]
@@ -130,6 +141,8 @@ class PrefillGraph:
         self.token_ids = self.ints[2 + pages :].view(1, num_tokens)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
+        self.hidden: torch.Tensor | None = None
+        self.aux: tuple[torch.Tensor, ...] = ()
 
     def fill(self, out: np.ndarray, token_ids: Sequence[int], pages: Sequence[int],
              start: int, real: int | None = None) -> None:
@@ -151,23 +164,47 @@ class PrefillGraph:
         ids[:n] = token_ids[start : start + n]
         ids[n:] = 0
 
-    def forward(self, model: nn.Module, kv_pool: KVPool, page_size: int) -> torch.Tensor:
+    def forward(self, model: nn.Module, kv_pool: KVPool, page_size: int,
+                ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, ...]]:
         """The piece's forward on the static inputs, run eagerly (what the graph records):
-        writes its K/V, returns the last real position's logits ``[1, V]`` float32."""
+        writes its K/V; returns the last real position's logits ``[1, V]`` float32 and, in
+        the feature variant, the hidden states ``[1, N, H]`` and the aux layers' outputs
+        (``(logits, None, ())`` otherwise)."""
         fb = build_chain_batch(self.token_ids, self.start, self.page_table, page_size=page_size)
-        hidden = model(fb, kv_pool).hidden_states  # [1, N, H]
-        return model.compute_logits(hidden[0].index_select(0, self.last))
+        out = model(fb, kv_pool, aux_hidden_layers=self.aux_hidden_layers or ())
+        hidden = out.hidden_states  # [1, N, H]
+        logits = model.compute_logits(hidden[0].index_select(0, self.last))
+        if self.aux_hidden_layers is None:
+            return logits, None, ()
+        return logits, hidden, tuple(out.aux_hidden_states)
 
     def capture(self, model: nn.Module, kv_pool: KVPool, page_size: int, pool: tuple) -> None:
         """Warm up once on a side stream, then capture into ``pool``. Syncs the device (only
         here, never in replay). The warm-up writes the same K/V the replay will write (its
         inputs are already staged)."""
-        self.graph, self.logits = capture_after_warmup(
+        self.graph, (self.logits, self.hidden, self.aux) = capture_after_warmup(
             lambda: self.forward(model, kv_pool, page_size), pool)
 
 
+@dataclass
+class PrefillGraphOutput:
+    """One request's replayed chunk (fresh tensors: a later replay does not change them).
+
+    Attributes:
+        logits: ``[1, V]`` float32 logits of the chunk's last position.
+        hidden_states: ``[1, n, H]`` final hidden states of the chunk's ``n`` positions
+            (feature graphs), else None.
+        aux_hidden_states: ``[1, n, H]`` per aux layer (feature graphs), else empty.
+    """
+
+    logits: torch.Tensor
+    hidden_states: torch.Tensor | None
+    aux_hidden_states: list[torch.Tensor]
+
+
 class PrefillGraphCache:
-    """The prefill graphs of one runner, by ``(piece tokens, page-table width)``.
+    """The prefill graphs of one runner, by ``(piece tokens, page-table width, aux layers)``
+    (aux layers None: the logits-only graphs).
 
     Args:
         model: the target model (its forward must be capturable: the Triton kernels).
@@ -182,8 +219,8 @@ class PrefillGraphCache:
         self.model, self.kv_pool, self.page_size = model, kv_pool, page_size
         self.page_buckets = tuple(page_buckets)
         self.device = device
-        self.pool = torch.cuda.graph_pool_handle()  # not the verify graphs' (module doc)
-        self.graphs: dict[tuple[int, int], PrefillGraph] = {}
+        self.pool: tuple | None = None  # not the verify graphs' (module doc); at first capture
+        self.graphs: dict[tuple[int, int, tuple[int, ...] | None], PrefillGraph] = {}
 
     def fits(self, token_ids: Sequence[Sequence[int]], num_cached: Sequence[int]) -> bool:
         """Whether a prefill of these requests replays graphs (few requests, each computing
@@ -195,7 +232,8 @@ class PrefillGraphCache:
                    for t, c in zip(token_ids, num_cached, strict=True))
 
     def run(self, staging: Staging, token_ids: Sequence[int], pages: Sequence[int],
-            start: int) -> torch.Tensor:
+            start: int, aux_hidden_layers: tuple[int, ...] | None = None,
+            ) -> PrefillGraphOutput:
         """Compute positions ``start..len(token_ids)-1`` of one request (its KV written),
         piece by piece; launched, not waited on.
 
@@ -204,27 +242,55 @@ class PrefillGraphCache:
             token_ids: the request's prompt up to the chunk's end.
             pages: its pages (covering ``len(token_ids)`` positions).
             start: positions already in its pages (``< len(token_ids)``).
+            aux_hidden_layers: None: logits only; else feature graphs (the chunk's hidden
+                states and these layers' outputs too; graphs of their own bucket key).
 
         Returns:
-            ``[1, V]`` float32 logits of the last position: a fresh tensor (a later replay
-            of the same bucket does not change it).
+            The chunk's last logits (and its features): fresh tensors, each copied right
+            after its piece's replay (stream order), before a later piece of the same bucket
+            replays over the static outputs.
 
         Raises:
             ValueError: the chunk does not fit the largest page bucket (check :meth:`fits`).
         """
-        ring = staging.ring(torch.int64)
         logits: torch.Tensor | None = None
+        hidden: list[torch.Tensor] = []
+        aux: list[list[torch.Tensor]] = [[] for _ in aux_hidden_layers or ()]
         for pos, piece, width, real in plan_pieces(
                 start, len(token_ids), page_size=self.page_size, page_buckets=self.page_buckets):
-            g = self.graphs.get((piece, width))
+            key = (piece, width, aux_hidden_layers)
+            g = self.graphs.get(key)
             if g is None:
-                g = self.graphs[(piece, width)] = PrefillGraph(piece, width, self.device)
-            buf = ring.acquire(g.ints.numel())
-            g.fill(buf.numpy(), token_ids, pages, pos, real)
-            ring.copy_to(buf, g.ints)  # stream-ordered before the replay that reads it
-            if g.graph is None:
-                g.capture(self.model, self.kv_pool, self.page_size, self.pool)
-            g.graph.replay()  # type: ignore[union-attr]
-            logits = g.logits
+                g = self.graphs[key] = PrefillGraph(piece, width, self.device, aux_hidden_layers)
+            logits, piece_hidden, piece_aux = self._replay(staging, g, token_ids, pages, pos, real)
+            if piece_hidden is not None:
+                hidden.append(piece_hidden[:, :real].clone())
+                for out, a in zip(aux, piece_aux, strict=True):
+                    out.append(a[:, :real].clone())
         assert logits is not None
-        return logits.clone()  # enqueued right after the last replay: stream order keeps it
+        return PrefillGraphOutput(
+            logits=logits.clone(),  # enqueued right after the last replay: stream order keeps it
+            hidden_states=_cat_rows(hidden) if aux_hidden_layers is not None else None,
+            aux_hidden_states=[_cat_rows(a) for a in aux])
+
+    def _replay(self, staging: Staging, g: PrefillGraph, token_ids: Sequence[int],
+                pages: Sequence[int], pos: int, real: int,
+                ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, ...]]:
+        """Stage one piece's inputs and replay its graph (captured on first use); returns
+        the graph's static outputs (``PrefillGraph.forward``'s)."""
+        ring = staging.ring(torch.int64)
+        buf = ring.acquire(g.ints.numel())
+        g.fill(buf.numpy(), token_ids, pages, pos, real)
+        ring.copy_to(buf, g.ints)  # stream-ordered before the replay that reads it
+        if g.graph is None:
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            g.capture(self.model, self.kv_pool, self.page_size, self.pool)
+        g.graph.replay()  # type: ignore[union-attr]
+        assert g.logits is not None
+        return g.logits, g.hidden, g.aux
+
+
+def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Pieces' ``[1, n_i, H]`` outputs as one ``[1, sum n_i, H]`` (no copy for one piece)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)

@@ -3,9 +3,9 @@ token), for every drafter that needs no extra weights, under a JSON Schema:
 
 * prefix caching: prefill over cached KV runs through the GPU attention path and the EAGLE
   feature store lives on the device; greedy output with the cache on equals it off;
-* chunked prefill (64-token budget): chunks replay prefill graphs (none, ngram) or run the
-  eager GPU path (EAGLE, whose features arrive chunk by chunk); greedy output equals the
-  unchunked output.
+* chunked prefill (64-token budget): chunks replay prefill graphs (none, ngram: logits
+  only; EAGLE: the feature graphs, its features arriving chunk by chunk); greedy output
+  equals the unchunked output.
 
 Cached tokens are reported and no page leaks."""
 

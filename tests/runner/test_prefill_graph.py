@@ -1,5 +1,6 @@
-"""Prefill graphs (structspec/runner/prefill_graph.py): the piece split everywhere; on CUDA a
-replayed chunk gives the logits and the KV of the eager prefill."""
+"""Prefill graphs (structspec/runner/prefill_graph.py): the piece split everywhere; what a graph
+records (logits, and the feature variant's hidden states) equals the eager prefill on the CPU;
+on CUDA a replayed chunk gives the logits, the KV and the features of the eager prefill."""
 
 from __future__ import annotations
 
@@ -11,7 +12,12 @@ import torch
 
 from structspec.runner.cuda_graph import kv_len_buckets
 from structspec.runner.model_runner import ModelRunner
-from structspec.runner.prefill_graph import PrefillGraph, plan_pieces, split_chunk
+from structspec.runner.prefill_graph import (
+    PrefillGraph,
+    PrefillGraphCache,
+    plan_pieces,
+    split_chunk,
+)
 from tests.runner.tiny_runner import tiny_runner
 
 
@@ -53,7 +59,9 @@ def test_prefill_graph_matches_the_eager_prefill_on_cuda() -> None:
         npages = -(-len(prompt) // page)
         eager_pages = list(range(1, 1 + npages))
         graph_pages = list(range(1 + npages, 1 + 2 * npages))
-        want = runner.prefill([prompt], [eager_pages]).logits
+        graphs, runner.prefill_graphs = runner.prefill_graphs, None
+        want = runner.prefill([prompt], [eager_pages]).logits  # eager
+        runner.prefill_graphs = graphs
         runner.prefill([prompt[:300]], [graph_pages], logits_only=True)
         got = runner.prefill([prompt], [graph_pages], [300], logits_only=True)
         assert got.hidden_states.shape[1] == 0
@@ -67,6 +75,49 @@ def test_prefill_graph_matches_the_eager_prefill_on_cuda() -> None:
     finally:
         llm.close()
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_feature_graphs_match_the_eager_prefill_on_cuda() -> None:
+    """With the shipped EAGLE-3 head (aux layers and, prefix caching on, the prompt feature
+    store): a prompt's second chunk through the feature graphs (a padded piece over the first
+    chunk's KV) gives the eager prefill's logits, final hidden states, aux layers' outputs and
+    feature-store rows (float32)."""
+    from structspec import LLM
+
+    llm = LLM(device="cuda", dtype="float32", max_batch_size=4, max_model_len=2048,
+              speculative_algorithm="eagle")
+    try:
+        runner = llm.engine.runner
+        assert runner.aux_hidden_layers and runner.prefill_graphs is not None
+        page = runner.page_size
+        prompt = torch.randint(100, 20000, (700,),
+                               generator=torch.Generator().manual_seed(3)).tolist()
+        npages = -(-len(prompt) // page)
+        eager_pages = list(range(1, 1 + npages))
+        graph_pages = list(range(1 + npages, 1 + 2 * npages))
+        graphs, runner.prefill_graphs = runner.prefill_graphs, None
+        want = runner.prefill([prompt], [eager_pages], gather_prompt_features=False)
+        runner.prefill_graphs = graphs
+        runner.prefill([prompt[:300]], [graph_pages], gather_prompt_features=False)
+        got = runner.prefill([prompt], [graph_pages], [300], gather_prompt_features=False)
+        assert any(k[2] is not None for k in graphs.graphs)  # the feature variant replayed
+        close = dict(atol=1e-2, rtol=2e-3)
+        torch.testing.assert_close(got.logits, want.logits, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(got.hidden_states[0], want.hidden_states[0, 300:], **close)
+        assert len(got.aux_hidden_states) == len(runner.aux_hidden_layers)
+        for g, w in zip(got.aux_hidden_states, want.aux_hidden_states, strict=True):
+            torch.testing.assert_close(g[0], w[0, 300:], **close)
+        store = runner.prompt_features
+        if store is not None:
+            slots = lambda pages: torch.tensor(  # noqa: E731
+                [pages[p // page] * page + p % page for p in range(300, len(prompt))],
+                device="cuda")
+            torch.testing.assert_close(store[slots(graph_pages)], store[slots(eager_pages)],
+                                       **close)
+    finally:
+        llm.close()
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +183,8 @@ def test_chain_pieces_equal_the_eager_prefill_on_cpu(tiny: ModelRunner) -> None:
             for pos, n, width, real in plan:
                 g = PrefillGraph(n, width, torch.device("cpu"))
                 g.fill(g.ints.numpy(), prompt[:end], piece_pages, pos, real)
-                got = g.forward(runner.model, runner.kv_pool, page)
+                got, hidden, aux = g.forward(runner.model, runner.kv_pool, page)
+                assert hidden is None and aux == ()  # the logits-only variant
     assert [[(n, real) for _, n, _, real in p] for p in plans] == [[(128, 100)], [(256, 200)]]
     assert got is not None
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -142,3 +194,89 @@ def test_chain_pieces_equal_the_eager_prefill_on_cpu(tiny: ModelRunner) -> None:
     torch.testing.assert_close(k[positions(piece_pages)], k[positions(eager_pages)],
                                atol=1e-5, rtol=1e-5)
     assert torch.equal(k[slots(others)], before)  # padding: own pages and the sink only
+
+
+class EagerPieces(PrefillGraphCache):
+    """The prefill graph cache with each piece's recorded function run eagerly instead of
+    replayed (the CPU has no graphs): everything else is the CUDA path's."""
+
+    def _replay(self, staging, g, token_ids, pages, pos, real):  # noqa: ANN001, ANN202
+        g.fill(g.ints.numpy(), token_ids, pages, pos, real)
+        return g.forward(self.model, self.kv_pool, self.page_size)
+
+
+@pytest.fixture
+def feature_runner(tmp_path: Path) -> ModelRunner:
+    """A tiny runner as an EAGLE-3 target keeps it: aux layer 0, a prompt feature store."""
+    runner = tiny_runner(tmp_path, max_position_embeddings=512, num_pages=300)
+    runner.aux_hidden_layers = (0,)
+    runner.keep_prompt_features()
+    return runner
+
+
+def test_feature_graphs_give_the_eager_prefill_outputs_and_store(
+        feature_runner: ModelRunner) -> None:
+    """Two requests prefilled through the feature pieces (the second as a later chunk over
+    its own first chunk's KV: hidden rows start at the chunk) against the eager prefill of
+    the same chunks on other pages: logits, final hidden states, the aux layer's outputs (each
+    request's real rows of ``[B, Q, H]``) and the feature store's rows at every computed
+    position's KV slot agree."""
+    runner = feature_runner
+    page = runner.page_size
+    buckets = sorted({-(-n // page) for n in kv_len_buckets(512)})
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 64, (n,), generator=gen).tolist() for n in (37, 150)]
+    first = 90  # the second request's first chunk
+    npages = [-(-len(p) // page) for p in prompts]
+    eager_pages = [list(range(1, 1 + npages[0])),
+                   list(range(1 + npages[0], 1 + sum(npages)))]
+    base = 1 + sum(npages)
+    graph_pages = [list(range(base, base + npages[0])),
+                   list(range(base + npages[0], base + sum(npages)))]
+    outs = {}
+    for name, pages, graphs in (("eager", eager_pages, None),
+                                ("graphs", graph_pages, EagerPieces(
+                                    runner.model, runner.kv_pool, page_size=page,
+                                    page_buckets=buckets, device=torch.device("cpu")))):
+        runner.prefill_graphs = graphs
+        runner.prefill([prompts[1][:first]], [pages[1]], gather_prompt_features=False)
+        outs[name] = runner.prefill([prompts[0], prompts[1]], pages, [0, first],
+                                    gather_prompt_features=False)
+    runner.prefill_graphs = None
+    want, got = outs["eager"], outs["graphs"]
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=1e-5)
+    for b, n in enumerate((len(prompts[0]), len(prompts[1]) - first)):
+        torch.testing.assert_close(got.hidden_states[b, :n], want.hidden_states[b, :n],
+                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got.aux_hidden_states[0][b, :n],
+                                   want.aux_hidden_states[0][b, :n], atol=1e-5, rtol=1e-5)
+    assert got.hidden_states.shape[1] == len(prompts[1]) - first  # padded to the longest chunk
+    store = runner.prompt_features
+    assert store is not None
+    for p, ep, gp in zip(prompts, eager_pages, graph_pages, strict=True):
+        eager_slots, graph_slots = (torch.tensor([pages[i // page] * page + i % page
+                                                  for i in range(len(p))])
+                                    for pages in (ep, gp))
+        assert store[graph_slots].abs().sum() > 0
+        torch.testing.assert_close(store[graph_slots], store[eager_slots], atol=1e-5, rtol=1e-5)
+
+
+def test_logits_only_prefill_skips_the_features(feature_runner: ModelRunner) -> None:
+    """Without a feature store a logits-only prefill replays the logits-only pieces (no
+    hidden states), and a prefill gathering stored prompt features stays eager."""
+    runner = feature_runner
+    page = runner.page_size
+    buckets = sorted({-(-n // page) for n in kv_len_buckets(512)})
+    cache = EagerPieces(runner.model, runner.kv_pool, page_size=page, page_buckets=buckets,
+                        device=torch.device("cpu"))
+    runner.prefill_graphs = cache
+    prompt = list(range(1, 41))
+    runner.prefill([prompt], [list(range(1, 11))], gather_prompt_features=True)
+    assert not cache.graphs  # the gather reads the store: eager
+    store, runner.prompt_features = runner.prompt_features, None
+    try:
+        out = runner.prefill([prompt], [list(range(11, 21))], logits_only=True)
+    finally:
+        runner.prompt_features = store
+    assert out.hidden_states.shape[1] == 0
+    assert [k[2] for k in cache.graphs] == [None]
