@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import threading
 import weakref
+
+from structspec.env_flags import env_flag
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +69,7 @@ def open_engines() -> int:
 
 def freeze_enabled() -> bool:
     """``STRUCTSPEC_GC_FREEZE`` unset or anything but ``0`` / ``false`` / ``off`` / ``no``."""
-    return os.environ.get("STRUCTSPEC_GC_FREEZE", "1").strip().lower() not in (
-        "0", "false", "off", "no")
+    return env_flag("STRUCTSPEC_GC_FREEZE")
 
 
 def _nothing() -> None:

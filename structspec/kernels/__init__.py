@@ -26,6 +26,8 @@ import functools
 import os
 from typing import Any
 
+from structspec.env_flags import env_flag
+
 
 @functools.cache
 def triton_available() -> bool:
@@ -68,8 +70,7 @@ def tree_row_tiles(n: int, max_nodes: int) -> tuple[int, int]:
 
 def _index_kernels_env() -> bool:
     """``STRUCTSPEC_INDEX_KERNELS`` unset or anything but ``0`` / ``false`` / ``off`` / ``no``."""
-    value = os.environ.get("STRUCTSPEC_INDEX_KERNELS", "1").strip().lower()
-    return value not in ("0", "false", "off", "no")
+    return env_flag("STRUCTSPEC_INDEX_KERNELS")
 
 
 INDEX_KERNELS = _index_kernels_env()

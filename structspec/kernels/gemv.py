@@ -51,6 +51,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from structspec.env_flags import env_flag
 from structspec.kernels import next_pow2, sm_count, triton_available
 from structspec.layers.linear import linear_fp32_out
 
@@ -60,8 +61,7 @@ MAX_ROWS = 16
 
 def _env_enabled() -> bool:
     """``STRUCTSPEC_GEMV`` unset or anything but ``0`` / ``false`` / ``off`` / ``no``."""
-    return os.environ.get("STRUCTSPEC_GEMV", "1").strip().lower() not in ("0", "false", "off",
-                                                                          "no")
+    return env_flag("STRUCTSPEC_GEMV")
 
 
 ENABLED = _env_enabled()

@@ -26,6 +26,7 @@ from structspec.kvcache.pool import KVPool
 from structspec.layers.forward_batch import ForwardBatch
 from structspec.layers.penalties import PenaltyTable
 from structspec.memory import check_fits
+from structspec.runner import prefill_graph
 from structspec.runner.batch_builder import (
     build_prefill_batch,
     build_verify_batch,
@@ -256,17 +257,19 @@ class ModelRunner:
         On CUDA a step of few requests (:meth:`PrefillGraphCache.fits`) replays prefill graphs
         (:mod:`.prefill_graph`: ~20 ms of eager launches become a few replays): logits-only
         graphs, or feature graphs when the caller reads the hidden states or the runner keeps
-        a feature store. A step that gathers prompt features from the store runs eagerly.
+        a feature store (``STRUCTSPEC_FEATURE_PREFILL_GRAPHS=0``: those run eagerly). A step
+        that gathers prompt features from the store runs eagerly.
         """
         cached = list(num_cached) if num_cached is not None else [0] * len(token_ids)
         store = self.prompt_features
         if gather_prompt_features is None:
             gather_prompt_features = num_cached is not None and any(num_cached)
         graphs = self.prefill_graphs
-        if (graphs is not None and not (gather_prompt_features and store is not None)
+        features = not logits_only or store is not None
+        if (graphs is not None and (prefill_graph.FEATURE_GRAPHS or not features)
+                and not (gather_prompt_features and store is not None)
                 and graphs.fits(token_ids, cached)):
-            return self._prefill_graphs(graphs, token_ids, pages, cached,
-                                        features=not logits_only or store is not None)
+            return self._prefill_graphs(graphs, token_ids, pages, cached, features=features)
         fb = build_prefill_batch(token_ids, pages, page_size=self.page_size, device=self.device,
                                  num_cached=num_cached)
         out = self.model(fb, self.kv_pool, aux_hidden_layers=self.aux_hidden_layers)

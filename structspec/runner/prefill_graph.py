@@ -42,10 +42,15 @@ import numpy as np
 import torch
 from torch import nn
 
+from structspec.env_flags import env_flag
 from structspec.kvcache.pool import KVPool
 from structspec.runner.batch_builder import build_chain_batch, page_table_array
 from structspec.runner.cuda_graph import capture_after_warmup, pick_bucket
 from structspec.staging import Staging
+
+FEATURE_GRAPHS = env_flag("STRUCTSPEC_FEATURE_PREFILL_GRAPHS")
+"""Whether a prefill whose hidden states are read (EAGLE) replays the feature graphs (read at
+call time; ``STRUCTSPEC_FEATURE_PREFILL_GRAPHS=0``: the eager prefill, for A/B runs)."""
 
 #: the largest piece (graph bucket) in tokens; longer chunks replay it several times
 MAX_PIECE_TOKENS = 2048

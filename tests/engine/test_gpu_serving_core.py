@@ -96,9 +96,10 @@ def test_chunked_equals_unchunked_on_cuda(cuda_llm: Callable[[str], Any], algo: 
         assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
         assert all(o.error is None for o in got)
         assert any(o.cached_tokens > 0 for o in got)
-        # the chunks of a drafter that reads no target features replay prefill graphs
+        # the chunks replay prefill graphs: logits only, or EAGLE's feature variant
         graphs = llm.engine.runner.prefill_graphs.graphs
-        assert (len(graphs) > 0) == (algo != "eagle"), sorted(graphs)
+        assert graphs, algo
+        assert all((aux is not None) == (algo == "eagle") for _, _, aux in graphs), sorted(graphs)
         assert_no_leak(llm)
     finally:
         chunks.budget_tokens = was

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+from structspec.env_flags import env_flag
+from structspec.runner import prefill_graph
 from structspec.runner.cuda_graph import kv_len_buckets
 from structspec.runner.model_runner import ModelRunner
 from structspec.runner.prefill_graph import (
@@ -280,3 +282,33 @@ def test_logits_only_prefill_skips_the_features(feature_runner: ModelRunner) -> 
         runner.prompt_features = store
     assert out.hidden_states.shape[1] == 0
     assert [k[2] for k in cache.graphs] == [None]
+
+
+def test_feature_graphs_switch_off(feature_runner: ModelRunner,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """``STRUCTSPEC_FEATURE_PREFILL_GRAPHS=0`` (the module flag): a prefill that reads
+    features runs eagerly, a logits-only one still replays."""
+    runner = feature_runner
+    buckets = sorted({-(-n // runner.page_size) for n in kv_len_buckets(512)})
+    cache = EagerPieces(runner.model, runner.kv_pool, page_size=runner.page_size,
+                        page_buckets=buckets, device=torch.device("cpu"))
+    runner.prefill_graphs = cache
+    monkeypatch.setattr(prefill_graph, "FEATURE_GRAPHS", False)
+    out = runner.prefill([list(range(1, 30))], [list(range(1, 9))])
+    assert out.hidden_states.shape[1] == 29 and not cache.graphs
+    monkeypatch.setattr(runner, "prompt_features", None)
+    runner.prefill([list(range(1, 30))], [list(range(9, 17))], logits_only=True)
+    assert [k[2] for k in cache.graphs] == [None]
+
+
+@pytest.mark.parametrize(("value", "want"), [(None, True), ("0", False), (" Off ", False),
+                                             ("no", False), ("FALSE", False), ("1", True),
+                                             ("yes", True)])
+def test_env_flag(monkeypatch: pytest.MonkeyPatch, value: str | None, want: bool) -> None:
+    if value is None:
+        monkeypatch.delenv("STRUCTSPEC_TEST_FLAG", raising=False)
+    else:
+        monkeypatch.setenv("STRUCTSPEC_TEST_FLAG", value)
+    assert env_flag("STRUCTSPEC_TEST_FLAG") is want
+    assert env_flag("STRUCTSPEC_TEST_FLAG", default=False) is (want if value is not None
+                                                               else False)
