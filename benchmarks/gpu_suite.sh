@@ -72,8 +72,9 @@
 #             serving-core tests (prefix cache / chunked == unchunked, one engine per drafter)
 #   eagle_prefill  issue 18: EAGLE prompts through the prefill graphs' feature variant: the
 #             prefill-graph tests on CUDA, the serving-core tests with eagle (prefix cache on ==
-#             off, chunked == unchunked), then the batch-1 gate's row (none and eagle; ~5 min;
-#             needs .whl_sharegpt/ carried)
+#             off, chunked == unchunked). On a fresh machine the Triton compiles of float32
+#             kernels come first: 80 s did not finish the prefill-graph file (2026-12-04). The
+#             batch-1 gate's row after it: eagle_bs1_pair
 #   mixed_tree  the no-sync tests with mixed tree sizes and every drafter (4 engines, ~4-8 min)
 #   prefix_distinct  issue 21: shared 2k-token prefix, cache on / off (256 requests, 64 running);
 #             issue 17: distinct schemas per request, ngram, 0 vs 8 mask workers, 3 alternating repeats
@@ -237,9 +238,8 @@ runpy.run_path('benchmarks/maskbench_e2e.py', run_name='__main__')"
   mixed_tree_ngram)
     run gpu_mixed_tree_ngram 200 python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu_engine.py -k "mixed_tree_sizes and ngram" ;;
   eagle_prefill)
-    run gpu_prefill_graph_tests 90 python3 -m pytest -q -s -p no:cacheprovider tests/runner/test_prefill_graph.py
-    run gpu_serving_core_eagle 150 python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu_serving_core.py -k eagle
-    run ds_bs1_pair 150 python3 benchmarks/drafter_speed.py --device cuda --workloads sharegpt --grammar json_schema --batch 1 --max-tokens 128 --batch1-prompts 8 --algorithms none eagle ;;
+    run gpu_prefill_graph_tests 200 python3 -m pytest -q -s -p no:cacheprovider tests/runner/test_prefill_graph.py
+    run gpu_serving_core_eagle 300 python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu_serving_core.py -k eagle ;;
   mixed_tree)
     run gpu_mixed_tree_tests 500 python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu_engine.py -k "mixed_tree_sizes or do_not_sync" ;;
   prefix_distinct)
