@@ -119,6 +119,45 @@ def plan_pieces(start: int, end: int, *, page_size: int,
     return out
 
 
+class FeatureBuffers:
+    """The outputs every feature graph of one cache copies its features into: ``[1, T, H]``
+    final hidden states and one ``[1, T, H]`` per aux layer, ``T`` = the largest piece.
+
+    Why shared: a graph's own static outputs stay allocated as long as the graph, and a
+    feature graph's are ``(1 + aux layers) x N x H`` (an 8B target: 4 x 2,048 x 4,096 bf16 =
+    64 MiB per 2,048-token bucket, over a GiB for every piece size and page-table width),
+    captured lazily after the KV pool has taken the free memory. Copied into one set of
+    buffers inside each graph (four copy kernels per replay), the forward's own outputs are
+    pool memory the next capture reuses. Replays are sequential on one stream and the caller
+    copies a piece's rows out before the next replay, so one set serves every graph.
+
+    Args:
+        max_tokens: ``T``, the largest piece.
+    """
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self.hidden: torch.Tensor | None = None
+        self.aux: tuple[torch.Tensor, ...] = ()
+
+    def write(self, hidden: torch.Tensor, aux: Sequence[torch.Tensor],
+              ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """Copy a piece's ``[1, N, H]`` outputs into rows ``0..N-1``; returns those views.
+        The buffers are allocated at the first call (a capture's eager warm-up, outside the
+        graph pool)."""
+        if self.hidden is None:
+            shape = (1, self.max_tokens, hidden.shape[2])
+            self.hidden = hidden.new_empty(shape)
+            self.aux = tuple(a.new_empty(shape) for a in aux)
+        n = hidden.shape[1]
+        out_hidden = self.hidden[:, :n]
+        out_hidden.copy_(hidden)
+        out_aux = tuple(o[:, :n] for o in self.aux)
+        for o, a in zip(out_aux, aux, strict=True):
+            o.copy_(a)
+        return out_hidden, out_aux
+
+
 class PrefillGraph:
     """Static buffers, and once captured the graph, of one ``(N, P)`` bucket.
 
@@ -129,16 +168,21 @@ class PrefillGraph:
             of the piece's last real position (``< N`` when the piece is padded).
         aux_hidden_layers: None: logits only; else the feature variant, which also outputs
             the final hidden states and these decoder layers' outputs (EAGLE-3; may be empty).
+        features: the feature variant's output buffers (shared by a cache's feature graphs;
+            None: the forward's own tensors).
         logits: ``[1, V]`` float32 static output, the last real position's (after capture).
-        hidden: ``[1, N, H]`` static final (post-norm) hidden states of every position (the
-            feature variant, after capture; rows past the piece's real tokens are padding).
-        aux: ``[1, N, H]`` static output per aux layer (the feature variant, after capture).
+        hidden: ``[1, N, H]`` final (post-norm) hidden states of every position (the feature
+            variant, after capture; rows past the piece's real tokens are padding): a view
+            of ``features`` when given, valid until another feature graph replays.
+        aux: ``[1, N, H]`` output per aux layer (the feature variant, after capture; same).
     """
 
     def __init__(self, num_tokens: int, pages: int, device: torch.device,
-                 aux_hidden_layers: tuple[int, ...] | None = None) -> None:
+                 aux_hidden_layers: tuple[int, ...] | None = None,
+                 features: FeatureBuffers | None = None) -> None:
         self.num_tokens, self.pages = num_tokens, pages
         self.aux_hidden_layers = aux_hidden_layers
+        self.features = features
         self.ints = torch.zeros(2 + pages + num_tokens, dtype=torch.int64, device=device)
         self.start = self.ints[:1]
         self.last = self.ints[1:2]
@@ -181,6 +225,8 @@ class PrefillGraph:
         logits = model.compute_logits(hidden[0].index_select(0, self.last))
         if self.aux_hidden_layers is None:
             return logits, None, ()
+        if self.features is not None:
+            return (logits, *self.features.write(hidden, out.aux_hidden_states))
         return logits, hidden, tuple(out.aux_hidden_states)
 
     def capture(self, model: nn.Module, kv_pool: KVPool, page_size: int, pool: tuple) -> None:
@@ -226,6 +272,8 @@ class PrefillGraphCache:
         self.device = device
         self.pool: tuple | None = None  # not the verify graphs' (module doc); at first capture
         self.graphs: dict[tuple[int, int, tuple[int, ...] | None], PrefillGraph] = {}
+        #: the feature graphs' shared outputs, per aux-layer set (one in practice)
+        self.features: dict[tuple[int, ...], FeatureBuffers] = {}
 
     def fits(self, token_ids: Sequence[Sequence[int]], num_cached: Sequence[int]) -> bool:
         """Whether a prefill of these requests replays graphs (few requests, each computing
@@ -266,7 +314,12 @@ class PrefillGraphCache:
             key = (piece, width, aux_hidden_layers)
             g = self.graphs.get(key)
             if g is None:
-                g = self.graphs[key] = PrefillGraph(piece, width, self.device, aux_hidden_layers)
+                features = None
+                if aux_hidden_layers is not None:
+                    features = self.features.setdefault(aux_hidden_layers,
+                                                         FeatureBuffers(MAX_PIECE_TOKENS))
+                g = self.graphs[key] = PrefillGraph(piece, width, self.device,
+                                                    aux_hidden_layers, features)
             logits, piece_hidden, piece_aux = self._replay(staging, g, token_ids, pages, pos, real)
             if piece_hidden is not None:
                 hidden.append(piece_hidden[:, :real].clone())

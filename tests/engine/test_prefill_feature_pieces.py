@@ -1,5 +1,5 @@
 """An EAGLE engine through the prefill graphs' feature variant, on the CPU: each piece's
-recorded function runs eagerly (``EagerPieces``, tests/runner/test_prefill_graph.py) where CUDA
+recorded function runs eagerly (``EagerPieces``, tests/runner/eager_pieces.py) where CUDA
 replays it. Greedy output and every drafted tree (the drafts read the features) equal the eager
 prefill's, whole prompts (two per prefill step: the
 padded ``[B, Q, H]`` rows), chunked, and with prefix caching (the prompt feature store written
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from structspec.runner.cuda_graph import kv_len_buckets
-from tests.runner.test_prefill_graph import EagerPieces
+from tests.runner.eager_pieces import EagerPieces
 
 from .test_chunked_prefill import _params, chunked_llm, no_prefix_cache, unchunked
 from .test_prefix_cache import QUESTIONS, SYSTEM

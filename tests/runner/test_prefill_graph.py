@@ -15,11 +15,12 @@ from structspec.runner import prefill_graph
 from structspec.runner.cuda_graph import kv_len_buckets
 from structspec.runner.model_runner import ModelRunner
 from structspec.runner.prefill_graph import (
+    FeatureBuffers,
     PrefillGraph,
-    PrefillGraphCache,
     plan_pieces,
     split_chunk,
 )
+from tests.runner.eager_pieces import EagerPieces
 from tests.runner.tiny_runner import tiny_runner
 
 
@@ -198,15 +199,6 @@ def test_chain_pieces_equal_the_eager_prefill_on_cpu(tiny: ModelRunner) -> None:
     assert torch.equal(k[slots(others)], before)  # padding: own pages and the sink only
 
 
-class EagerPieces(PrefillGraphCache):
-    """The prefill graph cache with each piece's recorded function run eagerly instead of
-    replayed (the CPU has no graphs): everything else is the CUDA path's."""
-
-    def _replay(self, staging, g, token_ids, pages, pos, real):  # noqa: ANN001, ANN202
-        g.fill(g.ints.numpy(), token_ids, pages, pos, real)
-        return g.forward(self.model, self.kv_pool, self.page_size)
-
-
 @pytest.fixture
 def feature_runner(tmp_path: Path) -> ModelRunner:
     """A tiny runner as an EAGLE-3 target keeps it: aux layer 0, a prompt feature store."""
@@ -312,3 +304,16 @@ def test_env_flag(monkeypatch: pytest.MonkeyPatch, value: str | None, want: bool
     assert env_flag("STRUCTSPEC_TEST_FLAG") is want
     assert env_flag("STRUCTSPEC_TEST_FLAG", default=False) is (want if value is not None
                                                                else False)
+
+
+def test_feature_buffers_are_one_set_for_every_piece_size() -> None:
+    """Pieces of 8 and 3 rows write the same storage (allocated once, at the largest piece),
+    and each gets back the rows it wrote."""
+    buffers = FeatureBuffers(16)
+    first, first_aux = buffers.write(torch.ones(1, 8, 4), [torch.full((1, 8, 4), 2.0)])
+    second, second_aux = buffers.write(torch.full((1, 3, 4), 5.0), [torch.zeros(1, 3, 4)])
+    assert buffers.hidden is not None and buffers.hidden.shape == (1, 16, 4)
+    assert first.data_ptr() == second.data_ptr() == buffers.hidden.data_ptr()
+    assert second.shape == (1, 3, 4) and torch.equal(second, torch.full((1, 3, 4), 5.0))
+    assert torch.equal(first[0, 3:], torch.ones(5, 4))  # rows past the short piece: unchanged
+    assert torch.equal(second_aux[0], torch.zeros(1, 3, 4)) and len(first_aux) == 1
