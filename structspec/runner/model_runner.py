@@ -257,8 +257,8 @@ class ModelRunner:
         On CUDA a step of few requests (:meth:`PrefillGraphCache.fits`) replays prefill graphs
         (:mod:`.prefill_graph`: ~20 ms of eager launches become a few replays): logits-only
         graphs, or feature graphs when the caller reads the hidden states or the runner keeps
-        a feature store (``STRUCTSPEC_FEATURE_PREFILL_GRAPHS=0``: those run eagerly). A step
-        that gathers prompt features from the store runs eagerly.
+        a feature store (``STRUCTSPEC_FEATURE_PREFILL_GRAPHS=0``: those run eagerly); the
+        prompt features are then gathered from the store as on the eager path.
         """
         cached = list(num_cached) if num_cached is not None else [0] * len(token_ids)
         store = self.prompt_features
@@ -267,9 +267,9 @@ class ModelRunner:
         graphs = self.prefill_graphs
         features = not logits_only or store is not None
         if (graphs is not None and (prefill_graph.FEATURE_GRAPHS or not features)
-                and not (gather_prompt_features and store is not None)
                 and graphs.fits(token_ids, cached)):
-            return self._prefill_graphs(graphs, token_ids, pages, cached, features=features)
+            return self._prefill_graphs(graphs, token_ids, pages, cached, features=features,
+                                        gather=gather_prompt_features)
         fb = build_prefill_batch(token_ids, pages, page_size=self.page_size, device=self.device,
                                  num_cached=num_cached)
         out = self.model(fb, self.kv_pool, aux_hidden_layers=self.aux_hidden_layers)
@@ -292,11 +292,14 @@ class ModelRunner:
 
     def _prefill_graphs(self, graphs: PrefillGraphCache, token_ids: Sequence[Sequence[int]],
                         pages: Sequence[Sequence[int]], cached: Sequence[int], *,
-                        features: bool) -> PrefillOutput:
+                        features: bool, gather: bool) -> PrefillOutput:
         """:meth:`prefill` through the prefill graphs, one request after the other. With
         ``features``, the outputs are those of the eager path (``hidden_states`` and each aux
         layer ``[B, Q, H]``, request ``b``'s row ``j`` = position ``cached[b] + j``, rows past
-        its chunk padding) and the feature store, when kept, gets every computed position."""
+        its chunk padding); the feature store, when kept, gets every computed position, and
+        with ``gather`` every prompt position's features are read back from it
+        (``prompt_hidden_states``). The slots come from the host's page lists (one staged
+        copy each) where the eager path has them in its batch."""
         aux_layers = self.aux_hidden_layers if features else None
         outs = [graphs.run(self.staging, t, p, c, aux_layers)  # type: ignore[arg-type]
                 for t, p, c in zip(token_ids, pages, cached, strict=True)]
@@ -305,21 +308,36 @@ class ModelRunner:
         if not features:
             empty = logits.new_empty((len(token_ids), 0, h), dtype=self._dtype)
             return PrefillOutput(logits=logits, hidden_states=empty, aux_hidden_states=[])
-        hidden = _pad_rows([o.hidden_states for o in outs])  # type: ignore[misc]
-        aux = [_pad_rows([o.aux_hidden_states[i] for o in outs])
-               for i in range(len(self.aux_hidden_layers))]
+        result = PrefillOutput(
+            logits=logits, hidden_states=_pad_rows([o.hidden_states for o in outs]),  # type: ignore[misc]
+            aux_hidden_states=[_pad_rows([o.aux_hidden_states[i] for o in outs])
+                               for i in range(len(self.aux_hidden_layers))])
         store = self.prompt_features
-        if store is not None:
-            # the computed positions' KV slots, from the host's page lists (one staged copy)
-            slots = np.concatenate([
-                np.asarray(p, dtype=np.int64)[np.arange(c, len(t)) // self.page_size]
-                * self.page_size + np.arange(c, len(t)) % self.page_size
-                for t, p, c in zip(token_ids, pages, cached, strict=True)])
-            rows = torch.cat([torch.cat([o.hidden_states, *o.aux_hidden_states], dim=-1)[0]
-                              for o in outs])  # type: ignore[list-item]
-            store.index_copy_(0, to_device(torch.from_numpy(slots), self.device, self.staging),
-                              rows.to(store.dtype))
-        return PrefillOutput(logits=logits, hidden_states=hidden, aux_hidden_states=aux)
+        if store is None:
+            return result
+        slots = np.concatenate([self._kv_slots(p, c, len(t))
+                                for t, p, c in zip(token_ids, pages, cached, strict=True)])
+        rows = torch.cat([torch.cat([o.hidden_states, *o.aux_hidden_states], dim=-1)[0]
+                          for o in outs])  # type: ignore[list-item]
+        store.index_copy_(0, to_device(torch.from_numpy(slots), self.device, self.staging),
+                          rows.to(store.dtype))
+        if gather:
+            # every prompt position 0..L-1 (padding: the sink's slot 0), after the store
+            # above in stream order
+            width = max(len(t) for t in token_ids)
+            table = np.zeros((len(token_ids), width), dtype=np.int64)
+            for b, (t, p) in enumerate(zip(token_ids, pages, strict=True)):
+                table[b, : len(t)] = self._kv_slots(p, 0, len(t))
+            full = store[to_device(torch.from_numpy(table), self.device, self.staging)]
+            result.prompt_hidden_states = full[..., :h]
+            result.prompt_aux_hidden_states = list(full[..., h:].split(h, dim=-1))
+        return result
+
+    def _kv_slots(self, pages: Sequence[int], start: int, end: int) -> np.ndarray:
+        """``int64 [end - start]`` KV slots of positions ``start..end-1`` over ``pages``."""
+        pos = np.arange(start, end)
+        return (np.asarray(pages, dtype=np.int64)[pos // self.page_size] * self.page_size
+                + pos % self.page_size)
 
     @torch.inference_mode()
     def verify(

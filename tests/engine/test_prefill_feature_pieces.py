@@ -1,9 +1,9 @@
 """An EAGLE engine through the prefill graphs' feature variant, on the CPU: each piece's
 recorded function runs eagerly (``EagerPieces``, tests/runner/eager_pieces.py) where CUDA
 replays it. Greedy output and every drafted tree (the drafts read the features) equal the eager
-prefill's, whole prompts (two per prefill step: the
-padded ``[B, Q, H]`` rows), chunked, and with prefix caching (the prompt feature store written
-by the pieces, read back by first chunks over cached pages)."""
+prefill's, whole prompts (two per prefill step: the padded ``[B, Q, H]`` rows), chunked, and
+with prefix caching (the prompt feature store written by the pieces, and read back through
+them by first chunks over cached pages)."""
 
 from __future__ import annotations
 

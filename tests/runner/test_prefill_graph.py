@@ -255,23 +255,52 @@ def test_feature_graphs_give_the_eager_prefill_outputs_and_store(
         torch.testing.assert_close(store[graph_slots], store[eager_slots], atol=1e-5, rtol=1e-5)
 
 
-def test_logits_only_prefill_skips_the_features(feature_runner: ModelRunner) -> None:
-    """Without a feature store a logits-only prefill replays the logits-only pieces (no
-    hidden states), and a prefill gathering stored prompt features stays eager."""
+def test_feature_graphs_gather_the_prompt_features_like_the_eager_prefill(
+        feature_runner: ModelRunner) -> None:
+    """A prefill over cached KV that gathers every prompt position's features from the store
+    (an EAGLE first chunk after a prefix-cache hit), two requests of different lengths (one
+    with 40 cached positions, one with none): through the pieces it returns the eager
+    prefill's ``prompt_hidden_states`` / ``prompt_aux_hidden_states``, padding included."""
     runner = feature_runner
     page = runner.page_size
     buckets = sorted({-(-n // page) for n in kv_len_buckets(512)})
-    cache = EagerPieces(runner.model, runner.kv_pool, page_size=page, page_buckets=buckets,
-                        device=torch.device("cpu"))
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 64, (n,), generator=gen).tolist() for n in (60, 30)]
+    pages = {name: [list(range(1 + 20 * i + 40 * j, 21 + 20 * i + 40 * j)) for i in range(2)]
+             for j, name in enumerate(("eager", "graphs"))}
+    outs = {}
+    for name, graphs in (("eager", None), ("graphs", EagerPieces(
+            runner.model, runner.kv_pool, page_size=page, page_buckets=buckets,
+            device=torch.device("cpu")))):
+        runner.prefill_graphs = None
+        runner.prefill([prompts[0][:40]], [pages[name][0]])  # the cached prefix
+        runner.prefill_graphs = graphs
+        outs[name] = runner.prefill(prompts, pages[name], [40, 0], gather_prompt_features=True)
+        if graphs is not None:
+            assert graphs.graphs
+    runner.prefill_graphs = None
+    want, got = outs["eager"], outs["graphs"]
+    assert got.prompt_hidden_states is not None and want.prompt_hidden_states is not None
+    assert got.prompt_hidden_states.shape == want.prompt_hidden_states.shape == (2, 60, 32)
+    torch.testing.assert_close(got.prompt_hidden_states, want.prompt_hidden_states,
+                               atol=1e-5, rtol=1e-5)
+    assert got.prompt_aux_hidden_states is not None and want.prompt_aux_hidden_states is not None
+    torch.testing.assert_close(got.prompt_aux_hidden_states[0], want.prompt_aux_hidden_states[0],
+                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=1e-5)
+
+
+def test_logits_only_prefill_skips_the_features(feature_runner: ModelRunner,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a feature store a logits-only prefill replays the logits-only pieces (no
+    hidden states)."""
+    runner = feature_runner
+    buckets = sorted({-(-n // runner.page_size) for n in kv_len_buckets(512)})
+    cache = EagerPieces(runner.model, runner.kv_pool, page_size=runner.page_size,
+                        page_buckets=buckets, device=torch.device("cpu"))
     runner.prefill_graphs = cache
-    prompt = list(range(1, 41))
-    runner.prefill([prompt], [list(range(1, 11))], gather_prompt_features=True)
-    assert not cache.graphs  # the gather reads the store: eager
-    store, runner.prompt_features = runner.prompt_features, None
-    try:
-        out = runner.prefill([prompt], [list(range(11, 21))], logits_only=True)
-    finally:
-        runner.prompt_features = store
+    monkeypatch.setattr(runner, "prompt_features", None)
+    out = runner.prefill([list(range(1, 41))], [list(range(11, 21))], logits_only=True)
     assert out.hidden_states.shape[1] == 0
     assert [k[2] for k in cache.graphs] == [None]
 
