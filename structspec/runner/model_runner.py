@@ -299,7 +299,9 @@ class ModelRunner:
         its chunk padding); the feature store, when kept, gets every computed position, and
         with ``gather`` every prompt position's features are read back from it
         (``prompt_hidden_states``). The slots come from the host's page lists (one staged
-        copy each) where the eager path has them in its batch."""
+        copy each) where the eager path has them in its batch. Padding rows here are zeros and
+        store slot 0 is never written, where the eager path leaves junk rows and writes its
+        padding into slot 0: consumers read a request's rows up to its length only."""
         aux_layers = self.aux_hidden_layers if features else None
         outs = [graphs.run(self.staging, t, p, c, aux_layers)  # type: ignore[arg-type]
                 for t, p, c in zip(token_ids, pages, cached, strict=True)]

@@ -49,8 +49,9 @@ from structspec.runner.cuda_graph import capture_after_warmup, pick_bucket
 from structspec.staging import Staging
 
 FEATURE_GRAPHS = env_flag("STRUCTSPEC_FEATURE_PREFILL_GRAPHS")
-"""Whether a prefill whose hidden states are read (EAGLE) replays the feature graphs (read at
-call time; ``STRUCTSPEC_FEATURE_PREFILL_GRAPHS=0``: the eager prefill, for A/B runs)."""
+"""Whether a prefill whose hidden states are read (EAGLE) replays the feature graphs. The
+environment variable is read once, at import; the runner reads this module attribute on every
+call, so tests flip it (``STRUCTSPEC_FEATURE_PREFILL_GRAPHS=0``: the eager prefill, A/B runs)."""
 
 #: the largest piece (graph bucket) in tokens; longer chunks replay it several times
 MAX_PIECE_TOKENS = 2048
