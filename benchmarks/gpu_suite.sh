@@ -57,6 +57,11 @@
 #             GEMV / staging / propose-graph / EAGLE tests, then host_step_cost with them on and
 #             off (STRUCTSPEC_INDEX_KERNELS=0) (~5-6 min)
 #   eagle_bs1_pair  issue 18: the batch-1 gate's row, none and eagle in one run (~3.5 min)
+#   eagle_bs1_ab  issue 18: the batch-1 gate's eagle row with EAGLE prompts prefilled eagerly
+#             (STRUCTSPEC_FEATURE_PREFILL_GRAPHS=0; run after eagle_bs1_pair on one machine), then
+#             the EAGLE grammar overlap at batch 32 alone, 4 alternating repeats
+#   llguidance_bs64_workers  issue 19: llguidance grammar overlap at batch 64 (ngram, 3 repeats)
+#             with 8 mask workers (the default on 16 cores) and with 12
 #   feature_graph  issue 18: the EAGLE tests on CUDA (the feature-store graph vs the eager store,
 #             no host sync in its replays), the paging / GEMV / tree-kernel / staging tests (~4 min)
 #   eagle_bs1_auto  issue 18: host_step_cost (host us per call and the GPU's view of the same
@@ -171,6 +176,13 @@ runpy.run_path('benchmarks/maskbench_e2e.py', run_name='__main__')"
     run ds_bs1_auto 240 python3 benchmarks/drafter_speed.py --device cuda --workloads sharegpt --grammar json_schema --batch 1 --max-tokens 128 --batch1-prompts 8 --algorithms none eagle ;;
   eagle_bs1_pair)
     run ds_bs1_pair 300 python3 benchmarks/drafter_speed.py --device cuda --workloads sharegpt --grammar json_schema --batch 1 --max-tokens 128 --batch1-prompts 8 --algorithms none eagle ;;
+  eagle_bs1_ab)
+    STRUCTSPEC_FEATURE_PREFILL_GRAPHS=0 run ds_bs1_eager_prefill 240 python3 benchmarks/drafter_speed.py --device cuda --workloads sharegpt --grammar json_schema --batch 1 --max-tokens 128 --batch1-prompts 8 --algorithms eagle
+    run grammar_overlap_eagle_bs32 200 python3 benchmarks/grammar_overlap.py --device cuda --batch 32 --steps 60 --algorithms eagle --overlap on --repeats 4 --speculative-adaptive off ;;
+  llguidance_bs64_workers)
+    for w in 8 12; do
+      run grammar_overlap_llg_bs64_w$w 150 python3 benchmarks/grammar_overlap.py --device cuda --batch 64 --steps 150 --algorithms ngram --overlap on --repeats 3 --grammar-backend llguidance --grammar-workers $w
+    done ;;
   eagle_tests)
     run gpu_engine_tests 560 python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu_engine.py ;;
   eagle_workers)
