@@ -29,16 +29,36 @@ from structspec.penalty_params import (
 # ---------------------------------------------------------------------------------------------
 
 
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+"""The error code of a prompt (or prompt + ``max_tokens``) that the context cannot hold."""
+INVALID_REQUEST_PARAMETER = "invalid_request_parameter"
+"""The generic error code of a request field the engine refused (OpenAI's and vLLM's name)."""
+
+
+def request_error_code(param: str | None, code: str | None = None) -> str | None:
+    """The machine-readable code of a refused request, the same in the Python API
+    (``RequestOutput.error_code``) and in the server's HTTP 400s: ``code`` when the error
+    has its own (``grammar_too_complex``, :data:`CONTEXT_LENGTH_EXCEEDED`), else
+    :data:`INVALID_REQUEST_PARAMETER` when it names a field other than ``prompt``, else None
+    (an unusable prompt: the field is the code's whole information)."""
+    if code is not None:
+        return code
+    return INVALID_REQUEST_PARAMETER if param is not None and param != "prompt" else None
+
+
 class RequestError(ValueError):
-    """A request was rejected before it ran; ``param`` names the offending field.
+    """A request was rejected before it ran; ``param`` names the offending field and
+    ``code`` is its machine-readable code (:func:`request_error_code`).
 
     Raised by ``LLMEngine.add_request``; defined here, with no heavy import, so that the
     server's engine loop can catch it without importing the engine.
     """
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, *,
+                 code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+        self.code = request_error_code(param, code)
 
 
 class PromptTooLongError(ValueError):
@@ -380,12 +400,14 @@ class RequestOutput:
         return None if self.finish_time is None else self.finish_time - self.arrival_time
 
     @classmethod
-    def error_output(cls, request_id: str, error: str, param: str | None = None) -> RequestOutput:
-        """A finished ``abort`` output for a request rejected before it ran."""
+    def error_output(cls, request_id: str, error: str, param: str | None = None,
+                     code: str | None = None) -> RequestOutput:
+        """A finished ``abort`` output for a request rejected before it ran (``code``: its
+        :func:`request_error_code`)."""
         t = now()
         return cls(request_id=request_id, prompt_token_ids=[], token_ids=[], text="",
                    finished=True, finish_reason=FinishReason.ABORT, error=error,
-                   error_param=param, arrival_time=t, finish_time=t)
+                   error_param=param, error_code=code, arrival_time=t, finish_time=t)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready record (the CLI's ``--output json`` line)."""

@@ -13,6 +13,7 @@ from typing import Any
 
 from structspec.config import EngineConfig
 from structspec.core import (
+    CONTEXT_LENGTH_EXCEEDED,
     ChatMessageError,
     ChatMessages,
     PromptTooLongError,
@@ -119,7 +120,7 @@ class LLMEngine:
             except PromptTooLongError as e:
                 raise self._too_long(e.min_tokens, "messages", at_least=True) from None
             except ChatMessageError as e:
-                raise RequestError(str(e), e.param) from None
+                raise RequestError(str(e), e.param, code=e.code) from None
             except Exception as e:  # e.g. the template's own complaint, already prefixed
                 raise RequestError(str(e), "messages") from e
         else:
@@ -135,7 +136,8 @@ class LLMEngine:
     def _too_long(self, num_tokens: int, param: str, *, at_least: bool = False) -> RequestError:
         return RequestError(
             f"prompt has {'at least ' if at_least else ''}{num_tokens} tokens; the context "
-            f"holds {self.max_model_len} (prompt + at least one new token must fit)", param)
+            f"holds {self.max_model_len} (prompt + at least one new token must fit)", param,
+            code=CONTEXT_LENGTH_EXCEEDED)
 
     def add_request(
         self,
@@ -347,7 +349,7 @@ class LLMEngine:
                 self.add_request(p, sp, request_id=rid, raw_prompt=raw_prompt,
                                  priority=0 if priorities is None else priorities[i])
             except RequestError as e:
-                results[rid] = RequestOutput.error_output(rid, str(e), e.param)
+                results[rid] = RequestOutput.error_output(rid, str(e), e.param, e.code)
                 if progress is not None:
                     progress.update(1)
         self._next_id += 1

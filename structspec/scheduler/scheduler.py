@@ -18,7 +18,13 @@ import time
 import torch
 
 from structspec.config import EngineConfig
-from structspec.core import FinishReason, RequestError, RequestOutput, now
+from structspec.core import (
+    FinishReason,
+    RequestError,
+    RequestOutput,
+    now,
+    request_error_code,
+)
 from structspec.draft_tree.layout import VerifyTree
 from structspec.grammar.backend import GrammarBackend
 from structspec.grammar.bitmask import bitmask_width
@@ -348,7 +354,7 @@ class Scheduler:
                     self.grammar_backend_counts.get(req.matcher.backend, 0) + 1
             except GrammarError as e:
                 req.finish(FinishReason.ABORT, error=str(e), error_param=e.param,
-                           error_code=e.code)
+                           error_code=request_error_code(e.param, e.code))
                 self._retire(req)
                 continue
             req.grammar_future = None

@@ -177,7 +177,8 @@ class EngineLoop:
         except RequestError as e:
             self._pending.append(EngineDelta(
                 request_id=msg.request_id, finished=True, finish_reason="abort", error=str(e),
-                error_param=e.param, rejected=True, num_prompt_tokens=len(msg.prompt_token_ids)))
+                error_param=e.param, error_code=e.code, rejected=True,
+                num_prompt_tokens=len(msg.prompt_token_ids)))
             return
         except Exception as e:  # an engine bug must not take the loop down
             logger.exception("add_request(%s) failed", msg.request_id)

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from structspec.constraints import PARAM_BY_KIND
-from structspec.core import SamplingParams, SpecMetrics
+from structspec.core import SamplingParams, SpecMetrics, request_error_code
 from structspec.server.codec import Codec, Detokenizer
 from structspec.server.engine_client import AsyncEngine, EngineDeadError
 from structspec.server.errors import APIError, bad_request, server_error, unavailable
@@ -143,14 +143,9 @@ def error_for(delta: EngineDelta, grammar_param: str | None = None) -> APIError:
         param = delta.error_param
         if grammar_param is not None and param in GRAMMAR_KIND_PARAMS:
             param = grammar_param
-        code = delta.error_code
-        if code is not None:
-            pass  # the engine's own code (grammar_too_complex)
-        elif "prompt has" in msg and "context" in msg:
-            code = "context_length_exceeded"
-        elif param is not None and param != "prompt":
-            code = "invalid_request_parameter"
-        return bad_request(msg, param, code=code)
+        # the engine's code (request_error_code: the same rule as the Python API's), or the
+        # generic one by the field when the engine gave none
+        return bad_request(msg, param, code=request_error_code(param, delta.error_code))
     if msg.startswith(SHUTDOWN_ERRORS):
         return unavailable(msg)
     return server_error(msg)

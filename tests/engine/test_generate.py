@@ -139,6 +139,23 @@ def test_bad_input_is_local(bad_input_outputs: list, case: int) -> None:
         assert ok.error is None and ok.finish_reason is FinishReason.LENGTH
 
 
+#: each BAD_INPUTS case's ``error_code`` (the Python API's, the same rule as the server's 400s)
+BAD_INPUT_CODES = {"too_long": "context_length_exceeded",
+                   "too_long_untokenized": "context_length_exceeded",
+                   "empty": None, "bool_token_id": None, "surrogate": None}
+
+
+@pytest.mark.parametrize("case", range(len(BAD_INPUTS)), ids=BAD_INPUT_IDS)
+def test_bad_input_has_the_servers_error_code(bad_input_outputs: list, case: int) -> None:
+    """A refused request's ``error_code`` in the Python API: the context's own code for a
+    prompt that cannot fit, the generic ``invalid_request_parameter`` for any other field
+    (an invalid JSON Schema or regex too, found at compile time), none for an unusable
+    prompt, as the server's HTTP 400 gives them."""
+    out = bad_input_outputs[2 * case + 1]
+    want = BAD_INPUT_CODES.get(BAD_INPUT_IDS[case], "invalid_request_parameter")
+    assert out.error_code == want, (out.error_param, out.error)
+
+
 MALFORMED_CHATS: list[tuple[list, str, str]] = [
     ([{"role": "system", "content": "Be brief."}, {"role": "user"}], "messages[1].content",
      "messages[1].content: missing"),
