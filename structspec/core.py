@@ -418,6 +418,8 @@ class RequestOutput:
             "finish_reason": self.finish_reason.value if self.finish_reason else None,
             "stop_reason": self.stop_reason,
             "error": self.error,
+            "error_param": self.error_param,
+            "error_code": self.error_code,
             "prompt_tokens": self.num_prompt_tokens,
             "completion_tokens": self.num_completion_tokens,
             "schema_valid": self.schema_valid,

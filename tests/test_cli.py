@@ -78,7 +78,7 @@ class _FakeLLM:
                 if prompt == "":
                     raise ValueError("prompt is empty")  # as the engine refuses it
             except ValueError as e:
-                outs.append(RequestOutput.error_output(f"req-{i}", str(e)))
+                outs.append(RequestOutput.error_output(f"req-{i}", str(e), "prompt"))
                 continue
             outs.append(RequestOutput(request_id=f"req-{i}", prompt_token_ids=[1],
                                       token_ids=[2], text="ok", finished=True,
@@ -290,6 +290,10 @@ def test_every_batch_record_carries_its_input_line(
     assert [o["text"] for o in outs if o["line"] in (1, 4, 7)] == ["ok", "ok", "ok"]
     engine_refused, bad_record = outs[1], outs[3]
     assert engine_refused["error"] == "prompt is empty" and "batch.jsonl:3: prompt is empty" in err
+    # the record carries the field and code the engine gave (the server's 400 has the same)
+    assert (engine_refused["error_param"], engine_refused["error_code"]) == ("prompt", None)
+    assert [(o["error_param"], o["error_code"]) for o in outs if o["line"] in (1, 4, 7)] == \
+        [(None, None)] * 3
     assert bad_record["finish_reason"] == "abort" and "top_k" in bad_record["error"]
 
 
