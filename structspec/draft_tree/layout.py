@@ -240,6 +240,42 @@ class VerifyTree:
                    ancestor_mask=torch.ones(tokens.shape[0], 1, 1, dtype=torch.bool,
                                             device=tokens.device))
 
+    def prefix(self, num_nodes: int) -> VerifyTree:
+        """Each row's first ``num_nodes`` nodes as a tree, sliced from this layout instead of
+        laid out again (the adaptive sizer cuts every drafted host tree to its plan's size).
+
+        Parents precede children, so a prefix of the nodes is a tree whose parents, depths
+        and ancestor mask are this tree's. A first-child or next-sibling link past the cut
+        becomes -1: a node's first child is its lowest-numbered child and its next sibling
+        the next-numbered one, so when that one is cut so are all the later ones. Equal, field
+        by field, to :meth:`from_parents` of the first ``num_nodes`` columns
+        (``tests/draft_tree/test_layout.py``). New contiguous tensors on this tree's device
+        (``num_nodes`` equal to :attr:`num_nodes`: this tree itself).
+
+        Args:
+            num_nodes: nodes kept per row, ``1 <= num_nodes <= self.num_nodes``.
+
+        Raises:
+            ValueError: ``num_nodes`` out of that range.
+        """
+        n = num_nodes
+        if not 1 <= n <= self.num_nodes:
+            raise ValueError(f"num_nodes={n}: a prefix of a {self.num_nodes}-node tree has "
+                             f"1..{self.num_nodes} nodes")
+        if n == self.num_nodes:
+            return self
+
+        def cut_link(link: torch.Tensor) -> torch.Tensor:
+            link = link[:, :n]
+            return torch.where(link >= n, torch.full_like(link, -1), link)
+
+        return VerifyTree(draft_tokens=self.draft_tokens[:, :n].contiguous(),
+                          parents=self.parents[:, :n].contiguous(),
+                          depth=self.depth[:, :n].contiguous(),
+                          next_token=cut_link(self.next_token),
+                          next_sibling=cut_link(self.next_sibling),
+                          ancestor_mask=self.ancestor_mask[:, :n, :n].contiguous())
+
     def to(self, device: torch.device) -> VerifyTree:
         """Copy every field to ``device`` (plain copies: the hot path stages a host tree
         through :mod:`structspec.staging` instead)."""

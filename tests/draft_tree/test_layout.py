@@ -72,6 +72,40 @@ def test_host_and_torch_builds_agree_on_random_trees() -> None:
         assert torch.equal(getattr(root, f), getattr(ref, f)), f
 
 
+def test_prefix_equals_the_layout_of_the_cut_columns() -> None:
+    """:meth:`VerifyTree.prefix` (the sizer's cut of a host tree) gives, field by field, what
+    laying out the first ``k`` columns again gives, for every ``k``: links past the cut
+    become -1 (first children and next siblings cut away, with later ones still in the
+    prefix is what a wrong rule would keep), on random trees with padding nodes and real
+    nodes under no parent; out-of-range sizes are refused."""
+    import random
+
+    rng = random.Random(1)
+    fields = ("draft_tokens", "parents", "depth", "next_token", "next_sibling", "ancestor_mask")
+    for _ in range(150):
+        b, n = rng.randint(1, 12), rng.choice([2, 5, 8, 12, 16])
+        toks = torch.randint(0, 100, (b, n))
+        par = torch.zeros(b, n, dtype=torch.int64)
+        for r in range(b):
+            for i in range(1, n):
+                par[r, i] = rng.randrange(i) if rng.random() > 0.05 else -1
+                if rng.random() < 0.2:
+                    toks[r, i] = -1
+        tree = VerifyTree.from_parents(toks.clone(), par.clone())
+        for k in range(1, n + 1):
+            got = tree.prefix(k)
+            want = VerifyTree._from_parents_torch(toks[:, :k].clone(), par[:, :k].clone())
+            for f in fields:
+                g, w = getattr(got, f), getattr(want, f)
+                assert g.dtype == w.dtype and torch.equal(g, w), (k, f)
+                assert g.is_contiguous()
+    tree = VerifyTree.from_parents(torch.tensor([[3, 4, 5]]), torch.tensor([[-1, 0, 0]]))
+    assert tree.prefix(3) is tree
+    for bad in (0, 4):
+        with pytest.raises(ValueError, match="num_nodes"):
+            tree.prefix(bad)
+
+
 def test_list_layout_refuses_more_than_64_nodes() -> None:
     with pytest.raises(ValueError, match="64"):
         VerifyTree._from_parents_lists(torch.arange(65).view(1, 65),
