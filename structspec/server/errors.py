@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from structspec.core import request_error_code
+
 
 class APIError(Exception):
     """An error the HTTP layer turns into an OpenAI error response.
@@ -38,8 +40,10 @@ def error_body(message: str, *, type: str = "invalid_request_error", param: str 
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    """A 400 ``invalid_request_error``."""
-    return APIError(400, message, param=param, code=code)
+    """A 400 ``invalid_request_error``; without its own ``code``, the one the Python API gives
+    the same refusal (:func:`structspec.core.request_error_code`: ``invalid_request_parameter``
+    for a named field other than ``prompt``), whether the front end or the engine refused."""
+    return APIError(400, message, param=param, code=request_error_code(param, code))
 
 
 def model_not_found(name: str) -> APIError:

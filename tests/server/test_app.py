@@ -175,18 +175,21 @@ def test_bad_json_and_types_are_400(client: TestClient) -> None:
     assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported"
 
 
+BAD = "invalid_request_parameter"  # the generic 400 code of a refused field
+
+
 @pytest.mark.parametrize(("messages", "param", "code"), [
-    ("hi", "messages", None),
-    ([], "messages", None),
-    ([{"content": "x"}], "messages[0].role", None),
-    ([{"role": 1, "content": "x"}], "messages[0].role", None),
-    ([{"role": "robot", "content": "x"}], "messages[0].role", None),
-    ([{"role": "system", "content": "x"}, {"role": "user"}], "messages[1].content", None),
-    ([{"role": "user", "content": None}], "messages[0].content", None),
-    ([{"role": "user", "content": 5}], "messages[0].content", None),
-    ([{"role": "user", "content": [1, 2]}], "messages[0].content[0]", None),
+    ("hi", "messages", BAD),
+    ([], "messages", BAD),
+    ([{"content": "x"}], "messages[0].role", BAD),
+    ([{"role": 1, "content": "x"}], "messages[0].role", BAD),
+    ([{"role": "robot", "content": "x"}], "messages[0].role", BAD),
+    ([{"role": "system", "content": "x"}, {"role": "user"}], "messages[1].content", BAD),
+    ([{"role": "user", "content": None}], "messages[0].content", BAD),
+    ([{"role": "user", "content": 5}], "messages[0].content", BAD),
+    ([{"role": "user", "content": [1, 2]}], "messages[0].content[0]", BAD),
     ([{"role": "user", "content": [{"type": "text", "text": 5}]}],
-     "messages[0].content[0].text", None),
+     "messages[0].content[0].text", BAD),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
      "messages[0].content[0].type", "unsupported"),
     ([MSGS[0], {"role": "assistant", "content": None, "tool_calls": [
@@ -197,7 +200,8 @@ def test_malformed_messages_are_400_naming_the_field(
         client: TestClient, messages: Any, param: str, code: str | None) -> None:
     """Checked by the same function as the Python API and the CLI, before the template: a
     missing or null user content is refused (it used to render as ""), as is an assistant
-    turn that only carries tool calls."""
+    turn that only carries tool calls. The code is the Python API's for the same refusal
+    (``invalid_request_parameter``, or the check's own ``unsupported``)."""
     engine: FakeEngine = client.app.state.server.engine  # type: ignore[attr-defined]
     r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
     assert r.status_code == 400, r.text

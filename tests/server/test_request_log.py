@@ -70,7 +70,7 @@ def test_normal_request_one_line_with_its_usage(client: TestClient,
 
 
 @pytest.mark.parametrize("body,status,error,param,grammar", [
-    ({"n": 0}, 400, "invalid_request_error", "n", "-"),  # refused before the grammar was read
+    ({"n": 0}, 400, "invalid_request_parameter", "n", "-"),  # refused before the grammar
     ({"max_tokens": 10**6}, 400, "context_length_exceeded", "max_tokens", "none"),
     ({"regex": "BAD(", "max_tokens": 5}, 400, "invalid_request_parameter", "regex", "regex"),
     ({"model": "other"}, 404, "404", "model", "-"),
