@@ -99,8 +99,8 @@ def fit_trees(last_tokens: Sequence[int], drafted: Sequence[int], tree: VerifyTr
     parents = tree.parents[:, :num_nodes]
     if len(drafted) == bsz:
         if tree.device.type == "cpu":
-            # sliced, not laid out again: ~0.3 ms of host per step at batch 64 on a 2-core
-            # VM (a device tree's layout is one Triton launch: it stays)
+            # sliced, not laid out again (~60 us less host per step at batch 8-64 on a 2-core
+            # VM: benchmarks/host_tree_fit.py); a device tree's layout is one Triton launch
             return tree.prefix(num_nodes)
         if num_nodes == tree.num_nodes:
             return tree

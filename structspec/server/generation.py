@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from structspec.constraints import PARAM_BY_KIND
-from structspec.core import SamplingParams, SpecMetrics, request_error_code
+from structspec.core import SamplingParams, SpecMetrics
 from structspec.server.codec import Codec, Detokenizer
 from structspec.server.engine_client import AsyncEngine, EngineDeadError
 from structspec.server.errors import APIError, bad_request, server_error, unavailable
@@ -143,9 +143,8 @@ def error_for(delta: EngineDelta, grammar_param: str | None = None) -> APIError:
         param = delta.error_param
         if grammar_param is not None and param in GRAMMAR_KIND_PARAMS:
             param = grammar_param
-        # the engine's code (request_error_code: the same rule as the Python API's), or the
-        # generic one by the field when the engine gave none
-        return bad_request(msg, param, code=request_error_code(param, delta.error_code))
+        # the engine's code, or (bad_request) the generic one by the field
+        return bad_request(msg, param, code=delta.error_code)
     if msg.startswith(SHUTDOWN_ERRORS):
         return unavailable(msg)
     return server_error(msg)

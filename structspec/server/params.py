@@ -30,7 +30,7 @@ from dataclasses import replace
 from typing import Any
 
 from structspec.constraints import GrammarConstraint
-from structspec.core import SamplingParams, choice_seed, seed_error
+from structspec.core import CONTEXT_LENGTH_EXCEEDED, SamplingParams, choice_seed, seed_error
 from structspec.penalty_params import (
     RepetitionStop,
     logit_bias_from_json,
@@ -165,7 +165,7 @@ def check_context_length(prompt_len: int, max_tokens: int, max_model_len: int, p
             f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the {prompt_word}, "
             f"{max_tokens} in the completion). Please reduce the length of the {prompt_word} "
-            "or completion.", param, code="context_length_exceeded")
+            "or completion.", param, code=CONTEXT_LENGTH_EXCEEDED)
 
 
 def per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from structspec.core import CONTEXT_LENGTH_EXCEEDED
 from structspec.server.codec import Codec
 from structspec.server.engine_client import AsyncEngine
 from structspec.server.errors import APIError, bad_request, model_not_found, unavailable
@@ -258,7 +259,7 @@ def prompt_too_long(num_tokens: int, max_model_len: int, param: str, *,
         f"This model's maximum context length is {max_model_len} tokens. However, your "
         f"prompt has {'at least ' if at_least else ''}{num_tokens} tokens, which leaves "
         "no room for the completion. Please reduce the length of the prompt.", param,
-        code="context_length_exceeded")
+        code=CONTEXT_LENGTH_EXCEEDED)
 
 
 # --------------------------------------------------------------------------- logprobs
