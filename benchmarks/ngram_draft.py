@@ -16,7 +16,9 @@ occurrences of the last token (the candidates the lookup has to score), median m
 ``propose`` of each path and the speedup, and median ms of the lookup alone (per-request
 ``continuation_starts`` vs one ``continuation_starts_batch``), and median ms to hand the batch's
 histories to the drafter: concatenating prompt + output ids per request (``history_copy``,
-the scheduler before) vs a :class:`TokenHistory` view (``history_view``). Calls are
+the scheduler before) vs a :class:`TokenHistory` view (``history_view``), and median ms to lay
+out the batch's trees: :func:`pack_trees` (``VerifyTree.from_parents``' per-column passes,
+``layout_passes``) vs the drafter's per-shape tables (``ShapeLayouts``, ``layout_shapes``). Calls are
 interleaved. CPU only; pin one thread as the engine host does:
 
     OMP_NUM_THREADS=1 PYTHONPATH=$PWD python benchmarks/ngram_draft.py --batch 1 8 32 64
@@ -45,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.workloads import CITY, FIRST, JOB, LAST  # noqa: E402
 from structspec.config import SpecConfig  # noqa: E402
 from structspec.draft_tree.layout import VerifyTree  # noqa: E402
+from structspec.draft_tree.shape_layouts import ShapeLayouts  # noqa: E402
 from structspec.speculative.base import DraftRequest, TokenHistory  # noqa: E402
 from structspec.speculative.ngram import (  # noqa: E402
     NgramDrafter,
@@ -118,13 +121,18 @@ def main() -> None:
                 assert torch.equal(getattr(old, field), getattr(new, field)), field
             hists = drafter.sync_histories(reqs)
             split = [(pool[b][:60], pool[b][60:]) for b in range(bs)]  # prompt, output ids
-            old_ms, new_ms, old_lookup_ms, new_lookup_ms, copy_ms, view_ms = median_ms([
+            trees = [drafter.build_tree(h) for h in hists]
+            layouts = ShapeLayouts(drafter.num_nodes)
+            (old_ms, new_ms, old_lookup_ms, new_lookup_ms, copy_ms, view_ms, passes_ms,
+             shapes_ms) = median_ms([
                 lambda d=drafter, r=reqs: per_request(d, r),
                 lambda d=drafter, r=reqs: d.propose(r),
                 lambda h=hists: [continuation_starts(x, **window) for x in h],
                 lambda h=hists: continuation_starts_batch(h, **window),
                 lambda sp=split: [DraftRequest("r", p + o, 0) for p, o in sp],
                 lambda sp=split: [DraftRequest("r", TokenHistory(p, o), 0) for p, o in sp],
+                lambda t=trees, n=drafter.num_nodes: pack_trees(t, n),
+                lambda t=trees, lay=layouts: lay.layout(t),
             ], args.repeats)
             occ = statistics.mean(int((np.asarray(h[:-1]) == h[-1]).sum()) for h in pool[:bs])
             length = statistics.mean(len(h) for h in pool[:bs])
@@ -133,7 +141,8 @@ def main() -> None:
                   f"batched_ms={new_ms:.3f} speedup={old_ms / new_ms:.2f}x "
                   f"lookup_per_request_ms={old_lookup_ms:.3f} "
                   f"lookup_batched_ms={new_lookup_ms:.3f} "
-                  f"history_copy_ms={copy_ms:.3f} history_view_ms={view_ms:.3f}", flush=True)
+                  f"history_copy_ms={copy_ms:.3f} history_view_ms={view_ms:.3f} "
+                  f"layout_passes_ms={passes_ms:.3f} layout_shapes_ms={shapes_ms:.3f}", flush=True)
 
 
 if __name__ == "__main__":

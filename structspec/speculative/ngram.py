@@ -31,6 +31,7 @@ from numpy.lib.stride_tricks import as_strided
 
 from structspec.config import SpecConfig
 from structspec.draft_tree.layout import VerifyTree
+from structspec.draft_tree.shape_layouts import ShapeLayouts
 from structspec.speculative.base import Drafter, DraftRequest
 
 
@@ -309,6 +310,8 @@ class NgramDrafter(Drafter):
         self.max_window = spec.ngram_max_window
         self.branch_length = spec.ngram_branch_length
         self._histories: dict[str, _History] = {}
+        # the trees' layouts per shape (chains and a few tries repeat every step)
+        self._layouts = ShapeLayouts(self.num_nodes)
 
     def merge_continuations(
         self, history: np.ndarray, starts: Iterable[int],
@@ -375,7 +378,9 @@ class NgramDrafter(Drafter):
         """Host trees ``[B, num_nodes]`` for the batch: one batched lookup over all histories
         (:func:`continuation_starts_batch`), then per request either a slice copy (the best
         continuation alone fills the tree: a chain) or the trie merge; the same trees as
-        :meth:`build_tree` on each request alone."""
+        :meth:`build_tree` on each request alone, laid out from per-shape tables
+        (:class:`~structspec.draft_tree.shape_layouts.ShapeLayouts`: the layout
+        :func:`pack_trees` computes, without its per-column passes over the batch)."""
         histories = self.sync_histories(reqs)
         starts, offsets = continuation_starts_batch(
             histories, min_window=self.min_window, max_window=self.max_window)
@@ -398,7 +403,7 @@ class NgramDrafter(Drafter):
                 trees.append(([int(hist[-1]), *hist[s: s + n - 1].tolist()], chain_parents))
             else:
                 trees.append(self.merge_continuations(hist, flat[off[b]: off[b + 1]]))
-        return pack_trees(trees, n)
+        return self._layouts.layout(trees)
 
     def annotated_tries(self, reqs: Sequence[DraftRequest]) -> list[AnnotatedTrie]:
         """Each request's trie, the same as :meth:`propose` builds, with each node's match

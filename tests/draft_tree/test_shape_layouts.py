@@ -1,0 +1,81 @@
+"""ShapeLayouts: the per-shape layout tables give ``VerifyTree.from_parents`` of the padded batch."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from structspec.draft_tree.layout import VerifyTree
+from structspec.draft_tree.shape_layouts import ShapeLayouts
+from structspec.speculative.ngram import pack_trees
+
+FIELDS = ("draft_tokens", "parents", "depth", "next_token", "next_sibling", "ancestor_mask")
+
+
+def random_tree(rng: random.Random, num_nodes: int) -> tuple[list[int], list[int]]:
+    """A trie-like tree of 1..num_nodes real nodes: node 0's parent -1, others earlier nodes."""
+    real = rng.randint(1, num_nodes)
+    parents = [-1] + [rng.randrange(i) for i in range(1, real)]
+    tokens = [rng.randrange(50_000) for _ in range(real)]
+    return tokens, parents
+
+
+def assert_same_layout(got: VerifyTree, want: VerifyTree) -> None:
+    for field in FIELDS:
+        a, b = getattr(got, field), getattr(want, field)
+        assert a.dtype == b.dtype and a.shape == b.shape, field
+        assert torch.equal(a, b), field
+
+
+@pytest.mark.parametrize("num_nodes", [1, 4, 8, 16])
+def test_layout_equals_pack_trees_on_random_batches(num_nodes: int) -> None:
+    rng = random.Random(num_nodes)
+    layouts = ShapeLayouts(num_nodes)
+    chain = (list(range(num_nodes)), list(range(-1, num_nodes - 1)))
+    for _ in range(60):
+        trees = [chain if rng.random() < 0.5 else random_tree(rng, num_nodes)
+                 for _ in range(rng.randint(1, 12))]
+        assert_same_layout(layouts.layout(trees), pack_trees(trees, num_nodes))
+    assert len(layouts) >= 2 or num_nodes == 1
+
+
+def test_tables_cleared_mid_batch_still_give_the_reference_layout() -> None:
+    rng = random.Random(3)
+    layouts = ShapeLayouts(8, max_shapes=3)
+    for _ in range(40):  # batches with more shapes than the tables hold
+        trees = [random_tree(rng, 8) for _ in range(rng.randint(1, 9))]
+        assert_same_layout(layouts.layout(trees), pack_trees(trees, 8))
+        assert len(layouts) <= 3
+
+
+def test_returned_tensors_are_the_callers_own() -> None:
+    layouts = ShapeLayouts(4)
+    trees = [([5, 6, 7], [-1, 0, 1])]
+    first = layouts.layout(trees)
+    first.depth.fill_(9)
+    first.ancestor_mask.fill_(False)
+    assert_same_layout(layouts.layout(trees), pack_trees(trees, 4))
+
+
+@pytest.mark.parametrize(("tree", "match"), [
+    (([1, 2, 3, 4, 5], [-1, 0, 1, 2, 3]), "at most 4 nodes"),
+    (([1, 2], [-1, 1]), "earlier node"),
+    (([1, 2], [0, 0]), "parent -1"),
+    (([1, 2], [-1]), "one parent per token"),
+])
+def test_bad_trees_are_refused(tree: tuple[list[int], list[int]], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ShapeLayouts(4).layout([tree])
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(ValueError, match="num_nodes"):
+        ShapeLayouts(0)
+    with pytest.raises(ValueError, match="max_shapes"):
+        ShapeLayouts(4, max_shapes=0)
+
+
+def test_an_empty_batch_has_empty_fields() -> None:
+    assert_same_layout(ShapeLayouts(4).layout([]), pack_trees([], 4))
