@@ -60,6 +60,8 @@
 #   eagle_bs1_ab  issue 18: the batch-1 gate's eagle row with EAGLE prompts prefilled eagerly
 #             (STRUCTSPEC_FEATURE_PREFILL_GRAPHS=0; run after eagle_bs1_pair on one machine), then
 #             the EAGLE grammar overlap at batch 32 alone, 4 alternating repeats
+#   overlap_bs64  issue 19's llguidance overlap at batch 64 (ngram, 3 repeats), then issue 18's
+#             EAGLE overlap at batch 1/8/32/64 (3 repeats; ~7-9 min)
 #   llguidance_bs64_workers  issue 19: llguidance grammar overlap at batch 64 (ngram, 3 repeats)
 #             with 8 mask workers (the default on 16 cores) and with 12
 #   feature_graph  issue 18: the EAGLE tests on CUDA (the feature-store graph vs the eager store,
@@ -179,6 +181,11 @@ runpy.run_path('benchmarks/maskbench_e2e.py', run_name='__main__')"
   eagle_bs1_ab)
     STRUCTSPEC_FEATURE_PREFILL_GRAPHS=0 run ds_bs1_eager_prefill 240 python3 benchmarks/drafter_speed.py --device cuda --workloads sharegpt --grammar json_schema --batch 1 --max-tokens 128 --batch1-prompts 8 --algorithms eagle
     run grammar_overlap_eagle_bs32 200 python3 benchmarks/grammar_overlap.py --device cuda --batch 32 --steps 60 --algorithms eagle --overlap on --repeats 4 --speculative-adaptive off ;;
+  overlap_bs64)
+    # issue 19's batch-64 row (every request on llguidance) and issue 18's EAGLE overlap at
+    # batch 1/8/32/64, 3 alternating repeats each (~7-9 min)
+    run grammar_overlap_llg_bs64 170 python3 benchmarks/grammar_overlap.py --device cuda --batch 64 --steps 150 --algorithms ngram --overlap on --repeats 3 --grammar-backend llguidance
+    run grammar_overlap_eagle 400 python3 benchmarks/grammar_overlap.py --device cuda --batch 1 8 32 64 --steps 60 --algorithms eagle --overlap on --repeats 3 --speculative-adaptive off ;;
   llguidance_bs64_workers)
     for w in 8 12; do
       run grammar_overlap_llg_bs64_w$w 150 python3 benchmarks/grammar_overlap.py --device cuda --batch 64 --steps 150 --algorithms ngram --overlap on --repeats 3 --grammar-backend llguidance --grammar-workers $w
