@@ -9,7 +9,7 @@ Workloads (prompts the EAGLE head never trained on):
               under their schema (:data:`~benchmarks.workloads.EXTRACTION_SCHEMA`)
 Drafters: ``none``, ``ngram``, ``eagle`` (``--draft-model``, default: the head shipped for the
 default model), ``draft_model`` (``--draft-model-path``, default: the target as its own draft,
-SmolLM2 having no smaller sibling offline), and any other registered name (``ngram_eagle``).
+SmolLM2 having no smaller sibling offline), and any other registered name.
 
 Each engine first captures every CUDA graph of the batch buckets up to the largest batch and
 the KV lengths the prompts reach (each tree size the adaptive sizer may pick). Each
@@ -99,7 +99,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--model", default=None, help="target (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--draft-model", default=None,
-                    help="EAGLE head of eagle / ngram_eagle (default: the shipped one)")
+                    help="EAGLE head of eagle (default: the shipped one)")
     ap.add_argument("--draft-model-path", default=None,
                     help="draft model of draft_model (default: the target itself)")
     ap.add_argument("--algorithms", nargs="+", default=["none", "ngram", "eagle", "draft_model"])
@@ -135,10 +135,10 @@ def main() -> None:
     base: dict[tuple[str, str, int], float] = {}
     t_start = time.perf_counter()
     for algo in args.algorithms:
-        draft = {"eagle": args.draft_model, "ngram_eagle": args.draft_model,
+        draft = {"eagle": args.draft_model,
                  "draft_model": args.draft_model_path or model}.get(algo)
-        # the target as named (None: the default model, whose shipped head eagle and
-        # ngram_eagle draft with when --draft-model is not given)
+        # the target as named (None: the default model, whose shipped head eagle drafts
+        # with when --draft-model is not given)
         llm = LLM(args.model, device=args.device, speculative_algorithm=algo, draft_model=draft,
                   num_draft_tokens=args.num_draft_tokens, speculative_depth=args.depth,
                   speculative_topk=args.topk, speculative_adaptive=args.speculative_adaptive,

@@ -8,9 +8,7 @@ Workloads (prompts the head never trained on):
               (SmolLM2-135M answers all of them with the format example they end with)
   extraction_no_example  the same prompts without the example (the model extracts each person)
 Drafters: ``eagle`` (``--draft-model``, default: the head shipped for the default model),
-``ngram``, ``ngram_eagle`` (the n-gram trie and the head's tree in one tree, the nodes ranked
-by the trie's learned confidence against the head's scores; same head), ``draft_model`` with the target as its own draft (the
-ceiling), ``none``; shapes:
+``ngram``, ``draft_model`` with the target as its own draft (the ceiling), ``none``; shapes:
 ``tree`` (N=8, depth 4, top-k 2), ``chain`` (depth 4, top-k 1, N=4) and ``chain1`` (one
 drafted token). One summary line per
 (workload, shape, drafter):
@@ -114,10 +112,9 @@ def main() -> None:
                             for v in (args.draft_vocab if a == "eagle" else ["auto"])]:
             if algo == "none" and shape != args.shapes[0]:
                 continue
-            draft = {"eagle": args.draft_model, "ngram_eagle": args.draft_model,
-                     "draft_model": model}.get(algo)
-            # the target as named (None: the default model, whose shipped head eagle and
-            # ngram_eagle draft with when --draft-model is not given)
+            draft = {"eagle": args.draft_model, "draft_model": model}.get(algo)
+            # the target as named (None: the default model, whose shipped head eagle drafts
+            # with when --draft-model is not given)
             llm = LLM(args.model, device=args.device, speculative_algorithm=algo, draft_model=draft,
                       num_draft_tokens=n, speculative_depth=depth, speculative_topk=topk,
                       max_batch_size=args.max_batch_size,

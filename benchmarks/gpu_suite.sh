@@ -27,20 +27,11 @@
 #             128 new tokens, 4 prompts at batch 1: the compact run's windows were 0.2-1.4 s and its
 #             batch-8 accept lengths looked like the adaptive sizing, not the drafter), then the
 #             EAGLE grammar overlap (2 alternating repeats), host profiles of eagle / none steps
-#   combo_speed  issue 18: MaskBench end to end (120 schemas, greedy, N=8, 512 tokens) with ngram,
-#             eagle and ngram_eagle at batch 64 and 1: tok/s and accept length (~6-10 min;
-#             COMBO_BS="64" or "1" runs one batch size, COMBO_ALGOS a subset of the drafters)
-#   union_ab  issue 18: the ngram_eagle merge as torch ops vs the Triton kernel
-#             (kernels/tree_union.py), MaskBench batch 1 and 64 back to back in one process
-#             order (torch first: the first run on a fresh machine also pays Triton's JIT cache)
-#   combo_width  issue 18: ngram_eagle on MaskBench (120 schemas, greedy, N=8, 512 tokens) with
-#             EAGLE's catch-up width at depth + 2 (narrow: the seventh run's) and at N + 1 (wide:
-#             max_accept_drafts = N - 1, the eighth run's fix), batch 64 and 1, back to back
-#             (COMBO_BS picks the batch sizes; ~7 min)
-#   host_step_combo  issue 18: host_step_cost for ngram_eagle + JSON (its parts: trie, EAGLE
-#             propose, merge) and eagle + JSON (~3 min)
-#   keyed_graphs  the keyed graphs (runner/keyed_graphs.py: EAGLE feature store, ngram_eagle
-#             merge) against their eager functions on CUDA, with the EAGLE / ngram_eagle tests
+#   drafter_maskbench  issue 18: MaskBench end to end (120 schemas, greedy, N=8, 512 tokens)
+#             with ngram and eagle at batch 64 and 1: tok/s and accept length (~4-7 min;
+#             MB_BS="64" or "1" runs one batch size, MB_ALGOS a subset of the drafters)
+#   keyed_graphs  the keyed graphs (runner/keyed_graphs.py: the EAGLE feature store) against
+#             their eager functions on CUDA, with the EAGLE tests
 #   host_step_eagle  host_step_cost for eagle + JSON alone (~2 min)
 #   eagle_bs1  issue 18: the batch-1 gate's row (ShareGPT + JSON Schema, none vs eagle) with the
 #             adaptive sizer (auto) and with full trees at depths 3 / 4 / 5 (~5 min; needs
@@ -108,20 +99,20 @@ set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
 run() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$? $name"; grep -E "^(# [a-z_]+ batch=|trace |host_step|gpu_step|graph_launch|tree_mask_cost|attention_causal|best per|Q=|ab_compare|drafter_speed|eagle_accept|grammar_overlap|mask_build|decode|peer|hbm|floor|maskbench|penalty_cost|config=|prefix_cache|distinct_schemas|ttft|gate|  errors|[0-9]+ passed|FAILED|ERROR)|passed|failed" "$OUT/$name.log" | tail -n 40; }
-# A short ngram_eagle run (every Triton kernel it launches): a fresh machine's first process
+# A short eagle run (every Triton kernel it launches): a fresh machine's first process
 # pays Triton's JIT cache (MaskBench batch 1: 418.6 tok/s as the first run, 946.1 warm)
-warm_triton() { run triton_warmup 120 python3 benchmarks/maskbench_e2e.py --device cuda --speculative-algorithm ngram_eagle --limit 4 --max-tokens 64 --skip-slow-compile --max-batch-size 4 --out "$OUT/triton_warmup.jsonl"; }
+warm_triton() { run triton_warmup 120 python3 benchmarks/maskbench_e2e.py --device cuda --speculative-algorithm eagle --limit 4 --max-tokens 64 --skip-slow-compile --max-batch-size 4 --out "$OUT/triton_warmup.jsonl"; }
 stages=${*:-tests smol peer llama8b llama8b_overlap invariant maskbench loopguards loopguards2 penalty_cost eagle_speed}
 L8=benchmarks/assets/llama3-8b-shape
 python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())'
 for s in $stages; do case $s in
   tests)
     run gpu_tests 480 python3 -m pytest -q -s -p no:cacheprovider tests/kernels tests/engine/test_gpu_engine.py tests/engine/test_cuda_graph.py tests/speculative tests/grammar/test_worker_pool.py tests/engine/test_penalty_graph.py tests/engine/test_graph_warmup.py ;;
-  combo_speed)
+  drafter_maskbench)
     # a short run first: a fresh machine's first process pays Triton's JIT cache (MaskBench at
     # batch 1 measured 418.6 tok/s as the first run, 946.1 once the cache was warm)
     warm_triton
-    for algo in ${COMBO_ALGOS:-ngram eagle ngram_eagle}; do for bs in ${COMBO_BS:-64 1}; do
+    for algo in ${MB_ALGOS:-ngram eagle}; do for bs in ${MB_BS:-64 1}; do
       run "maskbench_${algo}_bs${bs}" 150 python3 benchmarks/maskbench_e2e.py --device cuda --speculative-algorithm "$algo" --limit 120 --max-tokens 512 --skip-slow-compile --max-batch-size "$bs" --out "$OUT/maskbench_${algo}_bs${bs}.jsonl"
     done; done ;;
   eagle_bs1)
@@ -135,42 +126,8 @@ for s in $stages; do case $s in
     run index_kernel_tests 300 python3 -m pytest -q -s -p no:cacheprovider tests/kernels/test_draft_tree.py tests/kernels/test_paging.py tests/kernels/test_gemv.py tests/test_staging.py tests/speculative/test_draft_graph.py tests/speculative/test_eagle.py
     run host_step_index_on 150 python3 benchmarks/host_step_cost.py --algorithms none eagle --grammar --steps 300
     STRUCTSPEC_INDEX_KERNELS=0 run host_step_index_off 100 python3 benchmarks/host_step_cost.py --algorithms eagle --grammar --steps 300 ;;
-  union_ab)
-    warm_triton
-    for bs in 1 64; do for v in torch kernel; do
-      # UNION_MAX_NODES = 0 sends every merge to the torch ops (read at call time)
-      run "union_${v}_bs${bs}" 150 python3 -c "
-import runpy, sys
-import structspec.speculative.tree_union as t
-if '$v' == 'torch':
-    t.UNION_MAX_NODES = 0
-sys.argv = ['maskbench_e2e.py', '--device', 'cuda', '--speculative-algorithm', 'ngram_eagle',
-            '--limit', '120', '--max-tokens', '512', '--skip-slow-compile',
-            '--max-batch-size', '$bs', '--out', '$OUT/union_${v}_bs${bs}.jsonl']
-runpy.run_path('benchmarks/maskbench_e2e.py', run_name='__main__')"
-    done; done ;;
-  combo_width)
-    warm_triton
-    for bs in ${COMBO_BS:-64 1}; do for w in narrow wide; do
-      # narrow: every TreeDrafter built with max_accept_drafts=None (catch-up width depth + 2)
-      run "width_${w}_bs${bs}" 150 python3 -c "
-import runpy, sys
-import structspec.speculative.tree_drafter as td
-if '$w' == 'narrow':
-    init = td.TreeDrafter.__init__
-    def narrow(self, *a, **k):
-        k['max_accept_drafts'] = None
-        init(self, *a, **k)
-    td.TreeDrafter.__init__ = narrow
-sys.argv = ['maskbench_e2e.py', '--device', 'cuda', '--speculative-algorithm', 'ngram_eagle',
-            '--limit', '120', '--max-tokens', '512', '--skip-slow-compile',
-            '--max-batch-size', '$bs', '--out', '$OUT/width_${w}_bs${bs}.jsonl']
-runpy.run_path('benchmarks/maskbench_e2e.py', run_name='__main__')"
-    done; done ;;
-  host_step_combo)
-    run host_step_combo 200 python3 benchmarks/host_step_cost.py --algorithms ngram_eagle eagle --grammar --steps 300 ;;
   keyed_graphs)
-    run keyed_graph_tests 200 python3 -m pytest -q -s -p no:cacheprovider tests/test_keyed_graphs.py tests/speculative/test_eagle.py tests/speculative/test_ngram_eagle.py ;;
+    run keyed_graph_tests 200 python3 -m pytest -q -s -p no:cacheprovider tests/test_keyed_graphs.py tests/speculative/test_eagle.py ;;
   feature_graph)
     run feature_graph_tests 280 python3 -m pytest -q -s -p no:cacheprovider tests/speculative/test_eagle.py tests/kernels/test_paging.py tests/kernels/test_gemv.py tests/kernels/test_draft_tree.py tests/test_staging.py ;;
   eagle_bs1_auto)

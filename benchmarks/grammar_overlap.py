@@ -191,9 +191,9 @@ def step_ms(llm: LLM, prompts: Sequence[str | list[int]], grammar: bool, steps: 
 
 def draft_for(algo: str, args: argparse.Namespace) -> str | None:
     """The draft of ``algo``: ``--draft-model`` for the drafters that read one; else for an
-    EAGLE head (``eagle``, ``ngram_eagle``) None, which the engine resolves to the head shipped
-    for the default model (another ``--model`` needs ``--draft-model``), and for
-    ``draft_model`` the target itself (SmolLM2 has no smaller sibling offline)."""
+    EAGLE head (``eagle``) None, which the engine resolves to the head shipped for the default
+    model (another ``--model`` needs ``--draft-model``), and for ``draft_model`` the target
+    itself (SmolLM2 has no smaller sibling offline)."""
     info = drafter_info(algo)
     if not info.needs_draft_model:
         return None

@@ -81,12 +81,6 @@ def wrap_step(clock: HostClock, eng: LLMEngine) -> None:
     runner = eng.runner
     clock.wrap(verify, "_propose", "propose")
     clock.wrap(verify.drafter, "propose", "drafter.propose")
-    combined = getattr(verify.drafter, "drafter", verify.drafter)  # GuardedDrafter
-    if hasattr(combined, "ngram") and hasattr(combined, "eagle"):  # ngram_eagle's parts
-        clock.wrap(combined.ngram, "annotated_tries", "ngram.tries")
-        clock.wrap(combined.eagle, "propose", "eagle.propose")
-        clock.wrap(combined.eagle, "propose_sized", "eagle.propose_sized")
-        clock.wrap(combined, "_merge", "merge")
     clock.wrap(verify, "_stage_tree", "stage_tree")
     clock.wrap(runner, "verify", "verify")
     clock.wrap(runner, "_stage_graph_inputs", "stage_graph_inputs")

@@ -112,19 +112,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--speculative-algorithm", default="none", choices=list(drafter_names()),
                    help=speculative_algorithm_help())
     s.add_argument("--draft-model", default=SPECULATIVE_FLAG_DEFAULTS["draft_model"],
-                   help="draft model / EAGLE head checkpoint (eagle, ngram_eagle on the default "
-                        "model: "
+                   help="draft model / EAGLE head checkpoint (eagle on the default model: "
                         "the head shipped in the package when omitted)")
     s.add_argument("--num-draft-tokens", type=int,
                    default=SPECULATIVE_FLAG_DEFAULTS["num_draft_tokens"],
                    help="verify tree size N, including the last committed token")
     s.add_argument("--speculative-depth", type=int,
                    default=SPECULATIVE_FLAG_DEFAULTS["speculative_depth"],
-                   help="draft_model/eagle/ngram_eagle: tree depth (expansion steps)")
+                   help="draft_model/eagle: tree depth (expansion steps)")
     s.add_argument("--speculative-topk", type=int,
                    default=SPECULATIVE_FLAG_DEFAULTS["speculative_topk"],
-                   help="draft_model/eagle/ngram_eagle: children kept per expanded "
-                        "node")
+                   help="draft_model/eagle: children kept per expanded node")
     s.add_argument("--speculative-adaptive", choices=("auto", "on", "off"),
                    default=SPECULATIVE_FLAG_DEFAULTS["speculative_adaptive"],
                    help="size each request's draft tree from its recent acceptance and the "
@@ -135,7 +133,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "acceptance)")
     s.add_argument("--speculative-draft-vocab", choices=("auto", "full"),
                    default=SPECULATIVE_FLAG_DEFAULTS["speculative_draft_vocab"],
-                   help="eagle, ngram_eagle: draft over the head's draft vocabulary (the target's most "
+                   help="eagle: draft over the head's draft vocabulary (the target's most "
                         "frequent tokens) when the head ships one (auto), or over the whole "
                         "vocabulary (full); the target verifies over the whole one either way")
 

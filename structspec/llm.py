@@ -31,8 +31,8 @@ class LLM:
 
     Args:
         model: local HF checkpoint directory or ``.gguf`` file; None = SmolLM2-135M-Instruct.
-        speculative_algorithm: ``none``, ``ngram``, ``draft_model``, ``eagle`` or
-            ``ngram_eagle`` (the drafter registry's names); None means ``none``.
+        speculative_algorithm: ``none``, ``ngram``, ``draft_model`` or ``eagle`` (the
+            drafter registry's names); None means ``none``.
         draft_model: checkpoint of the draft model / EAGLE head (those algorithms only).
         num_draft_tokens: verify-tree size N including node 0.
         speculative_adaptive: ``auto`` (default), ``on`` or ``off``: size each request's tree
@@ -40,7 +40,7 @@ class LLM:
             a plain decode (``SpecConfig.adaptive``; ``auto``: where a full tree's rows cost
             1.25x a decode or more, unless below 2.5x full trees already pay at the engine's
             average acceptance).
-        speculative_draft_vocab: ``eagle`` / ``ngram_eagle``: ``auto`` (default) drafts over the head's draft
+        speculative_draft_vocab: ``eagle``: ``auto`` (default) drafts over the head's draft
             vocabulary when it ships one (:mod:`structspec.speculative.draft_vocab`), ``full``
             over the whole vocabulary (``SpecConfig.draft_vocab``).
         device / dtype: "auto" picks cuda+bfloat16 when available, else cpu+float32.

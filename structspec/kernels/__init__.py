@@ -57,7 +57,7 @@ def next_pow2(n: int) -> int:
 
 def tree_row_tiles(n: int, max_nodes: int) -> tuple[int, int]:
     """Tile width ``N_PAD`` and warp count of a kernel that lays out one ``n``-node tree per
-    program (:mod:`.draft_tree`'s layout, :mod:`.tree_union`'s merge).
+    program (:mod:`.draft_tree`'s layout).
 
     Raises:
         ValueError: ``n`` outside ``1..max_nodes``.

@@ -2,11 +2,9 @@
 
 Some per-step device work is dozens of tiny kernels whose inputs are the outputs of a graph
 replayed just before: the EAGLE feature store after a verify (its inputs: the verify graph's
-hidden states and the post graph's ``accept_nodes``), the ``ngram_eagle`` tree merge (its
-inputs: the EAGLE propose graph's tree and node scores, plus the n-gram trie staged from the
-host). At batch 1 their launches are host time on the critical path of a step (the feature
-store: ~0.5 ms on the H200 host, ``host_step_cost.py``; the merge: ~100 launches). Captured,
-each is one replay.
+hidden states and the post graph's ``accept_nodes``). At batch 1 such launches are host time
+on the critical path of a step (the feature store: ~0.5 ms on the H200 host,
+``host_step_cost.py``). Captured, each function is one replay.
 
 **What a graph reads.** A graph is keyed by the address, shape, strides and dtype of every
 device input and by the shape of the host input. When the producing graph replays from its

@@ -40,9 +40,7 @@ the same stream, and the graph catches up on the last ``Q``. So a batch mixing n
 requests still drafts with one replay.
 
 Static outputs (the graph's pool): the tree ``[B, N]`` (:class:`VerifyTree` fields, built by
-:meth:`VerifyTree.from_parents` inside the graph), with ``TreeDrafter.keeps_node_scores`` its
-nodes' EAGLE-2 scores ``[B, N]`` float32 (``TreeDrafter.last_node_scores``: what a drafter that
-keeps only part of the tree ranks by) and, when
+:meth:`VerifyTree.from_parents` inside the graph) and, when
 ``TreeDrafter.graph_keeps_root_logp``, ``root_logp [B, V']`` float32. A propose returns views of
 rows ``[:batch]``: valid until the next propose.
 """
@@ -75,17 +73,12 @@ class GraphDrafter(Protocol):
     Attributes:
         page_size: KV slots per draft page.
         graph_keeps_root_logp: keep ``root_logp`` as a static graph output.
-        keeps_node_scores: record the node scores as a static graph output.
         last_root_logp: ``[B, V']`` float32 of the last propose, or None (set here).
-        last_node_scores: ``[B, N]`` float32 node scores of the last propose, or None (set
-            here).
     """
 
     page_size: int
     graph_keeps_root_logp: bool
-    keeps_node_scores: bool
     last_root_logp: torch.Tensor | None
-    last_node_scores: torch.Tensor | None
 
     def extend_forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Catch-up forward: ``(root_logp [B, V'] float32, root_state [B, ...] or None)``."""
@@ -136,9 +129,6 @@ class DraftGraph:
         roots: ``[B]`` node-0 tokens.  start: ``[B]``.  qlen: ``[B]`` (0 = dummy row).
         tokens: ``[B, Q]``.  page_table: ``[B, P]``.
         tree: static output tree ``[B, N]`` (after capture, or after an eager :meth:`run`).
-        scores: static output ``[B, N]`` float32, each node's cumulative log-probability (0 for
-            node 0, ``-inf`` for padding and dummy rows), or None when the drafter does not
-            keep node scores.
         root_logp: ``[B, V']`` float32 static output, or None (see the module docstring).
     """
 
@@ -155,7 +145,6 @@ class DraftGraph:
         self.page_table = self.ints[o:].view(bsz, pages)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.tree: VerifyTree | None = None
-        self.scores: torch.Tensor | None = None
         self.root_logp: torch.Tensor | None = None
 
     @property
@@ -166,14 +155,11 @@ class DraftGraph:
         """Make every row a dummy row (a device op; before an ahead-of-time capture)."""
         self.ints.zero_()
 
-    def forward(self, drafter: GraphDrafter
-                ) -> tuple[torch.Tensor, VerifyTree, torch.Tensor | None]:
+    def forward(self, drafter: GraphDrafter) -> tuple[torch.Tensor, VerifyTree]:
         """The whole propose on the static inputs, run eagerly (what the graph records).
 
         Returns:
-            ``(root_logp [B, V'] float32, tree [B, N], scores [B, N] float32 or None)``, fresh
-            tensors on the buffers' device; ``scores`` only for a drafter that
-            ``keeps_node_scores``.
+            ``(root_logp [B, V'] float32, tree [B, N])``, fresh tensors on the buffers' device.
         """
         fb = build_catch_up_batch(self.tokens, self.start, self.qlen, self.page_table,
                                   page_size=drafter.page_size)
@@ -184,19 +170,14 @@ class DraftGraph:
         tokens = torch.where(active, expanded.tokens, torch.full_like(expanded.tokens, -1))
         tokens[:, 0] = self.roots
         parents = torch.where(active, expanded.parents, torch.zeros_like(expanded.parents))
-        scores = None
-        if drafter.keeps_node_scores:
-            scores = torch.where(active, expanded.scores,
-                                 torch.full_like(expanded.scores, float("-inf")))
-            scores[:, 0] = 0.0
-        return root_logp, VerifyTree.from_parents(tokens, parents), scores
+        return root_logp, VerifyTree.from_parents(tokens, parents)
 
     def capture(self, drafter: GraphDrafter, pool: tuple, keep_root_logp: bool) -> None:
         """Warm up once on a side stream, then capture into ``pool``. Syncs the device (only
         here, never in replay). The warm-up writes the same KV the replay will write."""
         # (the staged inputs and any eager catch-up prefix come before the warm-up)
-        graph, (root_logp, self.tree, self.scores) = capture_after_warmup(
-            lambda: self.forward(drafter), pool)
+        graph, (root_logp, self.tree) = capture_after_warmup(lambda: self.forward(drafter),
+                                                             pool)
         # A dropped root_logp's pool block may be reused by later captures: this graph still
         # writes it, harmlessly, since nobody reads it.
         self.root_logp = root_logp if keep_root_logp else None
@@ -299,7 +280,7 @@ class DraftGraphCache:
         """Compute ``g``'s outputs from its staged inputs: capture if needed, then replay (on
         the current stream, after the staging copy). On CPU: the eager static forward."""
         if self.pool is None:
-            g.root_logp, g.tree, g.scores = g.forward(drafter)
+            g.root_logp, g.tree = g.forward(drafter)
         else:
             if not g.captured:
                 g.capture(drafter, self.pool, drafter.graph_keeps_root_logp)
@@ -333,7 +314,6 @@ class DraftGraphCache:
         assert g.tree is not None
         t = g.tree
         drafter.last_root_logp = g.root_logp[:bsz] if g.root_logp is not None else None
-        drafter.last_node_scores = g.scores[:bsz] if g.scores is not None else None
         return VerifyTree(draft_tokens=t.draft_tokens[:bsz], parents=t.parents[:bsz],
                           depth=t.depth[:bsz], next_token=t.next_token[:bsz],
                           next_sibling=t.next_sibling[:bsz],

@@ -65,8 +65,6 @@ class EagleDrafter(TreeDrafter):
         use_cuda_graph: replay proposes from CUDA graphs (CUDA only, and only when the target
             uses graphs too; see :func:`~structspec.speculative.tree_drafter.target_graph_options`).
         cuda_graph_batch_sizes: graph batch buckets (default: the target's).
-        max_accept_drafts: the deepest accepted run the trees it drafts into can give
-            (:class:`~structspec.speculative.tree_drafter.TreeDrafter`; default ``depth``).
     """
 
     name = "eagle"
@@ -83,7 +81,6 @@ class EagleDrafter(TreeDrafter):
         head: EagleHead | None = None,
         use_cuda_graph: bool = True,
         cuda_graph_batch_sizes: Sequence[int] | None = None,
-        max_accept_drafts: int | None = None,
     ) -> None:
         device = torch.device(device)
         if head is None:
@@ -110,7 +107,7 @@ class EagleDrafter(TreeDrafter):
         pool = KVPool(num_layers=head.num_layers, num_pages=num_pages, page_size=page_size,
                       num_kv_heads=lc.num_key_value_heads, head_dim=lc.head_dim, dtype=dtype,
                       device=device)
-        super().__init__(spec, pool, device=device, max_accept_drafts=max_accept_drafts,
+        super().__init__(spec, pool, device=device,
                          **target_graph_options(target, use_cuda_graph, cuda_graph_batch_sizes))
         #: ``[num_slots, H]`` stored (projected) target feature of each position, indexed
         #: like the head's KV slots.
@@ -328,11 +325,10 @@ class EagleDrafter(TreeDrafter):
 
 def create_eagle_drafter(
     spec: SpecConfig, *, target: Any, device: torch.device | str, dtype: torch.dtype,
-    max_batch_size: int = 64, max_accept_drafts: int | None = None, **context: Any,
+    max_batch_size: int = 64, **context: Any,
 ) -> EagleDrafter:
     """Registry factory of ``"eagle"`` (:mod:`structspec.speculative.registry`): the head is
     read from ``spec.draft_model``; the engine's ``load_format`` and ``seed`` do not apply
-    (``context`` is ignored). ``max_accept_drafts``: :class:`EagleDrafter`'s (combined
-    drafters)."""
+    (``context`` is ignored)."""
     return EagleDrafter(spec, target=target, device=device, dtype=dtype,
-                        max_batch_size=max_batch_size, max_accept_drafts=max_accept_drafts)
+                        max_batch_size=max_batch_size)

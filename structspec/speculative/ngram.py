@@ -22,7 +22,6 @@ under the verify forward too (``supports_grammar_overlap``).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -39,16 +38,7 @@ def continuation_starts(
     history: np.ndarray, *, min_window: int, max_window: int, max_candidates: int = 16,
 ) -> np.ndarray:
     """Start positions of the continuations of earlier occurrences of the history's suffix,
-    best first (see :func:`find_continuations`): :func:`continuation_matches`' starts."""
-    return continuation_matches(history, min_window=min_window, max_window=max_window,
-                                max_candidates=max_candidates)[0]
-
-
-def continuation_matches(
-    history: np.ndarray, *, min_window: int, max_window: int, max_candidates: int = 16,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Start positions of the continuations of earlier occurrences of the history's suffix,
-    best first, with the match length of each.
+    best first (see :func:`find_continuations`).
 
     Every earlier position ``e`` holding the last token is a candidate; its match length is
     how many tokens, read backwards from ``e`` and from the end, agree (at most
@@ -60,16 +50,15 @@ def continuation_matches(
         history: ``[L]`` int64 token ids; ``history[-1]`` is the last committed token.
 
     Returns:
-        ``(starts, match)``, both ``int64 [C]`` (``C <= max_candidates``): ``e + 1`` per kept
-        candidate, ordered by match length (longest first) then recency (latest first), and
-        that match length (what :func:`suffix_match_length` gives for the start).
+        ``int64 [C]`` (``C <= max_candidates``): ``e + 1`` per kept candidate, ordered by match
+        length (longest first) then recency (latest first).
     """
     n = len(history)
     if n < 2:
-        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+        return np.empty(0, dtype=np.int64)
     ends = np.flatnonzero(history[:-1] == history[-1])  # candidate match ends
     if ends.size == 0:
-        return ends, ends
+        return ends
     w = min(max_window, n - 1)
     back = np.arange(w)
     src = ends[:, None] - back  # [E, w]: positions k tokens back from each candidate end
@@ -78,25 +67,14 @@ def continuation_matches(
     keep = match_len >= min_window
     ends, match_len = ends[keep], match_len[keep]
     order = np.lexsort((-ends, -match_len))[:max_candidates]
-    return ends[order] + 1, match_len[order].astype(np.int64, copy=False)
+    return ends[order] + 1
 
 
 def continuation_starts_batch(
     histories: Sequence[np.ndarray], *, min_window: int, max_window: int,
     max_candidates: int = 16,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`continuation_starts` for every request of a batch in one pass, as a CSR pair
-    ``(starts, offsets)``: :func:`continuation_matches_batch` without the match lengths."""
-    starts, _, offsets = continuation_matches_batch(
-        histories, min_window=min_window, max_window=max_window, max_candidates=max_candidates)
-    return starts, offsets
-
-
-def continuation_matches_batch(
-    histories: Sequence[np.ndarray], *, min_window: int, max_window: int,
-    max_candidates: int = 16,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`continuation_matches` for every request of a batch in one pass, in CSR form.
+    """:func:`continuation_starts` for every request of a batch in one pass, as a CSR pair.
 
     Per request, :func:`continuation_starts` is ~10 numpy calls on a few hundred elements, so
     numpy's per-call overhead, not the data, is the cost (~31 us a request at ~900 tokens on
@@ -133,11 +111,10 @@ def continuation_matches_batch(
         max_candidates: most candidates kept per request.
 
     Returns:
-        ``(starts, match, offsets)``: ``starts`` int64 ``[C]``, every request's candidates
+        ``(starts, offsets)``: ``starts`` int64 ``[C]``, every request's candidates
         concatenated in request order, each ``e + 1`` relative to its own history (the first
-        token of the continuation); ``match`` int64 ``[C]`` the match length of each;
-        ``offsets`` int64 ``[B + 1]`` with ``starts[offsets[b]:offsets[b + 1]]`` and
-        ``match[offsets[b]:offsets[b + 1]]`` equal to ``continuation_matches(histories[b],
+        token of the continuation); ``offsets`` int64 ``[B + 1]`` with
+        ``starts[offsets[b]:offsets[b + 1]]`` equal to ``continuation_starts(histories[b],
         ...)`` (at most ``max_candidates``, longest match first, then latest first).
 
     Raises:
@@ -148,14 +125,14 @@ def continuation_matches_batch(
     bsz = len(histories)
     offsets = np.zeros(bsz + 1, dtype=np.int64)
     if bsz == 1:  # one request: the single-request scan is fewer numpy calls
-        starts, match = continuation_matches(np.asarray(histories[0], dtype=np.int64),
-                                             min_window=min_window, max_window=max_window,
-                                             max_candidates=max_candidates)
+        starts = continuation_starts(np.asarray(histories[0], dtype=np.int64),
+                                     min_window=min_window, max_window=max_window,
+                                     max_candidates=max_candidates)
         offsets[1] = starts.size
-        return starts, match, offsets
+        return starts, offsets
     lens = np.fromiter(map(len, histories), dtype=np.int64, count=bsz)
     if not lens.any():
-        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64), offsets
+        return np.empty(0, dtype=np.int64), offsets
     width = max_window
     sep = np.full(1, -1, dtype=np.int64)
     parts = [np.full(width - 1, -1, dtype=np.int64)]
@@ -170,7 +147,7 @@ def continuation_matches_batch(
     cand[last] = False  # a request's own last token is not an earlier occurrence
     ends = np.flatnonzero(cand)  # [E] rows, ascending, so grouped by request
     if ends.size == 0:
-        return ends, ends, offsets
+        return ends, offsets
     req = np.searchsorted(end, ends, side="right")  # [E] request of each candidate
     win = as_strided(flat, (body.size, width), (flat.itemsize,) * 2,
                      writeable=False)  # [T, width]: win[r] = body[r - width + 1 : r + 1]
@@ -186,54 +163,12 @@ def continuation_matches_batch(
         key = key.astype(np.int16)  # numpy's stable sort is a radix sort for 16-bit keys
     order = np.argsort(key, kind="stable")
     ends, req = ends[::-1][order], req[::-1][order]
-    match_len = match_len[::-1][order]
     counts = np.bincount(req, minlength=bsz)  # [B] candidates per request
     rank = np.arange(req.size) - (np.cumsum(counts) - counts)[req]  # index within request
     top = rank < max_candidates
     np.cumsum(np.minimum(counts, max_candidates), out=offsets[1:])
     begin = end - lens - 1  # [B] row of each request's first token
-    return (ends[top] - begin[req[top]] + 1, match_len[top].astype(np.int64, copy=False),
-            offsets)
-
-
-def suffix_match_length(history: np.ndarray, start: int, max_window: int) -> int:
-    """How many tokens before ``start`` agree with the history's last tokens, read backwards:
-    the match length (capped at ``max_window``) that made ``history[start:]`` a continuation
-    (:func:`continuation_starts` computes the same lengths for ranking, and drops them).
-
-    Args:
-        history: ``[L]`` int64 token ids.
-        start: a continuation start, ``1 <= start < L`` (``history[start - 1]`` holds the last
-            token).
-        max_window: the cap.
-
-    Returns:
-        The length, ``>= 1`` for a start from :func:`continuation_starts`.
-    """
-    n = len(history)
-    k = 0
-    while k < max_window and start - 1 - k >= 0 and history[start - 1 - k] == history[n - 1 - k]:
-        k += 1
-    return k
-
-
-@dataclass
-class AnnotatedTrie:
-    """One request's n-gram trie with what says how much to trust each node.
-
-    Attributes:
-        tokens: node tokens, node 0 (the last committed token) first.
-        parents: each node's parent (-1 for node 0); parents before children.
-        match: per node, the suffix match length of the continuation that added it (the best
-            one through it: continuations merge best first); 0 for node 0.
-        support: per node, how many of the looked-up continuations pass through it (all of
-            them, also those merged after the trie was full); 0 for node 0.
-    """
-
-    tokens: list[int]
-    parents: list[int]
-    match: list[int]
-    support: list[int]
+    return ends[top] - begin[req[top]] + 1, offsets
 
 
 def find_continuations(
@@ -404,58 +339,6 @@ class NgramDrafter(Drafter):
             else:
                 trees.append(self.merge_continuations(hist, flat[off[b]: off[b + 1]]))
         return self._layouts.layout(trees)
-
-    def annotated_tries(self, reqs: Sequence[DraftRequest]) -> list[AnnotatedTrie]:
-        """Each request's trie, the same as :meth:`propose` builds, with each node's match
-        length and support (:class:`AnnotatedTrie`): one batched lookup, then per request the
-        trie merge, walking every looked-up continuation (at most 16) along the full trie to
-        count its support."""
-        histories = self.sync_histories(reqs)
-        starts, match, offsets = continuation_matches_batch(
-            histories, min_window=self.min_window, max_window=self.max_window)
-        flat, lens, off = starts.tolist(), match.tolist(), offsets.tolist()
-        return [self.annotate(hist, flat[off[b]: off[b + 1]], lens[off[b]: off[b + 1]])
-                for b, hist in enumerate(histories)]
-
-    def annotate(self, history: np.ndarray, starts: Sequence[int],
-                 matches: Sequence[int] | None = None) -> AnnotatedTrie:
-        """:meth:`merge_continuations` of one request (the same trie), annotated. A loop of its
-        own: :meth:`merge_continuations` (every n-gram propose) stops at a full trie, this one
-        walks every continuation on to count support.
-
-        Args:
-            history: ``[L]`` int64, ``L >= 1``: this request's token ids.
-            starts: continuation starts, best first (as for :meth:`merge_continuations`).
-            matches: each start's match length, as the lookup computed it
-                (:func:`continuation_matches_batch`); None: measured here
-                (:func:`suffix_match_length`, a numpy element read per compared token).
-        """
-        if matches is None:
-            matches = [suffix_match_length(history, s, self.max_window) for s in starts]
-        tokens = [int(history[-1])]
-        parents = [-1]
-        match = [0]
-        support = [0]
-        children: list[dict[int, int]] = [{}]
-        budget = self.num_nodes - 1
-        for start, m in zip(starts, matches, strict=True):
-            node = 0
-            for tok in history[start: start + self.branch_length].tolist():
-                nxt = children[node].get(tok)
-                if nxt is None:
-                    if budget <= 0:
-                        break
-                    nxt = len(tokens)
-                    tokens.append(tok)
-                    parents.append(node)
-                    match.append(m)
-                    support.append(0)
-                    children.append({})
-                    children[node][tok] = nxt
-                    budget -= 1
-                support[nxt] += 1
-                node = nxt
-        return AnnotatedTrie(tokens, parents, match, support)
 
     def release(self, request_id: str) -> None:
         self._histories.pop(request_id, None)

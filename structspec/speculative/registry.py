@@ -197,9 +197,3 @@ register_drafter(
 register_drafter("eagle", _lazy_factory("structspec.speculative.eagle", "create_eagle_drafter"),
                  needs_draft_model=True, expands_tree=True, description="an EAGLE head",
                  eagle_head=True)
-register_drafter(
-    "ngram_eagle",
-    _lazy_factory("structspec.speculative.ngram_eagle", "create_ngram_eagle_drafter"),
-    needs_draft_model=True, expands_tree=True, eagle_head=True,
-    description="n-gram prompt lookup and an EAGLE head in one tree, the nodes ranked by "
-                "the trie's per-step confidence and EAGLE's scores")

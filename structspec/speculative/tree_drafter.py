@@ -125,16 +125,9 @@ class TreeDrafter(Drafter):
             :data:`~structspec.runner.cuda_graph.DEFAULT_BATCH_SIZES`).
         cuda_graph_max_model_len: longest sequence a graph covers (default: the target graphs'
             largest KV bucket, else 8192); longer ones run eagerly.
-        max_accept_drafts: the most drafts one verify can accept from the trees this drafter's
-            proposals end up in (default: ``depth``, its own trees' deepest node). Sizes the
-            catch-up width :attr:`short_catch_up`: a drafter whose trees are merged with deeper
-            branches (``ngram_eagle``: the n-gram trie reaches ``N - 1``) must catch up on
-            longer runs, and a run past the width leaves the propose graph for an eager
-            prefix forward.
 
     Raises:
-        ValueError: ``topk`` or ``depth`` below 1, or ``max_accept_drafts`` below ``depth``.
-        TypeError: ``max_accept_drafts`` not an int.
+        ValueError: ``topk`` or ``depth`` below 1.
     """
 
     tree_on_host = False
@@ -142,25 +135,15 @@ class TreeDrafter(Drafter):
     #: keep each graph's ``root_logp [B, V']`` as a static output, so :attr:`last_root_logp`
     #: is set after graph proposes (tests/debugging; costs ``B * V' * 4`` bytes per graph).
     graph_keeps_root_logp: bool = False
-    #: compute each proposed node's EAGLE-2 score into :attr:`last_node_scores` (a drafter
-    #: that keeps only part of the tree sets it, ``ngram_eagle``; off, a propose graph records
-    #: no kernels for them: a batch-1 propose is bound by its launches)
-    keeps_node_scores: bool = False
 
     def __init__(
         self, spec: SpecConfig, kv_pool: KVPool, *, device: torch.device,
         use_cuda_graph: bool = True, cuda_graph_batch_sizes: Sequence[int] | None = None,
-        cuda_graph_max_model_len: int | None = None, max_accept_drafts: int | None = None,
+        cuda_graph_max_model_len: int | None = None,
     ) -> None:
         super().__init__(spec.num_draft_tokens)
         if spec.topk < 1 or spec.depth < 1:
             raise ValueError(f"topk ({spec.topk}) and depth ({spec.depth}) must be >= 1")
-        if max_accept_drafts is not None and (not isinstance(max_accept_drafts, int)
-                                              or isinstance(max_accept_drafts, bool)):
-            raise TypeError(f"max_accept_drafts={max_accept_drafts!r}: expected an int")
-        if max_accept_drafts is not None and max_accept_drafts < spec.depth:
-            raise ValueError(f"max_accept_drafts ({max_accept_drafts}) is below depth "
-                             f"({spec.depth}): the drafter's own trees reach depth")
         self.topk = spec.topk
         self.depth = spec.depth
         self.device = torch.device(device)
@@ -180,19 +163,11 @@ class TreeDrafter(Drafter):
         #: request b (tests and debugging; rows of requests that were not drafted are
         #: undefined; None after a graph propose unless :attr:`graph_keeps_root_logp`).
         self.last_root_logp: torch.Tensor | None = None
-        #: ``[B, N]`` float32 EAGLE-2 score (cumulative draft log-probability) of each node of
-        #: the last proposed tree: 0 for node 0, ``-inf`` for padding (a graph propose returns
-        #: a view of the graph's static output: valid until the next propose); None unless
-        #: :attr:`keeps_node_scores`. A drafter that keeps only part of the tree
-        #: (``ngram_eagle``) keeps the best-scored nodes.
-        self.last_node_scores: torch.Tensor | None = None
         #: ``max(catch-up length)`` up to which requests share one catch-up forward; longer
         #: ones (first sight of a prompt) run in a second forward so short rows are not padded.
-        #: Also the graphs' catch-up width ``Q``: the longest accepted run (``max_accept_drafts``
-        #: drafts, then the bonus token) plus one, so steady decoding never leaves the graph
-        #: (an ``ngram_eagle`` step whose trie run passed EAGLE's depth + 2 ran an eager
-        #: prefix forward: 2.1 ms of host against 0.24 ms for a replay, H200, batch 1).
-        self.short_catch_up = (max_accept_drafts or self.depth) + 2
+        #: Also the graphs' catch-up width ``Q``: the longest accepted run (``depth`` drafts,
+        #: then the bonus token) plus one, so steady decoding stays in the graph.
+        self.short_catch_up = self.depth + 2
         #: the propose graphs; None = always eager (CPU, or graphs off).
         self.graphs: DraftGraphCache | None = None
         if use_cuda_graph and self.device.type == "cuda":
@@ -318,12 +293,6 @@ class TreeDrafter(Drafter):
         plan = self._plan(reqs)
         if not plan.active:
             self.last_root_logp = None
-            self.last_node_scores = None
-            if self.keeps_node_scores:
-                scores = torch.full((len(reqs), self.num_nodes), float("-inf"),
-                                    device=self.device)
-                scores[:, 0] = 0.0
-                self.last_node_scores = scores
             return _padded_tree(self._to_device(torch.tensor(plan.roots, dtype=torch.int64)),
                                 self.num_nodes)
         g = self._graph_for(len(reqs), plan) if max_nodes >= self.num_nodes else None
@@ -372,27 +341,19 @@ class TreeDrafter(Drafter):
         base_len = self._to_device(torch.tensor(plan.ends, dtype=torch.int64))
         tree = self.expand(root_logp, root_state, base_len, table, num_nodes=budget)
         tokens, parents = tree.tokens, tree.parents
-        scores = tree.scores if self.keeps_node_scores else None
         if budget < n:  # padding nodes past the budget keep propose's [B, N] shape
             pad = tokens.shape[0], n - budget
             tokens = torch.cat([tokens, tokens.new_full(pad, -1)], dim=1)
             parents = torch.cat([parents, parents.new_zeros(pad)], dim=1)
-            if scores is not None:
-                scores = torch.cat([scores, scores.new_full(pad, float("-inf"))], dim=1)
         if len(plan.active) < bsz:
             idx = self._to_device(torch.tensor(plan.active, dtype=torch.int64))
             full_tokens = torch.full((bsz, n), -1, dtype=torch.int64, device=self.device)
             full_parents = torch.zeros((bsz, n), dtype=torch.int64, device=self.device)
             tokens = full_tokens.index_copy(0, idx, tokens)
             parents = full_parents.index_copy(0, idx, parents)
-            if scores is not None:
-                full_scores = torch.full((bsz, n), float("-inf"), device=self.device)
-                full_scores[:, 0] = 0.0
-                scores = full_scores.index_copy(0, idx, scores)
             root_logp = root_logp.new_zeros((bsz, root_logp.shape[1])).index_copy(
                 0, idx, root_logp)
         self.last_root_logp = root_logp
-        self.last_node_scores = scores
         tokens = tokens.clone()
         tokens[:, 0] = roots_dev
         return VerifyTree.from_parents(tokens, parents)

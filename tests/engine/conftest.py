@@ -133,8 +133,6 @@ def tiny_drafters(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory)
                             num_draft_tokens=5, speculative_depth=3, speculative_topk=2),
         "eagle": dict(speculative_algorithm="eagle", draft_model=str(eagle_dir),
                       num_draft_tokens=5, speculative_depth=3, speculative_topk=2),
-        "ngram_eagle": dict(speculative_algorithm="ngram_eagle", draft_model=str(eagle_dir),
-                            num_draft_tokens=5, speculative_depth=3, speculative_topk=2),
     }
 
 
@@ -142,11 +140,11 @@ def tiny_drafters(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory)
 def feature_drafters() -> list[Any]:
     """The drafters an engine-feature test (preemption, chunked prefill, prefix cache: the
     feature on against off) runs with: no drafter, the n-gram one (host trees) and EAGLE (a
-    device tree and stored target features) in the default suite; the draft-model and
-    combined drafters under ``-m slow`` (the suite's 10-minute budget on 2 cores; their
-    speculation-on against -off outputs are checked in ``test_spec.py`` by default)."""
-    return [pytest.param(d, marks=pytest.mark.slow) if d in ("draft_model", "ngram_eagle")
-            else d for d in ("none", "ngram", "draft_model", "eagle", "ngram_eagle")]
+    device tree and stored target features) in the default suite; the draft-model drafter
+    under ``-m slow`` (the suite's 10-minute budget on 2 cores; its speculation-on against
+    -off outputs are checked in ``test_spec.py`` by default)."""
+    return [pytest.param(d, marks=pytest.mark.slow) if d == "draft_model"
+            else d for d in ("none", "ngram", "draft_model", "eagle")]
 
 # Engines kept alive at once by ``make_llm``. Each SmolLM2 engine holds its weights (plus a
 # draft model's) and a 4096-token fp32 KV pool, about 0.8-1.5 GB; a test uses at most two at a

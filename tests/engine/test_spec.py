@@ -49,10 +49,6 @@ SPEC_CONFIGS = {
                                          draft_model=str(DEFAULT_MODEL_EAGLE_HEAD),
                                          num_draft_tokens=6, speculative_depth=3,
                                          speculative_topk=2),
-    # the n-gram trie and the shipped head's tree merged into one (N=6 split between them)
-    "ngram_eagle": lambda d: dict(speculative_algorithm="ngram_eagle",
-                                  draft_model=str(DEFAULT_MODEL_EAGLE_HEAD), num_draft_tokens=6,
-                                  speculative_depth=3, speculative_topk=2),
     "draft_model_first_layers": lambda d: dict(speculative_algorithm="draft_model",
                                                draft_model=d["first_layers"], num_draft_tokens=6,
                                                speculative_depth=3, speculative_topk=2),
@@ -116,7 +112,7 @@ def check_lossless(name: str, want: list, got: list, params: list[SamplingParams
     steps = sum(g.spec.verify_steps for g in got)
     tokens = sum(g.spec.committed_tokens for g in got)
     assert steps > 0 and tokens >= steps
-    if name in ("eagle_shipped_head", "ngram_eagle"):
+    if name == "eagle_shipped_head":
         assert sum(g.spec.draft_tokens_accepted for g in got) > 0
     if name == "draft_model_self":
         # The target drafting for itself is always right on unconstrained requests (its
@@ -137,7 +133,7 @@ def test_lossless_greedy(make_llm, draft_paths, spec_off_outputs, in_process_out
     JSON run): greedy output with each drafter equals output without speculation; for a host
     and a device drafter also with adaptive tree sizing (:func:`check_adaptive_lossless`)."""
     check_lossless(name, spec_off_outputs, in_process_outputs(name), cut_params())
-    if name in ("ngram", "eagle_shipped_head", "ngram_eagle"):
+    if name in ("ngram", "eagle_shipped_head"):
         # the engine just used (a cache hit: the engine cache's order stays as it was)
         check_adaptive_lossless(name, make_llm(**SPEC_CONFIGS[name](draft_paths)),
                                 spec_off_outputs)

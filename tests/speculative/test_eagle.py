@@ -472,23 +472,3 @@ def test_feature_store_graph_writes_what_the_eager_store_writes(runner: ModelRun
         assert {r: s.feat_len for r, s in graphed.states.items()} == seq
     finally:
         runner.model.to(CPU)
-
-
-def test_catch_up_width_covers_the_deepest_accepted_run(runner: ModelRunner,
-                                                       head_dir: Path) -> None:
-    """Inside ``ngram_eagle`` the trie branch reaches N - 1 drafts: EAGLE's catch-up width
-    (its propose graphs' ``Q``) covers that run plus the bonus, so a long accepted trie run
-    stays in the graph (past ``Q`` it ran an eager prefix forward every such step); alone,
-    EAGLE's own depth bounds it."""
-    from structspec.speculative.ngram_eagle import create_ngram_eagle_drafter
-
-    spec = SpecConfig(algorithm="ngram_eagle", draft_model=str(head_dir), num_draft_tokens=8,
-                      depth=3, topk=2)
-    combined = create_ngram_eagle_drafter(spec, target=runner, device=CPU, dtype=torch.float32)
-    assert combined.eagle.short_catch_up == (8 - 1) + 2
-    assert make_drafter(runner, head_dir, num_draft_tokens=8, depth=3,
-                        topk=2).short_catch_up == 3 + 2
-    for bad, error in ((2, ValueError), (0, ValueError), (4.5, TypeError), (True, TypeError)):
-        with pytest.raises(error, match="max_accept_drafts"):
-            EagleDrafter(spec, target=runner, device=CPU, dtype=torch.float32, num_pages=80,
-                         max_accept_drafts=bad)

@@ -11,12 +11,9 @@ from structspec.draft_tree.layout import VerifyTree
 from structspec.speculative.base import DraftRequest
 from structspec.speculative.ngram import (
     NgramDrafter,
-    continuation_matches,
-    continuation_matches_batch,
     continuation_starts,
     continuation_starts_batch,
     find_continuations,
-    suffix_match_length,
 )
 
 
@@ -125,30 +122,6 @@ def test_batch_starts_equal_per_request_starts() -> None:
         checked += bsz
         nonempty += sum(map(bool, want))
     assert checked > 1000 and nonempty > 300  # the comparison saw real candidates
-
-
-def test_match_lengths_are_the_suffix_matches_of_their_starts() -> None:
-    """The lookup's match lengths (what the combined drafter's trie confidence reads) are
-    :func:`suffix_match_length` of each start, batched or alone, and in the starts' order."""
-    rng = np.random.default_rng(11)
-    seen = 0
-    for trial in range(300):
-        bsz = int(rng.integers(1, 7))
-        lo, hi = int(rng.integers(1, 4)), int(rng.integers(1, 10))
-        hists = [rng.integers(0, int(rng.integers(1, 4)), size=int(rng.integers(0, 60)))
-                 for _ in range(bsz)]
-        starts, match, offsets = continuation_matches_batch(hists, min_window=lo,
-                                                            max_window=hi)
-        assert match.dtype == np.int64 and match.shape == starts.shape
-        for b, h in enumerate(hists):
-            s, e = int(offsets[b]), int(offsets[b + 1])
-            want = [suffix_match_length(h, int(x), hi) for x in starts[s:e]]
-            assert match[s:e].tolist() == want, (trial, b)
-            alone = continuation_matches(h, min_window=lo, max_window=hi)
-            assert alone[0].tolist() == starts[s:e].tolist()
-            assert alone[1].tolist() == want
-            seen += e - s
-    assert seen > 2000
 
 
 def test_batch_starts_large_batch() -> None:

@@ -105,12 +105,12 @@ def test_registry_lists_checks_and_unregisters() -> None:
             register_drafter("toy", create_toy_drafter)
         config = resolve_engine_config(EngineConfig(device="cpu", spec=SpecConfig(algorithm="toy")))
         assert isinstance(create_drafter(config.spec), RepeatLastDrafter)
-        with pytest.raises(ValueError, match="expected none, ngram, draft_model, eagle, ngram_eagle or toy"):
+        with pytest.raises(ValueError, match="expected none, ngram, draft_model, eagle or toy"):
             resolve_engine_config(EngineConfig(device="cpu", spec=SpecConfig(algorithm="x")))
     finally:
         unregister_drafter("toy")
     assert "toy" not in drafter_names()
-    with pytest.raises(ValueError, match="expected none, ngram, draft_model, eagle or ngram_eagle$"):
+    with pytest.raises(ValueError, match="expected none, ngram, draft_model or eagle$"):
         resolve_engine_config(EngineConfig(device="cpu", spec=SpecConfig(algorithm="toy")))
     with pytest.raises(ValueError, match="unknown speculative_algorithm 'toy'"):
         create_drafter(SpecConfig(algorithm="toy"))
