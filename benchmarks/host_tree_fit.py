@@ -4,9 +4,14 @@ With the adaptive tree sizer on, every verify step whose plan is smaller than th
 tree cuts each drafted host tree (n-gram) to its first ``--keep`` nodes
 (:func:`structspec.scheduler.tree_fit.fit_trees`). The cut slices the drafter's layout
 (:meth:`~structspec.draft_tree.layout.VerifyTree.prefix`); laying the cut columns out again
-(:meth:`VerifyTree.from_parents`, what it did before) is the reference row. Random chain-heavy
-trees (80% of nodes extend the previous one, as n-gram tries on JSON do). One summary line per
-(batch, path): the median and minimum of ``--reps`` timed calls in microseconds.
+(:meth:`VerifyTree.from_parents`, what it did before) is the reference row. Steps that draft
+only some requests (the sizer's plain rows, or its probes) put the cut rows beside root-only
+rows: ``mixed_copy`` copies the cut rows' layouts into cached root-only rows (what
+``fit_trees`` does), ``mixed_relayout`` lays the whole batch out again (what it did before);
+``root_only_*`` the same for a step that drafts nobody. Random chain-heavy trees (80% of nodes
+extend the previous one, as n-gram tries on JSON do), every other request drafted in the mixed
+rows. One summary line per (batch, path): the median and minimum of ``--reps`` timed calls in
+microseconds.
 
     PYTHONPATH=$PWD python benchmarks/host_tree_fit.py --batch 8 32 64 --nodes 8 --keep 5
 """
@@ -49,13 +54,30 @@ def time_us(fn: Callable[[], object], reps: int) -> tuple[float, float]:
 
 
 def paths(tree: VerifyTree, keep: int) -> dict[str, Callable[[], object]]:
-    """The two ways to cut ``tree`` (every row drafted) to ``keep`` nodes."""
+    """The ways to fit ``tree`` (every row, then every other row, then no row drafted) to
+    ``keep`` nodes: ``fit_trees`` and the layout from scratch."""
+    bsz = tree.batch_size
     last = tree.draft_tokens[:, 0].tolist()
-    drafted = list(range(tree.batch_size))
+    drafted = list(range(bsz))
     tokens = tree.draft_tokens[:, :keep].contiguous()
     parents = tree.parents[:, :keep].contiguous()
+    half = list(range(0, bsz, 2))
+    sub = VerifyTree.from_parents(tree.draft_tokens[half].contiguous(),
+                                  tree.parents[half].contiguous())
+    mixed_tokens = torch.full((bsz, keep), -1, dtype=torch.int64)
+    mixed_tokens[:, 0] = tree.draft_tokens[:, 0]
+    mixed_tokens[half] = tokens[half]
+    mixed_parents = torch.zeros((bsz, keep), dtype=torch.int64)
+    mixed_parents[half] = parents[half]
+    root_tokens = torch.full((bsz, keep), -1, dtype=torch.int64)
+    root_tokens[:, 0] = tree.draft_tokens[:, 0]
     return {"prefix": lambda: fit_trees(last, drafted, tree, keep),
-            "relayout": lambda: VerifyTree.from_parents(tokens, parents)}
+            "relayout": lambda: VerifyTree.from_parents(tokens, parents),
+            "mixed_copy": lambda: fit_trees(last, half, sub, keep),
+            "mixed_relayout": lambda: VerifyTree.from_parents(mixed_tokens, mixed_parents),
+            "root_only_copy": lambda: fit_trees(last, [], None, keep),
+            "root_only_relayout": lambda: VerifyTree.from_parents(
+                root_tokens, torch.zeros_like(root_tokens))}
 
 
 def main() -> None:

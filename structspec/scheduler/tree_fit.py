@@ -17,8 +17,10 @@ stream that reads it, no host sync (docs/architecture.md, invariant 6).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from structspec.draft_tree.layout import VerifyTree
@@ -30,20 +32,20 @@ _INT_FIELDS = ("draft_tokens", "parents", "depth", "next_token", "next_sibling")
 
 def real_nodes(tree: VerifyTree) -> list[int]:
     """Per row, the index after its last real node of a host tree (node 0 counts): the
-    columns a verify needs. Host tensors only (reading a device tree would sync).
+    columns a verify needs. Host tensors only (reading a device tree would sync). In numpy:
+    a few calls whatever the batch (torch's small CPU ops cost ~0.1 ms more at batch 64).
 
     Raises:
         ValueError: a tree on a device other than the CPU.
     """
     if tree.device.type != "cpu":
         raise ValueError("real_nodes reads host trees only")
-    tokens = tree.draft_tokens
+    tokens = tree.draft_tokens.numpy()
     n = tokens.shape[1]
     real = tokens >= 0
     real[:, 0] = True
     # the last real column + 1 (padding can only trail: drafters pad at the end)
-    last = torch.where(real, torch.arange(1, n + 1).expand_as(tokens), 0).amax(dim=1)
-    return last.tolist()
+    return np.where(real, np.arange(1, n + 1), 0).max(axis=1, initial=0).tolist()
 
 
 def tree_to_device(tree: VerifyTree, device: torch.device,
@@ -91,7 +93,7 @@ def fit_trees(last_tokens: Sequence[int], drafted: Sequence[int], tree: VerifyTr
     """
     bsz = len(last_tokens)
     if tree is None or not drafted:
-        return _root_only(torch.tensor(list(last_tokens), dtype=torch.int64), num_nodes)
+        return _root_only(last_tokens, num_nodes)
     if tree.batch_size != len(drafted) or tree.num_nodes < num_nodes:
         raise ValueError(f"drafted trees {tree.batch_size}x{tree.num_nodes} do not fit "
                          f"{len(drafted)} drafted rows of {num_nodes} nodes")
@@ -105,6 +107,9 @@ def fit_trees(last_tokens: Sequence[int], drafted: Sequence[int], tree: VerifyTr
         if num_nodes == tree.num_nodes:
             return tree
         return VerifyTree.from_parents(tokens.contiguous(), parents.contiguous())
+    if tree.device.type == "cpu" and staging is None:
+        # a host tree (n-gram, or any drafter on a CPU run): its rows copied in, not laid out
+        return _scatter_host_rows(last_tokens, drafted, tree, num_nodes)
     device = tree.device
     # the root-only rows and the drafted-row index, one host buffer: one staged copy
     host = torch.full((bsz * num_nodes + len(drafted),), -1, dtype=torch.int64)
@@ -120,10 +125,63 @@ def fit_trees(last_tokens: Sequence[int], drafted: Sequence[int], tree: VerifyTr
     return VerifyTree.from_parents(full_tokens, full_parents)
 
 
-def _root_only(last_tokens: torch.Tensor, num_nodes: int) -> VerifyTree:
+@functools.lru_cache(maxsize=64)
+def _root_only_row(num_nodes: int) -> tuple[np.ndarray, np.ndarray]:
+    """The layout of one root-only row of ``num_nodes`` nodes (root token 0, the rest -1
+    padding), the same for every such row, so laid out once per width: ``[5, N]`` int64 (the
+    :data:`_INT_FIELDS` rows) and ``[N, N]`` bool ancestors. Read-only."""
+    tokens = torch.full((1, num_nodes), -1, dtype=torch.int64)
+    tokens[0, 0] = 0
+    row = VerifyTree.from_parents(tokens, torch.zeros_like(tokens))
+    ints = np.stack([getattr(row, f)[0].numpy() for f in _INT_FIELDS])
+    ints.flags.writeable = False
+    anc = row.ancestor_mask[0].numpy().copy()
+    anc.flags.writeable = False
+    return ints, anc
+
+
+def _root_only_arrays(last_tokens: Sequence[int], num_nodes: int,
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """``[5, B, N]`` int64 fields and ``[B, N, N]`` bool ancestors of ``B`` root-only rows:
+    the cached row layout repeated (:func:`_root_only_row`), the root tokens written in."""
+    row_ints, row_anc = _root_only_row(num_nodes)
+    bsz = len(last_tokens)
+    ints = np.empty((len(_INT_FIELDS), bsz, num_nodes), dtype=np.int64)
+    ints[:] = row_ints[:, None, :]
+    ints[0, :, 0] = last_tokens
+    anc = np.empty((bsz, num_nodes, num_nodes), dtype=bool)
+    anc[:] = row_anc
+    return ints, anc
+
+
+def _tree_of_arrays(ints: np.ndarray, anc: np.ndarray) -> VerifyTree:
+    """A host :class:`VerifyTree` over ``[5, B, N]`` int64 fields (each ``[B, N]`` slice
+    contiguous) and ``[B, N, N]`` bool ancestors, without copies."""
+    fields = {f: torch.from_numpy(ints[k]) for k, f in enumerate(_INT_FIELDS)}
+    return VerifyTree(**fields, ancestor_mask=torch.from_numpy(anc))
+
+
+def _root_only(last_tokens: Sequence[int], num_nodes: int) -> VerifyTree:
     """Root plus ``num_nodes - 1`` padding nodes per row (host)."""
     if num_nodes == 1:
-        return VerifyTree.root_only(last_tokens)
-    tokens = torch.full((last_tokens.shape[0], num_nodes), -1, dtype=torch.int64)
-    tokens[:, 0] = last_tokens
-    return VerifyTree.from_parents(tokens, torch.zeros_like(tokens))
+        return VerifyTree.root_only(torch.tensor(list(last_tokens), dtype=torch.int64))
+    return _tree_of_arrays(*_root_only_arrays(list(last_tokens), num_nodes))
+
+
+def _scatter_host_rows(last_tokens: Sequence[int], drafted: Sequence[int], tree: VerifyTree,
+                       num_nodes: int) -> VerifyTree:
+    """A host batch whose ``drafted`` rows are ``tree``'s first ``num_nodes`` nodes and whose
+    other rows are root-only. A row's layout depends on that row alone, so the drafted rows'
+    layouts are sliced as :meth:`VerifyTree.prefix` slices them (links past the cut become
+    -1) straight into repeated root-only rows, in numpy, rather than the batch laid out
+    again (``benchmarks/host_tree_fit.py``, the ``mixed`` rows)."""
+    n = num_nodes
+    ints, anc = _root_only_arrays(list(last_tokens), n)
+    idx = np.asarray(drafted, dtype=np.int64)
+    for k, f in enumerate(_INT_FIELDS):
+        field = getattr(tree, f).numpy()[:, :n]
+        if f in ("next_token", "next_sibling"):
+            field = np.where(field >= n, -1, field)
+        ints[k, idx] = field
+    anc[idx] = tree.ancestor_mask.numpy()[:, :n, :n]
+    return _tree_of_arrays(ints, anc)
