@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.workloads import EXTRACTION_SCHEMA, extraction_prompts  # noqa: E402
 from structspec import LLM, JsonSchemaConstraint, SamplingParams  # noqa: E402
 from structspec.models.default_model import resolve_model_path  # noqa: E402
+from structspec.speculative.registry import drafter_names  # noqa: E402
 from structspec.training.prompts import sharegpt_held_out_prompts  # noqa: E402
 
 #: the JSON Schema of the ShareGPT prompts' constrained runs: the model's own answer, as a string
@@ -102,7 +103,8 @@ def main() -> None:
                     help="EAGLE head of eagle (default: the shipped one)")
     ap.add_argument("--draft-model-path", default=None,
                     help="draft model of draft_model (default: the target itself)")
-    ap.add_argument("--algorithms", nargs="+", default=["none", "ngram", "eagle", "draft_model"])
+    ap.add_argument("--algorithms", nargs="+", default=["none", "ngram", "eagle", "draft_model"],
+                    choices=drafter_names())
     ap.add_argument("--workloads", nargs="+", default=["sharegpt", "extraction"],
                     choices=["sharegpt", "extraction"])
     ap.add_argument("--grammar", nargs="+", default=["none", "json_schema"],

@@ -39,6 +39,7 @@ from benchmarks.workloads import (  # noqa: E402
 from structspec import LLM, JsonSchemaConstraint, SamplingParams  # noqa: E402
 from structspec.config import QUANTIZATION_CHOICES  # noqa: E402
 from structspec.models.default_model import resolve_model_path  # noqa: E402
+from structspec.speculative.registry import drafter_names  # noqa: E402
 from structspec.training.prompts import sharegpt_held_out_prompts  # noqa: E402
 
 MASKBENCH_DIR = Path(__file__).resolve().parents[1] / "tests" / "data" / "maskbench"
@@ -81,7 +82,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--model", default=None)
     ap.add_argument("--draft-model", default=None, help="EAGLE head (default: the shipped one)")
-    ap.add_argument("--algorithms", nargs="+", default=["eagle", "ngram", "draft_model", "none"])
+    ap.add_argument("--algorithms", nargs="+", default=["eagle", "ngram", "draft_model", "none"],
+                    choices=drafter_names())
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--workloads", nargs="+", default=["sharegpt", "maskbench", "extraction"])
     ap.add_argument("--num-prompts", type=int, default=64)

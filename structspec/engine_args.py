@@ -171,13 +171,17 @@ def unused_speculative_flags(args: argparse.Namespace) -> list[str]:
 
 def speculative_algorithm_help() -> str:
     """The ``--speculative-algorithm`` help line, built from the drafter registry: each name
-    with its description, and which ones need ``--draft-model`` (a drafter registered before
+    with its description, and which ones need ``--draft-model`` (an EAGLE head's drafter
+    takes the head shipped for the default model without it; a drafter registered before
     the parser is built shows up here)."""
     parts = []
     for name in drafter_names():
         info = drafter_info(name)
-        words = [w for w in (info.description,
-                             "needs --draft-model" if info.needs_draft_model else "") if w]
+        need = ""
+        if info.needs_draft_model:  # an EAGLE head has a shipped default on the default model
+            need = ("needs --draft-model, except on the default model (shipped head)"
+                    if info.eagle_head else "needs --draft-model")
+        words = [w for w in (info.description, need) if w]
         parts.append(f"{name} ({'; '.join(words)})" if words else name)
     # argparse expands % in help strings
     return ("drafter: " + ", ".join(parts)).replace("%", "%%")

@@ -85,7 +85,9 @@ def test_speculative_algorithm_help_follows_the_registry(
 
     text = help_text()
     assert "ngram (n-gram prompt lookup)" in text
-    assert "eagle (an EAGLE head; needs --draft-model)" in text
+    assert ("eagle (an EAGLE head; needs --draft-model, except on the default model (shipped "
+            "head))") in text
+    assert "draft_model (a small draft model; needs --draft-model)" in text
     assert "toy50" not in text
     with registered_drafter("toy50", lambda spec, **_: None,  # type: ignore[arg-type,return-value]
                             description="a 50% toy"):

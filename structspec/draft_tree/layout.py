@@ -249,8 +249,9 @@ class VerifyTree:
         becomes -1: a node's first child is its lowest-numbered child and its next sibling
         the next-numbered one, so when that one is cut so are all the later ones. Equal, field
         by field, to :meth:`from_parents` of the first ``num_nodes`` columns
-        (``tests/draft_tree/test_layout.py``). New contiguous tensors on this tree's device
-        (``num_nodes`` equal to :attr:`num_nodes`: this tree itself).
+        (``tests/draft_tree/test_layout.py``). Contiguous tensors on this tree's device, which
+        share this tree's memory where the cut is contiguous already (a batch of one;
+        ``num_nodes`` equal to :attr:`num_nodes`: this tree itself).
 
         Args:
             num_nodes: nodes kept per row, ``1 <= num_nodes <= self.num_nodes``.

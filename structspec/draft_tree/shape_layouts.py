@@ -29,7 +29,7 @@ class ShapeLayouts:
 
     A tree is ``(tokens, parents)``: Python lists of the same length ``1 <= L <= num_nodes``,
     node 0 first (its parent -1), ``0 <= parents[i] < i`` for ``i >= 1``, real tokens
-    ``>= 0``. Trees are padded to ``num_nodes`` with token -1 (padding nodes), as
+    ``>= 0`` (each checked: a tree that breaks them raises ``ValueError``). Trees are padded to ``num_nodes`` with token -1 (padding nodes), as
     :func:`structspec.speculative.ngram.pack_trees` does, and the layout equals
     ``VerifyTree.from_parents`` of that padded batch field by field (tested).
 
@@ -71,14 +71,10 @@ class ShapeLayouts:
         """Lay out one new shape (its parents ``key``) and return its table row.
 
         Raises:
-            ValueError: ``key`` is not a parent list of at most ``num_nodes`` nodes with
-                node 0's parent -1 and every other parent an earlier node.
+            ValueError: ``key`` is not a parent list (:func:`_check_parents`).
         """
         n = self.num_nodes
-        if not 1 <= len(key) <= n or key[0] != -1 or any(
-                not 0 <= p < i for i, p in enumerate(key[1:], start=1)):
-            raise ValueError(f"parents {list(key)}: expected node 0's parent -1 and every "
-                             f"other parent an earlier node, at most {n} nodes")
+        _check_parents(key, n)
         if len(self._index) >= self.max_shapes:
             self._clear()
         row = len(self._index)
@@ -117,6 +113,7 @@ class ShapeLayouts:
             return _layout_directly(trees, n)
         rows = []
         tok_rows = []
+        num_padding = 0
         index = self._index
         generation = self._generation
         for toks, pars in trees:
@@ -135,10 +132,12 @@ class ShapeLayouts:
                     index, generation = self._index, self._generation
             rows.append(row)
             pad = n - len(toks)
+            num_padding += pad
             tok_rows.append(toks + [-1] * pad if pad else toks)
         idx = np.array(rows, dtype=np.int64)
         fields = self._fields[idx].transpose(1, 0, 2).copy()  # [4, B, N], each [B, N] contiguous
         tokens = np.array(tok_rows, dtype=np.int64).reshape(len(rows), n)
+        _check_tokens(tokens, num_padding)
         return VerifyTree(
             draft_tokens=torch.from_numpy(tokens),
             parents=torch.from_numpy(fields[0]),
@@ -149,10 +148,39 @@ class ShapeLayouts:
         )
 
 
+def _check_parents(parents: Sequence[int], num_nodes: int) -> None:
+    """Raise ``ValueError`` unless ``parents`` lays out a tree of ``1..num_nodes`` nodes:
+    node 0's parent -1, every other node's an earlier node."""
+    if not 1 <= len(parents) <= num_nodes or parents[0] != -1 or any(
+            not 0 <= p < i for i, p in enumerate(parents[1:], start=1)):
+        raise ValueError(f"parents {list(parents)}: expected node 0's parent -1 and every "
+                         f"other parent an earlier node, at most {num_nodes} nodes")
+
+
+def _check_tokens(tokens: np.ndarray, num_padding: int) -> None:
+    """Raise ``ValueError`` when a real node's token is negative: ``tokens`` ``[B, N]`` holds
+    ``num_padding`` padding -1s, so any other negative entry is a real node's (which
+    ``VerifyTree.from_parents`` would take for padding: the table's layout would differ)."""
+    if np.count_nonzero(tokens < 0) != num_padding:
+        raise ValueError("a real node's token is negative (-1 marks padding): real tokens "
+                         "are token ids >= 0")
+
+
 def _layout_directly(trees: Sequence[tuple[list[int], list[int]]], num_nodes: int) -> VerifyTree:
-    """``VerifyTree.from_parents`` of the trees padded to ``num_nodes`` (token -1, parent 0)."""
-    tokens = [toks + [-1] * (num_nodes - len(toks)) for toks, _ in trees]
-    parents = [pars + [0] * (num_nodes - len(pars)) for _, pars in trees]
+    """``VerifyTree.from_parents`` of the trees padded to ``num_nodes`` (token -1, parent 0),
+    each tree checked as :meth:`ShapeLayouts.layout` checks it."""
+    tokens, parents, num_padding = [], [], 0
+    for toks, pars in trees:
+        if len(toks) != len(pars):
+            raise ValueError(f"a tree of {len(toks)} tokens and {len(pars)} parents: "
+                             "expected one parent per token")
+        _check_parents(pars, num_nodes)
+        pad = num_nodes - len(toks)
+        num_padding += pad
+        tokens.append([*toks, *([-1] * pad)])
+        parents.append([*pars, *([0] * pad)])
     shape = (len(trees), num_nodes)
-    return VerifyTree.from_parents(torch.tensor(tokens, dtype=torch.int64).reshape(shape),
+    tokens_np = np.array(tokens, dtype=np.int64).reshape(shape)
+    _check_tokens(tokens_np, num_padding)
+    return VerifyTree.from_parents(torch.from_numpy(tokens_np),
                                    torch.tensor(parents, dtype=torch.int64).reshape(shape))

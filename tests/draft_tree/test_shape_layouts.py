@@ -68,6 +68,18 @@ def test_returned_tensors_are_the_callers_own() -> None:
 def test_bad_trees_are_refused(tree: tuple[list[int], list[int]], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         ShapeLayouts(4).layout([tree])
+    # also when the tables are cleared mid-batch (the batch is then laid out whole)
+    small = ShapeLayouts(4, max_shapes=2)
+    with pytest.raises(ValueError, match=match):
+        small.layout([([1], [-1]), ([1, 2], [-1, 0]), ([1, 2, 3], [-1, 0, 0]), tree])
+
+
+@pytest.mark.parametrize("max_shapes", [1, 4096])
+def test_a_negative_real_token_is_refused(max_shapes: int) -> None:
+    """A -1 in a real node would be padding to ``from_parents``: refused, not laid out."""
+    layouts = ShapeLayouts(4, max_shapes=max_shapes)
+    with pytest.raises(ValueError, match="negative"):
+        layouts.layout([([1, 2], [-1, 0]), ([1, -1, 3], [-1, 0, 1])])
 
 
 def test_bad_arguments_are_refused() -> None:
