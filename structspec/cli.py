@@ -17,7 +17,13 @@ from structspec.cli_argv import join_negative_values
 from structspec.cli_output import print_batch, print_one
 from structspec.cli_version import VersionAction
 from structspec.constraints import GrammarConstraint, JsonObjectConstraint, JsonSchemaConstraint
-from structspec.core import ChatMessageError, RequestOutput, SamplingParams, check_chat_messages
+from structspec.core import (
+    ChatMessageError,
+    RequestOutput,
+    SamplingParams,
+    check_chat_messages,
+    request_error_code,
+)
 from structspec.draft_flags import check_model_and_draft_flags
 from structspec.engine_args import (
     add_engine_args,
@@ -403,6 +409,20 @@ def _flag_repetition_stop(min_tokens: int | None) -> RepetitionStop | None:
     return RepetitionStop(min_tokens=min_tokens)
 
 
+def _record_error_param(error: BaseException) -> str | None:
+    """The ``--batch`` line's key that a refusal of the line names (its output record's
+    ``error_param``, as the server's 400 ``param`` and the Python API's ``error_param``): a
+    grammar field's or a chat message's own field, else the key the message starts with
+    (``max_tokens must be >= 1``, ``'prompt': ...``, ``stop must be ...``); None for a
+    refusal of the whole line (not JSON, unknown keys, two grammars)."""
+    if isinstance(error, cp.ConstraintFieldError):
+        return error.field
+    if isinstance(error, ChatMessageError):
+        return error.param
+    head = re.split(r"[ .\[:]", str(error), maxsplit=1)[0].strip("'")
+    return head if head in _BATCH_KEYS else None
+
+
 def _batch_request(args: argparse.Namespace, rec: Any,
                    default_grammar: GrammarConstraint | None) -> tuple[Any, SamplingParams]:
     """The prompt (text, or checked chat messages) and sampling params of one parsed
@@ -589,13 +609,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.batch:
         prompts: list[Any] = []
         params: list[SamplingParams] = []
-        bad: dict[int, str] = {}  # index of a rejected line -> why, for its output record
+        # index of a rejected line -> (why, its key, its code), for its output record
+        bad: dict[int, tuple[str, str | None, str | None]] = {}
         for i, (lineno, rec) in enumerate(records):
             try:
                 line_prompt, line_params = _batch_request(args, rec, grammar)
             except (TypeError, ValueError) as e:
                 line_prompt, line_params = "", SamplingParams(max_tokens=-1)  # rejected below
-                bad[i] = f"bad record at line {lineno}: {e}"
+                param = _record_error_param(e)
+                bad[i] = (f"bad record at line {lineno}: {e}", param,
+                          request_error_code(param, getattr(e, "code", None)))
                 print(f"structspec generate: {args.batch}:{lineno}: bad record: {e}",
                       file=sys.stderr)
             prompts.append(line_prompt)
@@ -609,8 +632,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"structspec generate: {why}", file=sys.stderr)
             return 2
         outs = llm.generate(prompts, params, raw_prompt=args.raw_prompt, use_tqdm=True)
-        for i, why in bad.items():  # the real reason, not the placeholder's max_tokens error
-            outs[i] = RequestOutput.error_output(outs[i].request_id, why)
+        for i, (why, param, code) in bad.items():  # not the placeholder's max_tokens error
+            outs[i] = RequestOutput.error_output(outs[i].request_id, why, param, code)
         for i, out in enumerate(outs):  # what the engine refused, named by its line too
             if out.error is not None and i not in bad:
                 print(f"structspec generate: {args.batch}:{records[i][0]}: {out.error}",

@@ -295,6 +295,36 @@ def test_every_batch_record_carries_its_input_line(
     assert [(o["error_param"], o["error_code"]) for o in outs if o["line"] in (1, 4, 7)] == \
         [(None, None)] * 3
     assert bad_record["finish_reason"] == "abort" and "top_k" in bad_record["error"]
+    assert (bad_record["error_param"], bad_record["error_code"]) == \
+        ("top_k", "invalid_request_parameter")
+
+
+@pytest.mark.parametrize(("line", "param", "code"), [
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens", "invalid_request_parameter"),
+    ({"prompt": "x", "temperature": -1}, "temperature", "invalid_request_parameter"),
+    ({"prompt": "x", "stop": 5}, "stop", "invalid_request_parameter"),
+    ({"prompt": "x", "regex": 5}, "regex", "invalid_request_parameter"),
+    ({"prompt": "x", "json_schema": "object"}, "json_schema", "invalid_request_parameter"),
+    ({"prompt": "x", "choice": []}, "choice", "invalid_request_parameter"),
+    ({"prompt": "x", "strict": "yes", "json_object": True}, "strict",
+     "invalid_request_parameter"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content",
+     "invalid_request_parameter"),
+    ({"prompt": [{"role": "user"}]}, "prompt", None),
+    ({"prompt": [True]}, "prompt", None),
+    ({"prompt": "x", "colour": 1}, None, None),  # the whole line: unknown key
+    ("not json", None, None),
+])
+def test_a_bad_batch_record_names_its_key(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        line: Any, param: str | None, code: str | None) -> None:
+    """A line the CLI refuses carries ``error_param`` / ``error_code`` as the Python API and
+    the server name the same field (``invalid_request_parameter`` for any field but the
+    prompt), beside a good line that still runs."""
+    rc, outs, _ = _run_batch(tmp_path, monkeypatch, capsys, [line, {"prompt": "good"}])
+    assert rc == 1 and outs[1]["error"] is None
+    assert outs[0]["finish_reason"] == "abort" and outs[0]["error"]
+    assert (outs[0]["error_param"], outs[0]["error_code"]) == (param, code)
 
 
 def test_empty_prompt_is_a_bad_command_line(monkeypatch: pytest.MonkeyPatch,
