@@ -317,4 +317,8 @@ def _ebnf_error_context(message: str, grammar: str) -> str:
         text = lines[line_no - 1]
         got = " (end of line)" if cut else ""
     head = f"  line {line_no}: "
-    return f"{got}\n{head}{text}\n{' ' * (len(head) + column - 1)}^"
+    # the caret line copies the tabs before the column (a space for anything else), so the
+    # caret stays under its character however wide the terminal draws a tab
+    pad = "".join("\t" if ch == "\t" else " " for ch in text[: column - 1])
+    pad += " " * (column - 1 - len(pad))  # a column past the line's end (trailing blanks)
+    return f"{got}\n{head}{text}\n{' ' * len(head)}{pad}^"

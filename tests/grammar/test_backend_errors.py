@@ -56,6 +56,9 @@ def _accepts(backend: GrammarBackend, cg: xgr.CompiledGrammar, text: str) -> boo
     (EbnfConstraint('root ::= "a" b\nb ::= '), "ebnf",
      "line 2, column 7: Expect element, but got (end of the grammar)\n  line 2: b ::= \n"
      + " " * 16 + "^"),
+    # a tab before the column: the caret line copies it, so the caret stays under the column
+    (EbnfConstraint('root ::=\t"a" @'), "ebnf",
+     'line 1: root ::=\t"a" @\n' + " " * 10 + " " * 8 + "\t" + " " * 4 + "^"),
     (ChoiceConstraint(()), "choice", "non-empty list"),
     (ChoiceConstraint(("a", "")), "choice", "non-empty list"),
     # refused in every mode, before xgrammar (which would ignore them) and before any
