@@ -251,6 +251,10 @@ def explained_compile_error(spec: GrammarConstraint, e: BaseException) -> str:
         if problem is not None:
             message = f"{problem} (compiler: {message})"
     elif isinstance(spec, EbnfConstraint):
+        if isinstance(e, UnicodeDecodeError):
+            # xgrammar's lexer quotes the first byte of a stray non-ASCII character, which
+            # cuts it in half: its message is not UTF-8 and arrives as a decode error
+            message = _stray_character_message(spec.grammar) or message
         message += _ebnf_error_context(message, spec.grammar)
     elif isinstance(spec, RegexConstraint):
         message = _regex_compiler_message(message)
@@ -280,6 +284,36 @@ def compiler_message(e: BaseException) -> str:
 
 
 _LINE_COLUMN = re.compile(r"at line (\d+), column (\d+)")
+
+
+def _stray_character_message(grammar: str) -> str | None:
+    """An EBNF lexer error for the first non-ASCII character outside a string literal, a
+    character class and a comment (where xgrammar's lexer takes only ASCII), worded and
+    positioned as xgrammar's own (line, column in UTF-8 bytes); None when there is none."""
+    state = ""  # '"' in a string literal, "[" in a character class, "#" in a comment
+    escaped = False
+    line, column = 1, 1
+    for ch in grammar:
+        if state == "#":
+            state = "" if ch == "\n" else state
+        elif state:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == ('"' if state == '"' else "]"):
+                state = ""
+        elif ch in '"[#':
+            state = ch
+        elif ord(ch) > 127:
+            return (f"EBNF lexer error at line {line}, column {column}: Unexpected character: "
+                    f"{ch!r} (U+{ord(ch):04X}; outside a string literal or a character class "
+                    "the grammar must be ASCII)")
+        if ch == "\n":
+            line, column = line + 1, 1
+        else:
+            column += len(ch.encode())
+    return None
 
 
 def _ebnf_error_context(message: str, grammar: str) -> str:

@@ -56,6 +56,14 @@ def _accepts(backend: GrammarBackend, cg: xgr.CompiledGrammar, text: str) -> boo
     (EbnfConstraint('root ::= "a" b\nb ::= '), "ebnf",
      "line 2, column 7: Expect element, but got (end of the grammar)\n  line 2: b ::= \n"
      + " " * 16 + "^"),
+    # a stray non-ASCII character: xgrammar's own message cut it in half (not UTF-8); named,
+    # and placed, also after non-ASCII text inside a string, a class and a comment
+    (EbnfConstraint('root ::= "a" \u00e9'), "ebnf",
+     "line 1, column 14: Unexpected character: '\u00e9' (U+00E9; outside a string literal or "
+     "a character class the grammar must be ASCII)\n  line 1: root ::= \"a\" \u00e9\n"
+     + " " * 23 + "^"),
+    (EbnfConstraint('root ::= [\u00e9\\]] "\u00e9" # \u00e9\nb ::= "x" \u2713'), "ebnf",
+     "line 2, column 11: Unexpected character: '\u2713' (U+2713;"),
     # a tab before the column: the caret line copies it, so the caret stays under the column
     (EbnfConstraint('root ::=\t"a" @'), "ebnf",
      'line 1: root ::=\t"a" @\n' + " " * 10 + " " * 8 + "\t" + " " * 4 + "^"),
