@@ -47,13 +47,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.workloads import CITY, FIRST, JOB, LAST  # noqa: E402
 from structspec.config import SpecConfig  # noqa: E402
 from structspec.draft_tree.layout import VerifyTree  # noqa: E402
-from structspec.draft_tree.shape_layouts import ShapeLayouts  # noqa: E402
+from structspec.draft_tree.shape_layouts import ShapeLayouts, pack_trees  # noqa: E402
 from structspec.speculative.base import DraftRequest, TokenHistory  # noqa: E402
 from structspec.speculative.ngram import (  # noqa: E402
     NgramDrafter,
     continuation_starts,
     continuation_starts_batch,
-    pack_trees,
 )
 
 TOKENIZER = Path(__file__).resolve().parent / "assets" / "llama3-8b-shape" / "tokenizer.json"

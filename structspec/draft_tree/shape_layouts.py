@@ -29,9 +29,9 @@ class ShapeLayouts:
 
     A tree is ``(tokens, parents)``: Python lists of the same length ``1 <= L <= num_nodes``,
     node 0 first (its parent -1), ``0 <= parents[i] < i`` for ``i >= 1``, real tokens
-    ``>= 0`` (each checked: a tree that breaks them raises ``ValueError``). Trees are padded to ``num_nodes`` with token -1 (padding nodes), as
-    :func:`structspec.speculative.ngram.pack_trees` does, and the layout equals
-    ``VerifyTree.from_parents`` of that padded batch field by field (tested).
+    ``>= 0`` (each checked: a tree that breaks them raises ``ValueError``). The layout equals
+    :func:`pack_trees` of the batch (the trees padded with -1 tokens and laid out by
+    ``VerifyTree.from_parents``) field by field (tested).
 
     Not thread-safe: one instance per drafter, used from the scheduler thread.
 
@@ -110,7 +110,7 @@ class ShapeLayouts:
         """
         n = self.num_nodes
         if not trees:  # an empty batch: [0, N] tensors
-            return _layout_directly(trees, n)
+            return pack_trees(trees, n)
         rows = []
         tok_rows = []
         num_padding = 0
@@ -128,7 +128,7 @@ class ShapeLayouts:
                     # the tables were cleared for this shape: earlier rows of this batch are
                     # gone, and the batch may hold more shapes than fit, so lay it out whole
                     if rows:
-                        return _layout_directly(trees, n)
+                        return pack_trees(trees, n)
                     index, generation = self._index, self._generation
             rows.append(row)
             pad = n - len(toks)
@@ -166,9 +166,16 @@ def _check_tokens(tokens: np.ndarray, num_padding: int) -> None:
                          "are token ids >= 0")
 
 
-def _layout_directly(trees: Sequence[tuple[list[int], list[int]]], num_nodes: int) -> VerifyTree:
-    """``VerifyTree.from_parents`` of the trees padded to ``num_nodes`` (token -1, parent 0),
-    each tree checked as :meth:`ShapeLayouts.layout` checks it."""
+def pack_trees(trees: Sequence[tuple[list[int], list[int]]], num_nodes: int) -> VerifyTree:
+    """Pad ``(tokens, parents)`` lists to ``num_nodes`` (token -1, parent 0) and lay the batch
+    out with ``VerifyTree.from_parents`` (``[B, num_nodes]`` int64 host tensors), each tree
+    checked as :meth:`ShapeLayouts.layout` checks it: the layout without the per-shape
+    tables (an empty batch, tables cleared mid-batch, the n-gram drafter's single-request
+    path).
+
+    Raises:
+        ValueError: as :meth:`ShapeLayouts.layout`.
+    """
     tokens, parents, num_padding = [], [], 0
     for toks, pars in trees:
         if len(toks) != len(pars):

@@ -25,7 +25,6 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
-import torch
 from numpy.lib.stride_tricks import as_strided
 
 from structspec.config import SpecConfig
@@ -218,20 +217,6 @@ class _History:
         return self.buf[: self.length]
 
 
-def pack_trees(trees: Sequence[tuple[list[int], list[int]]], num_nodes: int) -> VerifyTree:
-    """Pad per-request ``(tokens, parents)`` lists to ``num_nodes`` (token -1, parent 0) and
-    build the host :class:`VerifyTree` (``[B, num_nodes]`` int64 tensors)."""
-    tok_rows, par_rows = [], []
-    for toks, pars in trees:
-        pad = num_nodes - len(toks)
-        tok_rows.append(toks + [-1] * pad)
-        par_rows.append(pars + [0] * pad)
-    shape = (len(tok_rows), num_nodes)
-    tokens = np.array(tok_rows, dtype=np.int64).reshape(shape)
-    parents = np.array(par_rows, dtype=np.int64).reshape(shape)
-    return VerifyTree.from_parents(torch.from_numpy(tokens), torch.from_numpy(parents))
-
-
 class NgramDrafter(Drafter):
     """Prompt-lookup drafter producing a trie-shaped verify tree on the host."""
 
@@ -315,7 +300,8 @@ class NgramDrafter(Drafter):
         continuation alone fills the tree: a chain) or the trie merge; the same trees as
         :meth:`build_tree` on each request alone, laid out from per-shape tables
         (:class:`~structspec.draft_tree.shape_layouts.ShapeLayouts`: the layout
-        :func:`pack_trees` computes, without its per-column passes over the batch)."""
+        :func:`~structspec.draft_tree.shape_layouts.pack_trees` computes, without its per-column
+        passes over the batch)."""
         histories = self.sync_histories(reqs)
         starts, offsets = continuation_starts_batch(
             histories, min_window=self.min_window, max_window=self.max_window)
