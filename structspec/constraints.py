@@ -133,9 +133,21 @@ class RegexConstraint:
 
 @dataclass(frozen=True)
 class EbnfConstraint:
-    """Output must be a sentence of the GBNF grammar ``grammar`` (start symbol ``root``)."""
+    """Output must be a sentence of the GBNF grammar ``grammar`` (start symbol ``root``).
+
+    Raises:
+        TypeError: ``grammar`` is not a string, naming ``grammar`` (it failed later, outside
+            any one request, and took the whole ``generate`` call down). A string that is
+            not a grammar is refused per request by the grammar backend.
+    """
 
     grammar: str
+
+    def __post_init__(self) -> None:
+        grammar: object = self.grammar
+        if not isinstance(grammar, str):
+            raise TypeError(f"EbnfConstraint.grammar must be a str, got "
+                            f"{type(grammar).__name__} {grammar!r}")
 
     @property
     def kind(self) -> str:

@@ -33,6 +33,16 @@ def test_regex_constraint_refuses_empty_and_non_string_patterns() -> None:
     assert RegexConstraint("a+").pattern == "a+"
 
 
+@pytest.mark.parametrize("grammar", [123, None, b'root ::= "a"', ['root ::= "a"']])
+def test_ebnf_constraint_refuses_non_string_grammars(grammar: Any) -> None:
+    """A non-string grammar used to pass the constructor and end the whole ``generate`` call
+    in the grammar cache's key (``'int' object has no attribute 'encode'``)."""
+    with pytest.raises(TypeError, match=r"EbnfConstraint\.grammar must be a str, got "
+                                        f"{type(grammar).__name__}"):
+        EbnfConstraint(grammar)
+    assert EbnfConstraint('root ::= "a"').grammar == 'root ::= "a"'
+
+
 @pytest.mark.parametrize("strict", ["no", "false", 0, 1, None])
 def test_json_schema_strict_takes_booleans_only(strict: Any) -> None:
     """``strict="no"`` is truthy: it used to mean a strict compile."""
