@@ -443,6 +443,8 @@ def _batch_request(args: argparse.Namespace, rec: Any,
     _check_prompt(rec)
     params = _params(args, grammar, rec)
     params.validate()
+    if params.max_tokens > MAX_TOKENS_FLAG:  # as the --max-tokens flag refuses it
+        raise ValueError(_too_many_tokens("max_tokens", params.max_tokens))
     if "messages" in rec:
         return check_chat_messages(rec["messages"]), params
     prompt = rec.get("prompt", "")
@@ -467,6 +469,12 @@ _FLAG_OF_FIELD = {"seed": "--request-seed", "max_tokens": "--max-tokens",
 MAX_TOKENS_FLAG = 2**31 - 1
 """Largest ``--max-tokens`` accepted: above every model's context (the engine stops an answer
 at the context length), far below where an int64 token count would overflow."""
+
+
+def _too_many_tokens(name: str, value: int) -> str:
+    """The refusal of a ``max_tokens`` above :data:`MAX_TOKENS_FLAG` (flag or ``--batch`` key)."""
+    return (f"{name}: {value} is more than any model's context; give at most "
+            f"{MAX_TOKENS_FLAG} (the answer stops at the context length anyway)")
 
 
 def _model_flags_error(args: argparse.Namespace) -> str | None:
@@ -590,9 +598,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             # it used to be exit status 1
             raise ValueError("--prompt: the prompt is empty; give some text")
         if args.max_tokens > MAX_TOKENS_FLAG:
-            raise ValueError(f"--max-tokens: {args.max_tokens} is more than any model's "
-                             f"context; give at most {MAX_TOKENS_FLAG} (the answer stops at "
-                             "the context length anyway)")
+            raise ValueError(_too_many_tokens("--max-tokens", args.max_tokens))
         grammar = grammar_from_args(args)
         _precheck_grammar(args, grammar)
         if args.out_file is not None and not args.batch:

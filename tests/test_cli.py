@@ -301,6 +301,8 @@ def test_every_batch_record_carries_its_input_line(
 
 @pytest.mark.parametrize(("line", "param", "code"), [
     ({"prompt": "x", "max_tokens": 0}, "max_tokens", "invalid_request_parameter"),
+    # refused as the --max-tokens flag refuses it (the flag exits 2 above 2**31 - 1)
+    ({"prompt": "x", "max_tokens": 2**40}, "max_tokens", "invalid_request_parameter"),
     ({"prompt": "x", "temperature": -1}, "temperature", "invalid_request_parameter"),
     ({"prompt": "x", "stop": 5}, "stop", "invalid_request_parameter"),
     ({"prompt": "x", "regex": 5}, "regex", "invalid_request_parameter"),
