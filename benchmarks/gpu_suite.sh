@@ -59,6 +59,9 @@
 #             no host sync in its replays), the paging / GEMV / tree-kernel / staging tests (~4 min)
 #   eagle_bs1_auto  issue 18: host_step_cost (host us per call and the GPU's view of the same
 #             steps), then the batch-1 gate's row with the default sizer (auto) (~4.5 min)
+#   host_step_batch  issue 18: where an EAGLE + JSON step's host time goes at batch 8 and 32
+#             (host_step_cost.py --batch 8 32 --grammar both, wrapped calls, cProfile top rows),
+#             after the EAGLE grammar overlap at batch 8 / 32 (1 repeat: is this host slow?)
 #   host_step  issue 18: host us per batch-1 step of each call a verify step makes (none and
 #             eagle with a JSON Schema), and the host cost of one forward-graph launch
 #             (host_step_cost.py, ~1.5 min)
@@ -154,6 +157,9 @@ for s in $stages; do case $s in
     run grammar_overlap_eagle 260 python3 benchmarks/grammar_overlap.py --device cuda --batch 1 8 32 64 --steps 60 --algorithms eagle --overlap on --repeats 2 --speculative-adaptive off ;;
   host_step_eagle)
     run host_step_eagle 150 python3 benchmarks/host_step_cost.py --algorithms eagle --grammar --steps 300 ;;
+  host_step_batch)
+    run grammar_overlap_eagle_8_32 200 python3 benchmarks/grammar_overlap.py --device cuda --batch 8 32 --steps 60 --algorithms eagle --overlap on --repeats 1 --speculative-adaptive off
+    run host_step_batch 300 python3 benchmarks/host_step_cost.py --algorithms eagle --grammar both --batch 8 32 --steps 150 --profile "$OUT/host_step" --top 45 ;;
   host_step)
     run host_step_cost 200 python3 benchmarks/host_step_cost.py --algorithms none eagle --grammar --steps 300 ;;
   smol)
