@@ -222,7 +222,7 @@ def breakdown(tag: str, s: dict[str, float]) -> str:
     keys = ("gpu_forward_ms", "gpu_busy_ms", "gpu_idle_before_ms", "gpu_grammar_stall_ms",
             "cpu_draft_ms", "cpu_launch_ms", "cpu_barrier_ms", "cpu_mask_ms", "cpu_text_ms",
             "cpu_wait_ms", "cpu_commit_ms", "pool_workers", "pool_send_ms", "pool_worker_max_ms",
-            "pool_sent_first")
+            "pool_first_start_ms", "pool_last_reply_ms", "pool_read_ms", "pool_sent_first")
     return " ".join(f"{tag}.{k.removesuffix('_ms')}={s[k]:.3f}" for k in keys if k in s)
 
 

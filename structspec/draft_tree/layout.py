@@ -12,7 +12,7 @@ first-child / next-sibling links with -1 = none); written from the description, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -38,6 +38,13 @@ class VerifyTree:
         next_sibling: ``[B, N]`` int64 next sibling, -1 if none (``retrieve_next_sibling``).
         ancestor_mask: ``[B, N, N]`` bool, ``[b, i, j]`` True if node j is node i or one of
             its ancestors (the tree part of the verify attention mask).
+        host_links: ``[4, B', N]`` int64 on the same device, ``B' >= B``, whose rows
+            ``[:, :B]`` hold ``next_token``, ``next_sibling``, ``draft_tokens`` and
+            ``parents`` in that order: what the grammar mask build reads on the host, ready
+            to go there as one contiguous copy (a propose graph's static output,
+            :mod:`~structspec.speculative.draft_graph`). None for every other tree: a tree
+            built or changed from another leaves it None, and the fields are then staged one
+            by one.
     """
 
     draft_tokens: torch.Tensor
@@ -46,6 +53,7 @@ class VerifyTree:
     next_token: torch.Tensor
     next_sibling: torch.Tensor
     ancestor_mask: torch.Tensor
+    host_links: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def batch_size(self) -> int:

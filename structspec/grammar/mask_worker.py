@@ -196,7 +196,9 @@ def _worker_main(conn: Connection, ship: Connection) -> None:
                 nt, ns, dt, rows = views[b]  # type: ignore[index]
                 if not walk_tree(m, nt, ns, dt, rows, time_limit_s):
                     timed_out.append(b)
-            conn.send((rejected, terminated, walked, timed_out, time.perf_counter() - t0))
+            # absolute times (CLOCK_MONOTONIC, one clock for every process of the host): the
+            # parent splits its round trip into wake-up, work and reading from them
+            conn.send((rejected, terminated, walked, timed_out, t0, time.perf_counter()))
         except Exception as e:  # noqa: BLE001 - the parent raises it
             conn.send(e)
     del slab, slab_np, links_all, row_views

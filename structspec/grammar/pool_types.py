@@ -46,6 +46,13 @@ class PoolBuildResult:
         worker_busy_ms: per worker that had work, its time from receiving the request to
             sending the reply (the rest of a build's wall time is messaging and wake-ups).
         send_ms: host time spent pickling and writing the messages (ms).
+        first_start_ms, last_reply_ms: from the first message sent to the first worker
+            starting on its message, and to the last worker sending its reply (ms, the
+            workers' clocks: ``time.perf_counter`` is ``CLOCK_MONOTONIC`` on Linux, one clock
+            for every process). A ``first_start_ms`` well above ``send_ms`` is the workers'
+            wake-up; a ``last_reply_ms`` well below ``read_ms`` means the replies waited for
+            this process.
+        read_ms: from the first message sent to the last reply read by this process (ms).
         mismatched: rows whose mirror's verdict differs from the one predicted for
             ``on_verdicts`` (see :meth:`MaskWorkerPool.build`): row -> (output ids the mirror
             has been sent in all, ids of them it did not keep, grammar ended). Empty unless
@@ -58,6 +65,9 @@ class PoolBuildResult:
     terminated: list[int] = field(default_factory=list)
     worker_busy_ms: list[float] = field(default_factory=list)
     send_ms: float = 0.0
+    first_start_ms: float = 0.0
+    last_reply_ms: float = 0.0
+    read_ms: float = 0.0
     mismatched: dict[int, tuple[int, int, bool]] = field(default_factory=dict)
 
 

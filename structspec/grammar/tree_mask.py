@@ -98,6 +98,35 @@ class GrammarTree:
                    copy=copy)
 
     @classmethod
+    def from_links(cls, links: torch.Tensor, batch_size: int) -> GrammarTree:
+        """Stage a device tree whose links are packed already
+        (:attr:`~structspec.draft_tree.layout.VerifyTree.host_links`): one contiguous D2H copy
+        into fresh pinned memory and one event, nothing else launched. Call it *before*
+        launching the verify forward, as :meth:`from_device`.
+
+        Args:
+            links: ``int64 [4, B', N]`` contiguous on one device, ``B' >= batch_size``: rows
+                ``next_token``, ``next_sibling``, ``draft_tokens``, ``parents``.
+            batch_size: the batch's ``B`` (the host fields are rows ``[:B]``).
+
+        Raises:
+            ValueError: ``links`` is not a contiguous int64 ``[4, B', N]`` with
+                ``B' >= batch_size``.
+        """
+        if (links.dim() != 3 or links.shape[0] != 4 or links.shape[1] < batch_size
+                or links.dtype != torch.int64 or not links.is_contiguous()):
+            raise ValueError(f"links must be a contiguous int64 [4, B' >= {batch_size}, N] "
+                             f"tensor, got {links.dtype} {tuple(links.shape)}")
+        if links.device.type != "cuda":
+            host = links[:, :batch_size]
+            return cls.from_host(host[0], host[1], host[2], host[3])
+        # Static graph memory (or, eagerly, a tensor made on this stream): no record_stream
+        copy = DeviceToHost().launch([links])
+        host = copy.hosts[0]
+        return cls(host[0, :batch_size], host[1, :batch_size], host[2, :batch_size],
+                   host[3, :batch_size], copy=copy)
+
+    @classmethod
     def from_host(cls, next_token: torch.Tensor, next_sibling: torch.Tensor,
                   draft_tokens: torch.Tensor,
                   parents: torch.Tensor | None = None) -> GrammarTree:

@@ -380,13 +380,20 @@ class MaskWorkerPool:
                 while_waiting()
         finally:  # read the replies even when a callback raised: keep the protocol
             self._walks_pending = None
+            starts, ends = [], []
             for w in busy:
-                rejected, terminated, walked, timed_out, busy_s = self._recv(w)
+                rejected, terminated, walked, timed_out, t_start, t_end = self._recv(w)
                 out.rejected.update(rejected)
                 out.terminated += terminated
-                out.worker_busy_ms.append(busy_s * 1e3)
+                out.worker_busy_ms.append((t_end - t_start) * 1e3)
+                starts.append(t_start)
+                ends.append(t_end)
                 out.walked += walked
                 out.timed_out += timed_out
+            if busy:
+                out.read_ms = (time.perf_counter() - t_send) * 1e3
+                out.first_start_ms = (min(starts) - t_send) * 1e3
+                out.last_reply_ms = (max(ends) - t_send) * 1e3
         self.num_builds += 1
         ended = set(out.terminated)
         # Only predictions are checked. A row sent no new ids reports a mirror that ended

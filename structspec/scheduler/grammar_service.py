@@ -165,6 +165,8 @@ class GrammarService:
         if tree.device.type == "cpu":
             return GrammarTree.from_host(tree.next_token, tree.next_sibling, tree.draft_tokens,
                                          tree.parents)
+        if tree.host_links is not None:  # a propose graph's packed links: one copy
+            return GrammarTree.from_links(tree.host_links, tree.batch_size)
         return GrammarTree.from_device(tree.next_token, tree.next_sibling, tree.draft_tokens,
                                        tree.parents)
 
@@ -258,7 +260,11 @@ class GrammarService:
                     on_verdicts=(lambda res: self._apply_verdicts([*reqs, *extra], res))
                     if mirrors else None)
                 if mask is not None and mask.mirror is not None:
-                    self._timer.pool(mask.mirror.send_ms, mask.mirror.worker_busy_ms)
+                    mirror = mask.mirror
+                    self._timer.pool(mirror.send_ms, mirror.worker_busy_ms,
+                                     first_start_ms=mirror.first_start_ms,
+                                     last_reply_ms=mirror.last_reply_ms,
+                                     read_ms=mirror.read_ms)
                     if mirrors:
                         self._settle_mismatches([*reqs, *extra], mask.mirror.mismatched)
                 self._timer.phase("mask")

@@ -30,6 +30,9 @@ class StepRecord:
         pool_workers, pool_send_ms, pool_worker_max_ms: when the mask worker pool built the
             step's tree bitmask, the workers messaged, the host time spent sending to them,
             and the busiest worker's time from message to reply (None otherwise).
+        pool_first_start_ms, pool_last_reply_ms, pool_read_ms: the same build's round trip
+            from its first message: the first worker starting, the last reply sent, the last
+            reply read by the engine (:class:`~structspec.grammar.pool_types.PoolBuildResult`).
         pool_sent_first: when the pool built the step's bitmask, whether its build went out
             before the verify launch (:mod:`~structspec.scheduler.build_order`; the
             summary's mean is the share of such steps).
@@ -54,6 +57,9 @@ class StepRecord:
     pool_workers: int | None = None
     pool_send_ms: float | None = None
     pool_worker_max_ms: float | None = None
+    pool_first_start_ms: float | None = None
+    pool_last_reply_ms: float | None = None
+    pool_read_ms: float | None = None
     pool_sent_first: bool | None = None
     host_fwd_launch_ms: float | None = None
 

@@ -94,15 +94,21 @@ class StepTimer:
         rec.cpu_ms[name] = rec.cpu_ms.get(name, 0.0) + (t - self._t_mark) * 1e3
         self._t_mark = t
 
-    def pool(self, send_ms: float, worker_busy_ms: Sequence[float]) -> None:
-        """Note the step's mask worker pool build: host time sending the messages (ms) and
-        each messaged worker's busy time (ms)."""
+    def pool(self, send_ms: float, worker_busy_ms: Sequence[float], *,
+             first_start_ms: float | None = None, last_reply_ms: float | None = None,
+             read_ms: float | None = None) -> None:
+        """Note the step's mask worker pool build: host time sending the messages (ms),
+        each messaged worker's busy time (ms) and, when known, the round trip's marks from
+        the first message (ms; :class:`~structspec.grammar.pool_types.PoolBuildResult`)."""
         rec = self._current
         if rec is None:
             return
         rec.pool_workers = len(worker_busy_ms)
         rec.pool_send_ms = send_ms
         rec.pool_worker_max_ms = max(worker_busy_ms, default=0.0)
+        rec.pool_first_start_ms = first_start_ms
+        rec.pool_last_reply_ms = last_reply_ms
+        rec.pool_read_ms = read_ms
 
     def pool_order(self, sent_first: bool) -> None:
         """Note whether the step's pool build went out before the verify launch (kept only
@@ -196,7 +202,8 @@ class StepTimer:
         Keys: ``wall_ms``, ``cpu_<phase>_ms`` for :data:`CPU_PHASES`, on CUDA ``gpu_busy_ms``
         and ``<interval>_ms`` for :data:`GPU_INTERVALS` and ``host_fwd_launch_ms``, and for the
         steps that used the mask worker pool ``pool_workers``, ``pool_send_ms``,
-        ``pool_worker_max_ms`` and ``pool_sent_first`` (the share of them whose build went out
+        ``pool_worker_max_ms``, ``pool_first_start_ms``, ``pool_last_reply_ms``,
+        ``pool_read_ms`` and ``pool_sent_first`` (the share of them whose build went out
         before the launch).
         """
         self.flush()

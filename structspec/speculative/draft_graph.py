@@ -40,7 +40,8 @@ the same stream, and the graph catches up on the last ``Q``. So a batch mixing n
 requests still drafts with one replay.
 
 Static outputs (the graph's pool): the tree ``[B, N]`` (:class:`VerifyTree` fields, built by
-:meth:`VerifyTree.from_parents` inside the graph) and, when
+:meth:`VerifyTree.from_parents` inside the graph, and its links packed ``[4, B, N]`` for the
+grammar's host copy, ``VerifyTree.host_links``) and, when
 ``TreeDrafter.graph_keeps_root_logp``, ``root_logp [B, V']`` float32. A propose returns views of
 rows ``[:batch]``: valid until the next propose.
 """
@@ -170,7 +171,13 @@ class DraftGraph:
         tokens = torch.where(active, expanded.tokens, torch.full_like(expanded.tokens, -1))
         tokens[:, 0] = self.roots
         parents = torch.where(active, expanded.parents, torch.zeros_like(expanded.parents))
-        return root_logp, VerifyTree.from_parents(tokens, parents)
+        tree = VerifyTree.from_parents(tokens, parents)
+        # The grammar's host copy of the tree, packed here (one kernel inside the replay):
+        # staged after the replay as one contiguous D2H copy, where packing it per step
+        # cost the host a stack launch, four record_streams and their bookkeeping
+        tree.host_links = torch.stack([tree.next_token, tree.next_sibling, tree.draft_tokens,
+                                       tree.parents])
+        return root_logp, tree
 
     def capture(self, drafter: GraphDrafter, pool: tuple, keep_root_logp: bool) -> None:
         """Warm up once on a side stream, then capture into ``pool``. Syncs the device (only
@@ -317,7 +324,8 @@ class DraftGraphCache:
         return VerifyTree(draft_tokens=t.draft_tokens[:bsz], parents=t.parents[:bsz],
                           depth=t.depth[:bsz], next_token=t.next_token[:bsz],
                           next_sibling=t.next_sibling[:bsz],
-                          ancestor_mask=t.ancestor_mask[:bsz])
+                          ancestor_mask=t.ancestor_mask[:bsz],
+                          host_links=t.host_links)  # all B rows: [:, :bsz] are this batch's
 
     def warmup(
         self, drafter: GraphDrafter, min_pages: int, *, batch_sizes: Sequence[int] | None = None,

@@ -241,6 +241,57 @@ def test_linear_chain() -> None:
     assert torch.equal(dt, ids) and t.resolve()[2] is dt  # idempotent
 
 
+def _packed_links(rows: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``[4, rows, N]`` links of the module's tree (next_token, next_sibling, draft tokens,
+    parents) with a different last row (a bucket's dummy row), and the four fields."""
+    nt = torch.tensor([NEXT_TOKEN] * rows)
+    ns = torch.tensor([NEXT_SIBLING] * rows)
+    dt = torch.tensor([[0 if d is None else d for d in DRAFT]] * rows)
+    par = GrammarTree.from_host(nt, ns, dt).parents()
+    links = torch.stack([nt, ns, dt, par])
+    links[:, -1] = 7
+    return links, [nt, ns, dt, par]
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_packed_links_stage_the_batch_rows(batch: int) -> None:
+    """``from_links`` (a propose graph's packed links, possibly wider than the batch) gives
+    the fields of rows ``[:batch]``, as the four fields staged one by one."""
+    links, fields = _packed_links(3)
+    tree = GrammarTree.from_links(links, batch)
+    assert tree.shape == (batch, len(NEXT_TOKEN))
+    for host, ref in zip((*tree.resolve(), tree.parents()), fields, strict=True):
+        assert torch.equal(host, ref[:batch])
+
+
+@pytest.mark.parametrize("bad", ["rows", "narrow", "dtype", "strided"])
+def test_packed_links_refuse_a_wrong_layout(bad: str) -> None:
+    links, _ = _packed_links(2)
+    arg = {"rows": links[:3], "narrow": links, "dtype": links.to(torch.int32),
+           "strided": links.transpose(1, 2).contiguous().transpose(1, 2)}[bad]
+    with pytest.raises(ValueError, match="links must be"):
+        GrammarTree.from_links(arg, 3 if bad == "narrow" else 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_packed_links_staging_does_not_sync() -> None:
+    """A CUDA ``[4, B', N]`` links tensor staged with one copy under
+    ``set_sync_debug_mode("error")``: pinned int64 rows ``[:B]``, the same as on the host."""
+    links, fields = _packed_links(3)
+    dev = links.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tree = GrammarTree.from_links(dev, 2)
+        got = tree.resolve()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert tree.copy is not None and tree.copy.from_device
+    for host, ref in zip((*got, tree.parents()), fields, strict=True):
+        assert host.is_pinned() and torch.equal(host, ref[:2])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_device_tree_staging_does_not_sync() -> None:

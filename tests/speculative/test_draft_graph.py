@@ -91,6 +91,8 @@ class Twin:
         self.rng = random.Random(seed)
         self.hist: dict[str, list[int]] = {}
         self.unfed: set[str] = set()
+        #: per round, whether the graph path's tree carried packed host links
+        self.packed: list[bool] = []
 
     def add(self, rid: str, prompt: list[int], fed: bool = True) -> None:
         """A new request: ``prompt`` prefilled by the target, plus its first token."""
@@ -115,6 +117,13 @@ class Twin:
         for f in TREE_FIELDS:
             a, b = getattr(ref, f).cpu(), getattr(got, f).cpu()
             assert torch.equal(a, b), (f, a, b)
+        # a graph's packed links (the grammar's one host copy) hold this batch's fields; an
+        # eager propose has none (its fields are staged one by one)
+        self.packed.append(got.host_links is not None)
+        if got.host_links is not None:
+            links = got.host_links[:, : len(reqs)].cpu()
+            for i, f in enumerate(("next_token", "next_sibling", "draft_tokens", "parents")):
+                assert torch.equal(links[i], getattr(ref, f).cpu()), f
         if self.graph.last_root_logp is not None:
             assert self.eager.last_root_logp is not None
             drafted = (ref.draft_tokens[:, 1] >= 0).cpu()
@@ -276,6 +285,7 @@ def test_graph_path_matches_eager_draft_model(ckpts: dict[str, Path],
     twin = Twin(eager, graph, seed=0)
     path = draft_model_rounds(twin, cache)
     twin.assert_same_kv()
+    assert twin.packed == path  # every graph propose packs its links, no eager one does
     used = {key for key, g in cache.graphs.items() if g.tree is not None}
     if batch_sizes[-1] == 8:
         assert path == [True] * 6 + [False] * 3
