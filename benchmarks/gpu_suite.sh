@@ -62,6 +62,8 @@
 #   host_step_batch  issue 18: where an EAGLE + JSON step's host time goes at batch 8 and 32
 #             (host_step_cost.py --batch 8 32 --grammar both, wrapped calls, cProfile top rows),
 #             after the EAGLE grammar overlap at batch 8 / 32 (1 repeat: is this host slow?)
+#   host_step_marks  issue 18: the EAGLE grammar overlap at batch 8 / 32 / 64 with the pool's
+#             round-trip marks (1 repeat), then host_step_cost of the batch-8 EAGLE + JSON step
 #   host_step  issue 18: host us per batch-1 step of each call a verify step makes (none and
 #             eagle with a JSON Schema), and the host cost of one forward-graph launch
 #             (host_step_cost.py, ~1.5 min)
@@ -160,6 +162,11 @@ for s in $stages; do case $s in
   host_step_batch)
     run grammar_overlap_eagle_8_32 200 python3 benchmarks/grammar_overlap.py --device cuda --batch 8 32 --steps 60 --algorithms eagle --overlap on --repeats 1 --speculative-adaptive off
     run host_step_batch 300 python3 benchmarks/host_step_cost.py --algorithms eagle --grammar both --batch 8 32 --steps 150 --profile "$OUT/host_step" --top 45 ;;
+  host_step_marks)
+    # the pool round trip's marks (first worker start, last reply, read) per batch size, then
+    # the wrapped calls of the batch-8 EAGLE + JSON step
+    run grammar_overlap_eagle_marks 260 python3 benchmarks/grammar_overlap.py --device cuda --batch 8 32 64 --steps 60 --algorithms eagle --overlap on --repeats 1 --speculative-adaptive off
+    run host_step_json_bs8 150 python3 benchmarks/host_step_cost.py --algorithms eagle --grammar on --batch 8 --steps 200 ;;
   host_step)
     run host_step_cost 200 python3 benchmarks/host_step_cost.py --algorithms none eagle --grammar --steps 300 ;;
   smol)
