@@ -64,6 +64,8 @@
 #             after the EAGLE grammar overlap at batch 8 / 32 (1 repeat: is this host slow?)
 #   host_step_marks  issue 18: the EAGLE grammar overlap at batch 8 / 32 / 64 with the pool's
 #             round-trip marks (1 repeat), then host_step_cost of the batch-8 EAGLE + JSON step
+#   host_trace_bs32  issue 18: torch.profiler of the batch-32 EAGLE step with / without a JSON
+#             Schema (host ops by own time), the overlap at batch 32 with 0 and 4 mask workers
 #   host_step  issue 18: host us per batch-1 step of each call a verify step makes (none and
 #             eagle with a JSON Schema), and the host cost of one forward-graph launch
 #             (host_step_cost.py, ~1.5 min)
@@ -167,6 +169,16 @@ for s in $stages; do case $s in
     # the wrapped calls of the batch-8 EAGLE + JSON step
     run grammar_overlap_eagle_marks 260 python3 benchmarks/grammar_overlap.py --device cuda --batch 8 32 64 --steps 60 --algorithms eagle --overlap on --repeats 1 --speculative-adaptive off
     run host_step_json_bs8 150 python3 benchmarks/host_step_cost.py --algorithms eagle --grammar on --batch 8 --steps 200 ;;
+  host_trace_bs32)
+    # is the batch-32 EAGLE + JSON step's extra host time in CUDA runtime calls, in Python, or
+    # contention with the mask workers? torch.profiler of the step with and without the
+    # grammar, then the overlap at batch 32 with 0 and 4 mask workers (8 is the default)
+    lscpu | grep -E "Thread|Core|Socket|NUMA node\(s\)"
+    run trace_eagle_json_bs32 150 python3 benchmarks/profile_step.py --algorithm eagle --batch 32 --steps 100 --grammar --trace --top 30
+    run trace_eagle_none_bs32 150 python3 benchmarks/profile_step.py --algorithm eagle --batch 32 --steps 100 --trace --top 30
+    for w in 0 4; do
+      run grammar_overlap_eagle_bs32_w$w 120 python3 benchmarks/grammar_overlap.py --device cuda --batch 32 --steps 60 --algorithms eagle --overlap on --repeats 1 --speculative-adaptive off --grammar-workers $w
+    done ;;
   host_step)
     run host_step_cost 200 python3 benchmarks/host_step_cost.py --algorithms none eagle --grammar --steps 300 ;;
   smol)

@@ -3,10 +3,11 @@
     PYTHONPATH=$PWD python benchmarks/profile_step.py --algorithm ngram --batch 1 --steps 50
 
 ``--trace`` profiles the same window with torch.profiler instead (no cProfile: the host runs
-at its own speed): per step phase (draft, launch, mask, select, commit) the host time and the
-device time of the kernels launched inside it, ms per step, then the kernels per step and
-their summed device time against the window's wall time (a draft whose GPU interval is much
-longer than its kernels is bound by its launches, not its kernels), and the top kernels.
+at its own speed): per step phase (draft, stage, launch, mask, select, commit) the host time
+and the device time of the kernels launched inside it, ms per step, then the kernels per step
+and their summed device time against the window's wall time (a draft whose GPU interval is
+much longer than its kernels is bound by its launches, not its kernels), the top kernels, and
+the top host ops and CUDA runtime calls by their own host time.
 """
 
 from __future__ import annotations
@@ -78,9 +79,9 @@ def main() -> None:
 
 
 #: step phases traced as ``step.<name>`` ranges: (object path from the verify step, method)
-TRACED_PHASES = {"draft": ("", "_propose"), "launch": ("", "_launch_verify"),
-                 "mask": ("grammar", "build_mask"), "select": ("select", "launch"),
-                 "commit": ("", "_commit")}
+TRACED_PHASES = {"draft": ("", "_propose"), "stage": ("", "_stage_tree"),
+                 "launch": ("", "_launch_verify"), "mask": ("grammar", "build_mask"),
+                 "select": ("select", "launch"), "commit": ("", "_commit")}
 
 
 def traced(eng: LLMEngine, steps: int, top: int, tag: str) -> None:
@@ -139,6 +140,9 @@ def traced(eng: LLMEngine, steps: int, top: int, tag: str) -> None:
     if cuda:
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=top,
                                         max_name_column_width=70))
+    # the host side: which ops and CUDA runtime calls hold the step's host time
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top,
+                                    max_name_column_width=70))
 
 
 @contextlib.contextmanager
