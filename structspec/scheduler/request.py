@@ -143,7 +143,7 @@ class Req:
         out = RequestOutput(
             request_id=self.request_id,
             prompt_token_ids=self.prompt_ids,
-            token_ids=list(self.output_ids[:ids_end]),
+            token_ids=self.output_ids[:ids_end],  # a slice is a new list already
             text=self.text[:text_end],
             finished=self.finished,
             finish_reason=self.finish_reason,
