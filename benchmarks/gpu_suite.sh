@@ -66,6 +66,8 @@
 #             round-trip marks (1 repeat), then host_step_cost of the batch-8 EAGLE + JSON step
 #   host_trace_bs32  issue 18: torch.profiler of the batch-32 EAGLE step with / without a JSON
 #             Schema (host ops by own time), the overlap at batch 32 with 0 and 4 mask workers
+#   packed_overlap  the packed tree links' CUDA tests, then the llguidance batch-64 overlap (3
+#             repeats) and the EAGLE overlap at batch 1/8/32/64 (2 repeats) (~8 min)
 #   host_step  issue 18: host us per batch-1 step of each call a verify step makes (none and
 #             eagle with a JSON Schema), and the host cost of one forward-graph launch
 #             (host_step_cost.py, ~1.5 min)
@@ -179,6 +181,12 @@ for s in $stages; do case $s in
     for w in 0 4; do
       run grammar_overlap_eagle_bs32_w$w 120 python3 benchmarks/grammar_overlap.py --device cuda --batch 32 --steps 60 --algorithms eagle --overlap on --repeats 1 --speculative-adaptive off --grammar-workers $w
     done ;;
+  packed_overlap)
+    # the packed tree links on CUDA (staging tests, propose graphs vs eager), then issue 19's
+    # llguidance batch-64 row (3 repeats) and issue 18's EAGLE overlap (2 repeats) (~8 min)
+    run packed_links_tests 120 python3 -m pytest -q -p no:cacheprovider tests/grammar/test_tree_mask.py tests/speculative/test_draft_graph.py
+    run grammar_overlap_llg_bs64 170 python3 benchmarks/grammar_overlap.py --device cuda --batch 64 --steps 150 --algorithms ngram --overlap on --repeats 3 --grammar-backend llguidance
+    run grammar_overlap_eagle 270 python3 benchmarks/grammar_overlap.py --device cuda --batch 1 8 32 64 --steps 60 --algorithms eagle --overlap on --repeats 2 --speculative-adaptive off ;;
   host_step)
     run host_step_cost 200 python3 benchmarks/host_step_cost.py --algorithms none eagle --grammar --steps 300 ;;
   smol)
