@@ -311,12 +311,12 @@ def test_every_kind_compiles_and_accepts(llg_backend: LlgBackend, hf_tokenizer: 
 
 @pytest.mark.parametrize(("spec", "param", "words"), [
     (RegexConstraint("(a"), "regex", "unclosed group"),
-    (JsonSchemaConstraint({"type": "objectz"}), "response_format.json_schema", "objectz"),
+    (JsonSchemaConstraint({"type": "objectz"}), "json_schema", "objectz"),
     (JsonSchemaConstraint({"type": "object", "properties": {"a": {"not": {"const": "x"}}}}),
-     "response_format.json_schema", "not"),
+     "json_schema", "not"),
     (EbnfConstraint('root ::= "a" undefined_rule'), "ebnf", "undefined_rule"),
     (ChoiceConstraint(()), "choice", "non-empty"),
-    (JsonSchemaConstraint('{"type": '), "response_format.json_schema", "not valid JSON"),
+    (JsonSchemaConstraint('{"type": '), "json_schema", "not valid JSON"),
 ])
 def test_errors_name_the_field(llg_backend: LlgBackend, spec: GrammarConstraint, param: str,
                                words: str) -> None:
@@ -361,7 +361,7 @@ def test_auto_picks_llguidance_when_xgrammar_strict_refuses(
     with pytest.raises(GrammarError) as info:
         auto.compile(both, timeout=60)
     assert "/properties/a" in str(info.value) and "not" in str(info.value)
-    assert info.value.param == "response_format.json_schema"
+    assert info.value.param == "json_schema"
 
 
 def test_valid_instances_same_as_bare_llguidance(
