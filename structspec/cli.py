@@ -260,6 +260,7 @@ def _precheck_grammar(args: argparse.Namespace, grammar: GrammarConstraint | Non
     if grammar is None:
         return
     # backends imported only when needed (each pulls in its native library)
+    from structspec.grammar.compile_spec import with_backend_note
     from structspec.grammar.llg_compile import check_grammar_llguidance
     from structspec.grammar.precheck import check_grammar
 
@@ -277,7 +278,8 @@ def _precheck_grammar(args: argparse.Namespace, grammar: GrammarConstraint | Non
                 try:
                     check_grammar_llguidance(grammar)
                 except ValueError as llg_error:
-                    raise ValueError(f"{llg_error} (xgrammar: {xgr_error})") from None
+                    raise ValueError(with_backend_note(str(llg_error), "xgrammar",
+                                                       str(xgr_error))) from None
         else:
             check_grammar(grammar)
     except ValueError as e:

@@ -261,6 +261,23 @@ def explained_compile_error(spec: GrammarConstraint, e: BaseException) -> str:
     return message
 
 
+def with_backend_note(message: str, backend: str, note: str) -> str:
+    """``message`` (one backend's refusal of a grammar) followed by what ``backend`` said of
+    it: ``"... (xgrammar: ...)"`` when both are one line; otherwise the note on lines of its
+    own after ``message``, ``"...\nxgrammar: ..."``. A closing parenthesis after a caret
+    block (:func:`_ebnf_error_context`) used to land at the end of the caret line, and a
+    block inside parentheses no longer lined up with the line above it.
+
+    Args:
+        message: the error reported first (its caret block, if any, is left as it is).
+        backend: the other backend's name (``"xgrammar"``).
+        note: its error message or what happened to it (``"ran out of its compile time"``).
+    """
+    if "\n" in message or "\n" in note:
+        return f"{message}\n{backend}: {note}"
+    return f"{message} ({backend}: {note})"
+
+
 _EBNF_POSITION = re.compile(r"^EBNF parser error at line \d+, column \d+: ")
 
 
