@@ -255,7 +255,7 @@ def explained_compile_error(spec: GrammarConstraint, e: BaseException) -> str:
             # xgrammar's lexer quotes the first byte of a stray non-ASCII character, which
             # cuts it in half: its message is not UTF-8 and arrives as a decode error
             message = _stray_character_message(spec.grammar) or message
-        message += _ebnf_error_context(message, spec.grammar)
+        message += ebnf_error_context(message, spec.grammar)
     elif isinstance(spec, RegexConstraint):
         message = _regex_compiler_message(message)
     return message
@@ -265,7 +265,7 @@ def with_backend_note(message: str, backend: str, note: str) -> str:
     """``message`` (one backend's refusal of a grammar) followed by what ``backend`` said of
     it: ``"... (xgrammar: ...)"`` when both are one line; otherwise the note on lines of its
     own after ``message``, ``"...\nxgrammar: ..."``. A closing parenthesis after a caret
-    block (:func:`_ebnf_error_context`) used to land at the end of the caret line, and a
+    block (:func:`ebnf_error_context`) used to land at the end of the caret line, and a
     block inside parentheses no longer lined up with the line above it.
 
     Args:
@@ -333,7 +333,7 @@ def _stray_character_message(grammar: str) -> str | None:
     return None
 
 
-def _ebnf_error_context(message: str, grammar: str) -> str:
+def ebnf_error_context(message: str, grammar: str) -> str:
     """The grammar line an xgrammar EBNF parser error points at, as text to append to it.
 
     xgrammar ends ``Expect element, but got `` with the offending character, which is nothing
