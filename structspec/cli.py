@@ -147,11 +147,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _read_text_arg(value: str) -> str:
+def _read_text_arg(value: str, name: str) -> str:
+    """The text of a flag that takes a file path or the text itself (``--ebnf``,
+    ``--json-schema``, ``--logit-bias``): the file's contents, decoded as UTF-8, when
+    ``value`` names a file, else ``value`` itself (the very object: callers test ``is``).
+
+    Raises:
+        ValueError: naming ``name`` and the file: it cannot be read, or it is not UTF-8 (the
+            first bad byte, its offset, line and column; :func:`_utf8_error_at`).
+    """
     path = Path(value)
-    if len(value) < 4096 and path.is_file():
-        return path.read_text()
-    return value
+    if not (len(value) < 4096 and path.is_file()):
+        return value
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"{name}: cannot read {value!r}: {e.strerror or e}") from e
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{name}: {value!r} is not UTF-8: {_utf8_error_at(data, e)}") from None
+
+
+def _utf8_error_at(data: bytes, e: UnicodeDecodeError) -> str:
+    """Where ``data`` stops being UTF-8, for a person: ``byte 0xff at offset 12 (line 2,
+    column 5) cannot start a character`` (offset 0-based in bytes; line and column 1-based,
+    the column counted in characters, as an editor shows it)."""
+    start = e.start
+    line_start = data.rfind(b"\n", 0, start) + 1
+    line = data.count(b"\n", 0, start) + 1
+    # everything before ``start`` decoded: the first bad byte is at ``start``
+    column = len(data[line_start:start].decode("utf-8")) + 1
+    why = _UTF8_REASONS.get(e.reason, e.reason)
+    return f"byte 0x{data[start]:02x} at offset {start} (line {line}, column {column}) {why}"
+
+
+_UTF8_REASONS = {
+    "invalid start byte": "cannot start a character",
+    "invalid continuation byte": "starts a character the next byte does not continue",
+    "unexpected end of data": "starts a character the file ends inside",
+}
+"""Python's :class:`UnicodeDecodeError` reasons, said of the first bad byte."""
 
 
 def grammar_from_args(args: argparse.Namespace) -> GrammarConstraint | None:
@@ -182,7 +218,7 @@ def _flag_grammar(args: argparse.Namespace) -> GrammarConstraint | None:
     if args.json_schema is not None:
         if not args.json_schema.strip():
             raise ValueError("--json-schema: empty schema")
-        text = _read_text_arg(args.json_schema)
+        text = _read_text_arg(args.json_schema, "--json-schema")
         if not text.strip():
             raise ValueError(f"--json-schema: empty schema file {args.json_schema!r}")
         if text is args.json_schema and text.strip()[:1] not in ("{", "[", "t", "f") and (
@@ -197,7 +233,7 @@ def _flag_grammar(args: argparse.Namespace) -> GrammarConstraint | None:
     if args.ebnf is not None:
         if not args.ebnf.strip():
             raise ValueError("--ebnf: empty grammar")
-        text = _read_text_arg(args.ebnf)
+        text = _read_text_arg(args.ebnf, "--ebnf")
         if text is args.ebnf and "::=" not in text:
             # neither a file nor a grammar (every GBNF grammar has a rule): a mistyped path,
             # or a Lark grammar ("start: ..."), which no grammar kind here reads
@@ -224,6 +260,7 @@ def _precheck_grammar(args: argparse.Namespace, grammar: GrammarConstraint | Non
     if grammar is None:
         return
     # backends imported only when needed (each pulls in its native library)
+    from structspec.grammar.compile_spec import with_backend_note
     from structspec.grammar.llg_compile import check_grammar_llguidance
     from structspec.grammar.precheck import check_grammar
 
@@ -241,7 +278,8 @@ def _precheck_grammar(args: argparse.Namespace, grammar: GrammarConstraint | Non
                 try:
                     check_grammar_llguidance(grammar)
                 except ValueError as llg_error:
-                    raise ValueError(f"{llg_error} (xgrammar: {xgr_error})") from None
+                    raise ValueError(with_backend_note(str(llg_error), "xgrammar",
+                                                       str(xgr_error))) from None
         else:
             check_grammar(grammar)
     except ValueError as e:
@@ -392,7 +430,7 @@ def _flag_logit_bias(value: str | None) -> dict[int, Any] | None:
     """
     if value is None:
         return None
-    text = _read_text_arg(value)
+    text = _read_text_arg(value, "logit_bias")
     try:
         parsed = json.loads(text)
     except json.JSONDecodeError as e:

@@ -200,13 +200,17 @@ CONSTRAINT_TYPES = (JsonSchemaConstraint, JsonObjectConstraint, RegexConstraint,
 GrammarConstraint = JsonSchemaConstraint | JsonObjectConstraint | RegexConstraint | EbnfConstraint | ChoiceConstraint
 
 PARAM_BY_KIND: dict[str, str] = {
-    "json_schema": "response_format.json_schema",
+    "json_schema": "json_schema",
     "json_object": "response_format",
     "regex": "regex",
     "ebnf": "ebnf",
     "choice": "choice",
 }
-"""The request field each grammar kind comes from (OpenAI-style names; ``regex``, ``ebnf``
-and ``choice`` are the extra body fields of the completions API). Grammar errors carry it as
-their ``param``; here (not in :mod:`structspec.grammar`) so that the HTTP front end can read
-it without importing xgrammar."""
+"""The field each grammar kind is named by in the engine's errors: the key a CLI ``--batch``
+line gives it by (``json_schema``, ``regex``, ``ebnf``, ``choice``; ``json_object``, a fixed
+grammar that fails only when the compiler does, keeps OpenAI's ``response_format``).
+Grammar errors carry it as their ``param`` (``RequestOutput.error_param`` in the Python API
+and a ``--batch`` output record); the server replaces it with the request field the grammar
+was read from (``response_format.json_schema``, ``guided_json``, ...; see
+:func:`structspec.server.generation.error_for`). Here (not in :mod:`structspec.grammar`) so
+that the HTTP front end can read it without importing xgrammar."""

@@ -329,6 +329,52 @@ def test_a_bad_batch_record_names_its_key(
     assert (outs[0]["error_param"], outs[0]["error_code"]) == (param, code)
 
 
+class _GrammarCheckingLLM(_FakeLLM):
+    """:class:`_FakeLLM` whose engine refuses a grammar as the real compile does: the grammar
+    layer's tokenizer-free check, its :class:`GrammarError` becoming the output's error and
+    ``error_param``."""
+
+    def generate(self, prompts: Any, params: list[SamplingParams] | SamplingParams,
+                 **kwargs: Any) -> list[RequestOutput]:
+        from structspec.core import request_error_code
+        from structspec.grammar.errors import GrammarError
+        from structspec.grammar.precheck import check_grammar
+
+        outs = super().generate(prompts, params, **kwargs)
+        for i, p in enumerate(params if isinstance(params, list) else [params]):
+            try:
+                check_grammar(p.grammar)
+            except GrammarError as e:
+                outs[i] = RequestOutput.error_output(outs[i].request_id, str(e), e.param,
+                                                     request_error_code(e.param, e.code))
+        return outs
+
+
+@pytest.mark.parametrize(("line", "param"), [
+    ({"prompt": "x", "json_schema": {"type": "objectz"}}, "json_schema"),
+    ({"prompt": "x", "regex": "(a"}, "regex"),
+    ({"prompt": "x", "ebnf": 'root ::= "a'}, "ebnf"),
+])
+def test_a_grammar_the_engine_refuses_names_the_lines_key(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        line: dict[str, Any], param: str) -> None:
+    """A line whose grammar the engine's compile refuses: its record's ``error_param`` is the
+    line's key. An invalid JSON Schema used to say ``response_format.json_schema`` (the
+    server's field) where a bad regex said ``regex``."""
+    import structspec.llm as llm_mod
+
+    monkeypatch.setattr(llm_mod, "LLM", _GrammarCheckingLLM)
+    _FakeLLM.seen = []
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text(json.dumps(line) + "\n" + json.dumps({"prompt": "good"}) + "\n")
+    rc = main(["generate", "--batch", str(batch)])
+    outs = [json.loads(s) for s in capsys.readouterr().out.splitlines()]
+    assert rc == 1 and outs[1]["error"] is None
+    assert outs[0]["finish_reason"] == "abort" and "Failed to compile" in outs[0]["error"]
+    assert (outs[0]["error_param"], outs[0]["error_code"]) == (param,
+                                                                "invalid_request_parameter")
+
+
 def test_empty_prompt_is_a_bad_command_line(monkeypatch: pytest.MonkeyPatch,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     """``--prompt ''`` used to load the model and exit 1 on the engine's refusal; the engine

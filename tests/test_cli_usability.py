@@ -119,6 +119,28 @@ def test_ebnf_file_and_mistyped_path(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert rc == 2 and "--ebnf: no such file" in err and _FakeLLM.seen == []
 
 
+@pytest.mark.parametrize("flag,data,where", [
+    ("--ebnf", b'root ::= "a"\nb ::= "\xc3\xa9x\xff"\n',
+     "byte 0xff at offset 23 (line 2, column 10) cannot start a character"),
+    ("--ebnf", b'root ::= "a\xe2\x82',
+     "byte 0xe2 at offset 11 (line 1, column 12) starts a character the file ends inside"),
+    ("--json-schema", b'{"type": "\xe9t"}',
+     "byte 0xe9 at offset 10 (line 1, column 11) starts a character the next byte does not "
+     "continue"),
+])
+def test_grammar_file_of_invalid_utf8_names_the_flag_and_the_byte(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        flag: str, data: bytes, where: str) -> None:
+    """A grammar file that is not UTF-8 used to print Python's bare ``'utf-8' codec can't
+    decode byte 0xff in position 23``: no flag, no file, no line; now exit 2 naming all of
+    them before any model loads."""
+    path = tmp_path / "grammar.txt"
+    path.write_bytes(data)
+    rc, _, err = _run(monkeypatch, capsys, ["generate", "--prompt", "hi", flag, str(path)])
+    assert rc == 2 and _FakeLLM.seen == []
+    assert err == f"structspec generate: {flag}: {str(path)!r} is not UTF-8: {where}\n", err
+
+
 def test_bad_ebnf_shows_the_whole_error_and_its_line_before_loading(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """The parser error used to end at ``but got`` (xgrammar prints no character at the end);

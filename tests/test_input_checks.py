@@ -154,6 +154,33 @@ def test_llguidance_and_auto_refuse_before_loading(
     assert "/nonexistent/model" not in err
 
 
+def test_auto_refusal_keeps_xgrammars_caret_block_whole(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Both backends refuse an EBNF grammar with ``auto``: xgrammar's error (its grammar line
+    and caret) used to be wrapped as ``(xgrammar: ...)``, its ``)`` at the end of the caret
+    line; now it follows on lines of its own, the caret line last and bare."""
+    code = main(["generate", "--model", "/nonexistent/model", "--device", "cpu",
+                 "--prompt", "hi", "--grammar-backend", "auto",
+                 "--ebnf", 'root ::= "a"\nb ::= "x" ]\n'])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("structspec generate: --ebnf: Failed to compile ebnf "
+                                        "grammar (llguidance): "), err
+    assert ("\nxgrammar: Failed to compile ebnf grammar: EBNF lexer error at line 2, column 11: "
+            "Unexpected character: ]\n  line 2: b ::= \"x\" ]\n"
+            "                    ^\n") in err, err
+    assert err.endswith("^\n") and "(xgrammar:" not in err, err
+
+
+def test_backend_note_goes_on_its_own_lines_after_a_caret_block() -> None:
+    from structspec.grammar.compile_spec import with_backend_note
+
+    assert with_backend_note("bad", "xgrammar", "worse") == "bad (xgrammar: worse)"
+    caret = "Expect element\n  line 1: a ::=\n              ^"
+    assert with_backend_note(caret, "xgrammar", "ran out of its compile time") == \
+        caret + "\nxgrammar: ran out of its compile time"
+    assert with_backend_note("bad", "xgrammar", caret) == "bad\nxgrammar: " + caret
+
+
 def test_auto_precheck_passes_what_llguidance_serves() -> None:
     """A schema xgrammar's strict check refuses but llguidance serves is not refused up front
     with ``auto`` (it reaches the model load, which fails on the missing path)."""

@@ -255,10 +255,27 @@ def explained_compile_error(spec: GrammarConstraint, e: BaseException) -> str:
             # xgrammar's lexer quotes the first byte of a stray non-ASCII character, which
             # cuts it in half: its message is not UTF-8 and arrives as a decode error
             message = _stray_character_message(spec.grammar) or message
-        message += _ebnf_error_context(message, spec.grammar)
+        message += ebnf_error_context(message, spec.grammar)
     elif isinstance(spec, RegexConstraint):
         message = _regex_compiler_message(message)
     return message
+
+
+def with_backend_note(message: str, backend: str, note: str) -> str:
+    """``message`` (one backend's refusal of a grammar) followed by what ``backend`` said of
+    it: ``"... (xgrammar: ...)"`` when both are one line; otherwise the note on lines of its
+    own after ``message``, ``"...\nxgrammar: ..."``. A closing parenthesis after a caret
+    block (:func:`ebnf_error_context`) used to land at the end of the caret line, and a
+    block inside parentheses no longer lined up with the line above it.
+
+    Args:
+        message: the error reported first (its caret block, if any, is left as it is).
+        backend: the other backend's name (``"xgrammar"``).
+        note: its error message or what happened to it (``"ran out of its compile time"``).
+    """
+    if "\n" in message or "\n" in note:
+        return f"{message}\n{backend}: {note}"
+    return f"{message} ({backend}: {note})"
 
 
 _EBNF_POSITION = re.compile(r"^EBNF parser error at line \d+, column \d+: ")
@@ -316,7 +333,7 @@ def _stray_character_message(grammar: str) -> str | None:
     return None
 
 
-def _ebnf_error_context(message: str, grammar: str) -> str:
+def ebnf_error_context(message: str, grammar: str) -> str:
     """The grammar line an xgrammar EBNF parser error points at, as text to append to it.
 
     xgrammar ends ``Expect element, but got `` with the offending character, which is nothing

@@ -22,7 +22,9 @@ class GrammarError(ValueError):
     Args:
         message: what went wrong, for the user (compile failures carry the compiler's message,
             e.g. ``"Failed to compile json_schema grammar: ..."``).
-        param: the request field at fault, e.g. ``"response_format.json_schema"``.
+        param: the field at fault, by grammar kind (``"json_schema"``, ``"regex"``; see
+            :data:`~structspec.constraints.PARAM_BY_KIND`); the server names the request
+            field the grammar came from instead.
         code: a machine-readable code for the HTTP error (:data:`GRAMMAR_TOO_COMPLEX`), or
             None (the server then uses its generic ``invalid_request_parameter``).
     """

@@ -17,6 +17,7 @@ import re
 from typing import Any
 
 import llguidance
+from llguidance.gbnf_to_lark import is_lark_syntax
 
 from structspec.constraints import (
     ChoiceConstraint,
@@ -27,7 +28,12 @@ from structspec.constraints import (
     RegexConstraint,
 )
 from structspec.grammar.bitmask import allocate_bitmask
-from structspec.grammar.compile_spec import choice_ebnf, metaschema_problem, schema_text
+from structspec.grammar.compile_spec import (
+    choice_ebnf,
+    ebnf_error_context,
+    metaschema_problem,
+    schema_text,
+)
 from structspec.grammar.errors import PARAM_BY_KIND, GrammarError
 from structspec.grammar.llg_matcher import LlgCompiled, LlgMatcher
 from structspec.grammar.number_bounds import bound_schema_numbers
@@ -75,12 +81,37 @@ def llguidance_grammar(spec: GrammarConstraint, *, any_whitespace: bool) -> str:
         try:
             return llguidance.grammar_from("gbnf", spec.grammar)
         except ValueError as e:
-            raise GrammarError(f"Failed to compile ebnf grammar (llguidance): {e}",
-                               param=param) from e
+            raise GrammarError("Failed to compile ebnf grammar (llguidance): "
+                               + gbnf_error_message(e, spec.grammar), param=param) from e
     if isinstance(spec, ChoiceConstraint):
         choice_ebnf(spec.choices)  # the same refusal of empty lists/choices as xgrammar's
         return llguidance.grammar_from("choice", json.dumps(list(spec.choices)))
     raise GrammarError(f"unknown grammar kind {spec.kind!r}", param=param)
+
+
+def gbnf_error_message(e: ValueError, grammar: str) -> str:
+    """llguidance's GBNF reader's error for ``grammar``, positioned as xgrammar's: ``...:
+    Expected ')' at line 2, column 1 (at the end of the grammar)``, then the grammar line with
+    a caret under the column (:func:`~structspec.grammar.compile_spec.ebnf_error_context`;
+    the column counted in UTF-8 bytes, as xgrammar counts it).
+
+    The reader's own text names the line and quotes up to 20 characters either side of the
+    place (``at line 2, 'root ::= "a" (\\n' ^ ''``); the exact offset comes from the error
+    it raised (the ``ValueError``'s context: ``GbnfToLarkError.pos``). An error without a
+    position (``Rule 'c' not found``), or one whose shape this does not know (another
+    llguidance version), is returned as llguidance wrote it.
+    """
+    message = str(e)
+    where = getattr(e.__context__, "pos", None)
+    offset = getattr(where, "pos", None)
+    if (not isinstance(offset, int) or getattr(where, "text", None) != grammar
+            or not 0 <= offset <= len(grammar) or not message.endswith(f" at {where}")):
+        return message
+    line = grammar.count("\n", 0, offset) + 1
+    line_start = grammar.rfind("\n", 0, offset) + 1
+    column = len(grammar[line_start:offset].encode()) + 1
+    message = message[: -len(f" at {where}")] + f" at line {line}, column {column}"
+    return message + ebnf_error_context(message, grammar)
 
 
 def check_grammar_llguidance(spec: GrammarConstraint | None) -> None:
@@ -100,7 +131,7 @@ def check_grammar_llguidance(spec: GrammarConstraint | None) -> None:
         llguidance_grammar(spec, any_whitespace=False))
     if error:
         raise GrammarError(f"Failed to compile {spec.kind} grammar (llguidance): "
-                           f"{_first_line(error)}", param=param)
+                           f"{_compile_message(spec, error)}", param=param)
 
 
 def compile_llguidance(tokenizer: llguidance.LLTokenizer, spec: GrammarConstraint, *,
@@ -121,7 +152,7 @@ def compile_llguidance(tokenizer: llguidance.LLTokenizer, spec: GrammarConstrain
     grammar = llguidance_grammar(spec, any_whitespace=any_whitespace)
     template = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
     if template.is_error():
-        message = _first_line(template.get_error())
+        message = _compile_message(spec, template.get_error())
         if isinstance(spec, JsonSchemaConstraint):
             problem = metaschema_problem(spec)
             if problem is not None:
@@ -154,6 +185,22 @@ def _check_before_compile(spec: GrammarConstraint, param: str | None) -> None:
         problem = find_regex_problem(spec.pattern)
         if problem is not None:
             raise GrammarError(f"regex is not a usable regex: {problem}", param=param)
+
+
+def _compile_message(spec: GrammarConstraint, error: str) -> str:
+    """llguidance's compile error for ``spec`` (:func:`_first_line`), without the position
+    in its Lark translation that it starts with for a regex or a GBNF grammar (``at 3(8):
+    range end must be >= start``): line 3 of ``%llguidance {}`` and the renamed rules, a text
+    the client never wrote (the xgrammar path drops its internal position of a regex too).
+    A grammar given in Lark syntax, which llguidance reads as it is, keeps its position."""
+    message = _first_line(error)
+    if isinstance(spec, RegexConstraint) or (isinstance(spec, EbnfConstraint)
+                                             and not is_lark_syntax(spec.grammar)):
+        message = _LARK_POSITION.sub("", message)
+    return message
+
+
+_LARK_POSITION = re.compile(r"^at \d+\(\d+\): ")
 
 
 def _first_line(message: str) -> str:

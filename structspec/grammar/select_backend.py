@@ -21,6 +21,7 @@ import xgrammar as xgr
 
 from structspec.constraints import GrammarConstraint
 from structspec.grammar.backend import GrammarBackend, GrammarFuture
+from structspec.grammar.compile_spec import with_backend_note
 from structspec.grammar.errors import PARAM_BY_KIND, GrammarError
 from structspec.grammar.llg_backend import LlgBackend
 from structspec.grammar.llg_matcher import LlgCompiled, LlgMatcher
@@ -98,7 +99,8 @@ class AutoFuture:
         except GrammarError as e:
             assert self._xgr_error is not None
             if self._xgr_timed_out:  # llguidance's refusal says why; a time-out says nothing
-                raise GrammarError(f"{e} (xgrammar: ran out of its compile time)",
+                raise GrammarError(with_backend_note(str(e), "xgrammar",
+                                                     "ran out of its compile time"),
                                    param=e.param, code=e.code) from e
             raise self._xgr_error from e
 

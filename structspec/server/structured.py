@@ -25,7 +25,7 @@ maps to :attr:`JsonSchemaConstraint.strict`; when a client leaves it out we foll
 ``schema_valid`` reported.
 Whether a schema / regex / grammar actually compiles is decided by the grammar compiler in
 the engine process; its error comes back asynchronously and becomes a 400 there. The engine
-names the field from the grammar *kind* (``regex``, ``response_format.json_schema``, ...), not
+names the field from the grammar *kind* (``regex``, ``json_schema``, ...), not
 from where the client put it, so :func:`grammar_and_field` also returns the field the grammar
 was read from and :func:`structspec.server.generation.error_for` names that one instead.
 

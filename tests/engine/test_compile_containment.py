@@ -90,7 +90,7 @@ def test_runaway_compiles_are_contained(make_llm: Callable[..., Any]) -> None:
         for i in range(NUM_RUNAWAY):
             at, out = finished[f"runaway-{i}"]
             assert out.error_code == "grammar_too_complex", out.error
-            assert out.error_param == "response_format.json_schema"
+            assert out.error_param == "json_schema"
             assert f"within the {LIMIT_S:g} s limit" in (out.error or "")
             last_fail = max(last_fail, at - t0)
         assert last_fail < LIMIT_S + 1.0, last_fail

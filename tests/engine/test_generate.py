@@ -156,6 +156,20 @@ def test_bad_input_has_the_servers_error_code(bad_input_outputs: list, case: int
     assert out.error_code == want, (out.error_param, out.error)
 
 
+#: the ``error_param`` of the grammar BAD_INPUTS cases: the key a ``--batch`` line gives the
+#: grammar by (the server names its own request field instead; see ``error_for``)
+BAD_GRAMMAR_PARAMS = {"schema_json": "json_schema", "regex": "regex"}
+
+
+@pytest.mark.parametrize("case_id", sorted(BAD_GRAMMAR_PARAMS))
+def test_bad_grammar_names_the_kinds_key(bad_input_outputs: list, case_id: str) -> None:
+    """An invalid JSON Schema used to be named ``response_format.json_schema`` (the OpenAI
+    server's field) in the Python API, while a bad regex was ``regex``; both are now the
+    grammar kind's own key."""
+    out = bad_input_outputs[2 * BAD_INPUT_IDS.index(case_id) + 1]
+    assert out.error_param == BAD_GRAMMAR_PARAMS[case_id], (out.error_param, out.error)
+
+
 MALFORMED_CHATS: list[tuple[list, str, str]] = [
     ([{"role": "system", "content": "Be brief."}, {"role": "user"}], "messages[1].content",
      "messages[1].content: missing"),

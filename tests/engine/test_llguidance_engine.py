@@ -130,7 +130,7 @@ def test_auto_mixed_batch_on_mask_workers_matches_in_process(make_llm) -> None:
 @pytest.mark.parametrize(("grammar", "param", "words"), [
     # neither backend enforces 'not' of a const: xgrammar's error, naming the pointer
     (JsonSchemaConstraint({"type": "object", "properties": {"a": {"type": "string", "not": {
-        "const": "x"}}}}), "response_format.json_schema", "/properties/a: 'not'"),
+        "const": "x"}}}}), "json_schema", "/properties/a: 'not'"),
     (EbnfConstraint('root ::= "a'), "ebnf", "Failed to compile ebnf grammar"),
     (RegexConstraint("(a"), "regex", "Failed to compile regex grammar"),
 ])

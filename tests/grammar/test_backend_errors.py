@@ -29,19 +29,19 @@ def _accepts(backend: GrammarBackend, cg: xgr.CompiledGrammar, text: str) -> boo
 
 
 @pytest.mark.parametrize("spec, param, fragment", [
-    (JsonSchemaConstraint("{not json"), "response_format.json_schema", "not valid JSON"),
-    (JsonSchemaConstraint("[1, 2]"), "response_format.json_schema", "must be a JSON object"),
-    (JsonSchemaConstraint({"type": "object", "minProperties": 1}), "response_format.json_schema",
+    (JsonSchemaConstraint("{not json"), "json_schema", "not valid JSON"),
+    (JsonSchemaConstraint("[1, 2]"), "json_schema", "must be a JSON object"),
+    (JsonSchemaConstraint({"type": "object", "minProperties": 1}), "json_schema",
      "Failed to compile json_schema grammar: minProperties"),
     # xgrammar's words alone name no place; the metaschema check adds the JSON pointer
-    (JsonSchemaConstraint({"type": "objectz"}), "response_format.json_schema",
+    (JsonSchemaConstraint({"type": "objectz"}), "json_schema",
      "invalid JSON Schema at /type: 'objectz' is not valid"),
     (JsonSchemaConstraint({"type": "object", "properties": {"a~b/c": {"type": "string",
                                                               "minLength": -3}}}),
-     "response_format.json_schema",
+     "json_schema",
      "invalid JSON Schema at /properties/a~0b~1c/minLength: -3 is less than the minimum of 0"),
     # an error inside a list: the whole pointer, not the list index alone
-    (JsonSchemaConstraint({"type": ["string", 5]}), "response_format.json_schema",
+    (JsonSchemaConstraint({"type": ["string", 5]}), "json_schema",
      "invalid JSON Schema at /type/1: 5 is not one of"),
     (RegexConstraint("(abc"), "regex", "Failed to compile regex grammar"),
     (RegexConstraint("[z-a]"), "regex", "Failed to compile regex grammar: Invalid character"),
@@ -73,15 +73,15 @@ def _accepts(backend: GrammarBackend, cg: xgr.CompiledGrammar, text: str) -> boo
     # output check could try to fetch them
     (JsonSchemaConstraint({"properties": {"a": {"$ref": "http://127.0.0.1:9/s.json"}}},
                     strict=False),
-     "response_format.json_schema",
+     "json_schema",
      "/properties/a/$ref: $ref 'http://127.0.0.1:9/s.json' is not a local reference"),
-    (JsonSchemaConstraint({"$ref": "#/$defs/missing"}), "response_format.json_schema",
+    (JsonSchemaConstraint({"$ref": "#/$defs/missing"}), "json_schema",
      "/$ref: $ref '#/$defs/missing' points to nothing"),
     # a $ref cycle with no way out: compiles in xgrammar, but no output can satisfy it (the
     # request used to die at its first token with "grammar rejected token")
     (JsonSchemaConstraint({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}},
                     strict=False),
-     "response_format.json_schema", "accepts no finite JSON value: /$defs/a: a required "
+     "json_schema", "accepts no finite JSON value: /$defs/a: a required "
      "value refers back to /$defs/a"),
 ])
 def test_errors_name_the_field(backend: GrammarBackend, spec: Any, param: str,

@@ -311,12 +311,12 @@ def test_every_kind_compiles_and_accepts(llg_backend: LlgBackend, hf_tokenizer: 
 
 @pytest.mark.parametrize(("spec", "param", "words"), [
     (RegexConstraint("(a"), "regex", "unclosed group"),
-    (JsonSchemaConstraint({"type": "objectz"}), "response_format.json_schema", "objectz"),
+    (JsonSchemaConstraint({"type": "objectz"}), "json_schema", "objectz"),
     (JsonSchemaConstraint({"type": "object", "properties": {"a": {"not": {"const": "x"}}}}),
-     "response_format.json_schema", "not"),
+     "json_schema", "not"),
     (EbnfConstraint('root ::= "a" undefined_rule'), "ebnf", "undefined_rule"),
     (ChoiceConstraint(()), "choice", "non-empty"),
-    (JsonSchemaConstraint('{"type": '), "response_format.json_schema", "not valid JSON"),
+    (JsonSchemaConstraint('{"type": '), "json_schema", "not valid JSON"),
 ])
 def test_errors_name_the_field(llg_backend: LlgBackend, spec: GrammarConstraint, param: str,
                                words: str) -> None:
@@ -324,6 +324,66 @@ def test_errors_name_the_field(llg_backend: LlgBackend, spec: GrammarConstraint,
         llg_backend.compile(spec, timeout=60)
     assert info.value.param == param
     assert words.lower() in str(info.value).lower()
+
+
+GBNF_SYNTAX_ERRORS = [
+    # (grammar, llguidance's reason and where, the line shown with its number, caret indent)
+    ('root ::= "a" (\n', "Expected ')' at line 2, column 1 (at the end of the grammar)",
+     'line 1: root ::= "a" (', 14),
+    ('root ::= "a"\nb ::= "x" ]\n', "Expected name at line 2, column 11",
+     'line 2: b ::= "x" ]', 10),
+    # the column counts UTF-8 bytes, as xgrammar's; the caret goes under the character
+    ('root ::= "\u00e9" ) "x"', "Expected name at line 1, column 15",
+     'line 1: root ::= "\u00e9" ) "x"', 13),
+]
+
+
+@pytest.mark.parametrize("grammar,reason,shown,indent", GBNF_SYNTAX_ERRORS)
+def test_gbnf_syntax_error_names_line_column_and_shows_a_caret(
+        llg_backend: LlgBackend, grammar: str, reason: str, shown: str, indent: int) -> None:
+    """llguidance's GBNF reader said only ``at line 2, 'root ::= "a" (\\n' ^ ''`` (the line
+    and 20 characters either side); now the line and column and the grammar line with a
+    caret, as the xgrammar path shows them, in the command line's check and the compile."""
+    from structspec.grammar.llg_compile import check_grammar_llguidance
+
+    spec = EbnfConstraint(grammar)
+    caret = " " * (len("  line 1: ") + indent) + "^"
+    for refuse in (lambda: check_grammar_llguidance(spec),
+                   lambda: llg_backend.compile(spec, timeout=60)):
+        with pytest.raises(GrammarError) as info:
+            refuse()
+        message = str(info.value)
+        assert message.startswith("Failed to compile ebnf grammar (llguidance): "), message
+        assert message.endswith(f"{reason}\n  {shown}\n{caret}"), message
+        assert info.value.param == "ebnf"
+
+
+@pytest.mark.parametrize("spec,reason", [
+    (EbnfConstraint('root ::= "a"{3,1}\n'), "range end must be >= start, got (3, 1)"),
+    (RegexConstraint("a{3,1}"), 'invalid regex "a{3,1}"'),
+])
+def test_position_in_llguidances_lark_translation_is_dropped(
+        llg_backend: LlgBackend, spec: GrammarConstraint, reason: str) -> None:
+    """An error llguidance finds after translating to Lark was positioned in the translation
+    (``at 3(8):``, line 3 of a one-line grammar); that position is dropped, as the xgrammar
+    path drops its own internal position of a regex."""
+    from structspec.grammar.llg_compile import check_grammar_llguidance
+
+    for refuse in (lambda: check_grammar_llguidance(spec),
+                   lambda: llg_backend.compile(spec, timeout=60)):
+        with pytest.raises(GrammarError) as info:
+            refuse()
+        assert str(info.value).startswith(
+            f"Failed to compile {spec.kind} grammar (llguidance): {reason}"), str(info.value)
+
+
+def test_gbnf_error_without_a_position_is_left_as_llguidance_wrote_it() -> None:
+    from structspec.grammar.llg_compile import check_grammar_llguidance
+
+    with pytest.raises(GrammarError) as info:
+        check_grammar_llguidance(EbnfConstraint('root ::= "a" c\n'))
+    assert str(info.value) == ("Failed to compile ebnf grammar (llguidance): Failed to convert "
+                               "the grammar from GBNF to Lark: Rule 'c' not found")
 
 
 def _auto_cases(maskbench: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict]]:
@@ -361,7 +421,7 @@ def test_auto_picks_llguidance_when_xgrammar_strict_refuses(
     with pytest.raises(GrammarError) as info:
         auto.compile(both, timeout=60)
     assert "/properties/a" in str(info.value) and "not" in str(info.value)
-    assert info.value.param == "response_format.json_schema"
+    assert info.value.param == "json_schema"
 
 
 def test_valid_instances_same_as_bare_llguidance(
@@ -429,3 +489,21 @@ def test_auto_after_an_xgrammar_time_out_reports_llguidance_refusal(
     with pytest.raises(GrammarError, match="not.*xgrammar: ran out of its compile time") as e:
         fut.result(timeout=30)
     assert e.value.param is not None and "still running" not in str(e.value)
+
+
+def test_auto_time_out_note_follows_llguidances_caret_block(llg_backend: LlgBackend) -> None:
+    """xgrammar past its time limit, then llguidance refuses an EBNF grammar with a caret
+    block: the note about xgrammar follows on a line of its own (it used to close a
+    parenthesis at the end of the caret line)."""
+    import time
+
+    from structspec.grammar.backend import GrammarFuture, _Entry
+    from structspec.grammar.select_backend import AutoFuture
+
+    spec = EbnfConstraint('root ::= "a"\nb ::= "x" ]\n')
+    stuck = GrammarFuture(_Entry(), timeout_s=0.01, submitted_at=time.perf_counter(),
+                          kind=spec.kind)
+    with pytest.raises(GrammarError) as e:
+        AutoFuture(spec.kind, stuck, llg_backend, spec).result(timeout=30)
+    assert str(e.value).endswith('  line 2: b ::= "x" ]\n                    ^\n'
+                                 "xgrammar: ran out of its compile time"), str(e.value)

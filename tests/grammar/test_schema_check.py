@@ -129,7 +129,7 @@ def test_rule_shows_weakening_and_is_narrow(backend: GrammarBackend, rule: str) 
     else:
         with pytest.raises(GrammarError) as info:
             backend.compile(JsonSchemaConstraint(schema, strict=True))
-        assert info.value.param == "response_format.json_schema"
+        assert info.value.param == "json_schema"
         assert "strict" in str(info.value)
     assert find_unenforceable(variant) == [], rule
     backend.compile(JsonSchemaConstraint(variant, strict=True))  # compiles

@@ -54,7 +54,7 @@ def test_backends_share_a_pool_and_a_shutdown_stops_only_its_compiles(
         a.shutdown()
         with pytest.raises(GrammarError, match="shut down") as info:
             runaway.result(timeout=10)
-        assert info.value.param == "response_format.json_schema"
+        assert info.value.param == "json_schema"
         assert isinstance(b.compile(ChoiceConstraint(("x", "y")), timeout=20),
                           xgr.CompiledGrammar)
         # its worker was killed and replaced by a fresh fork; the zygote stays

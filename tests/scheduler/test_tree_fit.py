@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
@@ -72,3 +73,34 @@ def test_real_nodes_counts_to_the_last_real_column() -> None:
     tree = VerifyTree.from_parents(torch.tensor([[5, 6, 7, -1], [8, -1, -1, -1], [1, 2, 3, 4]]),
                                    torch.tensor([[-1, 0, 1, 0], [-1, 0, 0, 0], [-1, 0, 0, 2]]))
     assert real_nodes(tree) == [3, 1, 4]
+
+
+@pytest.mark.parametrize("drafted,words", [
+    ([0, -1], "drafted[1]=-1 is not a batch index: the batch has 4 rows"),
+    ([-4, 1], "drafted[0]=-4 is not a batch index"),
+    ([1, 4], "drafted[1]=4 is not a batch index: the batch has 4 rows"),
+    ([0, 9], "drafted[1]=9 is not a batch index"),
+    ([1, 1], "drafted[1]=1 repeats drafted[0]"),
+    ([2, 0], "drafted[1]=0 is below drafted[0]=2"),
+    ([0, 3, 2], "drafted[2]=2 is below drafted[1]=3"),
+])
+@pytest.mark.parametrize("width", [1, 4])
+def test_drafted_that_is_not_ascending_batch_indices_is_refused(
+        drafted: list[int], words: str, width: int) -> None:
+    """``drafted`` was taken as given: a negative index wrote a row counted from the end, a
+    repeated or unsorted one paired trees with the wrong rows (no error), one past the batch
+    failed in numpy indexing, naming nothing."""
+    tree = random_host_trees(random.Random(0), len(drafted), 4)
+    with pytest.raises(ValueError, match=r"^" + re.escape(words)) as info:
+        fit_trees([7, 8, 9, 10], drafted, tree, width)
+    assert "drafted" in str(info.value)
+
+
+def test_ascending_drafted_in_range_passes_as_any_sequence() -> None:
+    from structspec.scheduler.tree_fit import check_drafted
+
+    for drafted in ([], [0], [3], (0, 1, 2, 3), range(4), [0, 2, 3]):
+        check_drafted(drafted, 4)
+    with pytest.raises(ValueError, match=r"^drafted\[0\]=0 is not a batch index: the batch "
+                                         r"has 0 rows"):
+        check_drafted((0,), 0)

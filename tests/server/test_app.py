@@ -491,7 +491,7 @@ BAD_SCHEMA = {"type": "object", "properties": {"a": {"pattern": "BAD("}}}
 
 
 @pytest.mark.parametrize("body,param", [
-    # the engine says param='regex' / 'ebnf' / 'choice' / 'response_format.json_schema' by
+    # the engine says param='regex' / 'ebnf' / 'choice' / 'json_schema' by
     # grammar kind; the error must name the field the client actually sent
     ({"response_format": {"type": "regex", "regex": "BAD("}}, "response_format.regex"),
     ({"response_format": {"type": "regex", "pattern": "BAD("}}, "response_format.pattern"),

@@ -20,8 +20,9 @@ TIMEOUT_MESSAGE = ("the choice grammar did not finish compiling within the 30 s 
 @pytest.mark.parametrize("engine_param, client_field", [
     ("choice", "choice"),
     ("choice", "guided_choice"),
-    ("response_format.json_schema", "json_schema"),
-    ("response_format.json_schema", "response_format.json_schema"),
+    ("json_schema", "json_schema"),
+    ("json_schema", "response_format.json_schema"),
+    ("json_schema", "guided_json"),
     ("regex", "response_format.regex"),
 ])
 def test_grammar_too_complex_keeps_its_code_and_names_the_client_field(
