@@ -64,6 +64,7 @@ shipping live in :mod:`structspec.grammar.grammar_shipping`.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -96,6 +97,39 @@ logger = logging.getLogger(__name__)
 #: the worker processes' module (run as ``python -m``; see :mod:`~.mask_worker`)
 _WORKER_MODULE = "structspec.grammar.mask_worker"
 
+#: how long a mask worker polls for its next message before it sleeps (ms), when the host
+#: has a core for every worker and two to spare (:func:`default_spin_ms`): longer than a
+#: verify step and than most prefill steps, so a worker stays awake while the engine serves
+#: and sleeps within this long of the engine going idle
+MASK_WORKER_SPIN_MS = 20.0
+
+#: environment override of the spin window (ms; 0 = always sleep in ``recv``)
+SPIN_ENV = "STRUCTSPEC_MASK_WORKER_SPIN_MS"
+
+
+def default_spin_ms(num_workers: int) -> float:
+    """The workers' spin window (ms): ``STRUCTSPEC_MASK_WORKER_SPIN_MS`` when set, else
+    :data:`MASK_WORKER_SPIN_MS` when this process may run on at least ``num_workers + 2``
+    CPUs (one per spinning worker, one for the engine's step loop, one for the rest), else 0:
+    spinning workers on fewer cores would take CPU time from the step loop.
+
+    Raises:
+        ValueError: the variable is not a number >= 0.
+    """
+    raw = os.environ.get(SPIN_ENV)
+    if raw is not None and raw.strip():
+        try:
+            value = float(raw)
+        except ValueError:
+            value = -1.0
+        if not value >= 0:  # also NaN
+            raise ValueError(f"{SPIN_ENV}={raw!r}: expected milliseconds >= 0")
+        return value
+    cpus = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            else os.cpu_count() or 1)
+    return MASK_WORKER_SPIN_MS if cpus >= num_workers + 2 else 0.0
+
+
 class MaskWorkerPool:
     """Worker processes that build tree bitmasks for shards of the batch.
 
@@ -110,20 +144,25 @@ class MaskWorkerPool:
         stop_token_ids: the matchers' stop ids (as :class:`~structspec.grammar.matcher.Matcher`).
         pin: page-lock the slab for asynchronous H2D copies (needs CUDA).
         max_rollback_tokens: the llguidance mirrors' deepest rollback (as the host matchers').
+        spin_ms: how long a worker polls for its next message, without sleeping, before it
+            blocks (ms; each poll yields the CPU): a sleeping worker's wake-up delayed the
+            verify step on a slow host (:mod:`~structspec.grammar.mask_worker`). None:
+            :func:`default_spin_ms`; 0: always sleep.
 
     One build at a time, and each reuses the slab: the caller must not start a build before
     the previous build's upload has run. The scheduler guarantees it: it waits for every
     step's results, which its stream orders after that step's mask upload.
 
     Raises:
-        ValueError: ``num_workers < 1`` or ``max_rows < 1``, or neither tokenizer given.
+        ValueError: ``num_workers < 1`` or ``max_rows < 1``, ``spin_ms < 0``, or neither
+            tokenizer given.
         RuntimeError: a worker failed to start.
     """
 
     def __init__(self, tokenizer_info: xgr.TokenizerInfo | None, *, num_workers: int,
                  vocab_size: int, max_rows: int, stop_token_ids: Sequence[int],
                  pin: bool = False, llguidance_tokenizer: LlgTokenizerSource | None = None,
-                 max_rollback_tokens: int = 64) -> None:
+                 max_rollback_tokens: int = 64, spin_ms: float | None = None) -> None:
         if tokenizer_info is None and llguidance_tokenizer is None:
             raise ValueError("a mask worker pool needs tokenizer_info (xgrammar) or "
                              "llguidance_tokenizer (llguidance), or both")
@@ -133,12 +172,17 @@ class MaskWorkerPool:
             raise ValueError(f"num_workers ({num_workers!r}) and max_rows ({max_rows!r}) must "
                              "be integers >= 1")
         self.num_workers = num_workers
+        #: how long a worker polls for its next message before it sleeps (ms)
+        self.spin_ms = default_spin_ms(num_workers) if spin_ms is None else float(spin_ms)
+        if not self.spin_ms >= 0:  # also NaN
+            raise ValueError(f"spin_ms ({spin_ms!r}) must be >= 0")
         # what a replacement pool is built from (:meth:`replacement`)
         self._spawn_args = (tokenizer_info, dict(num_workers=num_workers, vocab_size=vocab_size,
                                                  max_rows=max_rows,
                                                  stop_token_ids=tuple(stop_token_ids), pin=pin,
                                                  llguidance_tokenizer=llguidance_tokenizer,
-                                                 max_rollback_tokens=max_rollback_tokens))
+                                                 max_rollback_tokens=max_rollback_tokens,
+                                                 spin_ms=self.spin_ms))
         #: the backends whose grammars the workers can load (:meth:`serves`)
         self.backends = frozenset(
             ({"xgrammar"} if tokenizer_info is not None else set())
@@ -169,7 +213,8 @@ class MaskWorkerPool:
         self._stop_set = frozenset(int(t) for t in stop_token_ids)
         init = (None if tokenizer_info is None else tokenizer_info.serialize_json(),
                 llguidance_tokenizer, self._shm.name, max_rows, self.width,
-                tuple(int(t) for t in stop_token_ids), int(max_rollback_tokens))
+                tuple(int(t) for t in stop_token_ids), int(max_rollback_tokens),
+                self.spin_ms / 1e3)
         self._conns: list[Connection] = []
         self._ship_conns: list[Connection] = []  # per worker: grammars out, acks back
         self._procs: list[subprocess.Popen[bytes]] = []

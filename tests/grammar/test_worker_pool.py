@@ -4,7 +4,9 @@ step after step, as requests advance, finish, time out and new ones arrive."""
 from __future__ import annotations
 
 import json
+import os
 import random
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,7 +20,15 @@ from structspec.grammar import GrammarBackend, GrammarTree, Matcher, build_gramm
 from structspec.grammar.grammar_shipping import wire_form
 from structspec.grammar.grammar_source import XgrSource
 from structspec.grammar.tree_mask import build_grammar_vocab_mask_pooled
-from structspec.grammar.worker_pool import MaskWorkerPool, PoolBuildResult, PoolRequest
+from structspec.grammar.worker_pool import (
+    MASK_WORKER_SPIN_MS,
+    SPIN_ENV,
+    WORKER_EXIT_S,
+    MaskWorkerPool,
+    PoolBuildResult,
+    PoolRequest,
+    default_spin_ms,
+)
 
 from .conftest import STOP_ID
 from .test_tree_mask import PREFIX as TM_PREFIX
@@ -37,10 +47,12 @@ N = 6
 @pytest.fixture(scope="module")
 def pool(backend: GrammarBackend, llg_backend: Any) -> Iterator[MaskWorkerPool]:
     """Two workers that load the grammars of both backends (each builds llguidance's
-    tokenizer once, from the backend's ``LlgTokenizerSource``, off its step loop)."""
+    tokenizer once, from the backend's ``LlgTokenizerSource``, off its step loop). They poll
+    for their next message for 2 ms before sleeping, so the tests below go through both
+    ways of waiting (a message inside the window, and one after the worker slept)."""
     p = MaskWorkerPool(backend.tokenizer_info, num_workers=2, vocab_size=backend.vocab_size,
                        max_rows=16 * N, stop_token_ids=[STOP_ID],
-                       llguidance_tokenizer=llg_backend.tokenizer_source)
+                       llguidance_tokenizer=llg_backend.tokenizer_source, spin_ms=2.0)
     yield p
     p.close()
 
@@ -180,6 +192,44 @@ def test_pool_rejects_oversized_batch_and_bad_args(pool: MaskWorkerPool,
         with pytest.raises(ValueError, match="num_workers"):
             MaskWorkerPool(backend.tokenizer_info, num_workers=bad,  # type: ignore[arg-type]
                            vocab_size=backend.vocab_size, max_rows=8, stop_token_ids=[STOP_ID])
+    for spin in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="spin_ms"):
+            MaskWorkerPool(backend.tokenizer_info, num_workers=1, vocab_size=backend.vocab_size,
+                           max_rows=8, stop_token_ids=[STOP_ID], spin_ms=spin)
+
+
+def test_spin_window_follows_the_cores_and_the_environment(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers spin only with a core for each of them and two to spare; the environment
+    variable overrides that, and a bad value is refused naming it."""
+    monkeypatch.delenv(SPIN_ENV, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)))
+    assert default_spin_ms(8) == MASK_WORKER_SPIN_MS and default_spin_ms(14) == MASK_WORKER_SPIN_MS
+    assert default_spin_ms(15) == 0.0
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1})
+    assert default_spin_ms(1) == 0.0 and default_spin_ms(0) == MASK_WORKER_SPIN_MS
+    monkeypatch.setenv(SPIN_ENV, "3.5")
+    assert default_spin_ms(1) == 3.5
+    monkeypatch.setenv(SPIN_ENV, "0")
+    assert default_spin_ms(0) == 0.0
+    for bad in ("-1", "fast", "nan"):
+        monkeypatch.setenv(SPIN_ENV, bad)
+        with pytest.raises(ValueError, match=SPIN_ENV):
+            default_spin_ms(1)
+
+
+def test_a_spinning_pool_closes_promptly(backend: GrammarBackend) -> None:
+    """A worker inside its spin window still reads the stop message at once: close() does
+    not wait for the window (here far longer than the shutdown's limit) nor kill anyone."""
+    pool = MaskWorkerPool(backend.tokenizer_info, num_workers=1, vocab_size=backend.vocab_size,
+                          max_rows=8, stop_token_ids=[STOP_ID], spin_ms=60_000.0)
+    procs = list(pool._procs)
+    compiled = backend.compile(JsonSchemaConstraint(SCHEMA))
+    assert pool.advance([PoolRequest("spin", compiled, [])]).worker_busy_ms  # now spinning
+    t0 = time.perf_counter()
+    pool.close()
+    assert time.perf_counter() - t0 < WORKER_EXIT_S
+    assert [p.returncode for p in procs] == [0]
 
 
 def test_mirror_verdicts_match_host_matchers(pool: MaskWorkerPool, backend: GrammarBackend,
