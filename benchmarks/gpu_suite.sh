@@ -68,6 +68,7 @@
 #             Schema (host ops by own time), the overlap at batch 32 with 0 and 4 mask workers
 #   packed_overlap  the packed tree links' CUDA tests, then the llguidance batch-64 overlap (3
 #             repeats) and the EAGLE overlap at batch 1/8/32/64 (2 repeats) (~8 min)
+#   spin_ab   the mask workers' spin window 0 vs 20 ms: EAGLE grammar overlap at batch 8 and 32
 #   host_step  issue 18: host us per batch-1 step of each call a verify step makes (none and
 #             eagle with a JSON Schema), and the host cost of one forward-graph launch
 #             (host_step_cost.py, ~1.5 min)
@@ -187,6 +188,12 @@ for s in $stages; do case $s in
     run packed_links_tests 120 python3 -m pytest -q -p no:cacheprovider tests/grammar/test_tree_mask.py tests/speculative/test_draft_graph.py
     run grammar_overlap_llg_bs64 170 python3 benchmarks/grammar_overlap.py --device cuda --batch 64 --steps 150 --algorithms ngram --overlap on --repeats 3 --grammar-backend llguidance
     run grammar_overlap_eagle 270 python3 benchmarks/grammar_overlap.py --device cuda --batch 1 8 32 64 --steps 60 --algorithms eagle --overlap on --repeats 2 --speculative-adaptive off ;;
+  spin_ab)
+    # the mask workers sleeping in recv between steps (spin 0) against polling for 20 ms
+    # (the default on this host): EAGLE grammar overlap at batch 8 and 32, 1 repeat each
+    for spin in 0 20; do
+      STRUCTSPEC_MASK_WORKER_SPIN_MS=$spin run grammar_overlap_eagle_spin$spin 130 python3 benchmarks/grammar_overlap.py --device cuda --batch 8 32 --steps 60 --algorithms eagle --overlap on --repeats 1 --speculative-adaptive off
+    done ;;
   host_step)
     run host_step_cost 200 python3 benchmarks/host_step_cost.py --algorithms none eagle --grammar --steps 300 ;;
   smol)
