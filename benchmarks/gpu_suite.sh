@@ -192,8 +192,10 @@ for s in $stages; do case $s in
     # the mask workers sleeping in recv between steps (spin 0) against polling for 20 ms
     # (the default on this host): EAGLE grammar overlap at batch 8 and 32, 1 repeat each
     for spin in 0 20; do
-      STRUCTSPEC_MASK_WORKER_SPIN_MS=$spin run grammar_overlap_eagle_spin$spin 130 python3 benchmarks/grammar_overlap.py --device cuda --batch 8 32 --steps 60 --algorithms eagle --overlap on --repeats 1 --speculative-adaptive off
-    done ;;
+      export STRUCTSPEC_MASK_WORKER_SPIN_MS=$spin
+      run grammar_overlap_eagle_spin$spin 130 python3 benchmarks/grammar_overlap.py --device cuda --batch 8 32 --steps 60 --algorithms eagle --overlap on --repeats 1 --speculative-adaptive off
+    done
+    unset STRUCTSPEC_MASK_WORKER_SPIN_MS ;;
   host_step)
     run host_step_cost 200 python3 benchmarks/host_step_cost.py --algorithms none eagle --grammar --steps 300 ;;
   smol)
