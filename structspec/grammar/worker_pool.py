@@ -64,6 +64,7 @@ shipping live in :mod:`structspec.grammar.grammar_shipping`.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import subprocess
@@ -114,7 +115,8 @@ def default_spin_ms(num_workers: int) -> float:
     spinning workers on fewer cores would take CPU time from the step loop.
 
     Raises:
-        ValueError: the variable is not a number >= 0.
+        ValueError: the variable is not a finite number >= 0 (an endless window would keep
+            an idle engine's workers spinning).
     """
     raw = os.environ.get(SPIN_ENV)
     if raw is not None and raw.strip():
@@ -122,8 +124,8 @@ def default_spin_ms(num_workers: int) -> float:
             value = float(raw)
         except ValueError:
             value = -1.0
-        if not value >= 0:  # also NaN
-            raise ValueError(f"{SPIN_ENV}={raw!r}: expected milliseconds >= 0")
+        if not (value >= 0 and math.isfinite(value)):  # NaN fails the first test
+            raise ValueError(f"{SPIN_ENV}={raw!r}: expected finite milliseconds >= 0")
         return value
     cpus = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
             else os.cpu_count() or 1)
@@ -147,15 +149,15 @@ class MaskWorkerPool:
         spin_ms: how long a worker polls for its next message, without sleeping, before it
             blocks (ms; each poll yields the CPU): a sleeping worker's wake-up delayed the
             verify step on a slow host (:mod:`~structspec.grammar.mask_worker`). None:
-            :func:`default_spin_ms`; 0: always sleep.
+            :func:`default_spin_ms`; 0: always sleep; finite.
 
     One build at a time, and each reuses the slab: the caller must not start a build before
     the previous build's upload has run. The scheduler guarantees it: it waits for every
     step's results, which its stream orders after that step's mask upload.
 
     Raises:
-        ValueError: ``num_workers < 1`` or ``max_rows < 1``, ``spin_ms < 0``, or neither
-            tokenizer given.
+        ValueError: ``num_workers < 1`` or ``max_rows < 1``, ``spin_ms`` negative or not
+            finite, or neither tokenizer given.
         RuntimeError: a worker failed to start.
     """
 
@@ -174,8 +176,8 @@ class MaskWorkerPool:
         self.num_workers = num_workers
         #: how long a worker polls for its next message before it sleeps (ms)
         self.spin_ms = default_spin_ms(num_workers) if spin_ms is None else float(spin_ms)
-        if not self.spin_ms >= 0:  # also NaN
-            raise ValueError(f"spin_ms ({spin_ms!r}) must be >= 0")
+        if not (self.spin_ms >= 0 and math.isfinite(self.spin_ms)):  # NaN fails the first
+            raise ValueError(f"spin_ms ({spin_ms!r}) must be finite and >= 0")
         # what a replacement pool is built from (:meth:`replacement`)
         self._spawn_args = (tokenizer_info, dict(num_workers=num_workers, vocab_size=vocab_size,
                                                  max_rows=max_rows,

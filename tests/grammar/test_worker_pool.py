@@ -192,7 +192,7 @@ def test_pool_rejects_oversized_batch_and_bad_args(pool: MaskWorkerPool,
         with pytest.raises(ValueError, match="num_workers"):
             MaskWorkerPool(backend.tokenizer_info, num_workers=bad,  # type: ignore[arg-type]
                            vocab_size=backend.vocab_size, max_rows=8, stop_token_ids=[STOP_ID])
-    for spin in (-1.0, float("nan")):
+    for spin in (-1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="spin_ms"):
             MaskWorkerPool(backend.tokenizer_info, num_workers=1, vocab_size=backend.vocab_size,
                            max_rows=8, stop_token_ids=[STOP_ID], spin_ms=spin)
@@ -212,7 +212,7 @@ def test_spin_window_follows_the_cores_and_the_environment(
     assert default_spin_ms(1) == 3.5
     monkeypatch.setenv(SPIN_ENV, "0")
     assert default_spin_ms(0) == 0.0
-    for bad in ("-1", "fast", "nan"):
+    for bad in ("-1", "fast", "nan", "inf", "1e400"):
         monkeypatch.setenv(SPIN_ENV, bad)
         with pytest.raises(ValueError, match=SPIN_ENV):
             default_spin_ms(1)
