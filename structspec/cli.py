@@ -182,6 +182,15 @@ def _utf8_error_at(data: bytes, e: UnicodeDecodeError) -> str:
     return f"byte 0x{data[start]:02x} at offset {start} (line {line}, column {column}) {why}"
 
 
+def _utf8_error_in_line(raw: bytes, e: UnicodeDecodeError) -> str:
+    """Where one line's bytes stop being UTF-8: ``byte 0xff at column 5 cannot start a
+    character`` (the column 1-based, in characters; a UTF-8 BOM before it is not counted)."""
+    start = e.start
+    column = len(raw[:start].decode("utf-8").removeprefix("\ufeff")) + 1
+    why = _UTF8_REASONS.get(e.reason, e.reason)
+    return f"byte 0x{raw[start]:02x} at column {column} {why}"
+
+
 _UTF8_REASONS = {
     "invalid start byte": "cannot start a character",
     "invalid continuation byte": "starts a character the next byte does not continue",
@@ -605,7 +614,7 @@ def _read_batch(path: str) -> list[tuple[int, Any]]:
         try:
             line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
         except UnicodeDecodeError as e:
-            records.append((lineno, ValueError(f"not UTF-8: {e}")))
+            records.append((lineno, ValueError(f"not UTF-8: {_utf8_error_in_line(raw, e)}")))
             continue
         if not line.strip():
             continue

@@ -487,6 +487,9 @@ def test_batch_line_of_invalid_utf8_fails_alone_and_a_bom_is_skipped(
     assert outs[0]["error"] is None and outs[2]["error"] is None
     assert "line 2" in outs[1]["error"] and "not UTF-8" in outs[1]["error"]
     assert "batch.jsonl:2: bad record: not UTF-8" in err
+    # where, as for a grammar file (Python's "'utf-8' codec can't decode" named neither)
+    assert "not UTF-8: byte 0xff at column 13 cannot start a character" in outs[1]["error"]
+    assert "codec" not in outs[1]["error"]
     assert [prompt for prompt, _ in _FakeLLM.seen if prompt] == ["a", "c"]
 
 
@@ -645,3 +648,18 @@ def test_flags_the_drafter_ignores_are_warned_about(monkeypatch: pytest.MonkeyPa
     main(["generate", "--prompt", "hi", "--speculative-algorithm", "ngram",
           "--num-draft-tokens", "16"])
     assert "warning" not in capsys.readouterr().err
+
+
+def test_a_batch_line_names_its_first_bad_byte_by_column() -> None:
+    """The column counts characters (not bytes) and not a line-1 BOM."""
+    from structspec.cli import _utf8_error_in_line
+
+    for raw, want in ((b'{"p": "\xc3\xa9\xff"}', "byte 0xff at column 9 cannot start"),
+                      (b'\xef\xbb\xbf{"p": "\xff"}', "byte 0xff at column 8 cannot start"),
+                      (b'{"p": "\xc3', "byte 0xc3 at column 8 starts a character the file")):
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            assert _utf8_error_in_line(raw, e).startswith(want), _utf8_error_in_line(raw, e)
+        else:
+            raise AssertionError(raw)
