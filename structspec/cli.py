@@ -149,22 +149,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _read_text_arg(value: str, name: str) -> str:
     """The text of a flag that takes a file path or the text itself (``--ebnf``,
-    ``--json-schema``, ``--logit-bias``): the file's contents, decoded as UTF-8, when
-    ``value`` names a file, else ``value`` itself (the very object: callers test ``is``).
+    ``--json-schema``, ``--logit-bias``): the file's contents, decoded as UTF-8 (a leading
+    UTF-8 BOM, as editors on Windows write one, dropped), when ``value`` names a file, else
+    ``value`` itself (the very object: callers test ``is``).
 
     Raises:
-        ValueError: naming ``name`` and the file: it cannot be read, or it is not UTF-8 (the
-            first bad byte, its offset, line and column; :func:`_utf8_error_at`).
+        ValueError: naming ``name`` and the path: a directory, a file that cannot be read, or
+            one that is not UTF-8 (the first bad byte, its offset, line and column;
+            :func:`_utf8_error_at`).
     """
     path = Path(value)
-    if not (len(value) < 4096 and path.is_file()):
+    if len(value) >= 4096 or not path.is_file():
+        if len(value) < 4096 and path.is_dir():
+            raise ValueError(f"{name}: {value!r} is a directory, not a file")
         return value
     try:
         data = path.read_bytes()
     except OSError as e:
         raise ValueError(f"{name}: cannot read {value!r}: {e.strerror or e}") from e
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as e:
         raise ValueError(f"{name}: {value!r} is not UTF-8: {_utf8_error_at(data, e)}") from None
 
@@ -230,6 +234,12 @@ def _flag_grammar(args: argparse.Namespace) -> GrammarConstraint | None:
         text = _read_text_arg(args.json_schema, "--json-schema")
         if not text.strip():
             raise ValueError(f"--json-schema: empty schema file {args.json_schema!r}")
+        if text is not args.json_schema:  # a file: a JSON error is the file's, not a path's
+            try:
+                json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--json-schema: {args.json_schema!r} is not valid JSON: "
+                                 f"{e}") from None
         if text is args.json_schema and text.strip()[:1] not in ("{", "[", "t", "f") and (
                 text.endswith(".json") or "/" in text):
             raise ValueError(f"--json-schema: no such file {text!r}")
@@ -435,17 +445,22 @@ def _flag_logit_bias(value: str | None) -> dict[int, Any] | None:
     """``--logit-bias``: a JSON object (inline, or the path of a file holding one).
 
     Raises:
-        ValueError: not JSON, or not an object of token ids (naming ``logit_bias``).
+        ValueError: not JSON (a file's contents or the inline text), no such file, or not an
+            object of token ids (naming ``--logit-bias``, or ``logit_bias`` for the object's
+            entries).
     """
     if value is None:
         return None
-    text = _read_text_arg(value, "logit_bias")
+    text = _read_text_arg(value, "--logit-bias")
     try:
         parsed = json.loads(text)
     except json.JSONDecodeError as e:
+        if text is not value:  # read from the file
+            raise ValueError(f"--logit-bias: {value!r} is not valid JSON: {e}") from None
         if not value.lstrip().startswith("{"):  # meant as a path, as --json-schema reads it
-            raise ValueError(f"logit_bias: no such file {value!r} (and not inline JSON)") from e
-        raise ValueError(f"logit_bias is not a JSON object: {e}") from e
+            raise ValueError(f"--logit-bias: no such file {value!r} (and not inline JSON)"
+                             ) from None
+        raise ValueError(f"--logit-bias: not a JSON object: {e}") from None
     return logit_bias_from_json(parsed)
 
 

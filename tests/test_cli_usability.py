@@ -141,6 +141,51 @@ def test_grammar_file_of_invalid_utf8_names_the_flag_and_the_byte(
     assert err == f"structspec generate: {flag}: {str(path)!r} is not UTF-8: {where}\n", err
 
 
+@pytest.mark.parametrize("flag,data", [
+    ("--json-schema", '{"type": "object"}'),
+    ("--ebnf", 'root ::= "a"'),
+    ("--logit-bias", '{"7": -3}'),
+])
+def test_a_file_flag_skips_a_utf8_bom(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        flag: str, data: str) -> None:
+    """A file that starts with a UTF-8 BOM (as editors on Windows write one) used to be
+    refused (``--json-schema is neither a file nor valid JSON: Unexpected UTF-8 BOM``; GBNF
+    failed on U+FEFF); ``--batch`` skipped it already."""
+    path = tmp_path / "arg.txt"
+    path.write_bytes(b"\xef\xbb\xbf" + data.encode())
+    rc, _, err = _run(monkeypatch, capsys, ["generate", "--prompt", "hi", flag, str(path)])
+    assert rc == 0, err
+    (_, params), = _FakeLLM.seen
+    if flag == "--logit-bias":
+        assert params.logit_bias == {7: -3}
+    else:
+        assert params.grammar is not None
+
+
+@pytest.mark.parametrize("flag,data,message", [
+    ("--json-schema", '{"type": ', "is not valid JSON: Expecting value: line 1 column 10"),
+    ("--logit-bias", '{"100": 5,}', "is not valid JSON: Expecting property name"),
+    ("--json-schema", None, "is a directory, not a file"),
+    ("--ebnf", None, "is a directory, not a file"),
+    ("--logit-bias", None, "is a directory, not a file"),
+])
+def test_a_file_flag_names_the_file_it_could_not_use(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        flag: str, data: str | None, message: str) -> None:
+    """A schema or logit-bias file that holds bad JSON used to read as a path that does not
+    exist (``no such file '...' (and not inline JSON)``, ``neither a file nor valid JSON``),
+    and a directory as no such file; now the flag and the path, and what is wrong with it."""
+    path = tmp_path / "arg.json"
+    if data is None:
+        path.mkdir()
+    else:
+        path.write_text(data)
+    rc, _, err = _run(monkeypatch, capsys, ["generate", "--prompt", "hi", flag, str(path)])
+    assert rc == 2 and _FakeLLM.seen == []
+    assert err.startswith(f"structspec generate: {flag}: {str(path)!r} {message}"), err
+
+
 def test_bad_ebnf_shows_the_whole_error_and_its_line_before_loading(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """The parser error used to end at ``but got`` (xgrammar prints no character at the end);

@@ -111,8 +111,10 @@ class GrammarTree:
 
         Raises:
             ValueError: ``links`` is not a contiguous int64 ``[4, B', N]`` with
-                ``B' >= batch_size``.
+                ``B' >= batch_size``, or ``batch_size`` is not an integer >= 0.
         """
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 0:
+            raise ValueError(f"batch_size must be an integer >= 0, got {batch_size!r}")
         if (links.dim() != 3 or links.shape[0] != 4 or links.shape[1] < batch_size
                 or links.dtype != torch.int64 or not links.is_contiguous()):
             raise ValueError(f"links must be a contiguous int64 [4, B' >= {batch_size}, N] "

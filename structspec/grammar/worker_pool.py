@@ -64,7 +64,6 @@ shipping live in :mod:`structspec.grammar.grammar_shipping`.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import socket
 import subprocess
@@ -107,6 +106,10 @@ MASK_WORKER_SPIN_MS = 20.0
 #: environment override of the spin window (ms; 0 = always sleep in ``recv``)
 SPIN_ENV = "STRUCTSPEC_MASK_WORKER_SPIN_MS"
 
+#: the longest spin window accepted (ms): a window is for the gap between two steps; a longer
+#: one only keeps an idle engine's workers spinning longer
+MAX_SPIN_MS = 1000.0
+
 
 def default_spin_ms(num_workers: int) -> float:
     """The workers' spin window (ms): ``STRUCTSPEC_MASK_WORKER_SPIN_MS`` when set, else
@@ -115,8 +118,8 @@ def default_spin_ms(num_workers: int) -> float:
     spinning workers on fewer cores would take CPU time from the step loop.
 
     Raises:
-        ValueError: the variable is not a finite number >= 0 (an endless window would keep
-            an idle engine's workers spinning).
+        ValueError: the variable is not a number from 0 to :data:`MAX_SPIN_MS` (a longer
+            window would keep an idle engine's workers spinning).
     """
     raw = os.environ.get(SPIN_ENV)
     if raw is not None and raw.strip():
@@ -124,8 +127,9 @@ def default_spin_ms(num_workers: int) -> float:
             value = float(raw)
         except ValueError:
             value = -1.0
-        if not (value >= 0 and math.isfinite(value)):  # NaN fails the first test
-            raise ValueError(f"{SPIN_ENV}={raw!r}: expected finite milliseconds >= 0")
+        if not 0 <= value <= MAX_SPIN_MS:  # NaN fails it too
+            raise ValueError(f"{SPIN_ENV}={raw!r}: expected milliseconds from 0 to "
+                             f"{MAX_SPIN_MS:g}")
         return value
     cpus = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
             else os.cpu_count() or 1)
@@ -149,15 +153,15 @@ class MaskWorkerPool:
         spin_ms: how long a worker polls for its next message, without sleeping, before it
             blocks (ms; each poll yields the CPU): a sleeping worker's wake-up delayed the
             verify step on a slow host (:mod:`~structspec.grammar.mask_worker`). None:
-            :func:`default_spin_ms`; 0: always sleep; finite.
+            :func:`default_spin_ms`; 0: always sleep; at most :data:`MAX_SPIN_MS`.
 
     One build at a time, and each reuses the slab: the caller must not start a build before
     the previous build's upload has run. The scheduler guarantees it: it waits for every
     step's results, which its stream orders after that step's mask upload.
 
     Raises:
-        ValueError: ``num_workers < 1`` or ``max_rows < 1``, ``spin_ms`` negative or not
-            finite, or neither tokenizer given.
+        ValueError: ``num_workers < 1`` or ``max_rows < 1``, ``spin_ms`` outside 0 to
+            :data:`MAX_SPIN_MS`, or neither tokenizer given.
         RuntimeError: a worker failed to start.
     """
 
@@ -176,8 +180,8 @@ class MaskWorkerPool:
         self.num_workers = num_workers
         #: how long a worker polls for its next message before it sleeps (ms)
         self.spin_ms = default_spin_ms(num_workers) if spin_ms is None else float(spin_ms)
-        if not (self.spin_ms >= 0 and math.isfinite(self.spin_ms)):  # NaN fails the first
-            raise ValueError(f"spin_ms ({spin_ms!r}) must be finite and >= 0")
+        if not 0 <= self.spin_ms <= MAX_SPIN_MS:  # NaN fails it too
+            raise ValueError(f"spin_ms ({spin_ms!r}) must be from 0 to {MAX_SPIN_MS:g}")
         # what a replacement pool is built from (:meth:`replacement`)
         self._spawn_args = (tokenizer_info, dict(num_workers=num_workers, vocab_size=vocab_size,
                                                  max_rows=max_rows,

@@ -271,6 +271,9 @@ def test_packed_links_refuse_a_wrong_layout(bad: str) -> None:
            "strided": links.transpose(1, 2).contiguous().transpose(1, 2)}[bad]
     with pytest.raises(ValueError, match="links must be"):
         GrammarTree.from_links(arg, 3 if bad == "narrow" else 2)
+    for size in (-1, True, 1.0):
+        with pytest.raises(ValueError, match="batch_size"):
+            GrammarTree.from_links(links, size)  # type: ignore[arg-type]
 
 
 @pytest.mark.gpu

@@ -22,6 +22,7 @@ from structspec.grammar.grammar_source import XgrSource
 from structspec.grammar.tree_mask import build_grammar_vocab_mask_pooled
 from structspec.grammar.worker_pool import (
     MASK_WORKER_SPIN_MS,
+    MAX_SPIN_MS,
     SPIN_ENV,
     WORKER_EXIT_S,
     MaskWorkerPool,
@@ -192,7 +193,7 @@ def test_pool_rejects_oversized_batch_and_bad_args(pool: MaskWorkerPool,
         with pytest.raises(ValueError, match="num_workers"):
             MaskWorkerPool(backend.tokenizer_info, num_workers=bad,  # type: ignore[arg-type]
                            vocab_size=backend.vocab_size, max_rows=8, stop_token_ids=[STOP_ID])
-    for spin in (-1.0, float("nan"), float("inf")):
+    for spin in (-1.0, float("nan"), float("inf"), MAX_SPIN_MS + 1):
         with pytest.raises(ValueError, match="spin_ms"):
             MaskWorkerPool(backend.tokenizer_info, num_workers=1, vocab_size=backend.vocab_size,
                            max_rows=8, stop_token_ids=[STOP_ID], spin_ms=spin)
@@ -212,7 +213,11 @@ def test_spin_window_follows_the_cores_and_the_environment(
     assert default_spin_ms(1) == 3.5
     monkeypatch.setenv(SPIN_ENV, "0")
     assert default_spin_ms(0) == 0.0
-    for bad in ("-1", "fast", "nan", "inf", "1e400"):
+    monkeypatch.setenv(SPIN_ENV, " ")  # blank: unset
+    assert default_spin_ms(0) == MASK_WORKER_SPIN_MS
+    monkeypatch.setenv(SPIN_ENV, str(MAX_SPIN_MS))
+    assert default_spin_ms(0) == MAX_SPIN_MS
+    for bad in ("-1", "fast", "nan", "inf", "1e400", "1e300", "1000.5"):
         monkeypatch.setenv(SPIN_ENV, bad)
         with pytest.raises(ValueError, match=SPIN_ENV):
             default_spin_ms(1)
@@ -222,7 +227,7 @@ def test_a_spinning_pool_closes_promptly(backend: GrammarBackend) -> None:
     """A worker inside its spin window still reads the stop message at once: close() does
     not wait for the window (here far longer than the shutdown's limit) nor kill anyone."""
     pool = MaskWorkerPool(backend.tokenizer_info, num_workers=1, vocab_size=backend.vocab_size,
-                          max_rows=8, stop_token_ids=[STOP_ID], spin_ms=60_000.0)
+                          max_rows=8, stop_token_ids=[STOP_ID], spin_ms=MAX_SPIN_MS)
     procs = list(pool._procs)
     compiled = backend.compile(JsonSchemaConstraint(SCHEMA))
     assert pool.advance([PoolRequest("spin", compiled, [])]).worker_busy_ms  # now spinning
