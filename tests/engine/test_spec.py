@@ -392,6 +392,11 @@ def test_mask_worker_processes_give_identical_outputs(request: pytest.FixtureReq
         stats = llm.engine.step_stats()
         assert 1 <= stats["pool_workers"] <= 2
         assert stats["pool_send_ms"] > 0 and stats["pool_worker_max_ms"] > 0
+        # the round trip's marks, in order: a worker starts, the last replies, all are read
+        assert 0 <= stats["pool_first_start_ms"] <= stats["pool_last_reply_ms"]
+        assert stats["pool_last_reply_ms"] <= stats["pool_read_ms"]
+        # a CPU engine's workers sleep between steps (its torch threads take every core)
+        assert llm.engine.scheduler.mask_pool.spin_ms == 0.0
     for a, b in zip(ref, got, strict=True):
         assert a.token_ids == b.token_ids and a.text == b.text
         assert a.finish_reason == b.finish_reason
@@ -641,9 +646,16 @@ def test_mask_workers_with_staggered_arrivals_match_in_process(make_llm, ngram_p
     ref = _staggered_reference(make_llm(**SPEC_CONFIGS["ngram"]({})))
     pool = ngram_pool_llm.engine.scheduler.mask_pool
     builds = pool.num_builds
+    ngram_pool_llm.engine.step_stats(reset=True)
     got = _staggered_outputs(ngram_pool_llm.engine)
     assert pool.num_builds > builds
     assert got == ref
+    # the round trip's marks, in order: a worker starts, the last replies, all are read
+    stats = ngram_pool_llm.engine.step_stats()
+    assert 0 <= stats["pool_first_start_ms"] <= stats["pool_last_reply_ms"]
+    assert stats["pool_last_reply_ms"] <= stats["pool_read_ms"]
+    # a CPU engine's workers sleep between steps (its torch threads take every core)
+    assert pool.spin_ms == 0.0
 
 
 @pytest.mark.slow  # ~15 s on 2 cores: the suite's time budget (README, tests)
