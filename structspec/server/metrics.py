@@ -159,6 +159,14 @@ class ServerMetrics:
         self.step_pool_worker = step_ms(
             "verify_step_mask_worker_busiest_ms",
             "Busiest grammar worker's time per verify step (message received to reply sent)")
+        self.step_pool_last_reply = step_ms(
+            "verify_step_mask_worker_last_reply_ms",
+            "Time from a verify step's first message to the grammar workers to the last "
+            "worker's reply (above the busiest worker's time: the workers' wake-up)")
+        self.step_pool_read = step_ms(
+            "verify_step_mask_worker_read_ms",
+            "Time from a verify step's first message to the grammar workers to the engine "
+            "having read every reply")
         self.step_cpu = Counter(p + "verify_step_cpu_ms", "Host time of verify steps by phase "
                                 "(draft, launch, barrier, mask, text, wait, commit)",
                                 ["phase"], registry=r)
@@ -211,6 +219,9 @@ class ServerMetrics:
             if step.pool_send_ms is not None and step.pool_worker_max_ms is not None:
                 self.step_pool_send.observe(step.pool_send_ms)
                 self.step_pool_worker.observe(step.pool_worker_max_ms)
+            if step.pool_last_reply_ms is not None and step.pool_read_ms is not None:
+                self.step_pool_last_reply.observe(step.pool_last_reply_ms)
+                self.step_pool_read.observe(step.pool_read_ms)
 
     def on_tokens(self, num_prompt_tokens: int, num_generated_tokens: int) -> None:
         """Tokens an engine delta brought: ``num_prompt_tokens`` with a request's first token

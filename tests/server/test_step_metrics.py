@@ -12,7 +12,8 @@ def test_step_records_become_metrics() -> None:
     gpu = StepRecord(4, 8, 4, wall_ms=3.0, cpu_ms={"draft": 0.5, "mask": 1.25},
                      gpu_draft_ms=0.0, gpu_forward_ms=2.0, gpu_grammar_stall_ms=0.25,
                      gpu_post_ms=0.75, gpu_idle_before_ms=0.5, pool_workers=2,
-                     pool_send_ms=0.125, pool_worker_max_ms=0.375)
+                     pool_send_ms=0.125, pool_worker_max_ms=0.375, pool_first_start_ms=0.0625,
+                     pool_last_reply_ms=0.5, pool_read_ms=0.75)
     cpu = StepRecord(1, 1, 0, wall_ms=7.0, cpu_ms={"launch": 6.0})  # no GPU fields on CPU
     m.on_engine_stats(EngineStats(steps=(gpu, cpu)))
     text = m.render().decode()
@@ -27,6 +28,9 @@ def test_step_records_become_metrics() -> None:
     assert 'structspec_verify_step_mask_worker_send_ms_count 1.0' in text
     assert 'structspec_verify_step_mask_worker_send_ms_sum 0.125' in text
     assert 'structspec_verify_step_mask_worker_busiest_ms_sum 0.375' in text
+    assert 'structspec_verify_step_mask_worker_last_reply_ms_sum 0.5' in text
+    assert 'structspec_verify_step_mask_worker_read_ms_sum 0.75' in text
+    assert 'structspec_verify_step_mask_worker_read_ms_count 1.0' in text
 
 
 def test_prefix_cache_counters_become_metrics() -> None:
