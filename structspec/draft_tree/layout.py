@@ -308,3 +308,25 @@ def _layout_kernel_applies(draft_tokens: torch.Tensor) -> bool:
     from structspec.kernels.draft_tree import MAX_NODES
 
     return draft_tokens.dtype == torch.int64 and draft_tokens.shape[1] <= MAX_NODES
+
+
+def parents_from_links(next_token: torch.Tensor, next_sibling: torch.Tensor) -> torch.Tensor:
+    """Parent index of every node from first-child / next-sibling links (host walk).
+
+    Args:
+        next_token, next_sibling: ``int64 [bs, N]`` CPU tensors.
+
+    Returns:
+        ``int64 [bs, N]``: -1 for the root; unlinked (padding) nodes get 0, as in
+        :class:`~structspec.draft_tree.layout.VerifyTree`.
+    """
+    bs, n = next_token.shape
+    out = [[0] * n for _ in range(bs)]
+    for b, (nxt, sib) in enumerate(zip(next_token.tolist(), next_sibling.tolist(), strict=True)):
+        out[b][0] = -1
+        for p in range(n):
+            c = nxt[p]
+            while c != -1:
+                out[b][c] = p
+                c = sib[c]
+    return torch.tensor(out, dtype=torch.int64).view(bs, n)

@@ -53,6 +53,9 @@ class PoolBuildResult:
             wake-up; a ``last_reply_ms`` well below ``read_ms`` means the replies waited for
             this process.
         read_ms: from the first message sent to the last reply read by this process (ms).
+        settled: walked rows the workers settled after the walk (rejected and terminating
+            nodes' rows all ones, as ``settle_tree_rows_batch`` does) -> the reached drafts
+            whose token the parent's row forbids; every walked row not timed out is in it.
         mismatched: rows whose mirror's verdict differs from the one predicted for
             ``on_verdicts`` (see :meth:`MaskWorkerPool.build`): row -> (output ids the mirror
             has been sent in all, ids of them it did not keep, grammar ended). Empty unless
@@ -68,10 +71,16 @@ class PoolBuildResult:
     first_start_ms: float = 0.0
     last_reply_ms: float = 0.0
     read_ms: float = 0.0
+    settled: dict[int, int] = field(default_factory=dict)
     mismatched: dict[int, tuple[int, int, bool]] = field(default_factory=dict)
 
 
+#: planes of the shared tree links: next_token, next_sibling, draft_tokens, parents
+LINK_PLANES = 4
+
+
 def links_offset(max_rows: int, width: int) -> int:
-    """Byte offset of the tree links in the shared segment: after the ``[max_rows, width]``
-    int32 slab, 8-byte aligned (parent and workers compute it alike)."""
+    """Byte offset of the tree links (:data:`LINK_PLANES` int64 planes of ``max_rows``) in the
+    shared segment: after the ``[max_rows, width]`` int32 slab, 8-byte aligned (parent and
+    workers compute it alike)."""
     return (max_rows * width * 4 + 7) // 8 * 8

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from structspec.draft_tree.layout import parents_from_links
 from structspec.grammar.bitmask import allocate_bitmask
 from structspec.grammar.pool_types import PoolBuildResult, PoolRequest
 from structspec.grammar.worker_pool import MaskWorkerPool
@@ -183,28 +184,6 @@ class GrammarTree:
         if self.parents_cpu is None:
             self.parents_cpu = parents_from_links(self.next_token_cpu, self.next_sibling_cpu)
         return self.parents_cpu
-
-
-def parents_from_links(next_token: torch.Tensor, next_sibling: torch.Tensor) -> torch.Tensor:
-    """Parent index of every node from first-child / next-sibling links (host walk).
-
-    Args:
-        next_token, next_sibling: ``int64 [bs, N]`` CPU tensors.
-
-    Returns:
-        ``int64 [bs, N]``: -1 for the root; unlinked (padding) nodes get 0, as in
-        :class:`~structspec.draft_tree.layout.VerifyTree`.
-    """
-    bs, n = next_token.shape
-    out = [[0] * n for _ in range(bs)]
-    for b, (nxt, sib) in enumerate(zip(next_token.tolist(), next_sibling.tolist(), strict=True)):
-        out[b][0] = -1
-        for p in range(n):
-            c = nxt[p]
-            while c != -1:
-                out[b][c] = p
-                c = sib[c]
-    return torch.tensor(out, dtype=torch.int64).view(bs, n)
 
 
 @dataclass
@@ -365,15 +344,19 @@ def walk_tree(matcher: AnyMatcher, next_token: torch.Tensor, next_sibling: torch
 def _settle_and_upload(bitmask: torch.Tensor, matchers: Sequence[AnyMatcher | None],
                        tree: GrammarTree, walked: Sequence[int], timed_out: Sequence[int], *,
                        device: torch.device | str, out: torch.Tensor | None,
-                       t0: float) -> GrammarMaskResult:
-    """The common tail of both builds: settle the walked rows, cap timed-out requests, queue
-    the asynchronous upload (into ``out[:bs * N]`` when given)."""
+                       t0: float, settled: dict[int, int] | None = None) -> GrammarMaskResult:
+    """The common tail of both builds: settle the walked rows (but ``settled``'s, which the
+    mask workers settled, with their counts of grammar-rejected drafts), cap timed-out
+    requests, queue the asynchronous upload (into ``out[:bs * N]`` when given)."""
     draft_tokens = tree.draft_tokens_cpu
     bs, n = draft_tokens.shape
-    settle = sorted(set(walked) - set(timed_out))
+    done = settled or {}
+    settle = sorted(set(walked) - set(timed_out) - done.keys())
     stop_ids = matchers[settle[0]].stop_token_ids if settle else ()  # type: ignore[union-attr]
     rejected_np = settle_tree_rows_batch(bitmask, draft_tokens, tree.parents(), settle,
                                          stop_token_ids=stop_ids)
+    for b, count in done.items():
+        rejected_np[b] = count
     max_accept = torch.full((bs,), n - 1, dtype=torch.int32)
     for i in timed_out:
         max_accept[i] = 0
@@ -475,11 +458,13 @@ def build_grammar_vocab_mask_pooled(
 
     result = pool.build(requests, next_token, next_sibling, draft_tokens,
                         time_limit_s=time_limit_s, while_waiting=host_side,
-                        advance_only=advance_only, on_verdicts=on_verdicts, host_rows=local)
+                        advance_only=advance_only, on_verdicts=on_verdicts, host_rows=local,
+                        parents=tree.parents())
+    # the workers settled their rows beside the walks; the local rows are settled here
     mask = _settle_and_upload(pool.slab[: bs * n], matchers, tree,
                               sorted(result.walked + local_walked),
                               sorted(result.timed_out + local_timed_out), device=device,
-                              out=out, t0=t0)
+                              out=out, t0=t0, settled=result.settled)
     mask.mirror = result
     return mask
 
@@ -565,26 +550,41 @@ def _settle_rows_lists(words: np.ndarray, draft_tokens: torch.Tensor, parents: t
     place). The vectorised walk is ~8 numpy calls per tree column whatever the batch (~150-270
     us for one 8-node tree on a 2-core EPYC VM, more than xgrammar's walk of that tree); this
     one costs a few Python operations per node."""
-    n = draft_tokens.shape[1]
-    limit = 32 * words.shape[2]
-    stops = set(stop_token_ids)
+    stops = frozenset(stop_token_ids)
     toks_all, par_all = draft_tokens.tolist(), parents.tolist()
     for b in requests:
-        toks, par = toks_all[b], par_all[b]
-        rows = words[b]
-        expanded = [True] + [False] * (n - 1)
-        bad = 0
-        for j in range(1, n):
-            tok, p = toks[j], max(par[j], 0)
-            if tok < 0 or not expanded[p]:
-                continue  # padding, or under a node that was not expanded: not reached
-            allowed = tok < limit and ((int(rows[p, tok >> 5]) >> (tok & 31)) & 1) == 1
-            if allowed and tok not in stops:
-                expanded[j] = True
-            else:
-                rows[j] = -1  # rejected or terminating: all ones
-                bad += not allowed
-        rejected[b] = bad
+        rejected[b] = settle_request_rows(words[b], toks_all[b], par_all[b], stops)
+
+
+def settle_request_rows(rows: np.ndarray, tokens: Sequence[int], parents: Sequence[int],
+                        stop_token_ids: frozenset[int]) -> int:
+    """:func:`settle_tree_rows_batch`'s rule for one request's walked rows, node by node (the
+    mask workers settle their requests' rows with it, beside the walk).
+
+    Args:
+        rows: ``int32 [N, W]`` numpy view of the request's filled rows, modified in place.
+        tokens: the ``N`` node tokens (-1 = padding node).
+        parents: the ``N`` parent indices (-1 for the root; parents precede children).
+        stop_token_ids: the matchers' stop ids.
+
+    Returns:
+        The reached draft nodes whose token the parent's row forbids.
+    """
+    n = len(tokens)
+    limit = 32 * rows.shape[1]
+    expanded = [True] + [False] * (n - 1)
+    bad = 0
+    for j in range(1, n):
+        tok, p = tokens[j], max(parents[j], 0)
+        if tok < 0 or not expanded[p]:
+            continue  # padding, or under a node that was not expanded: not reached
+        allowed = tok < limit and ((int(rows[p, tok >> 5]) >> (tok & 31)) & 1) == 1
+        if allowed and tok not in stop_token_ids:
+            expanded[j] = True
+        else:
+            rows[j] = -1  # rejected or terminating: all ones
+            bad += not allowed
+    return bad
 
 
 def settle_tree_rows(rows: torch.Tensor, next_token: torch.Tensor,

@@ -78,11 +78,13 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
+from structspec.draft_tree.layout import parents_from_links
 from structspec.grammar.bitmask import bitmask_width
 from structspec.grammar.grammar_shipping import GrammarShipper
 from structspec.grammar.llg_matcher import LlgCompiled
 from structspec.grammar.llg_tokenizer import LlgTokenizerSource
 from structspec.grammar.pool_types import (
+    LINK_PLANES,
     MaskPoolError,
     PoolBuildResult,
     PoolRequest,
@@ -196,16 +198,16 @@ class MaskWorkerPool:
         self.width = bitmask_width(vocab_size)
         self.max_rows = max_rows
         links_at = links_offset(max_rows, self.width)
-        self._shm = SharedMemory(create=True, size=links_at + 3 * max_rows * 8)
+        self._shm = SharedMemory(create=True, size=links_at + LINK_PLANES * max_rows * 8)
         #: ``int32 [max_rows, W]`` host view of the shared slab (rows ``[:bs * N]`` per build).
         self.slab = torch.frombuffer(self._shm.buf, dtype=torch.int32,
                                      count=max_rows * self.width).view(max_rows, self.width)
-        # int64 [3 * max_rows]: a build's tree links (next_token, next_sibling, draft_tokens
-        # as [3, bs, N]), written before its messages go out. Reused per build like the slab.
-        # (a numpy view of a torch view: np.frombuffer would export the buffer, and the
-        # segment cannot be closed while an export lives)
-        self._links = torch.frombuffer(self._shm.buf, dtype=torch.int64, count=3 * max_rows,
-                                       offset=links_at).numpy()
+        # int64 [4 * max_rows]: a build's tree links (next_token, next_sibling, draft_tokens,
+        # parents as [4, bs, N]), written before its messages go out. Reused per build like
+        # the slab. (a numpy view of a torch view: np.frombuffer would export the buffer, and
+        # the segment cannot be closed while an export lives)
+        self._links = torch.frombuffer(self._shm.buf, dtype=torch.int64,
+                                       count=LINK_PLANES * max_rows, offset=links_at).numpy()
         self.pinned = False
         if pin:
             err = page_lock(self.slab)  # None without CUDA: nothing to lock
@@ -320,10 +322,12 @@ class MaskWorkerPool:
               time_limit_s: float, while_waiting: Any = None,
               advance_only: Sequence[PoolRequest] = (),
               on_verdicts: Callable[[PoolBuildResult], None] | None = None,
-              host_rows: Sequence[int] = ()) -> PoolBuildResult:
+              host_rows: Sequence[int] = (),
+              parents: torch.Tensor | None = None) -> PoolBuildResult:
         """Advance the mirrors over the new ids, then fill ``slab[:bs * N]`` with the batch's
-        tree bitmasks (unsettled, as the walk leaves them); rows of unconstrained requests are
-        all ones.
+        tree bitmasks, each walked request's rows settled by its worker (rejected and
+        terminating nodes' rows all ones: ``settle_tree_rows_batch``'s rule, its counts in
+        ``PoolBuildResult.settled``); rows of unconstrained requests are all ones.
 
         Args:
             requests: one per batch row (None = unconstrained, or in ``host_rows``). A request
@@ -343,7 +347,10 @@ class MaskWorkerPool:
                 and no id after it. The mirrors' actual verdicts are in the result; rows
                 where they differ are in ``mismatched``.
             host_rows: batch rows (with None in ``requests``) that the caller walks itself
-                into the slab, in ``while_waiting``: left as the caller writes them.
+                into the slab, in ``while_waiting``: left as the caller writes them (and
+                settles them).
+            parents: ``int64 [bs, N]`` host parent of each node (-1 for the root), or None:
+                derived from the links here (a host walk) when a request has a tree to walk.
 
         Returns:
             :class:`PoolBuildResult`: batch indices walked (mirror not terminated), those
@@ -359,9 +366,13 @@ class MaskWorkerPool:
         # The links go through shared memory (pickling them per worker cost the host ~20 us
         # a message); jobs carry only ints and the new ids. Safe to overwrite: the previous
         # build read every reply, so no worker still reads them.
-        links = self._links[: 3 * bs * n].reshape(3, bs, n)
+        links = self._links[: LINK_PLANES * bs * n].reshape(LINK_PLANES, bs, n)
         for i, part in enumerate((next_token, next_sibling, draft_tokens)):
             links[i] = part.numpy()
+        if parents is None and any(req is not None for req in requests):  # a tree to walk
+            parents = parents_from_links(next_token, next_sibling)
+        if parents is not None:
+            links[3] = parents.numpy()
         result = self._dispatch([*requests, *advance_only], True, bs, n, time_limit_s,
                                 while_waiting, on_verdicts)
         skip = set(host_rows)
@@ -433,8 +444,10 @@ class MaskWorkerPool:
             self._walks_pending = None
             starts, ends = [], []
             for w in busy:
-                rejected, terminated, walked, timed_out, t_start, t_end = self._recv(w)
+                (rejected, terminated, walked, timed_out, settled, t_start,
+                 t_end) = self._recv(w)
                 out.rejected.update(rejected)
+                out.settled.update(settled)
                 out.terminated += terminated
                 out.worker_busy_ms.append((t_end - t_start) * 1e3)
                 starts.append(t_start)

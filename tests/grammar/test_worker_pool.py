@@ -151,6 +151,11 @@ def test_pooled_build_equals_in_process(pool: MaskWorkerPool, backend: GrammarBa
         assert torch.equal(pooled.bitmask_cpu, ref.bitmask_cpu), f"step {step}"
         assert pooled.truncated_requests == ref.truncated_requests
         assert pooled.rejected_by_grammar == ref.rejected_by_grammar
+        # every row a worker walked to the end was settled there, with its count
+        mirror = pooled.mirror
+        assert mirror is not None
+        assert set(mirror.settled) == set(mirror.walked) - set(mirror.timed_out)
+        assert all(pooled.rejected_by_grammar[b] == c for b, c in mirror.settled.items())
         assert torch.equal(pooled.max_accept_cpu, ref.max_accept_cpu)
         # commit 1-4 tokens each; requests whose text is used up finish and are released
         for r in live:
