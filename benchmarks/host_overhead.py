@@ -290,6 +290,8 @@ def main() -> None:
     ap.add_argument("--profile", default=None,
                     help="cProfile the timed steps into this file (use with one configuration)")
     ap.add_argument("--top", type=int, default=40, help="rows of the printed profile")
+    ap.add_argument("--grammar-workers", type=int, default=None,
+                    help="mask worker processes (default: the engine's, 0 on the CPU)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (cpu; 1 keeps the tiny forward off the other core)")
     args = ap.parse_args()
@@ -314,6 +316,7 @@ def main() -> None:
                 speculative_algorithm=algo, draft_model=draft,
                 num_draft_tokens=args.num_draft_tokens, max_batch_size=bsz,
                 device=args.device, load_format=load_format,
+                grammar_workers=args.grammar_workers,
                 kv_capacity_tokens=bsz * (args.max_tokens + 1024 + args.num_draft_tokens))
             if args.device == "cpu":
                 kw["dtype"] = "float32"
