@@ -118,9 +118,9 @@ def _load(payload: WireForm, compiler: xgr.GrammarCompiler | None,
 
 def _spin_for_message(conn: Connection, spin_s: float) -> None:
     """Poll ``conn`` without sleeping until a message (or EOF) is there or ``spin_s`` seconds
-    have passed (then the caller's ``recv`` blocks as usual). Each turn yields the CPU
-    (``sched_yield``, which also drops the GIL for the grammar loader thread) so the spin
-    takes only otherwise idle CPU time."""
+    have passed (then the caller's ``recv`` blocks as usual). Each turn calls ``sched_yield``:
+    another runnable thread of this core's queue (the grammar loader thread among them: the
+    call drops the GIL) runs first; with none the spin keeps the core busy."""
     deadline = time.perf_counter() + spin_s
     while not conn.poll():
         if time.perf_counter() > deadline:
@@ -237,7 +237,7 @@ def _worker_main(conn: Connection, ship: Connection) -> None:
                        time.perf_counter()))
         except Exception as e:  # noqa: BLE001 - the parent raises it
             conn.send(e)
-    del slab, slab_np, links_all, row_views
+    del slab, slab_np, links_all, links_np, row_views
     shm.close()
 
 

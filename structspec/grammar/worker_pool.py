@@ -133,9 +133,22 @@ def default_spin_ms(num_workers: int) -> float:
             raise ValueError(f"{SPIN_ENV}={raw!r}: expected milliseconds from 0 to "
                              f"{MAX_SPIN_MS:g}")
         return value
-    cpus = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-            else os.cpu_count() or 1)
-    return MASK_WORKER_SPIN_MS if cpus >= num_workers + 2 else 0.0
+    return MASK_WORKER_SPIN_MS if usable_cpus() >= num_workers + 2 else 0.0
+
+
+def usable_cpus(cgroup_cpu_max: str = "/sys/fs/cgroup/cpu.max") -> float:
+    """CPUs this process may use: its affinity set, capped by a cgroup v2 CPU quota
+    (``cpu.max``: ``"<quota> <period>"``, ``"max <period>"`` for none), as a container's
+    ``--cpus`` sets it (the affinity set of such a container still lists every host CPU)."""
+    cpus = float(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                 else os.cpu_count() or 1)
+    try:
+        quota, period = open(cgroup_cpu_max).read().split()[:2]  # noqa: SIM115
+        if quota != "max" and float(period) > 0:
+            cpus = min(cpus, float(quota) / float(period))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 CPU controller here: the affinity set
+    return cpus
 
 
 class MaskWorkerPool:
@@ -181,6 +194,9 @@ class MaskWorkerPool:
                              "be integers >= 1")
         self.num_workers = num_workers
         #: how long a worker polls for its next message before it sleeps (ms)
+        if spin_ms is not None and (isinstance(spin_ms, bool)
+                                    or not isinstance(spin_ms, int | float)):
+            raise ValueError(f"spin_ms ({spin_ms!r}) must be a number of milliseconds")
         self.spin_ms = default_spin_ms(num_workers) if spin_ms is None else float(spin_ms)
         if not 0 <= self.spin_ms <= MAX_SPIN_MS:  # NaN fails it too
             raise ValueError(f"spin_ms ({spin_ms!r}) must be from 0 to {MAX_SPIN_MS:g}")
@@ -396,7 +412,7 @@ class MaskWorkerPool:
     def _dispatch(self, requests: Sequence[PoolRequest | None], has_tree: bool, bs: int,
                   n: int, time_limit_s: float, while_waiting: Any,
                   on_verdicts: Callable[[PoolBuildResult], None] | None) -> PoolBuildResult:
-        """Send each worker its requests' new ids (``has_tree``: the shared ``[3, bs, N]`` tree
+        """Send each worker its requests' new ids (``has_tree``: the shared ``[4, bs, N]`` tree
         links hold a tree to walk; rows ``>= bs`` advance only), call ``on_verdicts`` with the
         predicted verdicts, run ``while_waiting``, gather the replies (one per worker, after it
         advanced and walked) and check the predictions."""

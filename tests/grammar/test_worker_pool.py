@@ -8,6 +8,7 @@ import os
 import random
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,6 +30,7 @@ from structspec.grammar.worker_pool import (
     PoolBuildResult,
     PoolRequest,
     default_spin_ms,
+    usable_cpus,
 )
 
 from .conftest import STOP_ID
@@ -67,6 +69,7 @@ class _Req:
         self.compiled = compiled
         self.output_ids: list[int] = []
         self.pending: list[int] = []
+        self.reaches_stop = False
 
     def commit(self, k: int) -> None:
         run = self.ids[self.pos : self.pos + k]
@@ -74,15 +77,22 @@ class _Req:
         self.output_ids += run
         self.pending += run
 
-    def tree(self, rng: random.Random, pool_ids: list[int]) -> VerifyTree:
-        """A chain of the true next tokens with random wrong branches (one-row tree)."""
+    def tree(self, rng: random.Random, pool_ids: list[int],
+             chain_p: float = 0.6) -> VerifyTree:
+        """A chain of the true next tokens with random wrong branches (one-row tree);
+        ``reaches_stop``: the tree's unbroken true chain from the root holds the true stop
+        token (a node the grammar allows and whose row is reset)."""
         last = self.output_ids[-1] if self.output_ids else self.ids[0]
         toks, parents = [last], [-1]
+        self.reaches_stop = False
+        unbroken = True
         for i in range(1, N):
-            if rng.random() < 0.6 and self.pos + i - 1 < len(self.ids):
+            if rng.random() < chain_p and self.pos + i - 1 < len(self.ids):
                 toks.append(self.ids[self.pos + i - 1])
                 parents.append(i - 1)
+                self.reaches_stop |= unbroken and self.pos + i - 1 == len(self.ids) - 1
             else:
+                unbroken = False
                 toks.append(rng.choice(pool_ids))
                 parents.append(rng.randrange(i))
         return VerifyTree.from_parents(torch.tensor([toks]), torch.tensor([parents]))
@@ -106,10 +116,16 @@ def test_backend_grammars_ship_as_their_source(backend: GrammarBackend) -> None:
     assert isinstance(wire_form(direct), str)
 
 
-# "serialized" (a grammar compiled outside the backend) runs under -m slow: the suite's budget
-@pytest.mark.parametrize("shipped", ["source", pytest.param("serialized", marks=pytest.mark.slow)])
+# "serialized" (a grammar compiled outside the backend) runs under -m slow: the suite's budget.
+# "wide": 12 requests (the in-process reference settles with its numpy passes, above
+# SETTLE_LIST_MAX_REQUESTS; the workers settle request by request) and mostly true chains, so
+# trees reach the true stop token (a stop node's row is reset too).
+@pytest.mark.parametrize(("shipped", "width", "chain_p"), [
+    ("source", 7, 0.6), ("source", 12, 0.9),
+    pytest.param("serialized", 7, 0.6, marks=pytest.mark.slow)])
 def test_pooled_build_equals_in_process(pool: MaskWorkerPool, backend: GrammarBackend,
-                                        hf_tokenizer: Any, shipped: str) -> None:
+                                        hf_tokenizer: Any, shipped: str, width: int,
+                                        chain_p: float) -> None:
     regex = r"[A-Z][a-z]+( [a-z]+){2,8}\."
     if shipped == "source":  # the engine's path: the worker compiles the source
         json_g = backend.compile(JsonSchemaConstraint(SCHEMA))
@@ -124,16 +140,18 @@ def test_pooled_build_equals_in_process(pool: MaskWorkerPool, backend: GrammarBa
     live: list[_Req] = []
     serial = 0
     builds = 0
+    stops_reached = 0
     for step in range(14):
         # arrivals: constrained (JSON / regex) and unconstrained requests
-        while len(live) < 7:
+        while len(live) < width:
             kind = serial % 4
             text = texts[2] if kind == 2 else texts[serial % 2]
             compiled = None if kind == 3 else (regex_g if kind == 2 else json_g)
             ids = hf_tokenizer.encode(text, add_special_tokens=False) + [STOP_ID]
             live.append(_Req(f"r{serial}", backend, compiled, ids))
             serial += 1
-        trees = [r.tree(rng, pool_ids) for r in live]
+        trees = [r.tree(rng, pool_ids, chain_p) for r in live]
+        stops_reached += sum(r.reaches_stop for r in live if r.matcher is not None)
         gt = GrammarTree.from_host(*(torch.cat([getattr(t, f) for t in trees]) for f in
                                      ("next_token", "next_sibling", "draft_tokens")))
         limit = 10.0
@@ -166,6 +184,8 @@ def test_pooled_build_equals_in_process(pool: MaskWorkerPool, backend: GrammarBa
             pool.release(r.key)
         live = [r for r in live if r not in done]
     assert builds == 14 and serial > 10  # requests came and went
+    if chain_p > 0.8:
+        assert stops_reached > 0  # stop nodes were reached (and their rows reset)
 
 
 def test_pooled_timeout_falls_back_like_in_process(pool: MaskWorkerPool,
@@ -198,7 +218,7 @@ def test_pool_rejects_oversized_batch_and_bad_args(pool: MaskWorkerPool,
         with pytest.raises(ValueError, match="num_workers"):
             MaskWorkerPool(backend.tokenizer_info, num_workers=bad,  # type: ignore[arg-type]
                            vocab_size=backend.vocab_size, max_rows=8, stop_token_ids=[STOP_ID])
-    for spin in (-1.0, float("nan"), float("inf"), MAX_SPIN_MS + 1):
+    for spin in (-1.0, float("nan"), float("inf"), MAX_SPIN_MS + 1, True, "5"):
         with pytest.raises(ValueError, match="spin_ms"):
             MaskWorkerPool(backend.tokenizer_info, num_workers=1, vocab_size=backend.vocab_size,
                            max_rows=8, stop_token_ids=[STOP_ID], spin_ms=spin)
@@ -208,12 +228,16 @@ def test_spin_window_follows_the_cores_and_the_environment(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Workers spin only with a core for each of them and two to spare; the environment
     variable overrides that, and a bad value is refused naming it."""
+    from structspec.grammar import worker_pool
+
     monkeypatch.delenv(SPIN_ENV, raising=False)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)))
+    monkeypatch.setattr(worker_pool, "usable_cpus", lambda: 16.0)
     assert default_spin_ms(8) == MASK_WORKER_SPIN_MS and default_spin_ms(14) == MASK_WORKER_SPIN_MS
     assert default_spin_ms(15) == 0.0
-    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1})
+    monkeypatch.setattr(worker_pool, "usable_cpus", lambda: 2.0)
     assert default_spin_ms(1) == 0.0 and default_spin_ms(0) == MASK_WORKER_SPIN_MS
+    monkeypatch.setattr(worker_pool, "usable_cpus", lambda: 9.5)  # a quota of 9.5 CPUs
+    assert default_spin_ms(8) == 0.0 and default_spin_ms(7) == MASK_WORKER_SPIN_MS
     monkeypatch.setenv(SPIN_ENV, "3.5")
     assert default_spin_ms(1) == 3.5
     monkeypatch.setenv(SPIN_ENV, "0")
@@ -226,6 +250,19 @@ def test_spin_window_follows_the_cores_and_the_environment(
         monkeypatch.setenv(SPIN_ENV, bad)
         with pytest.raises(ValueError, match=SPIN_ENV):
             default_spin_ms(1)
+
+
+def test_usable_cpus_follow_a_cgroup_quota(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A container's CPU quota caps the CPUs counted (its affinity set lists every host
+    CPU), so its workers do not spin on cores the quota does not give them."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)))
+    cpu_max = tmp_path / "cpu.max"
+    for text, want in (("max 100000\n", 16.0), ("400000 100000\n", 4.0),
+                       ("150000 100000\n", 1.5), ("garbage\n", 16.0)):
+        cpu_max.write_text(text)
+        assert usable_cpus(str(cpu_max)) == want, text
+    assert usable_cpus(str(tmp_path / "missing")) == 16.0
 
 
 def test_a_spinning_pool_closes_promptly(backend: GrammarBackend) -> None:
