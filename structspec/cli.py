@@ -302,7 +302,9 @@ def _precheck_grammar(args: argparse.Namespace, grammar: GrammarConstraint | Non
         else:
             check_grammar(grammar)
     except ValueError as e:
-        raise ValueError(f"{flag}: {e}") from None
+        # the engine's words name the request field ("strict false"); here it is a flag
+        message = str(e).replace("best effort (strict false)", "best effort (--no-strict)")
+        raise ValueError(f"{flag}: {message}") from None
 
 
 _GRAMMAR_KEYS = ("json_schema", "json_object", "regex", "ebnf", "choice")

@@ -321,3 +321,18 @@ def test_chat_template_file_or_text_reaches_the_engine_config(
     assert seen["config"].chat_template is None
     with pytest.raises(ValueError, match="^chat_template: Jinja syntax error"):
         llm_mod.LLM("x", chat_template="{{ x")
+
+
+def test_a_strict_refusal_names_the_flag_that_lifts_it(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The strict-mode refusal said "use best effort (strict false)", the request field's
+    words; on the command line it names ``--no-strict``, which then serves the schema."""
+    schema = '{"type": "string", "not": {"pattern": "^a"}}'
+    rc, _, err = _run(monkeypatch, capsys, ["generate", "--prompt", "hi", "--json-schema",
+                                            schema, "--grammar-backend", "xgrammar"])
+    assert rc == 2 and "'not' is ignored" in err and "best effort (--no-strict)." in err, err
+    assert "strict false" not in err and _FakeLLM.seen == []
+    rc, _, err = _run(monkeypatch, capsys, ["generate", "--prompt", "hi", "--json-schema",
+                                            schema, "--grammar-backend", "xgrammar",
+                                            "--no-strict"])
+    assert rc == 0, err
