@@ -255,7 +255,7 @@ def explained_compile_error(spec: GrammarConstraint, e: BaseException) -> str:
             # xgrammar's lexer quotes the first byte of a stray non-ASCII character, which
             # cuts it in half: its message is not UTF-8 and arrives as a decode error
             message = _stray_character_message(spec.grammar) or message
-        message += ebnf_error_context(message, spec.grammar)
+        message = with_ebnf_error_context(message, spec.grammar)
     elif isinstance(spec, RegexConstraint):
         message = _regex_compiler_message(message)
     return message
@@ -333,6 +333,29 @@ def _stray_character_message(grammar: str) -> str | None:
     return None
 
 
+def with_ebnf_error_context(message: str, grammar: str) -> str:
+    """An EBNF parser error whose ``at line L, column C`` counts UTF-8 bytes (xgrammar's, and
+    the GBNF path's, which positions as xgrammar does) as a person reads it: the column in
+    characters, then :func:`ebnf_error_context` (the line and its caret)."""
+    context = ebnf_error_context(message, grammar)
+    match = _LINE_COLUMN.search(message)
+    if match is not None:
+        line_no, column = int(match[1]), int(match[2])
+        lines = grammar.split("\n")
+        if 1 <= line_no <= len(lines) and column >= 1:
+            chars = _char_column(lines[line_no - 1], column)
+            message = f"{message[: match.start(2)]}{chars}{message[match.end(2):]}"
+    return message + context
+
+
+def _char_column(line: str, byte_column: int) -> int:
+    """The 1-based character column of a 1-based UTF-8 byte column of ``line`` (a column past
+    the line's end stays as far past it)."""
+    line_bytes = line.encode()
+    return len(line_bytes[: byte_column - 1].decode(errors="ignore")) + 1 + max(
+        0, byte_column - 1 - len(line_bytes))
+
+
 def ebnf_error_context(message: str, grammar: str) -> str:
     """The grammar line an xgrammar EBNF parser error points at, as text to append to it.
 
@@ -351,9 +374,7 @@ def ebnf_error_context(message: str, grammar: str) -> str:
     if not 1 <= line_no <= len(lines) or column < 1:
         return ""
     # xgrammar counts bytes of UTF-8; the caret goes under characters
-    line_bytes = lines[line_no - 1].encode()
-    column = len(line_bytes[: column - 1].decode(errors="ignore")) + 1 + max(
-        0, column - 1 - len(line_bytes))
+    column = _char_column(lines[line_no - 1], column)
     rest = "\n".join([lines[line_no - 1][column - 1:], *lines[line_no:]])
     cut = message.endswith("but got")  # xgrammar printed no character: an end
     if not rest.strip():  # nothing but blanks from here on: the grammar ended too early

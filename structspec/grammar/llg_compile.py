@@ -30,9 +30,9 @@ from structspec.constraints import (
 from structspec.grammar.bitmask import allocate_bitmask
 from structspec.grammar.compile_spec import (
     choice_ebnf,
-    ebnf_error_context,
     metaschema_problem,
     schema_text,
+    with_ebnf_error_context,
 )
 from structspec.grammar.errors import PARAM_BY_KIND, GrammarError
 from structspec.grammar.llg_matcher import LlgCompiled, LlgMatcher
@@ -92,8 +92,8 @@ def llguidance_grammar(spec: GrammarConstraint, *, any_whitespace: bool) -> str:
 def gbnf_error_message(e: ValueError, grammar: str) -> str:
     """llguidance's GBNF reader's error for ``grammar``, positioned as xgrammar's: ``...:
     Expected ')' at line 2, column 1 (at the end of the grammar)``, then the grammar line with
-    a caret under the column (:func:`~structspec.grammar.compile_spec.ebnf_error_context`;
-    the column counted in UTF-8 bytes, as xgrammar counts it).
+    a caret under the column (:func:`~structspec.grammar.compile_spec.with_ebnf_error_context`;
+    the column counted in characters, as for xgrammar's errors).
 
     The reader's own text names the line and quotes up to 20 characters either side of the
     place (``at line 2, 'root ::= "a" (\\n' ^ ''``); the exact offset comes from the error
@@ -111,7 +111,7 @@ def gbnf_error_message(e: ValueError, grammar: str) -> str:
     line_start = grammar.rfind("\n", 0, offset) + 1
     column = len(grammar[line_start:offset].encode()) + 1
     message = message[: -len(f" at {where}")] + f" at line {line}, column {column}"
-    return message + ebnf_error_context(message, grammar)
+    return with_ebnf_error_context(message, grammar)
 
 
 def check_grammar_llguidance(spec: GrammarConstraint | None) -> None:

@@ -49,9 +49,11 @@ def _accepts(backend: GrammarBackend, cg: xgr.CompiledGrammar, text: str) -> boo
     # the parser's position shown as the CLI's precheck shows it ("but got" named nothing)
     (EbnfConstraint("root ::= ("), "ebnf",
      "but got (end of the grammar)\n  line 1: root ::= (\n" + " " * 20 + "^"),
-    # non-ASCII text before the error: xgrammar's column counts bytes, the caret characters
+    # non-ASCII text before the error: xgrammar's column counts bytes (24 here); the message
+    # and the caret count characters
     (EbnfConstraint('root ::= "h\u00e9llo\U0001F600" @ "x"'), "ebnf",
-     'line 1: root ::= "h\u00e9llo\U0001F600" @ "x"\n' + " " * 28 + "^"),
+     'line 1, column 19: Unexpected character: @\n  line 1: root ::= "h\u00e9llo\U0001F600" @ '
+     '"x"\n' + " " * 28 + "^"),
     # a trailing blank on the reported line: the caret under the column the parser named
     (EbnfConstraint('root ::= "a" b\nb ::= '), "ebnf",
      "line 2, column 7: Expect element, but got (end of the grammar)\n  line 2: b ::= \n"

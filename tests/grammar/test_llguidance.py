@@ -332,8 +332,9 @@ GBNF_SYNTAX_ERRORS = [
      'line 1: root ::= "a" (', 14),
     ('root ::= "a"\nb ::= "x" ]\n', "Expected name at line 2, column 11",
      'line 2: b ::= "x" ]', 10),
-    # the column counts UTF-8 bytes, as xgrammar's; the caret goes under the character
-    ('root ::= "\u00e9" ) "x"', "Expected name at line 1, column 15",
+    # the column counts characters (llguidance's offset and xgrammar's column are UTF-8
+    # bytes: column 15 there), and the caret goes under the character
+    ('root ::= "\u00e9" ) "x"', "Expected name at line 1, column 14",
      'line 1: root ::= "\u00e9" ) "x"', 13),
 ]
 
