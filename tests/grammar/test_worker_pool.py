@@ -267,7 +267,7 @@ def test_usable_cpus_follow_a_cgroup_quota(tmp_path: Path,
 
 def test_a_spinning_pool_closes_promptly(backend: GrammarBackend) -> None:
     """A worker inside its spin window still reads the stop message at once: close() does
-    not wait for the window (here far longer than the shutdown's limit) nor kill anyone."""
+    not wait for the window (the longest allowed, 1 s) nor kill anyone."""
     pool = MaskWorkerPool(backend.tokenizer_info, num_workers=1, vocab_size=backend.vocab_size,
                           max_rows=8, stop_token_ids=[STOP_ID], spin_ms=MAX_SPIN_MS)
     procs = list(pool._procs)
@@ -275,7 +275,9 @@ def test_a_spinning_pool_closes_promptly(backend: GrammarBackend) -> None:
     assert pool.advance([PoolRequest("spin", compiled, [])]).worker_busy_ms  # now spinning
     t0 = time.perf_counter()
     pool.close()
-    assert time.perf_counter() - t0 < WORKER_EXIT_S
+    # a worker that sat out its window would take >= 1 s here, still inside the shutdown's
+    # limit (WORKER_EXIT_S) and with exit code 0: the bound is the window's, not the limit's
+    assert time.perf_counter() - t0 < 0.8 * MAX_SPIN_MS / 1e3 < WORKER_EXIT_S
     assert [p.returncode for p in procs] == [0]
 
 
