@@ -158,10 +158,12 @@ def _read_text_arg(value: str, name: str) -> str:
             one that is not UTF-8 (the first bad byte, its offset, line and column;
             :func:`_utf8_error_at`).
     """
+    if len(value) >= 4096:  # inline text (too long for a path)
+        return value
     path = Path(value)
-    if len(value) >= 4096 or not path.is_file():
-        if len(value) < 4096 and path.is_dir():
-            raise ValueError(f"{name}: {value!r} is a directory, not a file")
+    if path.is_dir():
+        raise ValueError(f"{name}: {value!r} is a directory, not a file")
+    if not path.is_file():
         return value
     try:
         data = path.read_bytes()

@@ -11,7 +11,6 @@ parts.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +21,7 @@ from structspec.engine.cpu_threads import set_cpu_threads, set_gpu_host_threads
 from structspec.grammar.backend import GrammarBackend
 from structspec.grammar.llg_backend import LlgBackend
 from structspec.grammar.select_backend import SelectingBackend
-from structspec.grammar.worker_pool import SPIN_ENV, MaskWorkerPool
+from structspec.grammar.worker_pool import MaskWorkerPool, default_spin_ms
 from structspec.models.default_model import resolve_model_path
 from structspec.models.loader import load_model, load_model_config
 from structspec.models.quantize import plan_for, quantize_model
@@ -124,10 +123,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
             stop_token_ids=list(tokenizer.eos_token_ids), pin=device.type == "cuda",
             llguidance_tokenizer=None if llg is None else llg.tokenizer_source,
             max_rollback_tokens=config.grammar.max_rollback_tokens,
-            # a CPU engine's torch threads take every core: workers spinning between steps
-            # would take them from its forward (the environment variable still decides)
-            spin_ms=None if device.type == "cuda" or os.environ.get(SPIN_ENV, "").strip()
-            else 0.0)
+            spin_ms=default_spin_ms(config.grammar.mask_build_workers,
+                                    gpu_engine=device.type == "cuda"))
     scheduler = Scheduler(config, runner, grammar, drafter, mask_pool=mask_pool)
     return EngineParts(config=config, model_path=model_path, max_model_len=max_model_len,
                        model_config=model_config, tokenizer=tokenizer, runner=runner,

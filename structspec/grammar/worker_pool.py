@@ -73,6 +73,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -113,11 +114,12 @@ SPIN_ENV = "STRUCTSPEC_MASK_WORKER_SPIN_MS"
 MAX_SPIN_MS = 1000.0
 
 
-def default_spin_ms(num_workers: int) -> float:
+def default_spin_ms(num_workers: int, *, gpu_engine: bool = True) -> float:
     """The workers' spin window (ms): ``STRUCTSPEC_MASK_WORKER_SPIN_MS`` when set, else
-    :data:`MASK_WORKER_SPIN_MS` when this process may run on at least ``num_workers + 2``
-    CPUs (one per spinning worker, one for the engine's step loop, one for the rest), else 0:
-    spinning workers on fewer cores would take CPU time from the step loop.
+    :data:`MASK_WORKER_SPIN_MS` for a GPU engine whose process may run on at least
+    ``num_workers + 2`` CPUs (one per spinning worker, one for the engine's step loop, one for
+    the rest), else 0: spinning workers on fewer cores would take CPU time from the step loop,
+    and a CPU engine's torch threads take every core for its forward.
 
     Raises:
         ValueError: the variable is not a number from 0 to :data:`MAX_SPIN_MS` (a longer
@@ -133,7 +135,7 @@ def default_spin_ms(num_workers: int) -> float:
             raise ValueError(f"{SPIN_ENV}={raw!r}: expected milliseconds from 0 to "
                              f"{MAX_SPIN_MS:g}")
         return value
-    return MASK_WORKER_SPIN_MS if usable_cpus() >= num_workers + 2 else 0.0
+    return MASK_WORKER_SPIN_MS if gpu_engine and usable_cpus() >= num_workers + 2 else 0.0
 
 
 def usable_cpus(cgroup_cpu_max: str = "/sys/fs/cgroup/cpu.max") -> float:
@@ -143,7 +145,7 @@ def usable_cpus(cgroup_cpu_max: str = "/sys/fs/cgroup/cpu.max") -> float:
     cpus = float(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                  else os.cpu_count() or 1)
     try:
-        quota, period = open(cgroup_cpu_max).read().split()[:2]  # noqa: SIM115
+        quota, period = Path(cgroup_cpu_max).read_text().split()[:2]
         if quota != "max" and float(period) > 0:
             cpus = min(cpus, float(quota) / float(period))
     except (OSError, ValueError):
