@@ -265,7 +265,7 @@ def with_backend_note(message: str, backend: str, note: str) -> str:
     """``message`` (one backend's refusal of a grammar) followed by what ``backend`` said of
     it: ``"... (xgrammar: ...)"`` when both are one line; otherwise the note on lines of its
     own after ``message``, ``"...\nxgrammar: ..."``. A closing parenthesis after a caret
-    block (:func:`ebnf_error_context`) used to land at the end of the caret line, and a
+    block (:func:`_ebnf_error_context`) used to land at the end of the caret line, and a
     block inside parentheses no longer lined up with the line above it.
 
     Args:
@@ -336,8 +336,8 @@ def _stray_character_message(grammar: str) -> str | None:
 def with_ebnf_error_context(message: str, grammar: str) -> str:
     """An EBNF parser error whose ``at line L, column C`` counts UTF-8 bytes (xgrammar's, and
     the GBNF path's, which positions as xgrammar does) as a person reads it: the column in
-    characters, then :func:`ebnf_error_context` (the line and its caret)."""
-    context = ebnf_error_context(message, grammar)
+    characters, then :func:`_ebnf_error_context` (the line and its caret)."""
+    context = _ebnf_error_context(message, grammar)
     match = _LINE_COLUMN.search(message)
     if match is not None:
         line_no, column = int(match[1]), int(match[2])
@@ -356,7 +356,7 @@ def _char_column(line: str, byte_column: int) -> int:
         0, byte_column - 1 - len(line_bytes))
 
 
-def ebnf_error_context(message: str, grammar: str) -> str:
+def _ebnf_error_context(message: str, grammar: str) -> str:
     """The grammar line an xgrammar EBNF parser error points at, as text to append to it.
 
     xgrammar ends ``Expect element, but got `` with the offending character, which is nothing
