@@ -206,8 +206,9 @@ def _worker_main(conn: Connection, ship: Connection) -> None:
                 if has_tree and b < bs:  # rows >= bs (or no tree): advance only
                     live.append((b, m))
             # Pass 2: walk the trees into the slab, and settle each walked request's rows
-            # (the parent would otherwise settle the whole batch's after the replies: ~0.2 ms
-            # of its time at batch 32-64 on a 2-core VM, ~5 us a request here)
+            # (the parent would otherwise settle the whole batch's after the replies: 0.1-0.14
+            # ms of its time at batch 32-64 on a 2-core VM, 4-9 us a request here;
+            # benchmarks/settle_cost.py)
             walked, timed_out = [], []
             settled: dict[int, int] = {}
             views = row_views.get((bs, n)) if live else None
