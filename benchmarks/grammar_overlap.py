@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import re
 import statistics
@@ -205,13 +206,15 @@ def draft_for(algo: str, args: argparse.Namespace) -> str | None:
 
 
 #: ``--walks-order`` (here and in ``distinct_schemas.py``)
-WALKS_ORDER_HELP = ("a host tree's mask-worker build sent before the verify launch, after it, "
-                    "or chosen per step from the measured times (auto, the engine's default)")
+WALKS_ORDER_HELP = ("the mask-worker build sent before the verify launch, after it, or chosen "
+                    "per step from the measured times (auto, the engine's default; a device "
+                    "tree goes first only with 'before', and only while the mirrors serve "
+                    "the barrier)")
 
 
 def set_build_order(engine: LLMEngine, mode: str) -> None:
-    """Fix when a host tree's mask-worker build is sent (``before`` / ``after`` the verify
-    launch) or leave it to the engine (``auto``): :mod:`structspec.scheduler.build_order`."""
+    """Fix when the mask-worker build is sent (``before`` / ``after`` the verify launch) or
+    leave it to the engine (``auto``): :mod:`structspec.scheduler.build_order`."""
     verify = engine.scheduler._verify
     verify.build_order = PoolBuildOrder(mode,  # type: ignore[arg-type]
                                         forward_on_host=engine.runner.device.type != "cuda")
@@ -266,8 +269,14 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="per request (default: (steps + 8) * num_draft_tokens + 64, enough to "
                          "stay alive through the window; KV is reserved for all of it)")
-    ap.add_argument("--walks-order", default="auto", choices=["auto", "before", "after"],
-                    help=WALKS_ORDER_HELP)
+    ap.add_argument("--walks-order", nargs="+", default=["auto"],
+                    choices=["auto", "before", "after"],
+                    help=WALKS_ORDER_HELP + "; several: each batch size runs each, on one "
+                         "engine (an A/B on one host)")
+    ap.add_argument("--reply-spin", nargs="+", default=["auto"], choices=["auto", "on", "off"],
+                    help="whether a pool build polls for the workers' replies before it "
+                         "blocks (auto: the engine's, on while the workers spin); several "
+                         "as --walks-order")
     args = ap.parse_args()
     max_tokens = args.max_tokens or (args.steps + 8) * args.num_draft_tokens + 64
     model_name = Path(args.model).name if args.model else "smollm2-135m"
@@ -282,13 +291,21 @@ def main() -> None:
                       grammar_backend=args.grammar_backend,
                       speculative_adaptive=args.speculative_adaptive)
             kernels = llm.engine.config.kernels
-            set_build_order(llm.engine, args.walks_order)
+            pool = llm.engine.scheduler.mask_pool
+            default_reply_spin = pool is not None and pool.spin_replies
             prompts_all: Sequence[str | list[int]] = (
                 record_prompts(llm, max(args.batch),
                                check_tokens=0 if args.load_format == "dummy" else 128)
                 if args.workload == "records"
                 else [p for p, _ in extraction_prompts(max(args.batch), seed=3)])
-            for bs in args.batch:
+            for bs, walks_order, reply_spin_mode in itertools.product(
+                    args.batch, args.walks_order, args.reply_spin):
+                set_build_order(llm.engine, walks_order)
+                pool = llm.engine.scheduler.mask_pool  # a failed pool's replacement: anew
+                if pool is not None:
+                    pool.spin_replies = (default_reply_spin if reply_spin_mode == "auto"
+                                         else reply_spin_mode == "on")
+                reply_spin = "-" if pool is None else "on" if pool.spin_replies else "off"
                 # Pairs alternate (none, JSON, none, JSON, ...) so that a drift in the host's
                 # speed hits both sides; the pair with the median ratio is reported.
                 pairs = []
@@ -307,7 +324,8 @@ def main() -> None:
                           f"repeats={len(pairs)} " if len(pairs) > 1 else "")
                 print(f"grammar_overlap model={model_name} kernels={kernels} algo={algo} "
                       f"workers={llm.engine.config.grammar.mask_build_workers} "
-                      f"grammar_backend={args.grammar_backend} walks={args.walks_order} "
+                      f"grammar_backend={args.grammar_backend} walks={walks_order} "
+                      f"reply_spin={reply_spin} "
                       f"overlap={'on' if overlap else 'off'} "
                       f"bs={bs:<3} N={llm.engine.drafter.num_nodes} "
                       f"step_ms_no_grammar={plain['event_ms']:.3f} "

@@ -66,10 +66,18 @@ class PoolBuildOrder:
         if self.mode not in ("auto", "before", "after"):
             raise ValueError(f"build order mode must be auto, before or after, not {self.mode!r}")
 
-    def send_first(self) -> bool:
-        """Whether this step's pool build goes out before the verify launch."""
+    def send_first(self, *, device_tree: bool = False) -> bool:
+        """Whether this step's pool build goes out before the verify launch.
+
+        Args:
+            device_tree: the tree is drafted on the device (EAGLE, draft model): sending
+                first waits for the draft kernels before the launch. ``auto`` launches first
+                for such trees.
+        """
         if self.mode != "auto":
             return self.mode == "before"
+        if device_tree:
+            return False
         if self.forward_on_host:
             return True
         if self.walk_ms is None or self.forward_ms is None:

@@ -9,7 +9,8 @@
 3. **launch verify**: the target verify forward is queued (a drafter that cannot overlap
    gets its mask built first, the GPU idling meanwhile; a host tree whose walks go to the
    mask workers has its build sent first when they would not hide under the forward, and
-   the launch runs while they walk: :mod:`~structspec.scheduler.build_order`);
+   the launch runs while they walk: :mod:`~structspec.scheduler.build_order`; a device tree
+   likewise once its copy has landed, when the build order says so);
 4. **grammar mask**, under the forward: the previous step's grammar barrier and, where it
    pays, its text work (:class:`~structspec.scheduler.deferred_work.PreviousStepWork`), then
    the tree bitmask, queued to the device;
@@ -283,20 +284,30 @@ class VerifyStep:
 
     def _walks_before_launch(self, proposal: Proposal,
                              staged: StagedTree) -> list[PoolRequest | None] | None:
-        """For a host tree (n-gram) whose walks go to the mask workers, what the pool walks
-        (:meth:`GrammarService.pool_walks`): its build can be sent before the verify launch,
-        since the tree is on the host already and the launch reads nothing the build
-        changes. None otherwise, and when the build order (:attr:`build_order`) puts the
-        launch first this step."""
-        if (not self.drafter.tree_on_host or staged.grammar_tree is None
-                or staged.mask_before_launch or not self.build_order.send_first()):
+        """What the mask workers walk (:meth:`GrammarService.pool_walks`) when this step's
+        build goes out before the verify launch, as the build order (:attr:`build_order`)
+        decides; None when the launch goes first.
+
+        The launch reads nothing the build changes. A host tree (n-gram) is on the host
+        already. A device tree (EAGLE, draft model) goes first only when the mirrors serve the
+        barrier: the build then waits for the drafted tree's copy (the draft kernels), sends,
+        and the launch runs while the workers walk; with the host matchers' barrier the
+        launch would run before the tree's copy is waited for anyway."""
+        tree = staged.grammar_tree
+        if tree is None or staged.mask_before_launch:
+            return None
+        device_tree = not self.drafter.tree_on_host
+        if device_tree and not staged.plan.barrier_in_workers:
+            return None
+        if not self.build_order.send_first(device_tree=device_tree):
             return None
         return self.grammar.pool_walks(proposal.reqs, staged.plan)
 
     def _launch_under_walks(self, proposal: Proposal, staged: StagedTree,
                             work: PreviousStepWork, pool_walks: list[PoolRequest | None],
                             ) -> tuple[VerifyForwardOutput, Selection, GrammarMaskResult | None]:
-        """Phases 3 and 4 for :meth:`_walks_before_launch`: the workers get their walks first,
+        """Phases 3 and 4 for :meth:`_walks_before_launch`: the workers get their walks first
+        (a device tree's once its copy has landed),
         and the verify launch (a graph replay's staging, ~0.5-1 ms of host time at batch
         32-64 on the H200 host) runs while they walk, then the barrier and text work: the
         order :attr:`build_order` picks when the walks would outlast the forward launched

@@ -415,14 +415,18 @@ class _ArrivedCopy:
         self._log.append("resolve")
 
 
-@pytest.mark.slow  # ~28 s on 2 cores; the pooled build test below covers the mask workers
+@pytest.mark.slow  # ~28 s each on 2 cores; the pooled build test below covers the mask workers
+@pytest.mark.parametrize("order", ["after", "before"])
 def test_device_tree_with_mirrors_matches_in_process_and_texts_after_the_verdicts(
-        in_process_outputs, monkeypatch: pytest.MonkeyPatch) -> None:
+        in_process_outputs, monkeypatch: pytest.MonkeyPatch, order: str) -> None:
     """A device tree (the shipped EAGLE head's, its D2H copy simulated) with the mask workers'
     mirrors serving the barrier gives the in-process outputs, and each step's text work for
     the previous step runs only after the build is sent and its predicted verdicts applied,
-    never before the tree is resolved (the order host trees have had)."""
+    never before the tree is resolved (the order host trees have had). With the build sent
+    before the verify launch (``order="before"``) the launch follows the tree's resolve and
+    the verdicts; launched first, it precedes them."""
     from structspec.scheduler import deferred_work, verify_step
+    from structspec.scheduler.build_order import PoolBuildOrder
     from structspec.scheduler.grammar_service import GrammarService
 
     log: list[str] = []
@@ -446,9 +450,12 @@ def test_device_tree_with_mirrors_matches_in_process_and_texts_after_the_verdict
                         staticmethod(logged("verdicts", apply_verdicts)))
     monkeypatch.setattr(deferred_work, "process_text", logged("text", process_text))
     monkeypatch.setattr(verify_step.VerifyStep, "run", logged("step", run))
+    monkeypatch.setattr(verify_step.VerifyStep, "_launch_verify",
+                        logged("launch", verify_step.VerifyStep._launch_verify))
     ref = in_process_outputs("eagle_shipped_head")
     log.clear()
     with pool_llm(**SPEC_CONFIGS["eagle_shipped_head"]({})) as llm:
+        llm.engine.scheduler._verify.build_order = PoolBuildOrder(order)  # type: ignore[arg-type]
         got = llm.generate(PROMPTS[:8], cut_params())
         assert llm.engine.scheduler.mask_pool.num_builds > 0
     for a, b in zip(ref, got, strict=True):
@@ -459,6 +466,12 @@ def test_device_tree_with_mirrors_matches_in_process_and_texts_after_the_verdict
     assert mirrored, log
     for s in mirrored:  # no text work between the step's start and its tree's resolve
         assert "text" not in s.split("resolve")[0], s
+        # each event's first time (a tree is resolved again by later readers)
+        events = list(dict.fromkeys(e for e in s.split("|")
+                                    if e in ("resolve", "verdicts", "launch")))
+        want = (["resolve", "verdicts", "launch"] if order == "before"
+                else ["launch", "resolve", "verdicts"])
+        assert events == want, s
 
 
 def test_committed_id_the_grammar_forbids_is_never_reported(make_llm, ngram_pool_llm,
@@ -544,7 +557,8 @@ def test_pool_build_after_the_launch_and_switched_per_step_matches_in_process(
             super().__init__()
             self.steps = 0
 
-        def send_first(self) -> bool:
+        def send_first(self, *, device_tree: bool = False) -> bool:
+            assert not device_tree  # an n-gram tree is on the host
             self.steps += 1
             return self.steps % 2 == 0
 
