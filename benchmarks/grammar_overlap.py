@@ -277,6 +277,9 @@ def main() -> None:
                     help="whether a pool build polls for the workers' replies before it "
                          "blocks (auto: the engine's, on while the workers spin); several "
                          "as --walks-order")
+    ap.add_argument("--text-while-drafting", nargs="+", default=["on"], choices=["on", "off"],
+                    help="a device tree's text work while the tree is on its way (on, the "
+                         "engine's) or after it arrived; several as --walks-order")
     args = ap.parse_args()
     max_tokens = args.max_tokens or (args.steps + 8) * args.num_draft_tokens + 64
     model_name = Path(args.model).name if args.model else "smollm2-135m"
@@ -298,9 +301,10 @@ def main() -> None:
                                check_tokens=0 if args.load_format == "dummy" else 128)
                 if args.workload == "records"
                 else [p for p, _ in extraction_prompts(max(args.batch), seed=3)])
-            for bs, walks_order, reply_spin_mode in itertools.product(
-                    args.batch, args.walks_order, args.reply_spin):
+            for bs, walks_order, reply_spin_mode, text_early in itertools.product(
+                    args.batch, args.walks_order, args.reply_spin, args.text_while_drafting):
                 set_build_order(llm.engine, walks_order)
+                llm.engine.scheduler._verify.text_while_drafting = text_early == "on"
                 pool = llm.engine.scheduler.mask_pool  # a failed pool's replacement: anew
                 if pool is not None:
                     pool.spin_replies = (default_reply_spin if reply_spin_mode == "auto"
@@ -325,7 +329,7 @@ def main() -> None:
                 print(f"grammar_overlap model={model_name} kernels={kernels} algo={algo} "
                       f"workers={llm.engine.config.grammar.mask_build_workers} "
                       f"grammar_backend={args.grammar_backend} walks={walks_order} "
-                      f"reply_spin={reply_spin} "
+                      f"reply_spin={reply_spin} text_while_drafting={text_early} "
                       f"overlap={'on' if overlap else 'off'} "
                       f"bs={bs:<3} N={llm.engine.drafter.num_nodes} "
                       f"step_ms_no_grammar={plain['event_ms']:.3f} "

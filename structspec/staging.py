@@ -419,6 +419,10 @@ class PendingCopy:
         """Whether the copies came from a CUDA device (an event guards them)."""
         return self.event is not None
 
+    def done(self) -> bool:
+        """Whether the copies have landed, without blocking (``cudaEventQuery``)."""
+        return self._waited or self.event is None or self.event.query()
+
     def wait(self) -> tuple[torch.Tensor, ...]:
         """Block until the copies landed (once; later calls return at once) and return
         :attr:`hosts`. The only host wait of a D2H copy (module doc, "D2H pending copy")."""

@@ -167,6 +167,11 @@ class GrammarTree:
         bs, n = self.next_token_cpu.shape
         return bs, n
 
+    def arrived(self) -> bool:
+        """Whether :meth:`resolve` would return without waiting (a host tree, or a device
+        tree whose copies have landed); never blocks."""
+        return self.copy is None or self.copy.done()
+
     def resolve(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Wait for the staged copies (once) and return the three host tensors.
 
@@ -385,6 +390,7 @@ def build_grammar_vocab_mask_pooled(
     advance_only: Sequence[PoolRequest] = (),
     on_verdicts: Callable[[PoolBuildResult], None] | None = None,
     local: Sequence[int] = (),
+    while_drafting: Callable[[Callable[[], bool]], None] | None = None,
 ) -> GrammarMaskResult | None:
     """:func:`build_grammar_vocab_mask` with the tree walks in ``pool``'s worker processes.
 
@@ -395,6 +401,9 @@ def build_grammar_vocab_mask_pooled(
     advance the grammar (``on_verdicts`` given): then, as for a host tree, ``barrier`` runs
     after the build is sent and its predicted verdicts are applied. The ``local`` rows
     are walked here, from the host matchers, after the barrier and while the workers walk.
+    With mirrors, a device tree and ``while_drafting``, the predicted verdicts are applied
+    first and ``while_drafting`` runs while the tree is still on its way (the host would
+    otherwise wait for the draft kernels there), then the build is sent.
 
     Args:
         pool: the worker pool (its slab holds the rows; on CUDA it is page-locked).
@@ -405,6 +414,10 @@ def build_grammar_vocab_mask_pooled(
         tree, device, barrier, time_limit_s, out: as in :func:`build_grammar_vocab_mask`.
         advance_only, on_verdicts: see :meth:`MaskWorkerPool.build` (mirror-only advances in
             the same round trip; a callback with the predicted verdicts, before ``barrier``).
+        while_drafting: with a device tree and ``on_verdicts``, work for this thread while the
+            drafted tree is on its way, after the predicted verdicts: called with
+            :meth:`GrammarTree.arrived`, it should return soon after that turns true (the
+            previous step's text work; the part left runs in ``barrier``). Ignored otherwise.
         local: rows of constrained requests whose grammar is not on their worker yet
             (:meth:`MaskWorkerPool.ready`): their ``requests`` entry is None and their host
             matcher, current after ``barrier``, walks their tree in this process.
@@ -431,8 +444,17 @@ def build_grammar_vocab_mask_pooled(
         # or cut its run), i.e. inside ``pool.build``, once the build is sent
         barrier()
         barrier = None
-    next_token, next_sibling, draft_tokens = tree.resolve()
-    bs, n = next_token.shape
+    before_send = None
+    if device_tree and on_verdicts is not None and while_drafting is not None:
+        def before_send() -> None:
+            while_drafting(tree.arrived)
+            tree.resolve()
+    else:
+        tree.resolve()
+    # the host buffers of a device tree's copy: read only after ``before_send`` resolved it
+    next_token, next_sibling, draft_tokens = (tree.next_token_cpu, tree.next_sibling_cpu,
+                                              tree.draft_tokens_cpu)
+    bs, n = tree.shape
     if len(matchers) != bs or len(requests) != bs:
         raise ValueError(f"{len(matchers)} matchers / {len(requests)} requests for a tree "
                          f"batch of {bs}")
@@ -459,7 +481,8 @@ def build_grammar_vocab_mask_pooled(
     result = pool.build(requests, next_token, next_sibling, draft_tokens,
                         time_limit_s=time_limit_s, while_waiting=host_side,
                         advance_only=advance_only, on_verdicts=on_verdicts, host_rows=local,
-                        parents=tree.parents())
+                        parents=tree.parents if before_send is not None else tree.parents(),
+                        before_send=before_send)
     # the workers settled their rows beside the walks; the local rows are settled here
     mask = _settle_and_upload(pool.slab[: bs * n], matchers, tree,
                               sorted(result.walked + local_walked),

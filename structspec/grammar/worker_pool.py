@@ -347,7 +347,8 @@ class MaskWorkerPool:
               advance_only: Sequence[PoolRequest] = (),
               on_verdicts: Callable[[PoolBuildResult], None] | None = None,
               host_rows: Sequence[int] = (),
-              parents: torch.Tensor | None = None) -> PoolBuildResult:
+              parents: torch.Tensor | Callable[[], torch.Tensor] | None = None,
+              before_send: Callable[[], None] | None = None) -> PoolBuildResult:
         """Advance the mirrors over the new ids, then fill ``slab[:bs * N]`` with the batch's
         tree bitmasks, each walked request's rows settled by its worker (rejected and
         terminating nodes' rows all ones: ``settle_tree_rows_batch``'s rule, its counts in
@@ -373,8 +374,15 @@ class MaskWorkerPool:
             host_rows: batch rows (with None in ``requests``) that the caller walks itself
                 into the slab, in ``while_waiting``: left as the caller writes them (and
                 settles them).
-            parents: ``int64 [bs, N]`` host parent of each node (-1 for the root), or None:
-                derived from the links here (a host walk) when a request has a tree to walk.
+            parents: ``int64 [bs, N]`` host parent of each node (-1 for the root), a callable
+                returning them (called after ``before_send``), or None: derived from the links
+                here (a host walk) when a request has a tree to walk.
+            before_send: with ``on_verdicts``: called after the predicted verdicts and before
+                the tree links are read and the messages sent (a device tree's links may still
+                be on their way when ``build`` is called: this waits for them, doing other
+                work meanwhile). When it raises, the messages still go out, without the tree
+                (the mirrors take their new ids, as recorded), and the error is raised once
+                the replies are read.
 
         Returns:
             :class:`PoolBuildResult`: batch indices walked (mirror not terminated), those
@@ -387,18 +395,31 @@ class MaskWorkerPool:
         bs, n = next_token.shape
         if bs * n > self.max_rows:
             raise ValueError(f"a build of {bs} x {n} rows exceeds the slab's {self.max_rows}")
-        # The links go through shared memory (pickling them per worker cost the host ~20 us
-        # a message); jobs carry only ints and the new ids. Safe to overwrite: the previous
-        # build read every reply, so no worker still reads them.
-        links = self._links[: LINK_PLANES * bs * n].reshape(LINK_PLANES, bs, n)
-        for i, part in enumerate((next_token, next_sibling, draft_tokens)):
-            links[i] = part.numpy()
-        if parents is None and any(req is not None for req in requests):  # a tree to walk
-            parents = parents_from_links(next_token, next_sibling)
-        if parents is not None:
-            links[3] = parents.numpy()
+        if before_send is not None and on_verdicts is None:
+            raise ValueError("before_send needs on_verdicts (it runs after the verdicts)")
+
+        def write_links() -> None:
+            # The links go through shared memory (pickling them per worker cost the host ~20
+            # us a message); jobs carry only ints and the new ids. Safe to overwrite: the
+            # previous build read every reply, so no worker still reads them.
+            links = self._links[: LINK_PLANES * bs * n].reshape(LINK_PLANES, bs, n)
+            for i, part in enumerate((next_token, next_sibling, draft_tokens)):
+                links[i] = part.numpy()
+            tree_parents = parents() if callable(parents) else parents
+            if tree_parents is None and any(req is not None for req in requests):
+                tree_parents = parents_from_links(next_token, next_sibling)  # a tree to walk
+            if tree_parents is not None:
+                links[3] = tree_parents.numpy()
+
+        if before_send is None:
+            write_links()
+            prepare = None
+        else:
+            def prepare() -> None:
+                before_send()
+                write_links()
         result = self._dispatch([*requests, *advance_only], True, bs, n, time_limit_s,
-                                while_waiting, on_verdicts)
+                                while_waiting, on_verdicts, prepare)
         skip = set(host_rows)
         unconstrained = [b for b, req in enumerate(requests) if req is None and b not in skip]
         if unconstrained:
@@ -419,11 +440,14 @@ class MaskWorkerPool:
 
     def _dispatch(self, requests: Sequence[PoolRequest | None], has_tree: bool, bs: int,
                   n: int, time_limit_s: float, while_waiting: Any,
-                  on_verdicts: Callable[[PoolBuildResult], None] | None) -> PoolBuildResult:
+                  on_verdicts: Callable[[PoolBuildResult], None] | None,
+                  before_send: Callable[[], None] | None = None) -> PoolBuildResult:
         """Send each worker its requests' new ids (``has_tree``: the shared ``[4, bs, N]`` tree
         links hold a tree to walk; rows ``>= bs`` advance only), call ``on_verdicts`` with the
         predicted verdicts, run ``while_waiting``, gather the replies (one per worker, after it
-        advanced and walked) and check the predictions."""
+        advanced and walked) and check the predictions. With ``before_send`` the verdicts go
+        first, then ``before_send`` (it writes the links), then the messages (without the tree
+        when it raised; the error is raised after the replies)."""
         if self._closed:
             raise MaskPoolError("the mask worker pool is closed")
         jobs: list[list[tuple]] = [[] for _ in range(self.num_workers)]
@@ -444,6 +468,20 @@ class MaskWorkerPool:
             if new_ids and on_verdicts is not None:
                 sent_total[b] = done + len(new_ids)
                 predicted[b] = self._predict(new_ids)
+        verdicts = PoolBuildResult(
+            [], [], rejected={b: r for b, (r, _) in predicted.items() if r},
+            terminated=[b for b, (_, ended) in predicted.items() if ended])
+        failed: BaseException | None = None
+        verdicts_due = on_verdicts is not None
+        if before_send is not None:
+            # the ids are counted as sent (``_synced``): they go out whatever happens here
+            try:
+                if on_verdicts is not None:
+                    verdicts_due = False
+                    on_verdicts(verdicts)
+                before_send()
+            except BaseException as e:  # noqa: BLE001 - raised after the replies are read
+                failed, has_tree = e, False
         busy = []
         t_send = time.perf_counter()
         for w, job in enumerate(jobs):
@@ -458,10 +496,11 @@ class MaskWorkerPool:
         out = PoolBuildResult([], [], send_ms=(time.perf_counter() - t_send) * 1e3)
         self._walks_pending = busy[::-1]
         try:
-            if on_verdicts is not None:
-                on_verdicts(PoolBuildResult(
-                    [], [], rejected={b: r for b, (r, _) in predicted.items() if r},
-                    terminated=[b for b, (_, ended) in predicted.items() if ended]))
+            if failed is not None:
+                raise failed
+            if verdicts_due:
+                assert on_verdicts is not None
+                on_verdicts(verdicts)
             if while_waiting is not None:
                 while_waiting()
         finally:  # read the replies even when a callback raised: keep the protocol

@@ -10,7 +10,7 @@ is finished at once (:func:`finish_deferred`). Outputs are identical either way.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from structspec.core import now
 from structspec.scheduler.commit import process_text
@@ -63,11 +63,15 @@ class PreviousStepWork:
         self._mask_build = mask_build
         self._todo = deque(self.reqs)  # requests whose text work has not run
 
-    def barrier_and_text(self) -> None:
-        """The grammar barrier, then (``text_first``) text work until the walks are in.
+    def barrier_and_text(self, until: Callable[[], bool] | None = None) -> None:
+        """The grammar barrier, then (``text_first``) text work until the walks are in, or
+        until ``until()`` turns true (polled as the walks are: while a device tree is on its
+        way, the mask build stops this first call when it has arrived and calls it again,
+        without ``until``, once the build is sent).
 
         Safe to call again (after a failed worker pool the in-process build runs it once
-        more): the grammar advance and the text work are idempotent."""
+        more, and a build may split it as above): the grammar advance and the text work are
+        idempotent, and text work done is not done again."""
         self._grammar.advance_previous(self._plan, in_mask_build=self._mask_build)
         self._timer.phase("barrier")
         if not self._text_first:
@@ -75,7 +79,7 @@ class PreviousStepWork:
         # While the workers walk. Once every walk is in, the rest waits until the mask is
         # uploaded: the forward may be about to need it, and text work is ~10 us per
         # request against ~35 us per tree walk spread over the workers.
-        poll = self._plan.poll_walks
+        poll = self._plan.poll_walks if until is None else until
         todo = self._todo
         next_poll = 0.0
         while todo:

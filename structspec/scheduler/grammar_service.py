@@ -229,6 +229,7 @@ class GrammarService:
                    plan: GrammarPlan | None, while_walking: Callable[[], None] | None,
                    out: torch.Tensor | None = None,
                    pool_requests: list[PoolRequest | None] | None = None,
+                   while_drafting: Callable[[Callable[[], bool]], None] | None = None,
                    ) -> GrammarMaskResult | None:
         """Barrier, then the tree bitmask (queued to the device ``non_blocking``, into ``out``
         when given); the tree walks run in the worker pool when there is one and the batch
@@ -241,7 +242,10 @@ class GrammarService:
         a mirror's verdict that contradicts its prediction ends that request
         (:meth:`_settle_mismatches`). ``plan`` None: a prefill (no barrier, no mirrors).
         ``pool_requests``: :meth:`pool_walks` of the same requests and plan in this step,
-        when the caller asked already (else computed here).
+        when the caller asked already (else computed here). ``while_drafting``: with mirrors
+        and a device tree, work run after the predicted verdicts while the tree is still on
+        its way, called with a predicate that turns true once it has arrived
+        (:func:`~structspec.grammar.tree_mask.build_grammar_vocab_mask_pooled`).
         """
         mirrors = plan is not None and plan.barrier_in_workers
         mirror_extra = plan.extra if plan is not None else ()
@@ -258,7 +262,7 @@ class GrammarService:
                            if r.matcher is not None and q is None],
                     advance_only=[q for q in self._pool_requests(extra) if q is not None],
                     on_verdicts=(lambda res: self._apply_verdicts([*reqs, *extra], res))
-                    if mirrors else None)
+                    if mirrors else None, while_drafting=while_drafting)
                 if mask is not None and mask.mirror is not None:
                     mirror = mask.mirror
                     self._timer.pool(mirror.send_ms, mirror.worker_busy_ms,

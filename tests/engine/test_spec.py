@@ -405,11 +405,17 @@ def test_mask_worker_processes_give_identical_outputs(request: pytest.FixtureReq
 
 
 class _ArrivedCopy:
-    """Stands in for a CUDA tree's pending D2H copy on the CPU (already arrived): the mask
-    build then takes the device-tree path, which CPU trees never reach otherwise."""
+    """Stands in for a CUDA tree's pending D2H copy on the CPU: the mask build then takes the
+    device-tree path, which CPU trees never reach otherwise. Its first ``done`` query says
+    the copy is still on its way (work may run meanwhile); it has landed after that."""
 
     def __init__(self, log: list[str]) -> None:
         self._log = log
+        self._queries = 0
+
+    def done(self) -> bool:
+        self._queries += 1
+        return self._queries > 1
 
     def wait(self) -> None:
         self._log.append("resolve")
@@ -421,10 +427,10 @@ def test_device_tree_with_mirrors_matches_in_process_and_texts_after_the_verdict
         in_process_outputs, monkeypatch: pytest.MonkeyPatch, order: str) -> None:
     """A device tree (the shipped EAGLE head's, its D2H copy simulated) with the mask workers'
     mirrors serving the barrier gives the in-process outputs, and each step's text work for
-    the previous step runs only after the build is sent and its predicted verdicts applied,
-    never before the tree is resolved (the order host trees have had). With the build sent
-    before the verify launch (``order="before"``) the launch follows the tree's resolve and
-    the verdicts; launched first, it precedes them."""
+    the previous step runs only after its predicted verdicts are applied. Launched first
+    (``order="after"``), the build applies the verdicts, starts the text work while the tree
+    is on its way and resolves it after (then sends); sent before the verify launch
+    (``order="before"``), the tree is resolved first, then the verdicts, then the launch."""
     from structspec.scheduler import deferred_work, verify_step
     from structspec.scheduler.build_order import PoolBuildOrder
     from structspec.scheduler.grammar_service import GrammarService
@@ -464,14 +470,18 @@ def test_device_tree_with_mirrors_matches_in_process_and_texts_after_the_verdict
     steps = "|".join(log).split("step")
     mirrored = [s for s in steps if "resolve" in s and "verdicts" in s]
     assert mirrored, log
-    for s in mirrored:  # no text work between the step's start and its tree's resolve
-        assert "text" not in s.split("resolve")[0], s
+    texts_while_drafting = 0
+    for s in mirrored:  # no text work before the step's verdicts are applied
+        assert "text" not in s.split("verdicts")[0], s
         # each event's first time (a tree is resolved again by later readers)
         events = list(dict.fromkeys(e for e in s.split("|")
                                     if e in ("resolve", "verdicts", "launch")))
         want = (["resolve", "verdicts", "launch"] if order == "before"
-                else ["launch", "resolve", "verdicts"])
+                else ["launch", "verdicts", "resolve"])
         assert events == want, s
+        texts_while_drafting += "text" in s.split("resolve")[0]
+    # launched first, the text work starts while the tree is on its way
+    assert (texts_while_drafting > 0) == (order == "after"), texts_while_drafting
 
 
 def test_committed_id_the_grammar_forbids_is_never_reported(make_llm, ngram_pool_llm,

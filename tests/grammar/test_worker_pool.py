@@ -395,6 +395,69 @@ def test_mirror_verdicts_match_host_matchers(pool: MaskWorkerPool, backend: Gram
     assert seen_rejected and seen_terminated and seen_mismatch
 
 
+def test_before_send_runs_after_the_verdicts_and_its_failure_keeps_the_mirrors(
+        pool: MaskWorkerPool, backend: GrammarBackend, hf_tokenizer: Any) -> None:
+    """``before_send`` (a device tree still on its way) runs after the predicted verdicts and
+    before any worker has its message, and the tree it fills in is the one walked: the rows
+    equal the in-process build. When it raises, the messages still go (without the tree),
+    the error comes after the replies, and the mirrors stay in step: the next build equals
+    the in-process one. Without ``on_verdicts`` it is refused."""
+    compiled = backend.compile(JsonSchemaConstraint(TM_SCHEMA))
+    ids = hf_tokenizer.encode(TM_PREFIX, add_special_tokens=False)
+    nt, ns, dt = tm_tree(ids[-1])
+    n = nt.shape[0]
+    hosts = [backend.create_matcher(compiled) for _ in range(2)]
+    keys = ["before-send-0", "before-send-1"]
+    log: list[str] = []
+    # the "device tree": host buffers that before_send fills in, as the D2H copy would
+    bufs = [torch.full((2, n), -7, dtype=torch.int64) for _ in range(3)]
+    tree = GrammarTree.from_host(*bufs)
+
+    def land() -> None:
+        log.append("before_send")
+        for buf, src in zip(bufs, (nt, ns, dt), strict=True):
+            buf.copy_(src[None].expand(2, -1))
+
+    def build(before_send: Any, committed: list[int]) -> PoolBuildResult:
+        """A build over ``committed`` ids; the host matchers take them meanwhile."""
+        def host_barrier() -> None:  # not run when before_send raised: caught up later
+            for h in hosts:
+                h.accept_run(committed[host_done[0]:])
+            host_done[0] = len(committed)
+
+        return pool.build([PoolRequest(k, compiled, committed) for k in keys], *bufs,
+                          time_limit_s=10.0, on_verdicts=lambda _: log.append("verdicts"),
+                          before_send=before_send, while_waiting=host_barrier)
+
+    def reference() -> torch.Tensor:
+        ref = build_grammar_vocab_mask(hosts, tree, vocab_size=backend.vocab_size,
+                                       device="cpu")
+        assert ref is not None
+        return ref.bitmask_cpu
+
+    host_done = [0]  # committed ids the host matchers have taken
+    t0 = time.perf_counter()
+    got = build(lambda: (land(), time.sleep(0.01)), ids[:-3])
+    assert log == ["verdicts", "before_send"]
+    # no worker started before before_send returned (10 ms after the call)
+    assert got.first_start_ms >= 0 and time.perf_counter() - t0 >= 0.01
+    assert got.walked == [0, 1] and torch.equal(pool.slab[: 2 * n], reference())
+
+    def fail() -> None:
+        raise RuntimeError("the copy failed")
+
+    with pytest.raises(RuntimeError, match="the copy failed"):
+        build(fail, ids[:-1])  # two more ids each reach the mirrors, no tree walked
+    got = build(land, ids)
+    assert not got.mismatched and got.walked == [0, 1]
+    assert torch.equal(pool.slab[: 2 * n], reference())
+    with pytest.raises(ValueError, match="before_send needs on_verdicts"):
+        pool.build([None], bufs[0][:1], bufs[1][:1], bufs[2][:1], time_limit_s=1.0,
+                   before_send=land)
+    for k in keys:
+        pool.release(k)
+
+
 def test_walks_ready_turns_true_once_every_walk_is_in(pool: MaskWorkerPool,
                                                       backend: GrammarBackend,
                                                       hf_tokenizer: Any) -> None:
