@@ -69,13 +69,11 @@
 #   packed_overlap  the packed tree links' CUDA tests, then the llguidance batch-64 overlap (3
 #             repeats) and the EAGLE overlap at batch 1/8/32/64 (2 repeats) (~8 min)
 #   spin_ab   the mask workers' spin window 0 vs 20 ms: EAGLE grammar overlap at batch 8 and 32
-#   order_ab  issues 18/19: the CUDA mask-worker tests, then the EAGLE grammar overlap at batch
+#   order_ab  issue 18: the CUDA mask-worker tests, then the EAGLE grammar overlap at batch
 #             8 / 32 / 64 on one engine with the build sent after / before the verify launch
-#             and the replies blocked for / polled (4 configurations a batch size, 1 repeat)
+#             (1 repeat; the run of 2026-12-04 also had --reply-spin off on, removed since)
 #   text_ab   issue 18: the EAGLE grammar overlap at batch 8 / 32 / 64 with a device tree's text
 #             work while the tree is on its way and after it (one engine, 2 repeats), batch 1
-#   llg_reply_ab  issue 19: the llguidance batch-64 overlap (ngram, 3 repeats) with the replies
-#             blocked for / polled, on one engine
 #   host_step  issue 18: host us per batch-1 step of each call a verify step makes (none and
 #             eagle with a JSON Schema), and the host cost of one forward-graph launch
 #             (host_step_cost.py, ~1.5 min)
@@ -205,14 +203,12 @@ for s in $stages; do case $s in
     unset STRUCTSPEC_MASK_WORKER_SPIN_MS ;;
   order_ab)
     run gpu_mask_worker_tests 200 python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_gpu_mask_workers.py
-    run grammar_overlap_eagle_order 380 python3 benchmarks/grammar_overlap.py --device cuda --batch 8 32 64 --steps 60 --algorithms eagle --overlap on --repeats 1 --speculative-adaptive off --walks-order after before --reply-spin off on ;;
+    run grammar_overlap_eagle_order 380 python3 benchmarks/grammar_overlap.py --device cuda --batch 8 32 64 --steps 60 --algorithms eagle --overlap on --repeats 1 --speculative-adaptive off --walks-order after before ;;
   text_ab)
     # a device tree's text work while the tree is on its way or after it (one engine), then
     # the batch-1 row
-    run grammar_overlap_eagle_text 400 python3 benchmarks/grammar_overlap.py --device cuda --batch 8 32 64 --steps 60 --algorithms eagle --overlap on --repeats 2 --speculative-adaptive off --text-while-drafting off on
+    run grammar_overlap_eagle_text 400 python3 benchmarks/grammar_overlap.py --device cuda --batch ${TEXT_AB_BATCH:-8 32 64} --steps 60 --algorithms eagle --overlap on --speculative-adaptive off --text-while-drafting off on --repeats ${TEXT_AB_REPEATS:-2}
     run grammar_overlap_eagle_bs1 150 python3 benchmarks/grammar_overlap.py --device cuda --batch 1 --steps 60 --algorithms eagle --overlap on --repeats 3 --speculative-adaptive off ;;
-  llg_reply_ab)
-    run grammar_overlap_llg_reply 400 python3 benchmarks/grammar_overlap.py --device cuda --batch 64 --steps 150 --algorithms ngram --overlap on --repeats 3 --grammar-backend llguidance --reply-spin off on ;;
   host_step)
     run host_step_cost 200 python3 benchmarks/host_step_cost.py --algorithms none eagle --grammar --steps 300 ;;
   smol)

@@ -273,10 +273,6 @@ def main() -> None:
                     choices=["auto", "before", "after"],
                     help=WALKS_ORDER_HELP + "; several: each batch size runs each, on one "
                          "engine (an A/B on one host)")
-    ap.add_argument("--reply-spin", nargs="+", default=["auto"], choices=["auto", "on", "off"],
-                    help="whether a pool build polls for the workers' replies before it "
-                         "blocks (auto: the engine's, on while the workers spin); several "
-                         "as --walks-order")
     ap.add_argument("--text-while-drafting", nargs="+", default=["on"], choices=["on", "off"],
                     help="a device tree's text work while the tree is on its way (on, the "
                          "engine's) or after it arrived; several as --walks-order")
@@ -294,22 +290,15 @@ def main() -> None:
                       grammar_backend=args.grammar_backend,
                       speculative_adaptive=args.speculative_adaptive)
             kernels = llm.engine.config.kernels
-            pool = llm.engine.scheduler.mask_pool
-            default_reply_spin = pool is not None and pool.spin_replies
             prompts_all: Sequence[str | list[int]] = (
                 record_prompts(llm, max(args.batch),
                                check_tokens=0 if args.load_format == "dummy" else 128)
                 if args.workload == "records"
                 else [p for p, _ in extraction_prompts(max(args.batch), seed=3)])
-            for bs, walks_order, reply_spin_mode, text_early in itertools.product(
-                    args.batch, args.walks_order, args.reply_spin, args.text_while_drafting):
+            for bs, walks_order, text_early in itertools.product(
+                    args.batch, args.walks_order, args.text_while_drafting):
                 set_build_order(llm.engine, walks_order)
                 llm.engine.scheduler._verify.text_while_drafting = text_early == "on"
-                pool = llm.engine.scheduler.mask_pool  # a failed pool's replacement: anew
-                if pool is not None:
-                    pool.spin_replies = (default_reply_spin if reply_spin_mode == "auto"
-                                         else reply_spin_mode == "on")
-                reply_spin = "-" if pool is None else "on" if pool.spin_replies else "off"
                 # Pairs alternate (none, JSON, none, JSON, ...) so that a drift in the host's
                 # speed hits both sides; the pair with the median ratio is reported.
                 pairs = []
@@ -329,7 +318,7 @@ def main() -> None:
                 print(f"grammar_overlap model={model_name} kernels={kernels} algo={algo} "
                       f"workers={llm.engine.config.grammar.mask_build_workers} "
                       f"grammar_backend={args.grammar_backend} walks={walks_order} "
-                      f"reply_spin={reply_spin} text_while_drafting={text_early} "
+                      f"text_while_drafting={text_early} "
                       f"overlap={'on' if overlap else 'off'} "
                       f"bs={bs:<3} N={llm.engine.drafter.num_nodes} "
                       f"step_ms_no_grammar={plain['event_ms']:.3f} "

@@ -170,9 +170,7 @@ class MaskWorkerPool:
         spin_ms: how long a worker polls for its next message, without sleeping, before it
             blocks (ms; each poll yields the CPU): a sleeping worker's wake-up delayed the
             verify step on a slow host (:mod:`~structspec.grammar.mask_worker`). None:
-            :func:`default_spin_ms`; 0: always sleep; at most :data:`MAX_SPIN_MS`. Above
-            0 a build also polls for its replies as long before it blocks
-            (:meth:`_read_replies`).
+            :func:`default_spin_ms`; 0: always sleep; at most :data:`MAX_SPIN_MS`.
 
     One build at a time, and each reuses the slab: the caller must not start a build before
     the previous build's upload has run. The scheduler guarantees it: it waits for every
@@ -204,10 +202,6 @@ class MaskWorkerPool:
         self.spin_ms = default_spin_ms(num_workers) if spin_ms is None else float(spin_ms)
         if not 0 <= self.spin_ms <= MAX_SPIN_MS:  # NaN fails it too
             raise ValueError(f"spin_ms ({spin_ms!r}) must be from 0 to {MAX_SPIN_MS:g}")
-        #: whether a build polls for its replies, without sleeping, for up to ``spin_ms``
-        #: before it blocks (:meth:`_read_replies`): when the workers spin, the host has a
-        #: core for this thread too (:func:`default_spin_ms`)
-        self.spin_replies = self.spin_ms > 0
         # what a replacement pool is built from (:meth:`replacement`)
         self._spawn_args = (tokenizer_info, dict(num_workers=num_workers, vocab_size=vocab_size,
                                                  max_rows=max_rows,
@@ -506,8 +500,9 @@ class MaskWorkerPool:
         finally:  # read the replies even when a callback raised: keep the protocol
             self._walks_pending = None
             starts, ends = [], []
-            for (rejected, terminated, walked, timed_out, settled, t_start,
-                 t_end) in self._read_replies(busy):
+            for w in busy:
+                (rejected, terminated, walked, timed_out, settled, t_start,
+                 t_end) = self._recv(w)
                 out.rejected.update(rejected)
                 out.settled.update(settled)
                 out.terminated += terminated
@@ -555,38 +550,9 @@ class MaskWorkerPool:
             pending.pop()
         return True
 
-    def _read_replies(self, busy: list[int]) -> list[Any]:
-        """Each of the ``busy`` workers' reply to this build, in ``busy`` order.
-
-        With spinning workers (``spin_replies``) this thread polls their sockets without
-        sleeping, reading each reply as it lands, for up to the spin window, and only then
-        blocks: a thread asleep in ``recv`` is woken by the kernel when the reply lands, which
-        on a slow virtualised host is the same wake-up the workers' spin removes on their side
-        (2026-12-04, H200 host, EAGLE + JSON at batch 8: the last reply read 0.20 ms after it
-        was sent, 8 replies of ~100 bytes). A poll is one ``poll`` system call (~1-3 us).
-
-        Raises:
-            MaskPoolError: a worker died or failed.
-        """
-        replies: dict[int, Any] = {}
-        if self.spin_replies:
-            pending = busy
-            deadline = time.perf_counter() + self.spin_ms / 1e3
-            while pending:
-                waiting = []
-                for w in pending:
-                    if self._has_reply(w):
-                        replies[w] = self._recv(w)
-                    else:
-                        waiting.append(w)
-                pending = waiting
-                if pending and time.perf_counter() > deadline:
-                    break  # past the window: block below, as a sleeping worker would
-        return [replies[w] if w in replies else self._recv(w) for w in busy]
-
     def _has_reply(self, w: int) -> bool:
         """Whether worker ``w``'s socket has data (or EOF) to read, without blocking; a
-        broken socket counts as ready, so that :meth:`_recv` reports it."""
+        broken socket counts as ready, so that the build's :meth:`_recv` reports it."""
         try:
             return self._conns[w].poll()
         except (OSError, ValueError):

@@ -26,7 +26,6 @@ from structspec.grammar.worker_pool import (
     MAX_SPIN_MS,
     SPIN_ENV,
     WORKER_EXIT_S,
-    MaskPoolError,
     MaskWorkerPool,
     PoolBuildResult,
     PoolRequest,
@@ -280,119 +279,6 @@ def test_a_spinning_pool_closes_promptly(backend: GrammarBackend) -> None:
     # limit (WORKER_EXIT_S) and with exit code 0: the bound is the window's, not the limit's
     assert time.perf_counter() - t0 < 0.8 * MAX_SPIN_MS / 1e3 < WORKER_EXIT_S
     assert [p.returncode for p in procs] == [0]
-
-
-@pytest.mark.parametrize("how", ["polled", "blocked_after_the_window", "blocked"])
-def test_replies_are_read_polled_or_blocking(pool: MaskWorkerPool, backend: GrammarBackend,
-                                             hf_tokenizer: Any,
-                                             monkeypatch: pytest.MonkeyPatch, how: str) -> None:
-    """A build reads every worker's reply whether it polls for them (spinning workers), polls
-    past its window and then blocks, or blocks at once: the same rows as the in-process
-    build, and the replies' marks in order."""
-    monkeypatch.setattr(pool, "spin_replies", how != "blocked")
-    if how == "blocked_after_the_window":  # this process's window only (the workers keep 2 ms)
-        monkeypatch.setattr(pool, "spin_ms", 0.0)
-    compiled = backend.compile(JsonSchemaConstraint(TM_SCHEMA))
-    ids = hf_tokenizer.encode(TM_PREFIX, add_special_tokens=False)
-    nt, ns, dt = tm_tree(ids[-1])
-    tree = GrammarTree.from_host(nt[None].repeat(2, 1), ns[None].repeat(2, 1),
-                                 dt[None].repeat(2, 1))
-    hosts = [backend.create_matcher(compiled) for _ in range(2)]
-    keys = [f"{how}-{i}" for i in range(2)]
-    pooled = build_grammar_vocab_mask_pooled(
-        pool, [PoolRequest(k, compiled, ids) for k in keys], hosts, tree, device="cpu",
-        barrier=lambda: [h.accept_run(ids) for h in hosts])
-    ref = build_grammar_vocab_mask(hosts, tree, vocab_size=backend.vocab_size, device="cpu")
-    for k in keys:
-        pool.release(k)
-    assert pooled is not None and ref is not None and pooled.mirror is not None
-    assert torch.equal(pooled.bitmask_cpu, ref.bitmask_cpu)
-    assert pooled.mirror.walked == [0, 1] and len(pooled.mirror.worker_busy_ms) == 2
-    assert 0 <= pooled.mirror.first_start_ms <= pooled.mirror.last_reply_ms
-    assert pooled.mirror.last_reply_ms <= pooled.mirror.read_ms
-
-
-def test_a_worker_dying_while_replies_are_polled_fails_the_build(
-        backend: GrammarBackend) -> None:
-    """A worker killed while the build polls for its reply (spinning workers): the build
-    raises MaskPoolError at once, it does not poll out its window or block."""
-    pool = MaskWorkerPool(backend.tokenizer_info, num_workers=1, vocab_size=backend.vocab_size,
-                          max_rows=8, stop_token_ids=[STOP_ID], spin_ms=MAX_SPIN_MS)
-    try:
-        assert pool.spin_replies
-        compiled = backend.compile(JsonSchemaConstraint(SCHEMA))
-        pool.advance([PoolRequest("dies", compiled, [])])  # the grammar is on the worker
-        proc = pool._procs[0]  # noqa: SLF001 - the test plays a crashed worker
-
-        def die_instead(msg: Any) -> None:  # the job is lost with the worker: no reply
-            proc.kill()
-            proc.wait()
-
-        pool._conns[0].send = die_instead  # type: ignore[method-assign]  # noqa: SLF001
-        t0 = time.perf_counter()
-        with pytest.raises(MaskPoolError, match="mask worker 0 died"):
-            pool.advance([PoolRequest("dies", compiled, [1, 2])])
-        assert time.perf_counter() - t0 < 0.5 * MAX_SPIN_MS / 1e3
-    finally:
-        pool.close()
-
-
-def test_mirror_verdicts_match_host_matchers(pool: MaskWorkerPool, backend: GrammarBackend,
-                                             hf_tokenizer: Any) -> None:
-    """The mirrors' verdicts on new ids (how many not kept, grammar ended) equal the host
-    matcher's ``accept_run``, for ``advance`` and for a build's advance-only requests, when
-    the ids arrive in two parts; a build's predicted verdicts equal them unless an id breaks
-    the grammar, and then the row is in ``mismatched``."""
-    compiled = backend.compile(JsonSchemaConstraint(SCHEMA))
-    good = hf_tokenizer.encode(TEXTS[0], add_special_tokens=False)
-    probe = backend.create_matcher(compiled)
-    probe.accept_run(good[:3])
-    bad = next(t for t in hf_tokenizer.encode("zq }} ]]", add_special_tokens=False)
-               if not probe.xgr_matcher.accept_token(t))
-    cases = {"partial": good[:6], "ended": good + [STOP_ID, good[0], good[1]],
-             "rejected": good[:3] + [bad] + good[3:6], "whole": good + [STOP_ID]}
-    hosts = {k: backend.create_matcher(compiled) for k in cases}
-    splits = {k: len(v) // 2 for k, v in cases.items()}
-    seen_rejected = seen_terminated = seen_mismatch = False
-    for part, via_build in ((0, False), (1, True)):
-        keys = list(cases)
-        reqs = [PoolRequest(f"verdict-{k}", compiled,
-                            cases[k][: splits[k]] if part == 0 else cases[k]) for k in keys]
-        guesses: list[PoolBuildResult] = []
-        if via_build:
-            empty = torch.full((1, N), -1, dtype=torch.int64)
-            empty[0, 0] = good[0]
-            got = pool.build([None], empty, empty.clamp(max=-1), empty, time_limit_s=1.0,
-                             advance_only=reqs, on_verdicts=guesses.append)
-            offset = 1
-        else:
-            got = pool.advance(reqs)
-            offset = 0
-        for j, k in enumerate(keys):
-            new = cases[k][: splits[k]] if part == 0 else cases[k][splits[k]:]
-            was_terminated = hosts[k].is_terminated()
-            kept = hosts[k].accept_run(new)
-            b = j + offset
-            assert got.rejected.get(b, 0) == len(new) - kept, (k, part)
-            assert (b in got.terminated) == hosts[k].is_terminated(), (k, part)
-            seen_rejected |= kept < len(new)
-            seen_terminated |= hosts[k].is_terminated()
-            if via_build:
-                # The prediction handed to on_verdicts (before any reply) equals the mirror's
-                # verdict for ids that obey the grammar; where it does not (an id the grammar
-                # forbids), the row is reported with the mirror's verdict.
-                (guess,) = guesses
-                predicted = (guess.rejected.get(b, 0), b in guess.terminated)
-                actual = (len(new) - kept, hosts[k].is_terminated())
-                obeys = kept == len(new) or (hosts[k].is_terminated() and not was_terminated)
-                if obeys:
-                    assert predicted == actual and b not in got.mismatched, (k, part)
-                else:
-                    assert got.mismatched[b] == (len(cases[k]), *actual), (k, part)
-                    seen_mismatch = True
-    for k in cases:
-        pool.release(f"verdict-{k}")
-    assert seen_rejected and seen_terminated and seen_mismatch
 
 
 def test_before_send_runs_after_the_verdicts_and_its_failure_keeps_the_mirrors(
