@@ -72,6 +72,8 @@
 #   order_ab  issue 18: the CUDA mask-worker tests, then the EAGLE grammar overlap at batch
 #             8 / 32 / 64 on one engine with the build sent after / before the verify launch
 #             (1 repeat; the run of 2026-12-04 also had --reply-spin off on, removed since)
+#   workers_ab  issues 18/19: 8 against 12 mask workers (processes alternating): the EAGLE grammar
+#             overlap at batch 32 / 64, llguidance ngram at batch 64
 #   text_ab   issue 18: the EAGLE grammar overlap at batch 8 / 32 / 64 with a device tree's text
 #             work while the tree is on its way and after it (one engine, 2 repeats), batch 1
 #   host_step  issue 18: host us per batch-1 step of each call a verify step makes (none and
@@ -209,6 +211,17 @@ for s in $stages; do case $s in
     # the batch-1 row
     run grammar_overlap_eagle_text 400 python3 benchmarks/grammar_overlap.py --device cuda --batch ${TEXT_AB_BATCH:-8 32 64} --steps 60 --algorithms eagle --overlap on --speculative-adaptive off --text-while-drafting off on --repeats ${TEXT_AB_REPEATS:-2}
     run grammar_overlap_eagle_bs1 150 python3 benchmarks/grammar_overlap.py --device cuda --batch 1 --steps 60 --algorithms eagle --overlap on --repeats 3 --speculative-adaptive off ;;
+  workers_ab)
+    # 8 mask workers (the default on 16 cores) against 12, processes alternating: the EAGLE
+    # grammar overlap at batch 32 / 64, then llguidance ngram at batch 64 (~7 min)
+    i=0
+    for w in 8 12 8 12; do
+      i=$((i + 1))
+      run grammar_overlap_eagle_${i}_w$w 130 python3 benchmarks/grammar_overlap.py --device cuda --batch 32 64 --steps 60 --algorithms eagle --overlap on --repeats 1 --speculative-adaptive off --grammar-workers $w
+    done
+    for w in 8 12; do
+      run grammar_overlap_llg_w$w 100 python3 benchmarks/grammar_overlap.py --device cuda --batch 64 --steps 150 --algorithms ngram --overlap on --repeats 1 --grammar-backend llguidance --grammar-workers $w
+    done ;;
   host_step)
     run host_step_cost 200 python3 benchmarks/host_step_cost.py --algorithms none eagle --grammar --steps 300 ;;
   smol)
