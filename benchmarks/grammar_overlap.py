@@ -313,6 +313,7 @@ def main() -> None:
                 pairs.sort(key=lambda p: p[0])
                 _, plain, gram = pairs[len(pairs) // 2]
                 spread = (f"ratio_min={pairs[0][0]:.3f} ratio_max={pairs[-1][0]:.3f} "
+                          f"ratio_median={statistics.median(p[0] for p in pairs):.3f} "
                           f"ratio_of_medians={med_gram / med_plain:.3f} "
                           f"repeats={len(pairs)} " if len(pairs) > 1 else "")
                 print(f"grammar_overlap model={model_name} kernels={kernels} algo={algo} "
