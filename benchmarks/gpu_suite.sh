@@ -72,8 +72,6 @@
 #   order_ab  issue 18: the CUDA mask-worker tests, then the EAGLE grammar overlap at batch
 #             8 / 32 / 64 on one engine with the build sent after / before the verify launch
 #             (1 repeat; the run of 2026-12-04 also had --reply-spin off on, removed since)
-#   mailbox_ab  issue 18: the workers' shared-memory mailboxes against their sockets (processes
-#             alternating), EAGLE grammar overlap at batch 8 / 32 / 64
 #   workers_ab  issues 18/19: 8 against 12 mask workers (processes alternating): the EAGLE grammar
 #             overlap at batch 32 / 64, llguidance ngram at batch 64
 #   text_ab   issue 18: the EAGLE grammar overlap at batch 8 / 32 / 64 with a device tree's text
@@ -213,14 +211,6 @@ for s in $stages; do case $s in
     # the batch-1 row
     run grammar_overlap_eagle_text 400 python3 benchmarks/grammar_overlap.py --device cuda --batch ${TEXT_AB_BATCH:-8 32 64} --steps 60 --algorithms eagle --overlap on --speculative-adaptive off --text-while-drafting off on --repeats ${TEXT_AB_REPEATS:-2}
     run grammar_overlap_eagle_bs1 150 python3 benchmarks/grammar_overlap.py --device cuda --batch 1 --steps 60 --algorithms eagle --overlap on --repeats 3 --speculative-adaptive off ;;
-  mailbox_ab)
-    # the spinning workers' jobs and replies through shared-memory mailboxes (the default)
-    # against their sockets, processes alternating: EAGLE grammar overlap at batch 8 / 32 / 64
-    i=0
-    for mb in ${MAILBOX_AB:-1 0 1 0}; do
-      i=$((i + 1))
-      STRUCTSPEC_MASK_WORKER_MAILBOXES=$mb run grammar_overlap_eagle_${i}_mailbox$mb 120 python3 benchmarks/grammar_overlap.py --device cuda --batch 8 32 64 --steps 60 --algorithms eagle --overlap on --repeats 1 --speculative-adaptive off
-    done ;;
   workers_ab)
     # 8 mask workers (the default on 16 cores) against 12, processes alternating: the EAGLE
     # grammar overlap at batch 32 / 64, then llguidance ngram at batch 64 (~7 min)
