@@ -23,6 +23,12 @@ host time between recording the two). A host tree has no draft kernels, so the G
 ``gpu_forward_ms`` alone counts ``L + F`` and would keep the launch first while ``F < S + W <
 L + F``, where sending first saves up to ``L`` per step.
 
+A device tree (EAGLE, draft model) can go first too (with the mirrors' barrier), but the send
+then waits for the draft kernels before the launch: ``auto`` launches first for it. Measured on
+the H200 (benchmarks/README.md, "Fourteenth H200 run"): the build first at batch 8 / 32 / 64
+gave step ratios of 1.250 / 1.227 / 1.196 against 1.280 / 1.090 / 1.149 launching first, the
+host waiting 0.4-0.6 ms for the draft at batch 32-64 with the GPU idle meanwhile.
+
 On the CPU the verify "launch" is the forward itself (the CPU ops run as they are called), so
 the build always goes first there: walking after it would serialize the two.
 """

@@ -10,7 +10,7 @@
    gets its mask built first, the GPU idling meanwhile; a host tree whose walks go to the
    mask workers has its build sent first when they would not hide under the forward, and
    the launch runs while they walk: :mod:`~structspec.scheduler.build_order`; a device tree
-   likewise once its copy has landed, when the build order says so);
+   likewise, once its copy has landed, in the fixed ``before`` order only);
 4. **grammar mask**, under the forward: the previous step's grammar barrier and, where it
    pays, its text work (:class:`~structspec.scheduler.deferred_work.PreviousStepWork`), then
    the tree bitmask, queued to the device;
@@ -310,9 +310,8 @@ class VerifyStep:
                             work: PreviousStepWork, pool_walks: list[PoolRequest | None],
                             ) -> tuple[VerifyForwardOutput, Selection, GrammarMaskResult | None]:
         """Phases 3 and 4 for :meth:`_walks_before_launch`: the workers get their walks first
-        (a device tree's once its copy has landed),
-        and the verify launch (a graph replay's staging, ~0.5-1 ms of host time at batch
-        32-64 on the H200 host) runs while they walk, then the barrier and text work: the
+        (a device tree's once its copy has landed), and the verify launch (a graph replay's
+        staging, ~0.5-1 ms of host time at batch 32-64 on the H200 host) runs while they walk, then the barrier and text work: the
         order :attr:`build_order` picks when the walks would outlast the forward launched
         first. The mask is uploaded into a buffer of its own (the post graph's static bitmask
         is known only after the launch) and copied into the graph's on the device.
@@ -359,8 +358,11 @@ class VerifyStep:
             work.barrier_and_text()
             return None
         # a device tree's text work starts while the tree is on its way (with the mirrors'
-        # barrier; the build applies their predicted verdicts first): the host would wait for
-        # the draft kernels there (2026-12-04, H200, EAGLE + JSON at batch 8-64: 0.15-0.3 ms)
+        # barrier; the build applies their predicted verdicts first) instead of after the
+        # host's wait for the draft kernels (H200, EAGLE + JSON at batch 8-64: the phase
+        # holding that wait and the send took 0.2-0.5 ms; the step ratio moved 1.15 -> 1.09 on
+        # average over 8 A/B pairs, inside the repeats' spread: benchmarks/README.md,
+        # "Fourteenth H200 run")
         return self.grammar.build_mask(proposal.reqs, staged.grammar_tree, plan=staged.plan,
                                        while_walking=work.barrier_and_text,
                                        out=graph_bitmask,

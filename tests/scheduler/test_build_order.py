@@ -57,6 +57,16 @@ def test_a_record_is_folded_in_once() -> None:
     assert (order.forward_ms, order.walk_ms) == seen
 
 
+def test_device_trees_launch_first_unless_fixed() -> None:
+    """A device tree's build would wait for the draft kernels before the launch: ``auto``
+    launches first for it even when the walks outlast the forward (and on the CPU)."""
+    for order in (PoolBuildOrder(), PoolBuildOrder(forward_on_host=True)):
+        order.observe(record(1.0, walk_ms=3.0))
+        assert order.send_first() and not order.send_first(device_tree=True)
+    assert PoolBuildOrder("before").send_first(device_tree=True)
+    assert not PoolBuildOrder("after").send_first(device_tree=True)
+
+
 def test_fixed_modes_and_the_host_forward() -> None:
     assert PoolBuildOrder("before").send_first()
     assert not PoolBuildOrder("after", forward_on_host=True).send_first()
