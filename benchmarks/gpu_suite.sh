@@ -2,7 +2,8 @@
 # Everything measured on the lent H200 (after `source .gpu/setup.sh`), in stages named on the
 # command line so that each fits one device call:
 #   bash benchmarks/gpu_suite.sh tests smol peer llama8b llama8b_overlap invariant maskbench
-#   eagle_speed (default: all)
+#   loopguards loopguards2 penalty_cost eagle_speed (the default: those eleven; every other stage
+#   below runs only when named; an unknown name makes the script exit 1 after the others)
 #   tests     GPU tests (kernels, CUDA graphs, engine: overlap on/off, bf16 spec vs plain, sync)
 #   smol      SmolLM2: host mask-build cost by threads, CUDA-graph step times, grammar overlap
 #             (ngram and draft_model, batch 1/8/32/64, N=8, with / without grammar and overlap)
@@ -76,6 +77,8 @@
 #             overlap at batch 32 / 64, llguidance ngram at batch 64
 #   text_ab   issue 18: the EAGLE grammar overlap at batch 8 / 32 / 64 with a device tree's text
 #             work while the tree is on its way and after it (one engine, 2 repeats), batch 1
+#             (TEXT_AB_BATCH="32 64" and TEXT_AB_REPEATS=4 change the first run's batches and
+#             repeats)
 #   host_step  issue 18: host us per batch-1 step of each call a verify step makes (none and
 #             eagle with a JSON Schema), and the host cost of one forward-graph launch
 #             (host_step_cost.py, ~1.5 min)
@@ -304,5 +307,6 @@ for s in $stages; do case $s in
     run ab_overlap 560 python3 benchmarks/ab_compare.py --old "$OLD" --new . --rounds 2 -- benchmarks/grammar_overlap.py --device cuda --batch 1 32 64 --steps 100 --algorithms ngram --overlap on ;;
   ab_peer)
     run ab_peer 560 python3 benchmarks/ab_compare.py --old "$OLD" --new . --rounds 2 -- benchmarks/peer_compare.py --device cuda --num-requests 8 --skip-hf ;;
-  *) echo "unknown stage $s" ;;
+  *) echo "unknown stage $s"; unknown=1 ;;
 esac; done
+exit "${unknown:-0}"
