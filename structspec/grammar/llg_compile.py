@@ -38,6 +38,7 @@ from structspec.grammar.errors import PARAM_BY_KIND, GrammarError
 from structspec.grammar.llg_matcher import LlgCompiled, LlgMatcher
 from structspec.grammar.number_bounds import bound_schema_numbers
 from structspec.grammar.satisfiable import check_servable
+from structspec.grammar.schema_check import keyword_pointers
 from structspec.regex_check import find_regex_problem
 
 COMPACT_SEPARATORS = (", ", ": ")
@@ -197,10 +198,38 @@ def _compile_message(spec: GrammarConstraint, error: str) -> str:
     if isinstance(spec, RegexConstraint) or (isinstance(spec, EbnfConstraint)
                                              and not is_lark_syntax(spec.grammar)):
         message = _LARK_POSITION.sub("", message)
+    if isinstance(spec, JsonSchemaConstraint):
+        message = _with_keyword_pointers(spec, message)
     return message
 
 
 _LARK_POSITION = re.compile(r"^at \d+\(\d+\): ")
+_UNIMPLEMENTED = re.compile(r"Unimplemented keys: (\[[^\]]*\])")
+#: JSON pointers named after an "Unimplemented keys" error at most
+MAX_POINTERS = 5
+
+
+def _with_keyword_pointers(spec: JsonSchemaConstraint, message: str) -> str:
+    """llguidance names the keywords it does not implement (``Unimplemented keys:
+    ["uniqueItems"]``) but not where they are: add their JSON pointers in the client's schema
+    (``(at /properties/tags/uniqueItems)``), as the xgrammar path's strict refusal names them.
+    Left as it is when the message has no such list or the keys are not found."""
+    found = _UNIMPLEMENTED.search(message)
+    if found is None:
+        return message
+    try:
+        keys = json.loads(found.group(1))
+        schema = json.loads(spec.canonical_text())
+    except ValueError:
+        return message
+    if not isinstance(keys, list):
+        return message
+    pointers = keyword_pointers(schema, [k for k in keys if isinstance(k, str)])
+    if not pointers:
+        return message
+    more = len(pointers) - MAX_POINTERS
+    return (f"{message} (at {', '.join(pointers[:MAX_POINTERS])}"
+            + (f" and {more} more" if more > 0 else "") + ")")
 
 
 def _first_line(message: str) -> str:

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from structspec.schema_structure import escape_pointer_token as _escape
@@ -118,6 +118,16 @@ def find_unenforceable(schema: dict[str, Any] | bool) -> list[tuple[str, str]]:
 # ---------------------------------------------------------------------------------------------
 # Walking
 # ---------------------------------------------------------------------------------------------
+
+
+def keyword_pointers(schema: Any, keywords: Iterable[str]) -> list[str]:
+    """JSON pointers of every use of ``keywords`` as a keyword in ``schema``: each subschema
+    reachable from the root (as :func:`find_unenforceable` walks them) that has one of them as
+    a key, e.g. ``/properties/tags/uniqueItems``; property names are not keywords. In
+    document-walk order; empty when none is used (or ``schema`` is not an object)."""
+    wanted = set(keywords)
+    return [f"{pointer}/{_escape(key)}" for pointer, node in _walk(schema, schema, "", set())
+            for key in node if key in wanted]
 
 
 def _walk(node: Any, root: Any, pointer: str, seen: set[str]) -> Iterator[tuple[str, dict]]:

@@ -378,6 +378,31 @@ def test_position_in_llguidances_lark_translation_is_dropped(
             f"Failed to compile {spec.kind} grammar (llguidance): {reason}"), str(info.value)
 
 
+def test_unimplemented_keywords_are_named_with_their_pointers(llg_backend: LlgBackend) -> None:
+    """llguidance names a keyword it does not implement but not where it is; the refusal adds
+    its JSON pointers in the client's schema (property names that look like keywords are not
+    counted), at most five of them."""
+    from structspec.grammar.llg_compile import check_grammar_llguidance
+
+    schema = {"type": "object", "properties": {
+        "uniqueItems": {"type": "array", "uniqueItems": True, "items": {"type": "string"}},
+        "more": {"$ref": "#/$defs/list"}},
+        "$defs": {"list": {"type": "array", "uniqueItems": True}}}
+    spec = JsonSchemaConstraint(schema)
+    for refuse in (lambda: check_grammar_llguidance(spec),
+                   lambda: llg_backend.compile(spec, timeout=60)):
+        with pytest.raises(GrammarError) as info:
+            refuse()
+        assert str(info.value).endswith(
+            'Unimplemented keys: ["uniqueItems"] (at /properties/uniqueItems/uniqueItems, '
+            "/$defs/list/uniqueItems)"), str(info.value)
+        assert info.value.param == "json_schema"
+    many = {"type": "object", "properties": {
+        f"p{i}": {"type": "array", "uniqueItems": True} for i in range(7)}}
+    with pytest.raises(GrammarError, match=r"/properties/p4/uniqueItems and 2 more\)$"):
+        check_grammar_llguidance(JsonSchemaConstraint(many))
+
+
 def test_gbnf_error_without_a_position_is_left_as_llguidance_wrote_it() -> None:
     from structspec.grammar.llg_compile import check_grammar_llguidance
 
