@@ -84,6 +84,10 @@ UNENFORCED_FORMATS = {
 }
 
 _SCHEMA_MAPS = ("properties", "patternProperties", "dependentSchemas")
+#: subschemas xgrammar never reads: the keywords holding them are reported where they are used
+#: (``'not' is ignored ...``), or have no effect (``if`` without ``then``/``else``), so what is
+#: inside them is not checked (it only repeated the refusal, or refused what is enforced)
+_UNUSED_SUBSCHEMAS = frozenset({"not", "if", "then", "else", "dependencies", "dependentSchemas"})
 _SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
 _SCHEMA_SINGLE = ("additionalProperties", "additionalItems", "unevaluatedItems",
                   "unevaluatedProperties", "contains", "propertyNames", "not", "if", "then",
@@ -94,7 +98,9 @@ def find_unenforceable(schema: dict[str, Any] | bool) -> list[tuple[str, str]]:
     """List the usages in ``schema`` that xgrammar 0.2.8 would enforce only partially.
 
     Walks every subschema reachable from the root (local ``$ref`` targets included, each once;
-    unreferenced ``definitions`` are not visited).
+    unreferenced ``definitions`` are not visited), but not those inside keywords xgrammar
+    never reads (``not``, ``if``/``then``/``else``, ``dependencies``, ``dependentSchemas``:
+    the keyword itself is reported where it matters).
 
     Args:
         schema: a parsed JSON Schema (dict or boolean schema).
@@ -110,7 +116,7 @@ def find_unenforceable(schema: dict[str, Any] | bool) -> list[tuple[str, str]]:
     found: list[tuple[str, str]] = []
     seen: set[str] = set()
     with pattern_budget():  # the enum/const checks' regex searches, for the whole schema
-        for pointer, node in _walk(schema, schema, "", seen):
+        for pointer, node in _walk(schema, schema, "", seen, _UNUSED_SUBSCHEMAS):
             found.extend((pointer, reason) for reason in _node_problems(node, schema))
     return found
 
@@ -130,38 +136,43 @@ def keyword_pointers(schema: Any, keywords: Iterable[str]) -> list[str]:
             for key in node if key in wanted]
 
 
-def _walk(node: Any, root: Any, pointer: str, seen: set[str]) -> Iterator[tuple[str, dict]]:
+def _walk(node: Any, root: Any, pointer: str, seen: set[str],
+          skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, dict]]:
+    """Every subschema reachable from ``node`` as ``(json_pointer, subschema)``, each pointer
+    once (local ``$ref`` targets at their own pointer), not descending into the keywords in
+    ``skip``."""
     if not isinstance(node, dict) or pointer in seen:
         return
     seen.add(pointer)
     yield pointer, node
     for key in _SCHEMA_MAPS:
         sub = node.get(key)
-        if isinstance(sub, dict):
+        if isinstance(sub, dict) and key not in skip:
             for name, child in sub.items():
-                yield from _walk(child, root, f"{pointer}/{key}/{_escape(name)}", seen)
+                yield from _walk(child, root, f"{pointer}/{key}/{_escape(name)}", seen, skip)
     for key in _SCHEMA_LISTS:
         sub = node.get(key)
         if isinstance(sub, list):
             for i, child in enumerate(sub):
-                yield from _walk(child, root, f"{pointer}/{key}/{i}", seen)
+                yield from _walk(child, root, f"{pointer}/{key}/{i}", seen, skip)
     for key in _SCHEMA_SINGLE:
-        yield from _walk(node.get(key), root, f"{pointer}/{key}", seen)
+        if key not in skip:
+            yield from _walk(node.get(key), root, f"{pointer}/{key}", seen, skip)
     items = node.get("items")
     if isinstance(items, list):
         for i, child in enumerate(items):
-            yield from _walk(child, root, f"{pointer}/items/{i}", seen)
+            yield from _walk(child, root, f"{pointer}/items/{i}", seen, skip)
     else:
-        yield from _walk(items, root, f"{pointer}/items", seen)
+        yield from _walk(items, root, f"{pointer}/items", seen, skip)
     deps = node.get("dependencies")
-    if isinstance(deps, dict):
+    if isinstance(deps, dict) and "dependencies" not in skip:
         for name, child in deps.items():
-            yield from _walk(child, root, f"{pointer}/dependencies/{_escape(name)}", seen)
+            yield from _walk(child, root, f"{pointer}/dependencies/{_escape(name)}", seen, skip)
     ref = node.get("$ref")
     if isinstance(ref, str):
         target = _resolve(root, ref)
         if target is not None:
-            yield from _walk(target[1], root, target[0], seen)
+            yield from _walk(target[1], root, target[0], seen, skip)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -145,6 +145,27 @@ def test_reports_pointer_and_keyword() -> None:
     assert pointer == "/definitions/a" and "uniqueItems" in reason
 
 
+def test_subschemas_xgrammar_never_reads_are_not_checked(backend: GrammarBackend) -> None:
+    """What sits inside ``not``, ``if``/``then``/``else`` or ``dependencies`` is not checked:
+    the keyword is reported where it is used, and the problems inside only repeated the
+    refusal (``/if: 'required' names not declared ...`` for a name the root declares); an
+    ``if`` without ``then``/``else`` has no effect, and what it holds is no weakening: the
+    grammar agrees with the validator."""
+    ite = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}},
+           "if": {"required": ["a"]}, "then": {"required": ["b"]}}
+    assert find_unenforceable(ite) == [("", "'if'/'then'/'else' is ignored by the grammar "
+                                            "engine")]
+    neg = {"type": "array", "not": {"uniqueItems": True, "items": {"not": {}}}}
+    assert find_unenforceable(neg) == [("", "'not' is ignored by the grammar engine")]
+    lone = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer"}}},
+            "required": ["a"], "additionalProperties": False,
+            "if": {"properties": {"a": {"uniqueItems": True}}}}
+    assert find_unenforceable(lone) == []
+    compiled = backend.compile(JsonSchemaConstraint(lone, strict=True))
+    for instance in ({"a": [1, 1]}, {"a": [1]}, {}, {"a": 1}, {"a": [1], "b": 2}):
+        assert _accepts(compiled, instance) == _is_valid(lone, instance), instance
+
+
 def _sweep(backend: GrammarBackend, cases: list[tuple[str, dict[str, Any]]]) -> dict[str, int]:
     t0 = time.perf_counter()
     passing = [(n, c) for n, c in cases if not find_unenforceable(c["schema"])]
