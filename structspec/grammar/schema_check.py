@@ -128,9 +128,11 @@ def find_unenforceable(schema: dict[str, Any] | bool) -> list[tuple[str, str]]:
 
 def keyword_pointers(schema: Any, keywords: Iterable[str]) -> list[str]:
     """JSON pointers of every use of ``keywords`` as a keyword in ``schema``: each subschema
-    reachable from the root (as :func:`find_unenforceable` walks them) that has one of them as
-    a key, e.g. ``/properties/tags/uniqueItems``; property names are not keywords. In
-    document-walk order; empty when none is used (or ``schema`` is not an object)."""
+    reachable from the root (local ``$ref`` targets included; unlike
+    :func:`find_unenforceable`, those inside ``not``, ``if``/``then``/``else`` and
+    ``dependencies`` too) that has one of them as a key, e.g. ``/properties/tags/uniqueItems``;
+    property names are not keywords. In document-walk order; empty when none is used (or
+    ``schema`` is not an object)."""
     wanted = set(keywords)
     return [f"{pointer}/{_escape(key)}" for pointer, node in _walk(schema, schema, "", set())
             for key in node if key in wanted]

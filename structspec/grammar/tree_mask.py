@@ -481,8 +481,7 @@ def build_grammar_vocab_mask_pooled(
     result = pool.build(requests, next_token, next_sibling, draft_tokens,
                         time_limit_s=time_limit_s, while_waiting=host_side,
                         advance_only=advance_only, on_verdicts=on_verdicts, host_rows=local,
-                        parents=tree.parents if before_send is not None else tree.parents(),
-                        before_send=before_send)
+                        parents=tree.parents, before_send=before_send)
     # the workers settled their rows beside the walks; the local rows are settled here
     mask = _settle_and_upload(pool.slab[: bs * n], matchers, tree,
                               sorted(result.walked + local_walked),

@@ -466,12 +466,10 @@ class MaskWorkerPool:
             [], [], rejected={b: r for b, (r, _) in predicted.items() if r},
             terminated=[b for b, (_, ended) in predicted.items() if ended])
         failed: BaseException | None = None
-        verdicts_due = on_verdicts is not None
         if before_send is not None:
             # the ids are counted as sent (``_synced``): they go out whatever happens here
             try:
                 if on_verdicts is not None:
-                    verdicts_due = False
                     on_verdicts(verdicts)
                 before_send()
             except BaseException as e:  # noqa: BLE001 - raised after the replies are read
@@ -492,8 +490,7 @@ class MaskWorkerPool:
         try:
             if failed is not None:
                 raise failed
-            if verdicts_due:
-                assert on_verdicts is not None
+            if on_verdicts is not None and before_send is None:  # else applied above
                 on_verdicts(verdicts)
             if while_waiting is not None:
                 while_waiting()
@@ -545,18 +542,13 @@ class MaskWorkerPool:
         if pending is None:
             return False
         while pending:
-            if not self._has_reply(pending[-1]):  # a dead worker: the build's recv reports it
-                return False
+            try:
+                if not self._conns[pending[-1]].poll():
+                    return False
+            except (OSError, ValueError):  # a dead worker: the build's recv reports it
+                pass
             pending.pop()
         return True
-
-    def _has_reply(self, w: int) -> bool:
-        """Whether worker ``w``'s socket has data (or EOF) to read, without blocking; a
-        broken socket counts as ready, so that the build's :meth:`_recv` reports it."""
-        try:
-            return self._conns[w].poll()
-        except (OSError, ValueError):
-            return True
 
     def _recv(self, w: int) -> Any:
         """Worker ``w``'s next reply; raises MaskPoolError when it died or failed."""

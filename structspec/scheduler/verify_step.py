@@ -311,9 +311,9 @@ class VerifyStep:
                             ) -> tuple[VerifyForwardOutput, Selection, GrammarMaskResult | None]:
         """Phases 3 and 4 for :meth:`_walks_before_launch`: the workers get their walks first
         (a device tree's once its copy has landed), and the verify launch (a graph replay's
-        staging, ~0.5-1 ms of host time at batch 32-64 on the H200 host) runs while they walk, then the barrier and text work: the
-        order :attr:`build_order` picks when the walks would outlast the forward launched
-        first. The mask is uploaded into a buffer of its own (the post graph's static bitmask
+        staging, ~0.5-1 ms of host time at batch 32-64 on the H200 host) runs while they
+        walk, then the barrier and text work: the order :attr:`build_order` picks when the
+        walks would outlast the forward launched first. The mask is uploaded into a buffer of its own (the post graph's static bitmask
         is known only after the launch) and copied into the graph's on the device.
 
         The launch is attempted once: a pool that fails mid-build retries in process and
