@@ -25,14 +25,16 @@ from structspec.constraints import (
     RegexConstraint,
 )
 from structspec.grammar.bitmask import allocate_bitmask
+from structspec.grammar.bounded_validator import pattern_budget
 from structspec.grammar.errors import PARAM_BY_KIND, GrammarError
 from structspec.grammar.matcher import Matcher
 from structspec.grammar.number_bounds import bound_schema_numbers
 from structspec.grammar.satisfiable import check_servable
 from structspec.grammar.schema_check import find_unenforceable
-from structspec.grammar.schema_rewrite import rewrite_schema_text
+from structspec.grammar.schema_rewrite import rewrite_schema, rewrite_schema_text
 from structspec.grammar.xgr_numbers import bounded_json_schema_grammar
 from structspec.regex_check import find_regex_problem
+from structspec.schema_structure import resolve_local_ref
 
 
 def compile_only(compiler: xgr.GrammarCompiler, spec: GrammarConstraint, *,
@@ -76,7 +78,7 @@ def compile_checked(compiler: xgr.GrammarCompiler, spec: GrammarConstraint, *,
             schema = json.loads(schema_text(spec))
             check_servable(schema, param)
             if spec.strict:
-                _check_enforceable(schema, param)
+                _check_enforceable(schema, param, spec.canonical_text())
         elif isinstance(spec, RegexConstraint):
             problem = find_regex_problem(spec.pattern)
             if problem is not None:
@@ -160,16 +162,46 @@ def _check_accepts_output(compiled: xgr.CompiledGrammar, param: str | None, *,
                            param=param)
 
 
-def _check_enforceable(schema: Any, param: str | None) -> None:
+def _check_enforceable(schema: Any, param: str | None, original_text: str | None = None
+                       ) -> None:
+    message = strict_refusal(schema, original_text, "set strict to false (best effort)")
+    if message is not None:
+        raise GrammarError(message, param=param)
+
+
+def strict_refusal(schema: Any, original_text: str | None, best_effort: str) -> str | None:
+    """Strict mode's refusal of ``schema`` (what xgrammar compiles), naming each usage it
+    would not enforce exactly by its JSON pointer (at most 5), or None when there is none.
+
+    Args:
+        schema: the parsed schema xgrammar is given (after the exact rewrites).
+        original_text: the client's schema as JSON text, when ``schema`` is its rewrite (or
+            None): when a pointer exists only in the rewrite (``/allOf/0/anyOf/1`` for a
+            ``dependentRequired``), the refusal names the client's keywords that were
+            rewritten, and that another backend may enforce the rewrite.
+        best_effort: how the caller's client turns strict mode off (``set strict to false
+            (best effort)``).
+    """
     if not isinstance(schema, dict):
-        return
+        return None
     problems = find_unenforceable(schema)
-    if problems:
-        shown = "; ".join(f"{p or '/'}: {r}" for p, r in problems[:5])
-        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
-        raise GrammarError(
-            "json_schema cannot be enforced exactly in strict mode: " + shown + more
-            + ". Remove these keywords or set strict to false (best effort).", param=param)
+    if not problems:
+        return None
+    shown = "; ".join(f"{p or '/'}: {r}" for p, r in problems[:5])
+    more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+    rewrite = ""
+    if original_text is not None:
+        original = json.loads(original_text)
+        if any(resolve_local_ref(original, "#" + p) is None for p, _ in problems[:5]):
+            with pattern_budget():  # the rewrite's regex searches, as in rewrite_schema_text
+                _, done = rewrite_schema(original)
+            # the rules that change a schema's structure ('format' and 'enum-filter' do not)
+            forms = ", ".join(f"{d.rule!r} at {d.pointer or '/'}" for d in done
+                              if d.rule not in ("format", "enum-filter"))
+            rewrite = (f" (these name the engine's exact rewrite of {forms}, which xgrammar "
+                       "does not enforce; the llguidance grammar backend may)")
+    return ("json_schema cannot be enforced exactly in strict mode: " + shown + more + rewrite
+            + f". Remove these keywords or {best_effort}.")
 
 
 def schema_text(spec: JsonSchemaConstraint) -> str:

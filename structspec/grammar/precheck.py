@@ -24,10 +24,9 @@ from structspec.constraints import (
     JsonSchemaConstraint,
     RegexConstraint,
 )
-from structspec.grammar.compile_spec import explained_compile_error, schema_text
+from structspec.grammar.compile_spec import explained_compile_error, schema_text, strict_refusal
 from structspec.grammar.errors import GrammarError
 from structspec.grammar.satisfiable import check_servable
-from structspec.grammar.schema_check import find_unenforceable
 
 
 def check_grammar(spec: GrammarConstraint | None) -> None:
@@ -55,14 +54,11 @@ def check_grammar(spec: GrammarConstraint | None) -> None:
             raise GrammarError(str(e), param=param) from None
         schema = json.loads(text)
         check_servable(schema, param)
-        if spec.strict and isinstance(schema, dict):
-            problems = find_unenforceable(schema)
-            if problems:
-                shown = "; ".join(f"{p or '/'}: {r}" for p, r in problems[:5])
-                more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
-                raise GrammarError("json_schema cannot be enforced exactly in strict mode: "
-                                   + shown + more + ". Remove these keywords or use "
-                                   "best effort (strict false).", param=param)
+        if spec.strict:
+            refusal = strict_refusal(schema, spec.canonical_text(), "use best effort "
+                                     "(strict false)")
+            if refusal is not None:
+                raise GrammarError(refusal, param=param)
         if not spec.strict and text != spec.canonical_text():
             # as the engine's compile: when xgrammar refuses the exact rewrite, best effort
             # serves the schema as sent (compile_spec._compile_or_unrewritten)

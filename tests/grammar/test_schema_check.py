@@ -166,6 +166,31 @@ def test_subschemas_xgrammar_never_reads_are_not_checked(backend: GrammarBackend
         assert _accepts(compiled, instance) == _is_valid(lone, instance), instance
 
 
+def test_refusal_of_a_rewrite_names_the_clients_keyword(backend: GrammarBackend) -> None:
+    """xgrammar cannot enforce the exact rewrite of ``dependentRequired`` (an ``allOf`` of an
+    ``anyOf`` beside the properties): the strict refusal's pointers are the rewrite's, so it
+    says so and names the client's keyword and where it was; a refusal of the client's own
+    keyword does not. The engine's compile and the command line's precheck alike."""
+    from structspec.grammar.precheck import check_grammar
+
+    dependent = {"type": "object", "properties": {"a": {"type": "string"},
+                                                  "b": {"type": "string"}},
+                 "dependentRequired": {"a": ["b"]}}
+    plain = {"type": "object", "properties": {"t": {"type": "array", "uniqueItems": True}}}
+    for refuse in (lambda s: backend.compile(JsonSchemaConstraint(s, strict=True)),
+                   lambda s: check_grammar(JsonSchemaConstraint(s, strict=True))):
+        with pytest.raises(GrammarError) as info:
+            refuse(dependent)
+        assert "/allOf/0/anyOf/1" in str(info.value), str(info.value)
+        assert ("(these name the engine's exact rewrite of 'dependentRequired' at /, which "
+                "xgrammar does not enforce; the llguidance grammar backend may)"
+                in str(info.value)), str(info.value)
+        with pytest.raises(GrammarError) as info:
+            refuse(plain)
+        assert "/properties/t: 'uniqueItems'" in str(info.value)
+        assert "rewrite" not in str(info.value), str(info.value)
+
+
 def _sweep(backend: GrammarBackend, cases: list[tuple[str, dict[str, Any]]]) -> dict[str, int]:
     t0 = time.perf_counter()
     passing = [(n, c) for n, c in cases if not find_unenforceable(c["schema"])]
