@@ -195,9 +195,9 @@ def strict_refusal(schema: Any, original_text: str | None, best_effort: str) -> 
         if any(resolve_local_ref(original, "#" + p) is None for p, _ in problems[:5]):
             with pattern_budget():  # the rewrite's regex searches, as in rewrite_schema_text
                 _, done = rewrite_schema(original)
-            # the rules that change a schema's structure ('format' and 'enum-filter' do not)
+            # the rules that add structure (the others only drop or filter)
             forms = ", ".join(f"{d.rule!r} at {d.pointer or '/'}" for d in done
-                              if d.rule not in ("format", "enum-filter"))
+                              if d.rule not in ("format", "enum-filter", "lone-if"))
             rewrite = (f" (these name the engine's exact rewrite of {forms}, which xgrammar "
                        "does not enforce; the llguidance grammar backend may)")
     return ("json_schema cannot be enforced exactly in strict mode: " + shown + more + rewrite

@@ -21,6 +21,9 @@ rule                        rewrite (why it is exact)
                             ``{"enum": [the listed values the whole subschema accepts]}``:
                             each value is checked with ``jsonschema`` against the subschema
                             (``not``, ``allOf``, ``$ref``... included)
+a lone ``if``               ``if`` without ``then``/``else``, or ``then``/``else`` without
+                            ``if``, is dropped: it has no effect on validation (2020-12 §10.2.2;
+                            draft-04/06 do not know the keywords at all)
 ``not`` of ``not``          ``{"not": {"not": S}}`` becomes ``{"allOf": [S]}``
 ``not`` of ``type``         the complementary type list, intersected with the node's ``type``
                             (skipped when the complement would be "number but not integer")
@@ -107,7 +110,7 @@ class Rewrite:
         pointer: the JSON pointer of the rewritten subschema (``""`` = the root).
         rule: the rule's name (``format``, ``enum-filter``, ``not-not``, ``not-type``,
             ``not-required``, ``not-propertyNames``, ``oneOf-disjoint``, ``dependencies``,
-            ``dependentRequired``, ``dependentSchemas``).
+            ``dependentRequired``, ``dependentSchemas``, ``lone-if``).
         detail: what was done, for logs and tests.
     """
 
@@ -299,6 +302,20 @@ def _format(ctx: _Context, pointer: str, node: dict[str, Any], done: list[Rewrit
         del node["format"]
         done.append(Rewrite(pointer, "format",
                             f"format {fmt!r} is known to no backend: an annotation, dropped"))
+
+
+def _lone_condition(ctx: _Context, pointer: str, node: dict[str, Any],
+                    done: list[Rewrite]) -> None:
+    has_if, branches = "if" in node, [k for k in ("then", "else") if k in node]
+    if has_if == bool(branches):  # a whole if/then/else (or none): left as it is
+        return
+    keys = ["if"] if has_if else branches
+    if not _removable(ctx, pointer, node, keys):
+        return
+    for key in keys:
+        del node[key]
+    done.append(Rewrite(pointer, "lone-if", f"{'/'.join(keys)} without "
+                        f"{'then/else' if has_if else 'if'} has no effect: dropped"))
 
 
 def _not_not(ctx: _Context, pointer: str, node: dict[str, Any], done: list[Rewrite]) -> None:
@@ -570,7 +587,7 @@ def _add_all_of(node: dict[str, Any], schema: Any) -> None:
 
 
 _RULES: tuple[Callable[[_Context, str, dict[str, Any], list[Rewrite]], None], ...] = (
-    _format, _not_not, _not_type, _not_required, _not_property_names, _dependencies, _one_of,
-    _enum_filter)
+    _format, _lone_condition, _not_not, _not_type, _not_required, _not_property_names,
+    _dependencies, _one_of, _enum_filter)
 """In order: the ``not`` rules run before the ``enum`` filter, which would otherwise take
 nodes they rewrite into plain keywords."""

@@ -63,6 +63,9 @@ RULE_CASES: list[tuple[str, dict[str, Any]]] = [
     ("enum-filter", {"enum": [1, "a", 2.5, None], "type": "string", "not": {"const": "b"}}),
     ("enum-filter", {"allOf": [{"enum": [{"bar": True}]}, {"not": {"properties": {
         "bar": {"$ref": "#/allOf/1/not/properties/foo"}, "foo": {"type": "integer"}}}}]}),
+    ("lone-if", {"type": "object", "if": {"properties": {"a": {"type": "array",
+                                                              "uniqueItems": True}}}}),
+    ("lone-if", {"then": {"required": ["a"]}, "else": {"type": "string"}}),
     ("not-not", {"not": {"not": {"type": "string", "minLength": 2}}}),
     ("not-type", {"not": {"type": "object"}}),
     ("not-type", {"type": ["string", "object", "null"], "not": {"type": ["object", "null"]}}),
@@ -115,6 +118,10 @@ def test_rule_is_exact_on_generated_instances(rule: str, schema: dict[str, Any])
     {"allOf": [{"enum": [{"a": 1}]}, {"properties": {"a": {}}}], "unevaluatedProperties": False},
     # a known format beside an enum: jsonschema would not check it, the backends do
     {"allOf": [{"enum": ["x"]}, {"format": "email"}]},
+    # a whole if/then: it constrains (the backends refuse it, naming it)
+    {"if": {"required": ["a"]}, "then": {"required": ["b"]}},
+    # a lone 'if' that a $ref points into: removing it would dangle
+    {"if": {"$defs": {"s": {"type": "string"}}}, "properties": {"a": {"$ref": "#/if/$defs/s"}}},
 ])
 def test_unsafe_or_inexact_usages_are_left_alone(schema: dict[str, Any]) -> None:
     out, done = rewrite_schema(schema)
@@ -156,9 +163,11 @@ def test_llguidance_and_auto_serve_rewritten_schemas(hf_tokenizer: Any) -> None:
     try:
         schema = {"type": "object", "properties": {"tags": {"type": "array", "items": {
             "type": "string"}}, "favoriteTopic": {"type": "string", "format": "color"}},
-            "dependencies": {"favoriteTopic": ["tags"]}, "not": {"required": ["x"]}}
+            "dependencies": {"favoriteTopic": ["tags"]}, "not": {"required": ["x"]},
+            "if": {"properties": {"tags": {"uniqueItems": True}}}}  # a lone if: no effect
         compiled = llg.compile(JsonSchemaConstraint(schema), timeout=30)
         for inst, ok in (({"tags": [], "favoriteTopic": "red"}, True), ({"tags": ["a"]}, True),
+                         ({"tags": ["a", "a"]}, True),
                          ({"favoriteTopic": "red"}, False), ({}, True)):
             ids = hf_tokenizer.encode(json.dumps(inst, separators=(", ", ": ")),
                                       add_special_tokens=False) + [STOP_ID]
