@@ -423,6 +423,7 @@ class RequestOutput:
             "prompt_tokens": self.num_prompt_tokens,
             "completion_tokens": self.num_completion_tokens,
             "schema_valid": self.schema_valid,
+            "grammar_backend": self.grammar_backend,
             "ttft_s": None if self.ttft_s is None else round(self.ttft_s, 6),
             "latency_s": None if self.latency_s is None else round(self.latency_s, 6),
             "speculative": self.spec.to_dict(),

@@ -336,3 +336,14 @@ def test_a_strict_refusal_names_the_flag_that_lifts_it(
                                             schema, "--grammar-backend", "xgrammar",
                                             "--no-strict"])
     assert rc == 0, err
+
+
+def test_json_records_name_the_grammar_backend() -> None:
+    """``--output json`` records say which grammar backend served a request (``auto`` picks
+    per schema), as the Python API and the server do; None without a grammar."""
+    out = RequestOutput(request_id="r", prompt_token_ids=[1], token_ids=[2], text="{}",
+                        finished=True, finish_reason=FinishReason.STOP,
+                        grammar_backend="llguidance")
+    assert out.to_dict()["grammar_backend"] == "llguidance"
+    out.grammar_backend = None
+    assert out.to_dict()["grammar_backend"] is None
