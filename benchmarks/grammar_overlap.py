@@ -119,6 +119,23 @@ def record_prompts(llm: LLM, n: int, seed: int = 3, check_tokens: int = 128,
                      f"without a grammar; {n} needed")
 
 
+def cpu_steal_ticks() -> tuple[int, int] | None:
+    """``(steal, total)`` CPU ticks of the whole host since boot (``/proc/stat``'s ``cpu``
+    line: user .. steal), or None where there is none. Time a hypervisor ran someone else on
+    this guest's CPUs shows as steal; on the lent H200 hosts the step loop's own speed swings
+    ~2x from one second to the next (benchmarks/README.md, fifteenth H200 run), so each side
+    of a pair reports the steal it saw."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu" or len(fields) < 9:
+        return None
+    ticks = [int(x) for x in fields[1:9]]
+    return ticks[7], sum(ticks)
+
+
 def step_ms(llm: LLM, prompts: Sequence[str | list[int]], grammar: bool, steps: int,
             max_tokens: int = 4000,
             params: Sequence[SamplingParams] | None = None) -> dict[str, float]:
@@ -167,9 +184,11 @@ def step_ms(llm: LLM, prompts: Sequence[str | list[int]], grammar: bool, steps: 
     if cuda:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+    steal0 = cpu_steal_ticks()
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
+    steal1 = cpu_steal_ticks()
     if cuda:
         end.record()
         end.synchronize()
@@ -186,6 +205,8 @@ def step_ms(llm: LLM, prompts: Sequence[str | list[int]], grammar: bool, steps: 
     while engine.has_unfinished_requests():
         engine.step()
     out["event_ms"] = window_ms / steps
+    if steal0 is not None and steal1 is not None and steal1[1] > steal0[1]:
+        out["steal_pct"] = 100.0 * (steal1[0] - steal0[0]) / (steal1[1] - steal0[1])
     out["tokens_per_req_step"] = tokens / steps / max(len(prompts), 1)
     return out
 
@@ -225,7 +246,8 @@ def breakdown(tag: str, s: dict[str, float]) -> str:
     keys = ("gpu_forward_ms", "gpu_busy_ms", "gpu_idle_before_ms", "gpu_grammar_stall_ms",
             "cpu_draft_ms", "cpu_launch_ms", "cpu_barrier_ms", "cpu_mask_ms", "cpu_text_ms",
             "cpu_wait_ms", "cpu_commit_ms", "pool_workers", "pool_send_ms", "pool_worker_max_ms",
-            "pool_first_start_ms", "pool_last_reply_ms", "pool_read_ms", "pool_sent_first")
+            "pool_first_start_ms", "pool_last_reply_ms", "pool_read_ms", "pool_sent_first",
+            "steal_pct")
     return " ".join(f"{tag}.{k.removesuffix('_ms')}={s[k]:.3f}" for k in keys if k in s)
 
 
@@ -310,12 +332,17 @@ def main() -> None:
                 # one pair when the host's speed drifts
                 med_plain = statistics.median(p[1]["event_ms"] for p in pairs)
                 med_gram = statistics.median(p[2]["event_ms"] for p in pairs)
+                # each pair in run order: ratio, and the steal each side saw (%)
+                in_order = ",".join(
+                    f"{r:.3f}" + (f"/{pl['steal_pct']:.1f}/{gr['steal_pct']:.1f}"
+                                  if "steal_pct" in pl and "steal_pct" in gr else "")
+                    for r, pl, gr in pairs)
                 pairs.sort(key=lambda p: p[0])
                 _, plain, gram = pairs[len(pairs) // 2]
                 spread = (f"ratio_min={pairs[0][0]:.3f} ratio_max={pairs[-1][0]:.3f} "
                           f"ratio_median={statistics.median(p[0] for p in pairs):.3f} "
                           f"ratio_of_medians={med_gram / med_plain:.3f} "
-                          f"repeats={len(pairs)} " if len(pairs) > 1 else "")
+                          f"repeats={len(pairs)} pairs={in_order} " if len(pairs) > 1 else "")
                 print(f"grammar_overlap model={model_name} kernels={kernels} algo={algo} "
                       f"workers={llm.engine.config.grammar.mask_build_workers} "
                       f"grammar_backend={args.grammar_backend} walks={walks_order} "

@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -277,7 +278,15 @@ class MaskWorkerPool:
         self._closed = False
         # workers of the build in progress whose walk reply has not been seen (walks_ready);
         # None outside a build
-        self._walks_pending: list[int] | None = None
+        self._walks_pending: set[int] | None = None
+        # walks_ready asks the kernel once for every worker socket: ``Connection.poll`` goes
+        # through a selector built per call (~5 us each on the 2-core VM, against ~1 us for
+        # one poll(2) over all eight sockets), and the text work polls every 40 us
+        self._reply_poller = select.poll()
+        self._worker_of_fd: dict[int, int] = {}
+        for w, conn in enumerate(self._conns):
+            self._reply_poller.register(conn.fileno(), select.POLLIN)
+            self._worker_of_fd[conn.fileno()] = w
         #: builds run so far (metrics, tests)
         self.num_builds = 0
         self._finalizer = weakref.finalize(self, _shutdown, self._conns, self._ship_conns,
@@ -486,7 +495,7 @@ class MaskWorkerPool:
                     raise MaskPoolError(f"mask worker {w} died") from e
                 busy.append(w)
         out = PoolBuildResult([], [], send_ms=(time.perf_counter() - t_send) * 1e3)
-        self._walks_pending = busy[::-1]
+        self._walks_pending = set(busy)
         try:
             if failed is not None:
                 raise failed
@@ -536,19 +545,20 @@ class MaskWorkerPool:
     def walks_ready(self) -> bool:
         """Whether every worker of the build in progress has replied with its walks, so the
         build would return without blocking. For ``while_waiting`` callbacks that can stop
-        early and finish their work after the mask upload. Polls without blocking (~2-10 us
-        per worker not yet seen ready); False outside a build (a caller then keeps going)."""
+        early and finish their work after the mask upload. One ``poll(2)`` over the worker
+        sockets, without blocking (~1 us); False outside a build (a caller then keeps going).
+        A dead worker's socket counts as ready: the build's ``recv`` reports it."""
         pending = self._walks_pending
         if pending is None:
             return False
-        while pending:
+        if pending:
             try:
-                if not self._conns[pending[-1]].poll():
-                    return False
-            except (OSError, ValueError):  # a dead worker: the build's recv reports it
-                pass
-            pending.pop()
-        return True
+                events = self._reply_poller.poll(0)
+            except OSError:  # interrupted: not ready yet, the caller asks again
+                return False
+            for fd, _ in events:  # readable, hung up or closed alike
+                pending.discard(self._worker_of_fd.get(fd, -1))
+        return not pending
 
     def _recv(self, w: int) -> Any:
         """Worker ``w``'s next reply; raises MaskPoolError when it died or failed."""

@@ -113,6 +113,11 @@ class GrammarService:
         #: worker pools replaced so far after a failure
         self.num_respawns = 0
         self._respawn: Future[MaskWorkerPool] | None = None
+        # request id -> :meth:`_on_worker`'s answer, asked up to three times per request and
+        # step (the plan, the batch's split, the pool requests; ~1 us each): it changes only
+        # when plan_step collects shipments (dropped then), when the pool changes (dropped)
+        # and when the request is released (its entry dropped)
+        self._on_worker_memo: dict[str, bool] = {}
 
     # ------------------------------------------------------------------ requests
 
@@ -134,6 +139,7 @@ class GrammarService:
 
     def release(self, request_id: str) -> None:
         """Forget a finished request (its mirror matcher, if any)."""
+        self._on_worker_memo.pop(request_id, None)
         if self.pool is not None:
             self.pool.release(request_id)
 
@@ -181,7 +187,8 @@ class GrammarService:
             self._adopt_replacement()
         if self.pool is not None:
             try:  # grammars that reached their workers since the last step
-                self.pool.collect_shipped()
+                if self.pool.collect_shipped():
+                    self._on_worker_memo.clear()
             except MaskPoolError as e:
                 self._drop_pool(self.pool, e)
         in_batch = set(map(id, reqs))
@@ -348,6 +355,7 @@ class GrammarService:
                      "work %s", error, "until a new pool has started" if respawn else
                      "from now on")
         self.pool = None
+        self._on_worker_memo.clear()
         pool.close()
         for req in self._live_requests():  # replay every mirror's lead now
             advance_grammar(req)
@@ -369,6 +377,7 @@ class GrammarService:
         and shipped on first sight, served here meanwhile), or log why there is none."""
         respawn, self._respawn = self._respawn, None
         assert respawn is not None
+        self._on_worker_memo.clear()
         try:
             self.pool = respawn.result()
         except Exception as e:  # noqa: BLE001 - the engine keeps the grammar work in process
@@ -385,11 +394,17 @@ class GrammarService:
         its worker (placing it and starting the shipment on first sight). Changes only when
         :meth:`plan_step` collects the shipments, so one step sees one answer."""
         pool = self.pool
+        if pool is None or req.matcher is None:
+            return False
+        known = self._on_worker_memo.get(req.request_id)
+        if known is not None:
+            return known
         # a grammar of a backend the workers were not started for stays in this process, as
         # local rows of the same build
-        return (pool is not None and req.matcher is not None
-                and pool.serves(req.matcher.compiled)
-                and pool.ready(req.request_id, req.matcher.compiled))
+        known = self._on_worker_memo[req.request_id] = (
+            pool.serves(req.matcher.compiled)
+            and pool.ready(req.request_id, req.matcher.compiled))
+        return known
 
     def _pool_requests(self, reqs: Sequence[Req]) -> list[PoolRequest | None]:
         """Per request, what the pool needs, or None: unconstrained, or its grammar is not on
