@@ -73,8 +73,9 @@
 #   order_ab  issue 18: the CUDA mask-worker tests, then the EAGLE grammar overlap at batch
 #             8 / 32 / 64 on one engine with the build sent after / before the verify launch
 #             (1 repeat; the run of 2026-12-04 also had --reply-spin off on, removed since)
-#   gates     issues 18/19: the two overlap conditions still open, 5 alternating repeats each:
-#             EAGLE + JSON at batch 1 / 8 / 32 / 64, llguidance ngram at batch 64 (~8-9 min)
+#   gates     issues 18/19: the two overlap conditions still open, alternating repeats (9 x 40
+#             steps, 7 x 100): EAGLE + JSON at batch 1 / 8 / 32 / 64, llguidance ngram at batch
+#             64 (~3-5 min)
 #   workers_ab  issues 18/19: 8 against 12 mask workers (processes alternating): the EAGLE grammar
 #             overlap at batch 32 / 64, llguidance ngram at batch 64
 #   text_ab   issue 18: the EAGLE grammar overlap at batch 8 / 32 / 64 with a device tree's text
@@ -218,9 +219,11 @@ for s in $stages; do case $s in
     run grammar_overlap_eagle_bs1 150 python3 benchmarks/grammar_overlap.py --device cuda --batch 1 --steps 60 --algorithms eagle --overlap on --repeats 3 --speculative-adaptive off ;;
   gates)
     # issue 18's EAGLE grammar overlap (batch 1 / 8 / 32 / 64) and issue 19's llguidance
-    # batch-64 overlap, 5 alternating repeats each: odd, so the printed pair is the median
-    run grammar_overlap_eagle_gate 330 python3 benchmarks/grammar_overlap.py --device cuda --batch 1 8 32 64 --steps 60 --algorithms eagle --overlap on --repeats 5 --speculative-adaptive off
-    run grammar_overlap_llg_gate 240 python3 benchmarks/grammar_overlap.py --device cuda --batch 64 --steps 150 --algorithms ngram --overlap on --repeats 5 --grammar-backend llguidance ;;
+    # batch-64 overlap, alternating repeats (odd, so the printed pair is the median): more and
+    # shorter windows than one long one, as the host's own speed swings from one second to the
+    # next (benchmarks/README.md, fifteenth H200 run; ~3.5 min on machine F)
+    run grammar_overlap_eagle_gate 330 python3 benchmarks/grammar_overlap.py --device cuda --batch 1 8 32 64 --steps 40 --algorithms eagle --overlap on --repeats 9 --speculative-adaptive off
+    run grammar_overlap_llg_gate 240 python3 benchmarks/grammar_overlap.py --device cuda --batch 64 --steps 100 --algorithms ngram --overlap on --repeats 7 --grammar-backend llguidance ;;
   workers_ab)
     # 8 mask workers (the default on 16 cores) against 12, processes alternating: the EAGLE
     # grammar overlap at batch 32 / 64, then llguidance ngram at batch 64 (~7 min)
