@@ -120,18 +120,35 @@ def test_drafter_failing_always_turns_speculation_off(faulty_llm: Any,
     engine stops calling it at all."""
     drafter = faulty_llm.engine.drafter
     guard = faulty_llm.engine.scheduler.draft
-    drafter.fails = lambda where, reqs: where == "propose"
-    drafter.calls = 0
+    sizes: list[int] = []  # the batch size of each propose call, in order
+
+    def fails(where: str, reqs: Sequence[DraftRequest]) -> bool:
+        if where == "propose":
+            sizes.append(len(reqs))
+        return where == "propose"
+
+    drafter.fails = fails
     got = faulty_llm.generate(PROMPTS[:5], PARAMS)
     _same_as(reference, got)
-    assert drafter.calls == 1 + 5 and guard.num_failures == 1  # the batch, then each alone
+    # Each failing step calls the batch, then each of its requests alone (a batch of one is
+    # not asked again). Usually one step holds all five; the constrained requests join a
+    # step later when their grammars compile late (a loaded machine), each such step counted.
+    steps, i = [], 0
+    while i < len(sizes):
+        k = sizes[i]
+        assert sizes[i + 1: i + 1 + k] == ([1] * k if k > 1 else []), sizes
+        steps.append(k)
+        i += 1 + (k if k > 1 else 0)
+    assert sum(steps) == 5 and guard.num_failures == len(steps) < MAX_DRAFTER_FAILURES, sizes
+    calls = len(sizes)
     short = SamplingParams(max_tokens=3)
-    for _ in range(MAX_DRAFTER_FAILURES - 1):  # one failing step per new request
+    for _ in range(MAX_DRAFTER_FAILURES - len(steps)):  # one failing step per new request
         (out,) = faulty_llm.generate(PROMPTS[5], short)
         assert out.error is None and len(out.token_ids) == 3
-    assert guard.disabled and drafter.calls == 1 + 5 + MAX_DRAFTER_FAILURES - 1
+        calls += 1
+    assert guard.disabled and len(sizes) == calls
     (out,) = faulty_llm.generate(PROMPTS[5], short)
-    assert out.error is None and drafter.calls == 1 + 5 + MAX_DRAFTER_FAILURES - 1
+    assert out.error is None and len(sizes) == calls  # not called any more
 
 
 def _poison(runner: Any, method: str, monkeypatch: pytest.MonkeyPatch,
