@@ -135,7 +135,10 @@ class SamplingParams:
     """How one request samples and when it stops.
 
     ``temperature == 0`` is greedy. ``top_k <= 0`` / ``top_p == 1`` / ``min_p == 0`` disable
-    those filters. ``seed`` makes a sampled request reproducible on its own and in any batch.
+    those filters. ``seed`` makes a sampled request reproducible on its own and in any batch
+    while its draft tree's size is fixed (``speculative_adaptive="off"``, or no speculation):
+    each verify step draws the request's noise for every tree node from its generator, so an
+    adaptive sizer, whose tree sizes follow the measured verify cost, shifts the draws.
 
     ``presence_penalty`` / ``frequency_penalty`` (OpenAI, output tokens, ``[-2, 2]``, 0 =
     off), ``repetition_penalty`` (vLLM / Hugging Face, prompt and output tokens, ``[0.01,

@@ -38,6 +38,7 @@ import traceback
 from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
+from typing import Any
 
 import llguidance
 import torch
@@ -234,10 +235,17 @@ def _worker_main(conn: Connection, ship: Connection) -> None:
                                                  planes[3, b].tolist(), stops)  # type: ignore[index]
             # absolute times (CLOCK_MONOTONIC, one clock for every process of the host): the
             # parent splits its round trip into wake-up, work and reading from them
-            conn.send((rejected, terminated, walked, timed_out, settled, t0,
-                       time.perf_counter()))
+            reply: Any = (rejected, terminated, walked, timed_out, settled, t0,
+                          time.perf_counter())
         except Exception as e:  # noqa: BLE001 - the parent raises it
-            conn.send(e)
+            reply = e
+        try:
+            conn.send(reply)
+        except OSError:
+            # the parent closed the pool mid-build (it dropped the pool after another worker
+            # died, or is shutting down): no one to reply to, so end quietly, not with a
+            # BrokenPipeError traceback in the server's log
+            break
     del slab, slab_np, links_all, links_np, row_views
     shm.close()
 
