@@ -30,7 +30,7 @@ from structspec.grammar.errors import PARAM_BY_KIND, GrammarError
 from structspec.grammar.matcher import Matcher
 from structspec.grammar.number_bounds import bound_schema_numbers
 from structspec.grammar.satisfiable import check_servable
-from structspec.grammar.schema_check import find_unenforceable
+from structspec.grammar.schema_check import MAX_POINTERS_SHOWN, find_unenforceable
 from structspec.grammar.schema_rewrite import rewrite_schema, rewrite_schema_text
 from structspec.grammar.xgr_numbers import bounded_json_schema_grammar
 from structspec.regex_check import find_regex_problem
@@ -171,7 +171,8 @@ def _check_enforceable(schema: Any, param: str | None, original_text: str | None
 
 def strict_refusal(schema: Any, original_text: str | None, best_effort: str) -> str | None:
     """Strict mode's refusal of ``schema`` (what xgrammar compiles), naming each usage it
-    would not enforce exactly by its JSON pointer (at most 5), or None when there is none.
+    would not enforce exactly by its JSON pointer (at most ``MAX_POINTERS_SHOWN``), or None
+    when there is none.
 
     Args:
         schema: the parsed schema xgrammar is given (after the exact rewrites).
@@ -187,12 +188,14 @@ def strict_refusal(schema: Any, original_text: str | None, best_effort: str) -> 
     problems = find_unenforceable(schema)
     if not problems:
         return None
-    shown = "; ".join(f"{p or '/'}: {r}" for p, r in problems[:5])
-    more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+    shown_problems = problems[:MAX_POINTERS_SHOWN]
+    shown = "; ".join(f"{p or '/'}: {r}" for p, r in shown_problems)
+    more = (f" (and {len(problems) - MAX_POINTERS_SHOWN} more)"
+            if len(problems) > MAX_POINTERS_SHOWN else "")
     rewrite = ""
     if original_text is not None:
         original = json.loads(original_text)
-        if any(resolve_local_ref(original, "#" + p) is None for p, _ in problems[:5]):
+        if any(resolve_local_ref(original, "#" + p) is None for p, _ in shown_problems):
             with pattern_budget():  # the rewrite's regex searches, as in rewrite_schema_text
                 _, done = rewrite_schema(original)
             # the rules that add structure (the others only drop or filter)

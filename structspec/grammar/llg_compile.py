@@ -38,7 +38,7 @@ from structspec.grammar.errors import PARAM_BY_KIND, GrammarError
 from structspec.grammar.llg_matcher import LlgCompiled, LlgMatcher
 from structspec.grammar.number_bounds import bound_schema_numbers
 from structspec.grammar.satisfiable import check_servable
-from structspec.grammar.schema_check import keyword_pointers
+from structspec.grammar.schema_check import MAX_POINTERS_SHOWN, keyword_pointers
 from structspec.regex_check import find_regex_problem
 
 COMPACT_SEPARATORS = (", ", ": ")
@@ -205,8 +205,6 @@ def _compile_message(spec: GrammarConstraint, error: str) -> str:
 
 _LARK_POSITION = re.compile(r"^at \d+\(\d+\): ")
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: (\[[^\]]*\])")
-#: JSON pointers named after an "Unimplemented keys" error at most
-MAX_POINTERS = 5
 
 
 def _with_keyword_pointers(spec: JsonSchemaConstraint, message: str) -> str:
@@ -227,8 +225,8 @@ def _with_keyword_pointers(spec: JsonSchemaConstraint, message: str) -> str:
     pointers = keyword_pointers(schema, [k for k in keys if isinstance(k, str)])
     if not pointers:
         return message
-    more = len(pointers) - MAX_POINTERS
-    return (f"{message} (at {', '.join(pointers[:MAX_POINTERS])}"
+    more = len(pointers) - MAX_POINTERS_SHOWN
+    return (f"{message} (at {', '.join(pointers[:MAX_POINTERS_SHOWN])}"
             + (f" and {more} more" if more > 0 else "") + ")")
 
 

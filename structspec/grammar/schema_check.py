@@ -83,6 +83,9 @@ UNENFORCED_FORMATS = {
     "idn-hostname": "the format is ignored",
 }
 
+#: JSON pointers a refusal names at most (the rest are counted): the strict check's and
+#: llguidance's "Unimplemented keys" refusals alike
+MAX_POINTERS_SHOWN = 5
 _SCHEMA_MAPS = ("properties", "patternProperties", "dependentSchemas")
 #: subschemas xgrammar never reads: the keywords holding them are reported where they are used
 #: (``'not' is ignored ...``), or have no effect (``if`` without ``then``/``else``), so what is
