@@ -9,7 +9,9 @@ Why (benchmarks/README.md, thirteenth H200 run): at batch 8 an EAGLE + JSON step
 of host in the tree staging and ~1.3 ms in the pool's round trip while its workers were busy
 ~0.18 ms; which primitive holds that time decides what to change.
 
-One line per primitive: ``host_primitive name=... us=<median> p90=<p90>``. The round trip is
+One line per primitive: ``host_primitive name=... us=<median> p90=<p90>``; ``conn_poll_one``
+and ``poll_all``: asking whether the workers' replies are in, one socket through
+``Connection.poll`` against all of them through one ``poll(2)``. The round trip is
 measured the way a step makes it: the parent sends each worker a job, does ``--host-work-us``
 of its own work (the barrier and text work the step runs meanwhile), then reads every reply;
 between rounds it idles ``--gap-us`` (the rest of the step), so the workers go back to waiting
@@ -107,6 +109,31 @@ def time_us(fn: Callable[[], object], reps: int, sync_every: int = 32) -> tuple[
     return statistics.median(samples), statistics.quantiles(samples, n=10)[-1]
 
 
+def reply_poll_primitives(workers: int, reps: int) -> None:
+    """What asking "are the replies in?" costs with no reply there: one ``Connection.poll``
+    (a selector built per call: what ``MaskWorkerPool.walks_ready`` called per worker before
+    2026-12-04) against one ``poll(2)`` over every worker socket (what it calls now)."""
+    import select
+
+    pairs = [mp.Pipe() for _ in range(workers)]
+    ours = [a for a, _ in pairs]
+    poller = select.poll()
+    for conn in ours:
+        poller.register(conn.fileno(), select.POLLIN)
+    for name, fn in (("conn_poll_one", ours[0].poll), ("poll_all", lambda: poller.poll(0))):
+        samples = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e6)
+        print(f"host_primitive name={name} sockets={1 if name == 'conn_poll_one' else workers} "
+              f"us={statistics.median(samples):.2f} "
+              f"p90={statistics.quantiles(samples, n=10)[-1]:.2f}", flush=True)
+    for a, b in pairs:
+        a.close()
+        b.close()
+
+
 def staging_primitives(batch: int, nodes: int, reps: int) -> None:
     """One line per part of a device tree's staging for the host at ``[batch, nodes]``."""
     import torch
@@ -155,6 +182,8 @@ def main() -> None:
     if not args.skip_cuda:
         for b in args.batch:
             staging_primitives(b, args.nodes, args.reps)
+    for w in args.workers:
+        reply_poll_primitives(w, args.reps)
     for w in args.workers:
         for mode, spin in (("block", 0.0), ("spin", args.spin_us)):
             for parent_poll in (False, True):
