@@ -356,15 +356,19 @@ def _settle_and_upload(bitmask: torch.Tensor, matchers: Sequence[AnyMatcher | No
     draft_tokens = tree.draft_tokens_cpu
     bs, n = draft_tokens.shape
     done = settled or {}
-    settle = sorted(set(walked) - set(timed_out) - done.keys())
-    stop_ids = matchers[settle[0]].stop_token_ids if settle else ()  # type: ignore[union-attr]
-    rejected_np = settle_tree_rows_batch(bitmask, draft_tokens, tree.parents(), settle,
-                                         stop_token_ids=stop_ids)
+    # plain lists and sets: at batch 64 with the workers settling every row, this runs ~64
+    # dict items a step, where numpy element writes cost ~3x a list's
+    settle = sorted(set(walked).difference(timed_out, done))
+    rejected = [0] * bs
+    if settle:
+        stop_ids = matchers[settle[0]].stop_token_ids  # type: ignore[union-attr]
+        rejected = settle_tree_rows_batch(bitmask, draft_tokens, tree.parents(), settle,
+                                          stop_token_ids=stop_ids).tolist()
     for b, count in done.items():
-        rejected_np[b] = count
+        rejected[b] = count
     max_accept = torch.full((bs,), n - 1, dtype=torch.int32)
-    for i in timed_out:
-        max_accept[i] = 0
+    if timed_out:
+        max_accept[list(timed_out)] = 0
     upload_done = None
     if out is None:
         bitmask_device = upload_pinned(bitmask, device)
@@ -373,7 +377,7 @@ def _settle_and_upload(bitmask: torch.Tensor, matchers: Sequence[AnyMatcher | No
         bitmask_device = out[: bs * n]
         upload_done = upload_pinned_side(bitmask, bitmask_device)
     return GrammarMaskResult(bitmask_device, bitmask, max_accept, sorted(timed_out),
-                             rejected_np.tolist(), time.perf_counter() - t0,
+                             rejected, time.perf_counter() - t0,
                              upload_done=upload_done)
 
 

@@ -113,11 +113,13 @@ class GrammarService:
         #: worker pools replaced so far after a failure
         self.num_respawns = 0
         self._respawn: Future[MaskWorkerPool] | None = None
-        # request id -> :meth:`_on_worker`'s answer, asked up to three times per request and
-        # step (the plan, the batch's split, the pool requests; ~1 us each): it changes only
-        # when plan_step collects shipments (dropped then), when the pool changes (dropped)
-        # and when the request is released (its entry dropped)
-        self._on_worker_memo: dict[str, bool] = {}
+        # request id -> :meth:`_pool_request`'s answer (what the pool needs of the request, or
+        # None when it is not on a worker), asked up to three times per request and step (the
+        # plan, the batch's split, the pool requests): it changes only when plan_step collects
+        # shipments (dropped then), when the pool changes (dropped) and when the request is
+        # released (its entry dropped). The PoolRequest holds the request's own output list
+        # (only ever appended to or cut in place), so one object serves every step.
+        self._on_worker_memo: dict[str, PoolRequest | None] = {}
 
     # ------------------------------------------------------------------ requests
 
@@ -193,13 +195,16 @@ class GrammarService:
                 self._drop_pool(self.pool, e)
         in_batch = set(map(id, reqs))
         left = [r for r in previous if id(r) not in in_batch]
-        mirrors = self._mirrors_serve([*reqs, *left])
-        pool = self.pool if mirrors else None
-        return GrammarPlan(previous=tuple(previous), barrier_in_workers=mirrors,
-                           extra=tuple(r for r in left if self._on_worker(r)) if mirrors else (),
-                           poll_walks=None if pool is None else pool.walks_ready,
-                           host_advance=tuple(r for r in previous if not self._on_worker(r))
-                           if mirrors else ())
+        pool = self.pool
+        if pool is None or not self._mirrors_serve([*reqs, *left]):
+            return GrammarPlan(previous=tuple(previous), barrier_in_workers=False, extra=(),
+                               poll_walks=None)
+        return GrammarPlan(previous=tuple(previous), barrier_in_workers=True,
+                           extra=tuple(r for r in left if self._on_worker(r)),
+                           poll_walks=pool.walks_ready,
+                           host_advance=tuple(
+                               r for r, q in zip(previous, self._pool_requests(previous),
+                                                 strict=True) if q is None))
 
     def advance_previous(self, plan: GrammarPlan, *, in_mask_build: bool) -> None:
         """The grammar barrier of a verify step over ``plan.previous``: on the host matchers,
@@ -341,7 +346,8 @@ class GrammarService:
         pool = self.pool
         if pool is None:
             return False
-        constrained = [r for r in reqs if self._on_worker(r)]
+        constrained = [r for r, q in zip(reqs, self._pool_requests(reqs), strict=True)
+                       if q is not None]
         if not constrained:
             return False
         return len(constrained) >= pool.num_workers or any(
@@ -393,24 +399,38 @@ class GrammarService:
         """Whether the pool can serve ``req`` now: constrained, and its grammar is loaded on
         its worker (placing it and starting the shipment on first sight). Changes only when
         :meth:`plan_step` collects the shipments, so one step sees one answer."""
-        pool = self.pool
-        if pool is None or req.matcher is None:
-            return False
-        known = self._on_worker_memo.get(req.request_id)
-        if known is not None:
-            return known
+        return self._pool_request(req) is not None
+
+    def _pool_request(self, req: Req) -> PoolRequest | None:
+        """What the pool needs of ``req``, or None: no pool, unconstrained, or its grammar is
+        not on its worker yet (then this process serves it). Memoized per request id (see
+        ``_on_worker_memo``)."""
+        pool, memo, rid = self.pool, self._on_worker_memo, req.request_id
+        if pool is None:  # none, or closed (close() leaves the memo)
+            return None
+        if rid in memo:
+            return memo[rid]
+        matcher = req.matcher
+        if matcher is None:
+            return None
         # a grammar of a backend the workers were not started for stays in this process, as
         # local rows of the same build
-        known = self._on_worker_memo[req.request_id] = (
-            pool.serves(req.matcher.compiled)
-            and pool.ready(req.request_id, req.matcher.compiled))
+        known = (PoolRequest(rid, matcher.compiled, req.output_ids)
+                 if pool.serves(matcher.compiled) and pool.ready(rid, matcher.compiled)
+                 else None)
+        memo[rid] = known
         return known
 
     def _pool_requests(self, reqs: Sequence[Req]) -> list[PoolRequest | None]:
         """Per request, what the pool needs, or None: unconstrained, or its grammar is not on
         its worker yet (then this process serves it)."""
-        return [PoolRequest(r.request_id, r.matcher.compiled, r.output_ids)
-                if self._on_worker(r) else None for r in reqs]  # type: ignore[union-attr]
+        if self.pool is None:
+            return [None] * len(reqs)
+        memo = self._on_worker_memo
+        # the memo's hits inline (one dict probe per request: this runs for the whole batch
+        # every step); a miss asks the pool once
+        return [memo[r.request_id] if r.request_id in memo else self._pool_request(r)
+                for r in reqs]
 
     @staticmethod
     def _apply_verdicts(reqs: Sequence[Req], result: PoolBuildResult) -> None:

@@ -48,7 +48,7 @@ def _service(pool: _Pool) -> GrammarService:
 
 def _req(rid: str, compiled: object = "g") -> SimpleNamespace:
     return SimpleNamespace(request_id=rid, matcher=SimpleNamespace(compiled=compiled),
-                           num_grammar_advanced=0)
+                           num_grammar_advanced=0, output_ids=[])
 
 
 def test_memo_matches_the_pool_across_collect_release_and_pool_loss() -> None:
@@ -76,7 +76,7 @@ def test_memo_matches_the_pool_across_collect_release_and_pool_loss() -> None:
     pool.acked.add("b")
     service.plan_step([b], [])
     assert service._on_worker(b)
-    service._on_worker_memo["b"] = True
+    assert service._on_worker_memo["b"] is not None
     service.pool = None  # the pool failed: nothing is on a worker
     assert not service._on_worker(b)
 
@@ -91,3 +91,22 @@ def test_plan_step_without_new_acknowledgements_keeps_the_memo() -> None:
     calls = pool.ready_calls
     service.plan_step([a], [a])
     assert service._on_worker(a) and pool.ready_calls == calls
+
+
+def test_memoized_pool_request_sees_later_commits_and_cuts() -> None:
+    """The memo keeps one PoolRequest per request across steps: it must read the request's
+    own output list, so ids committed (or cut) after it was made are what the pool sends."""
+    pool = _Pool()
+    pool.acked.add("a")
+    service = _service(pool)
+    a = _req("a")
+    service.plan_step([a], [])
+    first = service._pool_requests([a])[0]
+    assert first is not None and list(first.output_ids) == []
+    a.output_ids.extend([5, 6, 7])
+    again = service._pool_requests([a])[0]
+    assert again is first and list(again.output_ids) == [5, 6, 7]
+    del a.output_ids[1:]  # a stop-string cut removes ids in place
+    assert list(service._pool_requests([a])[0].output_ids) == [5]
+    unconstrained = SimpleNamespace(request_id="u", matcher=None, output_ids=[])
+    assert service._pool_requests([unconstrained, a]) == [None, first]
