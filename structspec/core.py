@@ -135,10 +135,11 @@ class SamplingParams:
     """How one request samples and when it stops.
 
     ``temperature == 0`` is greedy. ``top_k <= 0`` / ``top_p == 1`` / ``min_p == 0`` disable
-    those filters. ``seed`` makes a sampled request reproducible on its own and in any batch
-    while its draft tree's size is fixed (``speculative_adaptive="off"``, or no speculation):
-    each verify step draws the request's noise for every tree node from its generator, so an
-    adaptive sizer, whose tree sizes follow the measured verify cost, shifts the draws.
+    those filters. ``seed`` makes a sampled request reproducible on its own: its token at
+    output position ``p`` is drawn with a uniform keyed by ``(seed, p)``
+    (:mod:`structspec.layers.keyed_sampling`), so the output is the same in any batch, with
+    any drafter or none, and whatever tree sizes the adaptive sizer picks (up to float
+    rounding of the logits: in bf16 or int4 a near-tie can flip, as for greedy output).
 
     ``presence_penalty`` / ``frequency_penalty`` (OpenAI, output tokens, ``[-2, 2]``, 0 =
     off), ``repetition_penalty`` (vLLM / Hugging Face, prompt and output tokens, ``[0.01,

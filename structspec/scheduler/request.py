@@ -6,8 +6,6 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from structspec.core import FinishReason, RequestOutput, SamplingParams, SpecMetrics, TokenLogprob
 from structspec.scheduler.repeat_stop import RepeatDetector
 
@@ -62,7 +60,6 @@ class Req:
     seq_len: int = 0
     # leading prompt tokens whose KV came from the prefix cache (set at admission)
     num_cached_tokens: int = 0
-    generator: torch.Generator | None = None
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     error: str | None = None

@@ -205,9 +205,6 @@ class Scheduler:
                 self.penalties.reserve()
             except MemoryError as e:  # this request fails; the engine goes on
                 raise RequestError(str(e)) from e
-        if req.params.seed is not None:
-            req.generator = torch.Generator(device=self.runner.device)
-            req.generator.manual_seed(req.params.seed)
         if req.params.grammar is not None:
             req.grammar_future = self.grammar.submit(req.params.grammar)
         self.requests[req.request_id] = req

@@ -174,7 +174,7 @@ class SelectVerifyPhase:
                 logits, None if mask is None else mask.bitmask_device, tree_dev.draft_tokens,
                 tree_dev.parents, tree_dev.depth, tree_dev.ancestor_mask, cap,
                 None if slots is None else self.penalties.inputs(slots),
-                select=lambda rows: sample_rows(rows, sb))
+                select=lambda rows: sample_rows(rows, sb, tree_dev.depth))
             if fwd is not None:
                 self.runner.commit_accepted_kv(fwd, result)
         step = PendingStep.launch(result, num_real, self._pinned_pool)
@@ -212,16 +212,26 @@ class SelectVerifyPhase:
         def col(values: list[float], dtype: torch.dtype) -> torch.Tensor:
             return self._to_device(torch.tensor(values, dtype=dtype).repeat_interleave(n))
 
+        # seeded requests draw each output position with a uniform keyed by (seed, position)
+        # (layers/keyed_sampling.py): their rows, seeds and output lengths, staged once
+        seeded = [i for i, p in enumerate(ps) if p.seed is not None]
+        seeded_rows = seeded_seeds = seeded_starts = None
+        if seeded:
+            keyed = torch.tensor([[i, ps[i].seed, len(reqs[i].output_ids)] for i in seeded],
+                                 dtype=torch.int64).repeat_interleave(n, dim=0)
+            keyed[:, 0] = keyed[:, 0] * n + torch.arange(n).repeat(len(seeded))
+            seeded_rows, seeded_seeds, seeded_starts = self._to_device(keyed.T.contiguous())
         return SamplingBatch(
             temperature=col([p.temperature for p in ps], torch.float32),
             top_k=col([p.top_k for p in ps], torch.int64),
             top_p=col([p.top_p for p in ps], torch.float32),
             min_p=col([p.min_p for p in ps], torch.float32),
-            generators=[r.generator or self._generator for r in reqs],
+            generators=[None if p.seed is not None else self._generator for p in ps],
             rows_per_request=n,
             all_greedy=False,
             use_top_k=any(p.top_k > 0 for p in ps),
             use_top_p=any(p.top_p < 1.0 for p in ps),
             use_min_p=any(p.min_p > 0 for p in ps),
             top_k_max=max(p.top_k for p in ps) if all(p.top_k > 0 for p in ps) else 0,
+            seeded_rows=seeded_rows, seeded_seeds=seeded_seeds, seeded_starts=seeded_starts,
         )
