@@ -1,4 +1,6 @@
-"""Speculative sampling keeps the target distribution (tree sample-and-match verification)."""
+"""Speculative sampling keeps the target distribution (tree sample-and-match verification),
+for unseeded requests (the engine generator's noise per tree row) and seeded ones (a uniform
+keyed by seed and output position: layers/keyed_sampling.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +11,9 @@ import pytest
 from structspec import SamplingParams
 
 
-def sequences(llm, n: int, **penalties: float) -> Counter:
-    params = [SamplingParams(max_tokens=3, temperature=1.0, top_k=3, seed=i, ignore_eos=True,
-                             **penalties)
+def sequences(llm, n: int, *, seeded: bool = True, **penalties: float) -> Counter:
+    params = [SamplingParams(max_tokens=3, temperature=1.0, top_k=3,
+                             seed=i if seeded else None, ignore_eos=True, **penalties)
               for i in range(n)]
     outs = llm.generate(["Once upon a time"] * n, params, raw_prompt=True)
     return Counter(tuple(o.token_ids) for o in outs)
@@ -28,14 +30,17 @@ def test_tree_sampling_matches_target_distribution(make_llm, tiny_model_dir: str
     spec = make_llm(model=tiny_model_dir, max_batch_size=64, speculative_algorithm="draft_model",
                     draft_model=tiny_model_dir, num_draft_tokens=4, speculative_depth=3,
                     speculative_topk=1)
-    want = sequences(plain, n)
-    got = sequences(spec, n)
-    tv = total_variation(want, got)
-    # Two samples of one distribution over <= 27 sequences differ by about 0.04 in TV at this
-    # n; always accepting the (greedy) draft would put all mass on one path (TV > 0.5).
-    assert tv < 0.12, tv
+    # the reference: plain decoding with the engine generator's noise (no seeds, no keyed
+    # draws); then speculation with it, and speculation with seeded (keyed) draws
+    want = sequences(plain, n, seeded=False)
     greedy_path = max(want, key=want.__getitem__)
-    assert got[greedy_path] / n < 0.9
+    for seeded in (False, True):
+        got = sequences(spec, n, seeded=seeded)
+        tv = total_variation(want, got)
+        # Two samples of one distribution over <= 27 sequences differ by about 0.04 in TV at
+        # this n; always accepting the (greedy) draft would put all mass on one path (TV > 0.5).
+        assert tv < 0.12, (seeded, tv)
+        assert got[greedy_path] / n < 0.9
     # Drafts were really proposed and partly accepted.
     sample = spec.generate("Once upon a time", SamplingParams(max_tokens=3, temperature=1.0,
                                                               top_k=3, seed=7, ignore_eos=True),
@@ -60,7 +65,8 @@ def test_tree_sampling_with_penalties_matches_penalised_target(make_llm,
     spec = make_llm(model=tiny_model_dir, max_batch_size=64, speculative_algorithm="draft_model",
                     draft_model=tiny_model_dir, num_draft_tokens=4, speculative_depth=3,
                     speculative_topk=1)
-    want = sequences(plain, n, **PENALTIES)
-    got = sequences(spec, n, **PENALTIES)
-    assert total_variation(want, got) < 0.12, total_variation(want, got)
+    want = sequences(plain, n, seeded=False, **PENALTIES)
+    for seeded in (False, True):
+        got = sequences(spec, n, seeded=seeded, **PENALTIES)
+        assert total_variation(want, got) < 0.12, (seeded, total_variation(want, got))
     assert total_variation(want, sequences(plain, n // 2)) > 0.3  # the penalties matter
