@@ -49,6 +49,9 @@ class Req:
     status: ReqStatus = ReqStatus.WAITING
     grammar_future: GrammarFuture | AutoFuture | None = None
     matcher: AnyMatcher | None = None
+    # the seed of its sampling draws: ``params.seed``, or one drawn by the scheduler from the
+    # engine seed (layers/keyed_sampling.py: output position p is drawn with (seed, p))
+    sampling_seed: int = 0
     # the backend that compiled the request's grammar ("xgrammar" / "llguidance"), once known
     grammar_backend: str | None = None
     pages: list[int] = field(default_factory=list)

@@ -13,6 +13,7 @@ by :mod:`structspec.scheduler.preemption`.
 
 from __future__ import annotations
 
+import random
 import time
 
 import torch
@@ -124,8 +125,10 @@ class Scheduler:
         self.report_unfinished = True
         #: constrained requests whose grammar compiled, by backend (``/metrics``)
         self.grammar_backend_counts: dict[str, int] = {}
-        self._engine_generator = torch.Generator(device=runner.device)
-        self._engine_generator.manual_seed(config.seed)
+        # draws the sampling seed of each request that brings none (engine seed ``--seed``):
+        # every sampled request then draws by (seed, output position), so even an unseeded
+        # run repeats for the same requests in the same order, whatever the tree sizes
+        self._seed_rng = random.Random(config.seed)
         #: per verify step CPU phase / GPU busy and idle times (see step_stats.py)
         self.timer = StepTimer(runner.device)
         #: grammar compile, barrier and tree bitmask (owns the backend and the worker pool)
@@ -137,7 +140,7 @@ class Scheduler:
         self.penalties = PenaltySlots(vocab_size=runner.vocab_size,
                                       max_requests=config.scheduler.max_batch_size,
                                       device=runner.device, staging=runner.staging)
-        self._select = SelectVerifyPhase(runner, self._engine_generator, self.penalties)
+        self._select = SelectVerifyPhase(runner, self.penalties)
         #: sizes each request's draft tree from its acceptance and the measured verify cost
         #: (``SpecConfig.adaptive``); None without a drafter
         self.sizer: AdaptiveTreeSizer | None = None
@@ -205,6 +208,8 @@ class Scheduler:
                 self.penalties.reserve()
             except MemoryError as e:  # this request fails; the engine goes on
                 raise RequestError(str(e)) from e
+        req.sampling_seed = (req.params.seed if req.params.seed is not None
+                             else self._seed_rng.getrandbits(63))
         if req.params.grammar is not None:
             req.grammar_future = self.grammar.submit(req.params.grammar)
         self.requests[req.request_id] = req

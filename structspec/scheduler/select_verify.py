@@ -115,14 +115,11 @@ class SelectVerifyPhase:
 
     Args:
         runner: the target runner (KV compaction, post-forward graphs, staging).
-        generator: the engine's generator, for requests without their own seed.
         penalties: the penalised requests' device state (their slots in the penalty table).
     """
 
-    def __init__(self, runner: ModelRunner, generator: torch.Generator,
-                 penalties: PenaltySlots) -> None:
+    def __init__(self, runner: ModelRunner, penalties: PenaltySlots) -> None:
         self.runner = runner
-        self._generator = generator
         self.penalties = penalties
         self._pinned_pool: dict[tuple, torch.Tensor] = {}  # D2H buffers of PendingStep
 
@@ -205,33 +202,30 @@ class SelectVerifyPhase:
             empty_f, empty_i = (torch.empty(0, dtype=torch.float32),
                                 torch.empty(0, dtype=torch.int64))
             return SamplingBatch(temperature=empty_f, top_k=empty_i, top_p=empty_f,
-                                 min_p=empty_f, generators=[], rows_per_request=n,
+                                 min_p=empty_f, rows_per_request=n, seeds=empty_i,
+                                 starts=empty_i,
                                  all_greedy=True, use_top_k=False, use_top_p=False,
                                  use_min_p=False)
 
         def col(values: list[float], dtype: torch.dtype) -> torch.Tensor:
             return self._to_device(torch.tensor(values, dtype=dtype).repeat_interleave(n))
 
-        # seeded requests draw each output position with a uniform keyed by (seed, position)
-        # (layers/keyed_sampling.py): their rows, seeds and output lengths, staged once
-        seeded = [i for i, p in enumerate(ps) if p.seed is not None]
-        seeded_rows = seeded_seeds = seeded_starts = None
-        if seeded:
-            keyed = torch.tensor([[i, ps[i].seed, len(reqs[i].output_ids)] for i in seeded],
-                                 dtype=torch.int64).repeat_interleave(n, dim=0)
-            keyed[:, 0] = keyed[:, 0] * n + torch.arange(n).repeat(len(seeded))
-            seeded_rows, seeded_seeds, seeded_starts = self._to_device(keyed.T.contiguous())
+        # every request draws output position p with a uniform keyed by (its sampling seed,
+        # p) (layers/keyed_sampling.py): each row's seed and its request's output length,
+        # staged in one copy (the rows are all of them, in order)
+        keyed = torch.tensor([[r.sampling_seed, len(r.output_ids)] for r in reqs],
+                             dtype=torch.int64).repeat_interleave(n, dim=0)
+        seeds, starts = self._to_device(keyed.T.contiguous())
         return SamplingBatch(
             temperature=col([p.temperature for p in ps], torch.float32),
             top_k=col([p.top_k for p in ps], torch.int64),
             top_p=col([p.top_p for p in ps], torch.float32),
             min_p=col([p.min_p for p in ps], torch.float32),
-            generators=[None if p.seed is not None else self._generator for p in ps],
             rows_per_request=n,
             all_greedy=False,
             use_top_k=any(p.top_k > 0 for p in ps),
             use_top_p=any(p.top_p < 1.0 for p in ps),
             use_min_p=any(p.min_p > 0 for p in ps),
             top_k_max=max(p.top_k for p in ps) if all(p.top_k > 0 for p in ps) else 0,
-            seeded_rows=seeded_rows, seeded_seeds=seeded_seeds, seeded_starts=seeded_starts,
+            seeds=seeds, starts=starts,
         )

@@ -46,3 +46,27 @@ def test_seeded_output_is_the_same_with_every_drafter_and_tree_size(
     others = plain.generate([PROMPTS[0]] * 6, [_params(100 + s) for s in range(6)],
                             raw_prompt=True)
     assert len({tuple(o.token_ids) for o in others} | {tuple(want[0])}) > 2
+
+
+def test_unseeded_requests_repeat_for_one_engine_seed_whatever_the_drafter(
+        tiny_model_dir: str) -> None:
+    """A request without a seed gets one drawn from the engine seed when it is added: two
+    fresh engines with one engine seed give the same sampled outputs, one without drafter
+    and one with an adaptive self-drafting tree; another engine seed gives others."""
+    from structspec import LLM
+
+    params = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
+    common = dict(model=tiny_model_dir, device="cpu", dtype="float32", quantization="none",
+                  kv_capacity_tokens=1024, max_batch_size=8)
+    outs = []
+    for seed, opts in ((5, {}), (5, dict(speculative_algorithm="draft_model",
+                                         draft_model=tiny_model_dir, num_draft_tokens=4,
+                                         speculative_depth=3, speculative_adaptive="on")),
+                       (6, {})):
+        llm = LLM(seed=seed, **common, **opts)
+        try:
+            outs.append([o.token_ids for o in llm.generate(PROMPTS, params, raw_prompt=True)])
+        finally:
+            llm.close()
+    assert outs[0] == outs[1]
+    assert outs[2] != outs[0]

@@ -1,4 +1,4 @@
-"""Sampler: filters and the exponential-race draw against exact probabilities."""
+"""Sampler: filters, and the keyed draw against exact probabilities."""
 
 from __future__ import annotations
 
@@ -8,12 +8,15 @@ from structspec.layers.sampler import SamplingBatch, filtered_probs, sample_rows
 
 
 def _sb(rows: int, *, t: float, k: int = 0, p: float = 1.0, m: float = 0.0,
-        gens: list | None = None) -> SamplingBatch:
+        seeds: list[int] | None = None, starts: list[int] | None = None) -> SamplingBatch:
     return SamplingBatch(
         temperature=torch.full((rows,), t), top_k=torch.full((rows,), k),
         top_p=torch.full((rows,), p), min_p=torch.full((rows,), m),
-        generators=gens or [None] * rows, rows_per_request=1, all_greedy=t == 0,
-        use_top_k=k > 0, use_top_p=p < 1, use_min_p=m > 0, top_k_max=k)
+        rows_per_request=1, all_greedy=t == 0,
+        use_top_k=k > 0, use_top_p=p < 1, use_min_p=m > 0, top_k_max=k,
+        seeds=torch.tensor(seeds if seeds is not None else [0] * rows, dtype=torch.int64),
+        starts=torch.tensor(starts if starts is not None else list(range(rows)),
+                            dtype=torch.int64))
 
 
 def test_filters() -> None:
@@ -28,15 +31,14 @@ def test_filters() -> None:
 def test_draws_follow_distribution_and_seed_is_reproducible() -> None:
     probs = torch.tensor([0.6, 0.25, 0.1, 0.05])
     logits = probs.log().expand(20000, 4).contiguous()
-    g = torch.Generator().manual_seed(1)
-    toks = sample_rows(logits, SamplingBatch(
-        temperature=torch.ones(20000), top_k=torch.zeros(20000, dtype=torch.int64),
-        top_p=torch.ones(20000), min_p=torch.zeros(20000), generators=[g], rows_per_request=20000,
-        all_greedy=False, use_top_k=False, use_top_p=False, use_min_p=False))
-    freq = torch.bincount(toks, minlength=4).float() / 20000
-    assert (freq - probs).abs().max() < 0.015
-    a = sample_rows(logits[:5], _sb(5, t=1, gens=[torch.Generator().manual_seed(3) for _ in range(5)]))
-    b = sample_rows(logits[:5], _sb(5, t=1, gens=[torch.Generator().manual_seed(3) for _ in range(5)]))
+    for k, p in ((0, 1.0), (3, 1.0), (0, 0.999)):  # no filter, top-k, top-p (each keeps all 4
+        # but top-k, which drops the 0.05 token)
+        toks = sample_rows(logits, _sb(20000, t=1, k=k, p=p, seeds=[1] * 20000))
+        want = probs if k == 0 else torch.tensor([0.6, 0.25, 0.1, 0.0]) / 0.95
+        freq = torch.bincount(toks, minlength=4).float() / 20000
+        assert (freq - want).abs().max() < 0.015, (k, p, freq)
+    a = sample_rows(logits[:5], _sb(5, t=1, seeds=[3] * 5))
+    b = sample_rows(logits[:5], _sb(5, t=1, seeds=[3] * 5))
     assert a.tolist() == b.tolist()
 
 

@@ -29,8 +29,9 @@ def _tree(bsz: int, n: int, seed: int) -> VerifyTree:
 def _greedy_batch(rows_per_request: int) -> SamplingBatch:
     empty = torch.empty(0)
     return SamplingBatch(temperature=empty, top_k=empty.long(), top_p=empty, min_p=empty,
-                         generators=[], rows_per_request=rows_per_request, all_greedy=True,
-                         use_top_k=False, use_top_p=False, use_min_p=False)
+                         rows_per_request=rows_per_request, all_greedy=True,
+                         use_top_k=False, use_top_p=False, use_min_p=False,
+                         seeds=empty.long(), starts=empty.long())
 
 
 @pytest.mark.parametrize("n", [1, 5])
