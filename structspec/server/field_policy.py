@@ -92,7 +92,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("functions", _empty, "[] (use response_format to constrain the answer)",
                 (CHAT,)),
     Unsupported("function_call", _is("none", "auto"), '"none" or "auto"', (CHAT,)),
-    Unsupported("parallel_tool_calls", _is(True), "true (tool calls are not parsed)", (CHAT,)),
     Unsupported("audio", _never, "null (text output only)", (CHAT,)),
     Unsupported("modalities", _is(["text"]), '["text"]', (CHAT,)),
     Unsupported("prediction", _never, "null", (CHAT,)),

@@ -181,6 +181,7 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: StrictInt | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
 
 
 # --------------------------------------------------------------------------- completions

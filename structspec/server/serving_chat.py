@@ -38,6 +38,14 @@ from structspec.server.serving import (
     stream_choices,
 )
 from structspec.server.structured import grammar_and_field
+from structspec.server.tool_calls import (
+    ToolCallPlan,
+    calls_from_output,
+    finish_reason,
+    history_message,
+    new_call_id,
+    plan_tool_calls,
+)
 
 ROLES = {"system", "user", "assistant", "tool", "developer"}
 
@@ -54,11 +62,19 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     check_request_fields(req)
     check_choices(limits, 1, req.n)
     grammar, grammar_param = grammar_and_field(req)
+    plan = plan_tool_calls(req.tools, req.tool_choice, req.parallel_tool_calls)
+    if plan is not None:  # a forced tool call: its arguments' schema is the grammar
+        if grammar is not None:
+            raise bad_request(f"tool_choice forces a tool call, whose arguments follow the "
+                              f"tool's schema; it cannot be combined with {grammar_param}",
+                              "tool_choice")
+        grammar, grammar_param = plan.grammar, plan.grammar_param
     record.grammar = grammar.kind if grammar is not None else "none"
     check_grammar_size(limits, grammar, grammar_param)
     check_stop(limits, req.stop, req.stop_token_ids, state.engine.info.vocab_size)
     messages = _template_messages(req.messages)
-    tools = _tools(req)
+    # tools reach the chat template unless the client turned them off
+    tools = req.tools if req.tools and req.tool_choice != "none" else None
     check_prompt_chars(limits, _prompt_chars(messages, tools), "messages")
     try:
         prompt_ids = await in_thread(state.codec.encode_chat, messages, tools,
@@ -101,7 +117,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
             return Response(status_code=499)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return sse_response(_stream(state, run, rid, created, len(prompt_ids), include_usage,
-                                    logprobs is not None))
+                                    logprobs is not None, plan))
     failed = await finish_or_error(state, request, run)
     if failed is not None:
         return failed
@@ -110,18 +126,25 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         "object": "chat.completion",
         "created": created,
         "model": state.model_name,
-        "choices": [_choice(state, c, logprobs is not None) for c in run.choices],
+        "choices": [_choice(state, c, logprobs is not None, plan) for c in run.choices],
         "usage": run.usage(len(prompt_ids)),
         "system_fingerprint": None,
     })
 
 
-def _choice(state: ServerState, c: ChoiceState, with_logprobs: bool) -> dict[str, Any]:
+def _choice(state: ServerState, c: ChoiceState, with_logprobs: bool,
+            plan: ToolCallPlan | None) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
+    reason = c.finish_reason
+    calls = calls_from_output(plan, c.text) if plan is not None else None
+    if plan is not None and calls is not None:  # a forced call: the calls, no content
+        message.update(content=None, tool_calls=calls)
+        reason = finish_reason(reason)
     out: dict[str, Any] = {
         "index": c.index,
-        "message": {"role": "assistant", "content": c.text, "refusal": None},
+        "message": message,
         "logprobs": chat_logprobs(state.codec, c.logprobs) if with_logprobs else None,
-        "finish_reason": c.finish_reason,
+        "finish_reason": reason,
         "stop_reason": c.final.stop_reason if c.final else None,
     }
     if c.final is not None and c.final.schema_valid is not None:
@@ -133,10 +156,13 @@ def _choice(state: ServerState, c: ChoiceState, with_logprobs: bool) -> dict[str
 
 async def _stream(state: ServerState, run: GenerationRun, rid: str, created: int,
                   prompt_tokens: int, include_usage: bool,
-                  with_logprobs: bool) -> AsyncIterator[str]:
+                  with_logprobs: bool, plan: ToolCallPlan | None) -> AsyncIterator[str]:
     """SSE chunks: a role chunk per choice, content deltas, a finish chunk per choice,
     then (``include_usage``) a usage chunk, then ``[DONE]``. A failure after output started
-    is sent as an ``{"error": ...}`` event before ``[DONE]``."""
+    is sent as an ``{"error": ...}`` event before ``[DONE]``. With a forced tool call
+    (``plan``) the deltas are ``tool_calls`` instead of ``content``: a named call's id and
+    name, then its arguments as they come; ``required`` calls whole at the end."""
+    call_ids: dict[int, str] = {}  # per choice: its named call's id, once sent
 
     def chunk(choices: list[dict[str, Any]], usage: Any = None) -> str:
         body: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk",
@@ -146,23 +172,48 @@ async def _stream(state: ServerState, run: GenerationRun, rid: str, created: int
             body["usage"] = usage
         return sse_event(body)
 
+    def delta_of(c: ChoiceState, text: str) -> dict[str, Any] | None:
+        """The delta carrying ``text``; None while a ``required`` answer is incomplete."""
+        if plan is None:
+            return {"content": text}
+        if plan.mode == "named":
+            call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+            if c.index not in call_ids:  # the first delta names the call
+                call_ids[c.index] = new_call_id()
+                call.update(id=call_ids[c.index], type="function")
+                call["function"] = {"name": plan.name, "arguments": text}
+            return {"tool_calls": [call]}
+        if not c.finished:
+            return None
+        calls = calls_from_output(plan, c.text)
+        if calls is None:  # not a complete array of calls (cut by max_tokens): as text
+            return {"content": c.text}
+        return {"tool_calls": [dict(call, index=i) for i, call in enumerate(calls)]}
+
     def progress(c: ChoiceState) -> list[str]:
         events = []
         text = c.take_text()
         lps = c.take_logprobs() if with_logprobs else []
-        if text or lps:
+        ends_required = c.finished and plan is not None and plan.mode == "required"
+        delta = delta_of(c, text) if text or lps or ends_required else None
+        if delta is not None or lps:
             events.append(chunk([{
-                "index": c.index, "delta": {"content": text},
+                "index": c.index, "delta": delta if delta is not None else {},
                 "logprobs": chat_logprobs(state.codec, lps) if with_logprobs else None,
                 "finish_reason": None}]))
         if c.finished and not c.finish_sent:
             c.finish_sent = True
+            reason = c.finish_reason
+            if plan is not None and (plan.mode == "named"
+                                     or calls_from_output(plan, c.text) is not None):
+                reason = finish_reason(reason)
             events.append(chunk([{"index": c.index, "delta": {}, "logprobs": None,
-                                  "finish_reason": c.finish_reason,
+                                  "finish_reason": reason,
                                   "stop_reason": c.final.stop_reason if c.final else None}]))
         return events
 
-    head = [chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+    head = [chunk([{"index": c.index,
+                    "delta": {"role": "assistant", "content": "" if plan is None else None},
                     "logprobs": None, "finish_reason": None}]) for c in run.choices]
     try:
         async for e in stream_choices(state, run, chunk, progress, include_usage=include_usage,
@@ -188,6 +239,9 @@ def _template_messages(messages: Any) -> list[dict[str, Any]]:
         APIError: 400 naming the field (``code`` ``unsupported`` for an image part or a tool
             call turn).
     """
+    if isinstance(messages, list):  # a tool-call turn of the history, as text (tool_calls)
+        messages = [history_message(m, i) if isinstance(m, dict) else m
+                    for i, m in enumerate(messages)]
     try:
         checked = check_chat_messages(messages)
     except ChatMessageError as e:
@@ -199,16 +253,3 @@ def _template_messages(messages: Any) -> list[dict[str, Any]]:
         if m["role"] == "developer":
             m["role"] = "system"
     return checked
-
-
-def _tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
-    """Tools go to the chat template; forcing a call (``required`` / a named tool) needs
-    tool-call parsing, which the server does not do yet."""
-    choice = req.tool_choice
-    if choice is not None and choice not in ("auto", "none"):
-        raise bad_request("tool_choice 'required' or a named tool is not supported; use "
-                          "response_format json_schema to force a structured answer",
-                          "tool_choice", code="unsupported")
-    if not req.tools or choice == "none":
-        return None
-    return req.tools

@@ -83,6 +83,12 @@ def script_for(params: SamplingParams) -> str:
     if isinstance(g, ChoiceConstraint):
         return g.choices[-1]
     if isinstance(g, JsonSchemaConstraint):
+        schema = g.schema if isinstance(g.schema, dict) else json.loads(g.schema)
+        if schema.get("type") == "array":  # tool_choice "required": one call of the first tool
+            items = schema["items"]
+            first = items["anyOf"][0] if "anyOf" in items else items
+            name = first["properties"]["name"]["const"]
+            return json.dumps([{"name": name, "parameters": {"city": "Paris"}}])
         return json.dumps({"name": "Ada", "age": 36})
     if isinstance(g, JsonObjectConstraint):
         return json.dumps({"ok": True})

@@ -192,15 +192,14 @@ BAD = "invalid_request_parameter"  # the generic 400 code of a refused field
      "messages[0].content[0].text", BAD),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
      "messages[0].content[0].type", "unsupported"),
-    ([MSGS[0], {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}],
-     "messages[1].content", "unsupported"),
+    ([MSGS[0], {"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]}],
+     "messages[1].tool_calls[0]", BAD),
 ])
 def test_malformed_messages_are_400_naming_the_field(
         client: TestClient, messages: Any, param: str, code: str | None) -> None:
     """Checked by the same function as the Python API and the CLI, before the template: a
     missing or null user content is refused (it used to render as ""), as is an assistant
-    turn that only carries tool calls. The code is the Python API's for the same refusal
+    tool-call turn whose call has no function. The code is the Python API's for the same refusal
     (``invalid_request_parameter``, or the check's own ``unsupported``)."""
     engine: FakeEngine = client.app.state.server.engine  # type: ignore[attr-defined]
     r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})

@@ -1,0 +1,181 @@
+"""Forced tool calls (``tool_choice`` named / ``required``): the grammar each asks for, the
+``tool_calls`` of the answer (plain and streamed), the refusals, and tool-call turns of the
+history (server/tool_calls.py). The fake engine writes the schema's example for a named call
+and one call of the first tool for ``required``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import jsonschema
+import pytest
+from fastapi.testclient import TestClient
+
+from structspec.constraints import JsonSchemaConstraint
+from structspec.server.tool_calls import calls_from_output, plan_tool_calls
+from tests.server.fake_client import CHAT, MSGS, fake_client
+from tests.server.server_fakes import FakeEngine
+from tests.server.test_app import sse_events
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "strict": True,
+                                      "parameters": {"type": "object", "properties": {
+                                          "zone": {"type": "string"}}}}},
+]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.fixture
+def engine() -> FakeEngine:
+    return FakeEngine()
+
+
+@pytest.fixture
+def client(engine: FakeEngine) -> Iterator[TestClient]:
+    with fake_client(engine) as c:
+        yield c
+
+
+def _chat(client: TestClient, **body: Any) -> Any:
+    return client.post(CHAT, json={"messages": MSGS, "max_tokens": 64, "tools": TOOLS, **body})
+
+
+def test_named_call_generates_the_tools_arguments(client: TestClient,
+                                                  engine: FakeEngine) -> None:
+    r = _chat(client, tool_choice=NAMED)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    grammar = engine.added[-1][2].grammar
+    assert isinstance(grammar, JsonSchemaConstraint) and grammar.schema == WEATHER
+    assert grammar.strict is False  # OpenAI's default for function.strict
+    assert choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"] == {"name": "get_weather",
+                                "arguments": json.dumps({"name": "Ada", "age": 36})}
+    assert choice["finish_reason"] == "tool_calls"
+    # a strict tool asks for strict enforcement
+    _chat(client, tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert engine.added[-1][2].grammar.strict is True
+
+
+def test_named_call_streams_its_id_and_name_then_the_arguments(client: TestClient) -> None:
+    r = _chat(client, tool_choice=NAMED, stream=True)
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    chunks = [e["choices"][0] for e in events[:-1]]
+    assert chunks[0]["delta"] == {"role": "assistant", "content": None}
+    calls = [c["delta"]["tool_calls"][0] for c in chunks if "tool_calls" in c["delta"]]
+    assert calls[0]["id"].startswith("call_") and calls[0]["function"]["name"] == "get_weather"
+    assert all("id" not in c and "name" not in c["function"] for c in calls[1:])
+    assert all(c["index"] == 0 for c in calls)
+    assert "".join(c["function"]["arguments"] for c in calls) == json.dumps(
+        {"name": "Ada", "age": 36})
+    assert chunks[-1]["finish_reason"] == "tool_calls"
+
+
+def test_required_generates_an_array_of_calls(client: TestClient, engine: FakeEngine) -> None:
+    r = _chat(client, tool_choice="required")
+    choice = r.json()["choices"][0]
+    schema = engine.added[-1][2].grammar.schema
+    assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
+    assert engine.added[-1][2].grammar.strict is False  # not every tool is strict
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    _chat(client, tool_choice="required", parallel_tool_calls=False)
+    assert engine.added[-1][2].grammar.schema["maxItems"] == 1
+    # streamed: the calls whole, once the array is complete
+    events = sse_events(_chat(client, tool_choice="required", stream=True).text)
+    deltas = [e["choices"][0]["delta"] for e in events[:-1]]
+    with_calls = [d for d in deltas if "tool_calls" in d]
+    assert len(with_calls) == 1 and with_calls[0]["tool_calls"][0]["index"] == 0
+    assert with_calls[0]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert not any(d.get("content") for d in deltas)
+    assert events[-2]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_required_cut_by_max_tokens_comes_back_as_text(client: TestClient) -> None:
+    choice = _chat(client, tool_choice="required", max_tokens=5).json()["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert choice["message"]["content"] == '[{"na' and "tool_calls" not in choice["message"]
+
+
+def test_required_schema_accepts_exactly_calls_of_the_tools() -> None:
+    plan = plan_tool_calls(TOOLS, "required")
+    assert plan is not None
+    schema = plan.grammar.schema
+    ok = [[{"name": "get_weather", "parameters": {"city": "Oslo"}}],
+          [{"name": "get_time", "parameters": {}}, {"name": "get_weather",
+                                                   "parameters": {"city": "x"}}]]
+    bad = [[], [{"name": "nope", "parameters": {}}], [{"name": "get_weather", "parameters": {}}],
+           [{"name": "get_time"}], [{"name": "get_time", "parameters": {}, "x": 1}]]
+    for value in ok:
+        jsonschema.validate(value, schema)
+    for value in bad:
+        assert not jsonschema.Draft202012Validator(schema).is_valid(value), value
+    calls = calls_from_output(plan, json.dumps(ok[1]))
+    assert [c["function"]["name"] for c in calls or []] == ["get_time", "get_weather"]
+    assert calls_from_output(plan, '[{"name": "get_time"') is None
+
+
+def test_required_shares_the_tools_defs() -> None:
+    ref = {"type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}, "required": ["p"],
+           "$defs": {"P": {"type": "integer"}}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": ref}}]
+    plan = plan_tool_calls(tools, "required")
+    assert plan is not None and plan.grammar.schema["$defs"] == {"P": {"type": "integer"}}
+    validator = jsonschema.Draft202012Validator(plan.grammar.schema)
+    assert validator.is_valid([{"name": "f", "parameters": {"p": 3}}])
+    assert not validator.is_valid([{"name": "f", "parameters": {"p": "3"}}])
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "always"}, "tool_choice"),
+    ({"tool_choice": {"type": "function"}}, "tool_choice"),
+    ({"tool_choice": "required", "tools": []}, "tool_choice"),
+    ({"tool_choice": NAMED, "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tool_choice": "required", "tools": [{"type": "function", "function": {}}]},
+     "tools[0].function.name"),
+    ({"tool_choice": "required", "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": "x"}}]}, "tools[0].function.parameters"),
+    ({"tool_choice": "required", "tools": [{"type": "retrieval"}]}, "tools[0]"),
+    ({"tool_choice": "required", "parallel_tool_calls": "no"}, "parallel_tool_calls"),
+    ({"tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "a", "parameters": {
+            "$defs": {"X": {"type": "string"}}}}},
+        {"type": "function", "function": {"name": "b", "parameters": {
+            "$defs": {"X": {"type": "integer"}}}}}]}, "tools"),
+])
+def test_bad_tool_requests_are_400_naming_the_field(client: TestClient, engine: FakeEngine,
+                                                    body: dict[str, Any], param: str) -> None:
+    r = _chat(client, **body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+    assert engine.added == []
+
+
+def test_auto_and_none_force_nothing(client: TestClient, engine: FakeEngine) -> None:
+    for choice in ("auto", "none", None):
+        r = _chat(client, tool_choice=choice, max_tokens=4)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+        assert engine.added[-1][2].grammar is None
+
+
+def test_a_tool_call_turn_of_the_history_is_shown_to_the_model(client: TestClient,
+                                                               engine: FakeEngine) -> None:
+    messages = [*MSGS,
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "12 C"}]
+    r = client.post(CHAT, json={"messages": messages, "max_tokens": 4, "tools": TOOLS})
+    assert r.status_code == 200, r.text
+    prompt = "".join(chr(t) for t in engine.added[-1][1])
+    assert '[{"name": "get_weather", "arguments": {"city": "Oslo"}}]' in prompt
+    assert "<tool>12 C" in prompt
