@@ -355,3 +355,33 @@ def test_engine_death_fails_requests_and_stops_the_server(server: ServerHandle) 
     assert events[-1] == "[DONE]"
     assert "engine process exited" in json.loads(events[-2])["error"]["message"]
     assert server.proc.wait(30) == 1
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city", "strict": True,
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+                                  "unit": {"type": "string", "enum": ["C", "F"]}}}}}
+
+
+def test_forced_tool_calls_follow_the_tools_schemas(client: openai.OpenAI) -> None:
+    """The OpenAI client reads a named and a required call back as tool_calls whose
+    arguments follow the tool's parameters (the real model, the grammar enforcing them)."""
+    ask = [{"role": "user", "content": "What is the weather in Rome?"}]
+    named = client.chat.completions.create(
+        model=MODEL, messages=ask, max_tokens=40, temperature=0, tools=[WEATHER_TOOL],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = named.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    args = json.loads(call.function.arguments)
+    assert args["city"] in ("Paris", "Rome", "Oslo") and set(args) <= {"city", "unit"}
+    stream = list(client.chat.completions.create(
+        model=MODEL, messages=ask, max_tokens=60, temperature=0, tools=[WEATHER_TOOL],
+        tool_choice="required", stream=True))
+    calls = [tc for ch in stream for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert calls and all(tc.function.name == "get_weather" for tc in calls)
+    assert all(json.loads(tc.function.arguments)["city"] in ("Paris", "Rome", "Oslo")
+               for tc in calls)
+    assert stream[-1].choices[0].finish_reason == "tool_calls"
