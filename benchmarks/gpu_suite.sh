@@ -73,6 +73,12 @@
 #   order_ab  issue 18: the CUDA mask-worker tests, then the EAGLE grammar overlap at batch
 #             8 / 32 / 64 on one engine with the build sent after / before the verify launch
 #             (1 repeat; the run of 2026-12-04 also had --reply-spin off on, removed since)
+#   inproc_ab  the EAGLE gate at batch 8 / 32 with the grammar walked in the engine process
+#             (--grammar-workers 0) against the 8 mask workers, processes alternating (~4 min)
+#   pool_host  the engine thread's CPU time for a step's grammar work with 8 spinning mask
+#             workers on this host (pool_host_cost.py, batch 8 / 32 / 64; CPU only)
+#   sampler   the cost of drawing a step's sampled rows (sampler_cost.py: keyed by seed and
+#             position) on the GPU, by rows and filter
 #   gates     issues 18/19: the two overlap conditions still open, alternating repeats (9 x 40
 #             steps, 7 x 100): EAGLE + JSON at batch 1 / 8 / 32 / 64, llguidance ngram at batch
 #             64 (~3-5 min)
@@ -121,7 +127,7 @@
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
-run() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$? $name"; grep -E "^(# [a-z_]+ batch=|trace |host_step|gpu_step|graph_launch|tree_mask_cost|attention_causal|best per|Q=|ab_compare|drafter_speed|eagle_accept|grammar_overlap|mask_build|decode|peer|hbm|floor|maskbench|penalty_cost|config=|prefix_cache|distinct_schemas|ttft|gate|  errors|[0-9]+ passed|FAILED|ERROR)|passed|failed" "$OUT/$name.log" | tail -n 40; }
+run() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$? $name"; grep -E "^(# [a-z_]+ batch=|trace |host_step|gpu_step|graph_launch|tree_mask_cost|attention_causal|best per|Q=|ab_compare|drafter_speed|eagle_accept|grammar_overlap|mask_build|decode|peer|hbm|floor|maskbench|penalty_cost|config=|prefix_cache|distinct_schemas|pool_host_cost|sampler_cost|ttft|gate|  errors|[0-9]+ passed|FAILED|ERROR)|passed|failed" "$OUT/$name.log" | tail -n 40; }
 # A short eagle run (every Triton kernel it launches): a fresh machine's first process
 # pays Triton's JIT cache (MaskBench batch 1: 418.6 tok/s as the first run, 946.1 warm)
 warm_triton() { run triton_warmup 120 python3 benchmarks/maskbench_e2e.py --device cuda --speculative-algorithm eagle --limit 4 --max-tokens 64 --skip-slow-compile --max-batch-size 4 --out "$OUT/triton_warmup.jsonl"; }
@@ -224,6 +230,16 @@ for s in $stages; do case $s in
     # next (benchmarks/README.md, fifteenth H200 run; ~3.5 min on machine F)
     run grammar_overlap_eagle_gate 330 python3 benchmarks/grammar_overlap.py --device cuda --batch 1 8 32 64 --steps 40 --algorithms eagle --overlap on --repeats 9 --speculative-adaptive off
     run grammar_overlap_llg_gate 240 python3 benchmarks/grammar_overlap.py --device cuda --batch 64 --steps 100 --algorithms ngram --overlap on --repeats 7 --grammar-backend llguidance ;;
+  inproc_ab)
+    i=0
+    for w in 0 8 0 8; do
+      i=$((i + 1))
+      run grammar_overlap_eagle_inproc_${i}_w$w 110 python3 benchmarks/grammar_overlap.py --device cuda --batch 8 32 --steps 40 --algorithms eagle --overlap on --repeats 3 --speculative-adaptive off --grammar-workers $w
+    done ;;
+  pool_host)
+    run pool_host_cost 150 python3 benchmarks/pool_host_cost.py --batch 8 32 64 --workers 8 --spin-ms 20 --steps 400 ;;
+  sampler)
+    run sampler_cost 60 python3 benchmarks/sampler_cost.py --device cuda --rows 8 64 512 ;;
   workers_ab)
     # 8 mask workers (the default on 16 cores) against 12, processes alternating: the EAGLE
     # grammar overlap at batch 32 / 64, then llguidance ngram at batch 64 (~7 min)
