@@ -10,8 +10,11 @@ import json
 from typing import Any
 
 import jsonschema
+import llguidance
 import pytest
 
+from structspec.grammar.llg_compile import json_options
+from structspec.grammar.schema_check import find_unenforceable
 from structspec.grammar.schema_rewrite import rewrite_schema, rewrite_schema_text
 from tests.grammar.conftest import load_maskbench
 
@@ -94,6 +97,44 @@ RULE_CASES: list[tuple[str, dict[str, Any]]] = [
                           "required": ["bar"],
                           "dependentSchemas": {"a": {"required": ["c"]},
                                                "bar": {"properties": {"foo": {"const": 1}}}}}),
+    # oneOf: a name one branch requires, the other forbids (closed, or 'name': false); only
+    # objects are told apart, the node's type excludes the rest
+    ("oneOf-disjoint", {"type": "object", "oneOf": [
+        {"required": ["a"], "properties": {"a": {}}},
+        {"properties": {"b": {}}, "additionalProperties": False}]}),
+    ("oneOf-disjoint", {"oneOf": [{"type": "object", "required": ["foo"]},
+                                  {"type": "object", "properties": {"foo": False}},
+                                  {"type": "string"}]}),
+    # a property both require, told apart by literal patterns (a finite set of strings)
+    ("oneOf-disjoint", {"type": "object", "oneOf": [
+        {"required": ["type"], "properties": {"type": {"type": "string", "pattern": "^os$"}}},
+        {"required": ["type"], "properties": {"type": {"type": "string",
+                                                       "pattern": "^section$"}}}]}),
+    # closed one-property branches, two accepting {} (which oneOf rejects)
+    ("oneOf-disjoint", {"oneOf": [
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": False},
+        {"type": "object", "properties": {"b": {}}, "additionalProperties": False},
+        {"type": "object", "properties": {"c": {}}, "required": ["c"],
+         "additionalProperties": False}]}),
+    ("oneOf-required", {"type": "object", "properties": {"a": {"type": "integer"}},
+                        "oneOf": [{"required": ["a"]}, {"required": ["b", "c"]},
+                                  {"required": ["foo", "c"]}]}),
+    # no type: a non-object matches every branch, so oneOf rejects it
+    ("oneOf-required", {"oneOf": [{"required": ["a"]}, {"required": ["b"]},
+                                  {"required": ["a", "b", "c"]}]}),
+    ("allOf-merge", {"type": ["object", "string"], "allOf": [
+        {"$ref": "#/$defs/base"},
+        {"properties": {"a": {}, "b": {"type": "integer"}, "foo": {}},
+         "additionalProperties": False}],
+        "$defs": {"base": {"type": "object", "required": ["a"],
+                           "properties": {"a": {"type": "integer"}, "c": {}}}}}),
+    ("allOf-merge", {"allOf": [{"properties": {"foo": {"type": "integer"}}},
+                               {"properties": {"foo": {"minimum": 2}}, "required": ["bar"]},
+                               {"allOf": [{"maxProperties": 2}, {"description": "x"}]}]}),
+    ("allOf-merge", {"$schema": "http://json-schema.org/draft-04/schema#",
+                     "definitions": {"n": {"type": "integer", "minimum": 0}},
+                     "allOf": [{"$ref": "#/definitions/n"}, {"default": 0}]}),
+    ("allOf-merge", {"allOf": [{"type": "string"}, {"maxLength": 3}, {"pattern": "o"}]}),
 ]
 
 
@@ -122,10 +163,129 @@ def test_rule_is_exact_on_generated_instances(rule: str, schema: dict[str, Any])
     {"if": {"required": ["a"]}, "then": {"required": ["b"]}},
     # a lone 'if' that a $ref points into: removing it would dangle
     {"if": {"$defs": {"s": {"type": "string"}}}, "properties": {"a": {"$ref": "#/if/$defs/s"}}},
+    # a discriminator property tells objects apart, but 5 matches both branches
+    {"oneOf": [{"properties": {"k": {"const": "a"}}, "required": ["k"]},
+               {"properties": {"k": {"const": "b"}}, "required": ["k"]}]},
+    # 'a' required by one, forbidden by the other: but both accept "x"
+    {"type": ["object", "string"], "oneOf": [{"required": ["a"]},
+                                             {"properties": {"a": False}}]},
+    # additionalProperties: false beside patternProperties forbids only the names no
+    # pattern matches (here "a" is allowed)
+    {"type": "object", "oneOf": [{"required": ["a"]}, {"additionalProperties": False,
+                                                       "patternProperties": {"^a": {}}}]},
+    # not literal patterns ("os" matches both)
+    {"type": "object", "oneOf": [
+        {"required": ["t"], "properties": {"t": {"type": "string", "pattern": "^o.$"}}},
+        {"required": ["t"], "properties": {"t": {"type": "string", "pattern": "^os$"}}}]},
+    # "os\n" matches both: Python's $ (jsonschema's) matches before a final newline
+    {"oneOf": [{"type": "string", "pattern": "^os$"}, {"type": "string", "pattern": "^os\n$"}]},
+    # a branch accepting {} that is not closed to one property: {} is not all they share
+    {"oneOf": [{"type": "object", "properties": {"a": {}}, "additionalProperties": False},
+               {"type": "object", "properties": {"b": {}}}]},
+    # oneOf of required lists, one with another keyword
+    {"oneOf": [{"required": ["a"]}, {"required": ["b"], "properties": {"a": False}}]},
+    # the same list twice: every object matches both or neither
+    {"oneOf": [{"required": ["a", "b"]}, {"required": ["b", "a"]}]},
+    # allOf: an additionalProperties schema, patternProperties, the same keyword twice
+    {"allOf": [{"properties": {"a": {}}}, {"additionalProperties": {"type": "integer"}}]},
+    {"allOf": [{"properties": {"a": {}}, "additionalProperties": False},
+               {"patternProperties": {"^b": {}}}]},
+    {"allOf": [{"pattern": "a"}, {"pattern": "b"}]},
+    # draft-07 ignores an allOf beside $ref; 2019-09 and later do not (for the merge, and for
+    # the enum filter, whose values would replace the $ref)
+    {"$schema": "http://json-schema.org/draft-07/schema#", "definitions": {"x": {}},
+     "$ref": "#/definitions/x", "allOf": [{"type": "string"}, {"maxLength": 2}]},
+    {"$schema": "http://json-schema.org/draft-07/schema#", "definitions": {"x": {}},
+     "$ref": "#/definitions/x", "allOf": [{"enum": [1, "a"]}, {"type": "string"}]},
+    # a format beside enum values: jsonschema would not check them (the strict check does so)
+    {"allOf": [{"enum": ["x"]}, {"format": "email"}, {"type": "string"}]},
+    # a $ref into a branch: the merge would change what it points at
+    {"allOf": [{"properties": {"a": {"type": "integer"}}}, {"required": ["a"]}],
+     "properties": {"b": {"$ref": "#/allOf/0/properties/a"}}},
+    # an $id below the root: a copied $ref might resolve from another base
+    {"allOf": [{"$ref": "#/$defs/x"}, {"required": ["a"]}],
+     "$defs": {"x": {"$id": "https://example.com/x", "type": "object"}}},
+    # a closed part without a required name: no object is valid, left to the backends
+    {"allOf": [{"required": ["b"]}, {"properties": {"a": {}}, "additionalProperties": False}]},
 ])
 def test_unsafe_or_inexact_usages_are_left_alone(schema: dict[str, Any]) -> None:
     out, done = rewrite_schema(schema)
     assert out == schema and [r.rule for r in done if r.rule != "format"] == []
+    assert_same_validity(schema, generated_instances())  # (trivially: nothing changed)
+
+
+# instances for the rules that look inside properties and at {}, beside the generated ones
+_NESTED = [{}, {"type": "os"}, {"type": "os\n"}, {"type": "section"}, {"type": "sections"},
+           {"to": {}}, {"to": {"reachable": True}}, {"to": {"path": "x"}},
+           {"to": {"reachable": True, "path": "x"}}, {"from": {}, "to": {"reachable": False}},
+           {"a": 1, "b": 2}, {"a": "x"}, {"b": {}}, {"c": None}, {"a": 1, "c": 2}, {"d": 1}]
+
+
+@pytest.mark.parametrize("schema,rule", [
+    ({"type": "object", "oneOf": [
+        {"required": ["to"], "properties": {"to": {"$ref": "#/$defs/plain"}}},
+        {"required": ["to"], "properties": {"to": {"$ref": "#/$defs/reach"}}}],
+      "$defs": {"plain": {"type": "object", "properties": {"path": {}},
+                          "additionalProperties": False},
+                "reach": {"required": ["reachable"], "properties": {"path": {},
+                          "reachable": {"type": "boolean"}}, "additionalProperties": False}}},
+     "oneOf-disjoint"),
+    ({"type": "object", "minProperties": 1, "properties": {"a": {"type": "integer"}, "b": {}},
+      "propertyNames": {"maxLength": 1}, "uniqueItems": True}, "minProperties"),
+    ({"type": "object", "minProperties": 1, "properties": {"a": {}, "b": {}},
+      "additionalProperties": False, "anyOf": [{"required": ["a"]}, {"maxProperties": 1}],
+      "not": {"required": ["x", "y"]}}, "minProperties"),
+    ({"minProperties": 1, "properties": {"a": {}}, "required": ["b"], "contains": {}},
+     "minProperties"),
+])
+def test_nested_and_empty_object_cases_are_exact(schema: dict[str, Any], rule: str) -> None:
+    rules = assert_same_validity(schema, generated_instances() + _NESTED)
+    assert rule in rules, rules
+
+
+def test_min_properties_split_only_when_xgrammar_refuses_anyway() -> None:
+    """xgrammar enforces ``minProperties`` beside optional properties itself: the split,
+    which it does not take, is left for schemas its strict check refuses anyway."""
+    served = {"type": "object", "minProperties": 1, "properties": {"a": {}, "b": {}}}
+    assert rewrite_schema(served) == (served, [])
+    refused = {**served, "properties": {"a": {}, "b": {"type": "array", "uniqueItems": True}}}
+    out, done = rewrite_schema(refused)
+    assert [r.rule for r in done] == ["minProperties"] and "minProperties" not in out
+
+
+def test_one_of_required_is_exclusive() -> None:
+    """Each branch of the rewrite admits objects with exactly one of the lists complete."""
+    schema = {"type": "object", "oneOf": [{"required": ["radius"]},
+                                          {"required": ["length", "width"]},
+                                          {"required": ["base", "height"]}]}
+    names = ["base", "height", "length", "radius", "width"]
+    instances = [{n: 1 for n in keys} for k in range(len(names) + 1)
+                 for keys in itertools.combinations(names, k)]
+    assert assert_same_validity(schema, instances) == ["oneOf-required"]
+    out, _ = rewrite_schema(schema)
+    # radius: one of length/width and one of base/height absent (4); each pair: radius and one of
+    # the other pair absent (2 each)
+    assert "oneOf" not in out and len(out["anyOf"]) == 8
+
+
+def test_merged_all_of_is_flat_for_xgrammar() -> None:
+    """The merge of object-shaped parts passes xgrammar's strict check (multi-branch
+    ``allOf`` and keywords beside it are what it refuses)."""
+    schema = {"type": "object", "allOf": [
+        {"$ref": "#/definitions/both"},
+        {"properties": {"x": {}, "y": {"$ref": "#/definitions/y"}}, "additionalProperties": False}],
+        "definitions": {"both": {"allOf": [{"$ref": "#/definitions/x"},
+                                           {"$ref": "#/definitions/z"}]},
+                        "x": {"type": "object", "properties": {"x": {"type": "boolean"}}},
+                        "z": {"type": "object", "properties": {"z": {"type": "string"}}},
+                        "y": {"type": "integer"}}}
+    assert find_unenforceable(schema)
+    out, done = rewrite_schema(schema)
+    assert {r.rule for r in done} == {"allOf-merge"} and find_unenforceable(out) == []
+    assert out["properties"] == {"x": {"type": "boolean"}, "y": {"$ref": "#/definitions/y"}}
+    assert out["additionalProperties"] is False and "allOf" not in out
+    assert_same_validity(schema, generated_instances() + [{"x": True}, {"x": 1}, {"z": "s"},
+                                                          {"y": 2}, {"x": False, "y": 1}])
 
 
 def test_maskbench_instances_keep_their_validity() -> None:
@@ -175,3 +335,37 @@ def test_llguidance_and_auto_serve_rewritten_schemas(hf_tokenizer: Any) -> None:
             assert (m.accept_run(ids) == len(ids) and m.is_terminated()) is ok, inst
     finally:
         llg.shutdown()
+
+
+# MaskBench schemas that both backends refused before these rules; now served exactly:
+# by xgrammar (its strict check passes) or by llguidance (its compile accepts the rewrite)
+_NEWLY_SERVED = {
+    "Github_hard---o61003": "xgrammar",  # oneOf: a required name the empty-object branch forbids
+    "Github_ultra---o79009": "xgrammar",  # oneOf: to.reachable required by one, closed out
+    "JsonSchemaStore---theme": "xgrammar",  # allOf merge of $ref parts and closed parts
+    "Github_medium---o71265": "llguidance",  # oneOf: status "^success$" / "^fail$" / "^error$"
+    "Glaiveai2K---calculate_area_2503b276": "llguidance",  # oneOf of required lists
+    "Github_medium---o58776": "llguidance",  # minProperties 1 beside optional properties
+    "JsonSchemaStore---vtestunit-schema": "llguidance",  # closed one-property oneOf branches
+}
+
+
+def _llguidance_error(schema: Any) -> str:
+    """llguidance's (tokenizer-free) verdict on ``schema`` as it is, with the engine's
+    options: its error, or "" when it would compile it."""
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(
+        json.dumps(schema), overrides=json_options(any_whitespace=False, lenient=False))
+    return llguidance.LLMatcher.validate_grammar(grammar)
+
+
+def test_newly_served_maskbench_schemas() -> None:
+    cases = dict(load_maskbench())
+    for name, backend in _NEWLY_SERVED.items():
+        schema = cases[name]["schema"]
+        out, done = rewrite_schema(schema)
+        # as sent, neither backend serves it exactly
+        assert done and find_unenforceable(schema) and _llguidance_error(schema), name
+        if backend == "xgrammar":
+            assert find_unenforceable(out) == [], (name, find_unenforceable(out))
+        else:
+            assert _llguidance_error(out) == "", (name, _llguidance_error(out))
