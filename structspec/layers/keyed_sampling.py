@@ -1,5 +1,6 @@
-"""Sampling keyed by (seed, output position): a seeded request's token at output position ``p``
-is a function of its seed, ``p`` and the distribution at ``p`` alone.
+"""Sampling keyed by (seed, output position): a request's token at output position ``p`` is a
+function of its sampling seed (its own, or one drawn from the engine seed when it was added),
+``p`` and the distribution at ``p`` alone.
 
 Why: a verify step samples the target at every node of the request's draft tree and accepts
 the drafts that match (tree sample-and-match verification). With noise drawn from a per-request
