@@ -92,34 +92,55 @@ a ``pattern`` or an ``anyOf`` (no exact form either backend enforces), and a who
 ``if``/``then``/``else``: the one MaskBench schema with one
 (``mongodb-atlas-search-index-definition``, ``if: {properties: {type: {const: ...}}}``) also
 has a lookahead ``pattern`` neither backend takes, so a rule would serve nothing more.
+
+This module holds the public API, the walk and the simple rules (``format``, lone ``if``, the
+``not`` rules, the ``enum`` filter, the dependencies); the ``oneOf`` rules are in
+:mod:`~structspec.grammar.schema_rewrite_one_of`, the ``allOf`` merge and the
+``minProperties`` split in :mod:`~structspec.grammar.schema_rewrite_all_of`, and what they
+share (:class:`Rewrite`, the context, small helpers) in
+:mod:`~structspec.grammar.schema_rewrite_context`.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-import itertools
 import json
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
-from structspec.grammar.bounded_validator import (
-    PatternTimeLimit,
-    bounded_validator,
-    pattern_budget,
-)
+from structspec.grammar.bounded_validator import pattern_budget
 from structspec.grammar.schema_check import (
     ASSERTIONS,
     KNOWN_FORMATS,
     UNENFORCED_FORMATS,
-    _types_of,
     find_unenforceable,
 )
-from structspec.grammar.schema_check import _provably_disjoint as _disjoint_by_check
+from structspec.grammar.schema_rewrite_all_of import (
+    all_of_merge,
+    min_properties,
+    min_properties_form,
+)
+from structspec.grammar.schema_rewrite_context import (
+    ID_KEYS,
+    TYPES,
+    Rewrite,
+    RewriteContext,
+    add_all_of,
+    deref,
+    finite_values,
+    only,
+    subschemas,
+    type_set,
+    type_value,
+    uses,
+)
+from structspec.grammar.schema_rewrite_one_of import one_of_disjoint, one_of_required
 from structspec.schema_structure import escape_pointer_token as _escape
 from structspec.schema_structure import resolve_local_ref
+
+__all__ = ["Rewrite", "rewrite_schema", "rewrite_schema_text"]
 
 STANDARD_FORMATS = frozenset({
     "date-time", "date", "time", "duration", "email", "idn-email", "hostname", "idn-hostname",
@@ -142,36 +163,8 @@ MAX_ENUM_VALUES = 512
 """Largest finite value list the ``enum``/``const`` filter checks (one ``jsonschema``
 validation per value)."""
 
-_TYPES = ("null", "boolean", "object", "array", "string", "integer", "fraction")
-"""JSON instance types, with numbers split into integers and non-integers ("fraction")."""
-
 _NOT_REWRITTEN = frozenset({"unevaluatedProperties", "unevaluatedItems", "$dynamicRef",
                             "$recursiveRef"})
-_ID_KEYS = ("$id", "$anchor", "$dynamicAnchor")
-
-_SCHEMA_MAPS = ("properties", "patternProperties", "dependentSchemas", "definitions", "$defs")
-_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
-_SCHEMA_SINGLE = ("additionalProperties", "additionalItems", "unevaluatedItems",
-                  "unevaluatedProperties", "contains", "propertyNames", "not", "if", "then",
-                  "else")
-
-
-@dataclass(frozen=True)
-class Rewrite:
-    """One rewrite applied: where and which rule.
-
-    Attributes:
-        pointer: the JSON pointer of the rewritten subschema (``""`` = the root).
-        rule: the rule's name (``format``, ``enum-filter``, ``not-not``, ``not-type``,
-            ``not-required``, ``not-propertyNames``, ``oneOf-disjoint``, ``oneOf-required``,
-            ``dependencies``, ``dependentRequired``, ``dependentSchemas``, ``lone-if``,
-            ``allOf-merge``, ``minProperties``).
-        detail: what was done, for logs and tests.
-    """
-
-    pointer: str
-    rule: str
-    detail: str
 
 
 def rewrite_schema(schema: Any) -> tuple[Any, list[Rewrite]]:
@@ -184,24 +177,24 @@ def rewrite_schema(schema: Any) -> tuple[Any, list[Rewrite]]:
         ``(rewritten schema, rewrites applied)``; the schema is ``schema`` itself when no rule
         applied.
     """
-    if not isinstance(schema, dict) or _uses(schema, _NOT_REWRITTEN):
+    if not isinstance(schema, dict) or uses(schema, _NOT_REWRITTEN):
         return schema, []
     root = copy.deepcopy(schema)
     done: list[Rewrite] = []
-    ctx = _Context(root, _local_refs(root))
+    ctx = RewriteContext(root, _local_refs(root))
     for pointer, node in list(_with_ref_targets(ctx)):
         for rule in _RULES:
             rule(ctx, pointer, node, done)
     # the allOf merge copies $ref targets: after the other rules, so the copies are rewritten
     ctx.refs = _local_refs(root)
     for pointer, node in list(_with_ref_targets(ctx)):
-        _all_of_merge(ctx, pointer, node, done)
+        all_of_merge(ctx, pointer, node, done)
     # forms only llguidance takes, for what xgrammar enforces as it is: only when xgrammar's
     # strict check refuses the schema anyway (else they would move it off xgrammar)
-    candidates = [(p, n) for p, n in _with_ref_targets(ctx) if _min_properties_form(n)]
+    candidates = [(p, n) for p, n in _with_ref_targets(ctx) if min_properties_form(n)]
     if candidates and find_unenforceable(root):
         for pointer, node in candidates:
-            _min_properties(ctx, pointer, node, done)
+            min_properties(ctx, pointer, node, done)
     return (root, done) if done else (schema, [])
 
 
@@ -222,91 +215,8 @@ def rewrite_schema_text(text: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Walking
+# Walking (the subschemas themselves: schema_rewrite_context.subschemas)
 # ---------------------------------------------------------------------------------------------
-
-
-class _Context:
-    """The document being rewritten and what the rules need to know about it."""
-
-    def __init__(self, root: dict[str, Any], refs: list[tuple[str, str]]) -> None:
-        self.root = root
-        self.refs = refs  # (pointer of the $ref, its target as a JSON pointer)
-        self._validator: Any = None
-        self._nested_ids: bool | None = None
-
-    def nested_ids(self) -> bool:
-        """Whether a subschema below the root sets a base URI or an anchor (then a local
-        ``$ref`` under it may not mean the root's pointer: the ``allOf`` merge, which copies
-        references elsewhere, leaves such documents alone)."""
-        if self._nested_ids is None:
-            self._nested_ids = any(
-                isinstance(sub.get(k), str) for pointer, sub in _subschemas(self.root, "")
-                if pointer for k in (*_ID_KEYS, "id"))
-        return self._nested_ids
-
-    def referenced_under(self, pointer: str, *, inside: tuple[str, ...] = ()) -> bool:
-        """Whether a ``$ref`` points at ``pointer`` or into it, other than one that lies
-        under one of the ``inside`` pointers (removed together with its target)."""
-        return any((t == pointer or t.startswith(pointer + "/"))
-                   and not any(s == p or s.startswith(p + "/") for p in inside)
-                   for s, t in self.refs)
-
-    def validator(self, node: Any) -> Any | None:
-        """A ``jsonschema`` validator of ``node`` that resolves ``$ref`` in the whole document
-        (the draft of its ``$schema``, 2020-12 without one; its regex searches time-limited:
-        :mod:`~structspec.grammar.bounded_validator`), or None for a node with an assertion
-        keyword that draft does not implement (its meaning would be ambiguous), or for a
-        document whose regex keywords cannot be bounded."""
-        if self._validator is None:
-            self._validator = bounded_validator(self.root) or False
-        if self._validator is False:
-            return None
-        if isinstance(node, dict):
-            unknown = (set(node) & ASSERTIONS) - set(self._validator.VALIDATORS)
-            if unknown - {"$ref"}:
-                return None
-        return self._validator.evolve(schema=node)
-
-
-def _subschemas(node: Any, pointer: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    """Every subschema dict under ``node``, children before their parent (so a parent's
-    rule sees its children rewritten); ``$ref`` is not followed (its target is visited where
-    it lives)."""
-    if not isinstance(node, dict):
-        return
-    for key in _SCHEMA_MAPS:
-        sub = node.get(key)
-        if isinstance(sub, dict):
-            for name, child in list(sub.items()):
-                yield from _subschemas(child, f"{pointer}/{key}/{_escape(name)}")
-    for key in _SCHEMA_LISTS:
-        sub = node.get(key)
-        if isinstance(sub, list):
-            for i, child in enumerate(sub):
-                yield from _subschemas(child, f"{pointer}/{key}/{i}")
-    for key in _SCHEMA_SINGLE:
-        yield from _subschemas(node.get(key), f"{pointer}/{key}")
-    items = node.get("items")
-    if isinstance(items, list):
-        for i, child in enumerate(items):
-            yield from _subschemas(child, f"{pointer}/items/{i}")
-    else:
-        yield from _subschemas(items, f"{pointer}/items")
-    deps = node.get("dependencies")
-    if isinstance(deps, dict):
-        for name, child in deps.items():
-            yield from _subschemas(child, f"{pointer}/dependencies/{_escape(name)}")
-    yield pointer, node
-
-
-def _uses(node: Any, keys: frozenset[str]) -> bool:
-    """Whether any dict anywhere in ``node`` has one of ``keys``."""
-    if isinstance(node, dict):
-        return bool(keys & set(node)) or any(_uses(v, keys) for v in node.values())
-    if isinstance(node, list):
-        return any(_uses(v, keys) for v in node)
-    return False
 
 
 def _local_refs(root: Any) -> list[tuple[str, str]]:
@@ -331,11 +241,11 @@ def _local_refs(root: Any) -> list[tuple[str, str]]:
     return out
 
 
-def _with_ref_targets(ctx: _Context) -> Iterator[tuple[str, dict[str, Any]]]:
-    """:func:`_subschemas` of the root, then of every ``$ref`` target the walk did not reach
+def _with_ref_targets(ctx: RewriteContext) -> Iterator[tuple[str, dict[str, Any]]]:
+    """:func:`subschemas` of the root, then of every ``$ref`` target the walk did not reach
     (subschemas kept under keys that are no keywords, e.g. ``{"units": {...}}``)."""
     seen: set[str] = set()
-    walked = list(_subschemas(ctx.root, ""))
+    walked = list(subschemas(ctx.root, ""))
     seen.update(p for p, _ in walked)
     yield from walked
     for _, target in ctx.refs:
@@ -344,35 +254,33 @@ def _with_ref_targets(ctx: _Context) -> Iterator[tuple[str, dict[str, Any]]]:
         found = resolve_local_ref(ctx.root, "#" + target)
         if found is None or not isinstance(found[1], dict):
             continue
-        more = [(p, n) for p, n in _subschemas(found[1], found[0]) if p not in seen]
+        more = [(p, n) for p, n in subschemas(found[1], found[0]) if p not in seen]
         seen.update(p for p, _ in more)
         yield from more
 
 
-def _removable(ctx: _Context, pointer: str, node: dict[str, Any], keys: list[str]) -> bool:
+def _removable(ctx: RewriteContext, pointer: str, node: dict[str, Any],
+               keys: list[str]) -> bool:
     """Whether ``node``'s ``keys`` may be removed: no ``$ref`` points into them and they hold
     no ``$id``/anchor (which would change how references resolve)."""
     inside = tuple(f"{pointer}/{_escape(key)}" for key in keys if key in node)
     for key in keys:
         if key not in node:
             continue
-        if ctx.referenced_under(f"{pointer}/{_escape(key)}", inside=inside) or _uses(
-                node[key], frozenset(_ID_KEYS)):
+        if ctx.referenced_under(f"{pointer}/{_escape(key)}", inside=inside) or uses(
+                node[key], frozenset(ID_KEYS)):
             return False
     return True
 
 
-def _only(node: Any, *keys: str) -> bool:
-    """Whether ``node`` is a dict whose assertion keywords are exactly ``keys``."""
-    return isinstance(node, dict) and (set(node) & ASSERTIONS) == set(keys)
-
-
 # ---------------------------------------------------------------------------------------------
-# Rules (each: (ctx, pointer, node, done) -> None; rewrites ``node`` in place)
+# Rules (each: (ctx, pointer, node, done) -> None; rewrites ``node`` in place); the oneOf
+# rules: schema_rewrite_one_of; the allOf merge and minProperties: schema_rewrite_all_of
 # ---------------------------------------------------------------------------------------------
 
 
-def _format(ctx: _Context, pointer: str, node: dict[str, Any], done: list[Rewrite]) -> None:
+def _format(ctx: RewriteContext, pointer: str, node: dict[str, Any],
+            done: list[Rewrite]) -> None:
     fmt = node.get("format")
     if isinstance(fmt, str) and fmt not in KEPT_FORMATS:
         del node["format"]
@@ -380,7 +288,7 @@ def _format(ctx: _Context, pointer: str, node: dict[str, Any], done: list[Rewrit
                             f"format {fmt!r} is known to no backend: an annotation, dropped"))
 
 
-def _lone_condition(ctx: _Context, pointer: str, node: dict[str, Any],
+def _lone_condition(ctx: RewriteContext, pointer: str, node: dict[str, Any],
                     done: list[Rewrite]) -> None:
     has_if, branches = "if" in node, [k for k in ("then", "else") if k in node]
     if has_if == bool(branches):  # a whole if/then/else (or none): left as it is
@@ -394,55 +302,28 @@ def _lone_condition(ctx: _Context, pointer: str, node: dict[str, Any],
                         f"{'then/else' if has_if else 'if'} has no effect: dropped"))
 
 
-def _not_not(ctx: _Context, pointer: str, node: dict[str, Any], done: list[Rewrite]) -> None:
+def _not_not(ctx: RewriteContext, pointer: str, node: dict[str, Any],
+             done: list[Rewrite]) -> None:
     inner = node.get("not")
-    if not (_only(inner, "not") and _removable(ctx, pointer, node, ["not"])):
+    if not (only(inner, "not") and _removable(ctx, pointer, node, ["not"])):
         return
     assert isinstance(inner, dict)
-    _add_all_of(node, inner["not"])
+    add_all_of(node, inner["not"])
     del node["not"]
     done.append(Rewrite(pointer, "not-not", "'not' of 'not' S became allOf [S]"))
 
 
-def _type_set(types: Any) -> set[str] | None:
-    """The instance types of a ``type`` value (numbers split), or None when malformed."""
-    names = [types] if isinstance(types, str) else types
-    if not isinstance(names, list) or not all(isinstance(t, str) for t in names):
-        return None
-    out: set[str] = set()
-    for t in names:
-        if t == "number":
-            out |= {"integer", "fraction"}
-        elif t in _TYPES and t != "fraction":
-            out.add(t)
-        else:
-            return None
-    return out
-
-
-def _type_value(types: set[str]) -> list[str] | None:
-    """A ``type`` list for an instance-type set, or None when it has non-integer numbers
-    without the integers (no ``type`` says that)."""
-    if "fraction" in types and "integer" not in types:
-        return None
-    out = [t for t in _TYPES if t in types and t not in ("integer", "fraction")]
-    if "fraction" in types:
-        out.append("number")
-    elif "integer" in types:
-        out.append("integer")
-    return out
-
-
-def _not_type(ctx: _Context, pointer: str, node: dict[str, Any], done: list[Rewrite]) -> None:
+def _not_type(ctx: RewriteContext, pointer: str, node: dict[str, Any],
+              done: list[Rewrite]) -> None:
     inner = node.get("not")
-    if not (_only(inner, "type") and _removable(ctx, pointer, node, ["not"])):
+    if not (only(inner, "type") and _removable(ctx, pointer, node, ["not"])):
         return
     assert isinstance(inner, dict)
-    excluded = _type_set(inner["type"])
-    allowed = _type_set(node["type"]) if "type" in node else set(_TYPES)
+    excluded = type_set(inner["type"])
+    allowed = type_set(node["type"]) if "type" in node else set(TYPES)
     if excluded is None or allowed is None:
         return
-    kept = _type_value(allowed - excluded)
+    kept = type_value(allowed - excluded)
     if not kept:  # nothing left (unsatisfiable: the compile says so) or inexpressible
         return
     node["type"] = kept[0] if len(kept) == 1 else kept
@@ -451,19 +332,19 @@ def _not_type(ctx: _Context, pointer: str, node: dict[str, Any], done: list[Rewr
                                              f"{node['type']!r}"))
 
 
-def _not_required(ctx: _Context, pointer: str, node: dict[str, Any],
+def _not_required(ctx: RewriteContext, pointer: str, node: dict[str, Any],
                   done: list[Rewrite]) -> None:
     inner = node.get("not")
-    if not (_only(inner, "required") or _only(inner, "required", "type")):
+    if not (only(inner, "required") or only(inner, "required", "type")):
         return
     assert isinstance(inner, dict)
     names = inner["required"]
     if not (isinstance(names, list) and len(names) == 1 and isinstance(names[0], str)):
         return
-    if "type" in inner and _type_set(inner["type"]) != {"object"}:
+    if "type" in inner and type_set(inner["type"]) != {"object"}:
         return
     name = names[0]
-    allowed = _type_set(node["type"]) if "type" in node else set(_TYPES)
+    allowed = type_set(node["type"]) if "type" in node else set(TYPES)
     required = node.get("required")
     props = node.get("properties", {})
     # not {required: [p]} fails every non-object (required ignores them) and every object
@@ -481,20 +362,20 @@ def _not_required(ctx: _Context, pointer: str, node: dict[str, Any],
                         f"'not' of required [{name!r}] became properties.{name}: false"))
 
 
-def _not_property_names(ctx: _Context, pointer: str, node: dict[str, Any],
+def _not_property_names(ctx: RewriteContext, pointer: str, node: dict[str, Any],
                         done: list[Rewrite]) -> None:
     inner = node.get("not")
-    if not _only(inner, "propertyNames"):
+    if not only(inner, "propertyNames"):
         return
     assert isinstance(inner, dict)
     names = inner["propertyNames"]
-    excluded = names.get("not") if _only(names, "not") else None
-    values = _finite_values(excluded) if _only(excluded, "const") or _only(excluded,
-                                                                            "enum") else None
+    excluded = names.get("not") if only(names, "not") else None
+    values = (finite_values(excluded) if only(excluded, "const") or only(excluded, "enum")
+              else None)
     if not (values and len(values) == 1 and isinstance(values[0], str)):
         return
     name = values[0]
-    allowed = _type_set(node["type"]) if "type" in node else set(_TYPES)
+    allowed = type_set(node["type"]) if "type" in node else set(TYPES)
     required = node.get("required", [])
     if (allowed is None or "object" not in allowed or not isinstance(required, list)
             or not _removable(ctx, pointer, node, ["not"])):
@@ -509,205 +390,14 @@ def _not_property_names(ctx: _Context, pointer: str, node: dict[str, Any],
                         f"'not' of propertyNames 'not' {name!r} became required [{name!r}]"))
 
 
-def _one_of(ctx: _Context, pointer: str, node: dict[str, Any], done: list[Rewrite]) -> None:
-    branches = node.get("oneOf")
-    if not isinstance(branches, list) or not branches or "anyOf" in node:
-        return
-    # the instances the branches are told apart on: those of the node's own type
-    within = (_type_set(node["type"]) if "type" in node else None) or set(_TYPES)
-    detail = "'oneOf' with one branch or pairwise disjoint branches became 'anyOf'"
-    if len(branches) > 1 and not _pairwise_disjoint(ctx, branches, within):
-        fixed = _without_empty_overlap(ctx, branches)
-        if fixed is None or not _pairwise_disjoint(ctx, fixed, within):
-            return
-        branches = fixed
-        detail = ("'oneOf' of closed one-property branches became 'anyOf', each branch "
-                  "accepting {} requiring its property")
-    if ctx.referenced_under(f"{pointer}/oneOf"):
-        return  # the branches move to anyOf: a $ref into them would dangle
-    del node["oneOf"]
-    node["anyOf"] = branches
-    done.append(Rewrite(pointer, "oneOf-disjoint", detail))
-
-
-_DISJOINT_DEPTH = 4
-"""Property levels the disjointness proof descends (a discriminator inside a required
-object property, e.g. ``to.reachable``)."""
-
-
-def _pairwise_disjoint(ctx: _Context, branches: list[Any], within: set[str]) -> bool:
-    """Whether no instance of the ``within`` types matches two of ``branches`` (then
-    ``oneOf`` == ``anyOf`` in a node whose ``type`` allows only those)."""
-    targets = [_target(ctx, b) for b in branches]
-    if (all(isinstance(t, dict) and _possible_types(ctx, t) & within <= {"object"}
-            for t in targets) and _disjoint_by_check(targets, ctx.root)):
-        return True  # objects only, told apart by one discriminator property (linear time)
-    return all(_disjoint(ctx, a, b, within) for a, b in itertools.combinations(branches, 2))
-
-
-def _disjoint(ctx: _Context, a: Any, b: Any, within: set[str], depth: int = 0) -> bool:
-    """Whether no instance of the ``within`` types matches both ``a`` and ``b`` (the module
-    docstring's proofs; False when none applies). ``$ref`` is followed whatever its siblings:
-    a schema with a ``$ref`` accepts at most what the target accepts, in every draft."""
-    if _finite_excluded(ctx, a, b) or _finite_excluded(ctx, b, a):
-        return True
-    a, b = _target(ctx, a), _target(ctx, b)
-    if not (isinstance(a, dict) and isinstance(b, dict)) or depth > _DISJOINT_DEPTH:
-        return False
-    common = _possible_types(ctx, a) & _possible_types(ctx, b) & within
-    if common != {"object"}:
-        # the property proofs hold for objects only: required and properties accept every
-        # other instance ({"required": ["k"]} and {"properties": {"k": ...}} both accept 5)
-        return not common
-    if _disjoint_by_check([a, b], ctx.root):  # a discriminator property both require
-        return True
-    required_a, required_b = _required_names(a), _required_names(b)
-    if any(_forbids(b, n) for n in required_a) or any(_forbids(a, n) for n in required_b):
-        return True
-    props_a, props_b = a.get("properties"), b.get("properties")
-    if not (isinstance(props_a, dict) and isinstance(props_b, dict)):
-        return False
-    # a property both require: its value must match both subschemas
-    return any(n in props_a and n in props_b
-               and _disjoint(ctx, props_a[n], props_b[n], set(_TYPES), depth + 1)
-               for n in sorted(required_a & required_b))
-
-
-def _target(ctx: _Context, node: Any) -> Any:
-    """``node`` with its ``$ref`` chain followed (None for a reference that does not resolve
-    here: in draft-07 and earlier the keywords beside it mean nothing)."""
-    for _ in range(16):
-        if not (isinstance(node, dict) and isinstance(node.get("$ref"), str)):
-            return node
-        found = resolve_local_ref(ctx.root, node["$ref"])
-        if found is None:
-            return None
-        node = found[1]
-    return None
-
-
-def _possible_types(ctx: _Context, node: dict[str, Any]) -> set[str]:
-    """The instance types (:data:`_TYPES`) ``node`` may accept (all when unknown)."""
-    found = _types_of(node, ctx.root)
-    if found is None:
-        return set(_TYPES)
-    out: set[str] = set()
-    for t in found:
-        out |= {"integer", "fraction"} if t == "number" else ({t} & set(_TYPES))
-    return out
-
-
-def _required_names(node: dict[str, Any]) -> set[str]:
-    required = node.get("required")
-    return {n for n in required if isinstance(n, str)} if isinstance(required, list) else set()
-
-
-def _forbids(node: dict[str, Any], name: str) -> bool:
-    """Whether ``node`` rejects every object that has the property ``name``."""
-    props = node.get("properties")
-    props = props if isinstance(props, dict) else {}
-    if name in props:
-        return props[name] is False
-    return node.get("additionalProperties") is False and not node.get("patternProperties")
-
-
-def _without_empty_overlap(ctx: _Context, branches: list[Any]) -> list[Any] | None:
-    """``branches`` with ``required: [p]`` added to each branch that accepts ``{}``, when at
-    least two do and each of those is a closed object schema of the one property ``p``
-    (``additionalProperties: false``, no ``patternProperties``); else None. Exact inside
-    ``oneOf``: ``{}`` matches two branches, so ``oneOf`` rejects it, as every changed branch
-    now does; on any other instance a changed branch decides as before (a non-empty object
-    it accepts has ``p``; ``required`` ignores non-objects)."""
-    accepting = []
-    for i, branch in enumerate(branches):
-        validator = ctx.validator(branch)
-        if validator is None:
-            return None
-        try:
-            if validator.is_valid({}):
-                accepting.append(i)
-        except Exception:  # noqa: BLE001 - a malformed branch or a slow pattern: not proven
-            return None
-    if len(accepting) < 2:
-        return None
-    out = list(branches)
-    for i in accepting:
-        branch = branches[i]
-        if not (isinstance(branch, dict) and branch.get("additionalProperties") is False
-                and isinstance(branch.get("properties"), dict)
-                and len(branch["properties"]) == 1 and not branch.get("patternProperties")
-                and "$ref" not in branch and not branch.get("required")):
-            return None
-        out[i] = {**branch, "required": list(branch["properties"])}
-    return out
-
-
-def _finite_excluded(ctx: _Context, a: Any, b: Any) -> bool:
-    """Whether ``a`` accepts finitely many values (``enum``/``const``, or a string ``pattern``
-    ``^literal$``) and ``b`` none of them (checked with ``jsonschema``)."""
-    a = _deref(ctx, a)
-    values = _finite_values(a)
-    if values is None:
-        values = _literal_pattern_values(a)
-    if values is None:
-        return False
-    validator = ctx.validator(b)
-    if validator is None:
-        return False
-    try:
-        return not any(validator.is_valid(v) for v in values)
-    except PatternTimeLimit:  # a pattern too slow to decide: not proven disjoint
-        return False
-
-
-_REGEX_SYNTAX = frozenset("\\.^$*+?()[]{}|")
-
-
-def _literal_pattern_values(node: Any) -> list[str] | None:
-    """The strings a ``{"type": "string", "pattern": "^literal$"}`` node accepts (the literal
-    without regex syntax): the literal, and the literal with a final newline (Python's ``$``
-    matches before one; ECMA-262's does not: a superset either way), or None."""
-    if not (isinstance(node, dict) and node.get("type") in ("string", ["string"])):
-        return None
-    pattern = node.get("pattern")
-    if not (isinstance(pattern, str) and len(pattern) > 2 and pattern[0] == "^"
-            and pattern[-1] == "$" and not _REGEX_SYNTAX & set(pattern[1:-1])):
-        return None
-    return [pattern[1:-1], pattern[1:-1] + "\n"]
-
-
-def _deref(ctx: _Context, node: Any) -> Any:
-    for _ in range(16):
-        if not (isinstance(node, dict) and isinstance(node.get("$ref"), str)
-                and len(set(node) & ASSERTIONS) == 1):
-            return node
-        target = resolve_local_ref(ctx.root, node["$ref"])
-        if target is None:
-            return node
-        node = target[1]
-    return node
-
-
-def _finite_values(node: Any) -> list[Any] | None:
-    """The values a subschema's own ``enum``/``const`` allows (before its other keywords),
-    or None when it has neither."""
-    if not isinstance(node, dict):
-        return None
-    if "const" in node:
-        return [node["const"]]
-    if isinstance(node.get("enum"), list):
-        return list(node["enum"])
-    return None
-
-
-def _enum_filter(ctx: _Context, pointer: str, node: dict[str, Any],
+def _enum_filter(ctx: RewriteContext, pointer: str, node: dict[str, Any],
                  done: list[Rewrite]) -> None:
     if "$ref" in node and len(set(node) & ASSERTIONS) > 1:
         return  # draft-07 and earlier ignore the keywords beside $ref, later drafts do not
-    candidates = _finite_values(node)
+    candidates = finite_values(node)
     if candidates is None:
         for branch in node.get("allOf") or []:
-            candidates = _finite_values(_deref(ctx, branch))
+            candidates = finite_values(deref(ctx, branch))
             if candidates is not None:
                 break
     if candidates is None or len(candidates) > MAX_ENUM_VALUES:
@@ -720,7 +410,7 @@ def _enum_filter(ctx: _Context, pointer: str, node: dict[str, Any],
     removed = sorted(set(node) & ASSERTIONS)
     # jsonschema checks no ``format`` (an annotation to it), the backends enforce the ones
     # they know: keep such nodes as they are
-    if not _removable(ctx, pointer, node, removed) or _uses(
+    if not _removable(ctx, pointer, node, removed) or uses(
             {k: node[k] for k in removed}, frozenset({"format"})):
         return
     validator = ctx.validator(node)
@@ -740,7 +430,7 @@ def _enum_filter(ctx: _Context, pointer: str, node: dict[str, Any],
                         f"{', '.join(repr(k) for k in removed)}: became an enum"))
 
 
-def _dependencies(ctx: _Context, pointer: str, node: dict[str, Any],
+def _dependencies(ctx: RewriteContext, pointer: str, node: dict[str, Any],
                   done: list[Rewrite]) -> None:
     for key in ("dependencies", "dependentRequired", "dependentSchemas"):
         deps = node.get(key)
@@ -772,293 +462,22 @@ def _add_dependency(node: dict[str, Any], name: str, dep: Any) -> None:
         if name in required:
             node["required"] = required + [d for d in dep if d not in required]
         elif dep:
-            _add_all_of(node, {"anyOf": [{"properties": {name: False}},
-                                         {"required": [name, *dep]}]})
+            add_all_of(node, {"anyOf": [{"properties": {name: False}},
+                                        {"required": [name, *dep]}]})
         return
     if dep is True:
         return
     if name in required:
-        _add_all_of(node, dep)
+        add_all_of(node, dep)
     elif dep is False:
-        _add_all_of(node, {"properties": {name: False}})
+        add_all_of(node, {"properties": {name: False}})
     else:
-        _add_all_of(node, {"anyOf": [{"properties": {name: False}},
-                                     {"allOf": [{"required": [name]}, dep]}]})
+        add_all_of(node, {"anyOf": [{"properties": {name: False}},
+                                    {"allOf": [{"required": [name]}, dep]}]})
 
 
-def _add_all_of(node: dict[str, Any], schema: Any) -> None:
-    """Append ``schema`` to ``node``'s ``allOf`` (created when absent; existing branches keep
-    their pointers)."""
-    node["allOf"] = [*node.get("allOf", []), schema]
-
-
-MAX_EXCLUSIVE_BRANCHES = 64
-"""Most ``anyOf`` branches the ``oneOf`` of ``required`` rule writes (their number is a
-product of the other branches' name counts)."""
-
-
-def _one_of_required(ctx: _Context, pointer: str, node: dict[str, Any],
-                     done: list[Rewrite]) -> None:
-    branches = node.get("oneOf")
-    if not isinstance(branches, list) or len(branches) < 2 or "anyOf" in node:
-        return
-    sets: list[list[str]] = []
-    for branch in branches:
-        names = branch.get("required") if _only(branch, "required") else None
-        if not (isinstance(names, list) and names and all(isinstance(n, str) for n in names)):
-            return
-        sets.append(list(dict.fromkeys(names)))
-    allowed = _type_set(node["type"]) if "type" in node else set(_TYPES)
-    if allowed is None or ctx.referenced_under(f"{pointer}/oneOf"):
-        return
-    out: list[dict[str, Any]] = []
-    for i, own in enumerate(sets):
-        # every other branch must fail: some name of it that this one does not require is
-        # absent (one that is a subset of this one always matches too: no branch)
-        missing = [[n for n in other if n not in own] for j, other in enumerate(sets) if j != i]
-        if not all(missing):
-            continue
-        for absent in _minimal_choices(missing):
-            branch: dict[str, Any] = {} if allowed == {"object"} else {"type": "object"}
-            branch["required"] = own
-            branch["properties"] = {n: False for n in absent}
-            out.append(branch)
-            if len(out) > MAX_EXCLUSIVE_BRANCHES:
-                return
-    if not out:
-        return  # no object matches exactly one branch: left to the backends
-    del node["oneOf"]
-    node["anyOf"] = out
-    done.append(Rewrite(pointer, "oneOf-required",
-                        f"'oneOf' of {len(sets)} 'required' lists became 'anyOf' of {len(out)} "
-                        "branches, each with the names of one list and without one name of "
-                        "each other list"))
-
-
-def _minimal_choices(groups: list[list[str]]) -> list[list[str]]:
-    """One name from each group, every way (as sorted name lists), leaving out a choice that
-    contains another one (it adds no instance to the ``anyOf``)."""
-    choices = sorted({frozenset(c) for c in itertools.product(*groups)}, key=len)
-    kept: list[frozenset[str]] = []
-    for c in choices:
-        if not any(k <= c for k in kept):
-            kept.append(c)
-    return [sorted(c) for c in kept]
-
-
-# ---------------------------------------------------------------------------------------------
-# allOf merge (a second pass: after the other rules, whose rewrites the merge copies)
-# ---------------------------------------------------------------------------------------------
-
-_INDEPENDENT = frozenset({
-    "minLength", "maxLength", "pattern", "format", "minimum", "maximum", "multipleOf", "enum",
-    "const", "minItems", "maxItems", "uniqueItems", "minProperties", "maxProperties"})
-"""Keywords whose verdict depends on the instance alone, not on other keywords of their
-schema (unlike ``additionalProperties``, ``additionalItems``, draft-04's boolean
-``exclusiveMaximum``...): one of them moves to a merged schema unchanged."""
-
-_MERGED_KEYS = frozenset({"type", "properties", "required", "additionalProperties", "allOf"})
-
-MAX_MERGE_DEPTH = 8
-"""Nested ``$ref`` / ``allOf`` / property levels an ``allOf`` merge follows."""
-
-MAX_MERGED_CHARS = 200_000
-"""Largest merged schema (JSON characters) the merge writes (it copies ``$ref`` targets)."""
-
-
-class _NotMergeable(Exception):
-    """A part of an ``allOf`` merge uses a keyword (or a form) the merge does not combine."""
-
-
-def _all_of_merge(ctx: _Context, pointer: str, node: dict[str, Any],
-                  done: list[Rewrite]) -> None:
-    branches = node.get("allOf")
-    if not isinstance(branches, list) or not branches:
-        return
-    own = {k: v for k, v in node.items() if k in ASSERTIONS and k != "allOf"}
-    if (len(branches) == 1 and not own) or "$ref" in own:
-        # a single branch alone: both backends take it as it is; beside a $ref, draft-07 and
-        # earlier ignore the allOf (2019-09 and later do not)
-        return
-    keys = [k for k in node if k in ASSERTIONS]
-    if ctx.nested_ids() or any(ctx.referenced_under(f"{pointer}/{_escape(k)}") for k in keys):
-        return
-    try:
-        merged = _merge(ctx, [own, *branches], 0)
-    except _NotMergeable:
-        return
-    if len(json.dumps(merged)) > MAX_MERGED_CHARS:
-        return
-    for key in keys:
-        del node[key]
-    # the copies' references point where references of the document already point (the
-    # originals stay in place), so ctx.refs still lists every target
-    node.update(merged)
-    done.append(Rewrite(pointer, "allOf-merge",
-                        f"'allOf' of {len(branches)} branches merged into one schema"))
-
-
-def _merge(ctx: _Context, parts: list[Any], depth: int) -> dict[str, Any]:
-    """The one schema that accepts exactly what every part accepts (module docstring).
-
-    Raises:
-        _NotMergeable: a part the merge cannot combine exactly.
-    """
-    flat: list[dict[str, Any]] = []
-    for part in parts:
-        _flatten(ctx, part, depth, flat)
-    out: dict[str, Any] = {}
-    types: set[str] | None = None
-    for part in flat:
-        if "type" in part:
-            found = _type_set(part["type"])
-            if found is None:
-                raise _NotMergeable
-            types = found if types is None else types & found
-    if types is not None:
-        value = _type_value(types)
-        if not value:
-            raise _NotMergeable  # unsatisfiable or inexpressible: left to the backends
-        out["type"] = value[0] if len(value) == 1 else value
-    required: list[str] = []
-    props: dict[str, list[Any]] = {}
-    closed: list[set[str]] = []
-    for part in flat:
-        names = part.get("required", [])
-        part_props = part.get("properties", {})
-        extra = part.get("additionalProperties", True)
-        if not (isinstance(names, list) and all(isinstance(n, str) for n in names)
-                and isinstance(part_props, dict)
-                and (extra is True or extra is False or extra == {})):
-            raise _NotMergeable
-        required += [n for n in names if n not in required]
-        for name, sub in part_props.items():
-            props.setdefault(name, []).append(sub)
-        if extra is False:
-            closed.append(set(part_props))
-    if closed:  # a name some closed part does not list is forbidden: left out, closed
-        allowed = set.intersection(*closed)
-        if any(n not in allowed for n in required):
-            raise _NotMergeable  # no object is valid: left to the backends
-        props = {n: subs for n, subs in props.items() if n in allowed}
-    else:  # the strict check wants each required name listed; {} changes nothing
-        for name in required:
-            props.setdefault(name, [{}])
-    if props:
-        out["properties"] = {n: _merge_property(ctx, subs, depth) for n, subs in props.items()}
-    if required:
-        out["required"] = required
-    if closed:
-        out["additionalProperties"] = False
-    for part in flat:
-        for key in set(part) & _INDEPENDENT:
-            if key in out:
-                raise _NotMergeable  # the same keyword twice: not combined
-            out[key] = copy.deepcopy(part[key])
-    if "format" in out and ("enum" in out or "const" in out):
-        # the strict check tells whether xgrammar may keep just the values by validating them
-        # against their siblings with jsonschema, which asserts no format
-        raise _NotMergeable
-    return out
-
-
-def _flatten(ctx: _Context, part: Any, depth: int, flat: list[dict[str, Any]]) -> None:
-    """Append ``part``'s conjuncts to ``flat``: ``$ref`` targets and ``allOf`` branches in
-    place of the references and the ``allOf``; parts with no assertion left out (they accept
-    everything).
-
-    Raises:
-        _NotMergeable: as :func:`_merge`.
-    """
-    if depth > MAX_MERGE_DEPTH or part is False or not isinstance(part, (dict, bool)):
-        raise _NotMergeable
-    if part is True:
-        return
-    keys = set(part) & ASSERTIONS
-    if "$ref" in keys:
-        found = resolve_local_ref(ctx.root, part["$ref"]) if keys == {"$ref"} else None
-        if found is None or _has_ids(found[1]):
-            raise _NotMergeable  # $ref beside keywords: what they mean depends on the draft
-        _flatten(ctx, found[1], depth + 1, flat)
-        return
-    if keys - _MERGED_KEYS - _INDEPENDENT:
-        raise _NotMergeable
-    if _has_ids(part):
-        raise _NotMergeable
-    branches = part.get("allOf", [])
-    if not isinstance(branches, list):
-        raise _NotMergeable
-    for branch in branches:
-        _flatten(ctx, branch, depth + 1, flat)
-    if keys - {"allOf"}:
-        flat.append(part)
-
-
-def _merge_property(ctx: _Context, subs: list[Any], depth: int) -> Any:
-    """One property's subschemas from the merged parts, as one schema: the one that
-    constrains (a copy), or their merge."""
-    kept = [s for s in subs if not (s is True or (isinstance(s, dict)
-                                                  and not set(s) & ASSERTIONS))]
-    if not kept:
-        return copy.deepcopy(subs[0]) if isinstance(subs[0], dict) else {}
-    if len(kept) == 1:
-        if _has_ids(kept[0]):
-            raise _NotMergeable
-        return copy.deepcopy(kept[0])
-    return _merge(ctx, kept, depth + 1)
-
-
-def _has_ids(node: Any) -> bool:
-    """Whether a subschema under ``node`` sets a base URI or an anchor (a copy of it would
-    resolve references differently)."""
-    return any(isinstance(sub.get(k), str) for _, sub in _subschemas(node, "")
-               for k in (*_ID_KEYS, "id"))
-
-
-# ---------------------------------------------------------------------------------------------
-# minProperties (a third pass, only for a schema xgrammar refuses anyway)
-# ---------------------------------------------------------------------------------------------
-
-
-def _min_properties_form(node: dict[str, Any]) -> bool:
-    """Whether ``node`` has ``minProperties: 1`` beside a listed property it does not
-    require (which llguidance refuses)."""
-    value = node.get("minProperties")
-    props = node.get("properties")
-    if isinstance(value, bool) or value != 1 or not isinstance(props, dict) or not props:
-        return False
-    required = node.get("required")
-    return not (isinstance(required, list) and set(props) <= set(required))
-
-
-def _min_properties(ctx: _Context, pointer: str, node: dict[str, Any],
-                    done: list[Rewrite]) -> None:
-    required = node.get("required")
-    if required is not None and not isinstance(required, list):
-        return
-    if required and any(isinstance(n, str) for n in required):
-        # an object with a required property has one: minProperties 1 adds nothing
-        del node["minProperties"]
-        done.append(Rewrite(pointer, "minProperties",
-                            "'minProperties': 1 beside 'required' names is implied: dropped"))
-        return
-    names = list(node["properties"])
-    # a non-empty object has a listed property, or none of them and another one
-    branches: list[Any] = [{"required": [n]} for n in names]
-    if not (node.get("additionalProperties") is False and not node.get("patternProperties")):
-        branches.append({"properties": {n: False for n in names}, "minProperties": 1})
-    del node["minProperties"]
-    if "anyOf" in node:
-        _add_all_of(node, {"anyOf": branches})
-    else:
-        node["anyOf"] = branches
-    done.append(Rewrite(pointer, "minProperties",
-                        f"'minProperties': 1 beside optional properties became anyOf "
-                        f"[required one of {len(names)} names, none of them and another]"))
-
-
-_RULES: tuple[Callable[[_Context, str, dict[str, Any], list[Rewrite]], None], ...] = (
+_RULES: tuple[Callable[[RewriteContext, str, dict[str, Any], list[Rewrite]], None], ...] = (
     _format, _lone_condition, _not_not, _not_type, _not_required, _not_property_names,
-    _dependencies, _one_of, _one_of_required, _enum_filter)
+    _dependencies, one_of_disjoint, one_of_required, _enum_filter)
 """In order: the ``not`` rules run before the ``enum`` filter, which would otherwise take
 nodes they rewrite into plain keywords."""

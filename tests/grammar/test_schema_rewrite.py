@@ -369,3 +369,19 @@ def test_newly_served_maskbench_schemas() -> None:
             assert find_unenforceable(out) == [], (name, find_unenforceable(out))
         else:
             assert _llguidance_error(out) == "", (name, _llguidance_error(out))
+
+
+def test_rewritten_text_is_the_same_under_every_string_hash_seed() -> None:
+    """The rewritten text is a compile cache key, shared by processes: the exclusive ``anyOf``
+    of a ``oneOf`` of ``required`` lists must not follow a set's hash order."""
+    import subprocess
+    import sys
+
+    path = "tests/data/maskbench/Glaiveai2K---calculate_area_2503b276.json"
+    code = ("import json, sys; from structspec.grammar.schema_rewrite import rewrite_schema_text;"
+            f"print(rewrite_schema_text(json.dumps(json.load(open({path!r}))['schema'])))")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True, env={**__import__("os").environ,
+                                            "PYTHONHASHSEED": str(seed)}).stdout
+            for seed in (0, 1, 2)}
+    assert len(outs) == 1 and "anyOf" in next(iter(outs))
