@@ -59,7 +59,7 @@ def test_server_choices_name_the_backend() -> None:
                             grammar_backend=backend)
         c = SimpleNamespace(index=0, text="{}", logprobs=None, finish_reason="stop",
                             final=final)
-        chat = serving_chat._choice(None, c, False)  # type: ignore[arg-type]
+        chat = serving_chat._choice(None, c, False, None)  # type: ignore[arg-type]
         completion = serving_completion._choice(None, c, False, "")  # type: ignore[arg-type]
         for out in (chat, completion):
             assert out.get("grammar_backend") == backend

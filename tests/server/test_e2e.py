@@ -334,29 +334,6 @@ def test_grammars_with_no_output_or_over_a_limit_are_400s(
         assert err["code"] == "grammar_too_complex"
 
 
-def test_engine_death_fails_requests_and_stops_the_server(server: ServerHandle) -> None:
-    """Last test of the module: SIGKILL the engine process mid-request; the request fails
-    with an error (not a hang) and, with no restart left (``--engine-restarts 0``), the
-    server exits with code 1."""
-    m = re.search(r"engine pid (\d+)", server.log_path.read_text())
-    assert m, server.log_tail()
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a long story."}],
-            "max_tokens": 500, "ignore_eos": True, "stream": True}
-    events: list[str] = []
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=auth(),
-                      timeout=60) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                events.append(line[6:])
-                if len(events) == 2:
-                    os.kill(int(m.group(1)), signal.SIGKILL)
-            if len(events) > 600:
-                break
-    assert events[-1] == "[DONE]"
-    assert "engine process exited" in json.loads(events[-2])["error"]["message"]
-    assert server.proc.wait(30) == 1
-
-
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city", "strict": True,
     "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
@@ -385,3 +362,27 @@ def test_forced_tool_calls_follow_the_tools_schemas(client: openai.OpenAI) -> No
     assert all(json.loads(tc.function.arguments)["city"] in ("Paris", "Rome", "Oslo")
                for tc in calls)
     assert stream[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_engine_death_fails_requests_and_stops_the_server(server: ServerHandle) -> None:
+    """Last test of the module: SIGKILL the engine process mid-request; the request fails
+    with an error (not a hang) and, with no restart left (``--engine-restarts 0``), the
+    server exits with code 1."""
+    m = re.search(r"engine pid (\d+)", server.log_path.read_text())
+    assert m, server.log_tail()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a long story."}],
+            "max_tokens": 500, "ignore_eos": True, "stream": True}
+    events: list[str] = []
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=auth(),
+                      timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if len(events) == 2:
+                    os.kill(int(m.group(1)), signal.SIGKILL)
+            if len(events) > 600:
+                break
+    assert events[-1] == "[DONE]"
+    assert "engine process exited" in json.loads(events[-2])["error"]["message"]
+    assert server.proc.wait(30) == 1
+
