@@ -6,7 +6,6 @@ and one call of the first tool for ``required``."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
@@ -15,7 +14,7 @@ from fastapi.testclient import TestClient
 
 from structspec.constraints import JsonSchemaConstraint
 from structspec.server.tool_calls import calls_from_output, plan_tool_calls
-from tests.server.fake_client import CHAT, MSGS, fake_client
+from tests.server.fake_client import CHAT, MSGS
 from tests.server.server_fakes import FakeEngine
 from tests.server.test_app import sse_events
 
@@ -27,17 +26,6 @@ TOOLS = [
                                           "zone": {"type": "string"}}}}},
 ]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
-
-
-@pytest.fixture
-def engine() -> FakeEngine:
-    return FakeEngine()
-
-
-@pytest.fixture
-def client(engine: FakeEngine) -> Iterator[TestClient]:
-    with fake_client(engine) as c:
-        yield c
 
 
 def _chat(client: TestClient, **body: Any) -> Any:
