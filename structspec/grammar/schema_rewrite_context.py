@@ -168,18 +168,29 @@ def type_value(types: set[str]) -> list[str] | None:
     return out
 
 
+def follow_refs(ctx: RewriteContext, node: Any, *, bare_only: bool) -> tuple[Any, bool]:
+    """Follow ``node``'s chain of ``$ref`` nodes (``bare_only``: only those with no other
+    assertion beside the ``$ref``), at most 16 hops.
+
+    Returns:
+        ``(the last node reached, whether the chain ended)``: False when a reference does not
+        resolve here or the chain is longer.
+    """
+    for _ in range(16):
+        if not (isinstance(node, dict) and isinstance(node.get("$ref"), str)
+                and (not bare_only or len(set(node) & ASSERTIONS) == 1)):
+            return node, True
+        target = resolve_local_ref(ctx.root, node["$ref"])
+        if target is None:
+            return node, False
+        node = target[1]
+    return node, False
+
+
 def deref(ctx: RewriteContext, node: Any) -> Any:
     """``node`` with its chain of bare ``$ref`` nodes (no other assertion beside the
     ``$ref``) followed; the last node reached when a reference does not resolve."""
-    for _ in range(16):
-        if not (isinstance(node, dict) and isinstance(node.get("$ref"), str)
-                and len(set(node) & ASSERTIONS) == 1):
-            return node
-        target = resolve_local_ref(ctx.root, node["$ref"])
-        if target is None:
-            return node
-        node = target[1]
-    return node
+    return follow_refs(ctx, node, bare_only=True)[0]
 
 
 def finite_values(node: Any) -> list[Any] | None:

@@ -20,10 +20,10 @@ from structspec.grammar.schema_rewrite_context import (
     RewriteContext,
     deref,
     finite_values,
+    follow_refs,
     only,
     type_set,
 )
-from structspec.schema_structure import resolve_local_ref
 
 
 def one_of_disjoint(ctx: RewriteContext, pointer: str, node: dict[str, Any],
@@ -97,14 +97,8 @@ def _disjoint(ctx: RewriteContext, a: Any, b: Any, within: set[str], depth: int 
 def _target(ctx: RewriteContext, node: Any) -> Any:
     """``node`` with its ``$ref`` chain followed (None for a reference that does not resolve
     here: in draft-07 and earlier the keywords beside it mean nothing)."""
-    for _ in range(16):
-        if not (isinstance(node, dict) and isinstance(node.get("$ref"), str)):
-            return node
-        found = resolve_local_ref(ctx.root, node["$ref"])
-        if found is None:
-            return None
-        node = found[1]
-    return None
+    target, ended = follow_refs(ctx, node, bare_only=False)
+    return target if ended else None
 
 
 def _possible_types(ctx: RewriteContext, node: dict[str, Any]) -> set[str]:
