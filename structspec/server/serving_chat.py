@@ -61,14 +61,11 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     state.check_model(req.model)
     check_request_fields(req)
     check_choices(limits, 1, req.n)
-    grammar, grammar_param = grammar_and_field(req)
     plan = plan_tool_calls(req.tools, req.tool_choice, req.parallel_tool_calls)
-    if plan is not None:  # a forced tool call: its arguments' schema is the grammar
-        if grammar is not None:
-            raise bad_request(f"tool_choice forces a tool call, whose arguments follow the "
-                              f"tool's schema; it cannot be combined with {grammar_param}",
-                              "tool_choice")
-        grammar, grammar_param = plan.grammar, plan.grammar_param
+    # a forced tool call's grammar is one more constraint (at most one per request, and
+    # structured_outputs.bounded_numbers applies to it)
+    grammar, grammar_param = grammar_and_field(
+        req, None if plan is None else ("tool_choice", (plan.grammar, plan.grammar_param)))
     record.grammar = grammar.kind if grammar is not None else "none"
     check_grammar_size(limits, grammar, grammar_param)
     check_stop(limits, req.stop, req.stop_token_ids, state.engine.info.vocab_size)
@@ -139,7 +136,7 @@ def _choice(state: ServerState, c: ChoiceState, with_logprobs: bool,
     calls = calls_from_output(plan, c.text) if plan is not None else None
     if plan is not None and calls is not None:  # a forced call: the calls, no content
         message.update(content=None, tool_calls=calls)
-        reason = finish_reason(reason)
+        reason = finish_reason(reason, c.final.stop_reason if c.final else None)
     out: dict[str, Any] = {
         "index": c.index,
         "message": message,
@@ -206,7 +203,7 @@ async def _stream(state: ServerState, run: GenerationRun, rid: str, created: int
             reason = c.finish_reason
             if plan is not None and (plan.mode == "named"
                                      or calls_from_output(plan, c.text) is not None):
-                reason = finish_reason(reason)
+                reason = finish_reason(reason, c.final.stop_reason if c.final else None)
             events.append(chunk([{"index": c.index, "delta": {}, "logprobs": None,
                                   "finish_reason": reason,
                                   "stop_reason": c.final.stop_reason if c.final else None}]))

@@ -58,23 +58,26 @@ def grammar_from_request(req: SamplingRequest) -> GrammarConstraint | None:
     return grammar_and_field(req)[0]
 
 
-def grammar_and_field(req: SamplingRequest) -> tuple[GrammarConstraint | None, str | None]:
+def grammar_and_field(req: SamplingRequest, forced: tuple[str, Found] | None = None
+                      ) -> tuple[GrammarConstraint | None, str | None]:
     """The grammar a request asks for and the request field it was read from, e.g.
     ``"regex"``, ``"json_schema"``, ``"response_format.regex"``,
     ``"response_format.json_schema"``, ``"structured_outputs.grammar"``; ``(None, None)``
-    when there is none.
+    when there is none. ``forced``: one more constraint and its field, from outside the
+    grammar fields (a forced tool call's arguments, ``("tool_choice", ...)``).
 
     Raises:
         APIError: 400 for an unknown ``response_format.type``, a missing or mistyped
             constraint value, or more than one constraint.
     """
     try:
-        return _grammar_and_field(req)
+        return _grammar_and_field(req, forced)
     except cp.ConstraintFieldError as e:  # a value refused: the 400 names its field
         raise bad_request(str(e), e.field) from None
 
 
-def _grammar_and_field(req: SamplingRequest) -> tuple[GrammarConstraint | None, str | None]:
+def _grammar_and_field(req: SamplingRequest, forced: tuple[str, Found] | None
+                       ) -> tuple[GrammarConstraint | None, str | None]:
     found: list[tuple[str, Found]] = []
     if req.response_format is not None:
         got = _from_response_format(req.response_format)
@@ -102,6 +105,8 @@ def _grammar_and_field(req: SamplingRequest) -> tuple[GrammarConstraint | None, 
         got = _from_structured_outputs(req.structured_outputs)
         if got is not None:
             found.append(("structured_outputs", got))
+    if forced is not None:  # a forced tool call's arguments (server/tool_calls.py)
+        found.append(forced)
     if len(found) > 1:
         names = ", ".join(n for n, _ in found)
         raise bad_request(f"only one structured-output constraint may be given; got {names}",

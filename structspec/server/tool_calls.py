@@ -11,20 +11,27 @@ What a client sends (OpenAI's shapes): ``tools``, a list of ``{"type": "function
   false); the output is a JSON array of ``{"name": <a tool's name>, "parameters": <its
   arguments>}`` objects, generated under a schema whose items are one branch per tool (the
   name as a ``const``, the arguments under that tool's ``parameters``), as vLLM and sglang
-  constrain ``required``. The tools' ``$defs`` move to the array's root, where their local
-  ``$ref``s (``#/$defs/...``) then resolve; two tools defining one name differently are a 400.
+  constrain ``required``. Each tool's local ``$ref``s (``#``, ``#/$defs/...``,
+  ``#/definitions/...``, ``#/properties/...``) are rebased onto the schema's new place below
+  the array, so they resolve as in the tool's own schema.
 - ``"auto"`` / ``"none"`` / absent: nothing is forced; ``tools`` only reach the chat template.
+
+The tools are checked whatever ``tool_choice`` says (they reach the chat template): OpenAI's
+keys only (a misspelt ``parameter`` is a 400 naming it, where it used to be skipped and the
+call generated without its schema), a name, no two tools of one name, and ``parameters`` an
+object schema (``type`` ``object`` or left out: arguments are keyword arguments).
 
 ``strict`` follows the tools' ``function.strict`` (all of them for ``required``; OpenAI's
 default ``false`` is best effort, as for ``response_format``). The response carries the calls
 in ``message.tool_calls`` (``content`` null) with ``finish_reason`` ``"tool_calls"`` when the
-grammar finished, the finish reason as is otherwise (``length``: the arguments may be cut);
+grammar finished, the finish reason as is otherwise (``length``, or ``stop`` with its
+``stop_reason`` at a stop string or stop token id: the arguments are cut there);
 a ``required`` output that is not a complete JSON array (cut by ``max_tokens``) comes back as
 ``content`` with no calls. Streaming sends a named call's id and name first, then its
 arguments as they are generated; ``required`` calls are sent whole when the output is complete.
 
-An assistant message of the history with ``tool_calls`` and no ``content`` (what a client
-sends back after a call) is rendered with its calls as JSON text
+An assistant message of the history with ``tool_calls`` (what a client sends back after a
+call) is rendered with its calls as JSON text after its content, if any
 (:func:`history_message`), so a chat template that knows nothing of tool calls still shows
 them to the model.
 """
@@ -60,16 +67,35 @@ class ToolCallPlan:
     name: str | None = None
 
 
+#: keys of a tool, of its ``function``, and of a named ``tool_choice`` (OpenAI's); any other
+#: key is a 400 naming it, as for every object the server reads (a misspelt ``parameter`` used
+#: to be skipped, and the call generated without its schema)
+TOOL_KEYS = frozenset({"type", "function"})
+FUNCTION_KEYS = frozenset({"name", "description", "parameters", "strict"})
+CHOICE_KEYS = frozenset({"type", "function"})
+CHOICE_FUNCTION_KEYS = frozenset({"name"})
+
+
+def _refuse_unknown(obj: dict[str, Any], known: frozenset[str], where: str) -> None:
+    for key in obj:
+        if key not in known:
+            raise bad_request(f"{where}.{key}: unknown key (expected one of {sorted(known)})",
+                              f"{where}.{key}")
+
+
 def _function_of(tool: Any, i: int) -> dict[str, Any]:
-    """``tools[i].function``, checked: a name and, when given, an object ``parameters``."""
+    """``tools[i].function``, checked: known keys only, a name, and ``parameters`` (when
+    given) an object schema."""
     where = f"tools[{i}]"
     if not isinstance(tool, dict) or tool.get("type", "function") != "function":
         raise bad_request(f"{where}: expected {{\"type\": \"function\", \"function\": {{...}}}}",
                           where)
+    _refuse_unknown(tool, TOOL_KEYS, where)
     fn = tool.get("function")
     if not isinstance(fn, dict):
         raise bad_request(f"{where}.function: expected an object with a 'name'",
                           f"{where}.function")
+    _refuse_unknown(fn, FUNCTION_KEYS, f"{where}.function")
     name = fn.get("name")
     if not isinstance(name, str) or not name:
         raise bad_request(f"{where}.function.name: expected a non-empty string",
@@ -78,6 +104,11 @@ def _function_of(tool: Any, i: int) -> dict[str, Any]:
     if params is not None and not isinstance(params, dict):
         raise bad_request(f"{where}.function.parameters: expected a JSON Schema object",
                           f"{where}.function.parameters")
+    if params is not None and params.get("type", "object") != "object":
+        # the arguments are keyword arguments: OpenAI requires an object schema too
+        raise bad_request(f"{where}.function.parameters.type: expected \"object\" (a tool's "
+                          f"arguments are a JSON object), got {params.get('type')!r}",
+                          f"{where}.function.parameters.type")
     strict = fn.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise bad_request(f"{where}.function.strict: expected a boolean",
@@ -85,31 +116,56 @@ def _function_of(tool: Any, i: int) -> dict[str, Any]:
     return fn
 
 
+def check_tools(tools: Any) -> list[dict[str, Any]]:
+    """The request's ``tools`` as their checked ``function`` objects (empty when none).
+
+    Raises:
+        APIError: 400 naming the field: not a list, a malformed tool (above), or two tools
+            of one name.
+    """
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise bad_request("tools: expected a list of tools", "tools")
+    functions = [_function_of(t, i) for i, t in enumerate(tools)]
+    seen: set[str] = set()
+    for i, fn in enumerate(functions):
+        if fn["name"] in seen:
+            raise bad_request(f"tools[{i}].function.name: {fn['name']!r} names another tool "
+                              "too", f"tools[{i}].function.name")
+        seen.add(fn["name"])
+    return functions
+
+
 def _parameters(fn: dict[str, Any]) -> dict[str, Any]:
-    """The tool's arguments schema (an object without fixed properties when none is given)."""
+    """The tool's arguments schema, an object schema (one without fixed properties when the
+    tool gives none)."""
     params = fn.get("parameters")
-    return dict(params) if params is not None else {"type": "object", "properties": {}}
+    if params is None:
+        return {"type": "object", "properties": {}}
+    return {"type": "object", **params}
 
 
 def plan_tool_calls(tools: Any, tool_choice: Any,
                     parallel_tool_calls: Any = None) -> ToolCallPlan | None:
-    """The forced calls a request asks for, or None (``auto``, ``none``, no ``tool_choice``).
+    """Check the request's tools and return the forced calls it asks for, or None (``auto``,
+    ``none``, no ``tool_choice``).
 
     Raises:
-        APIError: 400 naming the field: a malformed tool, a ``tool_choice`` that is not
-            ``auto``/``none``/``required``/a named function, a named function not in
-            ``tools``, ``required`` or a named function without ``tools``, a
-            ``parallel_tool_calls`` that is not a boolean, or two tools defining one
-            ``$defs`` name differently.
+        APIError: 400 naming the field: a malformed tool or two of one name (checked whatever
+            ``tool_choice`` says: the tools reach the chat template), a ``tool_choice`` that is
+            not ``auto``/``none``/``required``/a named function, a named function not in
+            ``tools``, ``required`` or a named function without ``tools``, or a
+            ``parallel_tool_calls`` that is not a boolean.
     """
     if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
         raise bad_request("parallel_tool_calls: expected a boolean", "parallel_tool_calls")
+    functions = check_tools(tools)
     if tool_choice is None or tool_choice in ("auto", "none"):
         return None
-    if not isinstance(tools, list) or not tools:
+    if not functions:
         raise bad_request("tool_choice: forcing a tool call needs a non-empty 'tools' list",
                           "tool_choice")
-    functions = [_function_of(t, i) for i, t in enumerate(tools)]
     if tool_choice == "required":
         return _required(functions, parallel_tool_calls is not False)
     if isinstance(tool_choice, dict):
@@ -119,6 +175,8 @@ def plan_tool_calls(tools: Any, tool_choice: Any,
             raise bad_request("tool_choice: expected \"auto\", \"none\", \"required\" or "
                               "{\"type\": \"function\", \"function\": {\"name\": ...}}",
                               "tool_choice")
+        _refuse_unknown(tool_choice, CHOICE_KEYS, "tool_choice")
+        _refuse_unknown(fn, CHOICE_FUNCTION_KEYS, "tool_choice.function")  # type: ignore[arg-type]
         for i, f in enumerate(functions):
             if f["name"] == name:
                 return ToolCallPlan("named", JsonSchemaConstraint(
@@ -130,28 +188,44 @@ def plan_tool_calls(tools: Any, tool_choice: Any,
                       "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
 
 
+#: keywords whose values are instances, not schemas: a ``$ref`` key inside them is data
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _rebased(node: Any, base: str) -> Any:
+    """``node`` with every local ``$ref`` (``#...``) moved under ``base``, the JSON pointer of
+    where the schema now sits; the values of data keywords are left as they are."""
+    if isinstance(node, list):
+        return [_rebased(v, base) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = base + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        else:
+            out[key] = _rebased(value, base)
+    return out
+
+
 def _required(functions: list[dict[str, Any]], parallel: bool) -> ToolCallPlan:
-    """``tool_choice: "required"``: an array of calls, one ``anyOf`` branch per tool."""
-    defs: dict[str, Any] = {}
+    """``tool_choice: "required"``: an array of calls, one ``anyOf`` branch per tool. Each
+    tool's schema moves below the array, so its local ``$ref``s (``#``, ``#/$defs/...``,
+    ``#/properties/...``) are rebased onto its new place and resolve as before."""
+    single = len(functions) == 1
     branches = []
     for i, fn in enumerate(functions):
-        params = _parameters(fn)
-        for key, value in (params.pop("$defs", None) or {}).items():
-            if key in defs and defs[key] != value:
-                raise bad_request(f"tools[{i}].function.parameters.$defs.{key}: another tool "
-                                  "defines this name differently (with tool_choice "
-                                  "\"required\" the tools' $defs are shared)", "tools")
-            defs[key] = value
+        base = ("#/items" if single else f"#/items/anyOf/{i}") + "/properties/parameters"
         branches.append({"type": "object",
-                         "properties": {"name": {"const": fn["name"]}, "parameters": params},
+                         "properties": {"name": {"const": fn["name"]},
+                                        "parameters": _rebased(_parameters(fn), base)},
                          "required": ["name", "parameters"], "additionalProperties": False})
     schema: dict[str, Any] = {"type": "array", "minItems": 1,
-                              "items": branches[0] if len(branches) == 1
-                              else {"anyOf": branches}}
+                              "items": branches[0] if single else {"anyOf": branches}}
     if not parallel:
         schema["maxItems"] = 1
-    if defs:
-        schema["$defs"] = defs
     strict = all(bool(fn.get("strict", False)) for fn in functions)
     return ToolCallPlan("required", JsonSchemaConstraint(schema, strict=strict), "tools")
 
@@ -186,23 +260,26 @@ def calls_from_output(plan: ToolCallPlan, text: str,
             for i, c in enumerate(calls)]
 
 
-def finish_reason(reason: str | None) -> str | None:
-    """The choice's ``finish_reason``: ``tool_calls`` when the calls were generated to the end
-    (the grammar's ``stop``), the engine's reason otherwise."""
-    return TOOL_CALLS_FINISH if reason == "stop" else reason
+def finish_reason(reason: str | None, stop_reason: str | int | None) -> str | None:
+    """The choice's ``finish_reason``: ``tool_calls`` when the calls were generated to the
+    grammar's end (``stop`` at the end-of-sequence token, ``stop_reason`` None); the engine's
+    reason otherwise (``length``, or ``stop`` at a stop string or stop token id, which cut
+    the arguments)."""
+    return TOOL_CALLS_FINISH if reason == "stop" and stop_reason is None else reason
 
 
 def history_message(message: dict[str, Any], index: int) -> dict[str, Any]:
-    """An assistant message with ``tool_calls`` and no text, as text a chat template shows:
-    ``content`` becomes the calls as JSON (``[{"name": ..., "arguments": ...}]``), and the
-    ``tool_calls`` key goes (a template that renders it would show the calls twice). Other
+    """An assistant message with ``tool_calls``, as text a chat template shows: the calls as
+    JSON (``[{"name": ..., "arguments": ...}]``) after its text, if any, and no
+    ``tool_calls`` key (a template that renders it would show the calls twice). Other
     messages are returned as they are.
 
     Raises:
-        APIError: 400 naming the field when a call is not ``{"function": {"name", "arguments"}}``.
+        APIError: 400 naming the field when ``tool_calls`` is not a list of ``{"function":
+            {"name", "arguments"}}``.
     """
     calls = message.get("tool_calls")
-    if message.get("role") != "assistant" or not calls or message.get("content") not in (None, ""):
+    if message.get("role") != "assistant" or calls is None:
         return message
     where = f"messages[{index}].tool_calls"
     if not isinstance(calls, list):
@@ -211,8 +288,8 @@ def history_message(message: dict[str, Any], index: int) -> dict[str, Any]:
     for j, call in enumerate(calls):
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise bad_request(f"{where}[{j}]: expected {{\"function\": {{\"name\", "
-                              "\"arguments\"}}}}", f"{where}[{j}]")
+            raise bad_request(f'{where}[{j}]: expected {{"function": {{"name": ..., '
+                              f'"arguments": ...}}}}', f"{where}[{j}]")
         args = fn.get("arguments", "")
         try:
             args = json.loads(args) if isinstance(args, str) and args else args
@@ -220,5 +297,14 @@ def history_message(message: dict[str, Any], index: int) -> dict[str, Any]:
             pass  # arguments a model cut short: shown as the text they are
         shown.append({"name": fn["name"], "arguments": args})
     out = {k: v for k, v in message.items() if k != "tool_calls"}
-    out["content"] = json.dumps(shown, ensure_ascii=False)
+    if not shown:
+        return out
+    text = json.dumps(shown, ensure_ascii=False)
+    content = message.get("content")
+    if isinstance(content, str) and content:
+        text = f"{content}\n{text}"
+    elif content not in (None, ""):  # text parts: the calls as one more part
+        return {**out, "content": [*content, {"type": "text", "text": "\n" + text}]} \
+            if isinstance(content, list) else out
+    out["content"] = text
     return out

@@ -195,7 +195,9 @@ class FakeEngine:
             await asyncio.sleep(self.tick_s)
         out.append(EOS)
         lps = [(EOS, -0.05, [])] if params.logprobs is not None else None
-        self._finish(rid, sink, self._final(rid, [EOS], lps, prompt, out, "stop", EOS,
+        # the end of the script is the model's EOS (or the grammar's end): stop_reason None,
+        # as the engine and vLLM report it
+        self._finish(rid, sink, self._final(rid, [EOS], lps, prompt, out, "stop", None,
                                             "".join(chr(t) for t in out if t), steps + 1))
 
     def _final(self, rid: str, new: list[int], lps: Any, prompt: list[int], out: list[int],

@@ -111,15 +111,45 @@ def test_required_schema_accepts_exactly_calls_of_the_tools() -> None:
     assert calls_from_output(plan, '[{"name": "get_time"') is None
 
 
-def test_required_shares_the_tools_defs() -> None:
-    ref = {"type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}, "required": ["p"],
-           "$defs": {"P": {"type": "integer"}}}
-    tools = [{"type": "function", "function": {"name": "f", "parameters": ref}}]
-    plan = plan_tool_calls(tools, "required")
-    assert plan is not None and plan.grammar.schema["$defs"] == {"P": {"type": "integer"}}
-    validator = jsonschema.Draft202012Validator(plan.grammar.schema)
-    assert validator.is_valid([{"name": "f", "parameters": {"p": 3}}])
-    assert not validator.is_valid([{"name": "f", "parameters": {"p": "3"}}])
+def test_required_keeps_the_tools_own_refs() -> None:
+    """Under ``required`` each tool's schema sits below the array: its local ``$ref``s (the
+    root, ``$defs``, draft-07 ``definitions``, a property) are rebased and resolve as before;
+    a ``$ref`` inside a data keyword (``const``) is data and stays."""
+    chain = {"type": "object", "required": ["name", "next"], "additionalProperties": False,
+             "properties": {"name": {"type": "string"},
+                            "next": {"anyOf": [{"type": "null"}, {"$ref": "#"}]},
+                            "p": {"$ref": "#/$defs/P"}, "q": {"$ref": "#/definitions/Q"},
+                            "r": {"$ref": "#/properties/name"},
+                            "c": {"const": {"$ref": "#/x"}}},
+             "$defs": {"P": {"type": "integer"}}, "definitions": {"Q": {"type": "boolean"}}}
+    other = {"type": "object", "properties": {"z": {"type": "string"}}}
+    tools = [{"type": "function", "function": {"name": "chain", "parameters": chain}},
+             {"type": "function", "function": {"name": "other", "parameters": other}}]
+    for used in (tools, tools[:1]):
+        plan = plan_tool_calls(used, "required")
+        assert plan is not None
+        validator = jsonschema.Draft202012Validator(plan.grammar.schema)
+        good = {"name": "a", "next": {"name": "b", "next": None}, "p": 3, "q": True,
+                "r": "x", "c": {"$ref": "#/x"}}
+        assert validator.is_valid([{"name": "chain", "parameters": good}])
+        for bad in ({**good, "next": [{"name": "chain", "parameters": {}}]},
+                    {**good, "next": {"name": "b", "next": 5}}, {**good, "p": "3"},
+                    {**good, "q": 1}, {**good, "r": 5}, {**good, "c": {"$ref": "#/y"}}):
+            assert not validator.is_valid([{"name": "chain", "parameters": bad}]), bad
+            assert not jsonschema.Draft202012Validator(chain).is_valid(bad)
+
+
+def test_a_stop_string_cut_is_not_reported_as_finished_calls(client: TestClient) -> None:
+    choice = _chat(client, tool_choice=NAMED, stop=[","]).json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == ","
+    assert choice["message"]["tool_calls"][0]["function"]["arguments"] == '{"name": "Ada"'
+
+
+def test_bounded_numbers_applies_to_the_tools_schema(client: TestClient,
+                                                     engine: FakeEngine) -> None:
+    r = _chat(client, tool_choice=NAMED, structured_outputs={"bounded_numbers": False})
+    assert r.status_code == 200, r.text
+    assert engine.added[-1][2].grammar.bounded_numbers is False
 
 
 @pytest.mark.parametrize(("body", "param"), [
@@ -134,11 +164,19 @@ def test_required_shares_the_tools_defs() -> None:
         "name": "f", "parameters": "x"}}]}, "tools[0].function.parameters"),
     ({"tool_choice": "required", "tools": [{"type": "retrieval"}]}, "tools[0]"),
     ({"tool_choice": "required", "parallel_tool_calls": "no"}, "parallel_tool_calls"),
-    ({"tool_choice": "required", "tools": [
-        {"type": "function", "function": {"name": "a", "parameters": {
-            "$defs": {"X": {"type": "string"}}}}},
-        {"type": "function", "function": {"name": "b", "parameters": {
-            "$defs": {"X": {"type": "integer"}}}}}]}, "tools"),
+    ({"tool_choice": NAMED, "tools": [{"type": "function", "function": {
+        "name": "get_weather", "parameter": WEATHER}}]}, "tools[0].function.parameter"),
+    ({"tools": [{"type": "function", "parameters": WEATHER, "function": {"name": "f"}}]},
+     "tools[0].parameters"),  # checked with tool_choice auto too: the template reads them
+    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}, "x": 1}},
+     "tool_choice.x"),
+    ({"tool_choice": NAMED, "tools": [{"type": "function", "function": {
+        "name": "get_weather", "parameters": {"type": "string"}}}]},
+     "tools[0].function.parameters.type"),
+    ({"tools": [*TOOLS, {"type": "function", "function": {"name": "get_time"}}]},
+     "tools[2].function.name"),
+    ({"tools": {"type": "function"}}, "tools"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
 ])
 def test_bad_tool_requests_are_400_naming_the_field(client: TestClient, engine: FakeEngine,
                                                     body: dict[str, Any], param: str) -> None:
@@ -146,6 +184,15 @@ def test_bad_tool_requests_are_400_naming_the_field(client: TestClient, engine: 
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
     assert engine.added == []
+
+
+def test_parameters_without_a_type_generate_an_object(client: TestClient,
+                                                       engine: FakeEngine) -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "properties": {"a": {"type": "integer"}}}}}]
+    _chat(client, tools=tools, tool_choice={"type": "function", "function": {"name": "f"}})
+    assert engine.added[-1][2].grammar.schema == {"type": "object",
+                                                  "properties": {"a": {"type": "integer"}}}
 
 
 def test_auto_and_none_force_nothing(client: TestClient, engine: FakeEngine) -> None:
@@ -167,3 +214,14 @@ def test_a_tool_call_turn_of_the_history_is_shown_to_the_model(client: TestClien
     prompt = "".join(chr(t) for t in engine.added[-1][1])
     assert '[{"name": "get_weather", "arguments": {"city": "Oslo"}}]' in prompt
     assert "<tool>12 C" in prompt
+
+
+def test_a_turn_with_text_and_tool_calls_keeps_both(client: TestClient,
+                                                    engine: FakeEngine) -> None:
+    messages = [*MSGS, {"role": "assistant", "content": "Let me check.", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "noon"}]
+    r = client.post(CHAT, json={"messages": messages, "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    prompt = "".join(chr(t) for t in engine.added[-1][1])
+    assert 'Let me check.\n[{"name": "get_time", "arguments": {}}]' in prompt
