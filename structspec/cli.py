@@ -95,8 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, help="0 disables")
     gen.add_argument("--min-p", type=float, default=0.0, help="0 disables")
     gen.add_argument("--request-seed", dest="request_seed", type=int, default=None,
-                     help="per-request sampling seed, 0 to 2**63 - 1 (the same output in "
-                          "any batch, with any drafter or none, at any tree size)")
+                     help="per-request sampling seed, 0 to 2**63 - 1 (with float32 weights "
+                          "the same output in any batch, with any drafter or none, at any tree "
+                          "size; int4/bf16 logits shift with the batch's shape)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     pen = gen.add_argument_group("penalties and loop guards")
     pen.add_argument("--presence-penalty", type=float, default=0.0,

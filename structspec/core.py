@@ -137,9 +137,11 @@ class SamplingParams:
     ``temperature == 0`` is greedy. ``top_k <= 0`` / ``top_p == 1`` / ``min_p == 0`` disable
     those filters. ``seed`` makes a sampled request reproducible on its own: its token at
     output position ``p`` is drawn with a uniform keyed by ``(seed, p)``
-    (:mod:`structspec.layers.keyed_sampling`), so the output is the same in any batch, with
-    any drafter or none, and whatever tree sizes the adaptive sizer picks (up to float
-    rounding of the logits: in bf16 or int4 a near-tie can flip, as for greedy output).
+    (:mod:`structspec.layers.keyed_sampling`), so with float32 weights the output is the same
+    in any batch, with any drafter or none, and whatever tree sizes the adaptive sizer picks.
+    With int4 or bf16 weights the logits shift slightly with the batch's shape (a verify row
+    against a decode), so a draw near a boundary of the distribution can take the other
+    token, and the outputs part from there.
 
     ``presence_penalty`` / ``frequency_penalty`` (OpenAI, output tokens, ``[-2, 2]``, 0 =
     off), ``repetition_penalty`` (vLLM / Hugging Face, prompt and output tokens, ``[0.01,
