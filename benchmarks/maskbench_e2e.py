@@ -126,7 +126,8 @@ def run(args: argparse.Namespace) -> dict:
     return {"counts": dict(counts), "n": n, "ran": ran, "stop": stop}
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line (``run`` takes what it parses; tests start from its defaults)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", default=str(ROOT / "tests" / "data" / "maskbench"))
     ap.add_argument("--limit", type=int, default=120)
@@ -157,7 +158,11 @@ def main() -> None:
     ap.add_argument("--unbounded-numbers", action="store_true",
                     help="no default number bounds (the grammars before issue 20)")
     ap.add_argument("--out", default="maskbench_outputs.jsonl")
-    run(ap.parse_args())
+    return ap
+
+
+def main() -> None:
+    run(parser().parse_args())
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ schemas, max_tokens 1024) is ``benchmarks/maskbench_e2e.py`` and the slow test b
 from __future__ import annotations
 
 import json
-from argparse import Namespace
 from pathlib import Path
 
 import jsonschema
@@ -44,14 +43,14 @@ def test_stop_outputs_validate_on_real_schemas(make_llm, step: int) -> None:
 
 @pytest.mark.slow
 def test_maskbench_120_schemas() -> None:
-    from benchmarks.maskbench_e2e import run
+    from benchmarks.maskbench_e2e import parser, run
 
-    res = run(Namespace(data=str(DATA), limit=120, max_tokens=1024, model=None, device="auto",
-                        dtype="auto", speculative_algorithm="ngram", num_draft_tokens=8,
-                        max_batch_size=64, kv_capacity_tokens=None, compile_timeout=120.0,
-                        skip_slow_compile=True, temperature=0.6, top_p=0.95,
-                        presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
-                        stop_on_repeat=None, unbounded_numbers=False,
-                        out="/tmp/maskbench_outputs.jsonl"))
+    # the script's own defaults (a field it gains later cannot be missing here), then ours
+    args = parser().parse_args([])
+    vars(args).update(data=str(DATA), limit=120, max_tokens=1024, device="auto",
+                      speculative_algorithm="ngram", num_draft_tokens=8, max_batch_size=64,
+                      compile_timeout=120.0, skip_slow_compile=True, temperature=0.6,
+                      top_p=0.95, out="/tmp/maskbench_outputs.jsonl")
+    res = run(args)
     assert res["counts"].get("stop_invalid", 0) == 0
     assert res["stop"] / res["ran"] >= 0.7
