@@ -45,6 +45,7 @@ from typing import Any
 
 from structspec.constraints import JsonSchemaConstraint
 from structspec.server.errors import bad_request
+from structspec.server.field_policy import unknown_key_error
 
 #: ``finish_reason`` of an answer whose forced tool calls were generated to the end
 TOOL_CALLS_FINISH = "tool_calls"
@@ -77,10 +78,11 @@ CHOICE_FUNCTION_KEYS = frozenset({"name"})
 
 
 def _refuse_unknown(obj: dict[str, Any], known: frozenset[str], where: str) -> None:
-    for key in obj:
-        if key not in known:
-            raise bad_request(f"{where}.{key}: unknown key (expected one of {sorted(known)})",
-                              f"{where}.{key}")
+    """The server's 400 for an unknown key of the object at ``where`` (a ``null`` value asks
+    for nothing and passes, as elsewhere)."""
+    for key, value in obj.items():
+        if value is not None and key not in known:
+            raise unknown_key_error(where, key, sorted(known))
 
 
 def _function_of(tool: Any, i: int) -> dict[str, Any]:
