@@ -40,7 +40,11 @@ MAX_SCHEMA_NESTING = 128
 
 _REF_KEYS = ("$ref", "$dynamicRef", "$recursiveRef")
 # keywords whose values are instance data, not subschemas: a "$ref" key there is just data
-_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+# keywords whose values map names to subschemas: a key there is a name, never a keyword (a
+# property named "enum" holds a schema, not data)
+NAME_MAP_KEYWORDS = frozenset({"properties", "patternProperties", "$defs", "definitions",
+                               "dependentSchemas"})
 
 
 def find_structure_problem(schema: Any) -> str | None:
@@ -66,17 +70,22 @@ def find_structure_problem(schema: Any) -> str | None:
     Returns:
         ``"<json pointer>: <reason>"`` (pointer ``/`` for the root), or None.
     """
-    stack: list[tuple[Any, str, int]] = [(schema, "", 1)]
+    # (node, pointer, depth, whether node is a name map: its values are all subschemas)
+    stack: list[tuple[Any, str, int, bool]] = [(schema, "", 1, False)]
     while stack:
-        node, pointer, depth = stack.pop()
+        node, pointer, depth, names = stack.pop()
         if not isinstance(node, (dict, list)):
             continue
         if depth > MAX_SCHEMA_NESTING:
             return (f"{pointer or '/'}: the schema nests deeper than {MAX_SCHEMA_NESTING} "
                     "levels")
         if isinstance(node, list):
-            stack.extend((child, f"{pointer}/{i}", depth + 1)
+            stack.extend((child, f"{pointer}/{i}", depth + 1, False)
                          for i, child in reversed(list(enumerate(node))))
+            continue
+        if names:
+            stack.extend((child, f"{pointer}/{escape_pointer_token(name)}", depth + 1, False)
+                         for name, child in reversed(list(node.items())))
             continue
         for key in _REF_KEYS:
             ref = node.get(key)
@@ -94,8 +103,9 @@ def find_structure_problem(schema: Any) -> str | None:
         if problem is not None:
             return problem
         for name, child in reversed(list(node.items())):
-            if name not in _DATA_KEYWORDS:
-                stack.append((child, f"{pointer}/{escape_pointer_token(name)}", depth + 1))
+            if name not in DATA_KEYWORDS:
+                stack.append((child, f"{pointer}/{escape_pointer_token(name)}", depth + 1,
+                              name in NAME_MAP_KEYWORDS))
             elif depth + _nesting(child) > MAX_SCHEMA_NESTING:  # data: depth only
                 return (f"{pointer}/{escape_pointer_token(name)}: the schema nests deeper than "
                         f"{MAX_SCHEMA_NESTING} levels")

@@ -74,3 +74,18 @@ def test_output_check_never_fetches_a_reference(monkeypatch: pytest.MonkeyPatch)
     ok = JsonSchemaConstraint({"type": "object", "required": ["a"]})
     assert check_schema_output(ok, '{"a": 1}') is True
     assert check_schema_output(ok, "{}") is False
+
+
+def test_a_property_named_like_a_data_keyword_is_checked_as_a_schema() -> None:
+    """``properties.enum`` is a property's schema, not instance data: its ``$ref`` and
+    ``pattern`` are checked as anywhere else (they were skipped as data)."""
+    remote = {"type": "object", "properties": {"const": {"$ref": "https://example.com/s"}}}
+    problem = find_structure_problem(remote)
+    assert problem is not None and problem.startswith("/properties/const/$ref:")
+    pattern = {"type": "object", "properties": {"enum": {"type": "string", "pattern": "^\\q$"}}}
+    problem = find_structure_problem(pattern)
+    assert problem is not None and problem.startswith("/properties/enum/pattern")
+    dangling = {"$defs": {"default": {"$ref": "#/$defs/missing"}}}
+    assert find_structure_problem(dangling) is not None
+    data = {"const": {"$ref": "https://example.com/s"}, "enum": [{"pattern": "\\q"}]}
+    assert find_structure_problem(data) is None  # instance data stays data

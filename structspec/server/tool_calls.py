@@ -11,9 +11,10 @@ What a client sends (OpenAI's shapes): ``tools``, a list of ``{"type": "function
   false); the output is a JSON array of ``{"name": <a tool's name>, "parameters": <its
   arguments>}`` objects, generated under a schema whose items are one branch per tool (the
   name as a ``const``, the arguments under that tool's ``parameters``), as vLLM and sglang
-  constrain ``required``. Each tool's local ``$ref``s (``#``, ``#/$defs/...``,
-  ``#/definitions/...``, ``#/properties/...``) are rebased onto the schema's new place below
-  the array, so they resolve as in the tool's own schema.
+  constrain ``required``. Each tool's schema becomes a root ``$defs`` entry its branch
+  references, and its local ``$ref``s (``#``, ``#/$defs/...``, ``#/definitions/...``,
+  ``#/properties/...``) are rebased onto that entry, so they resolve as in the tool's own
+  schema.
 - ``"auto"`` / ``"none"`` / absent: nothing is forced; ``tools`` only reach the chat template.
 
 The tools are checked whatever ``tool_choice`` says (they reach the chat template): OpenAI's
@@ -44,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from structspec.constraints import JsonSchemaConstraint
+from structspec.schema_structure import DATA_KEYWORDS, NAME_MAP_KEYWORDS
 from structspec.server.errors import bad_request
 from structspec.server.field_policy import unknown_key_error
 
@@ -190,44 +192,54 @@ def plan_tool_calls(tools: Any, tool_choice: Any,
                       "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
 
 
-#: keywords whose values are instances, not schemas: a ``$ref`` key inside them is data
-_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
-
-
-def _rebased(node: Any, base: str) -> Any:
+def _rebased(node: Any, base: str, *, names: bool = False) -> Any:
     """``node`` with every local ``$ref`` (``#...``) moved under ``base``, the JSON pointer of
-    where the schema now sits; the values of data keywords are left as they are."""
+    where the schema now sits. The values of data keywords (``const``, ``enum``...) are left
+    as they are; the keys of a name map (``properties``, ``$defs``...) are names, so a
+    property named ``enum`` still holds a schema (``names``: ``node`` is such a map)."""
     if isinstance(node, list):
         return [_rebased(v, base) for v in node]
     if not isinstance(node, dict):
         return node
+    if names:
+        return {key: _rebased(value, base) for key, value in node.items()}
     out: dict[str, Any] = {}
     for key, value in node.items():
         if key == "$ref" and isinstance(value, str) and value.startswith("#"):
             out[key] = base + value[1:]
-        elif key in _DATA_KEYWORDS:
+        elif key in DATA_KEYWORDS:
             out[key] = value
         else:
-            out[key] = _rebased(value, base)
+            out[key] = _rebased(value, base, names=key in NAME_MAP_KEYWORDS)
     return out
+
+
+#: where ``required`` puts tool ``i``'s parameters schema: a root ``$defs`` entry, so that
+#: every rebased pointer goes through object keys only (xgrammar does not follow an array
+#: index such as ``#/items/anyOf/0`` in a ``$ref``)
+_TOOL_DEF = "tool_{}"
 
 
 def _required(functions: list[dict[str, Any]], parallel: bool) -> ToolCallPlan:
     """``tool_choice: "required"``: an array of calls, one ``anyOf`` branch per tool. Each
-    tool's schema moves below the array, so its local ``$ref``s (``#``, ``#/$defs/...``,
-    ``#/properties/...``) are rebased onto its new place and resolve as before."""
-    single = len(functions) == 1
+    tool's parameters schema becomes a root ``$defs`` entry that its branch references, and
+    its own local ``$ref``s (``#``, ``#/$defs/...``, ``#/properties/...``) are rebased onto
+    that entry, so they resolve as in the tool's own schema."""
+    defs: dict[str, Any] = {}
     branches = []
     for i, fn in enumerate(functions):
-        base = ("#/items" if single else f"#/items/anyOf/{i}") + "/properties/parameters"
+        name = _TOOL_DEF.format(i)
+        defs[name] = _rebased(_parameters(fn), f"#/$defs/{name}")
         branches.append({"type": "object",
                          "properties": {"name": {"const": fn["name"]},
-                                        "parameters": _rebased(_parameters(fn), base)},
+                                        "parameters": {"$ref": f"#/$defs/{name}"}},
                          "required": ["name", "parameters"], "additionalProperties": False})
     schema: dict[str, Any] = {"type": "array", "minItems": 1,
-                              "items": branches[0] if single else {"anyOf": branches}}
+                              "items": branches[0] if len(branches) == 1
+                              else {"anyOf": branches}}
     if not parallel:
         schema["maxItems"] = 1
+    schema["$defs"] = defs
     strict = all(bool(fn.get("strict", False)) for fn in functions)
     return ToolCallPlan("required", JsonSchemaConstraint(schema, strict=strict), "tools")
 
@@ -251,7 +263,7 @@ def calls_from_output(plan: ToolCallPlan, text: str,
                  "function": {"name": plan.name, "arguments": text}}]
     try:
         calls = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
         return None
     if not isinstance(calls, list) or not calls or not all(
             isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
@@ -295,8 +307,8 @@ def history_message(message: dict[str, Any], index: int) -> dict[str, Any]:
         args = fn.get("arguments", "")
         try:
             args = json.loads(args) if isinstance(args, str) and args else args
-        except ValueError:
-            pass  # arguments a model cut short: shown as the text they are
+        except (ValueError, RecursionError):
+            pass  # arguments a model cut short (or nested past the parser): shown as text
         shown.append({"name": fn["name"], "arguments": args})
     out = {k: v for k, v in message.items() if k != "tool_calls"}
     if not shown:

@@ -13,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from structspec.constraints import JsonSchemaConstraint
-from structspec.server.tool_calls import calls_from_output, plan_tool_calls
+from structspec.server.tool_calls import calls_from_output, history_message, plan_tool_calls
 from tests.server.fake_client import CHAT, MSGS
 from tests.server.server_fakes import FakeEngine
 from tests.server.test_app import sse_events
@@ -225,3 +225,40 @@ def test_a_turn_with_text_and_tool_calls_keeps_both(client: TestClient,
     assert r.status_code == 200, r.text
     prompt = "".join(chr(t) for t in engine.added[-1][1])
     assert 'Let me check.\n[{"name": "get_time", "arguments": {}}]' in prompt
+
+
+def test_required_with_several_tools_compiles_their_refs() -> None:
+    """Each tool's schema sits in the root ``$defs``: its rebased pointers go through object
+    keys only, which xgrammar follows (an array index such as ``#/items/anyOf/0`` it does
+    not), and a property named like a data keyword still holds a schema."""
+    import xgrammar as xgr
+
+    a = {"type": "object", "$defs": {"P": {"type": "integer"}},
+         "properties": {"p": {"$ref": "#/$defs/P"},
+                        "enum": {"anyOf": [{"type": "null"}, {"$ref": "#"}]}},
+         "required": ["p", "enum"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "a", "parameters": a}},
+             {"type": "function", "function": {"name": "b"}}]
+    plan = plan_tool_calls(tools, "required")
+    assert plan is not None
+    xgr.Grammar.from_json_schema(json.dumps(plan.grammar.schema))  # raises when a ref fails
+    validator = jsonschema.Draft202012Validator(plan.grammar.schema)
+    good = {"p": 1, "enum": {"p": 2, "enum": None}}
+    assert validator.is_valid([{"name": "a", "parameters": good}, {"name": "b",
+                                                                   "parameters": {}}])
+    nested_call = {"p": 1, "enum": [{"name": "a", "parameters": {"p": 2, "enum": None}}]}
+    assert not validator.is_valid([{"name": "a", "parameters": nested_call}])
+    assert not jsonschema.Draft202012Validator(a).is_valid(nested_call)
+
+
+def test_output_or_history_nested_past_the_json_parser_is_text(client: TestClient) -> None:
+    plan = plan_tool_calls(TOOLS, "required")
+    assert plan is not None and calls_from_output(plan, "[" * 5000 + "]" * 5000) is None
+    deep = "[" * 3000 + "]" * 3000
+    messages = [*MSGS, {"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "f", "arguments": deep}}]}]
+    shown = history_message(messages[1], 1)
+    assert shown["content"] == json.dumps([{"name": "f", "arguments": deep}])
+    r = client.post(CHAT, json={"messages": messages, "max_tokens": 2})
+    # a long prompt for the fake's 512-token context: refused as one, not a 500
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
