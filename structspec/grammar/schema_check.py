@@ -189,6 +189,13 @@ def _node_problems(node: dict[str, Any], root: Any) -> Iterator[str]:
     keys = set(node)
     if "not" in keys:
         yield "'not' is ignored by the grammar engine"
+    for key in ("$dynamicRef", "$recursiveRef"):
+        if key in keys:
+            yield f"'{key}' is not resolved by the grammar engine (it accepts any JSON there)"
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#") and ref[1:2] not in ("", "/"):
+        yield (f"a '$ref' to an anchor ({ref!r}) is not resolved by the grammar engine (it "
+               "accepts any JSON there); point it at the definition ('#/$defs/...')")
     all_of = node.get("allOf")
     if isinstance(all_of, list) and len(all_of) > 1:
         yield "'allOf' with more than one subschema is not enforced (it accepts any JSON)"

@@ -240,3 +240,20 @@ def test_check_is_fast(maskbench: list[tuple[str, dict[str, Any]]]) -> None:
     with ThreadPoolExecutor(1) as ex:
         list(ex.map(lambda c: find_unenforceable(c[1]["schema"]), maskbench))
     assert time.perf_counter() - t0 < 2.0
+
+
+def test_refs_the_grammar_does_not_resolve_are_refused() -> None:
+    """xgrammar resolves JSON-pointer ``$ref``s only: a ``$ref`` to an ``$anchor``, a
+    ``$dynamicRef`` and a ``$recursiveRef`` let any JSON through there, so strict mode refuses
+    them (a fresh user's strict tool call generated ``{"a": "you"}`` for an integer anchor)."""
+    anchor = {"type": "object", "$defs": {"X": {"$anchor": "xx", "type": "integer"}},
+              "properties": {"a": {"$ref": "#xx"}}, "required": ["a"]}
+    dynamic = {"type": "object", "properties": {"a": {"$dynamicRef": "#node"}}}
+    recursive = {"type": "object", "properties": {"a": {"$recursiveRef": "#"}}}
+    pointer = {"type": "object", "properties": {"a": {"$ref": "#/$defs/X"}, "b": {"$ref": "#"}},
+               "$defs": {"X": {"type": "integer"}}}
+    assert [p for p, _ in find_unenforceable(anchor)] == ["/properties/a"]
+    assert "anchor" in find_unenforceable(anchor)[0][1]
+    assert [p for p, _ in find_unenforceable(dynamic)] == ["/properties/a"]
+    assert [p for p, _ in find_unenforceable(recursive)] == ["/properties/a"]
+    assert find_unenforceable(pointer) == []
