@@ -528,9 +528,11 @@ def _message_text(message: dict[str, Any], where: str) -> str:
                        for j, part in enumerate(content))
     if content is None and message["role"] == "assistant" and (
             message.get("tool_calls") or message.get("function_call")):
-        raise ChatMessageError(f"{where}.content", "an assistant message with tool_calls and "
-                               "no content is not supported (structspec does not support tool "
-                               "calls); send the turn as text content", code="unsupported")
+        raise ChatMessageError(f"{where}.content", "an assistant message with tool_calls or "
+                               "function_call and no content is not supported here (the "
+                               "server's chat endpoint renders tool_calls turns; the legacy "
+                               "function_call is not read); send the turn as text content",
+                               code="unsupported")
     if "content" not in message:
         raise ChatMessageError(f"{where}.content", "missing (expected a string or a list of "
                                                    "text parts)")

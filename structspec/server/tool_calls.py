@@ -23,7 +23,10 @@ call generated without its schema), a name, no two tools of one name, and ``para
 object schema (``type`` ``object`` or left out: arguments are keyword arguments).
 
 ``strict`` follows the tools' ``function.strict`` (all of them for ``required``; OpenAI's
-default ``false`` is best effort, as for ``response_format``). The response carries the calls
+default ``false`` is best effort, as for ``response_format``: a ``parameters`` schema the
+grammar cannot enforce, e.g. ``allOf [{"type": "string"}]`` or ``type`` beside a ``$ref``, may
+then give arguments outside it, flagged by ``schema_valid`` false; ``strict: true`` refuses
+such a schema up front). The response carries the calls
 in ``message.tool_calls`` (``content`` null) with ``finish_reason`` ``"tool_calls"`` when the
 grammar finished, the finish reason as is otherwise (``length``, or ``stop`` with its
 ``stop_reason`` at a stop string or stop token id: the arguments are cut there);
@@ -113,6 +116,10 @@ def _function_of(tool: Any, i: int) -> dict[str, Any]:
         raise bad_request(f"{where}.function.parameters.type: expected \"object\" (a tool's "
                           f"arguments are a JSON object), got {params.get('type')!r}",
                           f"{where}.function.parameters.type")
+    description = fn.get("description")
+    if description is not None and not isinstance(description, str):
+        raise bad_request(f"{where}.function.description: expected a string",
+                          f"{where}.function.description")
     strict = fn.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise bad_request(f"{where}.function.strict: expected a boolean",
@@ -293,9 +300,11 @@ def history_message(message: dict[str, Any], index: int) -> dict[str, Any]:
             {"name", "arguments"}}``.
     """
     calls = message.get("tool_calls")
-    if message.get("role") != "assistant" or calls is None:
+    if calls is None:
         return message
     where = f"messages[{index}].tool_calls"
+    if message.get("role") != "assistant":  # it would be dropped without a word
+        raise bad_request(f"{where}: only an assistant message carries tool calls", where)
     if not isinstance(calls, list):
         raise bad_request(f"{where}: expected a list", where)
     shown = []

@@ -262,3 +262,24 @@ def test_output_or_history_nested_past_the_json_parser_is_text(client: TestClien
     r = client.post(CHAT, json={"messages": messages, "max_tokens": 2})
     # a long prompt for the fake's 512-token context: refused as one, not a 500
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize(("message", "param"), [
+    ({"role": "user", "content": "x", "tool_calls": [
+        {"function": {"name": "f", "arguments": "{}"}}]}, "messages[1].tool_calls"),
+    ({"role": "assistant", "content": None, "function_call": {"name": "f"}},
+     "messages[1].content"),
+])
+def test_tool_calls_where_they_cannot_be_read_are_400(client: TestClient, engine: FakeEngine,
+                                                      message: dict[str, Any],
+                                                      param: str) -> None:
+    r = client.post(CHAT, json={"messages": [*MSGS, message], "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert engine.added == []
+
+
+def test_a_description_must_be_text(client: TestClient) -> None:
+    tools = [{"type": "function", "function": {"name": "f", "description": 5}}]
+    r = _chat(client, tools=tools)
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "tools[0].function.description"
