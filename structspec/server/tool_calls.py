@@ -107,23 +107,18 @@ def _function_of(tool: Any, i: int) -> dict[str, Any]:
     if not isinstance(name, str) or not name:
         raise bad_request(f"{where}.function.name: expected a non-empty string",
                           f"{where}.function.name")
+    for key, kind, expected in (("parameters", dict, "a JSON Schema object"),
+                                ("description", str, "a string"), ("strict", bool, "a boolean")):
+        value = fn.get(key)
+        if value is not None and not isinstance(value, kind):
+            raise bad_request(f"{where}.function.{key}: expected {expected}",
+                              f"{where}.function.{key}")
     params = fn.get("parameters")
-    if params is not None and not isinstance(params, dict):
-        raise bad_request(f"{where}.function.parameters: expected a JSON Schema object",
-                          f"{where}.function.parameters")
     if params is not None and params.get("type", "object") != "object":
         # the arguments are keyword arguments: OpenAI requires an object schema too
         raise bad_request(f"{where}.function.parameters.type: expected \"object\" (a tool's "
                           f"arguments are a JSON object), got {params.get('type')!r}",
                           f"{where}.function.parameters.type")
-    description = fn.get("description")
-    if description is not None and not isinstance(description, str):
-        raise bad_request(f"{where}.function.description: expected a string",
-                          f"{where}.function.description")
-    strict = fn.get("strict")
-    if strict is not None and not isinstance(strict, bool):
-        raise bad_request(f"{where}.function.strict: expected a boolean",
-                          f"{where}.function.strict")
     return fn
 
 
