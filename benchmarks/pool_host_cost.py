@@ -26,10 +26,13 @@ One line per batch size::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -39,6 +42,7 @@ from benchmarks.grammar_overlap import LONG_SCHEMA  # noqa: E402
 from benchmarks.tree_mask_cost import VOCAB, record_outputs, step_trees  # noqa: E402
 from structspec.constraints import JsonSchemaConstraint  # noqa: E402
 from structspec.core import SamplingParams  # noqa: E402
+from structspec.grammar import tree_mask  # noqa: E402
 from structspec.grammar.backend import GrammarBackend  # noqa: E402
 from structspec.grammar.worker_pool import MaskWorkerPool  # noqa: E402
 from structspec.models.default_model import resolve_model_path  # noqa: E402
@@ -46,6 +50,43 @@ from structspec.models.tokenizer import Tokenizer  # noqa: E402
 from structspec.scheduler.grammar_service import GrammarService  # noqa: E402
 from structspec.scheduler.request import Req, ReqStatus  # noqa: E402
 from structspec.scheduler.step_stats import StepTimer  # noqa: E402
+
+#: ``--by-call``: the calls timed one by one (``owner``, attribute, label; calls nest:
+#: ``build_mask`` holds ``pool.build``, which holds ``_dispatch``, which holds ``_recv``)
+BY_CALL = (
+    (GrammarService, "plan_step", "plan_step"),
+    (GrammarService, "pool_walks", "pool_walks"),
+    (GrammarService, "stage_tree", "stage_tree"),
+    (GrammarService, "build_mask", "build_mask"),
+    (MaskWorkerPool, "build", "pool.build"),
+    (MaskWorkerPool, "_dispatch", "dispatch"),
+    (MaskWorkerPool, "_recv", "recv"),
+    (tree_mask, "_settle_and_upload", "settle_upload"),
+)
+
+
+@contextlib.contextmanager
+def timed_calls(cpu_s: dict[str, float]) -> Iterator[None]:
+    """Wrap the :data:`BY_CALL` callables so that each adds its thread CPU time (s) to
+    ``cpu_s[label]``; restored on exit."""
+    undo = []
+    for owner, name, label in BY_CALL:
+        original = getattr(owner, name)
+
+        def wrapped(*a: Any, _f: Any = original, _label: str = label, **k: Any) -> Any:
+            t0 = time.thread_time()
+            try:
+                return _f(*a, **k)
+            finally:
+                cpu_s[_label] = cpu_s.get(_label, 0.0) + time.thread_time() - t0
+
+        setattr(owner, name, wrapped)
+        undo.append((owner, name, original))
+    try:
+        yield
+    finally:
+        for owner, name, original in undo:
+            setattr(owner, name, original)
 
 
 def run(batch: int, args: argparse.Namespace, tok: Tokenizer, backend: GrammarBackend,
@@ -75,8 +116,8 @@ def run(batch: int, args: argparse.Namespace, tok: Tokenizer, backend: GrammarBa
             if time.monotonic() > deadline:
                 raise RuntimeError("grammars not loaded by the workers after 120 s")
             time.sleep(0.01)
-        cpu_us, wall_us = [], []
-        for step in range(args.warmup + args.steps):
+        def one_step() -> tuple[float, float]:
+            """One verify step's grammar work (thread CPU us, wall us), then its commit."""
             starts = [len(r.output_ids) for r in reqs]
             tree = step_trees(outputs, starts, n, "chain")
             timer.begin(batch, n, batch)
@@ -90,17 +131,25 @@ def run(batch: int, args: argparse.Namespace, tok: Tokenizer, backend: GrammarBa
             c1, w1 = time.thread_time(), time.perf_counter()
             timer.end()
             assert mask is not None and mask.mirror is not None and not mask.mirror.mismatched
-            if step >= args.warmup:
-                cpu_us.append((c1 - c0) * 1e6)
-                wall_us.append((w1 - w0) * 1e6)
-            for req, pos in zip(reqs, starts, strict=True):  # the step's commit: a full chain
-                req.output_ids.extend(outputs[reqs.index(req)][pos: pos + n])
+            for b, (req, pos) in enumerate(zip(reqs, starts, strict=True)):  # a full chain
+                req.output_ids.extend(outputs[b][pos: pos + n])
+            return (c1 - c0) * 1e6, (w1 - w0) * 1e6
+
+        for _ in range(args.warmup):
+            one_step()
+        by_call: dict[str, float] = {}
+        with timed_calls(by_call) if args.by_call else contextlib.nullcontext():
+            cpu_us, wall_us = zip(*(one_step() for _ in range(args.steps)), strict=True)
         p50 = statistics.median(cpu_us)
         p10 = statistics.quantiles(cpu_us, n=10)[0]
         print(f"pool_host_cost bs={batch} workers={args.workers} nodes={n} "
               f"cpu_us_min={min(cpu_us):.0f} cpu_us_p10={p10:.0f} cpu_us_p50={p50:.0f} "
               f"per_request_us={p50 / batch:.2f} wall_us_p50={statistics.median(wall_us):.0f}",
               flush=True)
+        if args.by_call:  # mean thread CPU per step of each wrapped call (calls nest)
+            print(f"pool_host_calls bs={batch} " + " ".join(
+                f"{label}_us={by_call.get(label, 0.0) / args.steps * 1e6:.1f}"
+                for _, _, label in BY_CALL), flush=True)
     finally:
         service.close()
 
@@ -114,6 +163,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--spin-ms", type=float, default=0.0,
                     help="the workers' spin window (0: they sleep between builds)")
+    ap.add_argument("--by-call", action="store_true",
+                    help="also a pool_host_calls line: thread CPU per step of each call the "
+                         "step makes (the wrappers add ~1 us a call)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     tok = Tokenizer(resolve_model_path(None))
