@@ -169,8 +169,10 @@ async def _stream(state: ServerState, run: GenerationRun, rid: str, created: int
             body["usage"] = usage
         return sse_event(body)
 
-    def delta_of(c: ChoiceState, text: str) -> dict[str, Any] | None:
-        """The delta carrying ``text``; None while a ``required`` answer is incomplete."""
+    def delta_of(c: ChoiceState, text: str, finishing: bool,
+                 calls: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+        """The delta carrying ``text``; None while a ``required`` answer is incomplete
+        (``calls``: its parsed calls once it is, ``finishing``)."""
         if plan is None:
             return {"content": text}
         if plan.mode == "named":
@@ -180,9 +182,8 @@ async def _stream(state: ServerState, run: GenerationRun, rid: str, created: int
                 call.update(id=call_ids[c.index], type="function")
                 call["function"] = {"name": plan.name, "arguments": text}
             return {"tool_calls": [call]}
-        if not c.finished:
+        if not finishing:
             return None
-        calls = calls_from_output(plan, c.text)
         if calls is None:  # not a complete array of calls (cut by max_tokens): as text
             return {"content": c.text}
         return {"tool_calls": [dict(call, index=i) for i, call in enumerate(calls)]}
@@ -191,18 +192,21 @@ async def _stream(state: ServerState, run: GenerationRun, rid: str, created: int
         events = []
         text = c.take_text()
         lps = c.take_logprobs() if with_logprobs else []
-        ends_required = c.finished and plan is not None and plan.mode == "required"
-        delta = delta_of(c, text) if text or lps or ends_required else None
+        finishing = c.finished and not c.finish_sent
+        # a required answer's calls, parsed once when it ends (its delta and finish reason)
+        calls = (calls_from_output(plan, c.text)
+                 if finishing and plan is not None and plan.mode == "required" else None)
+        ends_required = finishing and plan is not None and plan.mode == "required"
+        delta = delta_of(c, text, finishing, calls) if text or lps or ends_required else None
         if delta is not None or lps:
             events.append(chunk([{
                 "index": c.index, "delta": delta if delta is not None else {},
                 "logprobs": chat_logprobs(state.codec, lps) if with_logprobs else None,
                 "finish_reason": None}]))
-        if c.finished and not c.finish_sent:
+        if finishing:
             c.finish_sent = True
             reason = c.finish_reason
-            if plan is not None and (plan.mode == "named"
-                                     or calls_from_output(plan, c.text) is not None):
+            if plan is not None and (plan.mode == "named" or calls is not None):
                 reason = finish_reason(reason, c.final.stop_reason if c.final else None)
             events.append(chunk([{"index": c.index, "delta": {}, "logprobs": None,
                                   "finish_reason": reason,
