@@ -32,13 +32,13 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.grammar_overlap import LONG_SCHEMA  # noqa: E402
+from benchmarks.host_step_cost import HostClock  # noqa: E402
 from benchmarks.tree_mask_cost import VOCAB, record_outputs, step_trees  # noqa: E402
 from structspec.constraints import JsonSchemaConstraint  # noqa: E402
 from structspec.core import SamplingParams  # noqa: E402
@@ -66,27 +66,14 @@ BY_CALL = (
 
 
 @contextlib.contextmanager
-def timed_calls(cpu_s: dict[str, float]) -> Iterator[None]:
-    """Wrap the :data:`BY_CALL` callables so that each adds its thread CPU time (s) to
-    ``cpu_s[label]``; restored on exit."""
-    undo = []
+def timed_calls(clock: HostClock) -> Iterator[None]:
+    """The :data:`BY_CALL` callables timed by ``clock`` while inside; restored on exit."""
     for owner, name, label in BY_CALL:
-        original = getattr(owner, name)
-
-        def wrapped(*a: Any, _f: Any = original, _label: str = label, **k: Any) -> Any:
-            t0 = time.thread_time()
-            try:
-                return _f(*a, **k)
-            finally:
-                cpu_s[_label] = cpu_s.get(_label, 0.0) + time.thread_time() - t0
-
-        setattr(owner, name, wrapped)
-        undo.append((owner, name, original))
+        clock.wrap(owner, name, label)
     try:
         yield
     finally:
-        for owner, name, original in undo:
-            setattr(owner, name, original)
+        clock.restore()
 
 
 def run(batch: int, args: argparse.Namespace, tok: Tokenizer, backend: GrammarBackend,
@@ -137,7 +124,7 @@ def run(batch: int, args: argparse.Namespace, tok: Tokenizer, backend: GrammarBa
 
         for _ in range(args.warmup):
             one_step()
-        by_call: dict[str, float] = {}
+        by_call = HostClock(time.thread_time)  # the engine thread's CPU time per call
         with timed_calls(by_call) if args.by_call else contextlib.nullcontext():
             cpu_us, wall_us = zip(*(one_step() for _ in range(args.steps)), strict=True)
         p50 = statistics.median(cpu_us)
@@ -148,7 +135,7 @@ def run(batch: int, args: argparse.Namespace, tok: Tokenizer, backend: GrammarBa
               flush=True)
         if args.by_call:  # mean thread CPU per step of each wrapped call (calls nest)
             print(f"pool_host_calls bs={batch} " + " ".join(
-                f"{label}_us={by_call.get(label, 0.0) / args.steps * 1e6:.1f}"
+                f"{label}_us={by_call.us.get(label, 0.0) / args.steps:.1f}"
                 for _, _, label in BY_CALL), flush=True)
     finally:
         service.close()
