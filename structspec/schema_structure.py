@@ -6,6 +6,7 @@ stalled the front end's sender thread)."""
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import unquote
 
 from structspec.regex_check import find_regex_problem
 
@@ -15,14 +16,15 @@ def escape_pointer_token(token: str) -> str:
     return token.replace("~", "~0").replace("/", "~1")
 
 
-def resolve_local_ref(root: Any, ref: str) -> tuple[str, Any] | None:
-    """Resolve a local ``#/a/b`` reference; ``None`` for remote or dangling references."""
-    if not ref.startswith("#"):
-        return None
-    pointer = ref[1:]
+def resolve_pointer(root: Any, pointer: str) -> tuple[str, Any] | None:
+    """The value at a JSON Pointer (RFC 6901: ``""`` is the root, ``/a/b`` its tokens, each
+    with ``~1`` -> ``/`` and ``~0`` -> ``~``) as ``(pointer, value)``; ``None`` when a token
+    names nothing (a missing key, an index past a list, a pointer not starting with ``/``)."""
     node = root
     if pointer:
-        for raw in pointer.lstrip("/").split("/"):
+        if not pointer.startswith("/"):
+            return None
+        for raw in pointer[1:].split("/"):
             token = raw.replace("~1", "/").replace("~0", "~")
             if isinstance(node, dict) and token in node:
                 node = node[token]
@@ -31,6 +33,15 @@ def resolve_local_ref(root: Any, ref: str) -> tuple[str, Any] | None:
             else:
                 return None
     return pointer, node
+
+
+def resolve_local_ref(root: Any, ref: str) -> tuple[str, Any] | None:
+    """Resolve a local reference ``#/a/b`` (a URI fragment: percent-decoded first, RFC 3986,
+    as JSON Schema reads ``$ref``, so ``#/$defs/a%20b`` names the key ``a b``) as
+    ``(decoded JSON pointer, value)``; ``None`` for remote, anchor or dangling references."""
+    if not ref.startswith("#"):
+        return None
+    return resolve_pointer(root, unquote(ref[1:]))
 
 
 #: Deepest JSON nesting (objects and arrays) a schema may have. Each schema level is about two

@@ -34,7 +34,7 @@ from structspec.grammar.schema_check import MAX_POINTERS_SHOWN, find_unenforceab
 from structspec.grammar.schema_rewrite import rewrite_schema, rewrite_schema_text
 from structspec.grammar.xgr_numbers import bounded_json_schema_grammar
 from structspec.regex_check import find_regex_problem
-from structspec.schema_structure import resolve_local_ref
+from structspec.schema_structure import resolve_pointer
 
 
 def compile_only(compiler: xgr.GrammarCompiler, spec: GrammarConstraint, *,
@@ -195,7 +195,7 @@ def strict_refusal(schema: Any, original_text: str | None, best_effort: str) -> 
     rewrite = ""
     if original_text is not None:
         original = json.loads(original_text)
-        if any(resolve_local_ref(original, "#" + p) is None for p, _ in shown_problems):
+        if any(resolve_pointer(original, p) is None for p, _ in shown_problems):
             with pattern_budget():  # the rewrite's regex searches, as in rewrite_schema_text
                 _, done = rewrite_schema(original)
             # the rules that add structure (the others only drop or filter)

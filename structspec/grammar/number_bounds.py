@@ -37,6 +37,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import unquote
 
 INTEGER_BOUND = 10**18
 """Default ``|bound|`` of an integer subschema (exact in float64, which llguidance reads)."""
@@ -185,14 +186,14 @@ def _refs(node: Any) -> Iterator[str]:
 
 def _resolve(schema: Any, ref: str) -> Path | None:
     """The path (dict keys as str, list indices as int) of the subschema a local JSON-pointer
-    ``$ref`` (``#``, ``#/$defs/a``) names; None for other refs (anchors, other documents) and
+    ``$ref`` (``#``, ``#/$defs/a``, ``#/$defs/a%20b``) names; None for other refs (anchors, other documents) and
     for a pointer to nothing."""
     if ref == "#":
         return ()
     if not ref.startswith("#/"):
         return None
     node, path = schema, []
-    for raw in ref[2:].split("/"):
+    for raw in unquote(ref[2:]).split("/"):  # a URI fragment: percent-decoded first
         part = raw.replace("~1", "/").replace("~0", "~")
         if isinstance(node, dict) and part in node:
             node = node[part]

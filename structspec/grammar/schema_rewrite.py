@@ -11,6 +11,11 @@ compile cache, the strict check's pointers and both backends see the same schema
 ==========================  ================================================================
 rule                        rewrite (why it is exact)
 ==========================  ================================================================
+``$ref`` pointer            a local ``$ref`` with a percent or ``~`` escape, a character a URI
+                            fragment cannot hold, or an array index (which the backends do not
+                            resolve alike) points at a copy of its target under the root's
+                            ``$defs`` (:mod:`~structspec.grammar.schema_rewrite_refs`; runs
+                            first)
 ``format`` annotation       a ``format`` value that is not a format of the JSON Schema
                             vocabulary and that neither backend implements (``color``,
                             ``int32``, ``path``...) is dropped: in 2019-09 and later ``format``
@@ -137,8 +142,9 @@ from structspec.grammar.schema_rewrite_context import (
     uses,
 )
 from structspec.grammar.schema_rewrite_one_of import one_of_disjoint, one_of_required
+from structspec.grammar.schema_rewrite_refs import ref_pointers
 from structspec.schema_structure import escape_pointer_token as _escape
-from structspec.schema_structure import resolve_local_ref
+from structspec.schema_structure import resolve_pointer
 
 __all__ = ["Rewrite", "rewrite_schema", "rewrite_schema_text"]
 
@@ -182,6 +188,9 @@ def rewrite_schema(schema: Any) -> tuple[Any, list[Rewrite]]:
     root = copy.deepcopy(schema)
     done: list[Rewrite] = []
     ctx = RewriteContext(root, _local_refs(root))
+    ref_pointers(ctx, done)  # first: the rules below resolve references as the backends will
+    if done:
+        ctx.refs = _local_refs(root)
     for pointer, node in list(_with_ref_targets(ctx)):
         for rule in _RULES:
             rule(ctx, pointer, node, done)
@@ -251,7 +260,7 @@ def _with_ref_targets(ctx: RewriteContext) -> Iterator[tuple[str, dict[str, Any]
     for _, target in ctx.refs:
         if not target or target in seen:
             continue
-        found = resolve_local_ref(ctx.root, "#" + target)
+        found = resolve_pointer(ctx.root, target)
         if found is None or not isinstance(found[1], dict):
             continue
         more = [(p, n) for p, n in subschemas(found[1], found[0]) if p not in seen]

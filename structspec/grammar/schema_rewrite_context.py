@@ -42,7 +42,7 @@ class Rewrite:
         rule: the rule's name (``format``, ``enum-filter``, ``not-not``, ``not-type``,
             ``not-required``, ``not-propertyNames``, ``oneOf-disjoint``, ``oneOf-required``,
             ``dependencies``, ``dependentRequired``, ``dependentSchemas``, ``lone-if``,
-            ``allOf-merge``, ``minProperties``).
+            ``allOf-merge``, ``minProperties``, ``ref-pointer``).
         detail: what was done, for logs and tests.
     """
 

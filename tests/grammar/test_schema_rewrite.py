@@ -147,8 +147,8 @@ def test_rule_is_exact_on_generated_instances(rule: str, schema: dict[str, Any])
 
 @pytest.mark.parametrize("schema", [
     # a $ref into the 'not' subtree from a part that is kept: removing it would dangle
-    {"allOf": [{"enum": [1]}, {"not": {"$defs": {"s": {"type": "string"}}}}],
-     "$defs": {"a": {"$ref": "#/allOf/1/not/$defs/s"}}},
+    {"enum": [1], "not": {"$defs": {"s": {"type": "string"}}},
+     "$defs": {"a": {"$ref": "#/not/$defs/s"}}},
     # oneOf branches that overlap (both accept "ab")
     {"oneOf": [{"type": "string"}, {"pattern": "a"}]},
     # not of integer: "numbers but not integers" has no type list
@@ -199,9 +199,6 @@ def test_rule_is_exact_on_generated_instances(rule: str, schema: dict[str, Any])
      "$ref": "#/definitions/x", "allOf": [{"enum": [1, "a"]}, {"type": "string"}]},
     # a format beside enum values: jsonschema would not check them (the strict check does so)
     {"allOf": [{"enum": ["x"]}, {"format": "email"}, {"type": "string"}]},
-    # a $ref into a branch: the merge would change what it points at
-    {"allOf": [{"properties": {"a": {"type": "integer"}}}, {"required": ["a"]}],
-     "properties": {"b": {"$ref": "#/allOf/0/properties/a"}}},
     # an $id below the root: a copied $ref might resolve from another base
     {"allOf": [{"$ref": "#/$defs/x"}, {"required": ["a"]}],
      "$defs": {"x": {"$id": "https://example.com/x", "type": "object"}}},
@@ -212,6 +209,18 @@ def test_unsafe_or_inexact_usages_are_left_alone(schema: dict[str, Any]) -> None
     out, done = rewrite_schema(schema)
     assert out == schema and [r.rule for r in done if r.rule != "format"] == []
     assert_same_validity(schema, generated_instances())  # (trivially: nothing changed)
+
+
+def test_refs_into_list_items_are_copied_out_before_the_other_rules() -> None:
+    """A ``$ref`` into an ``allOf`` branch (an array index, which xgrammar does not follow)
+    points at a copy first (``ref-pointer``); the merge, which would change what the old
+    pointer names, then applies, exactly."""
+    schema = {"allOf": [{"properties": {"a": {"type": "integer"}}}, {"required": ["a"]}],
+              "properties": {"b": {"$ref": "#/allOf/0/properties/a"}}}
+    rules = assert_same_validity(schema, generated_instances() + [{"a": 1, "b": "x"},
+                                                                 {"a": 1, "b": 2}])
+    assert rules == ["ref-pointer", "allOf-merge"]
+    assert find_unenforceable(rewrite_schema(schema)[0]) == []
 
 
 # instances for the rules that look inside properties and at {}, beside the generated ones
