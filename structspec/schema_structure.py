@@ -117,7 +117,7 @@ def find_structure_problem(schema: Any) -> str | None:
             if name not in DATA_KEYWORDS:
                 stack.append((child, f"{pointer}/{escape_pointer_token(name)}", depth + 1,
                               name in NAME_MAP_KEYWORDS))
-            elif depth + _nesting(child) > MAX_SCHEMA_NESTING:  # data: depth only
+            elif depth + json_nesting(child) > MAX_SCHEMA_NESTING:  # data: depth only
                 return (f"{pointer}/{escape_pointer_token(name)}: the schema nests deeper than "
                         f"{MAX_SCHEMA_NESTING} levels")
     return None
@@ -140,12 +140,14 @@ def _pattern_problem(node: dict[str, Any], pointer: str) -> str | None:
     return None
 
 
-def _nesting(value: Any) -> int:
-    """JSON nesting depth of instance data (iterative; capped just past the limit)."""
+def json_nesting(value: Any) -> int:
+    """JSON nesting depth of a value (objects and arrays; 0 for a scalar), counted
+    iteratively (a deep value cannot overflow Python's stack) and capped at
+    ``MAX_SCHEMA_NESTING + 1``: any result past the limit means "too deep"."""
     deepest, stack = 0, [(value, 1)]
     while stack:
         node, depth = stack.pop()
-        if isinstance(node, (dict, list)) and depth <= MAX_SCHEMA_NESTING:
+        if isinstance(node, (dict, list)) and depth <= MAX_SCHEMA_NESTING + 1:
             deepest = max(deepest, depth)
             stack.extend((v, depth + 1) for v in (node.values() if isinstance(node, dict)
                                                  else node))

@@ -48,7 +48,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from structspec.constraints import JsonSchemaConstraint
-from structspec.schema_structure import DATA_KEYWORDS, NAME_MAP_KEYWORDS
+from structspec.schema_structure import (
+    DATA_KEYWORDS,
+    MAX_SCHEMA_NESTING,
+    NAME_MAP_KEYWORDS,
+    json_nesting,
+)
 from structspec.server.errors import bad_request
 from structspec.server.field_policy import unknown_key_error
 
@@ -114,6 +119,10 @@ def _function_of(tool: Any, i: int) -> dict[str, Any]:
             raise bad_request(f"{where}.function.{key}: expected {expected}",
                               f"{where}.function.{key}")
     params = fn.get("parameters")
+    if params is not None and json_nesting(params) > MAX_SCHEMA_NESTING:
+        # checked whatever tool_choice says: the chat template renders every tool
+        raise bad_request(f"{where}.function.parameters: the schema nests deeper than "
+                          f"{MAX_SCHEMA_NESTING} levels", f"{where}.function.parameters")
     if params is not None and params.get("type", "object") != "object":
         # the arguments are keyword arguments: OpenAI requires an object schema too
         raise bad_request(f"{where}.function.parameters.type: expected \"object\" (a tool's "

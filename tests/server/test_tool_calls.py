@@ -152,6 +152,13 @@ def test_bounded_numbers_applies_to_the_tools_schema(client: TestClient,
     assert engine.added[-1][2].grammar.bounded_numbers is False
 
 
+def _deep_schema(levels: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "object"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tool_choice": "always"}, "tool_choice"),
@@ -177,6 +184,11 @@ def test_bounded_numbers_applies_to_the_tools_schema(client: TestClient,
      "tools[2].function.name"),
     ({"tools": {"type": "function"}}, "tools"),
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+] + [
+    # too deep, with auto too (was refused naming "messages", from the chat template)
+    ({"tool_choice": choice, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": _deep_schema(100)}}]}, "tools[0].function.parameters")
+    for choice in ("auto", "required")
 ])
 def test_bad_tool_requests_are_400_naming_the_field(client: TestClient, engine: FakeEngine,
                                                     body: dict[str, Any], param: str) -> None:
