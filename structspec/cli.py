@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "integers within +-10**18, numbers within +-10**15, at most 6 "
                           "fraction digits, unless the schema sets its own bounds)")
     gen.add_argument("--max-tokens", type=int, default=256, help="maximum new tokens")
+    gen.add_argument("--min-tokens", type=int, default=0,
+                     help="no stop token or stop string ends an answer before this many "
+                          "tokens (a grammar whose structure is complete still ends it)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     gen.add_argument("--top-k", type=int, default=0, help="0 disables")
@@ -313,6 +316,7 @@ def _precheck_grammar(args: argparse.Namespace, grammar: GrammarConstraint | Non
 _GRAMMAR_KEYS = ("json_schema", "json_object", "regex", "ebnf", "choice")
 _PENALTY_KEYS = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 _BATCH_KEYS = frozenset({"prompt", "messages", "strict", "bounded_numbers", "max_tokens",
+                         "min_tokens",
                          "temperature", "top_p", "top_k", "min_p", "seed", "stop",
                          "logit_bias", "repetition_stop", *_PENALTY_KEYS, *_GRAMMAR_KEYS})
 
@@ -443,6 +447,7 @@ def _params(args: argparse.Namespace, grammar: GrammarConstraint | None,
         repetition_penalty=rec.get("repetition_penalty", args.repetition_penalty),
         logit_bias=logit_bias,
         repetition_stop=repetition_stop,
+        min_tokens=rec.get("min_tokens", args.min_tokens),
     )
 
 
@@ -526,6 +531,7 @@ def _batch_request(args: argparse.Namespace, rec: Any,
 # SamplingParams fields whose flag is spelled differently from the field (validate() names
 # the field; a command-line error names the flag the user typed).
 _FLAG_OF_FIELD = {"seed": "--request-seed", "max_tokens": "--max-tokens",
+                  "min_tokens": "--min-tokens",
                   "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
                   "min_p": "--min-p", "stop": "--stop", "presence_penalty": "--presence-penalty",
                   "frequency_penalty": "--frequency-penalty",

@@ -143,6 +143,12 @@ class SamplingParams:
     against a decode), so a draw near a boundary of the distribution can take the other
     token, and the outputs part from there.
 
+    ``min_tokens`` (vLLM's): no stop token (EOS unless ``ignore_eos``, ``stop_token_ids``)
+    and no stop string ends the output before it has ``min_tokens`` tokens; their logits are
+    -inf at those positions (each verify-tree row at its own position, so speculation does not
+    change the output). A grammar goes first: where its structure is complete and only a stop
+    token is allowed, the request ends there, shorter.
+
     ``presence_penalty`` / ``frequency_penalty`` (OpenAI, output tokens, ``[-2, 2]``, 0 =
     off), ``repetition_penalty`` (vLLM / Hugging Face, prompt and output tokens, ``[0.01,
     100]``, 1 = off) and ``logit_bias`` (``{token_id: bias in [-100, 100]}``) change the logits
@@ -175,6 +181,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     repetition_stop: RepetitionStop | None = None
+    min_tokens: int = 0  # new fields go last: a positional construction keeps its meaning
 
     def __post_init__(self) -> None:
         # Accept a single string, None (none, as in vLLM and the OpenAI API) and any iterable
@@ -202,7 +209,7 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Check types and ranges; raise ``ValueError`` naming the field on bad input."""
-        for name in ("max_tokens", "top_k", "seed", "logprobs"):
+        for name in ("max_tokens", "min_tokens", "top_k", "seed", "logprobs"):
             value = getattr(self, name)
             if value is None and name in ("seed", "logprobs"):
                 continue
@@ -218,6 +225,9 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens] (max_tokens is "
+                             f"{self.max_tokens}), got {self.min_tokens}")
         # The sampler divides float32 logits by it: a value past float32's range becomes inf
         # there, and -inf / inf (a masked logit) is NaN.
         if (not math.isfinite(self.temperature) or self.temperature < 0

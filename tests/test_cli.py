@@ -174,6 +174,8 @@ def test_readme_cli_section_lists_every_flag() -> None:
 
 
 @pytest.mark.parametrize("flags,field", [(["--max-tokens", "0"], "--max-tokens: max_tokens"),
+                                         (["--min-tokens", "300"],
+                                          "--min-tokens: min_tokens must be in [0, max_tokens]"),
                                          (["--temperature", "nan"], "--temperature: temperature"),
                                          (["--request-seed", str(2**64)], "--request-seed: seed"),
                                          (["--request-seed", str(2**63)],

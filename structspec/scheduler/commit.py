@@ -27,6 +27,7 @@ from __future__ import annotations
 from structspec.core import FinishReason
 from structspec.penalty_params import REPETITION_STOP_REASON
 from structspec.scheduler.request import Req
+from structspec.stop_strings import first_stop_ending_after
 
 
 def cut_run(req: Req, run: list[int]) -> tuple[list[int], FinishReason | None, str | int | None]:
@@ -158,10 +159,9 @@ def process_text(req: Req) -> None:
             continue
         start = len(req.text)
         req.text += new_text
-        if not stops:
-            continue
-        window_start = max(0, start - max(len(s) for s in stops) + 1)
-        hit = _first_stop(req.text, stops, window_start)
+        if req.num_detokenized <= req.params.min_tokens:
+            continue  # min_tokens: no stop string ends the output before its token count
+        hit = first_stop_ending_after(req.text, stops, start)
         if hit is None:
             continue
         idx, s = hit
@@ -174,15 +174,6 @@ def process_text(req: Req) -> None:
                 req.num_grammar_advanced = len(req.output_ids)
         req.finish(FinishReason.STOP, force=True, stop_reason=s)
         return
-
-
-def _first_stop(text: str, stops: tuple[str, ...], from_idx: int) -> tuple[int, str] | None:
-    best: tuple[int, str] | None = None
-    for s in stops:
-        i = text.find(s, from_idx)
-        if i != -1 and (best is None or i < best[0]):
-            best = (i, s)
-    return best
 
 
 def commit_run(req: Req, run: list[int], now_s: float) -> int:

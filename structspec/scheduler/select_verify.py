@@ -24,6 +24,7 @@ from structspec.grammar.bitmask import apply_bitmask_
 from structspec.grammar.tree_mask import GrammarMaskResult
 from structspec.layers.penalties import PenaltyInputs, apply_penalties_, count_accepted_
 from structspec.layers.sampler import SamplingBatch, sample_rows
+from structspec.layers.stop_ban import StopBan, ban_stop_tokens_
 from structspec.runner.model_runner import ModelRunner, VerifyForwardOutput
 from structspec.scheduler.logprobs import record_logprobs
 from structspec.scheduler.penalty_slots import PenaltySlots
@@ -42,6 +43,7 @@ def select_verify(
     max_accept_drafts: torch.Tensor | None,
     penalties: PenaltyInputs | None = None,
     select: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    stop_ban: StopBan | None = None,
 ) -> tuple[VerifyResult, torch.Tensor]:
     """Penalise, mask, choose a target token per node row, verify the trees. No host sync.
 
@@ -60,6 +62,9 @@ def select_verify(
             committed runs are counted into the slots after verification.
         select: ``[R, V] -> [R]`` int64 target per row; None = argmax (greedy; what the
             post-forward CUDA graph records).
+        stop_ban: the requests still short of their ``min_tokens``: their stop tokens are
+            banned at the rows below it, after the mask
+            (:func:`~structspec.layers.stop_ban.ban_stop_tokens_`); None: none.
 
     Returns:
         ``(VerifyResult, num_real [B] int64 real, non-padding drafts per request)``. A
@@ -71,6 +76,8 @@ def select_verify(
         apply_penalties_(logits, penalties, draft_tokens, ancestor_mask)
     if bitmask is not None:
         apply_bitmask_(logits, bitmask)
+    if stop_ban is not None:
+        ban_stop_tokens_(logits, depth, stop_ban)
     bsz, n = draft_tokens.shape
     if select is None:
         targets = logits.argmax(dim=-1)
@@ -104,10 +111,13 @@ class Selection:
         graph_bitmask: for a greedy batch whose verify forward was a CUDA-graph replay, the
             post graph's static ``[B_bucket * N, W]`` int32 bitmask (the mask build uploads
             straight into it); None = the eager path.
+        stop_ban: the requests still short of their ``min_tokens`` (their steps take the
+            eager path: the post graph does not ban), or None.
     """
 
     sampling: SamplingBatch
     graph_bitmask: torch.Tensor | None
+    stop_ban: StopBan | None = None
 
 
 class SelectVerifyPhase:
@@ -127,10 +137,11 @@ class SelectVerifyPhase:
                 fwd: VerifyForwardOutput | None) -> Selection:
         """The step's :class:`Selection` (``fwd`` None for a prefill: always eager)."""
         sb = self._sampling_batch(reqs, num_nodes, device)
+        stop_ban = self._stop_ban(reqs)
         graph_bitmask = None
-        if fwd is not None and sb.all_greedy:
+        if fwd is not None and sb.all_greedy and stop_ban is None:
             graph_bitmask = self.runner.graph_bitmask(fwd)
-        return Selection(sb, graph_bitmask)
+        return Selection(sb, graph_bitmask, stop_ban)
 
     def launch(self, reqs: Sequence[Req], tree: VerifyTree, logits: torch.Tensor,
                fwd: VerifyForwardOutput | None, selection: Selection,
@@ -171,7 +182,8 @@ class SelectVerifyPhase:
                 logits, None if mask is None else mask.bitmask_device, tree_dev.draft_tokens,
                 tree_dev.parents, tree_dev.depth, tree_dev.ancestor_mask, cap,
                 None if slots is None else self.penalties.inputs(slots),
-                select=lambda rows: sample_rows(rows, sb, tree_dev.depth))
+                select=lambda rows: sample_rows(rows, sb, tree_dev.depth),
+                stop_ban=selection.stop_ban)
             if fwd is not None:
                 self.runner.commit_accepted_kv(fwd, result)
         step = PendingStep.launch(result, num_real, self._pinned_pool)
@@ -179,6 +191,28 @@ class SelectVerifyPhase:
             step.on_wait = lambda runs: record_logprobs(
                 reqs, logits.view(len(reqs), n, -1), result.accept_nodes, runs)
         return step
+
+    def _stop_ban(self, reqs: Sequence[Req]) -> StopBan | None:
+        """The step's :class:`StopBan`: the requests whose output is still shorter than their
+        ``min_tokens`` and that have a stop token (one comparison per request when none is);
+        their stop ids (EOS unless ``ignore_eos``, and ``stop_token_ids``) staged in one
+        copy."""
+        rows = []
+        for b, r in enumerate(reqs):
+            short = r.params.min_tokens - len(r.output_ids)
+            if short > 0:
+                ids = set(r.params.stop_token_ids)
+                if not r.params.ignore_eos:
+                    ids |= r.eos_token_ids
+                if ids:
+                    rows.append((b, short, sorted(ids)))
+        if not rows:
+            return None
+        width = max(len(ids) for _, _, ids in rows)
+        host = torch.tensor([[b, short, *ids, *[ids[0]] * (width - len(ids))]
+                             for b, short, ids in rows], dtype=torch.int64)
+        dev = self._to_device(host)
+        return StopBan(requests=dev[:, 0], until=dev[:, 1], tokens=dev[:, 2:])
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         """Host tensor to the model device (pinned staging on CUDA; see :mod:`staging`)."""

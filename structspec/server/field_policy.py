@@ -2,11 +2,11 @@
 without a word.
 
 - **Fields it knows but cannot honour** (:data:`UNSUPPORTED`: OpenAI's ``functions``,
-  ``audio``, ``reasoning_effort``...; vLLM's sampling extras such as ``min_tokens`` or
-  ``include_stop_str_in_output``): a 400 ``code: "unsupported"`` naming the field, unless the
-  value asks for nothing (``null``, or the value that changes nothing: ``min_tokens: 0``,
+  ``audio``, ``reasoning_effort``...; vLLM's sampling extras such as ``use_beam_search`` or
+  ``bad_words``): a 400 ``code: "unsupported"`` naming the field, unless the
+  value asks for nothing (``null``, or the value that changes nothing: ``length_penalty: 1``,
   ``store: false``, ``modalities: ["text"]``...). The penalties (``presence_penalty``,
-  ``frequency_penalty``, ``repetition_penalty``) and ``logit_bias`` are served
+  ``frequency_penalty``, ``repetition_penalty``), ``logit_bias`` and ``min_tokens`` are served
   (:mod:`structspec.server.params` checks their values).
 - **Fields it accepts without effect** (:data:`NO_EFFECT`): identifiers and hints that do not
   change an output (``user``, ``metadata``, ``safety_identifier``, ``prompt_cache_key``).
@@ -104,7 +104,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("suffix", _empty, '""', (COMPLETIONS,)),
     Unsupported("best_of", _best_of, "equal to n", (COMPLETIONS,)),
     # vLLM's sampling extras that change an output
-    Unsupported("min_tokens", _is(0), "0"),
     Unsupported("length_penalty", _number(1), "1"),
     Unsupported("use_beam_search", _is(False), "false"),
     Unsupported("include_stop_str_in_output", _is(False), "false"),

@@ -26,6 +26,7 @@ from structspec.server.engine_client import AsyncEngine, EngineDeadError
 from structspec.server.errors import APIError, bad_request, server_error, unavailable
 from structspec.server.ipc import EngineDelta
 from structspec.server.metrics import ServerMetrics
+from structspec.stop_strings import first_stop_ending_after
 
 logger = logging.getLogger("structspec.server")
 
@@ -58,6 +59,9 @@ class ChoiceState:
     first_token_s: float | None = None  # front-end clock, since the HTTP request arrived
     finish_sent: bool = False
     recorded: bool = False  # counted in the metrics (finished, or abandoned by the client)
+    # a stop string counts only where it ends past this index: the text of the first
+    # min_tokens tokens (the engine does not look for stop strings in it)
+    stop_search_from: int = 0
 
     @property
     def finished(self) -> bool:
@@ -80,8 +84,17 @@ class ChoiceState:
         if delta.new_token_ids:
             if self.first_token_s is None:
                 self.first_token_s = elapsed_s
-            self.token_ids.extend(delta.new_token_ids)
-            self.text += self.detok.add(delta.new_token_ids)
+            ids = delta.new_token_ids
+            short = self.params.min_tokens - len(self.token_ids)
+            if short > 0:  # note where the text of the first min_tokens tokens ends
+                head, ids = ids[:short], ids[short:]
+                self.token_ids.extend(head)
+                self.text += self.detok.add(head)
+                if len(self.token_ids) == self.params.min_tokens:
+                    self.stop_search_from = len(self.text)
+            if ids:
+                self.token_ids.extend(ids)
+                self.text += self.detok.add(ids)
         if delta.new_logprobs:
             self.logprobs.extend(delta.new_logprobs)
         if delta.finished:
@@ -93,9 +106,9 @@ class ChoiceState:
     def _final_text(self, delta: EngineDelta) -> str:
         text = self.text
         if delta.finish_reason == "stop" and isinstance(delta.stop_reason, str):
-            cut = first_stop(text, self.params.stop)
-            if cut is not None:
-                text = text[:cut]
+            hit = first_stop_ending_after(text, self.params.stop, self.stop_search_from)
+            if hit is not None:
+                text = text[:hit[0]]
         if delta.text is not None and delta.text != text and delta.error is None:
             logger.debug("request %s: front-end text differs from the engine's (%d vs %d chars)",
                          self.request_id, len(text), len(delta.text))
@@ -148,16 +161,6 @@ def error_for(delta: EngineDelta, grammar_param: str | None = None) -> APIError:
     if msg.startswith(SHUTDOWN_ERRORS):
         return unavailable(msg)
     return server_error(msg)
-
-
-def first_stop(text: str, stops: Sequence[str]) -> int | None:
-    """Index of the earliest occurrence of any stop string in ``text``."""
-    best: int | None = None
-    for s in stops:
-        i = text.find(s)
-        if i != -1 and (best is None or i < best):
-            best = i
-    return best
 
 
 class GenerationRun:

@@ -114,6 +114,7 @@ def build_sampling_params(
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logit_bias=logit_bias,
         repetition_stop=repetition_stop,
+        min_tokens=0 if req.min_tokens is None else req.min_tokens,
     )
     try:
         params.validate()

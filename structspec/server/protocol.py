@@ -138,6 +138,7 @@ class SamplingRequest(OpenAIModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: StrictBool = False
+    min_tokens: StrictInt | None = None  # vLLM's
     n: StrictInt = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None

@@ -25,6 +25,7 @@ from structspec.constraints import (
 )
 from structspec.core import SamplingParams, SpecMetrics
 from structspec.server.ipc import EngineDelta, EngineInfo, EngineStats
+from structspec.stop_strings import first_stop_ending_after
 
 EOS = 0
 
@@ -182,10 +183,12 @@ class FakeEngine:
                 top = [(tok, -0.1), (ord("?"), -2.5)][: params.logprobs]
                 lps = [(tok, -0.1, top)]
             so_far = "".join(chr(t) for t in out)
-            hit = next((s for s in params.stop if s in so_far), None)
-            if hit is not None:
-                self._finish(rid, sink, self._final(rid, [tok], lps, prompt, out, "stop", hit,
-                                                    so_far[:so_far.index(hit)], steps))
+            # the engine's rule: none inside the first min_tokens tokens (one char each)
+            found = (first_stop_ending_after(so_far, params.stop, params.min_tokens)
+                     if len(out) > params.min_tokens else None)
+            if found is not None:
+                self._finish(rid, sink, self._final(rid, [tok], lps, prompt, out, "stop",
+                                                    found[1], so_far[:found[0]], steps))
                 return
             if len(out) >= params.max_tokens:
                 self._finish(rid, sink, self._final(rid, [tok], lps, prompt, out, "length", None,

@@ -69,6 +69,21 @@ def test_stop_string_cut_and_never_streamed(client: TestClient) -> None:
     assert events[-2]["choices"][0]["finish_reason"] == "stop"
 
 
+def test_min_tokens_skips_stop_strings_inside_them(client: TestClient) -> None:
+    """``min_tokens``: the first " STOP" ends inside the first 20 tokens (one character each
+    in the fake), so the engine and the front end cut at the second one, streamed or not."""
+    script = "Hello world! STOP here. "
+    body = {"messages": MSGS, "stop": [" STOP"], "max_tokens": 100, "min_tokens": 20}
+    want = script + "Hello world!"
+    c = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert (c["message"]["content"], c["stop_reason"]) == (want, " STOP")
+    events = sse_events(client.post("/v1/chat/completions",
+                                    json={**body, "stream": True}).text)
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1]) == want
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 10, "min_tokens": 11})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
+
+
 def test_stream_include_usage(client: TestClient) -> None:
     r = client.post("/v1/chat/completions", json={
         "messages": MSGS, "max_tokens": 3, "stream": True,
