@@ -112,8 +112,11 @@ class Tokenizer:
             list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
         )
 
-    def render_chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None) -> str:
-        """The prompt text for ``messages`` with the assistant generation prompt appended.
+    def render_chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+                    add_generation_prompt: bool = True) -> str:
+        """The prompt text for ``messages`` with the assistant generation prompt appended
+        (unless ``add_generation_prompt`` is false: the chat as it stands, e.g. to count its
+        tokens).
 
         ``messages`` are checked first (:func:`structspec.core.check_chat_messages`: text
         content parts are joined), so the template only ever sees string contents.
@@ -132,7 +135,7 @@ class Tokenizer:
         kwargs: dict[str, Any] = {"tools": tools} if tools else {}
         try:
             text = self.hf.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, **kwargs
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
             )
         except Exception as e:  # jinja errors (e.g. raise_exception in the template)
             raise ValueError(f"chat template failed to render: {e}") from e
@@ -140,16 +143,24 @@ class Tokenizer:
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
-        max_tokens: int | None = None,
+        max_tokens: int | None = None, add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
     ) -> list[int]:
-        """Token ids of the rendered chat prompt (``add_generation_prompt=True``); the template
-        already contains the special tokens, so none are added.
+        """Token ids of the rendered chat prompt (:meth:`render_chat`); the template already
+        contains the special tokens, so by default none are added (``add_special_tokens``:
+        add them on top, e.g. a BOS, as vLLM's ``/tokenize`` option does).
 
         Raises:
             ValueError: see :meth:`render_chat` and :meth:`encode` (``max_tokens`` too).
         """
-        return self.encode(self.render_chat(messages, tools=tools), add_special_tokens=False,
-                           max_tokens=max_tokens)
+        text = self.render_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt)
+        return self.encode(text, add_special_tokens=add_special_tokens, max_tokens=max_tokens)
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        """The vocabulary entries of ``ids`` as the tokenizer spells them (HF
+        ``convert_ids_to_tokens``: ``"Ġworld"`` for a byte-level BPE); ``""`` for an id the
+        tokenizer does not know (a padding row of the model's embedding)."""
+        return [t if isinstance(t, str) else "" for t in self.hf.convert_ids_to_tokens(list(ids))]
 
     def detokenizer(self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         """A fresh :class:`IncrementalDetokenizer` for one request."""

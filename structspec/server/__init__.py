@@ -20,6 +20,7 @@ Modules (one job each):
 - :mod:`~structspec.server.generation`: the n engine requests behind one HTTP request.
 - :mod:`~structspec.server.serving_chat` / :mod:`~structspec.server.serving_completion`:
   response bodies and SSE chunks.
+- :mod:`~structspec.server.serving_tokenize`: vLLM's ``/tokenize`` and ``/detokenize``.
 - :mod:`~structspec.server.metrics`: Prometheus metrics.
 - :mod:`~structspec.server.errors`: OpenAI-style error bodies.
 - :mod:`~structspec.server.app`: the FastAPI application.

@@ -1,11 +1,12 @@
 """The FastAPI application: routes, API-key check, OpenAI-style error handlers.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (all
-behind ``--api-key`` when set), ``GET /health`` (200 with queue counts when the engine
-serves, 503 otherwise, e.g. while the engine process restarts), ``GET /metrics``
-(Prometheus text). Each chat / completions request gets one log line
-(:mod:`structspec.server.request_log`) and the engine's throughput and queues one line every
-few seconds (:mod:`structspec.server.stats_log`), unless ``state.log_config`` turns them off.
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``POST /tokenize`` and ``POST /detokenize`` (vLLM's; all behind ``--api-key`` when set),
+``GET /health`` (200 with queue counts when the engine serves, 503 otherwise, e.g. while the
+engine process restarts), ``GET /metrics`` (Prometheus text). Each chat / completions request
+gets one log line (:mod:`structspec.server.request_log`; tokenization requests, which generate
+nothing, get none) and the engine's throughput and queues one line every few seconds
+(:mod:`structspec.server.stats_log`), unless ``state.log_config`` turns them off.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from structspec.server.request_log import RequestLogMiddleware
 from structspec.server.serving import ServerState, error_response, json_response
 from structspec.server.serving_chat import create_chat_completion
 from structspec.server.serving_completion import create_completion
+from structspec.server.serving_tokenize import create_detokenize, create_tokenize
 from structspec.server.stats_log import StatsLogger
 
 logger = logging.getLogger("structspec.server")
@@ -117,6 +119,16 @@ def create_app(state: ServerState,
     async def completions(request: Request) -> Response:
         check_auth(request)
         return await create_completion(state, request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        check_auth(request)
+        return await create_tokenize(state, request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        check_auth(request)
+        return await create_detokenize(state, request)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -29,9 +29,11 @@ class Codec(Protocol):
 
     def encode_chat(self, messages: list[dict[str, Any]],
                     tools: list[dict[str, Any]] | None = None,
-                    max_tokens: int | None = None) -> list[int]:
-        """Token ids of a chat rendered through the chat template (generation prompt added;
-        ``tools`` are passed to the template).
+                    max_tokens: int | None = None, *, add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False) -> list[int]:
+        """Token ids of a chat rendered through the chat template (generation prompt added
+        unless ``add_generation_prompt`` is false; ``tools`` are passed to the template; the
+        template holds the special tokens, so none are added unless ``add_special_tokens``).
 
         Raises:
             PromptTooLongError: the rendered prompt certainly has more than ``max_tokens``
@@ -41,16 +43,24 @@ class Codec(Protocol):
         """
         ...
 
-    def encode_text(self, text: str, max_tokens: int | None = None) -> list[int]:
-        """Token ids of a raw prompt (special tokens such as BOS added as the model wants).
+    def encode_text(self, text: str, max_tokens: int | None = None, *,
+                    add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a raw prompt (special tokens such as BOS added as the model wants,
+        unless ``add_special_tokens`` is false).
 
         Raises:
             PromptTooLongError / ValueError: as :meth:`encode_chat`.
         """
         ...
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        """Text of ``token_ids`` (special tokens dropped)."""
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """Text of ``token_ids`` (special tokens dropped unless ``skip_special_tokens`` is
+        false)."""
+        ...
+
+    def token_pieces(self, token_ids: Sequence[int]) -> list[str]:
+        """The vocabulary entries of ``token_ids`` as the tokenizer spells them (HF
+        ``convert_ids_to_tokens``, what vLLM's ``/tokenize`` returns as ``token_strs``)."""
         ...
 
     def detokenizer(self, prompt_ids: Sequence[int]) -> Detokenizer:
@@ -82,14 +92,21 @@ class TokenizerCodec:
 
     def encode_chat(self, messages: list[dict[str, Any]],
                     tools: list[dict[str, Any]] | None = None,
-                    max_tokens: int | None = None) -> list[int]:
-        return self.tokenizer.apply_chat_template(messages, tools=tools, max_tokens=max_tokens)
+                    max_tokens: int | None = None, *, add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False) -> list[int]:
+        return self.tokenizer.apply_chat_template(messages, tools=tools, max_tokens=max_tokens,
+                                                  add_generation_prompt=add_generation_prompt,
+                                                  add_special_tokens=add_special_tokens)
 
-    def encode_text(self, text: str, max_tokens: int | None = None) -> list[int]:
-        return self.tokenizer.encode(text, max_tokens=max_tokens)
+    def encode_text(self, text: str, max_tokens: int | None = None, *,
+                    add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens, max_tokens=max_tokens)
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(token_ids)
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_pieces(self, token_ids: Sequence[int]) -> list[str]:
+        return self.tokenizer.convert_ids_to_tokens(token_ids)
 
     def detokenizer(self, prompt_ids: Sequence[int]) -> Detokenizer:
         return self.tokenizer.detokenizer(prompt_ids)

@@ -15,7 +15,8 @@ without a word.
   :mod:`structspec.server.structured`): a 400 naming the key, e.g.
   ``structured_outputs.jsn``. A misspelt option of a known object is a mistake, never
   something to skip.
-- **Unknown top-level fields** are accepted and ignored, as vLLM does, with a warning in the
+- **Unknown top-level fields** (of every endpoint, ``/tokenize`` and ``/detokenize`` too)
+  are accepted and ignored, as vLLM does, with a warning in the
   server log naming them (:func:`warn_unknown_fields`): clients written for another server
   send its own extras (``chat_template_kwargs``, ``kv_transfer_params``...), and refusing every request
   of such a client would be worse than the warning. OpenAI refuses them; structspec follows
@@ -32,11 +33,17 @@ from typing import Any
 from pydantic import BaseModel
 
 from structspec.server.errors import APIError, bad_request
-from structspec.server.protocol import ChatCompletionRequest, SamplingRequest
+from structspec.server.protocol import (
+    ChatCompletionRequest,
+    DetokenizeRequest,
+    SamplingRequest,
+    TokenizeRequest,
+)
 
 logger = logging.getLogger("structspec.server")
 
 CHAT, COMPLETIONS = "chat", "completions"
+TOKENIZE, DETOKENIZE = "tokenize", "detokenize"
 _BOTH = (CHAT, COMPLETIONS)
 
 MAX_LOGGED_FIELDS = 8
@@ -54,12 +61,12 @@ class Unsupported:
         accepts: whether a value asks for nothing the server would leave undone
             (``None`` is always accepted: the field left out).
         accepted: the accepted values, in words, for the error message.
-        endpoints: where OpenAI or vLLM define the field (``chat``, ``completions``); only
-            there is it refused, elsewhere it is an unknown field.
+        endpoints: where OpenAI or vLLM define the field (``chat``, ``completions``,
+            ``tokenize``); only there is it refused, elsewhere it is an unknown field.
     """
 
     name: str
-    accepts: Callable[[Any, SamplingRequest], bool]
+    accepts: Callable[[Any, Any], bool]
     accepted: str
     endpoints: tuple[str, ...] = _BOTH
 
@@ -123,6 +130,11 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("chat_template", _never, "null (the server's template is used: the model's own, or serve --chat-template)", (CHAT,)),
     Unsupported("chat_template_kwargs", _empty, "{}", (CHAT,)),
     Unsupported("documents", _never, "null", (CHAT,)),
+    # vLLM's /tokenize chat options beyond the chat endpoint's
+    Unsupported("continue_final_message", _is(False), "false", (TOKENIZE,)),
+    Unsupported("chat_template", _never, "null (the server's template is used: the model's own, or serve --chat-template)", (TOKENIZE,)),
+    Unsupported("chat_template_kwargs", _empty, "{}", (TOKENIZE,)),
+    Unsupported("mm_processor_kwargs", _empty, "{} (text only)", (TOKENIZE,)),
 )
 """Every field the server refuses unless its value asks for nothing (module docstring)."""
 
@@ -134,9 +146,15 @@ output is the same with or without them."""
 STREAM_OPTIONS_KEYS = ("include_usage", "continuous_usage_stats", "include_obfuscation")
 
 
-def endpoint_of(req: SamplingRequest) -> str:
-    """``chat`` or ``completions``."""
-    return CHAT if isinstance(req, ChatCompletionRequest) else COMPLETIONS
+def endpoint_of(req: BaseModel) -> str:
+    """``chat``, ``completions``, ``tokenize`` or ``detokenize``."""
+    if isinstance(req, ChatCompletionRequest):
+        return CHAT
+    if isinstance(req, TokenizeRequest):
+        return TOKENIZE
+    if isinstance(req, DetokenizeRequest):
+        return DETOKENIZE
+    return COMPLETIONS
 
 
 def field_value(req: BaseModel, name: str) -> Any:
@@ -146,7 +164,7 @@ def field_value(req: BaseModel, name: str) -> Any:
     return (req.model_extra or {}).get(name)
 
 
-def check_unsupported(req: SamplingRequest) -> None:
+def check_unsupported(req: BaseModel) -> None:
     """Refuse a field of :data:`UNSUPPORTED` whose value asks for something.
 
     Raises:
@@ -195,7 +213,7 @@ def unknown_key_error(param: str, key: str, known: Iterable[str]) -> APIError:
                        f"{param}.{key}")
 
 
-def unknown_fields(req: SamplingRequest) -> list[str]:
+def unknown_fields(req: BaseModel) -> list[str]:
     """Top-level fields of ``req`` that the server neither reads nor knows (module
     docstring), in the order sent."""
     endpoint = endpoint_of(req)
@@ -203,7 +221,7 @@ def unknown_fields(req: SamplingRequest) -> list[str]:
     return [k for k in (req.model_extra or {}) if k not in known]
 
 
-def warn_unknown_fields(req: SamplingRequest, request_id: str | None = None) -> list[str]:
+def warn_unknown_fields(req: BaseModel, request_id: str | None = None) -> list[str]:
     """Log a warning naming the unknown top-level fields of ``req`` (vLLM's "fields were
     present in the request but ignored"); returns them. Names are cut to
     :data:`MAX_LOGGED_NAME_CHARS` characters and the list to :data:`MAX_LOGGED_FIELDS`."""
@@ -240,3 +258,15 @@ def check_request_fields(req: SamplingRequest) -> None:
                               "stream_options.include_obfuscation", code="unsupported")
     warn_unknown_fields(req)
 
+
+def check_tokenization_fields(req: TokenizeRequest | DetokenizeRequest) -> None:
+    """The field policy of a ``/tokenize`` or ``/detokenize`` request: refuse vLLM's chat
+    options the server cannot honour (``chat_template``, ``continue_final_message``...) unless
+    they ask for nothing, and warn about unknown top-level fields (a chat request's body sent
+    as is to count its prompt: its sampling fields are ignored with a warning).
+
+    Raises:
+        APIError: 400 ``code: "unsupported"`` naming the field.
+    """
+    check_unsupported(req)
+    warn_unknown_fields(req)

@@ -198,6 +198,38 @@ class CompletionRequest(SamplingRequest):
     best_of: StrictInt | None = None
 
 
+# --------------------------------------------------------------------------- tokenization
+
+
+class TokenizeRequest(OpenAIModel):
+    """``POST /tokenize`` (vLLM's): either ``prompt`` (text, tokenized as
+    ``/v1/completions`` tokenizes it) or ``messages`` (a chat, rendered and tokenized as
+    ``/v1/chat/completions`` builds its prompt); the endpoint refuses both or neither.
+
+    ``add_special_tokens`` defaults by shape as in vLLM: true for ``prompt`` (e.g. a BOS),
+    false for ``messages`` (the chat template holds them). ``add_generation_prompt``,
+    ``tools`` and ``tool_choice`` go with ``messages`` only. ``tool_choice`` is the chat
+    endpoint's (``"none"`` keeps the tools out of the template), so a chat request's body
+    counts as that request's prompt.
+    """
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Any = None
+    add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool | None = None
+    return_token_strs: StrictBool | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+
+class DetokenizeRequest(OpenAIModel):
+    """``POST /detokenize`` (vLLM's): ``tokens``, the ids to turn back into text."""
+
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
 # --------------------------------------------------------------------------- parsing
 
 ModelT = TypeVar("ModelT", bound=BaseModel)

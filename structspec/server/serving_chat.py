@@ -69,10 +69,9 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     record.grammar = grammar.kind if grammar is not None else "none"
     check_grammar_size(limits, grammar, grammar_param)
     check_stop(limits, req.stop, req.stop_token_ids, state.engine.info.vocab_size)
-    messages = _template_messages(req.messages)
-    # tools reach the chat template unless the client turned them off
-    tools = req.tools if req.tools and req.tool_choice != "none" else None
-    check_prompt_chars(limits, _prompt_chars(messages, tools), "messages")
+    messages = template_messages(req.messages)
+    tools = template_tools(req.tools, req.tool_choice)
+    check_prompt_chars(limits, prompt_chars(messages, tools), "messages")
     try:
         prompt_ids = await in_thread(state.codec.encode_chat, messages, tools,
                                      state.max_model_len - 1)
@@ -224,15 +223,30 @@ async def _stream(state: ServerState, run: GenerationRun, rid: str, created: int
         run.abort()  # a closed outer generator does not close the inner one right away
 
 
-def _prompt_chars(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
-    """Characters of prompt text a chat brings: message contents plus tools as JSON."""
+def template_tools(tools: list[dict[str, Any]] | None,
+                   tool_choice: Any) -> list[dict[str, Any]] | None:
+    """The tools the chat template renders: the request's ``tools`` unless the client turned
+    them off (``tool_choice`` ``"none"``); None when there are none. Check them first
+    (:func:`~structspec.server.tool_calls.plan_tool_calls`)."""
+    return tools if tools and tool_choice != "none" else None
+
+
+def prompt_chars(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
+    """Characters of prompt text a chat brings (what ``--max-prompt-chars`` bounds): message
+    contents plus tools as JSON.
+
+    Args:
+        messages: as :func:`template_messages` returns them (string contents).
+        tools: as :func:`template_tools` returns them, already checked (their nesting is
+            bounded, so the JSON encoder cannot recurse too deep).
+    """
     chars = sum(len(m["content"]) for m in messages)
     if tools:
         chars += len(json.dumps(tools, ensure_ascii=False))
     return chars
 
 
-def _template_messages(messages: Any) -> list[dict[str, Any]]:
+def template_messages(messages: Any) -> list[dict[str, Any]]:
     """The request's messages as the chat template expects them: checked (and text parts
     joined) by :func:`check_chat_messages`, roles limited to OpenAI's, developer -> system.
 

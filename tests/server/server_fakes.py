@@ -57,19 +57,27 @@ class CharDetokenizer:
 
 
 class FakeCodec:
-    """Character-level :class:`~structspec.server.codec.Codec`."""
+    """Character-level :class:`~structspec.server.codec.Codec` (no special tokens: the
+    ``add_special_tokens`` / ``skip_special_tokens`` flags change nothing)."""
 
     def encode_chat(self, messages: list[dict[str, Any]],
                     tools: list[dict[str, Any]] | None = None,
-                    max_tokens: int | None = None) -> list[int]:
-        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
+                    max_tokens: int | None = None, *, add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False) -> list[int]:
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        if add_generation_prompt:
+            text += "<assistant>"
         return [ord(c) for c in text]
 
-    def encode_text(self, text: str, max_tokens: int | None = None) -> list[int]:
+    def encode_text(self, text: str, max_tokens: int | None = None, *,
+                    add_special_tokens: bool = True) -> list[int]:
         return [ord(c) for c in text]
 
-    def decode(self, token_ids: Sequence[int]) -> str:
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return "".join(chr(t) for t in token_ids if t != EOS)
+
+    def token_pieces(self, token_ids: Sequence[int]) -> list[str]:
+        return [chr(t) for t in token_ids]
 
     def detokenizer(self, prompt_ids: Sequence[int]) -> CharDetokenizer:
         return CharDetokenizer()

@@ -364,6 +364,29 @@ def test_forced_tool_calls_follow_the_tools_schemas(client: openai.OpenAI) -> No
     assert stream[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_tokenize_counts_the_chat_prompt_and_detokenize_inverts_it(
+        server: ServerHandle, client: openai.OpenAI) -> None:
+    """/tokenize of a chat counts what the chat endpoint reports as its prompt tokens (the
+    real template and tokenizer); /detokenize turns a prompt's ids back into its text."""
+    ask = [{"role": "user", "content": "Name a color."}]
+    chat = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=1,
+                                          temperature=0, tools=[WEATHER_TOOL])
+    r = httpx.post(server.url + "/tokenize", headers=auth(), timeout=30,
+                   json={"model": MODEL, "messages": ask, "tools": [WEATHER_TOOL]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert chat.usage is not None and body["count"] == chat.usage.prompt_tokens
+    assert body["max_model_len"] == 1024 and body["token_strs"] is None
+    text = "Grüße, world! 🎉"
+    ids = httpx.post(server.url + "/tokenize", headers=auth(), timeout=30,
+                     json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+    r = httpx.post(server.url + "/detokenize", headers=auth(), timeout=30, json={"tokens": ids})
+    assert r.status_code == 200 and r.json() == {"prompt": text}, r.text
+    r = httpx.post(server.url + "/detokenize", headers=auth(), timeout=30,
+                   json={"tokens": [-1]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens", r.text
+
+
 def test_engine_death_fails_requests_and_stops_the_server(server: ServerHandle) -> None:
     """Last test of the module: SIGKILL the engine process mid-request; the request fails
     with an error (not a hang) and, with no restart left (``--engine-restarts 0``), the
