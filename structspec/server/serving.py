@@ -252,13 +252,15 @@ def check_prompt_length(num_tokens: int, max_model_len: int, param: str) -> None
 
 
 def prompt_too_long(num_tokens: int, max_model_len: int, param: str, *,
-                    at_least: bool = False) -> APIError:
+                    at_least: bool = False, completion: bool = True) -> APIError:
     """The 400 ``context_length_exceeded`` for a prompt that leaves no room (``at_least``:
-    ``num_tokens`` is a lower bound, from a prompt refused untokenized)."""
+    ``num_tokens`` is a lower bound, from a prompt refused untokenized; ``completion`` False:
+    a prompt only tokenized, ``/tokenize``, which is over the context itself)."""
+    tail = (", which leaves no room for the completion. Please reduce the length of the "
+            "prompt." if completion else ".")
     return bad_request(
         f"This model's maximum context length is {max_model_len} tokens. However, your "
-        f"prompt has {'at least ' if at_least else ''}{num_tokens} tokens, which leaves "
-        "no room for the completion. Please reduce the length of the prompt.", param,
+        f"prompt has {'at least ' if at_least else ''}{num_tokens} tokens{tail}", param,
         code=CONTEXT_LENGTH_EXCEEDED)
 
 

@@ -26,11 +26,17 @@ from starlette.responses import Response
 
 from structspec.core import CONTEXT_LENGTH_EXCEEDED, PromptTooLongError
 from structspec.server.codec import Codec
-from structspec.server.errors import APIError, bad_request
+from structspec.server.errors import bad_request
 from structspec.server.field_policy import check_tokenization_fields
 from structspec.server.limits import check_prompt_chars
 from structspec.server.protocol import DetokenizeRequest, TokenizeRequest, parse_request
-from structspec.server.serving import ServerState, in_thread, json_response, read_json
+from structspec.server.serving import (
+    ServerState,
+    in_thread,
+    json_response,
+    prompt_too_long,
+    read_json,
+)
 from structspec.server.serving_chat import prompt_chars, template_messages, template_tools
 from structspec.server.tool_calls import plan_tool_calls
 
@@ -93,11 +99,12 @@ async def create_tokenize(state: ServerState, request: Request) -> Response:
     try:
         ids, pieces = await in_thread(encode, bool(req.return_token_strs))
     except PromptTooLongError as e:
-        raise _too_long(e.min_tokens, max_len, param, at_least=True) from None
+        raise prompt_too_long(e.min_tokens, max_len, param, at_least=True,
+                              completion=False) from None
     except ValueError as e:  # not valid Unicode; no chat template, or it failed to render
         raise bad_request(str(e), param) from None
     if len(ids) > max_len:
-        raise _too_long(len(ids), max_len, param)
+        raise prompt_too_long(len(ids), max_len, param, completion=False)
     return json_response({"count": len(ids), "max_model_len": max_len, "tokens": ids,
                           "token_strs": pieces})
 
@@ -170,12 +177,3 @@ def _decode(codec: Codec, ids: list[int]) -> str:
     """The text of ``ids`` with special tokens kept, on the tokenizer thread."""
     return codec.decode(ids, skip_special_tokens=False)
 
-
-def _too_long(num_tokens: int, max_model_len: int, param: str, *,
-              at_least: bool = False) -> APIError:
-    """The 400 ``context_length_exceeded`` of a prompt longer than the context
-    (``at_least``: ``num_tokens`` is a lower bound, from a prompt refused untokenized)."""
-    return bad_request(
-        f"This model's maximum context length is {max_model_len} tokens. However, your "
-        f"prompt has {'at least ' if at_least else ''}{num_tokens} tokens.", param,
-        code=CONTEXT_LENGTH_EXCEEDED)
