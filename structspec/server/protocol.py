@@ -182,6 +182,10 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
+    # vLLM's chat template options (structspec.core.ChatTemplateOptions; null: the default)
+    add_generation_prompt: StrictBool | None = True
+    continue_final_message: StrictBool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 # --------------------------------------------------------------------------- completions

@@ -10,7 +10,12 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from structspec.core import ChatMessageError, PromptTooLongError, check_chat_messages
+from structspec.core import (
+    ChatMessageError,
+    ChatTemplateOptions,
+    PromptTooLongError,
+    check_chat_messages,
+)
 from structspec.server.errors import bad_request
 from structspec.server.field_policy import check_request_fields
 from structspec.server.generation import ChoiceState, GenerationRun
@@ -61,7 +66,13 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     state.check_model(req.model)
     check_request_fields(req)
     check_choices(limits, 1, req.n)
+    options = _template_options(req)
     plan = plan_tool_calls(req.tools, req.tool_choice, req.parallel_tool_calls)
+    if plan is not None and options.continue_final_message:
+        raise bad_request("continue_final_message cannot be used with a forced tool call "
+                          "(tool_choice \"required\" or a named function): the call is a new "
+                          "assistant message, not a continuation of the final one",
+                          "continue_final_message")
     # a forced tool call's grammar is one more constraint (at most one per request, and
     # structured_outputs.bounded_numbers applies to it)
     grammar, grammar_param = grammar_and_field(
@@ -70,15 +81,21 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     check_grammar_size(limits, grammar, grammar_param)
     check_stop(limits, req.stop, req.stop_token_ids, state.engine.info.vocab_size)
     messages = _template_messages(req.messages)
+    try:
+        options.check_messages(messages)
+    except ChatMessageError as e:
+        raise bad_request(str(e), e.param, code=e.code) from None
     # tools reach the chat template unless the client turned them off
     tools = req.tools if req.tools and req.tool_choice != "none" else None
-    check_prompt_chars(limits, _prompt_chars(messages, tools), "messages")
+    check_prompt_chars(limits, _prompt_chars(messages, tools, options), "messages")
     try:
         prompt_ids = await in_thread(state.codec.encode_chat, messages, tools,
-                                     state.max_model_len - 1)
+                                     state.max_model_len - 1, options)
     except PromptTooLongError as e:
         raise prompt_too_long(e.min_tokens, state.max_model_len, "messages",
                               at_least=True) from None
+    except ChatMessageError as e:  # the template cannot leave the final message open
+        raise bad_request(str(e), e.param, code=e.code) from None
     except ValueError as e:
         raise bad_request(str(e), "messages") from None
     check_prompt_length(len(prompt_ids), state.max_model_len, "messages")
@@ -224,12 +241,32 @@ async def _stream(state: ServerState, run: GenerationRun, rid: str, created: int
         run.abort()  # a closed outer generator does not close the inner one right away
 
 
-def _prompt_chars(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
-    """Characters of prompt text a chat brings: message contents plus tools as JSON."""
-    chars = sum(len(m["content"]) for m in messages)
+def _prompt_chars(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                  options: ChatTemplateOptions) -> int:
+    """Characters of prompt text a chat brings: message contents plus tools and
+    ``chat_template_kwargs`` as JSON."""
+    chars = sum(len(m["content"]) for m in messages) + options.kwargs_chars()
     if tools:
         chars += len(json.dumps(tools, ensure_ascii=False))
     return chars
+
+
+def _template_options(req: ChatCompletionRequest) -> ChatTemplateOptions:
+    """The request's chat template options: vLLM's ``add_generation_prompt`` (default true),
+    ``continue_final_message`` (default false) and ``chat_template_kwargs`` (``null`` is the
+    default for each).
+
+    Raises:
+        APIError: 400 naming the field: both flags true (``continue_final_message``), or a
+            reserved ``chat_template_kwargs`` key (``chat_template_kwargs.<key>``).
+    """
+    try:
+        return ChatTemplateOptions(
+            add_generation_prompt=req.add_generation_prompt is not False,
+            continue_final_message=req.continue_final_message is True,
+            chat_template_kwargs=req.chat_template_kwargs)
+    except ChatMessageError as e:
+        raise bad_request(str(e), e.param, code=e.code) from None
 
 
 def _template_messages(messages: Any) -> list[dict[str, Any]]:

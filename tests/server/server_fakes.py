@@ -23,7 +23,7 @@ from structspec.constraints import (
     JsonSchemaConstraint,
     RegexConstraint,
 )
-from structspec.core import SamplingParams, SpecMetrics
+from structspec.core import ChatTemplateOptions, SamplingParams, SpecMetrics
 from structspec.server.ipc import EngineDelta, EngineInfo, EngineStats
 
 EOS = 0
@@ -60,8 +60,16 @@ class FakeCodec:
 
     def encode_chat(self, messages: list[dict[str, Any]],
                     tools: list[dict[str, Any]] | None = None,
-                    max_tokens: int | None = None) -> list[int]:
-        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
+                    max_tokens: int | None = None,
+                    options: ChatTemplateOptions | None = None) -> list[int]:
+        """``<role>content`` lines, then ``<assistant>`` (unless ``options`` turn the
+        generation prompt off); a final message left open has no newline."""
+        options = options or ChatTemplateOptions()
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        if options.continue_final_message:
+            text = text[:-1]
+        if options.add_generation_prompt:
+            text += "<assistant>"
         return [ord(c) for c in text]
 
     def encode_text(self, text: str, max_tokens: int | None = None) -> list[int]:
