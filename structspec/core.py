@@ -6,6 +6,7 @@ Nothing here touches torch devices: these are plain host-side records.
 from __future__ import annotations
 
 import enum
+import json
 import math
 import time
 import warnings
@@ -457,13 +458,15 @@ ChatMessages = Sequence[dict[str, Any]]
 
 class ChatMessageError(ValueError):
     """A malformed chat message list, refused before the chat template renders it (a
-    template's own error, e.g. "'dict object' has no attribute 'content'", names no field).
+    template's own error, e.g. "'dict object' has no attribute 'content'", names no field),
+    or a bad chat template option (:class:`ChatTemplateOptions`).
 
     The message is ``"<param>: <reason>"``, e.g. ``messages[1].content: expected a string or
     a list of text parts, got int``.
 
     Attributes:
-        param: the field at fault (``messages``, ``messages[1].role``, ...): an HTTP 400's
+        param: the field at fault (``messages``, ``messages[1].role``,
+            ``continue_final_message``, ``chat_template_kwargs.tools``...): an HTTP 400's
             ``param``.
         code: ``"unsupported"`` for a message OpenAI accepts but structspec does not serve
             (an image part, an assistant turn that only carries tool calls); else None.
@@ -562,6 +565,131 @@ def _part_text(part: object, where: str) -> str:
     if not isinstance(text, str):
         raise ChatMessageError(f"{where}.text", f"expected a string, got {type_name(text)}")
     return text
+
+
+# ---------------------------------------------------------------------------------------------
+# Chat template options (vLLM's add_generation_prompt, continue_final_message,
+# chat_template_kwargs)
+# ---------------------------------------------------------------------------------------------
+
+
+RESERVED_CHAT_TEMPLATE_KWARGS: frozenset[str] = frozenset({
+    "messages", "conversation", "tools", "documents", "chat_template",
+    "add_generation_prompt", "continue_final_message", "tokenize", "sanitize_control_tokens",
+    "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+"""Keys ``chat_template_kwargs`` may not hold: the arguments of transformers'
+``apply_chat_template`` (and ``messages``, the name the template reads the chat by). Passed on,
+such a key would not be a template variable but would override how the chat is rendered:
+``chat_template`` would run the client's own Jinja, ``documents`` and ``tools`` would bypass
+their request fields' checks, ``tokenize`` or ``messages`` would fail to render."""
+
+
+@dataclass(frozen=True)
+class ChatTemplateOptions:
+    """How a chat is rendered through the chat template: vLLM's chat options, taken by
+    ``LLM.chat`` and by the server's ``/v1/chat/completions``.
+
+    Attributes:
+        add_generation_prompt: end the prompt with the template's assistant header, so that
+            the model writes a new assistant message (the default); False: the prompt ends
+            with the last message's end of turn (the template decides what it renders).
+        continue_final_message: leave the final message open, without its end of turn, so
+            that the model continues it ("prefill" of the answer; the output is only the
+            continuation). Needs ``add_generation_prompt=False`` and a final message of role
+            ``assistant`` (:meth:`check_messages`).
+        chat_template_kwargs: extra variables for the template, e.g.
+            ``{"enable_thinking": False}``: string keys, JSON values (None, bool, numbers,
+            strings, lists, dicts), none of :data:`RESERVED_CHAT_TEMPLATE_KWARGS`. Kept as a
+            copy; None means none.
+
+    Raises:
+        ChatMessageError: naming the field (``add_generation_prompt``,
+            ``continue_final_message``, ``chat_template_kwargs`` or
+            ``chat_template_kwargs.<key>``): a flag that is not a bool, both flags true, or a
+            bad ``chat_template_kwargs``.
+    """
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("add_generation_prompt", "continue_final_message"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ChatMessageError(name, f"expected true or false, got {type_name(value)} "
+                                             f"{_shown(value)}")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ChatMessageError(
+                "continue_final_message", "cannot be true while add_generation_prompt is true "
+                "(a generation prompt starts a new assistant message; continue_final_message "
+                "continues the last one): set add_generation_prompt to false")
+        if self.chat_template_kwargs is not None:
+            object.__setattr__(self, "chat_template_kwargs",
+                               _checked_template_kwargs(self.chat_template_kwargs))
+
+    def check_messages(self, messages: Sequence[Mapping[str, Any]]) -> None:
+        """Refuse a chat these options cannot render: with ``continue_final_message``, one
+        whose final message is not the assistant's (vLLM's rule: only an answer is continued).
+
+        Raises:
+            ChatMessageError: naming ``continue_final_message`` (and the final message's role).
+        """
+        if not self.continue_final_message or not messages:
+            return
+        last = len(messages) - 1
+        role = messages[last].get("role")
+        if role != "assistant":
+            raise ChatMessageError(
+                "continue_final_message", f"the final message must be the assistant's, to be "
+                f"continued; messages[{last}].role is {_shown(role)}")
+
+    def template_args(self) -> dict[str, Any]:
+        """The keyword arguments of transformers' ``apply_chat_template`` for these options:
+        the template variables, then the two flags."""
+        return {**(self.chat_template_kwargs or {}),
+                "add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message}
+
+    def kwargs_chars(self) -> int:
+        """Characters of ``chat_template_kwargs`` as JSON (0 for none): text a template may
+        render into the prompt, counted with the messages by the server's prompt bound."""
+        if not self.chat_template_kwargs:
+            return 0
+        return len(json.dumps(self.chat_template_kwargs, ensure_ascii=False))
+
+
+def _checked_template_kwargs(kwargs: object) -> dict[str, Any]:
+    """A copy of ``chat_template_kwargs`` once checked (see :class:`ChatTemplateOptions`).
+
+    Raises:
+        ChatMessageError: not a mapping, a key that is not a string or is reserved, or a value
+            that is not JSON; naming ``chat_template_kwargs`` or ``chat_template_kwargs.<key>``.
+    """
+    if not isinstance(kwargs, Mapping):
+        raise ChatMessageError("chat_template_kwargs", "expected an object of template "
+                                                       f"variables, got {type_name(kwargs)}")
+    out: dict[str, Any] = {}
+    for key, value in kwargs.items():
+        if not isinstance(key, str):
+            raise ChatMessageError("chat_template_kwargs", f"keys must be strings, got "
+                                                           f"{type_name(key)} {_shown(key)}")
+        param = f"chat_template_kwargs.{key}"
+        if key in RESERVED_CHAT_TEMPLATE_KWARGS:
+            raise ChatMessageError(param, f"{key!r} is reserved: it is an argument of the chat "
+                                          "template's rendering, not a template variable "
+                                          "(messages, tools and the template's flags have "
+                                          "fields of their own)")
+        try:
+            json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError, RecursionError):
+            raise ChatMessageError(param, "expected a JSON value (null, a boolean, a finite "
+                                          "number, a string, a list or an object), got "
+                                          f"{type_name(value)}") from None
+        out[key] = value
+    return out
 
 
 def now() -> float:

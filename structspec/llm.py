@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from structspec.chat_template import load_chat_template
@@ -18,6 +18,7 @@ from structspec.config import (
 )
 from structspec.core import (
     ChatMessages,
+    ChatTemplateOptions,
     RequestOutput,
     SamplingParams,
     check_chat_messages,
@@ -204,7 +205,58 @@ class LLM:
             ValueError: a list of ``sampling_params`` or ``priority`` whose length is not
                 the number of prompts.
         """
-        batch = _as_prompt_list(prompts)
+        return self._generate(_as_prompt_list(prompts), sampling_params,
+                              raw_prompt=raw_prompt, use_tqdm=use_tqdm, priority=priority)
+
+    def chat(
+        self, messages: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        **kw: Any,
+    ) -> list[RequestOutput]:
+        """Like :meth:`generate` for chat conversations: one conversation (a list of
+        ``{role, content}`` messages) or a list of conversations. A conversation with a
+        malformed message comes back as an ``abort`` output whose error names the field
+        (``messages[1].content: ...``; see :func:`structspec.core.check_chat_messages`).
+
+        The chat template options are vLLM's ``LLM.chat`` ones and apply to every
+        conversation (:class:`structspec.core.ChatTemplateOptions`).
+
+        Args:
+            add_generation_prompt: end the prompt with the assistant header (the default);
+                False: it ends after the last message.
+            continue_final_message: leave the final message open so that the model
+                continues it (each output is only the continuation); needs
+                ``add_generation_prompt=False``, and a conversation whose final message is
+                not the assistant's comes back as an ``abort`` output whose ``error_param``
+                is ``continue_final_message``.
+            chat_template_kwargs: extra template variables (e.g. ``{"enable_thinking":
+                False}``): string keys, JSON values, none of the template's own arguments
+                (:data:`structspec.core.RESERVED_CHAT_TEMPLATE_KWARGS`).
+            **kw: :meth:`generate`'s keyword arguments (``use_tqdm``, ``priority``).
+
+        Raises:
+            ChatMessageError: ``messages`` is not a list, or is empty; or a bad option
+                (both flags true, a flag that is not a bool, a reserved or non-string key or
+                a non-JSON value of ``chat_template_kwargs``), naming it (a ValueError).
+        """
+        options = ChatTemplateOptions(add_generation_prompt=add_generation_prompt,
+                                      continue_final_message=continue_final_message,
+                                      chat_template_kwargs=chat_template_kwargs)
+        return self._generate(_as_chat_list(messages), sampling_params, chat_options=options,
+                              **kw)
+
+    def _generate(
+        self, batch: list[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None, *,
+        raw_prompt: bool = False, use_tqdm: bool = False,
+        priority: int | Sequence[int] | None = None,
+        chat_options: ChatTemplateOptions | None = None,
+    ) -> list[RequestOutput]:
+        """:meth:`generate` of a list of prompts (``chat_options``: how the chat template
+        renders them, None for the defaults)."""
         params = _as_params_list(sampling_params, len(batch))
         priorities = _as_priority_list(priority, len(batch))
         progress = None
@@ -215,24 +267,11 @@ class LLM:
         try:
             with self._generate_lock:
                 return self.engine.generate_all(batch, params, raw_prompt=raw_prompt,
-                                                progress=progress, priorities=priorities)
+                                                progress=progress, priorities=priorities,
+                                                chat_options=chat_options)
         finally:
             if progress is not None:
                 progress.close()
-
-    def chat(
-        self, messages: ChatMessages | Sequence[ChatMessages],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, **kw: Any,
-    ) -> list[RequestOutput]:
-        """Like :meth:`generate` for chat conversations: one conversation (a list of
-        ``{role, content}`` messages) or a list of conversations. A conversation with a
-        malformed message comes back as an ``abort`` output whose error names the field
-        (``messages[1].content: ...``; see :func:`structspec.core.check_chat_messages`).
-
-        Raises:
-            ChatMessageError: ``messages`` is not a list, or is empty (a ValueError).
-        """
-        return self.generate(_as_chat_list(messages), sampling_params, **kw)
 
     def close(self) -> None:
         """Stop the engine's worker processes and threads (:meth:`LLMEngine.close`)."""

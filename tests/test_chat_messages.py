@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from structspec.core import ChatMessageError, check_chat_messages
+from structspec.core import ChatMessageError, ChatTemplateOptions, check_chat_messages
 
 USER = {"role": "user", "content": "hi"}
 CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
@@ -71,3 +71,55 @@ def test_text_parts_are_joined_and_the_input_is_left_alone() -> None:
                    {"role": "user", "content": "Say hi.", "extra": 1}]
     assert messages[1]["content"] is parts  # copies, not the caller's dicts
     assert check_chat_messages(tuple(out)) == out  # idempotent; a tuple is a list too
+
+
+# ------------------------------------------------------------------ chat template options
+
+
+@pytest.mark.parametrize(("kwargs", "param", "reason"), [
+    ({"add_generation_prompt": 1}, "add_generation_prompt", "expected true or false, got int"),
+    ({"continue_final_message": "yes"}, "continue_final_message",
+     "expected true or false, got str"),
+    ({"continue_final_message": True}, "continue_final_message",
+     "cannot be true while add_generation_prompt is true"),
+    ({"chat_template_kwargs": [("a", 1)]}, "chat_template_kwargs",
+     "expected an object of template variables, got list"),
+    ({"chat_template_kwargs": {1: "x"}}, "chat_template_kwargs",
+     "keys must be strings, got int 1"),
+    ({"chat_template_kwargs": {"ok": 1, "tools": []}}, "chat_template_kwargs.tools",
+     "'tools' is reserved"),
+    ({"chat_template_kwargs": {"when": object()}}, "chat_template_kwargs.when",
+     "expected a JSON value"),
+    ({"chat_template_kwargs": {"x": float("nan")}}, "chat_template_kwargs.x",
+     "expected a JSON value"),
+])
+def test_bad_chat_template_options_name_the_field(kwargs: dict[str, Any], param: str,
+                                                  reason: str) -> None:
+    with pytest.raises(ChatMessageError) as e:
+        ChatTemplateOptions(**kwargs)
+    assert e.value.param == param and reason in str(e.value), str(e.value)
+    assert str(e.value).startswith(f"{param}: ")
+
+
+def test_chat_template_options_render_arguments() -> None:
+    assert ChatTemplateOptions().template_args() == {"add_generation_prompt": True,
+                                                     "continue_final_message": False}
+    given = {"enable_thinking": False, "notes": ["ü", 1.5, None]}
+    options = ChatTemplateOptions(add_generation_prompt=False, continue_final_message=True,
+                                  chat_template_kwargs=given)
+    given["enable_thinking"] = True  # the options keep their own copy
+    assert options.template_args() == {"enable_thinking": False, "notes": ["ü", 1.5, None],
+                                       "add_generation_prompt": False,
+                                       "continue_final_message": True}
+    assert options.kwargs_chars() == len('{"enable_thinking": false, "notes": ["ü", 1.5, null]}')
+    assert ChatTemplateOptions().kwargs_chars() == 0
+
+
+def test_only_an_assistant_message_is_continued() -> None:
+    cont = ChatTemplateOptions(add_generation_prompt=False, continue_final_message=True)
+    cont.check_messages([USER, {"role": "assistant", "content": "Sure"}])
+    with pytest.raises(ChatMessageError, match=r"^continue_final_message: the final message "
+                                               r"must be the assistant's.*messages\[0\]\.role "
+                                               r"is 'user'"):
+        cont.check_messages([USER])
+    ChatTemplateOptions(add_generation_prompt=False).check_messages([USER])  # not continued

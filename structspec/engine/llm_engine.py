@@ -16,6 +16,7 @@ from structspec.core import (
     CONTEXT_LENGTH_EXCEEDED,
     ChatMessageError,
     ChatMessages,
+    ChatTemplateOptions,
     PromptTooLongError,
     RequestError,
     RequestOutput,
@@ -80,13 +81,17 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
 
-    def tokenize_prompt(self, prompt: PromptInput, *, raw: bool = False) -> list[int]:
+    def tokenize_prompt(self, prompt: PromptInput, *, raw: bool = False,
+                        chat_options: ChatTemplateOptions | None = None) -> list[int]:
         """Token ids for a prompt: chat messages go through the chat template; a string goes
         through it too (as one user message) unless ``raw`` or the model has none.
+        ``chat_options`` (None: the defaults) says how the template renders: it applies
+        wherever the template does, and token ids and raw strings do not use it.
 
         Raises:
             RequestError: empty prompt, malformed chat messages (``param`` names the field,
-                e.g. ``messages[1].content``), or chat messages for a model without a chat
+                e.g. ``messages[1].content``), a chat ``chat_options`` cannot render (naming
+                ``continue_final_message``), or chat messages for a model without a chat
                 template.
         """
         # A prompt that cannot fit is refused before tokenization (Tokenizer.encode).
@@ -106,9 +111,12 @@ class LLMEngine:
                     ids = self.tokenizer.encode(prompt, max_tokens=limit)
                 else:
                     ids = self.tokenizer.apply_chat_template(
-                        [{"role": "user", "content": prompt}], max_tokens=limit)
+                        [{"role": "user", "content": prompt}], max_tokens=limit,
+                        options=chat_options)
             except PromptTooLongError as e:
                 raise self._too_long(e.min_tokens, "prompt", at_least=True) from None
+            except ChatMessageError as e:  # an option this one-message chat cannot take
+                raise RequestError(str(e), e.param, code=e.code) from None
             except ValueError as e:  # not valid Unicode
                 raise RequestError(str(e), "prompt") from None
         elif isinstance(prompt, (list, tuple)) and prompt:
@@ -116,7 +124,8 @@ class LLMEngine:
             if not self.tokenizer.has_chat_template:
                 raise RequestError("this model has no chat template; send a raw prompt", "messages")
             try:
-                ids = self.tokenizer.apply_chat_template(list(prompt), max_tokens=limit)
+                ids = self.tokenizer.apply_chat_template(list(prompt), max_tokens=limit,
+                                                         options=chat_options)
             except PromptTooLongError as e:
                 raise self._too_long(e.min_tokens, "messages", at_least=True) from None
             except ChatMessageError as e:
@@ -147,8 +156,12 @@ class LLMEngine:
         request_id: str | None = None,
         raw_prompt: bool = False,
         priority: int = 0,
+        chat_options: ChatTemplateOptions | None = None,
     ) -> str:
         """Validate and queue one request; returns its id.
+
+        ``chat_options``: how the chat template renders the prompt (see
+        :meth:`tokenize_prompt`; None: the defaults).
 
         ``priority`` (an int, as vLLM's): lower is served first; it orders admission ahead
         of arrival, and the running requests of the highest value (the newest among equals)
@@ -176,7 +189,7 @@ class LLMEngine:
             raise RequestError(f"stop_token_ids entry {bad_stop} is not a token id of this "
                                f"model (vocabulary size {self.model_config.vocab_size})",
                                "stop_token_ids")
-        ids = self.tokenize_prompt(prompt, raw=raw_prompt)
+        ids = self.tokenize_prompt(prompt, raw=raw_prompt, chat_options=chat_options)
         if len(ids) >= self.max_model_len:
             raise self._too_long(len(ids), "prompt")
         if request_id is None:
@@ -331,10 +344,13 @@ class LLMEngine:
         self, prompts: Sequence[PromptInput], params: Sequence[SamplingParams], *,
         raw_prompt: bool = False, progress: Any = None,
         priorities: Sequence[int] | None = None,
+        chat_options: ChatTemplateOptions | None = None,
     ) -> list[RequestOutput]:
         """Run prompts to completion; bad requests come back as ``abort`` outputs with an
         error instead of raising, so one bad request never stops the others.
-        ``priorities``: one per prompt (None: 0 for all; see :meth:`add_request`).
+        ``priorities``: one per prompt (None: 0 for all; see :meth:`add_request`);
+        ``chat_options``: how the chat template renders every prompt it renders (None: the
+        defaults; see :meth:`tokenize_prompt`).
 
         Requests added earlier with :meth:`add_request` keep running beside these; it returns
         once its own are done, and the final outputs of the others that finished meanwhile
@@ -347,7 +363,8 @@ class LLMEngine:
             order.append(rid)
             try:
                 self.add_request(p, sp, request_id=rid, raw_prompt=raw_prompt,
-                                 priority=0 if priorities is None else priorities[i])
+                                 priority=0 if priorities is None else priorities[i],
+                                 chat_options=chat_options)
             except RequestError as e:
                 results[rid] = RequestOutput.error_output(rid, str(e), e.param, e.code)
                 if progress is not None:

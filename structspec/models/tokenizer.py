@@ -11,7 +11,12 @@ from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from structspec.core import PromptTooLongError, check_chat_messages
+from structspec.core import (
+    ChatMessageError,
+    ChatTemplateOptions,
+    PromptTooLongError,
+    check_chat_messages,
+)
 
 # Tokens before the first new one that are re-decoded so that spacing/merges come out right.
 _PREFIX_WINDOW = 5
@@ -112,49 +117,68 @@ class Tokenizer:
             list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
         )
 
-    def render_chat(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
-                    add_generation_prompt: bool = True) -> str:
-        """The prompt text for ``messages`` with the assistant generation prompt appended
-        (unless ``add_generation_prompt`` is false: the chat as it stands, e.g. to count its
-        tokens).
+    def render_chat(self, messages: list[dict[str, Any]], *,
+                    tools: list[dict[str, Any]] | None = None,
+                    options: ChatTemplateOptions | None = None) -> str:
+        """The prompt text for ``messages`` rendered through the chat template, by default
+        with the assistant generation prompt appended.
 
         ``messages`` are checked first (:func:`structspec.core.check_chat_messages`: text
         content parts are joined), so the template only ever sees string contents.
 
+        Args:
+            tools: passed to the template (left out when None or empty).
+            options: ``add_generation_prompt``, ``continue_final_message`` and the template
+                variables of ``chat_template_kwargs`` (:class:`ChatTemplateOptions`; None: the
+                defaults, a generation prompt and no variables).
+
         Raises:
             ChatMessageError: malformed messages (a ValueError naming the field, e.g.
-                ``messages[1].content``).
+                ``messages[1].content``); with ``continue_final_message``, a final message
+                that is not the assistant's, or a template that does not render the final
+                message's content as sent (it cannot be left open), naming
+                ``continue_final_message``.
             ValueError: the model has no chat template, the template fails to render, or a
                 message's text is not valid Unicode (named by message, with its index there).
         """
         if not self.has_chat_template:
             raise ValueError("this model has no chat template; send a plain-text prompt instead")
+        options = options if options is not None else ChatTemplateOptions()
         messages = check_chat_messages(messages)
+        options.check_messages(messages)
         for i, message in enumerate(messages):  # here: the rendered text's index means nothing
             check_unicode(message["content"], f"messages[{i}].content")
-        kwargs: dict[str, Any] = {"tools": tools} if tools else {}
+        kwargs: dict[str, Any] = options.template_args()
+        if tools:
+            kwargs["tools"] = tools
         try:
-            text = self.hf.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
-            )
+            text = self.hf.apply_chat_template(messages, tokenize=False, **kwargs)
         except Exception as e:  # jinja errors (e.g. raise_exception in the template)
+            if options.continue_final_message and str(e).startswith("continue_final_message"):
+                # transformers' own check: the final message's content must come out of the
+                # template as sent (its message then quotes the whole rendered chat)
+                raise ChatMessageError(
+                    "continue_final_message", "the chat template does not render the final "
+                    "message's content as sent (it drops or changes it, or reads another "
+                    "field), so the message cannot be left open to continue") from None
             raise ValueError(f"chat template failed to render: {e}") from e
         return str(text)
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
-        max_tokens: int | None = None, add_generation_prompt: bool = True,
+        max_tokens: int | None = None, options: ChatTemplateOptions | None = None,
         add_special_tokens: bool = False,
     ) -> list[int]:
-        """Token ids of the rendered chat prompt (:meth:`render_chat`); the template already
-        contains the special tokens, so by default none are added (``add_special_tokens``:
-        add them on top, e.g. a BOS, as vLLM's ``/tokenize`` option does).
+        """Token ids of the rendered chat prompt (:meth:`render_chat`; by default with the
+        generation prompt); the template already contains the special tokens, so by default
+        none are added (``add_special_tokens``: add them on top, e.g. a BOS, as vLLM's
+        ``/tokenize`` option does).
 
         Raises:
             ValueError: see :meth:`render_chat` and :meth:`encode` (``max_tokens`` too).
         """
-        text = self.render_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt)
-        return self.encode(text, add_special_tokens=add_special_tokens, max_tokens=max_tokens)
+        return self.encode(self.render_chat(messages, tools=tools, options=options),
+                           add_special_tokens=add_special_tokens, max_tokens=max_tokens)
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         """The vocabulary entries of ``ids`` as the tokenizer spells them (HF

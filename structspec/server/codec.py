@@ -11,6 +11,8 @@ from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from typing import Any, Protocol
 
+from structspec.core import ChatTemplateOptions
+
 
 class Detokenizer(Protocol):
     """Incremental decoder of one output stream."""
@@ -29,15 +31,21 @@ class Codec(Protocol):
 
     def encode_chat(self, messages: list[dict[str, Any]],
                     tools: list[dict[str, Any]] | None = None,
-                    max_tokens: int | None = None, *, add_generation_prompt: bool = True,
+                    max_tokens: int | None = None,
+                    options: ChatTemplateOptions | None = None, *,
                     add_special_tokens: bool = False) -> list[int]:
-        """Token ids of a chat rendered through the chat template (generation prompt added
-        unless ``add_generation_prompt`` is false; ``tools`` are passed to the template; the
-        template holds the special tokens, so none are added unless ``add_special_tokens``).
+        """Token ids of a chat rendered through the chat template (``tools`` are passed to
+        the template; ``options``: the request's ``add_generation_prompt``,
+        ``continue_final_message`` and ``chat_template_kwargs``, None for the defaults: a
+        generation prompt added, no template variables; the template holds the special
+        tokens, so none are added unless ``add_special_tokens``).
 
         Raises:
             PromptTooLongError: the rendered prompt certainly has more than ``max_tokens``
                 tokens (checked before tokenizing it).
+            ChatMessageError: ``options`` cannot render this chat (a final message that is
+                not the assistant's, or that the template cannot leave open), naming the
+                option.
             ValueError: the model has no chat template or it fails to render, or the text is
                 not valid Unicode.
         """
@@ -92,10 +100,11 @@ class TokenizerCodec:
 
     def encode_chat(self, messages: list[dict[str, Any]],
                     tools: list[dict[str, Any]] | None = None,
-                    max_tokens: int | None = None, *, add_generation_prompt: bool = True,
+                    max_tokens: int | None = None,
+                    options: ChatTemplateOptions | None = None, *,
                     add_special_tokens: bool = False) -> list[int]:
         return self.tokenizer.apply_chat_template(messages, tools=tools, max_tokens=max_tokens,
-                                                  add_generation_prompt=add_generation_prompt,
+                                                  options=options,
                                                   add_special_tokens=add_special_tokens)
 
     def encode_text(self, text: str, max_tokens: int | None = None, *,

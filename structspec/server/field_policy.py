@@ -7,7 +7,12 @@ without a word.
   value asks for nothing (``null``, or the value that changes nothing: ``length_penalty: 1``,
   ``store: false``, ``modalities: ["text"]``...). The penalties (``presence_penalty``,
   ``frequency_penalty``, ``repetition_penalty``), ``logit_bias`` and ``min_tokens`` are served
-  (:mod:`structspec.server.params` checks their values).
+  (:mod:`structspec.server.params` checks their values), and so are vLLM's chat template
+  options ``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs``
+  (:class:`structspec.core.ChatTemplateOptions` checks them), on ``/v1/chat/completions`` and
+  ``/tokenize``; a per-request ``chat_template`` stays refused (it would run the client's
+  Jinja in the server: the template is set at launch, ``serve --chat-template``), and so does
+  ``documents``.
 - **Fields it accepts without effect** (:data:`NO_EFFECT`): identifiers and hints that do not
   change an output (``user``, ``metadata``, ``safety_identifier``, ``prompt_cache_key``).
 - **Unknown keys inside an object the server reads** (``stream_options`` here;
@@ -18,8 +23,8 @@ without a word.
 - **Unknown top-level fields** (of every endpoint, ``/tokenize`` and ``/detokenize`` too)
   are accepted and ignored, as vLLM does, with a warning in the
   server log naming them (:func:`warn_unknown_fields`): clients written for another server
-  send its own extras (``chat_template_kwargs``, ``kv_transfer_params``...), and refusing every request
-  of such a client would be worse than the warning. OpenAI refuses them; structspec follows
+  send its own extras (``kv_transfer_params``, ``mm_processor_kwargs``...), and refusing every
+  request of such a client would be worse than the warning. OpenAI refuses them; structspec follows
   vLLM here, and refuses every extra it knows changes an output (the table).
 """
 
@@ -125,15 +130,12 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
                 "null (the grammar backend is a server option: serve --grammar-backend)"),
     Unsupported("guided_whitespace_pattern", _never, "null"),
     Unsupported("echo", _is(False), "false", (CHAT,)),  # vLLM's chat echo; completions has it
-    Unsupported("add_generation_prompt", _is(True), "true", (CHAT,)),
-    Unsupported("continue_final_message", _is(False), "false", (CHAT,)),
+    # add_generation_prompt, continue_final_message and chat_template_kwargs are served
+    # (serving_chat.py); a per-request template would run the client's Jinja in the server
     Unsupported("chat_template", _never, "null (the server's template is used: the model's own, or serve --chat-template)", (CHAT,)),
-    Unsupported("chat_template_kwargs", _empty, "{}", (CHAT,)),
     Unsupported("documents", _never, "null", (CHAT,)),
     # vLLM's /tokenize chat options beyond the chat endpoint's
-    Unsupported("continue_final_message", _is(False), "false", (TOKENIZE,)),
     Unsupported("chat_template", _never, "null (the server's template is used: the model's own, or serve --chat-template)", (TOKENIZE,)),
-    Unsupported("chat_template_kwargs", _empty, "{}", (TOKENIZE,)),
     Unsupported("mm_processor_kwargs", _empty, "{} (text only)", (TOKENIZE,)),
 )
 """Every field the server refuses unless its value asks for nothing (module docstring)."""

@@ -47,8 +47,9 @@ class ServerLimits:
             all HTTP requests together); a request that would go past it is a 429. At least
             ``max_choices_per_request``, so that every valid request can be admitted.
         max_prompt_chars: characters of prompt text in one request (a completion's prompts
-            together; a chat's message contents plus its ``tools`` as JSON). Token counts are
-            bounded separately by the model's context (``context_length_exceeded``).
+            together; a chat's message contents plus its ``tools`` and ``chat_template_kwargs``
+            as JSON). Token counts are bounded separately by the model's context
+            (``context_length_exceeded``).
         max_grammar_chars: characters of the request's grammar: a JSON Schema as compact
             JSON, a regex, an EBNF grammar, or a choice list as JSON.
         max_stop_sequences: entries in ``stop`` and, separately, in ``stop_token_ids``.

@@ -183,6 +183,10 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
+    # vLLM's chat template options (structspec.core.ChatTemplateOptions; null: the default)
+    add_generation_prompt: StrictBool | None = True
+    continue_final_message: StrictBool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 # --------------------------------------------------------------------------- completions
@@ -208,7 +212,8 @@ class TokenizeRequest(OpenAIModel):
 
     ``add_special_tokens`` defaults by shape as in vLLM: true for ``prompt`` (e.g. a BOS),
     false for ``messages`` (the chat template holds them). ``add_generation_prompt``,
-    ``tools`` and ``tool_choice`` go with ``messages`` only. ``tool_choice`` is the chat
+    ``continue_final_message``, ``chat_template_kwargs``, ``tools`` and ``tool_choice`` go
+    with ``messages`` only. ``tool_choice`` is the chat
     endpoint's (``"none"`` keeps the tools out of the template), so a chat request's body
     counts as that request's prompt.
     """
@@ -218,6 +223,8 @@ class TokenizeRequest(OpenAIModel):
     messages: Any = None
     add_special_tokens: StrictBool | None = None
     add_generation_prompt: StrictBool | None = None
+    continue_final_message: StrictBool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: StrictBool | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None

@@ -10,7 +10,12 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from structspec.core import ChatMessageError, PromptTooLongError, check_chat_messages
+from structspec.core import (
+    ChatMessageError,
+    ChatTemplateOptions,
+    PromptTooLongError,
+    check_chat_messages,
+)
 from structspec.server.errors import bad_request
 from structspec.server.field_policy import check_request_fields
 from structspec.server.generation import ChoiceState, GenerationRun
@@ -21,7 +26,7 @@ from structspec.server.limits import (
     check_stop,
 )
 from structspec.server.params import build_sampling_params, per_choice
-from structspec.server.protocol import ChatCompletionRequest, parse_request
+from structspec.server.protocol import ChatCompletionRequest, TokenizeRequest, parse_request
 from structspec.server.request_log import request_record
 from structspec.server.serving import (
     ServerState,
@@ -61,7 +66,13 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     state.check_model(req.model)
     check_request_fields(req)
     check_choices(limits, 1, req.n)
+    options = template_options(req)
     plan = plan_tool_calls(req.tools, req.tool_choice, req.parallel_tool_calls)
+    if plan is not None and options.continue_final_message:
+        raise bad_request("continue_final_message cannot be used with a forced tool call "
+                          "(tool_choice \"required\" or a named function): the call is a new "
+                          "assistant message, not a continuation of the final one",
+                          "continue_final_message")
     # a forced tool call's grammar is one more constraint (at most one per request, and
     # structured_outputs.bounded_numbers applies to it)
     grammar, grammar_param = grammar_and_field(
@@ -70,14 +81,20 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     check_grammar_size(limits, grammar, grammar_param)
     check_stop(limits, req.stop, req.stop_token_ids, state.engine.info.vocab_size)
     messages = template_messages(req.messages)
+    try:
+        options.check_messages(messages)
+    except ChatMessageError as e:
+        raise bad_request(str(e), e.param, code=e.code) from None
     tools = template_tools(req.tools, req.tool_choice)
-    check_prompt_chars(limits, prompt_chars(messages, tools), "messages")
+    check_prompt_chars(limits, prompt_chars(messages, tools, options), "messages")
     try:
         prompt_ids = await in_thread(state.codec.encode_chat, messages, tools,
-                                     state.max_model_len - 1)
+                                     state.max_model_len - 1, options)
     except PromptTooLongError as e:
         raise prompt_too_long(e.min_tokens, state.max_model_len, "messages",
                               at_least=True) from None
+    except ChatMessageError as e:  # the template cannot leave the final message open
+        raise bad_request(str(e), e.param, code=e.code) from None
     except ValueError as e:
         raise bad_request(str(e), "messages") from None
     check_prompt_length(len(prompt_ids), state.max_model_len, "messages")
@@ -231,19 +248,39 @@ def template_tools(tools: list[dict[str, Any]] | None,
     return tools if tools and tool_choice != "none" else None
 
 
-def prompt_chars(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
+def prompt_chars(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                 options: ChatTemplateOptions) -> int:
     """Characters of prompt text a chat brings (what ``--max-prompt-chars`` bounds): message
-    contents plus tools as JSON.
+    contents plus tools and ``chat_template_kwargs`` as JSON.
 
     Args:
         messages: as :func:`template_messages` returns them (string contents).
         tools: as :func:`template_tools` returns them, already checked (their nesting is
             bounded, so the JSON encoder cannot recurse too deep).
+        options: as :func:`template_options` returns them.
     """
-    chars = sum(len(m["content"]) for m in messages)
+    chars = sum(len(m["content"]) for m in messages) + options.kwargs_chars()
     if tools:
         chars += len(json.dumps(tools, ensure_ascii=False))
     return chars
+
+
+def template_options(req: ChatCompletionRequest | TokenizeRequest) -> ChatTemplateOptions:
+    """The request's chat template options: vLLM's ``add_generation_prompt`` (default true),
+    ``continue_final_message`` (default false) and ``chat_template_kwargs`` (``null`` is the
+    default for each).
+
+    Raises:
+        APIError: 400 naming the field: both flags true (``continue_final_message``), or a
+            reserved ``chat_template_kwargs`` key (``chat_template_kwargs.<key>``).
+    """
+    try:
+        return ChatTemplateOptions(
+            add_generation_prompt=req.add_generation_prompt is not False,
+            continue_final_message=req.continue_final_message is True,
+            chat_template_kwargs=req.chat_template_kwargs)
+    except ChatMessageError as e:
+        raise bad_request(str(e), e.param, code=e.code) from None
 
 
 def template_messages(messages: Any) -> list[dict[str, Any]]:

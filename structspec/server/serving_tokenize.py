@@ -24,7 +24,12 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from structspec.core import CONTEXT_LENGTH_EXCEEDED, PromptTooLongError
+from structspec.core import (
+    CONTEXT_LENGTH_EXCEEDED,
+    ChatMessageError,
+    ChatTemplateOptions,
+    PromptTooLongError,
+)
 from structspec.server.codec import Codec
 from structspec.server.errors import bad_request
 from structspec.server.field_policy import check_tokenization_fields
@@ -37,10 +42,16 @@ from structspec.server.serving import (
     prompt_too_long,
     read_json,
 )
-from structspec.server.serving_chat import prompt_chars, template_messages, template_tools
+from structspec.server.serving_chat import (
+    prompt_chars,
+    template_messages,
+    template_options,
+    template_tools,
+)
 from structspec.server.tool_calls import plan_tool_calls
 
-CHAT_ONLY_FIELDS = ("add_generation_prompt", "tools", "tool_choice")
+CHAT_ONLY_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs",
+                    "tools", "tool_choice")
 """``/tokenize`` fields that apply to ``messages`` only (a 400 beside ``prompt``)."""
 
 
@@ -85,14 +96,19 @@ async def create_tokenize(state: ServerState, request: Request) -> Response:
         encode = partial(_encode_text, state.codec, req.prompt, max_len, add_special)
     elif req.messages is not None:
         param = "messages"
-        # the chat endpoint's checks, in its order: tools (and tool_choice), messages, size
+        # the chat endpoint's checks, in its order: template options, tools (and
+        # tool_choice), messages, size
+        options = template_options(req)
         plan_tool_calls(req.tools, req.tool_choice)
         messages = template_messages(req.messages)
+        try:
+            options.check_messages(messages)
+        except ChatMessageError as e:
+            raise bad_request(str(e), e.param, code=e.code) from None
         tools = template_tools(req.tools, req.tool_choice)
-        check_prompt_chars(limits, prompt_chars(messages, tools), param)
+        check_prompt_chars(limits, prompt_chars(messages, tools, options), param)
         add_special = bool(req.add_special_tokens)  # vLLM's default for a chat: false
-        add_generation = req.add_generation_prompt is not False
-        encode = partial(_encode_chat, state.codec, messages, tools, max_len, add_generation,
+        encode = partial(_encode_chat, state.codec, messages, tools, max_len, options,
                          add_special)
     else:
         raise bad_request("'prompt' (text) or 'messages' (a chat) is required", "prompt")
@@ -101,6 +117,8 @@ async def create_tokenize(state: ServerState, request: Request) -> Response:
     except PromptTooLongError as e:
         raise prompt_too_long(e.min_tokens, max_len, param, at_least=True,
                               completion=False) from None
+    except ChatMessageError as e:  # the template cannot leave the final message open
+        raise bad_request(str(e), e.param, code=e.code) from None
     except ValueError as e:  # not valid Unicode; no chat template, or it failed to render
         raise bad_request(str(e), param) from None
     if len(ids) > max_len:
@@ -156,12 +174,11 @@ def _encode_text(codec: Codec, text: str, max_tokens: int, add_special_tokens: b
 
 def _encode_chat(codec: Codec, messages: list[dict[str, Any]],
                  tools: list[dict[str, Any]] | None, max_tokens: int,
-                 add_generation_prompt: bool, add_special_tokens: bool,
+                 options: ChatTemplateOptions, add_special_tokens: bool,
                  with_pieces: bool) -> tuple[list[int], list[str] | None]:
     """The chat's prompt ids (and their vocabulary entries when ``with_pieces``), on the
     tokenizer thread. Raises: as :meth:`Codec.encode_chat`."""
-    ids = codec.encode_chat(messages, tools, max_tokens,
-                            add_generation_prompt=add_generation_prompt,
+    ids = codec.encode_chat(messages, tools, max_tokens, options,
                             add_special_tokens=add_special_tokens)
     return ids, _pieces(codec, ids, max_tokens, with_pieces)
 

@@ -17,6 +17,7 @@ from structspec import (
     RegexConstraint,
     SamplingParams,
 )
+from structspec.core import ChatTemplateOptions
 from structspec.engine.llm_engine import RequestError
 from tests.engine.conftest import PERSON_SCHEMA, PROMPTS
 
@@ -260,6 +261,49 @@ def test_chat_template_error_is_prefixed_once(make_llm, monkeypatch: pytest.Monk
     out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2))[0]
     assert out.error == "chat template failed to render: only user turns, please"
     assert out.error_param == "messages"
+
+
+def test_chat_template_options(make_llm, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``LLM.chat`` takes vLLM's chat template options: each prompt is transformers'
+    ``apply_chat_template`` of the chat with the same options, and the output only the
+    continuation; a conversation the options cannot render fails alone, naming the option; a
+    bad option raises; a ``chat_template_kwargs`` variable reaches the template."""
+    llm = make_llm()
+    hf = llm.engine.tokenizer.hf
+    answer = [{"role": "user", "content": "Name a colour."},
+              {"role": "assistant", "content": "My favourite colour is"}]
+    sp = SamplingParams(max_tokens=1, temperature=0)
+
+    def reference(messages: list[dict[str, str]], **options: Any) -> list[int]:
+        return list(hf.apply_chat_template(messages, tokenize=True, return_dict=False,
+                                           **options))
+
+    cont, refused = llm.chat([answer, answer[:1]], sp, add_generation_prompt=False,
+                             continue_final_message=True)
+    assert cont.prompt_token_ids == reference(answer, continue_final_message=True)
+    assert cont.error is None and len(cont.token_ids) == 1
+    assert hf.decode(cont.prompt_token_ids).endswith("My favourite colour is")
+    assert refused.finish_reason == "abort"
+    assert refused.error_param == "continue_final_message", refused.error
+    closed = ChatTemplateOptions(add_generation_prompt=False,
+                                 chat_template_kwargs={"enable_thinking": False})
+    assert llm.engine.tokenize_prompt(answer, chat_options=closed) == reference(
+        answer, add_generation_prompt=False)
+    assert llm.engine.tokenize_prompt(answer[:1]) == reference(answer[:1],
+                                                               add_generation_prompt=True)
+    # a string prompt is one user message: not continued, naming the option
+    with pytest.raises(RequestError) as e:
+        llm.engine.tokenize_prompt("hi", chat_options=ChatTemplateOptions(
+            add_generation_prompt=False, continue_final_message=True))
+    assert e.value.param == "continue_final_message"
+    with pytest.raises(ChatMessageError, match="^continue_final_message: cannot be true"):
+        llm.chat(answer, sp, continue_final_message=True)
+    with pytest.raises(ChatMessageError, match=r"^chat_template_kwargs\.chat_template: "):
+        llm.chat(answer, sp, chat_template_kwargs={"chat_template": "{{ 1 }}"})
+    monkeypatch.setattr(hf, "chat_template",
+                        "{{ greeting }}:{% for m in messages %}{{ m.content }}{% endfor %}")
+    (greeted,) = llm.chat(answer[:1], sp, chat_template_kwargs={"greeting": "hola"})
+    assert hf.decode(greeted.prompt_token_ids) == "hola:Name a colour."
 
 
 def test_generate_from_two_threads_at_once(make_llm) -> None:

@@ -23,7 +23,7 @@ from structspec.constraints import (
     JsonSchemaConstraint,
     RegexConstraint,
 )
-from structspec.core import SamplingParams, SpecMetrics
+from structspec.core import ChatTemplateOptions, SamplingParams, SpecMetrics
 from structspec.server.ipc import EngineDelta, EngineInfo, EngineStats
 from structspec.stop_strings import first_stop_ending_after
 
@@ -62,10 +62,16 @@ class FakeCodec:
 
     def encode_chat(self, messages: list[dict[str, Any]],
                     tools: list[dict[str, Any]] | None = None,
-                    max_tokens: int | None = None, *, add_generation_prompt: bool = True,
+                    max_tokens: int | None = None,
+                    options: ChatTemplateOptions | None = None, *,
                     add_special_tokens: bool = False) -> list[int]:
+        """``<role>content`` lines, then ``<assistant>`` (unless ``options`` turn the
+        generation prompt off); a final message left open has no newline."""
+        options = options or ChatTemplateOptions()
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
-        if add_generation_prompt:
+        if options.continue_final_message:
+            text = text[:-1]
+        if options.add_generation_prompt:
             text += "<assistant>"
         return [ord(c) for c in text]
 

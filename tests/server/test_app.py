@@ -376,8 +376,9 @@ class _CheckingCodec(FakeCodec):
 
     def encode_chat(self, messages: list[dict[str, Any]],
                     tools: list[dict[str, Any]] | None = None,
-                    max_tokens: int | None = None) -> list[int]:
-        ids = super().encode_chat(messages, tools)
+                    max_tokens: int | None = None,
+                    options: Any = None) -> list[int]:
+        ids = super().encode_chat(messages, tools, options=options)
         self._check("".join(map(chr, ids)), max_tokens)
         return ids
 

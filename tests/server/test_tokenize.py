@@ -22,7 +22,7 @@ from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from structspec.core import PromptTooLongError
+from structspec.core import ChatTemplateOptions, PromptTooLongError
 from structspec.server.app import create_app
 from structspec.server.codec import TokenizerCodec
 from structspec.server.field_policy import TOKENIZE, UNSUPPORTED
@@ -54,18 +54,23 @@ class TemplateCodec(FakeCodec):
         return [BOS] * add_special_tokens + [ord(c) for c in text]
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-               add_generation_prompt: bool = True) -> str:
+               options: ChatTemplateOptions | None = None) -> str:
+        options = options or ChatTemplateOptions()
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        if options.continue_final_message:
+            text = text[:-1]
         if tools:
             text += "<tools>" + json.dumps([t["function"]["name"] for t in tools]) + "\n"
-        return text + ("<assistant>" if add_generation_prompt else "")
+        if options.chat_template_kwargs:
+            text += "<kwargs>" + json.dumps(options.chat_template_kwargs) + "\n"
+        return text + ("<assistant>" if options.add_generation_prompt else "")
 
     def encode_chat(self, messages: list[dict[str, Any]],
                     tools: list[dict[str, Any]] | None = None,
-                    max_tokens: int | None = None, *, add_generation_prompt: bool = True,
+                    max_tokens: int | None = None,
+                    options: ChatTemplateOptions | None = None, *,
                     add_special_tokens: bool = False) -> list[int]:
-        return self._ids(self.render(messages, tools, add_generation_prompt), max_tokens,
-                         add_special_tokens)
+        return self._ids(self.render(messages, tools, options), max_tokens, add_special_tokens)
 
     def encode_text(self, text: str, max_tokens: int | None = None, *,
                     add_special_tokens: bool = True) -> list[int]:
@@ -193,7 +198,8 @@ def test_a_chat_requests_whole_body_counts_as_its_prompt(
 
 def test_chat_options(client: TestClient, codec: TemplateCodec) -> None:
     no_gen = ok(client.post(TOK, json={"messages": MSGS, "add_generation_prompt": False}))
-    assert no_gen["tokens"] == codec.encode_chat(MSGS, add_generation_prompt=False)
+    assert no_gen["tokens"] == codec.encode_chat(
+        MSGS, options=ChatTemplateOptions(add_generation_prompt=False))
     with_gen = ok(client.post(TOK, json={"messages": MSGS, "add_generation_prompt": True}))
     assert with_gen["tokens"][:no_gen["count"]] == no_gen["tokens"]
     assert "".join(map(chr, with_gen["tokens"][no_gen["count"]:])) == "<assistant>"
@@ -201,6 +207,22 @@ def test_chat_options(client: TestClient, codec: TemplateCodec) -> None:
                                         "return_token_strs": True}))
     assert special["tokens"] == [BOS, *with_gen["tokens"]]
     assert special["token_strs"] == codec.token_pieces(special["tokens"])
+    # the chat endpoint's template options: the final message left open, template variables
+    answer = [*MSGS, {"role": "assistant", "content": "The answer is"}]
+    body = {"messages": answer, "add_generation_prompt": False,
+            "continue_final_message": True, "chat_template_kwargs": {"enable_thinking": False}}
+    options = ChatTemplateOptions(add_generation_prompt=False, continue_final_message=True,
+                                  chat_template_kwargs={"enable_thinking": False})
+    assert ok(client.post(TOK, json=body))["tokens"] == codec.encode_chat(answer,
+                                                                         options=options)
+    for field, value in (("continue_final_message", True), ("chat_template_kwargs", {"x": 1})):
+        err = error_of(client.post(TOK, json={"prompt": "hi", field: value}))
+        assert err["param"] == field  # a chat option beside a text prompt
+    err = error_of(client.post(TOK, json={**body, "messages": MSGS}))  # last is not the answer
+    assert err["param"] == "continue_final_message"
+    err = error_of(client.post(TOK, json={"messages": MSGS,
+                                          "chat_template_kwargs": {"tools": []}}))
+    assert err["param"] == "chat_template_kwargs.tools"
 
 
 # ------------------------------------------------------------------ /detokenize
@@ -323,13 +345,10 @@ def test_bad_messages_are_refused_as_the_chat_endpoint_refuses_them(
 @pytest.mark.parametrize("name", [e.name for e in UNSUPPORTED if TOKENIZE in e.endpoints])
 def test_vllm_chat_options_the_server_cannot_honour_are_400(client: TestClient,
                                                             name: str) -> None:
-    bad = {"continue_final_message": True, "chat_template": "{{ messages }}",
-           "chat_template_kwargs": {"enable_thinking": False},
-           "mm_processor_kwargs": {"size": 3}}[name]
+    bad = {"chat_template": "{{ messages }}", "mm_processor_kwargs": {"size": 3}}[name]
     err = error_of(client.post(TOK, json={"messages": MSGS, name: bad}))
     assert err["param"] == name and err["code"] == "unsupported", err
-    nothing = {"continue_final_message": False, "chat_template": None,
-               "chat_template_kwargs": {}, "mm_processor_kwargs": {}}[name]
+    nothing = {"chat_template": None, "mm_processor_kwargs": {}}[name]
     ok(client.post(TOK, json={"messages": MSGS, name: nothing}))
 
 
