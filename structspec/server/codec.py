@@ -53,8 +53,10 @@ class Codec(Protocol):
         """Text of ``token_ids`` (special tokens dropped)."""
         ...
 
-    def detokenizer(self, prompt_ids: Sequence[int]) -> Detokenizer:
-        """A fresh incremental detokenizer with ``prompt_ids`` as left context."""
+    def detokenizer(self, prompt_ids: Sequence[int], *,
+                    skip_special_tokens: bool = True) -> Detokenizer:
+        """A fresh incremental detokenizer with ``prompt_ids`` as left context; special
+        tokens are dropped from its text unless ``skip_special_tokens`` is False."""
         ...
 
     def token_str(self, token_id: int) -> str:
@@ -91,8 +93,9 @@ class TokenizerCodec:
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(token_ids)
 
-    def detokenizer(self, prompt_ids: Sequence[int]) -> Detokenizer:
-        return self.tokenizer.detokenizer(prompt_ids)
+    def detokenizer(self, prompt_ids: Sequence[int], *,
+                    skip_special_tokens: bool = True) -> Detokenizer:
+        return self.tokenizer.detokenizer(prompt_ids, skip_special_tokens=skip_special_tokens)
 
     def token_str(self, token_id: int) -> str:
         return self._token_str(int(token_id))

@@ -3,10 +3,11 @@ without a word.
 
 - **Fields it knows but cannot honour** (:data:`UNSUPPORTED`: OpenAI's ``functions``,
   ``audio``, ``reasoning_effort``...; vLLM's sampling extras such as ``min_tokens`` or
-  ``include_stop_str_in_output``): a 400 ``code: "unsupported"`` naming the field, unless the
-  value asks for nothing (``null``, or the value that changes nothing: ``min_tokens: 0``,
+  ``spaces_between_special_tokens``): a 400 ``code: "unsupported"`` naming the field, unless
+  the value asks for nothing (``null``, or the value that changes nothing: ``min_tokens: 0``,
   ``store: false``, ``modalities: ["text"]``...). The penalties (``presence_penalty``,
-  ``frequency_penalty``, ``repetition_penalty``) and ``logit_bias`` are served
+  ``frequency_penalty``, ``repetition_penalty``), ``logit_bias`` and vLLM's
+  ``include_stop_str_in_output`` and ``skip_special_tokens`` are served
   (:mod:`structspec.server.params` checks their values).
 - **Fields it accepts without effect** (:data:`NO_EFFECT`): identifiers and hints that do not
   change an output (``user``, ``metadata``, ``safety_identifier``, ``prompt_cache_key``).
@@ -107,8 +108,9 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("min_tokens", _is(0), "0"),
     Unsupported("length_penalty", _number(1), "1"),
     Unsupported("use_beam_search", _is(False), "false"),
-    Unsupported("include_stop_str_in_output", _is(False), "false"),
-    Unsupported("skip_special_tokens", _is(True), "true"),
+    # include_stop_str_in_output and skip_special_tokens are served (SamplingRequest); the
+    # tokenizers decode has no spaces_between_special_tokens option (vLLM works around it
+    # token by token), so only its default is accepted
     Unsupported("spaces_between_special_tokens", _is(True), "true"),
     Unsupported("bad_words", _empty, "[]"),
     Unsupported("allowed_token_ids", _never, "null"),

@@ -138,6 +138,9 @@ class SamplingRequest(OpenAIModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: StrictBool = False
+    # vLLM's: keep the stop string (and a stop token's text) in the text; keep special tokens
+    include_stop_str_in_output: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
     n: StrictInt = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
