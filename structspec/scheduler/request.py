@@ -79,7 +79,7 @@ class Req:
     # output ids the host matcher has accepted (the rest wait for the grammar barrier, or
     # were advanced by a mask worker's mirror matcher and are replayed only if needed)
     num_grammar_advanced: int = 0
-    num_detokenized: int = 0  # output ids already passed to the detokenizer
+    num_detokenized: int = 0  # output ids already passed to the detokenizer (or left out)
     num_reported_ids: int = 0  # output ids already returned in a RequestOutput
     num_reported_chars: int = 0  # characters of ``text`` already returned
     logprobs: list[TokenLogprob] | None = None
