@@ -170,4 +170,3 @@ class Req:
             finish_time=self.finish_time,
         )
         return out
-
