@@ -158,7 +158,9 @@ class SamplingParams:
     ids are the same either way: they end with the token that completed the stop string).
     ``skip_special_tokens`` (vLLM's, default True) drops special tokens (``<|im_end|>``,
     added control tokens) from the text; False keeps them, and stop strings are then matched
-    against the text with them.
+    against the text with them. The token that ended a request at token level (EOS, a
+    ``stop_token_ids`` id) is in its token ids, and in its text only with
+    ``include_stop_str_in_output`` (:func:`stop_token_hidden`, vLLM's rule).
 
     Construction only normalizes ``stop`` / ``stop_token_ids`` to tuples, ``logit_bias`` to a
     dict of its own and ``repetition_stop`` ``True`` / ``False`` to a record / None;
