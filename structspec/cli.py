@@ -68,10 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--batch", help="JSONL file: one request per line with 'prompt' or "
                                      "'messages' and optional per-request fields (at most "
                                      "one of json_schema, regex, ebnf, choice, json_object; "
-                                     "strict, bounded_numbers, max_tokens, temperature, seed, "
-                                     "stop, top_p, top_k, min_p, presence_penalty, "
-                                     "frequency_penalty, repetition_penalty, logit_bias, "
-                                     "repetition_stop); a line with other keys fails alone")
+                                     "strict, bounded_numbers, max_tokens, min_tokens, "
+                                     "temperature, seed, "
+                                     "stop, include_stop_str_in_output, "
+                                     "skip_special_tokens, top_p, top_k, min_p, "
+                                     "presence_penalty, frequency_penalty, "
+                                     "repetition_penalty, logit_bias, repetition_stop); a "
+                                     "line with other keys fails alone")
     gen.add_argument("--raw-prompt", action="store_true",
                      help="send --prompt as is, without the chat template")
     gram = gen.add_mutually_exclusive_group()
@@ -102,6 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
                           "the same output in any batch, with any drafter or none, at any tree "
                           "size; int4/bf16 logits shift with the batch's shape)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--include-stop-str-in-output", action="store_true",
+                     help="keep the stop string that ended the answer in its text (and the "
+                          "text of the stop token that ended it: EOS with "
+                          "--no-skip-special-tokens)")
+    gen.add_argument("--no-skip-special-tokens", dest="skip_special_tokens",
+                     action="store_false",
+                     help="keep special tokens (e.g. <|im_end|>) in the text")
     pen = gen.add_argument_group("penalties and loop guards")
     pen.add_argument("--presence-penalty", type=float, default=0.0,
                      help="OpenAI presence penalty in [-2, 2] over the output's tokens")
@@ -318,6 +328,7 @@ _PENALTY_KEYS = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 _BATCH_KEYS = frozenset({"prompt", "messages", "strict", "bounded_numbers", "max_tokens",
                          "min_tokens",
                          "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                         "include_stop_str_in_output", "skip_special_tokens",
                          "logit_bias", "repetition_stop", *_PENALTY_KEYS, *_GRAMMAR_KEYS})
 
 
@@ -441,6 +452,9 @@ def _params(args: argparse.Namespace, grammar: GrammarConstraint | None,
         min_p=rec.get("min_p", args.min_p),
         seed=rec.get("seed", args.request_seed),
         stop=tuple([stop] if isinstance(stop, str) else stop),
+        include_stop_str_in_output=rec.get("include_stop_str_in_output",
+                                           args.include_stop_str_in_output),
+        skip_special_tokens=rec.get("skip_special_tokens", args.skip_special_tokens),
         grammar=grammar,
         presence_penalty=rec.get("presence_penalty", args.presence_penalty),
         frequency_penalty=rec.get("frequency_penalty", args.frequency_penalty),

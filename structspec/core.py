@@ -160,6 +160,15 @@ class SamplingParams:
     :class:`~structspec.penalty_params.RepetitionStop`) ends a request whose output loops,
     ``finish_reason`` ``length`` with ``stop_reason`` ``"repetition"``.
 
+    A stop string (``stop``) ends the text right before it; with
+    ``include_stop_str_in_output`` (vLLM's) right after it, so the text keeps it (the token
+    ids are the same either way: they end with the token that completed the stop string).
+    ``skip_special_tokens`` (vLLM's, default True) drops special tokens (``<|im_end|>``,
+    added control tokens) from the text; False keeps them, and stop strings are then matched
+    against the text with them. The token that ended a request at token level (EOS, a
+    ``stop_token_ids`` id) is in its token ids, and in its text only with
+    ``include_stop_str_in_output`` (:func:`stop_token_hidden`, vLLM's rule).
+
     Construction only normalizes ``stop`` / ``stop_token_ids`` to tuples, ``logit_bias`` to a
     dict of its own and ``repetition_stop`` ``True`` / ``False`` to a record / None;
     :meth:`validate` checks types and ranges (``LLMEngine.add_request`` calls it, so a bad
@@ -182,7 +191,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     repetition_stop: RepetitionStop | None = None
-    min_tokens: int = 0  # new fields go last: a positional construction keeps its meaning
+    # new fields go last: a positional construction keeps its meaning
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         # Accept a single string, None (none, as in vLLM and the OpenAI API) and any iterable
@@ -224,6 +236,9 @@ class SamplingParams:
             raise ValueError(why)
         if not isinstance(self.ignore_eos, bool):  # "false" is truthy: it would ignore EOS
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):  # no truthiness: "false" is truthy
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not 0 <= self.min_tokens <= self.max_tokens:
@@ -277,6 +292,31 @@ class SamplingParams:
                 raise ValueError(f"repetition_stop must be True, False, None or a "
                                  f"RepetitionStop, got {self.repetition_stop!r}")
             self.repetition_stop.check()
+
+
+def stop_holdback(params: SamplingParams) -> int:
+    """Characters at the end of a running request's text that streaming holds back (the
+    engine's ``RequestOutput.new_text`` and the server's stream both): ``len(longest stop) -
+    1``, what could be the start of a stop string that the final text will not keep. 0
+    without stop strings, and with ``include_stop_str_in_output``: the final text then ends
+    right after the first stop string, which ends in the text of the request's last token,
+    so everything before that token's text stays and can be sent at once."""
+    if not params.stop or params.include_stop_str_in_output:
+        return 0
+    return max(len(s) for s in params.stop) - 1
+
+
+def stop_token_hidden(params: SamplingParams, finish_reason: str | None,
+                      stop_reason: str | int | None) -> bool:
+    """Whether the last output token of a finished request stays out of its text: the token
+    that ended it at token level (``finish_reason`` ``stop`` with no stop *string* as
+    ``stop_reason``: the model's EOS, a ``stop_token_ids`` id, or the stop token that ended
+    its grammar), unless ``include_stop_str_in_output`` (vLLM's rule; the token id is
+    reported either way). With ``skip_special_tokens`` (the default) an EOS decodes to no
+    text anyway; a ``stop_token_ids`` id of an ordinary token shows only with
+    ``include_stop_str_in_output``."""
+    return (finish_reason == "stop" and not isinstance(stop_reason, str)
+            and not params.include_stop_str_in_output)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -665,3 +665,33 @@ def test_a_batch_line_names_its_first_bad_byte_by_column() -> None:
             assert _utf8_error_in_line(raw, e).startswith(want), _utf8_error_in_line(raw, e)
         else:
             raise AssertionError(raw)
+
+
+def test_stop_text_flags_and_batch_keys_reach_the_params(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--include-stop-str-in-output`` / ``--no-skip-special-tokens`` and the ``--batch``
+    keys ``include_stop_str_in_output`` / ``skip_special_tokens`` (a line's value wins; a
+    non-boolean fails the line naming the key)."""
+    rc, _, err = _run_generate(monkeypatch, capsys, ["generate", "--prompt", "hi"])
+    assert rc == 0, err
+    p = _FakeLLM.seen[-1][1]
+    assert (p.include_stop_str_in_output, p.skip_special_tokens) == (False, True)
+    rc, _, err = _run_generate(monkeypatch, capsys, [
+        "generate", "--prompt", "hi", "--stop", "x", "--include-stop-str-in-output",
+        "--no-skip-special-tokens"])
+    assert rc == 0, err
+    p = _FakeLLM.seen[-1][1]
+    assert (p.include_stop_str_in_output, p.skip_special_tokens) == (True, False)
+    rc, outs, err = _run_batch(tmp_path, monkeypatch, capsys, [
+        {"prompt": "a", "include_stop_str_in_output": True, "skip_special_tokens": False},
+        {"prompt": "b"},
+        {"prompt": "c", "include_stop_str_in_output": "yes"},
+        {"prompt": "d", "skip_special_tokens": 0},
+    ])
+    assert rc == 1 and [o["error"] is None for o in outs] == [True, True, False, False]
+    seen = [(p.include_stop_str_in_output, p.skip_special_tokens) for _, p in _FakeLLM.seen]
+    assert seen[:2] == [(True, False), (False, True)]  # (the bad lines run as placeholders)
+    assert outs[2]["error_param"] == "include_stop_str_in_output"
+    assert outs[3]["error_param"] == "skip_special_tokens"
+    assert "include_stop_str_in_output must be True or False" in outs[2]["error"]

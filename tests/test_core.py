@@ -59,6 +59,14 @@ def test_ignore_eos_takes_booleans_only(value: Any) -> None:
         SamplingParams(ignore_eos=value).validate()
 
 
+@pytest.mark.parametrize("field", ["include_stop_str_in_output", "skip_special_tokens"])
+@pytest.mark.parametrize("value", ["no", "false", 0, 1, None])
+def test_text_flags_take_booleans_only(field: str, value: Any) -> None:
+    with pytest.raises(ValueError, match=f"^{field} must be True or False"):
+        SamplingParams(**{field: value}).validate()
+    SamplingParams(**{field: False}).validate()
+
+
 @pytest.mark.parametrize("top_k", [2**31, 2**63, 10**20])
 def test_top_k_past_int32_is_refused(top_k: int) -> None:
     """A top_k that would overflow the sampler's int64 column once crashed the engine loop

@@ -204,7 +204,8 @@ class LLMEngine:
             arrival_time=now(),
             max_new_tokens=min(params.max_tokens, self.max_model_len - len(ids)),
             eos_token_ids=frozenset(self.tokenizer.eos_token_ids),
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids=ids)
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, prompt_ids=ids, skip_special_tokens=params.skip_special_tokens)
             if self.detokenize or params.stop else None,
             priority=priority,
         )

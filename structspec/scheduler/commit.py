@@ -15,7 +15,9 @@ B. The *grammar barrier* (with overlap it runs after the next verify launch, und
    matcher then lags behind (``Req.num_grammar_advanced``) and catches up in
    :func:`advance_grammar` only when the host needs it again.
 C. :func:`process_text` (with overlap: after the next launch too): detokenize, apply stop
-   strings; ids past a stop string are removed again and rolled back from the matcher, so the
+   strings (the text is cut before the stop string, or after it with
+   ``include_stop_str_in_output``; the ids keep the token that completed it either way);
+   ids past a stop string are removed again and rolled back from the matcher, so the
    matcher has accepted exactly the committed ids.
 
 Whatever is cut is never emitted, counted or kept: a cut always finishes the request, whose KV
@@ -24,7 +26,7 @@ pages are then freed whole.
 
 from __future__ import annotations
 
-from structspec.core import FinishReason
+from structspec.core import FinishReason, stop_token_hidden
 from structspec.penalty_params import REPETITION_STOP_REASON
 from structspec.scheduler.request import Req
 from structspec.stop_strings import first_stop_ending_after
@@ -140,18 +142,26 @@ def cut_output(req: Req, keep: int) -> int:
 
 
 def process_text(req: Req) -> None:
-    """Phase C: detokenize new ids and cut at the first stop string (across token bounds)."""
+    """Phase C: detokenize new ids and cut at the first stop string (across token bounds).
+
+    The id that ended the request at token level (EOS, a ``stop_token_ids`` id, the grammar's
+    stop token) is counted but not detokenized unless ``include_stop_str_in_output``
+    (:func:`~structspec.core.stop_token_hidden`): phase A (and B) finished the request before
+    its run gets here."""
     stops = req.params.stop
+    text_end = len(req.output_ids)
+    if stop_token_hidden(req.params, req.finish_reason, req.stop_reason):
+        text_end -= 1
     if not stops:
-        if req.detokenizer is not None and req.num_detokenized < len(req.output_ids):
+        if req.detokenizer is not None and req.num_detokenized < text_end:
             # No stop string to look for: detokenize the whole run at once (two decodes per
             # step instead of two per token; the text is the same).
-            req.text += req.detokenizer.add(req.output_ids[req.num_detokenized:])
+            req.text += req.detokenizer.add(req.output_ids[req.num_detokenized:text_end])
         # Without a detokenizer (a front end that detokenizes itself) there is no text to
         # make: the ids are passed as a whole instead of one loop turn per token.
         req.num_detokenized = len(req.output_ids)
         return
-    while req.num_detokenized < len(req.output_ids):
+    while req.num_detokenized < text_end:
         tok = req.output_ids[req.num_detokenized]
         req.num_detokenized += 1
         new_text = req.detokenizer.add([tok]) if req.detokenizer is not None else ""
@@ -165,7 +175,9 @@ def process_text(req: Req) -> None:
         if hit is None:
             continue
         idx, s = hit
-        req.text = req.text[:idx]
+        # the text ends before the stop string, or after it (vLLM's include_stop_str_in_output);
+        # what the completing token decoded to past it is dropped either way
+        req.text = req.text[:idx + len(s) if req.params.include_stop_str_in_output else idx]
         if cut_output(req, req.num_detokenized):  # they came from the last verify run
             if req.matcher is not None and req.num_grammar_advanced > len(req.output_ids):
                 # Only ids the host matcher already accepted are rolled back (a mirror
@@ -174,6 +186,7 @@ def process_text(req: Req) -> None:
                 req.num_grammar_advanced = len(req.output_ids)
         req.finish(FinishReason.STOP, force=True, stop_reason=s)
         return
+    req.num_detokenized = len(req.output_ids)  # a hidden stop token is counted all the same
 
 
 def commit_run(req: Req, run: list[int], now_s: float) -> int:

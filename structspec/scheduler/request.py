@@ -6,7 +6,14 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from structspec.core import FinishReason, RequestOutput, SamplingParams, SpecMetrics, TokenLogprob
+from structspec.core import (
+    FinishReason,
+    RequestOutput,
+    SamplingParams,
+    SpecMetrics,
+    TokenLogprob,
+    stop_holdback,
+)
 from structspec.scheduler.repeat_stop import RepeatDetector
 
 if TYPE_CHECKING:
@@ -72,7 +79,7 @@ class Req:
     # output ids the host matcher has accepted (the rest wait for the grammar barrier, or
     # were advanced by a mask worker's mirror matcher and are replayed only if needed)
     num_grammar_advanced: int = 0
-    num_detokenized: int = 0  # output ids already passed to the detokenizer
+    num_detokenized: int = 0  # output ids already passed to the detokenizer (or left out)
     num_reported_ids: int = 0  # output ids already returned in a RequestOutput
     num_reported_chars: int = 0  # characters of ``text`` already returned
     logprobs: list[TokenLogprob] | None = None
@@ -131,12 +138,12 @@ class Req:
 
     def take_output(self, now_s: float) -> RequestOutput:
         """Snapshot for the caller; consumes the streamed delta (ids and text since the last
-        output). While running, text that could be the start of a stop string is held back."""
+        output). While running, text that could be the start of a stop string is held back
+        (:func:`~structspec.core.stop_holdback`)."""
         ids_end = min(self.num_detokenized, len(self.output_ids))
         text_end = len(self.text)
-        if not self.finished and self.params.stop:
-            text_end = max(self.num_reported_chars,
-                           text_end - max(len(s) for s in self.params.stop) + 1)
+        if not self.finished:
+            text_end = max(self.num_reported_chars, text_end - stop_holdback(self.params))
         new_ids = self.output_ids[self.num_reported_ids:ids_end]
         new_text = self.text[self.num_reported_chars:text_end]
         self.num_reported_ids, self.num_reported_chars = ids_end, text_end

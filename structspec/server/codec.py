@@ -71,8 +71,10 @@ class Codec(Protocol):
         ``convert_ids_to_tokens``, what vLLM's ``/tokenize`` returns as ``token_strs``)."""
         ...
 
-    def detokenizer(self, prompt_ids: Sequence[int]) -> Detokenizer:
-        """A fresh incremental detokenizer with ``prompt_ids`` as left context."""
+    def detokenizer(self, prompt_ids: Sequence[int], *,
+                    skip_special_tokens: bool = True) -> Detokenizer:
+        """A fresh incremental detokenizer with ``prompt_ids`` as left context; special
+        tokens are dropped from its text unless ``skip_special_tokens`` is False."""
         ...
 
     def token_str(self, token_id: int) -> str:
@@ -117,8 +119,9 @@ class TokenizerCodec:
     def token_pieces(self, token_ids: Sequence[int]) -> list[str]:
         return self.tokenizer.convert_ids_to_tokens(token_ids)
 
-    def detokenizer(self, prompt_ids: Sequence[int]) -> Detokenizer:
-        return self.tokenizer.detokenizer(prompt_ids)
+    def detokenizer(self, prompt_ids: Sequence[int], *,
+                    skip_special_tokens: bool = True) -> Detokenizer:
+        return self.tokenizer.detokenizer(prompt_ids, skip_special_tokens=skip_special_tokens)
 
     def token_str(self, token_id: int) -> str:
         return self._token_str(int(token_id))

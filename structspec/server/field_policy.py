@@ -3,10 +3,11 @@ without a word.
 
 - **Fields it knows but cannot honour** (:data:`UNSUPPORTED`: OpenAI's ``functions``,
   ``audio``, ``reasoning_effort``...; vLLM's sampling extras such as ``use_beam_search`` or
-  ``bad_words``): a 400 ``code: "unsupported"`` naming the field, unless the
-  value asks for nothing (``null``, or the value that changes nothing: ``length_penalty: 1``,
-  ``store: false``, ``modalities: ["text"]``...). The penalties (``presence_penalty``,
-  ``frequency_penalty``, ``repetition_penalty``), ``logit_bias`` and ``min_tokens`` are served
+  ``spaces_between_special_tokens``): a 400 ``code: "unsupported"`` naming the field, unless
+  the value asks for nothing (``null``, or the value that changes nothing: ``length_penalty:
+  1``, ``store: false``, ``modalities: ["text"]``...). The penalties (``presence_penalty``,
+  ``frequency_penalty``, ``repetition_penalty``), ``logit_bias`` and vLLM's ``min_tokens``,
+  ``include_stop_str_in_output`` and ``skip_special_tokens`` are served
   (:mod:`structspec.server.params` checks their values), and so are vLLM's chat template
   options ``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs``
   (:class:`structspec.core.ChatTemplateOptions` checks them), on ``/v1/chat/completions`` and
@@ -118,8 +119,9 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     # vLLM's sampling extras that change an output
     Unsupported("length_penalty", _number(1), "1"),
     Unsupported("use_beam_search", _is(False), "false"),
-    Unsupported("include_stop_str_in_output", _is(False), "false"),
-    Unsupported("skip_special_tokens", _is(True), "true"),
+    # include_stop_str_in_output and skip_special_tokens are served (SamplingRequest); the
+    # tokenizers decode has no spaces_between_special_tokens option (vLLM works around it
+    # token by token), so only its default is accepted
     Unsupported("spaces_between_special_tokens", _is(True), "true"),
     Unsupported("bad_words", _empty, "[]"),
     Unsupported("allowed_token_ids", _never, "null"),

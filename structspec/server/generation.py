@@ -7,8 +7,16 @@ an early failure into an :class:`~structspec.server.errors.APIError`, and aborts
 still running when the HTTP side goes away.
 
 Stop strings: the engine decides *when* a stop string ends a request; the text here is cut
-at the same place. While streaming, the last ``len(longest stop) - 1`` characters are held
-back so a stop string is never partly sent.
+at the same place (before the stop string, or after it with ``include_stop_str_in_output``).
+While streaming, the last ``len(longest stop) - 1`` characters are held back so a stop string
+is never partly sent; with ``include_stop_str_in_output`` nothing is held back (what was sent
+before the last token stays in the final text: :func:`~structspec.core.stop_holdback`).
+
+Special tokens: each choice's detokenizer drops them unless the request's
+``skip_special_tokens`` is false, as the engine's detokenizer does (its stop strings are
+matched against the same text). The token that ended a choice at token level (EOS, a
+``stop_token_ids`` id) stays out of the text unless ``include_stop_str_in_output``
+(:func:`~structspec.core.stop_token_hidden`, the engine's rule too).
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from structspec.constraints import PARAM_BY_KIND
-from structspec.core import SamplingParams, SpecMetrics
+from structspec.core import SamplingParams, SpecMetrics, stop_holdback, stop_token_hidden
 from structspec.server.codec import Codec, Detokenizer
 from structspec.server.engine_client import AsyncEngine, EngineDeadError
 from structspec.server.errors import APIError, bad_request, server_error, unavailable
@@ -77,7 +85,8 @@ class ChoiceState:
 
     @property
     def holdback(self) -> int:
-        return max((len(s) for s in self.params.stop), default=1) - 1
+        """Characters at the end of :attr:`text` not streamed while running."""
+        return stop_holdback(self.params)
 
     def apply(self, delta: EngineDelta, elapsed_s: float) -> None:
         """Fold one engine delta in (detokenizing its new tokens)."""
@@ -85,15 +94,18 @@ class ChoiceState:
             if self.first_token_s is None:
                 self.first_token_s = elapsed_s
             ids = delta.new_token_ids
-            short = self.params.min_tokens - len(self.token_ids)
+            if delta.finished and stop_token_hidden(self.params, delta.finish_reason,
+                                                    delta.stop_reason):
+                ids = ids[:-1]  # as the engine leaves it out of its text
+            self.token_ids.extend(delta.new_token_ids)
+            counted = len(self.token_ids) - len(delta.new_token_ids)
+            short = self.params.min_tokens - counted
             if short > 0:  # note where the text of the first min_tokens tokens ends
                 head, ids = ids[:short], ids[short:]
-                self.token_ids.extend(head)
                 self.text += self.detok.add(head)
-                if len(self.token_ids) == self.params.min_tokens:
+                if counted + len(head) == self.params.min_tokens:
                     self.stop_search_from = len(self.text)
             if ids:
-                self.token_ids.extend(ids)
                 self.text += self.detok.add(ids)
         if delta.new_logprobs:
             self.logprobs.extend(delta.new_logprobs)
@@ -108,7 +120,8 @@ class ChoiceState:
         if delta.finish_reason == "stop" and isinstance(delta.stop_reason, str):
             hit = first_stop_ending_after(text, self.params.stop, self.stop_search_from)
             if hit is not None:
-                text = text[:hit[0]]
+                idx, stop = hit
+                text = text[:idx + len(stop) if self.params.include_stop_str_in_output else idx]
         if delta.text is not None and delta.text != text and delta.error is None:
             logger.debug("request %s: front-end text differs from the engine's (%d vs %d chars)",
                          self.request_id, len(text), len(delta.text))
@@ -189,7 +202,9 @@ class GenerationRun:
         self.queue: asyncio.Queue[EngineDelta] = asyncio.Queue()
         self.choices = [
             ChoiceState(index=i, request_id=f"{request_id}-{i}", prompt_ids=ids, params=params,
-                        detok=codec.detokenizer(ids), grammar_param=grammar_param)
+                        detok=codec.detokenizer(
+                            ids, skip_special_tokens=params.skip_special_tokens),
+                        grammar_param=grammar_param)
             for i, (ids, params) in enumerate(items)
         ]
         self._by_rid = {c.request_id: c for c in self.choices}

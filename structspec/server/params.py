@@ -17,6 +17,11 @@ entries, ids below the vocabulary size) and structspec's ``repetition_stop`` (``
 ``length`` and ``stop_reason`` ``"repetition"``). A bad value (NaN, out of range, a key that
 is not a token id) is a 400 naming the field.
 
+Text: vLLM's ``include_stop_str_in_output`` (default false) keeps the stop string that
+ended a choice (and the text of a stop token) in its text; ``skip_special_tokens`` (default
+true) false keeps special tokens in it (``null`` is the default for both). Anything but a
+JSON boolean is a 400 naming the field.
+
 Log-probabilities (``logprobs`` / ``top_logprobs``) are the target model's log-softmax over
 the vocabulary *after* ``logit_bias``, the penalties and the grammar mask and *before*
 temperature and top-k/top-p/min-p, so with a grammar every token outside it has
@@ -107,6 +112,8 @@ def build_sampling_params(
         stop=stop,
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
+        include_stop_str_in_output=bool(req.include_stop_str_in_output),
+        skip_special_tokens=req.skip_special_tokens is not False,
         grammar=grammar,
         logprobs=logprobs,
         presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,

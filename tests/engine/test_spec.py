@@ -290,15 +290,19 @@ def test_stops_inside_accepted_runs_match_spec_off(make_llm) -> None:
         SamplingParams(max_tokens=48, stop=["three four, one"]),
         SamplingParams(max_tokens=17),
         SamplingParams(max_tokens=48, stop_token_ids=(free.token_ids[9],)),
+        SamplingParams(max_tokens=48, stop=["three four, one"], include_stop_str_in_output=True),
     ]
+    texts = []
     for sp in cases:
         w = base.generate(prompt, sp)[0]
         g = spec.generate(prompt, sp)[0]
         assert g.token_ids == w.token_ids and g.text == w.text, sp
+        texts.append(g.text)
         assert g.finish_reason == w.finish_reason and g.stop_reason == w.stop_reason
         # Counts match the kept tokens: the first token comes from prefill, and nothing cut by
         # a stop is counted.
         assert g.spec.committed_tokens == len(g.token_ids) - 1
+    assert texts[3] == texts[0] + "three four, one"  # the stop string kept, whatever drafts
     # The repetitive prompt makes n-gram drafts long, so the stops above landed mid-run.
     assert spec.generate(prompt, SamplingParams(max_tokens=48))[0].spec.accept_length > 1.5
 

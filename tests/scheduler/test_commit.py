@@ -136,3 +136,67 @@ def test_mismatch_after_a_stop_string_cut_keeps_the_stop() -> None:
         outcomes.append((req.output_ids, req.text, req.finish_reason, req.error))
     # the id that completed the stop string stays (as in process_text), its text does not
     assert outcomes[0] == outcomes[1] == ([5, 6], "f", FinishReason.STOP, None), outcomes
+
+
+class SpecialDetok(CharDetok):
+    """:class:`CharDetok` that keeps special tokens (EOS decodes to ``<eos>``) and has one
+    three-character token, 100 (``xyz``)."""
+
+    def add(self, ids: list[int]) -> str:
+        return "".join("<eos>" if t == EOS else "xyz" if t == 100 else CharDetok.add(self, [t])
+                       for t in ids)
+
+
+def test_include_stop_str_in_output_cuts_after_the_stop_string() -> None:
+    """The text ends right after the stop string (vLLM), also where it ends inside a token
+    (the rest of that token's text goes); the ids are the same either way."""
+    for include, want in ((False, "fg"), (True, "fghi")):
+        req = make_req(max_tokens=50, stop=("hi",), include_stop_str_in_output=include)
+        commit_run(req, [5, 6, 7, 8, 9], 0.0)  # "fghij": the stop completes at token 8
+        assert req.output_ids == [5, 6, 7, 8] and req.text == want, include
+        assert req.finish_reason is FinishReason.STOP and req.stop_reason == "hi"
+    for include, want in ((False, "f"), (True, "fxy")):
+        req = make_req(max_tokens=50, stop=("xy",), include_stop_str_in_output=include)
+        req.detokenizer = SpecialDetok()  # type: ignore[assignment]
+        commit_run(req, [5, 100, 6], 0.0)  # "fxyzg": "xy" ends inside token 100
+        assert req.output_ids == [5, 100] and req.text == want, include
+
+
+def test_streamed_text_holds_back_a_stop_prefix_unless_it_stays() -> None:
+    """``take_output`` holds back ``len(longest stop) - 1`` characters while running; with
+    include_stop_str_in_output nothing (the final text keeps them), and the streamed
+    pieces add up to the final text either way."""
+    for include, first, final in ((False, "f", "fg"), (True, "fgh", "fghij")):
+        req = make_req(max_tokens=50, stop=("hij",), include_stop_str_in_output=include)
+        commit_run(req, [5, 6, 7], 0.0)  # "fgh": could be the start of "hij"
+        out = req.take_output(0.0)
+        assert out.new_text == first and not out.finished, include
+        commit_run(req, [8, 9, 10], 0.0)  # "ijk": the stop completes at token 9
+        last = req.take_output(0.0)
+        assert last.finished and last.text == final and first + last.new_text == final
+        assert last.token_ids == [5, 6, 7, 8, 9]
+
+
+def test_token_level_stop_text_shows_only_with_include_stop_str_in_output() -> None:
+    """The token that ended a request at token level (EOS, a stop_token_ids id) is reported
+    but stays out of the text unless include_stop_str_in_output (vLLM's rule); a special
+    token that did not stop the request (ignore_eos) is text like any other when the
+    detokenizer keeps special tokens."""
+    cases = [
+        (dict(), [5, EOS, 6], [5, EOS], "f"),
+        (dict(include_stop_str_in_output=True), [5, EOS, 6], [5, EOS], "f<eos>"),
+        (dict(stop_token_ids=(9,)), [5, 9, 6], [5, 9], "f"),
+        (dict(stop_token_ids=(9,), include_stop_str_in_output=True), [5, 9, 6], [5, 9], "fj"),
+        (dict(ignore_eos=True), [5, EOS, 6], [5, EOS, 6], "f<eos>g"),
+        # with stop strings (token by token) too
+        (dict(stop=("zz",)), [5, EOS], [5, EOS], "f"),
+        (dict(stop=("zz",), include_stop_str_in_output=True), [5, EOS], [5, EOS], "f<eos>"),
+    ]
+    for kw, run, ids, text in cases:
+        req = make_req(max_tokens=50, **kw)
+        req.detokenizer = SpecialDetok()  # type: ignore[assignment]
+        req.matcher = None  # no grammar (the fake one ends at EOS)
+        commit_run(req, run, 0.0)
+        out = req.take_output(0.0)
+        assert (out.token_ids, out.text) == (ids, text), kw
+        assert req.num_detokenized == len(ids), kw

@@ -1,7 +1,8 @@
 """A fake engine and a character-level codec for protocol-level server tests (no model).
 
 The fake engine "generates" a scripted text one character (= token) per tick, following the
-engine's semantics: stop strings end the request with the text cut before them,
+engine's semantics: stop strings end the request with the text cut before them (after
+them with ``include_stop_str_in_output``),
 ``max_tokens`` ends it with ``length``, a grammar decides the script, and a grammar whose
 text contains ``BAD(`` (a regex, an EBNF grammar, a JSON Schema, a choice) fails to "compile":
 an error delta before any token whose ``error_param`` is the one the real engine gives
@@ -46,11 +47,19 @@ def grammar_text(g: Any) -> str:
     return ""
 
 
+EOS_TEXT = "</s>"
+"""The text of token 0 (EOS) when special tokens are kept (``skip_special_tokens`` false)."""
+
+
 class CharDetokenizer:
-    """One token = one character; token 0 (EOS) has no text."""
+    """One token = one character; token 0 (EOS) has no text, or :data:`EOS_TEXT` when
+    special tokens are kept."""
+
+    def __init__(self, skip_special_tokens: bool = True) -> None:
+        self.eos_text = "" if skip_special_tokens else EOS_TEXT
 
     def add(self, token_ids: Iterable[int]) -> str:
-        return "".join(chr(t) for t in token_ids if t != EOS)
+        return "".join(self.eos_text if t == EOS else chr(t) for t in token_ids)
 
     def flush(self) -> str:
         return ""
@@ -85,8 +94,9 @@ class FakeCodec:
     def token_pieces(self, token_ids: Sequence[int]) -> list[str]:
         return [chr(t) for t in token_ids]
 
-    def detokenizer(self, prompt_ids: Sequence[int]) -> CharDetokenizer:
-        return CharDetokenizer()
+    def detokenizer(self, prompt_ids: Sequence[int], *,
+                    skip_special_tokens: bool = True) -> CharDetokenizer:
+        return CharDetokenizer(skip_special_tokens)
 
     def token_str(self, token_id: int) -> str:
         return "" if token_id == EOS else chr(token_id)
@@ -201,8 +211,10 @@ class FakeEngine:
             found = (first_stop_ending_after(so_far, params.stop, params.min_tokens)
                      if len(out) > params.min_tokens else None)
             if found is not None:
-                self._finish(rid, sink, self._final(rid, [tok], lps, prompt, out, "stop",
-                                                    found[1], so_far[:found[0]], steps))
+                idx, hit = found
+                end = idx + (len(hit) if params.include_stop_str_in_output else 0)
+                self._finish(rid, sink, self._final(rid, [tok], lps, prompt, out, "stop", hit,
+                                                    so_far[:end], steps))
                 return
             if len(out) >= params.max_tokens:
                 self._finish(rid, sink, self._final(rid, [tok], lps, prompt, out, "length", None,

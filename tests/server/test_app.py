@@ -84,6 +84,47 @@ def test_min_tokens_skips_stop_strings_inside_them(client: TestClient) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
 
 
+def _chat_text(client: TestClient, body: dict[str, Any]) -> tuple[str, str]:
+    """The content of ``body``'s answer, and of its streamed answer (pieces joined)."""
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    full = r.json()["choices"][0]["message"]["content"]
+    r = client.post("/v1/chat/completions", json={**body, "stream": True})
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    return full, "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1])
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(client: TestClient) -> None:
+    """The text ends after the stop string, streamed (nothing held back, nothing lost) or
+    not; the engine gets the flag."""
+    engine: FakeEngine = client.app.state.server.engine  # type: ignore[attr-defined]
+    body = {"messages": MSGS, "stop": [" STOP", "zzz"], "max_tokens": 100}
+    cut, cut_streamed = _chat_text(client, body)
+    assert cut == cut_streamed == "Hello world!"
+    assert engine.added[-1][2].include_stop_str_in_output is False
+    kept, kept_streamed = _chat_text(client, {**body, "include_stop_str_in_output": True})
+    assert kept == kept_streamed == cut + " STOP"
+    assert engine.added[-1][2].include_stop_str_in_output is True
+
+
+def test_skip_special_tokens_false_keeps_them(client: TestClient) -> None:
+    """``skip_special_tokens: false`` reaches the detokenizer (the fake's EOS reads
+    ``</s>``); the EOS that ended the answer shows only with include_stop_str_in_output,
+    as in vLLM."""
+    from tests.server.server_fakes import EOS_TEXT
+
+    engine: FakeEngine = client.app.state.server.engine  # type: ignore[attr-defined]
+    body = {"messages": MSGS, "max_tokens": 10, "structured_outputs": {"choice": ["no", "yes"]}}
+    assert _chat_text(client, body) == ("yes", "yes")
+    assert engine.added[-1][2].skip_special_tokens is True
+    assert _chat_text(client, {**body, "skip_special_tokens": False}) == ("yes", "yes")
+    assert engine.added[-1][2].skip_special_tokens is False
+    assert _chat_text(client, {**body, "skip_special_tokens": False,
+                               "include_stop_str_in_output": True}) == ("yes" + EOS_TEXT,) * 2
+    assert _chat_text(client, {**body, "include_stop_str_in_output": True}) == ("yes", "yes")
+
+
 def test_stream_include_usage(client: TestClient) -> None:
     r = client.post("/v1/chat/completions", json={
         "messages": MSGS, "max_tokens": 3, "stream": True,
@@ -472,6 +513,8 @@ def test_schema_string_python_refuses_is_400(client: TestClient, field: str, tex
 @pytest.mark.parametrize("field,value", [
     ("temperature", "0.5"), ("temperature", True), ("top_p", "1"), ("min_p", False),
     ("stream", "yes"), ("stream", 1), ("ignore_eos", "true"),
+    ("include_stop_str_in_output", "true"), ("include_stop_str_in_output", 1),
+    ("skip_special_tokens", "false"), ("skip_special_tokens", 0),
 ])
 def test_wrong_scalar_types_are_400_over_http(client: TestClient, path: str,
                                               base: dict[str, Any], field: str,

@@ -96,6 +96,31 @@ def test_completions_stream_and_stop(client: openai.OpenAI) -> None:
     assert "".join(ch.choices[0].text for ch in chunks) == c.text
 
 
+def test_include_stop_str_in_output_and_special_tokens(client: openai.OpenAI) -> None:
+    """vLLM's text options over HTTP: the stop string kept is the cut text plus the stop
+    string, and the EOS that ended an answer shows as ``<|im_end|>`` with
+    ``skip_special_tokens: false`` and ``include_stop_str_in_output``; streamed as whole."""
+    kw: dict[str, Any] = dict(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=8, temperature=0,
+                              stop=[" 7"])
+    cut = client.completions.create(**kw).choices[0]
+    assert cut.finish_reason == "stop", cut  # " 5, 6, 7": the stop string ended it
+    keep = {"include_stop_str_in_output": True}
+    kept = client.completions.create(**kw, extra_body=keep).choices[0]
+    assert kept.text == cut.text + " 7" and kept.finish_reason == "stop"
+    chunks = client.completions.create(**kw, extra_body=keep, stream=True)
+    assert "".join(ch.choices[0].text for ch in chunks) == kept.text
+    chat: dict[str, Any] = dict(model=MODEL, max_tokens=6, temperature=0, messages=[
+        {"role": "user", "content": "Is the sky blue? Answer yes or no."}])
+    plain = client.chat.completions.create(**chat).choices[0]
+    assert plain.finish_reason == "stop", plain  # at the EOS
+    special = {"skip_special_tokens": False, "include_stop_str_in_output": True}
+    shown = client.chat.completions.create(**chat, extra_body=special).choices[0]
+    assert shown.message.content == plain.message.content + "<|im_end|>"
+    chunks = client.chat.completions.create(**chat, extra_body=special, stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == \
+        shown.message.content
+
+
 def _check(kind: str, text: str) -> None:
     if kind in ("json_schema", "guided_json"):
         jsonschema.validate(json.loads(text), COLOR_SCHEMA)

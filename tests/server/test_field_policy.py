@@ -82,7 +82,6 @@ def _bad_value(name: str) -> Any:
             "service_tier": "flex", "logit_bias": {"5": 1.0}, "suffix": "end", "best_of": 3,
             "presence_penalty": 0.5, "frequency_penalty": -1.0, "repetition_penalty": 1.2,
             "length_penalty": 0.5, "min_tokens": 5, "use_beam_search": True,
-            "include_stop_str_in_output": True, "skip_special_tokens": False,
             "spaces_between_special_tokens": False, "bad_words": ["x"],
             "chat_template_kwargs": {"enable_thinking": False}, "echo": True,
             "add_generation_prompt": False, "continue_final_message": True,
@@ -102,6 +101,24 @@ def test_field_the_server_does_not_implement_is_400_unsupported(client: TestClie
     err = error_of(post(client, path, **{name: _bad_value(name)}))
     assert err["param"] == name and err["code"] == "unsupported", err
     assert name in err["message"] and "accepted:" in err["message"]
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+@pytest.mark.parametrize("body", [
+    {"include_stop_str_in_output": True, "skip_special_tokens": False},
+    {"include_stop_str_in_output": False, "skip_special_tokens": True},
+    {"include_stop_str_in_output": None, "skip_special_tokens": None},
+])
+def test_served_vllm_text_options_are_accepted(engine: FakeEngine, client: TestClient,
+                                               path: str, body: dict[str, Any]) -> None:
+    """vLLM's include_stop_str_in_output and skip_special_tokens were refused as
+    unsupported; they are served now (``null``: the defaults, false and true)."""
+    assert all(e.name not in body for e in UNSUPPORTED)
+    r = post(client, path, **body)
+    assert r.status_code == 200, r.text
+    params = engine.added[-1][2]
+    assert params.include_stop_str_in_output is bool(body["include_stop_str_in_output"])
+    assert params.skip_special_tokens is (body["skip_special_tokens"] is not False)
 
 
 @pytest.mark.parametrize("body", [
@@ -148,6 +165,8 @@ def test_unknown_top_level_fields_are_accepted_and_logged(
     (COMPLETIONS, {"echo": "no"}, "echo"),
     (CHAT, {"logprobs": "yes"}, "logprobs"),
     (COMPLETIONS, {"ignore_eos": 1}, "ignore_eos"),
+    (CHAT, {"include_stop_str_in_output": "true"}, "include_stop_str_in_output"),
+    (COMPLETIONS, {"skip_special_tokens": 0}, "skip_special_tokens"),
     (CHAT, {"structured_outputs": {"json_object": "no"}}, "structured_outputs.json_object"),
     (CHAT, {"stream": True, "stream_options": {"include_obfuscation": "no"}},
      "stream_options.include_obfuscation"),
