@@ -150,6 +150,11 @@ class SamplingParams:
     change the output). A grammar goes first: where its structure is complete and only a stop
     token is allowed, the request ends there, shorter.
 
+    ``allowed_token_ids`` (vLLM's): only these ids may be chosen (every other logit is -inf,
+    before the grammar mask; a grammar that allows none of them at some step ends the request
+    with an error naming ``allowed_token_ids``). It shares the penalty table with
+    ``logit_bias``, so speculation keeps the output exact.
+
     ``presence_penalty`` / ``frequency_penalty`` (OpenAI, output tokens, ``[-2, 2]``, 0 =
     off), ``repetition_penalty`` (vLLM / Hugging Face, prompt and output tokens, ``[0.01,
     100]``, 1 = off) and ``logit_bias`` (``{token_id: bias in [-100, 100]}``) change the logits
@@ -195,6 +200,7 @@ class SamplingParams:
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    allowed_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         # Accept a single string, None (none, as in vLLM and the OpenAI API) and any iterable
@@ -206,6 +212,8 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", _as_tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", _as_tuple(self.allowed_token_ids))
         if isinstance(self.logit_bias, Mapping):  # a copy: the caller's dict may change later
             object.__setattr__(self, "logit_bias", dict(self.logit_bias) or None)
         object.__setattr__(self, "repetition_stop", as_repetition_stop(self.repetition_stop))
@@ -216,9 +224,11 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        """Whether any penalty or logit bias changes this request's logits."""
+        """Whether any penalty, logit bias or ``allowed_token_ids`` changes this request's
+        logits (they share the penalty table)."""
         return bool(self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                    or self.repetition_penalty != 1.0 or self.logit_bias)
+                    or self.repetition_penalty != 1.0 or self.logit_bias
+                    or self.allowed_token_ids is not None)
 
     def validate(self) -> None:
         """Check types and ranges; raise ``ValueError`` naming the field on bad input."""
@@ -266,6 +276,11 @@ class SamplingParams:
             # token ids travel as int64; 2**64 used to be accepted and could never match
             raise ValueError(f"stop_token_ids must be a list of integers in [0, 2**63), got "
                              f"{_shown(_as_list(self.stop_token_ids))}")
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, tuple) or not self.allowed_token_ids
+                or any(not _is_int(t) or not 0 <= t < 2**63 for t in self.allowed_token_ids)):
+            raise ValueError(f"allowed_token_ids must be None or a non-empty list of integers "
+                             f"in [0, 2**63), got {_shown(_as_list(self.allowed_token_ids))}")
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if self.grammar is not None and not isinstance(self.grammar, _CONSTRAINT_TYPES):

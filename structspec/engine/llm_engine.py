@@ -182,6 +182,12 @@ class LLMEngine:
         if bad_id is not None:
             raise RequestError(f"logit_bias key {bad_id} is not a token id of this model "
                                f"(vocabulary size {self.model_config.vocab_size})", "logit_bias")
+        bad_allowed = next((t for t in params.allowed_token_ids or ()
+                            if t >= self.model_config.vocab_size), None)
+        if bad_allowed is not None:
+            raise RequestError(f"allowed_token_ids entry {bad_allowed} is not a token id of "
+                               f"this model (vocabulary size {self.model_config.vocab_size})",
+                               "allowed_token_ids")
         bad_stop = next((t for t in params.stop_token_ids
                          if t >= self.model_config.vocab_size), None)
         if bad_stop is not None:

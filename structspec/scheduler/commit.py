@@ -61,6 +61,12 @@ def cut_run(req: Req, run: list[int]) -> tuple[list[int], FinishReason | None, s
 
 #: the error of a request whose step found its logits not finite (select_verify committed no
 #: token for it); the other requests of the batch are not affected
+#: the error of a request with allowed_token_ids whose step left it no token to choose (the
+#: grammar allowed none of them; or the model's logits were not finite)
+NO_ALLOWED_TOKEN_ERROR = ("no token is allowed both by allowed_token_ids and by the grammar "
+                          "at this point of the output (or the model produced non-finite "
+                          "logits); the request was stopped")
+
 NON_FINITE_LOGITS_ERROR = ("the model produced non-finite logits (NaN or inf) for this "
                            "request; it was stopped")
 
@@ -74,7 +80,12 @@ def commit_tokens(req: Req, run: list[int], now_s: float) -> list[int]:
     if req.finished:
         return []
     if not run:
-        req.finish(FinishReason.ABORT, error=NON_FINITE_LOGITS_ERROR)
+        if req.params.allowed_token_ids is not None:
+            # its other logits are -inf: the grammar allowed none of its tokens here
+            req.finish(FinishReason.ABORT, error=NO_ALLOWED_TOKEN_ERROR,
+                       error_param="allowed_token_ids")
+        else:
+            req.finish(FinishReason.ABORT, error=NON_FINITE_LOGITS_ERROR)
         return []
     run, reason, stop_reason = cut_run(req, run)
     req.output_ids.extend(run)

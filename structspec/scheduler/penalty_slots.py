@@ -61,7 +61,8 @@ class PenaltySlots:
     def assign(self, req: Req) -> None:
         """Give ``req`` (with penalties) a slot and fill it: the counts of its committed
         output (none, unless it resumes after a preemption), its prompt's tokens (when its
-        repetition penalty is on), its logit bias and its three penalties.
+        repetition penalty is on), its logit bias (-inf for every token outside its
+        ``allowed_token_ids``) and its three penalties.
 
         Raises:
             RuntimeError: no slot is free (more penalised requests running than
@@ -80,10 +81,18 @@ class PenaltySlots:
         if p.repetition_penalty != 1.0:
             ids = torch.tensor(sorted(set(req.prompt_ids)), dtype=torch.int64)
             table.prompt_mask[slot].index_fill_(0, self._to_device(ids), True)
-        table.logit_bias[slot].zero_()
-        if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias), dtype=torch.int64)
-            values = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32)
+        bias = dict(p.logit_bias or {})
+        if p.allowed_token_ids is None:
+            table.logit_bias[slot].zero_()
+        else:
+            # allowed_token_ids: every other token's bias is -inf (its logit stays -inf
+            # through the penalties); an allowed token keeps its logit_bias, if any
+            table.logit_bias[slot].fill_(float("-inf"))
+            allowed = set(p.allowed_token_ids)
+            bias = {t: bias.get(t, 0.0) for t in allowed}
+        if bias:
+            ids = torch.tensor(list(bias), dtype=torch.int64)
+            values = torch.tensor(list(bias.values()), dtype=torch.float32)
             table.logit_bias[slot].index_copy_(0, self._to_device(ids), self._to_device(values))
         # fill_ with a host scalar is a kernel argument, not a copy: no sync
         if req.output_ids:

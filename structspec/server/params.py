@@ -122,6 +122,8 @@ def build_sampling_params(
         logit_bias=logit_bias,
         repetition_stop=repetition_stop,
         min_tokens=0 if req.min_tokens is None else req.min_tokens,
+        allowed_token_ids=(None if req.allowed_token_ids is None
+                           else tuple(req.allowed_token_ids)),
     )
     try:
         params.validate()
@@ -151,6 +153,11 @@ def _penalty_extras(req: SamplingRequest, vocab_size: int | None
     if vocab_size is not None and (bad := out_of_vocab(logit_bias, vocab_size)) is not None:
         raise bad_request(f"logit_bias key {bad} is not a token id of this model (vocabulary "
                           f"size {vocab_size})", "logit_bias")
+    allowed = req.allowed_token_ids or ()
+    if vocab_size is not None and (bad := next((t for t in allowed if not 0 <= t < vocab_size),
+                                               None)) is not None:
+        raise bad_request(f"allowed_token_ids entry {bad} is not a token id of this model "
+                          f"(vocabulary size {vocab_size})", "allowed_token_ids")
     try:
         repetition_stop = repetition_stop_from_json(req.repetition_stop)
     except (TypeError, ValueError) as e:

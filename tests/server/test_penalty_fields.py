@@ -1,4 +1,4 @@
-"""The server's sampling penalties, logit bias, repetition stop and number-bound option (issue
+"""The server's sampling penalties, logit bias, allowed token ids, repetition stop and number-bound option (issue
 20): served values reach the engine, bad ones are a 400 naming the field. Fake engine, no
 model."""
 
@@ -26,6 +26,9 @@ def test_penalties_reach_the_engine(client: TestClient, engine: FakeEngine, path
         assert p.repetition_stop == RepetitionStop(min_tokens=20)
     assert post(client, path, repetition_stop=True).status_code == 200
     assert engine.added[-1][2].repetition_stop == RepetitionStop()
+    assert post(client, path, allowed_token_ids=[5, 72, 101]).status_code == 200
+    assert engine.added[-1][2].allowed_token_ids == (5, 72, 101)
+    assert engine.added[-1][2].has_penalties
 
 
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
@@ -42,6 +45,10 @@ def test_penalties_reach_the_engine(client: TestClient, engine: FakeEngine, path
     ('{"logit_bias": {"-3": 1}}', "logit_bias"),
     ('{"logit_bias": {"2000000": 1}}', "logit_bias"),  # the fake's vocabulary is 0x110000
     (json.dumps({"logit_bias": {str(t): 1 for t in range(301)}}), "logit_bias"),
+    ('{"allowed_token_ids": []}', "allowed_token_ids"),
+    ('{"allowed_token_ids": [2000000]}', "allowed_token_ids"),
+    ('{"allowed_token_ids": [-1]}', "allowed_token_ids"),
+    ('{"allowed_token_ids": ["5"]}', "allowed_token_ids[0]"),
     ('{"repetition_stop": {"min_tokens": 1}}', "repetition_stop"),
     ('{"repetition_stop": {"max_period": 10000}}', "repetition_stop"),
     ('{"repetition_stop": {"period": 3}}', "repetition_stop"),
