@@ -1,7 +1,8 @@
 """One grammar constraint -> one xgrammar ``CompiledGrammar``, with every check before it.
 
 :func:`compile_checked` is the whole compile of a request's grammar: structure, regex syntax,
-satisfiability (a schema no finite value satisfies), strict-mode enforceability, the xgrammar
+satisfiability (a schema no finite value satisfies), strict-mode enforceability (of each JSON
+Schema in a structural tag too: :mod:`structspec.grammar.structural_tag_grammar`), the xgrammar
 compile, and the check that the compiled grammar accepts some output. It runs in a compile
 worker process (:mod:`structspec.grammar.compile_worker`, where a runaway compile can be
 killed); :func:`compile_only` rebuilds an accepted grammar in the engine process.
@@ -22,6 +23,7 @@ from structspec.constraints import (
     JsonObjectConstraint,
     JsonSchemaConstraint,
     RegexConstraint,
+    StructuralTagConstraint,
 )
 from structspec.grammar.bitmask import allocate_bitmask
 from structspec.grammar.errors import PARAM_BY_KIND, GrammarError
@@ -36,6 +38,7 @@ from structspec.grammar.schema_grammar import (  # noqa: F401 - re-exported (cal
     schema_text,
     strict_refusal,
 )
+from structspec.grammar.structural_tag_grammar import check_structural_tag, structural_tag_input
 from structspec.grammar.xgr_numbers import bounded_json_schema_grammar
 from structspec.regex_check import find_regex_problem
 
@@ -86,13 +89,16 @@ def compile_checked(compiler: xgr.GrammarCompiler, spec: GrammarConstraint, *,
             problem = find_regex_problem(spec.pattern)
             if problem is not None:
                 raise GrammarError(f"regex is not a usable regex: {problem}", param=param)
+        elif isinstance(spec, StructuralTagConstraint):
+            check_structural_tag(spec)
         compiled = _compile_or_unrewritten(compiler, spec, any_whitespace=any_whitespace)
     except GrammarError:
         raise
     except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError/...
         raise GrammarError(f"Failed to compile {kind} grammar: {explained_compile_error(spec, e)}",
                            param=param) from e
-    if isinstance(spec, (JsonSchemaConstraint, RegexConstraint, EbnfConstraint)):
+    if isinstance(spec, (JsonSchemaConstraint, RegexConstraint, EbnfConstraint,
+                         StructuralTagConstraint)):
         _check_accepts_output(compiled, param, vocab_size=vocab_size,
                               stop_token_ids=stop_token_ids)
     return compiled
@@ -138,6 +144,9 @@ def _xgrammar_compile(compiler: xgr.GrammarCompiler, spec: GrammarConstraint, *,
         return compiler.compile_grammar(spec.grammar, root_rule_name="root")
     if isinstance(spec, ChoiceConstraint):
         return compiler.compile_grammar(choice_ebnf(spec.choices))
+    if isinstance(spec, StructuralTagConstraint):
+        return compiler.compile_structural_tag(
+            structural_tag_input(spec, any_whitespace=any_whitespace))
     raise GrammarError(f"unknown grammar kind {spec.kind!r}", param=PARAM_BY_KIND.get(spec.kind))
 
 
