@@ -16,6 +16,7 @@ from structspec.constraints import (
     JsonObjectConstraint,
     JsonSchemaConstraint,
     RegexConstraint,
+    StructuralTagConstraint,
 )
 from structspec.core import (
     ChatMessageError,
@@ -41,6 +42,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "SpecMetrics",
+    "StructuralTagConstraint",
 ]
 
 

@@ -16,7 +16,12 @@ from structspec.chat_template import load_chat_template
 from structspec.cli_argv import join_negative_values
 from structspec.cli_output import print_batch, print_one
 from structspec.cli_version import VersionAction
-from structspec.constraints import GrammarConstraint, JsonObjectConstraint, JsonSchemaConstraint
+from structspec.constraints import (
+    GrammarConstraint,
+    JsonObjectConstraint,
+    JsonSchemaConstraint,
+    StructuralTagConstraint,
+)
 from structspec.core import (
     ChatMessageError,
     RequestOutput,
@@ -67,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--messages", help="JSON file with a list of {role, content} messages")
     src.add_argument("--batch", help="JSONL file: one request per line with 'prompt' or "
                                      "'messages' and optional per-request fields (at most "
-                                     "one of json_schema, regex, ebnf, choice, json_object; "
+                                     "one of json_schema, regex, ebnf, choice, json_object, "
+                                     "structural_tag; "
                                      "strict, bounded_numbers, max_tokens, min_tokens, "
                                      "temperature, seed, "
                                      "stop, include_stop_str_in_output, "
@@ -85,9 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
                                      "the grammar itself when no such file exists "
                                      "(inline text has a 'name ::= ...' rule)")
     gram.add_argument("--choice", nargs="+", help="output is exactly one of these strings")
+    gram.add_argument("--structural-tag",
+                      help="xgrammar structural tag (free text; after a trigger, the tagged "
+                           "section): a file path or inline JSON, {\"type\": "
+                           "\"structural_tag\", \"format\": ...} or the legacy "
+                           "{\"structures\": ..., \"triggers\": ...}")
     gen.add_argument("--no-strict", action="store_true",
-                     help="JSON Schema best effort: allow keywords the grammar cannot enforce "
-                          "and report schema_valid afterwards")
+                     help="JSON Schema best effort (--json-schema, and the schemas of "
+                          "--structural-tag): allow keywords the grammar cannot enforce "
+                          "(--json-schema: report schema_valid afterwards)")
     gen.add_argument("--unbounded-numbers", action="store_true",
                      help="JSON grammars without the default number bounds (a loop guard: "
                           "integers within +-10**18, numbers within +-10**15, at most 6 "
@@ -175,9 +187,13 @@ def _read_text_arg(value: str, name: str) -> str:
     if len(value) >= 4096:  # inline text (too long for a path)
         return value
     path = Path(value)
-    if path.is_dir():
+    try:
+        is_dir, is_file = path.is_dir(), path.is_file()
+    except OSError:  # a path part over the file system's name limit: inline text
+        return value
+    if is_dir:
         raise ValueError(f"{name}: {value!r} is a directory, not a file")
-    if not path.is_file():
+    if not is_file:
         return value
     try:
         data = path.read_bytes()
@@ -231,10 +247,10 @@ def grammar_from_args(args: argparse.Namespace) -> GrammarConstraint | None:
         ValueError: an empty value, unreadable file or schema that is not JSON, naming the
             flag.
     """
-    if args.no_strict and args.json_schema is None:
+    if args.no_strict and args.json_schema is None and args.structural_tag is None:
         # strictness is a JSON Schema option; with another grammar (or none) the flag would be
         # ignored silently (--batch records carry their own "strict")
-        raise ValueError("--no-strict: applies to --json-schema only")
+        raise ValueError("--no-strict: applies to --json-schema and --structural-tag only")
     grammar = _flag_grammar(args)
     if args.unbounded_numbers and (grammar is not None or not args.batch):
         # with --batch and no grammar flag it applies to the lines' JSON grammars
@@ -280,7 +296,32 @@ def _flag_grammar(args: argparse.Namespace) -> GrammarConstraint | None:
         return cp.ebnf_constraint(text, "--ebnf", cp.FLAG_STYLE, source=source)
     if args.choice is not None:
         return cp.choice_constraint(args.choice, "--choice", cp.FLAG_STYLE)
+    if args.structural_tag is not None:
+        return _structural_tag_flag(args.structural_tag, strict=not args.no_strict)
     return None
+
+
+def _structural_tag_flag(value: str, *, strict: bool) -> StructuralTagConstraint:
+    """``--structural-tag``: a file's text or inline JSON, checked as the server checks a tag
+    (a problem inside it names its place: ``--structural-tag.structures[0].schema``).
+
+    Raises:
+        ValueError: an empty value or file, a path that names no file, text that is not JSON,
+            or a tag the reader refuses.
+    """
+    if not value.strip():
+        raise ValueError("--structural-tag: empty structural tag")
+    text = _read_text_arg(value, "--structural-tag")
+    if not text.strip():
+        raise ValueError(f"--structural-tag: empty structural tag file {value!r}")
+    if text is value and text.strip()[:1] != "{":
+        raise ValueError(f"--structural-tag: no such file {value!r} (and not inline JSON)")
+    try:
+        tag = json.loads(text)
+    except json.JSONDecodeError as e:
+        where = "inline JSON" if text is value else repr(value)
+        raise ValueError(f"--structural-tag: {where} is not valid JSON: {e}") from None
+    return cp.structural_tag_constraint(tag, "--structural-tag", cp.FLAG_STYLE, strict=strict)
 
 
 def _precheck_grammar(args: argparse.Namespace, grammar: GrammarConstraint | None) -> None:
@@ -298,15 +339,19 @@ def _precheck_grammar(args: argparse.Namespace, grammar: GrammarConstraint | Non
     from structspec.grammar.compile_spec import with_backend_note
     from structspec.grammar.llg_compile import check_grammar_llguidance
     from structspec.grammar.precheck import check_grammar
+    from structspec.grammar.select_backend import xgrammar_only
 
     backend = getattr(args, "grammar_backend", "xgrammar")
     flag = ("--json-schema" if args.json_schema is not None else
             "--regex" if args.regex is not None else
-            "--choice" if getattr(args, "choice", None) is not None else "--ebnf")
+            "--choice" if getattr(args, "choice", None) is not None else
+            "--structural-tag" if getattr(args, "structural_tag", None) is not None else
+            "--ebnf")
     try:
         if backend == "llguidance":
             check_grammar_llguidance(grammar)
-        elif backend == "auto":  # refused only when neither backend could serve it
+        elif backend == "auto" and not xgrammar_only(grammar):
+            # refused only when neither backend could serve it
             try:
                 check_grammar(grammar)
             except ValueError as xgr_error:
@@ -320,10 +365,11 @@ def _precheck_grammar(args: argparse.Namespace, grammar: GrammarConstraint | Non
     except ValueError as e:
         # the engine's words name the request field ("strict false"); here it is a flag
         message = str(e).replace("best effort (strict false)", "best effort (--no-strict)")
+        message = message.replace("set strict to false (best effort)", "pass --no-strict")
         raise ValueError(f"{flag}: {message}") from None
 
 
-_GRAMMAR_KEYS = ("json_schema", "json_object", "regex", "ebnf", "choice")
+_GRAMMAR_KEYS = ("json_schema", "json_object", "regex", "ebnf", "choice", "structural_tag")
 _PENALTY_KEYS = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 _BATCH_KEYS = frozenset({"prompt", "messages", "strict", "bounded_numbers", "max_tokens",
                          "min_tokens",
@@ -374,8 +420,8 @@ def _batch_grammar(rec: dict[str, Any], default: GrammarConstraint | None, *,
     if "bounded_numbers" in rec:
         if not cp.boolean_field(rec["bounded_numbers"], "bounded_numbers", cp.BATCH_STYLE):
             grammar = cp.without_number_bounds(grammar, "bounded_numbers")
-    elif unbounded_numbers and isinstance(grammar, (JsonSchemaConstraint,
-                                                    JsonObjectConstraint)):
+    elif unbounded_numbers and isinstance(grammar, (JsonSchemaConstraint, JsonObjectConstraint,
+                                                    StructuralTagConstraint)):
         grammar = cp.without_number_bounds(grammar, "--unbounded-numbers")
     return grammar
 
@@ -398,6 +444,9 @@ def _line_grammar(rec: dict[str, Any],
         return cp.ebnf_constraint(rec["ebnf"], "ebnf", style)
     if "choice" in rec:
         return cp.choice_constraint(rec["choice"], "choice", style)
+    if "structural_tag" in rec:
+        return cp.structural_tag_constraint(rec["structural_tag"], "structural_tag", style,
+                                            strict=strict)
     return default
 
 

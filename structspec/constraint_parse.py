@@ -33,10 +33,12 @@ from structspec.constraints import (
     JsonObjectConstraint,
     JsonSchemaConstraint,
     RegexConstraint,
+    StructuralTagConstraint,
     json_type_name,
 )
 from structspec.regex_check import find_regex_problem
 from structspec.schema_structure import find_structure_problem
+from structspec.structural_tag import StructuralTagError, field_name, read_structural_tag
 
 
 class ConstraintFieldError(ValueError):
@@ -264,6 +266,44 @@ def json_schema_constraint(value: object, name: str, style: FieldStyle, *, stric
     return JsonSchemaConstraint(schema, strict=strict)
 
 
+def structural_tag_constraint(value: object, name: str, style: FieldStyle, *, strict: bool,
+                              loads: Callable[[str], Any] | None = None
+                              ) -> StructuralTagConstraint:
+    """``value`` as a structural tag constraint (xgrammar's current form or the legacy
+    ``structures`` / ``triggers`` form; :mod:`structspec.structural_tag`).
+
+    Args:
+        value: the tag object, or, where ``style.schema_text`` is set, its JSON text.
+        name: the field that holds the tag (``response_format``,
+            ``structured_outputs.structural_tag``, ``--structural-tag``); a problem inside the
+            tag is named after it (``response_format.structures[0].schema``).
+        strict: :attr:`StructuralTagConstraint.strict` (refuse keywords of its JSON Schemas
+            the grammar cannot enforce; checked by the engine's compile).
+        loads: reads JSON text in place of :func:`json.loads` (the server's reader); its own
+            errors pass through.
+
+    Raises:
+        ConstraintFieldError: text that is not JSON (``style.schema_text``), a value that is
+            not an object, or a tag :func:`~structspec.structural_tag.read_structural_tag`
+            refuses (unknown keys, empty ``structures``, a trigger that starts no ``begin``, a
+            JSON Schema the engine never serves...), naming the place in the tag.
+    """
+    tag: Any = value
+    if isinstance(tag, str) and style.schema_text is not None:
+        tag = (loads(tag) if loads is not None
+               else _json_loads(tag, name, style, style.schema_text))
+    if not isinstance(tag, dict):
+        raise ConstraintFieldError(f"{name} must be a structural tag object ({{\"type\": "
+                                   f"\"structural_tag\", \"format\": ...}} or {{\"structures\": "
+                                   f"..., \"triggers\": ...}}), got {json_type_name(tag)}", name)
+    try:
+        read_structural_tag(tag)
+    except StructuralTagError as e:
+        field = field_name(name, e.where)
+        raise ConstraintFieldError(f"{field}: {e}", field) from None
+    return StructuralTagConstraint(tag, strict=strict)
+
+
 def _json_loads(text: str, name: str, style: FieldStyle, template: str) -> Any:
     """``json.loads(text)``; a text that is not JSON is refused worded by ``template``.
     Other parser errors (an integer literal over the digit limit) pass through as before."""
@@ -281,15 +321,17 @@ def shown_json(value: object, limit: int = 80) -> str:
 
 
 def without_number_bounds(grammar: GrammarConstraint | None, name: str) -> GrammarConstraint:
-    """``grammar`` (a JSON Schema or ``json_object`` constraint) with its default number
-    bounds lifted (``bounded_numbers=False``, :mod:`structspec.grammar.number_bounds`).
+    """``grammar`` (a JSON Schema, ``json_object`` or structural tag constraint) with its
+    default number bounds lifted (``bounded_numbers=False``,
+    :mod:`structspec.grammar.number_bounds`; for a structural tag, those of its JSON Schemas).
 
     Raises:
         ConstraintFieldError: ``grammar`` is not a JSON grammar (the option would do nothing),
             naming ``name``.
     """
-    if not isinstance(grammar, (JsonSchemaConstraint, JsonObjectConstraint)):
+    if not isinstance(grammar, (JsonSchemaConstraint, JsonObjectConstraint,
+                                StructuralTagConstraint)):
         what = "no grammar" if grammar is None else f"a {grammar.kind} grammar"
-        raise ConstraintFieldError(f"{name}: applies to a JSON Schema or JSON object grammar; "
-                                   f"this request has {what}", name)
+        raise ConstraintFieldError(f"{name}: applies to a JSON Schema, JSON object or "
+                                   f"structural tag grammar; this request has {what}", name)
     return dataclasses.replace(grammar, bounded_numbers=False)

@@ -193,11 +193,80 @@ class ChoiceConstraint:
         return json.dumps(list(self.choices))
 
 
+@dataclass(frozen=True)
+class StructuralTagConstraint:
+    """Free text with tagged sections (xgrammar's structural tag): the model writes anything
+    until it writes a trigger (``<function=``), then the tagged section is forced: a begin
+    string, a body that follows the tag's format (a JSON Schema, typically) and an end string.
+    Tool calls in "auto" mode with arguments that follow their schema.
+
+    ``tag`` is xgrammar's current form, ``{"type": "structural_tag", "format": {...}}``, or
+    the legacy form of vLLM, ``{"structures": [{"begin", "schema", "end"}], "triggers":
+    [...]}``, as a dict or JSON text (:mod:`structspec.structural_tag` reads both). Each JSON
+    Schema in it is served as a :class:`JsonSchemaConstraint` with the same ``strict`` and
+    ``bounded_numbers`` would be (the exact rewrites, the strict check naming the schema's
+    place in the tag, the default number bounds, the JSON whitespace of the engine).
+    xgrammar only: ``--grammar-backend llguidance`` refuses it and ``auto`` serves it on
+    xgrammar. No ``schema_valid`` verdict (it stays None).
+
+    Raises:
+        TypeError: ``tag`` is neither a dict nor a string, or ``strict`` /
+            ``bounded_numbers`` is not ``True`` / ``False``, naming the field.
+    """
+
+    tag: str | dict[str, Any]
+    strict: bool = True
+    bounded_numbers: bool = True
+
+    def __post_init__(self) -> None:
+        tag: object = self.tag
+        if not isinstance(tag, (str, dict)):
+            raise TypeError(f"StructuralTagConstraint.tag must be a dict or JSON text, got "
+                            f"{type(tag).__name__} {tag!r}")
+        for name in ("strict", "bounded_numbers"):
+            value: object = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"StructuralTagConstraint.{name} must be True or False, got "
+                                f"{type(value).__name__} {value!r}")
+
+    @property
+    def kind(self) -> str:
+        return "structural_tag"
+
+    def canonical_text(self) -> str:
+        """The tag re-serialised compactly, key order kept (the compile-cache key).
+
+        Raises:
+            ValueError: ``tag`` is text that is not JSON, or not a JSON object.
+        """
+        tag = self.tag
+        if isinstance(tag, str):
+            try:
+                tag = json.loads(tag)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"structural_tag is not valid JSON: {e}") from e
+        if not isinstance(tag, dict):
+            raise ValueError(f"structural_tag must be a JSON object, got {json_type_name(tag)}")
+        return json.dumps(tag, separators=(",", ":"), ensure_ascii=False)
+
+    def parsed_tag(self) -> dict[str, Any]:
+        """The tag as a dict (parsed from its text when given as text).
+
+        Raises:
+            ValueError: as :meth:`canonical_text`.
+        """
+        if isinstance(self.tag, dict):
+            return self.tag
+        tag: dict[str, Any] = json.loads(self.canonical_text())
+        return tag
+
+
 CONSTRAINT_TYPES = (JsonSchemaConstraint, JsonObjectConstraint, RegexConstraint, EbnfConstraint,
-                    ChoiceConstraint)
+                    ChoiceConstraint, StructuralTagConstraint)
 """Every grammar constraint type (``SamplingParams.validate`` refuses any other ``grammar``)."""
 
-GrammarConstraint = JsonSchemaConstraint | JsonObjectConstraint | RegexConstraint | EbnfConstraint | ChoiceConstraint
+GrammarConstraint = (JsonSchemaConstraint | JsonObjectConstraint | RegexConstraint
+                     | EbnfConstraint | ChoiceConstraint | StructuralTagConstraint)
 
 PARAM_BY_KIND: dict[str, str] = {
     "json_schema": "json_schema",
@@ -205,12 +274,15 @@ PARAM_BY_KIND: dict[str, str] = {
     "regex": "regex",
     "ebnf": "ebnf",
     "choice": "choice",
+    "structural_tag": "structural_tag",
 }
 """The field each grammar kind is named by in the engine's errors: the key a CLI ``--batch``
-line gives it by (``json_schema``, ``regex``, ``ebnf``, ``choice``; ``json_object``, a fixed
+line gives it by (``json_schema``, ``regex``, ``ebnf``, ``choice``, ``structural_tag``;
+``json_object``, a fixed
 grammar that fails only when the compiler does, keeps OpenAI's ``response_format``).
 Grammar errors carry it as their ``param`` (``RequestOutput.error_param`` in the Python API
 and a ``--batch`` output record); the server replaces it with the request field the grammar
 was read from (``response_format.json_schema``, ``guided_json``, ...; see
-:func:`structspec.server.generation.error_for`). Here (not in :mod:`structspec.grammar`) so
+:func:`structspec.server.generation.error_for`). A structural tag's error about one place in
+the tag names it after the kind's field: ``structural_tag.structures[0].schema``. Here (not in :mod:`structspec.grammar`) so
 that the HTTP front end can read it without importing xgrammar."""

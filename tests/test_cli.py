@@ -201,15 +201,16 @@ def test_bad_flag_value_is_a_bad_command_line(monkeypatch: pytest.MonkeyPatch,
 def test_no_strict_without_a_json_schema_is_refused(monkeypatch: pytest.MonkeyPatch,
                                                     capsys: pytest.CaptureFixture[str],
                                                     grammar: list[str]) -> None:
-    """``--no-strict`` only means something for ``--json-schema``; with another grammar (or
-    none) it was ignored silently."""
+    """``--no-strict`` only means something for ``--json-schema`` (and ``--structural-tag``);
+    with another grammar (or none) it was ignored silently."""
     import structspec.llm as llm_mod
 
     monkeypatch.setattr(llm_mod, "LLM", _FakeLLM)
     _FakeLLM.seen = []
     rc = main(["generate", "--prompt", "hi", "--no-strict", *grammar])
     err = capsys.readouterr().err
-    assert rc == 2 and "--no-strict: applies to --json-schema only" in err, err
+    assert rc == 2 and "--no-strict: applies to --json-schema and --structural-tag only" in err, \
+        err
     assert _FakeLLM.seen == []
 
 

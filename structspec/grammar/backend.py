@@ -55,7 +55,12 @@ from typing import Any
 import xgrammar as xgr
 
 from structspec.config import GrammarConfig
-from structspec.constraints import GrammarConstraint, JsonObjectConstraint, JsonSchemaConstraint
+from structspec.constraints import (
+    GrammarConstraint,
+    JsonObjectConstraint,
+    JsonSchemaConstraint,
+    StructuralTagConstraint,
+)
 from structspec.grammar.compile_pool import (
     CompileJob,
     CompilePool,
@@ -360,11 +365,11 @@ class GrammarBackend:
     def _key(spec: GrammarConstraint, text: str) -> CacheKey:
         """``(kind, sha256 of the canonical text)``: a cached 4 MB grammar keeps no 4 MB key."""
         kind = spec.kind
-        if isinstance(spec, JsonSchemaConstraint):
+        if isinstance(spec, (JsonSchemaConstraint, StructuralTagConstraint)) and spec.strict:
             # The strict check may fail where the non-strict compile succeeds: separate keys.
-            kind = "json_schema:strict" if spec.strict else "json_schema"
-        if isinstance(spec, (JsonSchemaConstraint, JsonObjectConstraint)) and (
-                not spec.bounded_numbers):
+            kind += ":strict"
+        if isinstance(spec, (JsonSchemaConstraint, JsonObjectConstraint,
+                             StructuralTagConstraint)) and not spec.bounded_numbers:
             kind += ":unbounded"  # another grammar (no default number bounds)
         return kind, hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 

@@ -1,7 +1,8 @@
 """One grammar constraint -> one xgrammar ``CompiledGrammar``, with every check before it.
 
 :func:`compile_checked` is the whole compile of a request's grammar: structure, regex syntax,
-satisfiability (a schema no finite value satisfies), strict-mode enforceability, the xgrammar
+satisfiability (a schema no finite value satisfies), strict-mode enforceability (of each JSON
+Schema in a structural tag too: :mod:`structspec.grammar.structural_tag_grammar`), the xgrammar
 compile, and the check that the compiled grammar accepts some output. It runs in a compile
 worker process (:mod:`structspec.grammar.compile_worker`, where a runaway compile can be
 killed); :func:`compile_only` rebuilds an accepted grammar in the engine process.
@@ -12,7 +13,6 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from typing import Any
 
 import xgrammar as xgr
 
@@ -23,18 +23,24 @@ from structspec.constraints import (
     JsonObjectConstraint,
     JsonSchemaConstraint,
     RegexConstraint,
+    StructuralTagConstraint,
 )
 from structspec.grammar.bitmask import allocate_bitmask
-from structspec.grammar.bounded_validator import pattern_budget
 from structspec.grammar.errors import PARAM_BY_KIND, GrammarError
 from structspec.grammar.matcher import Matcher
-from structspec.grammar.number_bounds import bound_schema_numbers
 from structspec.grammar.satisfiable import check_servable
-from structspec.grammar.schema_check import MAX_POINTERS_SHOWN, find_unenforceable
-from structspec.grammar.schema_rewrite import rewrite_schema, rewrite_schema_text
+from structspec.grammar.schema_grammar import (  # noqa: F401 - re-exported (callers, tests)
+    check_enforceable,
+    compiler_message,
+    json_schema_grammar,
+    metaschema_problem,
+    or_unrewritten,
+    schema_text,
+    strict_refusal,
+)
+from structspec.grammar.structural_tag_grammar import check_structural_tag, structural_tag_input
 from structspec.grammar.xgr_numbers import bounded_json_schema_grammar
 from structspec.regex_check import find_regex_problem
-from structspec.schema_structure import resolve_pointer
 
 
 def compile_only(compiler: xgr.GrammarCompiler, spec: GrammarConstraint, *,
@@ -78,18 +84,21 @@ def compile_checked(compiler: xgr.GrammarCompiler, spec: GrammarConstraint, *,
             schema = json.loads(schema_text(spec))
             check_servable(schema, param)
             if spec.strict:
-                _check_enforceable(schema, param, spec.canonical_text())
+                check_enforceable(schema, param, spec.canonical_text())
         elif isinstance(spec, RegexConstraint):
             problem = find_regex_problem(spec.pattern)
             if problem is not None:
                 raise GrammarError(f"regex is not a usable regex: {problem}", param=param)
+        elif isinstance(spec, StructuralTagConstraint):
+            check_structural_tag(spec)
         compiled = _compile_or_unrewritten(compiler, spec, any_whitespace=any_whitespace)
     except GrammarError:
         raise
     except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError/...
         raise GrammarError(f"Failed to compile {kind} grammar: {explained_compile_error(spec, e)}",
                            param=param) from e
-    if isinstance(spec, (JsonSchemaConstraint, RegexConstraint, EbnfConstraint)):
+    if isinstance(spec, (JsonSchemaConstraint, RegexConstraint, EbnfConstraint,
+                         StructuralTagConstraint)):
         _check_accepts_output(compiled, param, vocab_size=vocab_size,
                               stop_token_ids=stop_token_ids)
     return compiled
@@ -97,36 +106,30 @@ def compile_checked(compiler: xgr.GrammarCompiler, spec: GrammarConstraint, *,
 
 def _compile_or_unrewritten(compiler: xgr.GrammarCompiler, spec: GrammarConstraint, *,
                             any_whitespace: bool) -> xgr.CompiledGrammar:
-    """:func:`_xgrammar_compile`; when a schema's exact rewrite uses a form xgrammar does not
-    take (a property absent as ``"name": false``, for ``dependencies``), xgrammar serves the
-    schema as sent, as before the rewrites: refused in strict mode naming the original's
-    unenforceable keywords, weakened in best effort (reported by ``schema_valid``); ``auto``
-    goes on to llguidance either way.
+    """:func:`_xgrammar_compile`; a JSON Schema whose exact rewrite xgrammar does not take is
+    served as sent (:func:`~structspec.grammar.schema_grammar.or_unrewritten`): refused in
+    strict mode naming the original's unenforceable keywords, weakened in best effort
+    (reported by ``schema_valid``); ``auto`` goes on to llguidance either way.
 
     Raises:
         GrammarError: the original's unenforceable keywords (strict mode).
         Exception: xgrammar's own error, when the schema as sent fails too.
     """
-    try:
+    if not isinstance(spec, JsonSchemaConstraint):
         return _xgrammar_compile(compiler, spec, any_whitespace=any_whitespace)
-    except Exception:
-        if not (isinstance(spec, JsonSchemaConstraint)
-                and schema_text(spec) != spec.canonical_text()):
-            raise
-        if spec.strict:
-            _check_enforceable(json.loads(spec.canonical_text()), PARAM_BY_KIND.get(spec.kind))
-            raise
-        return _xgrammar_compile(compiler, spec, any_whitespace=any_whitespace, rewrite=False)
+    return or_unrewritten(
+        spec, lambda rewrite: _xgrammar_compile(compiler, spec, any_whitespace=any_whitespace,
+                                                rewrite=rewrite),
+        param=PARAM_BY_KIND.get(spec.kind))
 
 
 def _xgrammar_compile(compiler: xgr.GrammarCompiler, spec: GrammarConstraint, *,
                       any_whitespace: bool, rewrite: bool = True) -> xgr.CompiledGrammar:
     if isinstance(spec, JsonSchemaConstraint):
-        text = schema_text(spec) if rewrite else spec.canonical_text()
         if spec.bounded_numbers:  # the loop guard: bounded integers and numbers
-            bounded = json.dumps(bound_schema_numbers(json.loads(text)), ensure_ascii=False)
             return compiler.compile_grammar(
-                bounded_json_schema_grammar(bounded, any_whitespace=any_whitespace))
+                json_schema_grammar(spec, any_whitespace=any_whitespace, rewrite=rewrite))
+        text = schema_text(spec) if rewrite else spec.canonical_text()
         return compiler.compile_json_schema(text, any_whitespace=any_whitespace,
                                             strict_mode=True)
     if isinstance(spec, JsonObjectConstraint):
@@ -141,6 +144,9 @@ def _xgrammar_compile(compiler: xgr.GrammarCompiler, spec: GrammarConstraint, *,
         return compiler.compile_grammar(spec.grammar, root_rule_name="root")
     if isinstance(spec, ChoiceConstraint):
         return compiler.compile_grammar(choice_ebnf(spec.choices))
+    if isinstance(spec, StructuralTagConstraint):
+        return compiler.compile_structural_tag(
+            structural_tag_input(spec, any_whitespace=any_whitespace))
     raise GrammarError(f"unknown grammar kind {spec.kind!r}", param=PARAM_BY_KIND.get(spec.kind))
 
 
@@ -160,88 +166,6 @@ def _check_accepts_output(compiled: xgr.CompiledGrammar, param: str | None, *,
         raise GrammarError("the grammar accepts no output at all (for a JSON Schema: a "
                            "$ref cycle with no way out, or contradictory constraints)",
                            param=param)
-
-
-def _check_enforceable(schema: Any, param: str | None, original_text: str | None = None
-                       ) -> None:
-    message = strict_refusal(schema, original_text, "set strict to false (best effort)")
-    if message is not None:
-        raise GrammarError(message, param=param)
-
-
-def strict_refusal(schema: Any, original_text: str | None, best_effort: str) -> str | None:
-    """Strict mode's refusal of ``schema`` (what xgrammar compiles), naming each usage it
-    would not enforce exactly by its JSON pointer (at most ``MAX_POINTERS_SHOWN``), or None
-    when there is none.
-
-    Args:
-        schema: the parsed schema xgrammar is given (after the exact rewrites).
-        original_text: the client's schema as JSON text, when ``schema`` is its rewrite (or
-            None): when a pointer exists only in the rewrite (``/allOf/0/anyOf/1`` for a
-            ``dependentRequired``), the refusal names the client's keywords that were
-            rewritten, and that another backend may enforce the rewrite.
-        best_effort: how the caller's client turns strict mode off (``set strict to false
-            (best effort)``).
-    """
-    if not isinstance(schema, dict):
-        return None
-    problems = find_unenforceable(schema)
-    if not problems:
-        return None
-    shown_problems = problems[:MAX_POINTERS_SHOWN]
-    shown = "; ".join(f"{p or '/'}: {r}" for p, r in shown_problems)
-    more = (f" (and {len(problems) - MAX_POINTERS_SHOWN} more)"
-            if len(problems) > MAX_POINTERS_SHOWN else "")
-    rewrite = ""
-    if original_text is not None:
-        original = json.loads(original_text)
-        if any(resolve_pointer(original, p) is None for p, _ in shown_problems):
-            with pattern_budget():  # the rewrite's regex searches, as in rewrite_schema_text
-                _, done = rewrite_schema(original)
-            # the rules that add structure (the others only drop or filter)
-            forms = ", ".join(f"{d.rule!r} at {d.pointer or '/'}" for d in done
-                              if d.rule not in ("format", "enum-filter", "lone-if"))
-            rewrite = (f" (these name the engine's exact rewrite of {forms}, which xgrammar "
-                       "does not enforce; the llguidance grammar backend may)")
-    return ("json_schema cannot be enforced exactly in strict mode: " + shown + more + rewrite
-            + f". Remove these keywords or {best_effort}.")
-
-
-def schema_text(spec: JsonSchemaConstraint) -> str:
-    """The compile input of a schema: :meth:`JsonSchemaConstraint.canonical_text` (compact
-    JSON, key order kept; ``ValueError`` for text that is not JSON or a schema that is not an
-    object/boolean) after the exact rewrites of
-    :func:`~structspec.grammar.schema_rewrite.rewrite_schema_text` (unknown ``format`` values
-    dropped, ``not``/``dependencies``/``oneOf`` forms the backends enforce). The cache key stays
-    the canonical text."""
-    return rewrite_schema_text(spec.canonical_text())
-
-
-def metaschema_problem(spec: JsonSchemaConstraint) -> str | None:
-    """Where ``spec``'s schema breaks its metaschema (the draft its ``$schema`` names, else
-    2020-12), as ``"invalid JSON Schema at <JSON pointer>: <reason>"``; None when it does not,
-    or when the ``jsonschema`` package is missing or cannot check it.
-
-    Used only to explain a compile failure: schemas that xgrammar compiles are never refused
-    for a metaschema violation (it may accept older drafts' forms).
-    """
-    try:
-        import jsonschema
-        from jsonschema.exceptions import best_match
-
-        schema = json.loads(spec.canonical_text())  # the user's schema, not its rewrite
-        cls = jsonschema.validators.validator_for(schema,
-                                                  default=jsonschema.Draft202012Validator)
-        error = best_match(cls(cls.META_SCHEMA).iter_errors(schema))
-    except Exception:  # noqa: BLE001 - an explanation only; the compile error stands alone
-        return None
-    if error is None:
-        return None
-    # absolute_path: best_match may pick an error of a sub-schema check (anyOf of type's
-    # forms), whose own path is relative to that sub-instance
-    pointer = "".join("/" + str(p).replace("~", "~0").replace("/", "~1")
-                      for p in error.absolute_path)
-    return f"invalid JSON Schema at {pointer or '/'}: {error.message}"
 
 
 def choice_ebnf(choices: Sequence[str]) -> str:
@@ -321,18 +245,6 @@ def _regex_compiler_message(message: str) -> str:
     column 11: Invalid character class: ...``): xgrammar parses a regex as the body of an EBNF
     rule of its own, so the line and column name a text the client never wrote."""
     return _EBNF_POSITION.sub("", message)
-
-
-def compiler_message(e: BaseException) -> str:
-    """The useful part of an xgrammar exception: its last line, without the ``[time]
-    file.cc:line:`` prefix its C++ checks add."""
-    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
-    msg = lines[-1] if lines else type(e).__name__
-    if msg.startswith("[") and ": " in msg:
-        head, _, rest = msg.partition(": ")
-        if ".cc:" in head or ".h:" in head:
-            msg = rest
-    return msg
 
 
 _LINE_COLUMN = re.compile(r"at line (\d+), column (\d+)")

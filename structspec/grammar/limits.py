@@ -22,10 +22,12 @@ from structspec.constraints import (
     GrammarConstraint,
     JsonSchemaConstraint,
     RegexConstraint,
+    StructuralTagConstraint,
 )
 from structspec.grammar.errors import GRAMMAR_TOO_COMPLEX, PARAM_BY_KIND, GrammarError
 from structspec.regex_check import find_regex_problem
 from structspec.schema_structure import escape_pointer_token
+from structspec.structural_tag import StructuralTagError, read_structural_tag
 
 # {n}, {n,} and {n,m} (unescaped); the bounds are what xgrammar expands
 _REPEAT = re.compile(r"(?<!\\)\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
@@ -63,6 +65,8 @@ def find_limit_problem(spec: GrammarConstraint, text: str,
         return _schema_problem(json.loads(text), config)
     if isinstance(spec, ChoiceConstraint):
         return None  # compile cost is linear in the text: the byte limit covers it
+    if isinstance(spec, StructuralTagConstraint):
+        return _structural_tag_problem(json.loads(text), config)
     return None
 
 
@@ -92,6 +96,24 @@ def is_small(text: str, config: GrammarConfig) -> bool:
     most ``config.small_grammar_bytes`` long (a cost estimate; a small grammar that compiles
     slowly anyway moves to the general lane after ``small_lane_slice_s``)."""
     return len(text) <= config.small_grammar_bytes
+
+
+def _structural_tag_problem(tag: object, config: GrammarConfig) -> str | None:
+    """The limits of each JSON Schema and regex in a structural tag, named by its place (a tag
+    the reader refuses is left to the compile, which names the place of its problem)."""
+    try:
+        read = read_structural_tag(tag)
+    except StructuralTagError:
+        return None
+    for site in read.schemas:
+        problem = _schema_problem(site.schema, config)
+        if problem is not None:
+            return f"the JSON Schema at {site.where}: {problem}"
+    for where, pattern in read.patterns:
+        problem = _repeat_problem(pattern, where, config)
+        if problem is not None:
+            return problem
+    return None
 
 
 def _repeat_problem(pattern: str, where: str, config: GrammarConfig) -> str | None:

@@ -7,7 +7,9 @@ check), then llguidance's own compile. JSON Schemas compile **exactly**: llguida
 ``lenient`` option (ignore keywords it does not implement) is on only for ``strict=False``,
 and ``coerce_one_of`` (``oneOf`` as ``anyOf``) is never on, so a keyword llguidance cannot
 enforce refuses the schema. EBNF is GBNF, converted to llguidance's Lark dialect by
-llguidance's own converter (``llguidance.grammar_from("gbnf", ...)``).
+llguidance's own converter (``llguidance.grammar_from("gbnf", ...)``). Structural tags are
+refused (:data:`STRUCTURAL_TAG_REFUSAL`: llguidance's ``StructTag`` is not their exact
+equivalent); ``auto`` serves them on xgrammar.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from structspec.constraints import (
     JsonObjectConstraint,
     JsonSchemaConstraint,
     RegexConstraint,
+    StructuralTagConstraint,
 )
 from structspec.grammar.bitmask import allocate_bitmask
 from structspec.grammar.compile_spec import (
@@ -44,6 +47,14 @@ from structspec.regex_check import find_regex_problem
 COMPACT_SEPARATORS = (", ", ": ")
 """JSON separators with ``any_whitespace=False``: xgrammar's defaults, so that both backends
 produce the same JSON text."""
+
+
+STRUCTURAL_TAG_REFUSAL = (
+    "structural_tag grammars are served by xgrammar only: llguidance has no exact equivalent "
+    "(its StructTag lets the text after the last tag contain a trigger, turns triggers "
+    "written <...> into special tokens, and has none of the other formats); use "
+    "--grammar-backend xgrammar or auto (LLM(grammar_backend=...)), which serve it on xgrammar")
+"""The refusal of a structural tag under ``--grammar-backend llguidance``."""
 
 
 def json_options(*, any_whitespace: bool, lenient: bool) -> dict[str, Any]:
@@ -87,6 +98,8 @@ def llguidance_grammar(spec: GrammarConstraint, *, any_whitespace: bool) -> str:
     if isinstance(spec, ChoiceConstraint):
         choice_ebnf(spec.choices)  # the same refusal of empty lists/choices as xgrammar's
         return llguidance.grammar_from("choice", json.dumps(list(spec.choices)))
+    if isinstance(spec, StructuralTagConstraint):
+        raise GrammarError(STRUCTURAL_TAG_REFUSAL, param=param)
     raise GrammarError(f"unknown grammar kind {spec.kind!r}", param=param)
 
 

@@ -23,10 +23,12 @@ from structspec.constraints import (
     GrammarConstraint,
     JsonSchemaConstraint,
     RegexConstraint,
+    StructuralTagConstraint,
 )
 from structspec.grammar.compile_spec import explained_compile_error, schema_text, strict_refusal
 from structspec.grammar.errors import GrammarError
 from structspec.grammar.satisfiable import check_servable
+from structspec.grammar.structural_tag_grammar import check_structural_tag, structural_tag_input
 
 
 def check_grammar(spec: GrammarConstraint | None) -> None:
@@ -34,7 +36,9 @@ def check_grammar(spec: GrammarConstraint | None) -> None:
 
     Covers JSON Schemas (text that is not JSON, a structure the engine never serves, keywords
     strict mode cannot enforce, what xgrammar's converter refuses), regexes and EBNF grammars
-    (what xgrammar's parsers refuse). ``json_object`` and ``choice`` constraints have nothing
+    (what xgrammar's parsers refuse), and structural tags (their shape, and their JSON Schemas
+    as a JSON Schema's; a refusal about one place in the tag names it in ``param``:
+    ``structural_tag.structures[0].schema``). ``json_object`` and ``choice`` constraints have nothing
     to check here. Costs a tokenizer-free conversion (milliseconds for ordinary schemas).
 
     Raises:
@@ -72,6 +76,10 @@ def check_grammar(spec: GrammarConstraint | None) -> None:
         _convert(spec, param, lambda: xgr.Grammar.from_regex(spec.pattern))
     elif isinstance(spec, EbnfConstraint):
         _convert(spec, param, lambda: xgr.Grammar.from_ebnf(spec.grammar, root_rule_name="root"))
+    elif isinstance(spec, StructuralTagConstraint):
+        check_structural_tag(spec)  # the tag's shape; each schema's structure and strict check
+        text = structural_tag_input(spec, any_whitespace=False)  # each schema's conversion
+        _convert(spec, param, lambda: xgr.Grammar.from_structural_tag(text))
 
 
 def _convert(spec: GrammarConstraint, param: str | None, build: Callable[[], object]) -> None:

@@ -8,6 +8,10 @@ time limit (it is the tuned path: compile processes, mask workers, C++ tree walk
 which names the keyword and its JSON pointer. The llguidance attempt starts when xgrammar
 refuses or runs out of time, with a time limit of its own.
 
+Structural tags (:class:`~structspec.constraints.StructuralTagConstraint`) have no exact
+llguidance equivalent: ``auto`` serves them on xgrammar alone (:func:`xgrammar_only`), and
+``llguidance`` refuses them (:data:`~structspec.grammar.llg_compile.STRUCTURAL_TAG_REFUSAL`).
+
 Which one served a request follows from its compiled grammar
 (:meth:`SelectingBackend.create_matcher`; the matcher's ``backend`` attribute).
 """
@@ -19,7 +23,7 @@ from typing import Any
 
 import xgrammar as xgr
 
-from structspec.constraints import GrammarConstraint
+from structspec.constraints import GrammarConstraint, StructuralTagConstraint
 from structspec.grammar.backend import GrammarBackend, GrammarFuture
 from structspec.grammar.compile_spec import with_backend_note
 from structspec.grammar.errors import PARAM_BY_KIND, GrammarError
@@ -31,6 +35,12 @@ BACKEND_MODES = ("xgrammar", "llguidance", "auto")
 """The values of ``GrammarConfig.backend`` / ``--grammar-backend``."""
 
 _POLL_S = 0.005
+
+
+def xgrammar_only(spec: GrammarConstraint | None) -> bool:
+    """Whether ``auto`` serves ``spec`` on xgrammar without an llguidance fallback: a
+    structural tag, which llguidance cannot serve exactly."""
+    return isinstance(spec, StructuralTagConstraint)
 
 
 class AutoFuture:
@@ -142,6 +152,8 @@ class SelectingBackend:
         """Start compiling ``spec`` on the mode's backend(s); never blocks."""
         if self.mode == "llguidance" or self.xgrammar is None:
             return self.llguidance.submit(spec)
+        if xgrammar_only(spec):
+            return self.xgrammar.submit(spec)
         return AutoFuture(spec.kind, self.xgrammar.submit(spec), self.llguidance, spec)
 
     def compile(self, spec: GrammarConstraint,

@@ -47,6 +47,25 @@ GRAMMAR_KIND_PARAMS = frozenset(PARAM_BY_KIND.values())
 cannot know which request field the grammar came from; :func:`error_for` replaces these with
 the field the server read it from."""
 
+STRUCTURAL_TAG_PARAM = "structural_tag"
+"""The kind ``param`` of a structural tag: a place in the tag may follow it
+(``structural_tag.structures[0].schema``), which :func:`request_param` keeps."""
+
+
+def request_param(param: str | None, grammar_param: str | None) -> str | None:
+    """The request field an engine error's ``param`` names, with the grammar read from
+    ``grammar_param``: a grammar kind's param becomes ``grammar_param``, and a place in a
+    structural tag follows it (``structural_tag.structures[0].schema`` from
+    ``response_format`` -> ``response_format.structures[0].schema``); another param is kept."""
+    if grammar_param is None or param is None:
+        return param
+    if param in GRAMMAR_KIND_PARAMS:
+        return grammar_param
+    head = STRUCTURAL_TAG_PARAM
+    if param.startswith(head) and param[len(head):len(head) + 1] in (".", "["):
+        return grammar_param + param[len(head):]
+    return param
+
 
 @dataclass
 class ChoiceState:
@@ -161,14 +180,13 @@ def error_for(delta: EngineDelta, grammar_param: str | None = None) -> APIError:
 
     Args:
         grammar_param: the request field the request's grammar was read from; a grammar
-            error (its ``error_param`` one of :data:`GRAMMAR_KIND_PARAMS`) names it instead
-            of the engine's kind-based name (``regex`` for a ``response_format`` regex).
+            error (its ``error_param`` one of :data:`GRAMMAR_KIND_PARAMS`, or a place in a
+            structural tag) names it instead of the engine's kind-based name (``regex`` for a
+            ``response_format`` regex; :func:`request_param`).
     """
     msg = delta.error or "request aborted"
     if delta.rejected or delta.error_param is not None:
-        param = delta.error_param
-        if grammar_param is not None and param in GRAMMAR_KIND_PARAMS:
-            param = grammar_param
+        param = request_param(delta.error_param, grammar_param)
         # the engine's code, or (bad_request) the generic one by the field
         return bad_request(msg, param, code=delta.error_code)
     if msg.startswith(SHUTDOWN_ERRORS):

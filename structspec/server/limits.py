@@ -27,6 +27,7 @@ from structspec.constraints import (
     GrammarConstraint,
     JsonSchemaConstraint,
     RegexConstraint,
+    StructuralTagConstraint,
 )
 from structspec.server.errors import APIError, bad_request
 from structspec.server.params import MAX_N
@@ -194,6 +195,11 @@ def grammar_chars(grammar: GrammarConstraint) -> int:
         return len(grammar.grammar)
     if isinstance(grammar, ChoiceConstraint):
         return len(json.dumps(list(grammar.choices), ensure_ascii=False))
+    if isinstance(grammar, StructuralTagConstraint):
+        tag = grammar.tag
+        if isinstance(tag, str):
+            return len(tag)
+        return len(json.dumps(tag, separators=(",", ":"), ensure_ascii=False))
     return 0
 
 

@@ -79,7 +79,9 @@ class JsonSchemaFormat(OpenAIModel):
 
 class ResponseFormat(OpenAIModel):
     """``response_format``: ``type`` is text, json_object, json_schema (OpenAI), json
-    (TensorRT-LLM), regex, ebnf/grammar (TensorRT-LLM style), or choice.
+    (TensorRT-LLM), regex, ebnf/grammar (TensorRT-LLM style), choice, or structural_tag
+    (xgrammar's, as vLLM and sglang take it: ``format``, or the legacy ``structures`` and
+    ``triggers``; kept as sent, read by :mod:`structspec.structural_tag`).
 
     ``schema`` next to ``type`` is llama.cpp's / TensorRT-LLM's shape.
     """
@@ -94,11 +96,14 @@ class ResponseFormat(OpenAIModel):
     grammar: str | None = None
     choice: list[str] | None = None
     choices: list[str] | None = None
+    format: Any = None
+    structures: Any = None
+    triggers: Any = None
 
 
 class StructuredOutputs(OpenAIModel):
     """vLLM's ``structured_outputs``: exactly one of json, regex, choice, grammar,
-    json_object; and structspec's ``bounded_numbers`` (``false``: the request's JSON grammar,
+    json_object, structural_tag (JSON text, as vLLM types it, or an object); and structspec's ``bounded_numbers`` (``false``: the request's JSON grammar,
     given here or elsewhere, without the default number bounds)."""
 
     json_: SchemaValue | None = Field(default=None, alias="json")

@@ -63,7 +63,8 @@ class RequestRecord:
             from here.
         stream: the request's ``stream`` (None until the body parsed).
         grammar: the grammar kind (``json_schema``, ``json_object``, ``regex``, ``ebnf``,
-            ``choice``) or ``none``; None until the grammar fields were read.
+            ``choice``, ``structural_tag``) or ``none``; None until the grammar fields were
+            read.
         prompt_tokens: as the response's ``usage.prompt_tokens`` (0 before tokenization).
         run: the engine requests, once built.
     """

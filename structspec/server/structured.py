@@ -7,11 +7,15 @@ Accepted shapes (the union of what sglang, vLLM, TensorRT-LLM and llama.cpp clie
   "strict"}}`` (OpenAI, what ``client.chat.completions.parse(response_format=Model)`` sends);
   ``{"type": "json", "schema": ...}`` (TensorRT-LLM); ``{"type": "regex", "regex"|"pattern"}``;
   ``{"type": "ebnf"|"grammar"|"gbnf", "ebnf"|"grammar"}``; ``{"type": "choice",
-  "choices"|"choice"}``.
+  "choices"|"choice"}``; ``{"type": "structural_tag", "format": {...}}`` (xgrammar's
+  structural tag, vLLM and sglang) or its legacy form ``{"type": "structural_tag",
+  "structures": [{"begin", "schema", "end"}], "triggers": [...]}`` (vLLM), with an optional
+  ``strict`` (structspec's: strict mode for the tag's JSON Schemas; default false).
 - extra body keys: ``json_schema``, ``regex``, ``ebnf``, ``grammar``, ``choice`` (sglang,
   llama.cpp), ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``
-  (vLLM < 0.12), ``structured_outputs: {json, regex, choice, grammar, json_object}``
-  (vLLM >= 0.12).
+  (vLLM < 0.12), ``structured_outputs: {json, regex, choice, grammar, json_object,
+  structural_tag}`` (vLLM >= 0.12; ``structural_tag`` is the tag as JSON text, vLLM's type, or
+  as an object).
 
 At most one constraint per request (a 400 names both otherwise). JSON grammars get default
 number bounds, a loop guard (:mod:`structspec.grammar.number_bounds`);
@@ -22,7 +26,10 @@ spellings of one value (``regex`` and ``pattern``), and an unknown key of
 ``response_format.json_schema`` or ``structured_outputs`` are a 400 naming the key. ``json_schema.strict``
 maps to :attr:`JsonSchemaConstraint.strict`; when a client leaves it out we follow OpenAI's default
 (``false``: best effort). With either value the finished output is checked afterwards and
-``schema_valid`` reported.
+``schema_valid`` reported. A structural tag is read and checked here
+(:func:`structspec.constraint_parse.structural_tag_constraint`: a problem inside it is a 400
+naming its place, ``response_format.structures[0].schema``); its JSON Schemas get the same
+treatment as a ``json_schema``'s in the engine, and it reports no ``schema_valid``.
 Whether a schema / regex / grammar actually compiles is decided by the grammar compiler in
 the engine process; its error comes back asynchronously and becomes a 400 there. The engine
 names the field from the grammar *kind* (``regex``, ``json_schema``, ...), not
@@ -39,7 +46,12 @@ from __future__ import annotations
 from typing import Any
 
 from structspec import constraint_parse as cp
-from structspec.constraints import GrammarConstraint, JsonObjectConstraint, JsonSchemaConstraint
+from structspec.constraints import (
+    GrammarConstraint,
+    JsonObjectConstraint,
+    JsonSchemaConstraint,
+    StructuralTagConstraint,
+)
 from structspec.server.errors import bad_request
 from structspec.server.field_policy import given_keys, refuse_unknown_keys, unknown_key_error
 from structspec.server.jsontext import loads_client_json
@@ -128,6 +140,7 @@ RESPONSE_FORMAT_KEYS: dict[str, tuple[str, ...]] = {
     "grammar": ("ebnf", "grammar"),
     "gbnf": ("ebnf", "grammar"),
     "choice": ("choices", "choice"),
+    "structural_tag": ("format", "structures", "triggers", "strict"),
 }
 """The keys (besides ``type``) each ``response_format`` type reads; any other key given a
 value is a 400 naming it: it would be ignored (``{"type": "json_schema", "regex": ...}``)."""
@@ -170,23 +183,28 @@ def _check_response_format_keys(rf: ResponseFormat, kind: str) -> None:
         if js.strict is not None and rf.strict is not None and js.strict != rf.strict:
             raise bad_request("response_format: json_schema.strict and strict differ",
                               "response_format.strict")
-    if "strict" in given and "schema" not in given and (js is None or js.schema_ is None):
+    if ("strict" in given and "schema" not in given and kind != "structural_tag"
+            and (js is None or js.schema_ is None)):
         raise bad_request("response_format.strict applies to a JSON Schema; none is given",
                           "response_format.strict")
 
 
 def _from_response_format(rf: ResponseFormat) -> Found | None:
     kind = rf.type
-    if kind == "structural_tag":
-        raise bad_request("response_format type 'structural_tag' is not supported",
-                          "response_format.type", code="unsupported")
     if kind not in RESPONSE_FORMAT_KEYS:
         raise bad_request(
             f"unknown response_format type {kind!r}; expected text, json_object, "
-            "json_schema, json, regex, ebnf, grammar, gbnf or choice", "response_format.type")
+            "json_schema, json, regex, ebnf, grammar, gbnf, choice or structural_tag",
+            "response_format.type")
     _check_response_format_keys(rf, kind)
     if kind == "text":
         return None
+    if kind == "structural_tag":
+        # the tag is response_format itself, less structspec's "strict"
+        given = given_keys(rf)
+        given.pop("strict", None)
+        return cp.structural_tag_constraint(given, "response_format", cp.API_STYLE,
+                                            strict=bool(rf.strict)), "response_format"
     if kind == "json_object":
         if rf.schema_ is not None:  # llama.cpp: json_object constrained by a schema
             return _schema_constraint(rf.schema_, "response_format.schema",
@@ -234,10 +252,10 @@ def _from_response_format(rf: ResponseFormat) -> Found | None:
 
 STRUCTURED_OUTPUTS_KEYS = ("json", "regex", "choice", "grammar", "json_object",
                            "structural_tag", "bounded_numbers")
-"""The keys of vLLM's ``structured_outputs`` the server reads (``structural_tag`` only to
-refuse it; ``bounded_numbers`` is structspec's: ``false`` lifts the default number bounds of
-the request's JSON grammar); another key (vLLM's ``disable_any_whitespace``, a misspelling)
-is a 400."""
+"""The keys of vLLM's ``structured_outputs`` the server reads (``bounded_numbers`` is
+structspec's: ``false`` lifts the default number bounds of the request's JSON grammar, a
+structural tag's JSON Schemas included); another key (vLLM's ``disable_any_whitespace``, a
+misspelling) is a 400."""
 
 
 def _from_structured_outputs(so: StructuredOutputs) -> Found | None:
@@ -258,16 +276,31 @@ def _from_structured_outputs(so: StructuredOutputs) -> Found | None:
     if so.json_object:
         found.append(("json_object", JsonObjectConstraint()))
     if so.structural_tag is not None:
-        raise bad_request("structured_outputs.structural_tag is not supported",
-                          "structured_outputs.structural_tag", code="unsupported")
+        found.append(("structural_tag", _structural_tag_constraint(so.structural_tag)))
     if len(found) > 1:
         names = ", ".join(n for n, _ in found)
         raise bad_request(f"structured_outputs takes one of json, regex, choice, grammar, "
-                          f"json_object; got {names}", "structured_outputs")
+                          f"json_object, structural_tag; got {names}", "structured_outputs")
     if not found:
         return None
     key, spec = found[0]
     return spec, f"structured_outputs.{key}"
+
+
+def _structural_tag_constraint(value: Any) -> StructuralTagConstraint:
+    """vLLM's ``structured_outputs.structural_tag``: the tag as JSON text (vLLM's type) or as
+    an object; its JSON Schemas best effort, as ``structured_outputs.json``'s.
+
+    Raises:
+        ConstraintFieldError: a value that is not a tag (naming its place in the tag).
+        APIError: JSON text the parser refuses, naming the field.
+    """
+    param = "structured_outputs.structural_tag"
+
+    def loads(text: str) -> Any:
+        return loads_client_json(text, what=f"{param} (a string)", param=param)
+
+    return cp.structural_tag_constraint(value, param, cp.API_STYLE, strict=False, loads=loads)
 
 
 def _schema_constraint(value: Any, param: str, *,

@@ -15,7 +15,7 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from structspec.constraints import JsonSchemaConstraint, RegexConstraint
+from structspec.constraints import JsonSchemaConstraint, RegexConstraint, StructuralTagConstraint
 from structspec.draft_tree.layout import VerifyTree
 from structspec.grammar import GrammarBackend, GrammarTree, Matcher, build_grammar_vocab_mask
 from structspec.grammar.grammar_shipping import wire_form
@@ -568,3 +568,61 @@ def test_pool_serves_the_backends_it_was_given(pool: MaskWorkerPool, llg_backend
     with pytest.raises(ValueError, match="tokenizer_info"):  # before any process starts
         MaskWorkerPool(None, num_workers=1, vocab_size=backend.vocab_size, max_rows=8,
                        stop_token_ids=[STOP_ID])
+
+
+STRUCTURAL_TAG = {"structures": [{"begin": "<function=get_weather>",
+                                  "schema": {"type": "object",
+                                             "properties": {"city": {"type": "string"},
+                                                            "days": {"type": "integer"}},
+                                             "required": ["city", "days"]},
+                                  "end": "</function>"}],
+                  "triggers": ["<function="]}
+
+
+def test_structural_tag_ships_as_its_source_and_masks_match(pool: MaskWorkerPool,
+                                                            backend: GrammarBackend,
+                                                            hf_tokenizer: Any) -> None:
+    """A structural tag's grammar travels as its source, as the other kinds' do (the worker
+    compiles the tag itself), and its tree bitmasks equal the in-process build step after
+    step, through free text, the trigger, the begin string, the JSON body and the end."""
+    spec = StructuralTagConstraint(STRUCTURAL_TAG)
+    compiled = backend.compile(spec)
+    form = wire_form(compiled)
+    assert form[0] == "xgrammar" and isinstance(form[1], XgrSource) and form[1].spec == spec
+    texts = ['Checking. <function=get_weather>{"city": "Paris", "days": 3}</function> Done.',
+             'Sure <function=get_weather>{"city": "Oslo", "days": 12}</function>',
+             "No call needed here, just words."]
+    reqs = [_Req(f"stag{i}", backend, compiled,
+                 hf_tokenizer.encode(t, add_special_tokens=False) + [STOP_ID])
+            for i, t in enumerate(texts)]
+    for r in reqs:
+        _wait_shipped(pool, r.key, compiled)
+    pool_ids = hf_tokenizer.encode('<function=get_weather>{"city": "x", 1} abc </function>',
+                                   add_special_tokens=False)
+    rng = random.Random(5)
+    steps = 0
+    while reqs and steps < 40:
+        trees = [r.tree(rng, pool_ids, chain_p=0.8) for r in reqs]
+        gt = GrammarTree.from_host(*(torch.cat([getattr(t, f) for t in trees]) for f in
+                                     ("next_token", "next_sibling", "draft_tokens")))
+        pooled = build_grammar_vocab_mask_pooled(
+            pool, [PoolRequest(r.key, r.compiled, list(r.output_ids)) for r in reqs],
+            [r.matcher for r in reqs], gt, device="cpu", barrier=lambda b=reqs: _barrier(b),
+            time_limit_s=10.0)
+        ref = build_grammar_vocab_mask([r.matcher for r in reqs], gt,
+                                       vocab_size=backend.vocab_size, device="cpu",
+                                       time_limit_s=10.0)
+        assert pooled is not None and ref is not None
+        assert torch.equal(pooled.bitmask_cpu, ref.bitmask_cpu), steps
+        assert pooled.rejected_by_grammar == ref.rejected_by_grammar
+        assert torch.equal(pooled.max_accept_cpu, ref.max_accept_cpu)
+        for r in reqs:
+            r.commit(rng.randint(1, 4))
+        done = [r for r in reqs if r.pos >= len(r.ids)]
+        for r in done:
+            pool.release(r.key)
+            _barrier([r])
+            assert r.matcher is not None and r.matcher.is_terminated()  # all in the language
+        reqs = [r for r in reqs if r not in done]
+        steps += 1
+    assert not reqs, "the texts were not used up"

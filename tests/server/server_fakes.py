@@ -6,7 +6,9 @@ them with ``include_stop_str_in_output``),
 ``max_tokens`` ends it with ``length``, a grammar decides the script, and a grammar whose
 text contains ``BAD(`` (a regex, an EBNF grammar, a JSON Schema, a choice) fails to "compile":
 an error delta before any token whose ``error_param`` is the one the real engine gives
-(:data:`ENGINE_GRAMMAR_PARAM`, by grammar kind, whatever field the client used).
+(:data:`ENGINE_GRAMMAR_PARAM`, by grammar kind, whatever field the client used). A structural
+tag goes through the real engine's checks before its compile (shape, and each JSON Schema's
+satisfiability and strict check: tokenizer-free), whose refusal names the place in the tag.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from structspec.constraints import (
     JsonObjectConstraint,
     JsonSchemaConstraint,
     RegexConstraint,
+    StructuralTagConstraint,
 )
 from structspec.core import ChatTemplateOptions, SamplingParams, SpecMetrics
 from structspec.server.ipc import EngineDelta, EngineInfo, EngineStats
@@ -121,6 +124,8 @@ def script_for(params: SamplingParams) -> str:
         return "2024-01-02"
     if isinstance(g, EbnfConstraint):
         return "yes"
+    if isinstance(g, StructuralTagConstraint):
+        return "Let me check. <function=get_weather>{\"city\": \"Paris\"}</function>"
     return "Hello world! STOP here. " * 20
 
 
@@ -195,6 +200,17 @@ class FakeEngine:
                 error=f"Failed to compile {g.kind} grammar: missing ')'",
                 error_param=ENGINE_GRAMMAR_PARAM[g.kind], num_prompt_tokens=len(prompt)))
             return
+        if isinstance(g, StructuralTagConstraint):
+            from structspec.grammar.errors import GrammarError
+            from structspec.grammar.structural_tag_grammar import check_structural_tag
+
+            try:
+                check_structural_tag(g)
+            except GrammarError as e:
+                self._finish(rid, sink, EngineDelta(
+                    request_id=rid, finished=True, finish_reason="abort", rejected=False,
+                    error=str(e), error_param=e.param, num_prompt_tokens=len(prompt)))
+                return
         text = script_for(params)
         out: list[int] = []
         steps = 0

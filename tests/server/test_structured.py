@@ -71,7 +71,7 @@ def test_every_shape_maps_to_one_grammar(body: dict[str, Any], expected: Any) ->
     ({"response_format": {"type": "gbnf", "grammar": " "}}, "response_format.grammar"),
     ({"response_format": {"type": "choice", "choice": []}}, "response_format.choice"),
     ({"response_format": {"type": "nonsense"}}, "response_format.type"),
-    ({"response_format": {"type": "structural_tag"}}, "response_format.type"),
+    ({"response_format": {"type": "structural_tag"}}, "response_format"),
     ({"json_schema": "{not json"}, "json_schema"),
     ({"json_schema": "[1, 2]"}, "json_schema"),
     ({"choice": []}, "choice"),
