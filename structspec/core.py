@@ -24,6 +24,7 @@ from structspec.penalty_params import (
     penalty_error,
     repetition_penalty_error,
 )
+from structspec.schema_structure import MAX_SCHEMA_NESTING, json_nesting
 
 # ---------------------------------------------------------------------------------------------
 # Sampling parameters
@@ -737,6 +738,9 @@ def _checked_template_kwargs(kwargs: object) -> dict[str, Any]:
                                           "template's rendering, not a template variable "
                                           "(messages, tools and the template's flags have "
                                           "fields of their own)")
+        if json_nesting(value) > MAX_SCHEMA_NESTING:  # the template's rendering recursed
+            raise ChatMessageError(param, f"the value nests deeper than {MAX_SCHEMA_NESTING} "
+                                          "levels")
         try:
             json.dumps(value, allow_nan=False)
         except (TypeError, ValueError, RecursionError):

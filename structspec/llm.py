@@ -214,7 +214,8 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
-        **kw: Any,
+        use_tqdm: bool = False,
+        priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Like :meth:`generate` for chat conversations: one conversation (a list of
         ``{role, content}`` messages) or a list of conversations. A conversation with a
@@ -235,7 +236,7 @@ class LLM:
             chat_template_kwargs: extra template variables (e.g. ``{"enable_thinking":
                 False}``): string keys, JSON values, none of the template's own arguments
                 (:data:`structspec.core.RESERVED_CHAT_TEMPLATE_KWARGS`).
-            **kw: :meth:`generate`'s keyword arguments (``use_tqdm``, ``priority``).
+            use_tqdm, priority: as in :meth:`generate`.
 
         Raises:
             ChatMessageError: ``messages`` is not a list, or is empty; or a bad option
@@ -246,7 +247,7 @@ class LLM:
                                       continue_final_message=continue_final_message,
                                       chat_template_kwargs=chat_template_kwargs)
         return self._generate(_as_chat_list(messages), sampling_params, chat_options=options,
-                              **kw)
+                              use_tqdm=use_tqdm, priority=priority)
 
     def _generate(
         self, batch: list[PromptInput],

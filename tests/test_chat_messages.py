@@ -76,6 +76,13 @@ def test_text_parts_are_joined_and_the_input_is_left_alone() -> None:
 # ------------------------------------------------------------------ chat template options
 
 
+def _nested(levels: int) -> Any:
+    value: Any = 1
+    for _ in range(levels):
+        value = {"a": value}
+    return value
+
+
 @pytest.mark.parametrize(("kwargs", "param", "reason"), [
     ({"add_generation_prompt": 1}, "add_generation_prompt", "expected true or false, got int"),
     ({"continue_final_message": "yes"}, "continue_final_message",
@@ -92,6 +99,8 @@ def test_text_parts_are_joined_and_the_input_is_left_alone() -> None:
      "expected a JSON value"),
     ({"chat_template_kwargs": {"x": float("nan")}}, "chat_template_kwargs.x",
      "expected a JSON value"),
+    ({"chat_template_kwargs": {"deep": _nested(200)}}, "chat_template_kwargs.deep",
+     "nests deeper than 128 levels"),  # the template's rendering recursed past its limit
 ])
 def test_bad_chat_template_options_name_the_field(kwargs: dict[str, Any], param: str,
                                                   reason: str) -> None:

@@ -188,6 +188,14 @@ class LLMEngine:
             raise RequestError(f"allowed_token_ids entry {bad_allowed} is not a token id of "
                                f"this model (vocabulary size {self.model_config.vocab_size})",
                                "allowed_token_ids")
+        if params.min_tokens and params.allowed_token_ids is not None:
+            stops = set(params.stop_token_ids)
+            if not params.ignore_eos:
+                stops |= set(self.tokenizer.eos_token_ids)
+            if set(params.allowed_token_ids) <= stops:  # min_tokens could never be met
+                raise RequestError("min_tokens needs a token that does not stop the output, "
+                                   "but allowed_token_ids holds only stop tokens (EOS, "
+                                   "stop_token_ids)", "min_tokens")
         bad_stop = next((t for t in params.stop_token_ids
                          if t >= self.model_config.vocab_size), None)
         if bad_stop is not None:

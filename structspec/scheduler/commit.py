@@ -26,7 +26,7 @@ pages are then freed whole.
 
 from __future__ import annotations
 
-from structspec.core import FinishReason, stop_token_hidden
+from structspec.core import INVALID_REQUEST_PARAMETER, FinishReason, stop_token_hidden
 from structspec.penalty_params import REPETITION_STOP_REASON
 from structspec.scheduler.request import Req
 from structspec.stop_strings import first_stop_ending_after
@@ -83,7 +83,7 @@ def commit_tokens(req: Req, run: list[int], now_s: float) -> list[int]:
         if req.params.allowed_token_ids is not None:
             # its other logits are -inf: the grammar allowed none of its tokens here
             req.finish(FinishReason.ABORT, error=NO_ALLOWED_TOKEN_ERROR,
-                       error_param="allowed_token_ids")
+                       error_param="allowed_token_ids", error_code=INVALID_REQUEST_PARAMETER)
         else:
             req.finish(FinishReason.ABORT, error=NON_FINITE_LOGITS_ERROR)
         return []

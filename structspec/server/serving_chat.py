@@ -20,6 +20,7 @@ from structspec.server.errors import bad_request
 from structspec.server.field_policy import check_request_fields
 from structspec.server.generation import ChoiceState, GenerationRun
 from structspec.server.limits import (
+    ServerLimits,
     check_choices,
     check_grammar_size,
     check_prompt_chars,
@@ -68,11 +69,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     check_choices(limits, 1, req.n)
     options = template_options(req)
     plan = plan_tool_calls(req.tools, req.tool_choice, req.parallel_tool_calls)
-    if plan is not None and options.continue_final_message:
-        raise bad_request("continue_final_message cannot be used with a forced tool call "
-                          "(tool_choice \"required\" or a named function): the call is a new "
-                          "assistant message, not a continuation of the final one",
-                          "continue_final_message")
+    check_continuation(plan, options)
     # a forced tool call's grammar is one more constraint (at most one per request, and
     # structured_outputs.bounded_numbers applies to it)
     grammar, grammar_param = grammar_and_field(
@@ -81,12 +78,8 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     check_grammar_size(limits, grammar, grammar_param)
     check_stop(limits, req.stop, req.stop_token_ids, state.engine.info.vocab_size)
     messages = template_messages(req.messages)
-    try:
-        options.check_messages(messages)
-    except ChatMessageError as e:
-        raise bad_request(str(e), e.param, code=e.code) from None
     tools = template_tools(req.tools, req.tool_choice)
-    check_prompt_chars(limits, prompt_chars(messages, tools, options), "messages")
+    check_chat_prompt(limits, messages, tools, options)
     try:
         prompt_ids = await in_thread(state.codec.encode_chat, messages, tools,
                                      state.max_model_len - 1, options)
@@ -238,6 +231,38 @@ async def _stream(state: ServerState, run: GenerationRun, rid: str, created: int
             yield e
     finally:
         run.abort()  # a closed outer generator does not close the inner one right away
+
+
+def check_continuation(plan: ToolCallPlan | None, options: ChatTemplateOptions) -> None:
+    """Refuse ``continue_final_message`` beside a forced tool call (``plan``).
+
+    Raises:
+        APIError: 400 naming ``continue_final_message``: the call is a new assistant message,
+            not a continuation of the final one.
+    """
+    if plan is not None and options.continue_final_message:
+        raise bad_request("continue_final_message cannot be used with a forced tool call "
+                          "(tool_choice \"required\" or a named function): the call is a new "
+                          "assistant message, not a continuation of the final one",
+                          "continue_final_message")
+
+
+def check_chat_prompt(limits: ServerLimits, messages: list[dict[str, Any]],
+                      tools: list[dict[str, Any]] | None, options: ChatTemplateOptions) -> None:
+    """The checks of a chat's prompt before it is rendered (the chat endpoint's and
+    ``/tokenize``'s): ``options`` against the messages (a final message to continue), the
+    template variables' and then the whole prompt's characters (``--max-prompt-chars``).
+
+    Raises:
+        APIError: 400 naming ``continue_final_message``, ``chat_template_kwargs`` or
+            ``messages``.
+    """
+    try:
+        options.check_messages(messages)
+    except ChatMessageError as e:
+        raise bad_request(str(e), e.param, code=e.code) from None
+    check_prompt_chars(limits, options.kwargs_chars(), "chat_template_kwargs")
+    check_prompt_chars(limits, prompt_chars(messages, tools, options), "messages")
 
 
 def template_tools(tools: list[dict[str, Any]] | None,

@@ -43,7 +43,8 @@ from structspec.server.serving import (
     read_json,
 )
 from structspec.server.serving_chat import (
-    prompt_chars,
+    check_chat_prompt,
+    check_continuation,
     template_messages,
     template_options,
     template_tools,
@@ -99,14 +100,10 @@ async def create_tokenize(state: ServerState, request: Request) -> Response:
         # the chat endpoint's checks, in its order: template options, tools (and
         # tool_choice), messages, size
         options = template_options(req)
-        plan_tool_calls(req.tools, req.tool_choice)
+        check_continuation(plan_tool_calls(req.tools, req.tool_choice), options)
         messages = template_messages(req.messages)
-        try:
-            options.check_messages(messages)
-        except ChatMessageError as e:
-            raise bad_request(str(e), e.param, code=e.code) from None
         tools = template_tools(req.tools, req.tool_choice)
-        check_prompt_chars(limits, prompt_chars(messages, tools, options), param)
+        check_chat_prompt(limits, messages, tools, options)
         add_special = bool(req.add_special_tokens)  # vLLM's default for a chat: false
         encode = partial(_encode_chat, state.codec, messages, tools, max_len, options,
                          add_special)

@@ -105,3 +105,19 @@ def test_an_id_outside_the_vocabulary_is_refused(make_llm: Any, tiny_model_dir: 
     out = make_llm(model=tiny_model_dir).generate(
         PROMPT, SamplingParams(max_tokens=2, allowed_token_ids=[3, 10**6]), raw_prompt=True)[0]
     assert out.finish_reason == "abort" and out.error_param == "allowed_token_ids"
+
+
+def test_min_tokens_with_only_stop_tokens_allowed_is_refused(make_llm: Any,
+                                                              tiny_model_dir: str) -> None:
+    """No token could meet min_tokens: refused naming it (the ban would otherwise be lifted
+    as for a complete grammar, and the output end at once)."""
+    llm = make_llm(model=tiny_model_dir)
+    eos = sorted(llm_eos(llm))
+    for params in (SamplingParams(max_tokens=8, min_tokens=3, allowed_token_ids=eos),
+                   SamplingParams(max_tokens=8, min_tokens=3, allowed_token_ids=[17],
+                                  stop_token_ids=[17])):
+        out = llm.generate(PROMPT, params, raw_prompt=True)[0]
+        assert out.finish_reason == "abort" and out.error_param == "min_tokens", out
+    ok = llm.generate(PROMPT, SamplingParams(max_tokens=4, min_tokens=3, ignore_eos=True,
+                                             allowed_token_ids=eos), raw_prompt=True)[0]
+    assert ok.error is None and len(ok.token_ids) == 4  # EOS does not stop: not a stop token

@@ -216,7 +216,10 @@ def test_kwargs_count_as_prompt_text() -> None:
     with TestClient(create_app(state)) as c:
         assert post(c, CHAT, chat_template_kwargs={"notes": "x" * 80}).status_code == 200
         err = _error(post(c, CHAT, chat_template_kwargs={"notes": "x" * 100}))
-    assert err["code"] == "prompt_too_large" and err["param"] == "messages"
+        assert err["code"] == "prompt_too_large" and err["param"] == "chat_template_kwargs"
+        # within the bound alone, over it with the messages: the whole prompt is named
+        err = _error(post(c, CHAT, chat_template_kwargs={"notes": "x" * 87}))
+        assert err["code"] == "prompt_too_large" and err["param"] == "messages"
     assert len(engine.added) == 1
 
 

@@ -223,6 +223,9 @@ def test_chat_options(client: TestClient, codec: TemplateCodec) -> None:
     err = error_of(client.post(TOK, json={"messages": MSGS,
                                           "chat_template_kwargs": {"tools": []}}))
     assert err["param"] == "chat_template_kwargs.tools"
+    # a forced tool call is a new message, as the chat endpoint says
+    err = error_of(client.post(TOK, json={**body, "tools": TOOLS, "tool_choice": "required"}))
+    assert err["param"] == "continue_final_message"
 
 
 # ------------------------------------------------------------------ /detokenize
