@@ -12,6 +12,7 @@ import torch
 
 from structspec import SamplingParams
 from structspec.constraints import ChoiceConstraint
+from tests.engine.hf_reference import hf_greedy
 
 PROMPT = "The capital of France is"
 MAX_TOKENS = 16
@@ -20,20 +21,15 @@ MAX_TOKENS = 16
 def _hf_greedy(model_dir: str, tokenizer: Any, allowed: list[int],
                bias: dict[int, float]) -> list[int]:
     """Reference: greedy over ``allowed`` only, ``bias`` added to their logits."""
-    from transformers import LlamaForCausalLM
+    def restrict(logits: torch.Tensor, out: list[int]) -> torch.Tensor:
+        masked = torch.full_like(logits, float("-inf"))
+        masked[allowed] = logits[allowed]
+        for t, b in bias.items():
+            masked[t] += b
+        return masked
 
-    model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-    ids = tokenizer.encode(PROMPT, add_special_tokens=False)
-    out: list[int] = []
-    with torch.no_grad():
-        while len(out) < MAX_TOKENS:
-            logits = model(torch.tensor([ids + out])).logits[0, -1].float()
-            masked = torch.full_like(logits, float("-inf"))
-            masked[allowed] = logits[allowed]
-            for t, b in bias.items():
-                masked[t] += b
-            out.append(int(masked.argmax()))
-    return out
+    return hf_greedy(model_dir, tokenizer.encode(PROMPT, add_special_tokens=False),
+                     MAX_TOKENS, restrict)
 
 
 def test_allowed_token_ids_equal_the_reference_with_every_drafter(

@@ -12,6 +12,7 @@ import torch
 
 from structspec import SamplingParams
 from structspec.constraints import ChoiceConstraint
+from tests.engine.hf_reference import hf_greedy
 
 PROMPTS = ["Once upon a time", "The capital of France is"]
 MAX_TOKENS = 24
@@ -21,20 +22,15 @@ def _hf_greedy(model_dir: str, tokenizer: Any, prompt: str, stop_ids: set[int],
                min_tokens: int) -> list[int]:
     """Reference: a plain decode with Hugging Face, the stop ids' logits -inf while the
     output is shorter than ``min_tokens``; ends after a stop id (kept) or MAX_TOKENS."""
-    from transformers import LlamaForCausalLM
+    banned = sorted(stop_ids)
 
-    model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-    ids = tokenizer.encode(prompt, add_special_tokens=False)
-    out: list[int] = []
-    with torch.no_grad():
-        while len(out) < MAX_TOKENS:
-            logits = model(torch.tensor([ids + out])).logits[0, -1].float()
-            if len(out) < min_tokens:
-                logits[sorted(stop_ids)] = float("-inf")
-            out.append(int(logits.argmax()))
-            if out[-1] in stop_ids:
-                break
-    return out
+    def ban(logits: torch.Tensor, out: list[int]) -> torch.Tensor:
+        if len(out) < min_tokens:
+            logits[banned] = float("-inf")
+        return logits
+
+    return hf_greedy(model_dir, tokenizer.encode(prompt, add_special_tokens=False), MAX_TOKENS,
+                     ban, frozenset(stop_ids))
 
 
 @pytest.fixture(scope="module")
