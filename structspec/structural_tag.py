@@ -260,6 +260,15 @@ class _FormatReader:
                                      f"{', '.join(FORMAT_FIELDS)}", render_path((*path, "type")))
         fields = FORMAT_FIELDS[kind]
         _refuse_unknown(node, path, ("type", *fields))
+        if kind in ("any_text", "any_tokens") and node.get("max_tokens") is not None:
+            # xgrammar relaxes a spent token budget where the rule cannot end, and what it
+            # allows then depends on the matcher's history: a draft tree's walk (rollbacks)
+            # let a fifth token through a budget of 4 that plain decoding refused
+            raise StructuralTagError(
+                f"'max_tokens' of an {kind!r} format is not enforced exactly under speculative "
+                "decoding (xgrammar's token budget depends on the matcher's rollbacks); bound "
+                "the text with 'max_chars' or 'excludes' instead",
+                render_path((*path, "max_tokens")))
         for key in REQUIRED_FIELDS.get(kind, ()):
             if key not in node:
                 raise StructuralTagError(f"a {kind!r} format needs '{key}'", where)
@@ -267,6 +276,10 @@ class _FormatReader:
         for key, what in fields.items():
             if key in node:
                 children += self._field(node[key], (*path, key), what, depth)
+        if kind == "repeat" and (node["min"] < 0 or node["max"] not in range(-1, 0)
+                                 and node["max"] < node["min"]):
+            raise StructuralTagError(f"a repeat needs 0 <= min <= max (max -1: unbounded), got "
+                                     f"min {node['min']}, max {node['max']}", where)
         if kind in _SCHEMA_FORMATS:
             self.schemas.append(SchemaSite(render_path((*path, "json_schema")), path,
                                            node["json_schema"]))
@@ -358,18 +371,26 @@ def _check_triggers(triggers: Any, path: Path, begins: list[tuple[Path, Any]]) -
         if not trigger:
             raise StructuralTagError("a trigger must be a non-empty string",
                                      render_path((*path, i)))
+    # linear in the text of the begins (a tag of 30,000 structures compared every begin
+    # with every trigger: ~50 s of the server's event loop): each begin's prefixes are looked
+    # up in the set of triggers
+    trigger_set = set(triggers)
+    longest = max(len(t) for t in triggers)
+    used: set[str] = set()
     for begin_path, begin in begins:
         if not isinstance(begin, str):
             raise StructuralTagError("a triggered tag's begin must be a string (a token begin "
                                      "needs 'token_triggered_tags')", render_path(begin_path))
-        matching = [t for t in triggers if begin.startswith(t)]
+        matching = [begin[:n] for n in range(1, min(len(begin), longest) + 1)
+                    if begin[:n] in trigger_set]
         if len(matching) != 1:
             what = "no trigger" if not matching else f"more than one trigger ({matching!r})"
             raise StructuralTagError(f"begin {begin!r} starts with {what}; each begin must "
                                      "start with exactly one of the triggers",
                                      render_path(begin_path))
+        used.add(matching[0])
     for i, trigger in enumerate(triggers):
-        if not any(isinstance(b, str) and b.startswith(trigger) for _, b in begins):
+        if trigger not in used:
             raise StructuralTagError(f"trigger {trigger!r} is not a prefix of any tag's begin",
                                      render_path((*path, i)))
 
@@ -395,11 +416,11 @@ def _check_scalar(value: Any, path: Path, what: str) -> None:
     elif what in ("integer", "count"):
         if what == "count" and value is None:
             return
-        if isinstance(value, bool) or not isinstance(value, int) or (
-                what == "count" and not 0 <= value <= _MAX_COUNT):
-            bound = f" in [0, {_MAX_COUNT}]" if what == "count" else ""
-            raise StructuralTagError(f"must be an integer{bound}, got {_shown_type(value)}",
-                                     where)
+        low = 0 if what == "count" else -1  # a repeat's max -1: unbounded (xgrammar's)
+        if isinstance(value, bool) or not isinstance(value, int) or not (
+                low <= value <= _MAX_COUNT):
+            raise StructuralTagError(f"must be an integer in [{low}, {_MAX_COUNT}], got "
+                                     f"{_shown_type(value)}", where)
     elif what == "style":
         if value not in JSON_SCHEMA_STYLES:
             raise StructuralTagError(f"unknown style {value!r}; expected one of "
