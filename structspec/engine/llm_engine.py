@@ -81,6 +81,40 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
 
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        """The checks of a request's token ids that need the model: ``logit_bias`` keys,
+        ``allowed_token_ids`` and ``stop_token_ids`` within the vocabulary, and a
+        ``min_tokens`` that some allowed token can meet.
+
+        Raises:
+            RequestError: naming the field.
+        """
+        bad_id = out_of_vocab(params.logit_bias, self.model_config.vocab_size)
+        if bad_id is not None:
+            raise RequestError(f"logit_bias key {bad_id} is not a token id of this model "
+                               f"(vocabulary size {self.model_config.vocab_size})", "logit_bias")
+        bad_allowed = next((t for t in params.allowed_token_ids or ()
+                            if t >= self.model_config.vocab_size), None)
+        if bad_allowed is not None:
+            raise RequestError(f"allowed_token_ids entry {bad_allowed} is not a token id of "
+                               f"this model (vocabulary size {self.model_config.vocab_size})",
+                               "allowed_token_ids")
+        if params.min_tokens and params.allowed_token_ids is not None:
+            stops = set(params.stop_token_ids)
+            if not params.ignore_eos:
+                stops |= set(self.tokenizer.eos_token_ids)
+            if set(params.allowed_token_ids) <= stops:  # min_tokens could never be met
+                raise RequestError("min_tokens needs a token that does not stop the output, "
+                                   "but allowed_token_ids holds only stop tokens (EOS, "
+                                   "stop_token_ids)", "min_tokens")
+        bad_stop = next((t for t in params.stop_token_ids
+                         if t >= self.model_config.vocab_size), None)
+        if bad_stop is not None:
+            # never generated, so it would never stop anything: refused like the server does
+            raise RequestError(f"stop_token_ids entry {bad_stop} is not a token id of this "
+                               f"model (vocabulary size {self.model_config.vocab_size})",
+                               "stop_token_ids")
+
     def tokenize_prompt(self, prompt: PromptInput, *, raw: bool = False,
                         chat_options: ChatTemplateOptions | None = None) -> list[int]:
         """Token ids for a prompt: chat messages go through the chat template; a string goes
@@ -178,31 +212,7 @@ class LLMEngine:
             params.validate()
         except ValueError as e:
             raise RequestError(str(e), _param_of(str(e))) from e
-        bad_id = out_of_vocab(params.logit_bias, self.model_config.vocab_size)
-        if bad_id is not None:
-            raise RequestError(f"logit_bias key {bad_id} is not a token id of this model "
-                               f"(vocabulary size {self.model_config.vocab_size})", "logit_bias")
-        bad_allowed = next((t for t in params.allowed_token_ids or ()
-                            if t >= self.model_config.vocab_size), None)
-        if bad_allowed is not None:
-            raise RequestError(f"allowed_token_ids entry {bad_allowed} is not a token id of "
-                               f"this model (vocabulary size {self.model_config.vocab_size})",
-                               "allowed_token_ids")
-        if params.min_tokens and params.allowed_token_ids is not None:
-            stops = set(params.stop_token_ids)
-            if not params.ignore_eos:
-                stops |= set(self.tokenizer.eos_token_ids)
-            if set(params.allowed_token_ids) <= stops:  # min_tokens could never be met
-                raise RequestError("min_tokens needs a token that does not stop the output, "
-                                   "but allowed_token_ids holds only stop tokens (EOS, "
-                                   "stop_token_ids)", "min_tokens")
-        bad_stop = next((t for t in params.stop_token_ids
-                         if t >= self.model_config.vocab_size), None)
-        if bad_stop is not None:
-            # never generated, so it would never stop anything: refused like the server does
-            raise RequestError(f"stop_token_ids entry {bad_stop} is not a token id of this "
-                               f"model (vocabulary size {self.model_config.vocab_size})",
-                               "stop_token_ids")
+        self._check_token_ids(params)
         ids = self.tokenize_prompt(prompt, raw=raw_prompt, chat_options=chat_options)
         if len(ids) >= self.max_model_len:
             raise self._too_long(len(ids), "prompt")
