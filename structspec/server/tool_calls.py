@@ -152,7 +152,7 @@ def check_tools(tools: Any) -> list[dict[str, Any]]:
     return functions
 
 
-def _parameters(fn: dict[str, Any]) -> dict[str, Any]:
+def tool_parameters(fn: dict[str, Any]) -> dict[str, Any]:
     """The tool's arguments schema, an object schema (one without fixed properties when the
     tool gives none)."""
     params = fn.get("parameters")
@@ -195,7 +195,7 @@ def plan_tool_calls(tools: Any, tool_choice: Any,
         for i, f in enumerate(functions):
             if f["name"] == name:
                 return ToolCallPlan("named", JsonSchemaConstraint(
-                    _parameters(f), strict=bool(f.get("strict", False))),
+                    tool_parameters(f), strict=bool(f.get("strict", False))),
                     f"tools[{i}].function.parameters", name=name)
         raise bad_request(f"tool_choice: no tool named {name!r} in 'tools' (have "
                           f"{[f['name'] for f in functions]})", "tool_choice")
@@ -240,7 +240,7 @@ def _required(functions: list[dict[str, Any]], parallel: bool) -> ToolCallPlan:
     branches = []
     for i, fn in enumerate(functions):
         name = _TOOL_DEF.format(i)
-        defs[name] = _rebased(_parameters(fn), f"#/$defs/{name}")
+        defs[name] = _rebased(tool_parameters(fn), f"#/$defs/{name}")
         branches.append({"type": "object",
                          "properties": {"name": {"const": fn["name"]},
                                         "parameters": {"$ref": f"#/$defs/{name}"}},
