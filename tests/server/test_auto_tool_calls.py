@@ -215,3 +215,26 @@ def test_an_engine_refusal_inside_the_tag_names_the_tools_parameters(client: Tes
     r = _chat(client, tools=tools)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "tools[1].function.parameters"
+
+
+def test_bounded_numbers_and_logprobs(client: TestClient, engine: FakeEngine) -> None:
+    r = _chat(client, structured_outputs={"bounded_numbers": False})
+    assert r.status_code == 200, r.text
+    assert engine.added[-1][2].grammar.bounded_numbers is False
+    events = sse_events(_chat(client, stream=True, logprobs=True).text)
+    entries = [t for e in events[1:-1] for t in ((e["choices"][0]["logprobs"] or {})
+                                                 .get("content") or [])]
+    # every generated character's entry is sent once (the EOS has no text)
+    assert "".join(t["token"] for t in entries) == (
+        'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+        '\n</tool_call>')
+
+
+def test_the_serve_flag() -> None:
+    from structspec.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).tool_call_parser is None
+    assert parser.parse_args(["serve", "--tool-call-parser", "hermes"]).tool_call_parser == "hermes"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--tool-call-parser", "mistral"])
