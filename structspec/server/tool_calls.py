@@ -15,7 +15,9 @@ What a client sends (OpenAI's shapes): ``tools``, a list of ``{"type": "function
   references, and its local ``$ref``s (``#``, ``#/$defs/...``, ``#/definitions/...``,
   ``#/properties/...``) are rebased onto that entry, so they resolve as in the tool's own
   schema.
-- ``"auto"`` / ``"none"`` / absent: nothing is forced; ``tools`` only reach the chat template.
+- ``"auto"`` / ``"none"`` / absent: nothing is forced; ``tools`` only reach the chat template
+  (with ``--tool-call-parser hermes``, ``"auto"`` / absent answers are read as tool calls:
+  :mod:`structspec.server.hermes_tools`).
 
 The tools are checked whatever ``tool_choice`` says (they reach the chat template): OpenAI's
 keys only (a misspelt ``parameter`` is a 400 naming it, where it used to be skipped and the
