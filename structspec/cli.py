@@ -161,6 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", default=os.environ.get("STRUCTSPEC_API_KEY"),
                      help="require 'Authorization: Bearer KEY' (env STRUCTSPEC_API_KEY)")
     srv.add_argument("--served-model-name", default=None, help="model id in the API")
+    srv.add_argument("--tool-call-parser", choices=("hermes",), default=None,
+                     help="read tool_choice 'auto' answers as tool calls in this format "
+                          "(hermes: <tool_call>{\"name\", \"arguments\"}</tool_call>, the "
+                          "arguments generated under the tool's schema by a structural tag); "
+                          "default: plain text")
     # the server's own options (light modules: no fastapi, no torch)
     from structspec.server.limits import add_limit_args
     from structspec.server.log_config import add_log_args

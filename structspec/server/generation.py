@@ -32,6 +32,7 @@ from structspec.core import SamplingParams, SpecMetrics, stop_holdback, stop_tok
 from structspec.server.codec import Codec, Detokenizer
 from structspec.server.engine_client import AsyncEngine, EngineDeadError
 from structspec.server.errors import APIError, bad_request, server_error, unavailable
+from structspec.server.hermes_tools import TOOLS_PARAM, tool_place
 from structspec.server.ipc import EngineDelta
 from structspec.server.metrics import ServerMetrics
 from structspec.stop_strings import first_stop_ending_after
@@ -56,13 +57,16 @@ def request_param(param: str | None, grammar_param: str | None) -> str | None:
     """The request field an engine error's ``param`` names, with the grammar read from
     ``grammar_param``: a grammar kind's param becomes ``grammar_param``, and a place in a
     structural tag follows it (``structural_tag.structures[0].schema`` from
-    ``response_format`` -> ``response_format.structures[0].schema``); another param is kept."""
+    ``response_format`` -> ``response_format.structures[0].schema``; for auto tool calls,
+    ``grammar_param`` ``tools``, ``tools[0].function.parameters``); another param is kept."""
     if grammar_param is None or param is None:
         return param
     if param in GRAMMAR_KIND_PARAMS:
         return grammar_param
     head = STRUCTURAL_TAG_PARAM
     if param.startswith(head) and param[len(head):len(head) + 1] in (".", "["):
+        if grammar_param == TOOLS_PARAM:  # auto tool calls: the place is a tool's parameters
+            return tool_place(param[len(head) + 1:])
         return grammar_param + param[len(head):]
     return param
 

@@ -223,7 +223,8 @@ def run_http(args: argparse.Namespace, sock: socket.socket, engine: EngineSuperv
     name = args.served_model_name or _default_model_name(args.model, info.model_path)
     state = ServerState(engine=engine, codec=codec, metrics=ServerMetrics(), model_name=name,
                         api_key=args.api_key or None, limits=limits_from_args(args),
-                        log_config=log_config_from_args(args))
+                        log_config=log_config_from_args(args),
+                        tool_call_parser=args.tool_call_parser)
 
     async def stop_engine() -> None:
         await engine.aclose(ENGINE_JOIN_TIMEOUT_S)

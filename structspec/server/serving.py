@@ -48,6 +48,9 @@ class ServerState:
         api_key: required bearer token, or None.
         limits: admission limits (:mod:`structspec.server.limits`).
         log_config: the request and stats log lines (:mod:`structspec.server.log_config`).
+        tool_call_parser: ``--tool-call-parser``: ``"hermes"`` reads auto tool calls
+            (:mod:`structspec.server.hermes_tools`); None (the default) leaves ``tool_choice``
+            ``"auto"`` answers as plain text.
     """
 
     engine: AsyncEngine
@@ -57,6 +60,7 @@ class ServerState:
     api_key: str | None = None
     limits: ServerLimits = field(default_factory=ServerLimits)
     log_config: ServerLogConfig = field(default_factory=ServerLogConfig)
+    tool_call_parser: str | None = None
 
     @property
     def max_model_len(self) -> int:

@@ -19,6 +19,14 @@ from structspec.core import (
 from structspec.server.errors import bad_request
 from structspec.server.field_policy import check_request_fields
 from structspec.server.generation import ChoiceState, GenerationRun
+from structspec.server.hermes_stream import HermesStream
+from structspec.server.hermes_tools import (
+    AutoToolPlan,
+    message_content,
+    parse_hermes,
+    plan_auto_tools,
+    tool_call_entry,
+)
 from structspec.server.limits import (
     ServerLimits,
     check_choices,
@@ -70,10 +78,14 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     options = template_options(req)
     plan = plan_tool_calls(req.tools, req.tool_choice, req.parallel_tool_calls)
     check_continuation(plan, options)
-    # a forced tool call's grammar is one more constraint (at most one per request, and
-    # structured_outputs.bounded_numbers applies to it)
-    grammar, grammar_param = grammar_and_field(
-        req, None if plan is None else ("tool_choice", (plan.grammar, plan.grammar_param)))
+    # auto tool calls (--tool-call-parser): generated under a structural tag of the tools
+    auto = (plan_auto_tools(state.tool_call_parser, req.tools, req.tool_choice)
+            if plan is None else None)
+    # a forced or auto tool call's grammar is one more constraint (at most one per request,
+    # and structured_outputs.bounded_numbers applies to it)
+    forced = (("tool_choice", (plan.grammar, plan.grammar_param)) if plan is not None
+              else ("tools", (auto.grammar, auto.grammar_param)) if auto is not None else None)
+    grammar, grammar_param = grammar_and_field(req, forced)
     record.grammar = grammar.kind if grammar is not None else "none"
     check_grammar_size(limits, grammar, grammar_param)
     check_stop(limits, req.stop, req.stop_token_ids, state.engine.info.vocab_size)
@@ -123,7 +135,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
             return Response(status_code=499)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return sse_response(_stream(state, run, rid, created, len(prompt_ids), include_usage,
-                                    logprobs is not None, plan))
+                                    logprobs is not None, plan, auto))
     failed = await finish_or_error(state, request, run)
     if failed is not None:
         return failed
@@ -132,20 +144,26 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         "object": "chat.completion",
         "created": created,
         "model": state.model_name,
-        "choices": [_choice(state, c, logprobs is not None, plan) for c in run.choices],
+        "choices": [_choice(state, c, logprobs is not None, plan, auto) for c in run.choices],
         "usage": run.usage(len(prompt_ids)),
         "system_fingerprint": None,
     })
 
 
 def _choice(state: ServerState, c: ChoiceState, with_logprobs: bool,
-            plan: ToolCallPlan | None) -> dict[str, Any]:
+            plan: ToolCallPlan | None, auto: AutoToolPlan | None = None) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
     reason = c.finish_reason
     calls = calls_from_output(plan, c.text) if plan is not None else None
     if plan is not None and calls is not None:  # a forced call: the calls, no content
         message.update(content=None, tool_calls=calls)
         reason = finish_reason(reason, c.final.stop_reason if c.final else None)
+    if auto is not None:  # Hermes: the text before the first call, then the calls
+        parsed = parse_hermes(c.text)
+        message["content"] = message_content(parsed.content)
+        if parsed.calls:
+            message["tool_calls"] = [tool_call_entry(call) for call in parsed.calls]
+            reason = finish_reason(reason, c.final.stop_reason if c.final else None)
     out: dict[str, Any] = {
         "index": c.index,
         "message": message,
@@ -162,13 +180,17 @@ def _choice(state: ServerState, c: ChoiceState, with_logprobs: bool,
 
 async def _stream(state: ServerState, run: GenerationRun, rid: str, created: int,
                   prompt_tokens: int, include_usage: bool,
-                  with_logprobs: bool, plan: ToolCallPlan | None) -> AsyncIterator[str]:
+                  with_logprobs: bool, plan: ToolCallPlan | None,
+                  auto: AutoToolPlan | None = None) -> AsyncIterator[str]:
     """SSE chunks: a role chunk per choice, content deltas, a finish chunk per choice,
     then (``include_usage``) a usage chunk, then ``[DONE]``. A failure after output started
     is sent as an ``{"error": ...}`` event before ``[DONE]``. With a forced tool call
     (``plan``) the deltas are ``tool_calls`` instead of ``content``: a named call's id and
-    name, then its arguments as they come; ``required`` calls whole at the end."""
+    name, then its arguments as they come; ``required`` calls whole at the end. With auto
+    tool calls (``auto``) content deltas, then each call once its section closes
+    (:mod:`structspec.server.hermes_stream`)."""
     call_ids: dict[int, str] = {}  # per choice: its named call's id, once sent
+    hermes = {c.index: HermesStream() for c in run.choices} if auto is not None else {}
 
     def chunk(choices: list[dict[str, Any]], usage: Any = None) -> str:
         body: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk",
@@ -197,7 +219,31 @@ async def _stream(state: ServerState, run: GenerationRun, rid: str, created: int
             return {"content": c.text}
         return {"tool_calls": [dict(call, index=i) for i, call in enumerate(calls)]}
 
+    def auto_progress(c: ChoiceState) -> list[str]:
+        """A choice's news as Hermes content and tool-call deltas (logprobs ride the first
+        chunk, or an empty delta)."""
+        stream = hermes[c.index]
+        finishing = c.finished and not c.finish_sent
+        deltas = stream.feed(c.take_text(), finishing)
+        lps = c.take_logprobs() if with_logprobs else []
+        if lps and not deltas:
+            deltas = [{}]
+        events = [chunk([{"index": c.index, "delta": d,
+                          "logprobs": (chat_logprobs(state.codec, lps)
+                                       if with_logprobs and i == 0 else None),
+                          "finish_reason": None}]) for i, d in enumerate(deltas)]
+        if finishing:
+            c.finish_sent = True
+            stop_reason = c.final.stop_reason if c.final else None
+            reason = (finish_reason(c.finish_reason, stop_reason) if stream.num_calls
+                      else c.finish_reason)
+            events.append(chunk([{"index": c.index, "delta": {}, "logprobs": None,
+                                  "finish_reason": reason, "stop_reason": stop_reason}]))
+        return events
+
     def progress(c: ChoiceState) -> list[str]:
+        if auto is not None:
+            return auto_progress(c)
         events = []
         text = c.take_text()
         lps = c.take_logprobs() if with_logprobs else []

@@ -15,7 +15,9 @@ What a client sends (OpenAI's shapes): ``tools``, a list of ``{"type": "function
   references, and its local ``$ref``s (``#``, ``#/$defs/...``, ``#/definitions/...``,
   ``#/properties/...``) are rebased onto that entry, so they resolve as in the tool's own
   schema.
-- ``"auto"`` / ``"none"`` / absent: nothing is forced; ``tools`` only reach the chat template.
+- ``"auto"`` / ``"none"`` / absent: nothing is forced; ``tools`` only reach the chat template
+  (with ``--tool-call-parser hermes``, ``"auto"`` / absent answers are read as tool calls:
+  :mod:`structspec.server.hermes_tools`).
 
 The tools are checked whatever ``tool_choice`` says (they reach the chat template): OpenAI's
 keys only (a misspelt ``parameter`` is a 400 naming it, where it used to be skipped and the
@@ -152,7 +154,7 @@ def check_tools(tools: Any) -> list[dict[str, Any]]:
     return functions
 
 
-def _parameters(fn: dict[str, Any]) -> dict[str, Any]:
+def tool_parameters(fn: dict[str, Any]) -> dict[str, Any]:
     """The tool's arguments schema, an object schema (one without fixed properties when the
     tool gives none)."""
     params = fn.get("parameters")
@@ -195,7 +197,7 @@ def plan_tool_calls(tools: Any, tool_choice: Any,
         for i, f in enumerate(functions):
             if f["name"] == name:
                 return ToolCallPlan("named", JsonSchemaConstraint(
-                    _parameters(f), strict=bool(f.get("strict", False))),
+                    tool_parameters(f), strict=bool(f.get("strict", False))),
                     f"tools[{i}].function.parameters", name=name)
         raise bad_request(f"tool_choice: no tool named {name!r} in 'tools' (have "
                           f"{[f['name'] for f in functions]})", "tool_choice")
@@ -240,7 +242,7 @@ def _required(functions: list[dict[str, Any]], parallel: bool) -> ToolCallPlan:
     branches = []
     for i, fn in enumerate(functions):
         name = _TOOL_DEF.format(i)
-        defs[name] = _rebased(_parameters(fn), f"#/$defs/{name}")
+        defs[name] = _rebased(tool_parameters(fn), f"#/$defs/{name}")
         branches.append({"type": "object",
                          "properties": {"name": {"const": fn["name"]},
                                         "parameters": {"$ref": f"#/$defs/{name}"}},

@@ -21,12 +21,14 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
 
 
 @contextlib.contextmanager
-def fake_client(engine: FakeEngine,
-                log_config: ServerLogConfig | None = None) -> Iterator[TestClient]:
+def fake_client(engine: FakeEngine, log_config: ServerLogConfig | None = None,
+                tool_call_parser: str | None = None) -> Iterator[TestClient]:
     """The app over ``engine`` (fake codec, fresh metrics, model name ``fake``; the server's
-    log lines as ``log_config`` says, by default the ``serve`` defaults)."""
+    log lines as ``log_config`` says, by default the ``serve`` defaults; ``tool_call_parser``
+    as ``--tool-call-parser``)."""
     state = ServerState(engine=engine, codec=FakeCodec(), metrics=ServerMetrics(),
-                        model_name="fake", log_config=log_config or ServerLogConfig())
+                        model_name="fake", log_config=log_config or ServerLogConfig(),
+                        tool_call_parser=tool_call_parser)
     with TestClient(create_app(state)) as c:
         yield c
 

@@ -125,6 +125,10 @@ def script_for(params: SamplingParams) -> str:
     if isinstance(g, EbnfConstraint):
         return "yes"
     if isinstance(g, StructuralTagConstraint):
+        tag = g.parsed_tag()
+        if tag.get("triggers") == ["<tool_call>"]:  # auto tool calls (Hermes): call tool 0
+            begin = tag["structures"][0]["begin"]
+            return f"Let me check. {begin}{{\"city\": \"Paris\"}}}}\n</tool_call>"
         return "Let me check. <function=get_weather>{\"city\": \"Paris\"}</function>"
     return "Hello world! STOP here. " * 20
 
@@ -148,6 +152,8 @@ class FakeEngine:
         self._listeners: list[Any] = []
         #: prompt tokens each request reports as reused from the prefix cache
         self.cached_tokens = 0
+        #: what every request writes, in place of :func:`script_for`'s text (when set)
+        self.script: str | None = None
 
     @property
     def ready(self) -> bool:
@@ -211,7 +217,7 @@ class FakeEngine:
                     request_id=rid, finished=True, finish_reason="abort", rejected=False,
                     error=str(e), error_param=e.param, num_prompt_tokens=len(prompt)))
                 return
-        text = script_for(params)
+        text = self.script if self.script is not None else script_for(params)
         out: list[int] = []
         steps = 0
         for ch in text:
