@@ -319,11 +319,12 @@ def _structural_tag_flag(value: str, *, strict: bool) -> StructuralTagConstraint
     text = _read_text_arg(value, "--structural-tag")
     if not text.strip():
         raise ValueError(f"--structural-tag: empty structural tag file {value!r}")
-    if text is value and text.strip()[:1] != "{":
-        raise ValueError(f"--structural-tag: no such file {value!r} (and not inline JSON)")
     try:
         tag = json.loads(text)
     except json.JSONDecodeError as e:
+        if text is value and text.strip()[:1] not in ("{", "[", '"'):
+            raise ValueError(f"--structural-tag: no such file {value!r} (and not inline "
+                             "JSON)") from None
         where = "inline JSON" if text is value else repr(value)
         raise ValueError(f"--structural-tag: {where} is not valid JSON: {e}") from None
     return cp.structural_tag_constraint(tag, "--structural-tag", cp.FLAG_STYLE, strict=strict)

@@ -50,6 +50,8 @@ def test_the_flag_takes_inline_json_or_a_file(tmp_path: Path, monkeypatch: pytes
     (["--structural-tag", " "], "--structural-tag: empty structural tag"),
     (["--structural-tag", "tags/missing.json"], "--structural-tag: no such file"),
     (["--structural-tag", "{oops"], "--structural-tag: inline JSON is not valid JSON"),
+    (["--structural-tag", "[]"], "--structural-tag must be a structural tag object"),
+    (["--structural-tag", "[1,"], "--structural-tag: inline JSON is not valid JSON"),
     (["--structural-tag", json.dumps({**LEGACY, "triggers": ["<tool"]})],
      "--structural-tag.structures[0].begin: begin '<function=get_weather>' starts with no "
      "trigger"),
