@@ -828,11 +828,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends ``(default: ...)`` unless the help text already says what the default is, or
-    there is none to show (None, or False for an on/off flag)."""
+    there is none to show (None, or False for an on/off flag, or the True of a flag that turns
+    something off)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        if "default" in text.lower() or action.default is None or action.default is False:
+        if ("default" in text.lower() or action.default is None or action.default is False
+                or isinstance(action, argparse._StoreFalseAction)):  # an off switch: default on
             return text
         return super()._get_help_string(action)
 
