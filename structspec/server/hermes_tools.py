@@ -17,8 +17,10 @@ schema); the tag is strict when every tool is (``function.strict``), best effort
 
 The output is read back by :func:`parse_hermes`: the text before the first ``<tool_call>`` is
 the content; each complete section whose body is ``{"name": <a string>, "arguments": <an
-object>}`` is a call; a section cut short (``max_tokens``, a stop string) or one that does not
-read as a call stays in the content, as text. Text between or after the sections is dropped,
+object>}`` is a call. A section ends at the first ``</tool_call>`` before which its body reads
+as a call, so the tag inside a JSON string (an argument's value, a tool's name) does not end
+it. A section cut short (``max_tokens``, a stop string), or one whose body never reads as a
+call, stays in the content, as text, with what follows it. Text between or after the sections is dropped,
 as vLLM's Hermes parser drops it.
 """
 
@@ -169,14 +171,27 @@ def split_sections(text: str) -> tuple[str, list[tuple[str, bool]]]:
     sections: list[tuple[str, bool]] = []
     at = first
     while at >= 0:
-        close = text.find(TOOL_CALL_END, at + len(TOOL_CALL_START))
-        if close < 0:
+        end = _section_end(text, at)
+        if end is None:
             sections.append((text[at:], False))
             break
-        end = close + len(TOOL_CALL_END)
         sections.append((text[at:end], True))
         at = text.find(TOOL_CALL_START, end)
     return text[:first], sections
+
+
+def _section_end(text: str, at: int) -> int | None:
+    """Where the section opened at ``at`` ends (past its ``</tool_call>``), or None while it
+    is open: at the first ``</tool_call>`` before which the body reads as a call. A
+    ``</tool_call>`` inside a JSON string of the body (an argument's value, a tool's name)
+    does not close it; a body that never reads as a call stays open (text)."""
+    start = at + len(TOOL_CALL_START)
+    close = text.find(TOOL_CALL_END, start)
+    while close >= 0:
+        if _read_call(text[start:close]) is not None:
+            return close + len(TOOL_CALL_END)
+        close = text.find(TOOL_CALL_END, close + 1)
+    return None
 
 
 def section_call(section: str) -> HermesCall | None:

@@ -121,6 +121,21 @@ def test_several_calls_stream_each_as_its_section_closes(client: TestClient,
     assert parts[0]["function"] == {"name": "get_weather", "arguments": ""}
 
 
+def test_a_closing_tag_inside_a_json_string_does_not_end_the_call(client: TestClient,
+                                                                   engine: FakeEngine) -> None:
+    """``</tool_call>`` in an argument's value or in a tool's name is text of the call: the
+    section ends at the ``</tool_call>`` after which its body reads as a call (it used to end
+    at the first one, and the call came back as a broken text answer)."""
+    engine.script = (_call("get_weather", {"city": "Par</tool_call>is <tool_call>"})
+                     + _call("get</tool_call>time", {"zone": "CET"}))
+    choice = _same_answer(client)
+    assert choice["message"]["content"] is None
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == [
+        {"name": "get_weather", "arguments": '{"city": "Par</tool_call>is <tool_call>"}'},
+        {"name": "get</tool_call>time", "arguments": '{"zone": "CET"}'}]
+    assert choice["finish_reason"] == "tool_calls"
+
+
 def test_a_text_answer_has_no_calls(client: TestClient, engine: FakeEngine) -> None:
     engine.script = "Paris is sunny <tool_ today."  # a partial tag held back, then sent
     choice = _same_answer(client)
