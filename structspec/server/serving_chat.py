@@ -89,7 +89,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     record.grammar = grammar.kind if grammar is not None else "none"
     check_grammar_size(limits, grammar, grammar_param)
     check_stop(limits, req.stop, req.stop_token_ids, state.engine.info.vocab_size)
-    messages = template_messages(req.messages)
+    messages = template_messages(req.messages, hermes=state.tool_call_parser == "hermes")
     tools = template_tools(req.tools, req.tool_choice)
     check_chat_prompt(limits, messages, tools, options)
     try:
@@ -354,16 +354,18 @@ def template_options(req: ChatCompletionRequest | TokenizeRequest) -> ChatTempla
         raise bad_request(str(e), e.param, code=e.code) from None
 
 
-def template_messages(messages: Any) -> list[dict[str, Any]]:
+def template_messages(messages: Any, *, hermes: bool = False) -> list[dict[str, Any]]:
     """The request's messages as the chat template expects them: checked (and text parts
-    joined) by :func:`check_chat_messages`, roles limited to OpenAI's, developer -> system.
+    joined) by :func:`check_chat_messages`, roles limited to OpenAI's, developer -> system;
+    tool-call turns as text (:func:`~structspec.server.tool_calls.history_message`; ``hermes``:
+    in the ``<tool_call>`` format of ``--tool-call-parser hermes``).
 
     Raises:
         APIError: 400 naming the field (``code`` ``unsupported`` for an image part or a tool
             call turn).
     """
     if isinstance(messages, list):  # a tool-call turn of the history, as text (tool_calls)
-        messages = [history_message(m, i) if isinstance(m, dict) else m
+        messages = [history_message(m, i, hermes=hermes) if isinstance(m, dict) else m
                     for i, m in enumerate(messages)]
     try:
         checked = check_chat_messages(messages)

@@ -101,7 +101,7 @@ async def create_tokenize(state: ServerState, request: Request) -> Response:
         # tool_choice), messages, size
         options = template_options(req)
         check_continuation(plan_tool_calls(req.tools, req.tool_choice), options)
-        messages = template_messages(req.messages)
+        messages = template_messages(req.messages, hermes=state.tool_call_parser == "hermes")
         tools = template_tools(req.tools, req.tool_choice)
         check_chat_prompt(limits, messages, tools, options)
         add_special = bool(req.add_special_tokens)  # vLLM's default for a chat: false

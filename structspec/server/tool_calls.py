@@ -295,11 +295,13 @@ def finish_reason(reason: str | None, stop_reason: str | int | None) -> str | No
     return TOOL_CALLS_FINISH if reason == "stop" and stop_reason is None else reason
 
 
-def history_message(message: dict[str, Any], index: int) -> dict[str, Any]:
+def history_message(message: dict[str, Any], index: int, *,
+                    hermes: bool = False) -> dict[str, Any]:
     """An assistant message with ``tool_calls``, as text a chat template shows: the calls as
-    JSON (``[{"name": ..., "arguments": ...}]``) after its text, if any, and no
-    ``tool_calls`` key (a template that renders it would show the calls twice). Other
-    messages are returned as they are.
+    JSON (``[{"name": ..., "arguments": ...}]``; with ``hermes``, the server's
+    ``--tool-call-parser hermes``, each as the ``<tool_call>`` section the model is asked to
+    write) after its text, if any, and no ``tool_calls`` key (a template that renders it
+    would show the calls twice). Other messages are returned as they are.
 
     Raises:
         APIError: 400 naming the field when ``tool_calls`` is not a list of ``{"function":
@@ -328,7 +330,11 @@ def history_message(message: dict[str, Any], index: int) -> dict[str, Any]:
     out = {k: v for k, v in message.items() if k != "tool_calls"}
     if not shown:
         return out
-    text = json.dumps(shown, ensure_ascii=False)
+    if hermes:  # as the model writes them under the auto tool-call grammar
+        text = "\n".join(f"<tool_call>\n{json.dumps(call, ensure_ascii=False)}\n</tool_call>"
+                         for call in shown)
+    else:
+        text = json.dumps(shown, ensure_ascii=False)
     content = message.get("content")
     if isinstance(content, str) and content:
         text = f"{content}\n{text}"

@@ -253,3 +253,21 @@ def test_the_serve_flag() -> None:
     assert parser.parse_args(["serve", "--tool-call-parser", "hermes"]).tool_call_parser == "hermes"
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--tool-call-parser", "mistral"])
+
+
+def test_history_calls_are_shown_in_the_format_the_model_writes(client: TestClient,
+                                                                engine: FakeEngine) -> None:
+    """With the parser on, an earlier assistant turn's ``tool_calls`` reach the template as
+    the ``<tool_call>`` sections the grammar makes the model write (a JSON array there taught
+    the model to answer with an array, which is no call); ``/tokenize`` counts the same."""
+    history = [*MSGS, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        {"role": "user", "content": "And Oslo?"}]
+    assert _chat(client, messages=history).status_code == 200
+    prompt = "".join(map(chr, engine.added[-1][1]))  # the fake codec: one id per character
+    assert ('<assistant><tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+            '\n</tool_call>\n') in prompt
+    count = client.post("/tokenize", json={"messages": history, "tools": TOOLS}).json()["count"]
+    assert count == len(engine.added[-1][1])
