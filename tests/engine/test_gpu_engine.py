@@ -199,3 +199,48 @@ def test_mixed_tree_sizes_do_not_sync(request: pytest.FixtureRequest, algo: str,
     finally:
         sizer.mode, sizer.cost, sizer.probe_every, sizer.engine_accept = saved
     assert steps > 3 and len(sizes) > 1, sizes
+
+
+def _logit_option_params(eos: set[int]) -> list[SamplingParams]:
+    """Greedy requests with the logit-changing options: ``min_tokens`` (its steps take the
+    eager selection path), ``allowed_token_ids`` (the penalised post graph), both, and a JSON
+    Schema under ``min_tokens`` (the grammar still ends it); every other request plain."""
+    allowed = sorted({*range(200, 6000), *eos})
+    options = [dict(min_tokens=20), dict(allowed_token_ids=allowed),
+               dict(min_tokens=12, allowed_token_ids=allowed),
+               dict(min_tokens=30, grammar=JsonSchemaConstraint(PERSON_SCHEMA)), {}]
+    return [SamplingParams(max_tokens=40, **options[i % len(options)])
+            for i in range(len(PROMPTS))]
+
+
+def test_min_tokens_and_allowed_ids_steps_do_not_sync(cuda_llms) -> None:
+    """Steps holding ``min_tokens`` and ``allowed_token_ids`` requests (the stop-id ban after
+    the mask, the -inf bias rows) make no blocking host sync, with and without drafting."""
+    for algo in ("none", "ngram"):
+        engine = cuda_llms[algo].engine
+        eos = set(engine.tokenizer.eos_token_ids)
+        for p, params in zip(PROMPTS[:10], _logit_option_params(eos), strict=False):
+            engine.add_request(p, params)
+        while engine.scheduler.waiting or engine.scheduler.grammar_queue:
+            engine.step()
+        engine.step()  # graph captures outside the check
+        assert step_under_sync_check(engine, 15) > 3, algo
+
+
+def test_min_tokens_and_allowed_ids_spec_matches_plain(invariant_llms) -> None:
+    """With ``batch_invariant`` (a verify row computes a decode's logits bit for bit), n-gram
+    and EAGLE speculation give the plain outputs with these options too; and the outputs
+    honour them: no stop token before ``min_tokens``, only allowed ids."""
+    eos = set(invariant_llms["none"].engine.tokenizer.eos_token_ids)
+    params = _logit_option_params(eos)
+    plain = invariant_llms["none"].generate(PROMPTS, params)
+    for out, p in zip(plain, params, strict=True):
+        if p.allowed_token_ids is not None:
+            assert set(out.token_ids) <= set(p.allowed_token_ids)
+        if p.min_tokens and p.grammar is None:
+            assert not eos & set(out.token_ids[:p.min_tokens]), out.token_ids
+    for algo in ("ngram", "eagle"):
+        spec = invariant_llms[algo].generate(PROMPTS, params)
+        diverged = [i for i, (a, b) in enumerate(zip(plain, spec, strict=True))
+                    if a.token_ids != b.token_ids]
+        assert not diverged, (algo, diverged)
