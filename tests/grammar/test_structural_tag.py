@@ -269,12 +269,11 @@ def test_llguidance_refuses_and_auto_serves_on_xgrammar(backend: GrammarBackend,
     assert auto.create_matcher(compiled).backend == "xgrammar"
 
 
-def test_the_trigger_check_is_linear() -> None:
-    """30,000 structures, the last begin matching no trigger: refused naming it, in well under
-    a second (the check compared every begin with every trigger: ~50 s of the server's event
-    loop)."""
-    import time
-
+def test_a_large_tags_bad_begin_is_named() -> None:
+    """30,000 structures, the last begin matching no trigger: refused naming it. (The check
+    compared every begin with every trigger, ~50 s of the server's event loop on this tag; it
+    now looks each begin's prefixes up in a set. No timing is asserted here: the suite's
+    durations show a regression.)"""
     from structspec.structural_tag import StructuralTagError, read_structural_tag
 
     n = 30_000
@@ -282,8 +281,6 @@ def test_the_trigger_check_is_linear() -> None:
                   for i in range(n)]
     structures[-1]["begin"] = "<zzz>"
     tag = {"structures": structures, "triggers": [f"<f{i:05d}" for i in range(n)]}
-    t0 = time.perf_counter()
     with pytest.raises(StructuralTagError) as e:
         read_structural_tag(tag)
-    assert time.perf_counter() - t0 < 5.0
     assert e.value.where == f"structures[{n - 1}].begin"
