@@ -16,11 +16,12 @@ def escape_pointer_token(token: str) -> str:
     return token.replace("~", "~0").replace("/", "~1")
 
 
-def resolve_pointer(root: Any, pointer: str) -> tuple[str, Any] | None:
-    """The value at a JSON Pointer (RFC 6901: ``""`` is the root, ``/a/b`` its tokens, each
-    with ``~1`` -> ``/`` and ``~0`` -> ``~``) as ``(pointer, value)``; ``None`` when a token
-    names nothing (a missing key, an index past a list, a pointer not starting with ``/``)."""
-    node = root
+def pointer_path(root: Any, pointer: str) -> tuple[str | int, ...] | None:
+    """The path (dict keys as ``str``, list indices as ``int``) a JSON Pointer names in
+    ``root`` (RFC 6901: ``""`` is the root, ``/a/b`` its tokens, each with ``~1`` -> ``/`` and
+    ``~0`` -> ``~``); ``None`` when a token names nothing (a missing key, an index past a
+    list, a pointer not starting with ``/``)."""
+    node, path = root, []
     if pointer:
         if not pointer.startswith("/"):
             return None
@@ -28,10 +29,24 @@ def resolve_pointer(root: Any, pointer: str) -> tuple[str, Any] | None:
             token = raw.replace("~1", "/").replace("~0", "~")
             if isinstance(node, dict) and token in node:
                 node = node[token]
+                path.append(token)
             elif isinstance(node, list) and token.isdigit() and int(token) < len(node):
                 node = node[int(token)]
+                path.append(int(token))
             else:
                 return None
+    return tuple(path)
+
+
+def resolve_pointer(root: Any, pointer: str) -> tuple[str, Any] | None:
+    """The value at a JSON Pointer (:func:`pointer_path`) as ``(pointer, value)``; ``None``
+    when it names nothing."""
+    path = pointer_path(root, pointer)
+    if path is None:
+        return None
+    node = root
+    for part in path:
+        node = node[part]
     return pointer, node
 
 

@@ -39,6 +39,8 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import unquote
 
+from structspec.schema_structure import pointer_path
+
 INTEGER_BOUND = 10**18
 """Default ``|bound|`` of an integer subschema (exact in float64, which llguidance reads)."""
 
@@ -186,24 +188,11 @@ def _refs(node: Any) -> Iterator[str]:
 
 def _resolve(schema: Any, ref: str) -> Path | None:
     """The path (dict keys as str, list indices as int) of the subschema a local JSON-pointer
-    ``$ref`` (``#``, ``#/$defs/a``, ``#/$defs/a%20b``) names; None for other refs (anchors, other documents) and
-    for a pointer to nothing."""
-    if ref == "#":
-        return ()
-    if not ref.startswith("#/"):
+    ``$ref`` (``#``, ``#/$defs/a``, ``#/$defs/a%20b``) names; None for other refs (anchors,
+    other documents) and for a pointer to nothing."""
+    if ref != "#" and not ref.startswith("#/"):
         return None
-    node, path = schema, []
-    for raw in unquote(ref[2:]).split("/"):  # a URI fragment: percent-decoded first
-        part = raw.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-            path.append(part)
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-            path.append(int(part))
-        else:
-            return None
-    return tuple(path)
+    return pointer_path(schema, unquote(ref[1:]))  # a URI fragment: percent-decoded first
 
 
 def _at(schema: Any, path: Path) -> Any:
