@@ -307,8 +307,9 @@ def check_chat_prompt(limits: ServerLimits, messages: list[dict[str, Any]],
         options.check_messages(messages)
     except ChatMessageError as e:
         raise bad_request(str(e), e.param, code=e.code) from None
-    check_prompt_chars(limits, options.kwargs_chars(), "chat_template_kwargs")
-    check_prompt_chars(limits, prompt_chars(messages, tools, options), "messages")
+    kwargs_chars = options.kwargs_chars()  # the variables' JSON, counted once
+    check_prompt_chars(limits, kwargs_chars, "chat_template_kwargs")
+    check_prompt_chars(limits, prompt_chars(messages, tools) + kwargs_chars, "messages")
 
 
 def template_tools(tools: list[dict[str, Any]] | None,
@@ -319,18 +320,17 @@ def template_tools(tools: list[dict[str, Any]] | None,
     return tools if tools and tool_choice != "none" else None
 
 
-def prompt_chars(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                 options: ChatTemplateOptions) -> int:
-    """Characters of prompt text a chat brings (what ``--max-prompt-chars`` bounds): message
-    contents plus tools and ``chat_template_kwargs`` as JSON.
+def prompt_chars(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
+    """Characters of prompt text a chat's messages and tools bring (what
+    ``--max-prompt-chars`` bounds, with the ``chat_template_kwargs``: :func:`check_chat_prompt`):
+    message contents plus tools as JSON.
 
     Args:
         messages: as :func:`template_messages` returns them (string contents).
         tools: as :func:`template_tools` returns them, already checked (their nesting is
             bounded, so the JSON encoder cannot recurse too deep).
-        options: as :func:`template_options` returns them.
     """
-    chars = sum(len(m["content"]) for m in messages) + options.kwargs_chars()
+    chars = sum(len(m["content"]) for m in messages)
     if tools:
         chars += len(json.dumps(tools, ensure_ascii=False))
     return chars
