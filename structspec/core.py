@@ -310,6 +310,15 @@ class SamplingParams:
             self.repetition_stop.check()
 
 
+def stop_token_set(params: SamplingParams, eos_token_ids: Iterable[int]) -> set[int]:
+    """The ids that end a request of ``params`` at token level: the model's EOS ids unless
+    ``ignore_eos``, and ``stop_token_ids`` (what ``min_tokens`` bans)."""
+    ids = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        ids.update(eos_token_ids)
+    return ids
+
+
 def stop_holdback(params: SamplingParams) -> int:
     """Characters at the end of a running request's text that streaming holds back (the
     engine's ``RequestOutput.new_text`` and the server's stream both): ``len(longest stop) -

@@ -22,6 +22,7 @@ from structspec.core import (
     RequestOutput,
     SamplingParams,
     now,
+    stop_token_set,
     type_name,
 )
 from structspec.engine.build import build_engine
@@ -100,9 +101,7 @@ class LLMEngine:
                                f"this model (vocabulary size {self.model_config.vocab_size})",
                                "allowed_token_ids")
         if params.min_tokens and params.allowed_token_ids is not None:
-            stops = set(params.stop_token_ids)
-            if not params.ignore_eos:
-                stops |= set(self.tokenizer.eos_token_ids)
+            stops = stop_token_set(params, self.tokenizer.eos_token_ids)
             if set(params.allowed_token_ids) <= stops:  # min_tokens could never be met
                 raise RequestError("min_tokens needs a token that does not stop the output, "
                                    "but allowed_token_ids holds only stop tokens (EOS, "

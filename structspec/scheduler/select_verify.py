@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from structspec.core import stop_token_set
 from structspec.draft_tree.layout import VerifyTree
 from structspec.draft_tree.verify import VerifyResult, verify_paths
 from structspec.grammar.bitmask import apply_bitmask_
@@ -201,9 +202,7 @@ class SelectVerifyPhase:
         for b, r in enumerate(reqs):
             short = r.params.min_tokens - len(r.output_ids)
             if short > 0:
-                ids = set(r.params.stop_token_ids)
-                if not r.params.ignore_eos:
-                    ids |= r.eos_token_ids
+                ids = stop_token_set(r.params, r.eos_token_ids)
                 if ids:
                     rows.append((b, short, sorted(ids)))
         if not rows:
