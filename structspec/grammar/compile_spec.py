@@ -29,14 +29,13 @@ from structspec.grammar.bitmask import allocate_bitmask
 from structspec.grammar.errors import PARAM_BY_KIND, GrammarError
 from structspec.grammar.matcher import Matcher
 from structspec.grammar.satisfiable import check_servable
-from structspec.grammar.schema_grammar import (  # noqa: F401 - re-exported (callers, tests)
+from structspec.grammar.schema_grammar import (
     check_enforceable,
     compiler_message,
     json_schema_grammar,
     metaschema_problem,
     or_unrewritten,
     schema_text,
-    strict_refusal,
 )
 from structspec.grammar.structural_tag_grammar import check_structural_tag, structural_tag_input
 from structspec.grammar.xgr_numbers import bounded_json_schema_grammar

@@ -31,17 +31,13 @@ from structspec.constraints import (
     StructuralTagConstraint,
 )
 from structspec.grammar.bitmask import allocate_bitmask
-from structspec.grammar.compile_spec import (
-    choice_ebnf,
-    metaschema_problem,
-    schema_text,
-    with_ebnf_error_context,
-)
+from structspec.grammar.compile_spec import choice_ebnf, with_ebnf_error_context
 from structspec.grammar.errors import PARAM_BY_KIND, GrammarError
 from structspec.grammar.llg_matcher import LlgCompiled, LlgMatcher
 from structspec.grammar.number_bounds import bound_schema_numbers
 from structspec.grammar.satisfiable import check_servable
 from structspec.grammar.schema_check import MAX_POINTERS_SHOWN, keyword_pointers
+from structspec.grammar.schema_grammar import metaschema_problem, schema_text
 from structspec.regex_check import find_regex_problem
 
 COMPACT_SEPARATORS = (", ", ": ")

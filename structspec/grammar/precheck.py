@@ -25,9 +25,10 @@ from structspec.constraints import (
     RegexConstraint,
     StructuralTagConstraint,
 )
-from structspec.grammar.compile_spec import explained_compile_error, schema_text, strict_refusal
+from structspec.grammar.compile_spec import explained_compile_error
 from structspec.grammar.errors import GrammarError
 from structspec.grammar.satisfiable import check_servable
+from structspec.grammar.schema_grammar import schema_text, strict_refusal
 from structspec.grammar.structural_tag_grammar import check_structural_tag, structural_tag_input
 
 
