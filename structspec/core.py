@@ -108,6 +108,10 @@ def _as_tuple(value: object) -> object:
     return tuple(value)
 
 
+MAX_LOGPROBS = 20
+"""The largest ``logprobs`` / ``prompt_logprobs`` (top-k alternatives per position), as in
+OpenAI's API and vLLM's default ``max_logprobs``."""
+
 SEED_MIN = 0
 SEED_MAX = 2**63 - 1
 """The one range of a seed, inclusive, in the Python API (``SamplingParams.seed``,
@@ -175,6 +179,14 @@ class SamplingParams:
     ``stop_token_ids`` id) is in its token ids, and in its text only with
     ``include_stop_str_in_output`` (:func:`stop_token_hidden`, vLLM's rule).
 
+    ``prompt_logprobs`` (vLLM's, ``[0, 20]``): the log-probability of every prompt token
+    given the tokens before it, with its rank and the ``k`` most likely tokens at that
+    position (``RequestOutput.prompt_logprobs``), computed in the prompt's prefill from the
+    raw logits. Such a request never reuses prefix-cached KV (its prefill must compute every
+    position), and its prefill steps run eagerly, scoring the LM head over the prompt in
+    slices of bounded rows (:mod:`structspec.runner.prompt_logprobs`). Requests without it
+    are not affected.
+
     Construction only normalizes ``stop`` / ``stop_token_ids`` to tuples, ``logit_bias`` to a
     dict of its own and ``repetition_stop`` ``True`` / ``False`` to a record / None;
     :meth:`validate` checks types and ranges (``LLMEngine.add_request`` calls it, so a bad
@@ -202,6 +214,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     allowed_token_ids: tuple[int, ...] | None = None
+    # None: none; k >= 0: each prompt token's logprob plus the top-k (RequestOutput doc)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Accept a single string, None (none, as in vLLM and the OpenAI API) and any iterable
@@ -233,9 +247,10 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Check types and ranges; raise ``ValueError`` naming the field on bad input."""
-        for name in ("max_tokens", "min_tokens", "top_k", "seed", "logprobs"):
+        for name in ("max_tokens", "min_tokens", "top_k", "seed", "logprobs",
+                     "prompt_logprobs"):
             value = getattr(self, name)
-            if value is None and name in ("seed", "logprobs"):
+            if value is None and name in ("seed", "logprobs", "prompt_logprobs"):
                 continue
             if not _is_int(value):  # 2.5 / 2.0 / "2" / True are not silently truncated
                 raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -282,8 +297,10 @@ class SamplingParams:
                 or any(not _is_int(t) or not 0 <= t < 2**63 for t in self.allowed_token_ids)):
             raise ValueError(f"allowed_token_ids must be None or a non-empty list of integers "
                              f"in [0, 2**63), got {_shown(_as_list(self.allowed_token_ids))}")
-        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         if self.grammar is not None and not isinstance(self.grammar, _CONSTRAINT_TYPES):
             # a string such as "text" used to fail later as an AttributeError naming no field
             raise ValueError(f"grammar must be None or one of "
@@ -418,16 +435,24 @@ class SpecMetrics:
 
 @dataclass
 class TokenLogprob:
-    """Log-probability of an emitted token under the target model (after the grammar mask).
+    """Log-probability of a token under the target model.
 
-    ``top_logprobs``: up to ``SamplingParams.logprobs`` ``(token_id, logprob)`` pairs, most
-    likely first; tokens the grammar forbids are left out, so a constrained position may list
-    fewer.
+    An emitted token (``RequestOutput.logprobs``): after the penalties and the grammar mask,
+    before temperature and the filters. ``top_logprobs``: up to ``SamplingParams.logprobs``
+    ``(token_id, logprob)`` pairs, most likely first; tokens the grammar forbids are left
+    out, so a constrained position may list fewer. ``rank`` is None.
+
+    A prompt token (``RequestOutput.prompt_logprobs``): the raw model distribution
+    (log-softmax of the logits; no penalty, grammar or temperature applies to a prompt),
+    ``top_logprobs`` the ``SamplingParams.prompt_logprobs`` most likely tokens, and ``rank``
+    the token's 1-based rank in that distribution (1 + the number of tokens with a strictly
+    larger logprob; vLLM's ``Logprob.rank``).
     """
 
     token_id: int
     logprob: float
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None
 
 
 @dataclass
@@ -437,6 +462,12 @@ class RequestOutput:
     Timings are wall-clock seconds since the request was added (``time.perf_counter``).
     ``text`` is the full decoded completion; ``new_text``/``new_token_ids`` hold only what this
     step added (for streaming).
+
+    ``prompt_logprobs`` (with ``SamplingParams.prompt_logprobs``, vLLM's): one entry per
+    prompt position, ``None`` at position 0 (nothing predicts it), then the
+    :class:`TokenLogprob` of prompt token ``p`` given tokens ``< p`` (raw model
+    distribution, its ``rank`` set). Present in every output once the prompt's prefill is
+    complete (the same list each time); None before, and without the option.
     """
 
     request_id: str
@@ -464,6 +495,7 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

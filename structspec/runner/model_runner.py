@@ -42,6 +42,11 @@ from structspec.runner.cuda_graph import (
     VerifyGraphCache,
 )
 from structspec.runner.prefill_graph import PrefillGraphCache
+from structspec.runner.prompt_logprobs import (
+    PromptLogprobRows,
+    PromptLogprobsSpec,
+    score_prompt_rows,
+)
 from structspec.staging import Staging, to_device
 
 
@@ -81,6 +86,9 @@ class PrefillOutput:
             feature store), when the runner keeps one (:meth:`ModelRunner.keep_prompt_features`)
             and some request started over cached KV; else None (``hidden_states`` has them).
         prompt_aux_hidden_states: the same for each aux layer (each ``[B, L, H]``), or None.
+        prompt_logprobs: per request, the scores of its ``PromptLogprobsSpec`` (device
+            tensors), None for a request without one; None when no request asked
+            (:meth:`ModelRunner.prefill`'s ``prompt_logprobs``).
     """
 
     logits: torch.Tensor
@@ -88,6 +96,7 @@ class PrefillOutput:
     aux_hidden_states: list[torch.Tensor]
     prompt_hidden_states: torch.Tensor | None = None
     prompt_aux_hidden_states: list[torch.Tensor] | None = None
+    prompt_logprobs: list[PromptLogprobRows | None] | None = None
 
 
 class ModelRunner:
@@ -236,6 +245,7 @@ class ModelRunner:
         self, token_ids: Sequence[Sequence[int]], pages: Sequence[Sequence[int]],
         num_cached: Sequence[int] | None = None, *,
         gather_prompt_features: bool | None = None, logits_only: bool = False,
+        prompt_logprobs: Sequence[PromptLogprobsSpec | None] | None = None,
     ) -> PrefillOutput:
         """Write the prompts' KV; return the last prompt tokens' logits and hidden states.
 
@@ -253,6 +263,12 @@ class ModelRunner:
                 has the earlier positions' features passes False.
             logits_only: the caller reads only ``logits`` (no drafter reads target
                 features): ``hidden_states`` may then come back ``[B, 0, H]``.
+            prompt_logprobs: per request, the prompt positions to score
+                (:class:`~structspec.runner.prompt_logprobs.PromptLogprobsSpec`: row ``j``
+                of its computed part predicts ``target_ids[j]``) or None; None = none.
+                When a request has one, the step runs the eager forward (the prefill graphs
+                keep no per-position hidden states) and ``PrefillOutput.prompt_logprobs``
+                holds the scores, on the device.
 
         On CUDA a step of few requests (:meth:`PrefillGraphCache.fits`) replays prefill graphs
         (:mod:`.prefill_graph`: ~20 ms of eager launches become a few replays): logits-only
@@ -266,7 +282,9 @@ class ModelRunner:
             gather_prompt_features = num_cached is not None and any(num_cached)
         graphs = self.prefill_graphs
         features = not logits_only or store is not None
-        if (graphs is not None and (prefill_graph.FEATURE_GRAPHS or not features)
+        scored = prompt_logprobs is not None and any(s is not None for s in prompt_logprobs)
+        if (graphs is not None and not scored
+                and (prefill_graph.FEATURE_GRAPHS or not features)
                 and graphs.fits(token_ids, cached)):
             return self._prefill_graphs(graphs, token_ids, pages, cached, features=features,
                                         gather=gather_prompt_features)
@@ -277,6 +295,11 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[fb.logits_indices])
         result = PrefillOutput(logits=logits, hidden_states=out.hidden_states,
                                aux_hidden_states=list(out.aux_hidden_states))
+        if scored:
+            assert prompt_logprobs is not None
+            result.prompt_logprobs = self._score_prompts(
+                out.hidden_states, prompt_logprobs,
+                [len(t) - c for t, c in zip(token_ids, cached, strict=True)])
         if store is not None:
             # padding rows write the sink's slot 0, like their KV
             feats = torch.cat([out.hidden_states, *out.aux_hidden_states], dim=-1)
@@ -334,6 +357,31 @@ class ModelRunner:
             result.prompt_hidden_states = full[..., :h]
             result.prompt_aux_hidden_states = list(full[..., h:].split(h, dim=-1))
         return result
+
+    def _score_prompts(self, hidden: torch.Tensor,
+                       specs: Sequence[PromptLogprobsSpec | None],
+                       computed: Sequence[int]) -> list[PromptLogprobRows | None]:
+        """Score each request's prompt positions from the eager prefill's ``hidden [B, Q, H]``
+        (request ``b``'s row ``j`` = its ``j``-th computed position; ``computed[b]`` rows
+        are real).
+
+        Raises:
+            ValueError: a spec has more targets than its request computed rows.
+        """
+        scores: list[PromptLogprobRows | None] = []
+        for b, spec in enumerate(specs):
+            if spec is None:
+                scores.append(None)
+                continue
+            n = len(spec.target_ids)
+            if n > computed[b]:
+                raise ValueError(f"request {b}: {n} prompt logprob targets for "
+                                 f"{computed[b]} computed positions")
+            targets_gpu = to_device(torch.tensor(list(spec.target_ids), dtype=torch.int64),
+                                    self.device, self.staging)
+            scores.append(score_prompt_rows(self.model.compute_logits, hidden[b, :n],
+                                            targets_gpu, spec.top_k))
+        return scores
 
     def _kv_slots(self, pages: Sequence[int], start: int, end: int) -> np.ndarray:
         """``int64 [end - start]`` KV slots of positions ``start..end-1`` over ``pages``."""

@@ -46,6 +46,7 @@ from typing import Protocol
 from structspec.config import SchedulerConfig
 from structspec.runner.model_runner import ModelRunner, PrefillOutput
 from structspec.scheduler.draft_guard import GuardedDrafter
+from structspec.scheduler.prompt_logprobs import chunk_specs
 from structspec.scheduler.request import Req, ReqStatus
 from structspec.speculative.base import DraftRequest
 
@@ -211,13 +212,15 @@ def prefill_forward(runner: ModelRunner, chunks: Sequence[PrefillChunk], *,
     chunk starts over prefix-cached KV (their drafter needs the cached positions' too).
     ``feeds_hidden``: the drafter reads target features; without it only the logits are
     read, so the runner may replay a prefill graph (``ModelRunner.prefill(logits_only=)``).
+    A chunk of a request with prompt logprobs has its positions scored
+    (:mod:`structspec.scheduler.prompt_logprobs`; the step then runs eagerly).
     """
     starts = [c.start for c in chunks]
     return runner.prefill(
         [c.req.prompt_ids[:c.end] for c in chunks], [c.req.pages for c in chunks],
         starts if any(starts) else None,
         gather_prompt_features=any(c.first and c.start > 0 for c in chunks),
-        logits_only=not feeds_hidden)
+        logits_only=not feeds_hidden, prompt_logprobs=chunk_specs(chunks))
 
 
 @dataclass(frozen=True)

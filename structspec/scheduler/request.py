@@ -83,6 +83,9 @@ class Req:
     num_reported_ids: int = 0  # output ids already returned in a RequestOutput
     num_reported_chars: int = 0  # characters of ``text`` already returned
     logprobs: list[TokenLogprob] | None = None
+    # prompt positions scored so far (SamplingParams.prompt_logprobs; position 0 is None),
+    # filled chunk by chunk in the prefill (scheduler/prompt_logprobs.py)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     spec: SpecMetrics = field(default_factory=SpecMetrics)
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -168,5 +171,8 @@ class Req:
             arrival_time=self.arrival_time,
             first_token_time=self.first_token_time,
             finish_time=self.finish_time,
+            # once every position is scored: the list is never changed after that
+            prompt_logprobs=(self.prompt_logprobs if self.prompt_logprobs is not None
+                             and len(self.prompt_logprobs) == len(self.prompt_ids) else None),
         )
         return out

@@ -49,6 +49,7 @@ from structspec.scheduler.grammar_service import GrammarService
 from structspec.scheduler.logprobs import trim_logprobs
 from structspec.scheduler.penalty_slots import PenaltySlots
 from structspec.scheduler.preemption import Preemption, release_kv
+from structspec.scheduler.prompt_logprobs import record_prompt_logprobs, reuses_prefix_cache
 from structspec.scheduler.request import Req, ReqStatus
 from structspec.scheduler.select_verify import SelectVerifyPhase, select_verify
 from structspec.scheduler.step_stats import StepTimer
@@ -394,7 +395,8 @@ class Scheduler:
         for req in self.waiting:
             if len(picked) >= slots or req.preempted:  # a preempted one resumes first
                 break
-            hits = alloc.match(req.prompt_ids)
+            # prompt logprobs need every position computed: no cached prefix for them
+            hits = alloc.match(req.prompt_ids) if reuses_prefix_cache(req) else []
             plen = len(req.prompt_ids) - len(hits) * alloc.page_size  # tokens to compute
             take = budget.grant(plen)
             if not take:
@@ -439,6 +441,9 @@ class Scheduler:
         self.timer.break_chain()
         out = prefill_forward(self.runner, chunks, feeds_hidden=self._feeds_hidden)
         self._finish_deferred()
+        if out.prompt_logprobs is not None:
+            # after the deferred work, which ran under the forward this copy waits for
+            record_prompt_logprobs(chunks, out)
         if self._feeds_hidden:
             feed_prompt_features(self.draft, chunks, out)
         for c in chunks:

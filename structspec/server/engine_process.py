@@ -55,6 +55,12 @@ def delta_from_output(out: RequestOutput) -> EngineDelta:
         ]
     delta = EngineDelta(request_id=out.request_id, new_token_ids=new_ids,
                         new_logprobs=logprobs, finished=out.finished)
+    if out.prompt_logprobs is not None and len(out.token_ids) == len(new_ids):
+        # the request's first output (every id so far is new): its prompt logprobs, once
+        delta.prompt_logprobs = [
+            None if lp is None else (lp.token_id, float(lp.logprob), int(lp.rank or 0),
+                                     [(int(t), float(v)) for t, v in lp.top_logprobs])
+            for lp in out.prompt_logprobs]
     if out.finished:
         delta.finish_reason = out.finish_reason.value if out.finish_reason else "abort"
         delta.stop_reason = out.stop_reason

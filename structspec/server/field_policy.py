@@ -7,8 +7,8 @@ without a word.
   the value asks for nothing (``null``, or the value that changes nothing: ``length_penalty:
   1``, ``store: false``, ``modalities: ["text"]``...). The penalties (``presence_penalty``,
   ``frequency_penalty``, ``repetition_penalty``), ``logit_bias`` and vLLM's ``min_tokens``,
-  ``allowed_token_ids``, ``include_stop_str_in_output`` and ``skip_special_tokens`` are served
-  (:mod:`structspec.server.params` checks their values), and so are vLLM's chat template
+  ``allowed_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens`` and
+  ``prompt_logprobs`` are served (:mod:`structspec.server.params` checks their values), and so are vLLM's chat template
   options ``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs``
   (:class:`structspec.core.ChatTemplateOptions` checks them), on ``/v1/chat/completions`` and
   ``/tokenize``; a per-request ``chat_template`` stays refused (it would run the client's
@@ -124,7 +124,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     # token by token), so only its default is accepted
     Unsupported("spaces_between_special_tokens", _is(True), "true"),
     Unsupported("bad_words", _empty, "[]"),
-    Unsupported("prompt_logprobs", _never, "null"),
     Unsupported("truncate_prompt_tokens", _never, "null"),
     Unsupported("return_tokens_as_token_ids", _is(False), "false"),
     Unsupported("guided_decoding_backend", _never,

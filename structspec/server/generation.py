@@ -33,7 +33,7 @@ from structspec.server.codec import Codec, Detokenizer
 from structspec.server.engine_client import AsyncEngine, EngineDeadError
 from structspec.server.errors import APIError, bad_request, server_error, unavailable
 from structspec.server.hermes_tools import TOOLS_PARAM, tool_place
-from structspec.server.ipc import EngineDelta
+from structspec.server.ipc import EngineDelta, PromptLogprobEntry
 from structspec.server.metrics import ServerMetrics
 from structspec.stop_strings import first_stop_ending_after
 
@@ -86,6 +86,9 @@ class ChoiceState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[LogprobEntry] = field(default_factory=list)
     sent_logprobs: int = 0
+    # the scored prompt (SamplingParams.prompt_logprobs), once the engine sent it
+    prompt_logprobs: list[PromptLogprobEntry | None] | None = None
+    prompt_logprobs_sent: bool = False  # streamed already
     final: EngineDelta | None = None
     first_token_s: float | None = None  # front-end clock, since the HTTP request arrived
     finish_sent: bool = False
@@ -132,6 +135,8 @@ class ChoiceState:
                 self.text += self.detok.add(ids)
         if delta.new_logprobs:
             self.logprobs.extend(delta.new_logprobs)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         if delta.finished:
             if self.token_ids:
                 self.text += self.detok.flush()

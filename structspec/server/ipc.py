@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from structspec.core import SamplingParams, SpecMetrics
 from structspec.scheduler.step_record import StepRecord
 
+PromptLogprobEntry = tuple[int, float, int, list[tuple[int, float]]]
+"""One scored prompt position: ``(token_id, logprob, rank, [(id, logprob), ...] top-k)``."""
+
 # --------------------------------------------------------------------------- front end -> engine
 
 
@@ -112,12 +115,16 @@ class EngineDelta:
     ``new_token_ids``. The fields under "final" are set only when ``finished``; ``text`` there
     is the engine's own decoded text, authoritative where a stop string cut a token.
     ``rejected`` marks a request refused before it ran (a bad input: HTTP 400).
+    ``prompt_logprobs`` (``SamplingParams.prompt_logprobs``) comes once, in the first delta
+    of the request: None at prompt position 0, then one :data:`PromptLogprobEntry` per
+    position.
     """
 
     request_id: str
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
     finished: bool = False
+    prompt_logprobs: list[PromptLogprobEntry | None] | None = None
     # final
     finish_reason: str | None = None
     stop_reason: str | int | None = None

@@ -25,7 +25,9 @@ JSON boolean is a 400 naming the field.
 Log-probabilities (``logprobs`` / ``top_logprobs``) are the target model's log-softmax over
 the vocabulary *after* ``logit_bias``, the penalties and the grammar mask and *before*
 temperature and top-k/top-p/min-p, so with a grammar every token outside it has
-log-probability -inf and is never listed.
+log-probability -inf and is never listed. vLLM's ``prompt_logprobs`` (``[0, 20]``) are those
+of the raw model distribution (no penalty or grammar applies to a prompt): the same as
+``logprobs`` for a request without penalties or grammar.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ def build_sampling_params(
     max_tokens_param: str = "max_tokens",
     logprobs_param: str = "logprobs",
     vocab_size: int | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """Sampling parameters of choice 0 (see :func:`per_choice` for the others).
 
@@ -72,6 +75,9 @@ def build_sampling_params(
             ``top_logprobs``; completions' ``logprobs``), named in its errors.
         vocab_size: the served model's vocabulary size: ``logit_bias`` keys at or above it
             are refused (None: not checked here; the engine refuses them).
+        prompt_logprobs: the top-k the engine scores each prompt position with (the
+            request's ``prompt_logprobs``, or more for a completions ``echo`` with
+            ``logprobs``); the request's own value is checked here, naming the field.
 
     Raises:
         APIError: 400 naming the bad or unsupported field; ``context_length_exceeded``
@@ -93,6 +99,9 @@ def build_sampling_params(
     if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
         raise bad_request(f"{logprobs_param} must be between 0 and {MAX_TOP_LOGPROBS}, got "
                           f"{logprobs}", logprobs_param)
+    if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"prompt_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got "
+                          f"{req.prompt_logprobs}", "prompt_logprobs")
     stop: tuple[str, ...] = ()
     if isinstance(req.stop, str):
         stop = (req.stop,) if req.stop else ()
@@ -124,6 +133,7 @@ def build_sampling_params(
         min_tokens=0 if req.min_tokens is None else req.min_tokens,
         allowed_token_ids=(None if req.allowed_token_ids is None
                            else tuple(req.allowed_token_ids)),
+        prompt_logprobs=prompt_logprobs,
     )
     try:
         params.validate()

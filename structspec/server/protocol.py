@@ -157,6 +157,8 @@ class SamplingRequest(OpenAIModel):
     logit_bias: dict[str, JsonFloat] | None = None
     # vLLM's: lower is served first (admission and preemption order); null = 0
     priority: StrictInt | None = None
+    # vLLM's: each prompt token's logprob, rank and top-k (server/prompt_logprobs.py)
+    prompt_logprobs: StrictInt | None = None
     # structspec's loop stop: true (defaults) or {min_tokens, max_period, min_repeats}
     repetition_stop: StrictBool | dict[str, Any] | None = None
     user: str | None = None

@@ -35,6 +35,7 @@ from structspec.server.limits import (
     check_stop,
 )
 from structspec.server.params import build_sampling_params, per_choice
+from structspec.server.prompt_logprobs import PromptLogprobsJSON, prompt_logprobs_json
 from structspec.server.protocol import ChatCompletionRequest, TokenizeRequest, parse_request
 from structspec.server.request_log import request_record
 from structspec.server.serving import (
@@ -122,7 +123,8 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
                                    max_model_len=state.max_model_len,
                                    max_tokens_param=max_tokens_param,
                                    logprobs_param="top_logprobs",
-                                   vocab_size=state.engine.info.vocab_size)
+                                   vocab_size=state.engine.info.vocab_size,
+                                   prompt_logprobs=req.prompt_logprobs)
     rid = record.request_id
     run = GenerationRun(state.engine, state.codec, state.metrics, rid,
                         [(prompt_ids, p) for p in per_choice(params, req.n)], record.start_s,
@@ -135,11 +137,11 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
             return Response(status_code=499)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return sse_response(_stream(state, run, rid, created, len(prompt_ids), include_usage,
-                                    logprobs is not None, plan, auto))
+                                    logprobs is not None, plan, auto, req.prompt_logprobs))
     failed = await finish_or_error(state, request, run)
     if failed is not None:
         return failed
-    return json_response({
+    body = {
         "id": rid,
         "object": "chat.completion",
         "created": created,
@@ -147,7 +149,11 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         "choices": [_choice(state, c, logprobs is not None, plan, auto) for c in run.choices],
         "usage": run.usage(len(prompt_ids)),
         "system_fingerprint": None,
-    })
+    }
+    if req.prompt_logprobs is not None:  # vLLM's: top-level (every choice has one prompt)
+        body["prompt_logprobs"] = prompt_logprobs_json(
+            state.codec, run.choices[0].prompt_logprobs or [], req.prompt_logprobs)
+    return json_response(body)
 
 
 def _choice(state: ServerState, c: ChoiceState, with_logprobs: bool,
@@ -181,16 +187,21 @@ def _choice(state: ServerState, c: ChoiceState, with_logprobs: bool,
 async def _stream(state: ServerState, run: GenerationRun, rid: str, created: int,
                   prompt_tokens: int, include_usage: bool,
                   with_logprobs: bool, plan: ToolCallPlan | None,
-                  auto: AutoToolPlan | None = None) -> AsyncIterator[str]:
+                  auto: AutoToolPlan | None = None,
+                  prompt_top_k: int | None = None) -> AsyncIterator[str]:
     """SSE chunks: a role chunk per choice, content deltas, a finish chunk per choice,
     then (``include_usage``) a usage chunk, then ``[DONE]``. A failure after output started
     is sent as an ``{"error": ...}`` event before ``[DONE]``. With a forced tool call
     (``plan``) the deltas are ``tool_calls`` instead of ``content``: a named call's id and
     name, then its arguments as they come; ``required`` calls whole at the end. With auto
     tool calls (``auto``) content deltas, then each call once its section closes
-    (:mod:`structspec.server.hermes_stream`)."""
+    (:mod:`structspec.server.hermes_stream`). With ``prompt_top_k`` (the request's
+    ``prompt_logprobs``) the first choice chunk after the engine scored the prompt carries
+    vLLM's top-level ``prompt_logprobs``."""
     call_ids: dict[int, str] = {}  # per choice: its named call's id, once sent
     hermes = {c.index: HermesStream() for c in run.choices} if auto is not None else {}
+    # the prompt's scores waiting for the next choice chunk (sent once per request)
+    pending: list[PromptLogprobsJSON] = []
 
     def chunk(choices: list[dict[str, Any]], usage: Any = None) -> str:
         body: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk",
@@ -198,7 +209,18 @@ async def _stream(state: ServerState, run: GenerationRun, rid: str, created: int
                                 "choices": choices}
         if include_usage:
             body["usage"] = usage
+        if pending and choices:
+            body["prompt_logprobs"] = pending.pop()
         return sse_event(body)
+
+    def take_prompt_logprobs(c: ChoiceState) -> None:
+        """Queue the prompt's scores for the next chunk once the engine sent them."""
+        if prompt_top_k is None or c.prompt_logprobs is None:
+            return
+        if not any(o.prompt_logprobs_sent for o in run.choices):
+            pending.append(prompt_logprobs_json(state.codec, c.prompt_logprobs, prompt_top_k))
+        for o in run.choices:  # every choice has the same prompt: one copy in the stream
+            o.prompt_logprobs_sent = True
 
     def delta_of(c: ChoiceState, text: str, finishing: bool,
                  calls: list[dict[str, Any]] | None) -> dict[str, Any] | None:
@@ -242,6 +264,7 @@ async def _stream(state: ServerState, run: GenerationRun, rid: str, created: int
         return events
 
     def progress(c: ChoiceState) -> list[str]:
+        take_prompt_logprobs(c)
         if auto is not None:
             return auto_progress(c)
         events = []

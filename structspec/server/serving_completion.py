@@ -1,9 +1,18 @@
-"""``POST /v1/completions`` (legacy text completions): raw prompts, no chat template."""
+"""``POST /v1/completions`` (legacy text completions): raw prompts, no chat template.
+
+``echo`` with ``logprobs`` lists the prompt's tokens in each choice's ``logprobs`` before the
+generated ones, as OpenAI's legacy API and vLLM do: the first prompt token with ``null``
+logprob and top logprobs, the others scored by the engine's prompt logprobs. vLLM's
+``prompt_logprobs`` come on each choice (:mod:`structspec.server.prompt_logprobs`); when
+streamed, in the choice's first chunk (vLLM refuses ``prompt_logprobs > 0`` with
+``stream``).
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
@@ -20,6 +29,7 @@ from structspec.server.limits import (
     check_stop,
 )
 from structspec.server.params import build_sampling_params, per_choice
+from structspec.server.prompt_logprobs import echo_logprobs, join_logprobs, prompt_logprobs_json
 from structspec.server.protocol import CompletionRequest, parse_request
 from structspec.server.request_log import request_record
 from structspec.server.serving import (
@@ -61,11 +71,15 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     prompts = await _prompt_ids(state, req)
     texts = [p if isinstance(p, str) else None for p in _prompt_list(req)]
     items: list[tuple[list[int], SamplingParams]] = []
+    # what the prompt's scores serve: vLLM's prompt_logprobs, and echo's logprobs
+    shown = _PromptScores(req.prompt_logprobs,
+                          req.logprobs if req.echo and req.logprobs is not None else None)
     for ids in prompts:
         params = build_sampling_params(req, grammar=grammar, max_tokens=req.max_tokens,
                                        logprobs=req.logprobs, prompt_len=len(ids),
                                        max_model_len=state.max_model_len,
-                                       vocab_size=state.engine.info.vocab_size)
+                                       vocab_size=state.engine.info.vocab_size,
+                                       prompt_logprobs=shown.engine_top_k)
         items.extend((ids, p) for p in per_choice(params, req.n))
     prompt_tokens = sum(len(ids) for ids in prompts)
     rid = record.request_id
@@ -81,7 +95,7 @@ async def create_completion(state: ServerState, request: Request) -> Response:
             return Response(status_code=499)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return sse_response(_stream(state, run, rid, created, prompt_tokens, include_usage,
-                                    req.logprobs is not None, echo))
+                                    req.logprobs is not None, echo, shown))
     failed = await finish_or_error(state, request, run)
     if failed is not None:
         return failed
@@ -90,11 +104,32 @@ async def create_completion(state: ServerState, request: Request) -> Response:
         "object": "text_completion",
         "created": created,
         "model": state.model_name,
-        "choices": [_choice(state, c, req.logprobs is not None, echo[c.index])
+        "choices": [_choice(state, c, req.logprobs is not None, echo[c.index], shown)
                     for c in run.choices],
         "usage": run.usage(prompt_tokens),
         "system_fingerprint": None,
     })
+
+
+@dataclass(frozen=True)
+class _PromptScores:
+    """Which prompt scores a completions request shows.
+
+    Attributes:
+        top_k: the request's ``prompt_logprobs`` (vLLM's per-choice field), or None.
+        echo_top_k: its ``logprobs`` when it echoes the prompt (the prompt's tokens lead each
+            choice's ``logprobs``), or None.
+    """
+
+    top_k: int | None
+    echo_top_k: int | None
+
+    @property
+    def engine_top_k(self) -> int | None:
+        """The top-k the engine scores the prompt with (None: it scores nothing)."""
+        if self.top_k is None or self.echo_top_k is None:
+            return self.top_k if self.echo_top_k is None else self.echo_top_k
+        return max(self.top_k, self.echo_top_k)
 
 
 def _prompt_list(req: CompletionRequest) -> list[str | list[int]]:
@@ -139,15 +174,22 @@ def _echo_text(state: ServerState, text: str | None, prompt_ids: list[int]) -> s
     return text if text is not None else state.codec.decode(prompt_ids)
 
 
-def _choice(state: ServerState, c: ChoiceState, with_logprobs: bool, echo: str) -> dict[str, Any]:
+def _choice(state: ServerState, c: ChoiceState, with_logprobs: bool, echo: str,
+            shown: _PromptScores) -> dict[str, Any]:
+    logprobs = None
+    if with_logprobs:
+        logprobs = _with_prompt(state, c, shown,
+                                completion_logprobs(state.codec, c.logprobs, len(echo)))
     out: dict[str, Any] = {
         "index": c.index,
         "text": echo + c.text,
-        "logprobs": completion_logprobs(state.codec, c.logprobs, len(echo))
-        if with_logprobs else None,
+        "logprobs": logprobs,
         "finish_reason": c.finish_reason,
         "stop_reason": c.final.stop_reason if c.final else None,
     }
+    if shown.top_k is not None:
+        out["prompt_logprobs"] = prompt_logprobs_json(state.codec, c.prompt_logprobs or [],
+                                                      shown.top_k)
     if c.final is not None and c.final.schema_valid is not None:
         out["schema_valid"] = c.final.schema_valid
     if c.final is not None and c.final.grammar_backend is not None:
@@ -155,10 +197,24 @@ def _choice(state: ServerState, c: ChoiceState, with_logprobs: bool, echo: str) 
     return out
 
 
+def _with_prompt(state: ServerState, c: ChoiceState, shown: _PromptScores,
+                 generated: dict[str, Any]) -> dict[str, Any]:
+    """``generated`` (a choice's legacy ``logprobs``) led by its echoed prompt's tokens when
+    the request echoes with logprobs and the engine scored the prompt."""
+    if shown.echo_top_k is None or c.prompt_logprobs is None:
+        return generated
+    return join_logprobs(echo_logprobs(state.codec, c.prompt_ids, c.prompt_logprobs,
+                                       shown.echo_top_k), generated)
+
+
 async def _stream(state: ServerState, run: GenerationRun, rid: str, created: int,
                   prompt_tokens: int, include_usage: bool, with_logprobs: bool,
-                  echo: list[str]) -> AsyncIterator[str]:
-    """SSE chunks of text per choice, a finish chunk per choice, optional usage, [DONE]."""
+                  echo: list[str], shown: _PromptScores) -> AsyncIterator[str]:
+    """SSE chunks of text per choice, a finish chunk per choice, optional usage, [DONE].
+
+    A choice's echoed prompt goes with its first generated text (with ``logprobs``, once the
+    engine scored the prompt: its tokens lead that chunk's ``logprobs``), and vLLM's
+    ``prompt_logprobs`` ride its first chunk after they arrive."""
     offsets = [len(e) for e in echo]
 
     def chunk(choices: list[dict[str, Any]], usage: Any = None) -> str:
@@ -168,24 +224,40 @@ async def _stream(state: ServerState, run: GenerationRun, rid: str, created: int
             body["usage"] = usage
         return sse_event(body)
 
+    def with_prompt_logprobs(c: ChoiceState, choice: dict[str, Any]) -> dict[str, Any]:
+        """``choice`` with vLLM's ``prompt_logprobs`` when they arrived and were not sent."""
+        if shown.top_k is not None and c.prompt_logprobs is not None \
+                and not c.prompt_logprobs_sent:
+            c.prompt_logprobs_sent = True
+            choice["prompt_logprobs"] = prompt_logprobs_json(state.codec, c.prompt_logprobs,
+                                                             shown.top_k)
+        return choice
+
     def progress(c: ChoiceState) -> list[str]:
         events = []
+        if (echo[c.index] and with_logprobs and shown.echo_top_k is not None
+                and c.prompt_logprobs is None and not c.finished):
+            return events  # the echo waits for the prompt's scores (its first delta)
         text = c.take_text()
         lps = c.take_logprobs() if with_logprobs else []
-        if echo[c.index]:
+        echoed = bool(echo[c.index])
+        if echoed:
             text, echo[c.index] = echo[c.index] + text, ""
         if text or lps:
             lp = None
             if with_logprobs:
                 lp = completion_logprobs(state.codec, lps, offsets[c.index])
                 offsets[c.index] += sum(len(t) for t in lp["tokens"])
-            events.append(chunk([{"index": c.index, "text": text, "logprobs": lp,
-                                  "finish_reason": None}]))
+                if echoed:
+                    lp = _with_prompt(state, c, shown, lp)
+            events.append(chunk([with_prompt_logprobs(c, {
+                "index": c.index, "text": text, "logprobs": lp, "finish_reason": None})]))
         if c.finished and not c.finish_sent:
             c.finish_sent = True
-            events.append(chunk([{"index": c.index, "text": "", "logprobs": None,
-                                  "finish_reason": c.finish_reason,
-                                  "stop_reason": c.final.stop_reason if c.final else None}]))
+            events.append(chunk([with_prompt_logprobs(c, {
+                "index": c.index, "text": "", "logprobs": None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.final.stop_reason if c.final else None})]))
         return events
 
     try:

@@ -133,6 +133,14 @@ def script_for(params: SamplingParams) -> str:
     return "Hello world! STOP here. " * 20
 
 
+def fake_prompt_logprobs(prompt: list[int], top_k: int | None) -> Any:
+    """The fake's prompt scores: None at position 0, then each token at -0.5 with rank 2,
+    behind ``?`` at -0.25 (top-k: ``?``, then the token)."""
+    if top_k is None:
+        return None
+    return [None] + [(t, -0.5, 2, [(ord("?"), -0.25), (t, -0.5)][:top_k]) for t in prompt[1:]]
+
+
 class FakeEngine:
     """An :class:`~structspec.server.engine_client.AsyncEngine` that runs scripts."""
 
@@ -220,6 +228,8 @@ class FakeEngine:
         text = self.script if self.script is not None else script_for(params)
         out: list[int] = []
         steps = 0
+        # the prompt's scores ride the request's first delta, as the engine sends them
+        first = fake_prompt_logprobs(prompt, params.prompt_logprobs)
         for ch in text:
             steps += 1
             tok = ord(ch)
@@ -236,25 +246,30 @@ class FakeEngine:
                 idx, hit = found
                 end = idx + (len(hit) if params.include_stop_str_in_output else 0)
                 self._finish(rid, sink, self._final(rid, [tok], lps, prompt, out, "stop", hit,
-                                                    so_far[:end], steps))
+                                                    so_far[:end], steps, first))
                 return
             if len(out) >= params.max_tokens:
                 self._finish(rid, sink, self._final(rid, [tok], lps, prompt, out, "length", None,
-                                                    so_far, steps))
+                                                    so_far, steps, first))
                 return
-            sink.put_nowait(EngineDelta(request_id=rid, new_token_ids=[tok], new_logprobs=lps))
+            sink.put_nowait(EngineDelta(request_id=rid, new_token_ids=[tok], new_logprobs=lps,
+                                        prompt_logprobs=first))
+            first = None
             await asyncio.sleep(self.tick_s)
         out.append(EOS)
         lps = [(EOS, -0.05, [])] if params.logprobs is not None else None
         # the end of the script is the model's EOS (or the grammar's end): stop_reason None,
         # as the engine and vLLM report it
         self._finish(rid, sink, self._final(rid, [EOS], lps, prompt, out, "stop", None,
-                                            "".join(chr(t) for t in out if t), steps + 1))
+                                            "".join(chr(t) for t in out if t), steps + 1,
+                                            first))
 
     def _final(self, rid: str, new: list[int], lps: Any, prompt: list[int], out: list[int],
-               reason: str, stop: str | int | None, text: str, steps: int) -> EngineDelta:
+               reason: str, stop: str | int | None, text: str, steps: int,
+               prompt_logprobs: Any = None) -> EngineDelta:
         return EngineDelta(
             request_id=rid, new_token_ids=new, new_logprobs=lps, finished=True,
+            prompt_logprobs=prompt_logprobs,
             finish_reason=reason, stop_reason=stop, text=text, num_prompt_tokens=len(prompt),
             num_completion_tokens=len(out), num_cached_tokens=self.cached_tokens,
             spec=SpecMetrics(verify_steps=steps, committed_tokens=len(out)))

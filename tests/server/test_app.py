@@ -165,7 +165,9 @@ def test_completions_text_and_token_prompts(client: TestClient) -> None:
                                             "echo": True})
     assert [c["text"] for c in r.json()["choices"]] == ["ABH", "CH"]
     lp = body["choices"][0]["logprobs"]
-    assert lp["tokens"] == ["H", "e"] and lp["text_offset"] == [2, 3]
+    # echo: the prompt's tokens first (the first one unscored), as OpenAI's legacy API
+    assert lp["tokens"] == ["a", "b", "H", "e"] and lp["text_offset"] == [0, 1, 2, 3]
+    assert lp["token_logprobs"][0] is None
     assert body["usage"]["prompt_tokens"] == 4
     r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "stream": True})
     events = sse_events(r.text)
