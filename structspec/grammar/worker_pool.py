@@ -81,6 +81,7 @@ import torch
 import xgrammar as xgr
 
 from structspec.draft_tree.layout import parents_from_links
+from structspec.env_flags import env_flag
 from structspec.grammar.bitmask import bitmask_width
 from structspec.grammar.grammar_shipping import GrammarShipper
 from structspec.grammar.llg_matcher import LlgCompiled
@@ -111,6 +112,9 @@ MASK_WORKER_SPIN_MS = 20.0
 
 #: how often a build waiting on a mailbox reply checks that the worker still runs (s)
 WORKER_ALIVE_CHECK_S = 2e-3
+
+#: ``0`` keeps spinning workers on their sockets (no shared-memory mailboxes; A/B runs)
+MAILBOX_ENV = "STRUCTSPEC_MASK_WORKER_MAILBOXES"
 
 #: environment override of the spin window (ms; 0 = always sleep in ``recv``)
 SPIN_ENV = "STRUCTSPEC_MASK_WORKER_SPIN_MS"
@@ -225,7 +229,8 @@ class MaskWorkerPool:
         # Spinning workers take their jobs from shared-memory mailboxes
         # (:mod:`~structspec.grammar.mailbox`): one per worker, after the links, 64-aligned
         mailbox_at = (links_at + LINK_PLANES * max_rows * 8 + 63) // 64 * 64
-        use_mailboxes = self.spin_ms > 0 and mailbox_supported()
+        use_mailboxes = (self.spin_ms > 0 and mailbox_supported()
+                         and env_flag(MAILBOX_ENV))
         self._shm = SharedMemory(create=True, size=mailbox_at + (
             num_workers * MAILBOX_BYTES if use_mailboxes else 0))
         #: per worker, its mailbox, or None: the sockets carry the jobs and replies

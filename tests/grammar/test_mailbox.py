@@ -27,7 +27,7 @@ from structspec.grammar.mailbox import (
     supported,
 )
 from structspec.grammar.pool_types import MaskPoolError
-from structspec.grammar.worker_pool import MAX_SPIN_MS, MaskWorkerPool, PoolRequest
+from structspec.grammar.worker_pool import MAILBOX_ENV, MAX_SPIN_MS, MaskWorkerPool, PoolRequest
 
 from .conftest import STOP_ID
 
@@ -124,5 +124,19 @@ def test_a_worker_dying_while_its_reply_is_awaited_fails_the_build(
         with pytest.raises(MaskPoolError, match="mask worker 0 died"):
             pool.advance([PoolRequest("dies", compiled, [1, 2])])
         assert time.perf_counter() - t0 < 0.5
+    finally:
+        pool.close()
+
+
+def test_mailboxes_can_be_turned_off(backend: GrammarBackend,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``STRUCTSPEC_MASK_WORKER_MAILBOXES=0``: spinning workers keep their sockets."""
+    monkeypatch.setenv(MAILBOX_ENV, "0")
+    pool = MaskWorkerPool(backend.tokenizer_info, num_workers=1, vocab_size=backend.vocab_size,
+                          max_rows=8, stop_token_ids=[STOP_ID], spin_ms=1.0)
+    try:
+        assert pool.mailboxes is None and pool.spin_ms == 1.0
+        compiled = backend.compile(JsonSchemaConstraint(SCHEMA))
+        assert pool.advance([PoolRequest("s", compiled, [])]).worker_busy_ms
     finally:
         pool.close()
