@@ -601,13 +601,18 @@ class MaskWorkerPool:
         the socket, announced in the mailbox first), waking it over the socket when it
         sleeps; without mailboxes over the socket. Raises MaskPoolError when it died."""
         mb = None if self.mailboxes is None else self.mailboxes[w]
-        self._jobs_sent[w] += 1
         try:
             if mb is None:
                 self._conns[w].send(msg)
+                self._jobs_sent[w] += 1
                 return
-            if not mb.post(msg):
+            # counted once posted or announced (a payload that fails to pickle is neither,
+            # and must not leave the build waiting for a reply that never comes)
+            if mb.post(msg):
+                self._jobs_sent[w] += 1
+            else:
                 mb.post_on_socket()  # announced first: the worker then waits on the socket
+                self._jobs_sent[w] += 1
                 self._conns[w].send(msg)
             fence()  # the post's stores before the state's load (mailbox module doc)
             if mb.asleep():
