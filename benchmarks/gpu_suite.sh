@@ -82,6 +82,8 @@
 #   gates     issues 18/19: the two overlap conditions still open, alternating repeats (9 x 40
 #             steps, 7 x 100): EAGLE + JSON at batch 1 / 8 / 32 / 64, llguidance ngram at batch
 #             64 (~3-5 min)
+#   mailbox_ab  issue 18: the workers' shared-memory mailboxes against their sockets (processes
+#             alternating), EAGLE grammar overlap at batch 8 / 32 / 64
 #   workers_ab  issues 18/19: 8 against 12 mask workers (processes alternating): the EAGLE grammar
 #             overlap at batch 32 / 64, llguidance ngram at batch 64
 #   text_ab   issue 18: the EAGLE grammar overlap at batch 8 / 32 / 64 with a device tree's text
@@ -240,6 +242,14 @@ for s in $stages; do case $s in
     run pool_host_cost 150 python3 benchmarks/pool_host_cost.py --batch 8 32 64 --workers 8 --spin-ms 20 --steps 400 ;;
   sampler)
     run sampler_cost 60 python3 benchmarks/sampler_cost.py --device cuda --rows 8 64 512 ;;
+  mailbox_ab)
+    # the spinning workers' jobs and replies through shared-memory mailboxes (the default)
+    # against their sockets, processes alternating: EAGLE grammar overlap at batch 8 / 32 / 64
+    i=0
+    for mb in ${MAILBOX_AB:-1 0 1 0}; do
+      i=$((i + 1))
+      STRUCTSPEC_MASK_WORKER_MAILBOXES=$mb run grammar_overlap_eagle_${i}_mailbox$mb 120 python3 benchmarks/grammar_overlap.py --device cuda --batch 8 32 64 --steps 60 --algorithms eagle --overlap on --repeats 1 --speculative-adaptive off
+    done ;;
   workers_ab)
     # 8 mask workers (the default on 16 cores) against 12, processes alternating: the EAGLE
     # grammar overlap at batch 32 / 64, then llguidance ngram at batch 64 (~7 min)

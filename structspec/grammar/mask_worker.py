@@ -11,12 +11,15 @@ llguidance tokenizer the loader builds from the pool's
 pickled). A mirror of either backend walks its tree with the same ``walk_tree``. The loader acknowledges
 each grammar once it is usable; the parent sends jobs for a grammar only after that.
 
-Between messages a worker polls its socket without sleeping for the pool's spin window
-(:func:`_spin_for_message`, ``MaskWorkerPool``'s ``spin_ms``), then blocks. A worker asleep in
-``recv`` is woken by the kernel when its message lands; on a slow virtualised host the last of
-8 workers started its walk ~0.7 ms after the message was sent (2026-12-04, H200 host,
-``grammar_overlap.py --algorithms eagle`` at batch 8: its walks took 0.23 ms), and the verify
-step waited for it. A spinning worker reads its message at once.
+Between messages a worker polls for its next one without sleeping for the pool's spin window
+(``MaskWorkerPool``'s ``spin_ms``), then blocks. A worker asleep in ``recv`` is woken by the
+kernel when its message lands; on a slow virtualised host the last of 8 workers started its
+walk ~0.7 ms after the message was sent (2026-12-04, H200 host, ``grammar_overlap.py
+--algorithms eagle`` at batch 8: its walks took 0.23 ms), and the verify step waited for it. A
+spinning worker reads its message at once. Where the pool gave it a shared-memory mailbox
+(:mod:`~structspec.grammar.mailbox`: spinning workers on x86-64), jobs and replies go through
+it, without a system call; the socket then carries only the stop message, wake-ups and
+payloads too large for a box (:class:`_JobChannel`).
 
 The process ends with ``os._exit`` (:func:`main`), never through the interpreter's shutdown:
 grammars may still be arriving when the parent says stop, and a daemon thread still inside
@@ -49,6 +52,15 @@ from structspec.grammar.grammar_shipping import WireForm
 from structspec.grammar.grammar_source import XgrSource
 from structspec.grammar.llg_matcher import LlgCompiled, LlgMatcher
 from structspec.grammar.llg_tokenizer import LlgTokenizerSource
+from structspec.grammar.mailbox import (
+    ASLEEP,
+    AWAKE,
+    SLEEP_RECHECK_S,
+    SOCKET_CHECK_S,
+    WAKE,
+    Mailbox,
+    fence,
+)
 from structspec.grammar.matcher import Matcher
 from structspec.grammar.pool_types import LINK_PLANES, links_offset
 from structspec.grammar.tree_mask import settle_request_rows, walk_tree
@@ -129,6 +141,88 @@ def _spin_for_message(conn: Connection, spin_s: float) -> None:
         os.sched_yield()
 
 
+class _JobChannel:
+    """The worker's end of its job channel: the socket alone, or the shared-memory mailbox
+    with the socket beside it (:mod:`~structspec.grammar.mailbox`, whose module doc gives the
+    protocol).
+
+    Args:
+        conn: the job socket.
+        mailbox: this worker's mailbox, or None (socket only).
+        spin_s: how long :meth:`next_message` polls before it blocks (s).
+    """
+
+    def __init__(self, conn: Connection, mailbox: Mailbox | None, spin_s: float) -> None:
+        self.conn = conn
+        self.mailbox = mailbox
+        self.spin_s = spin_s
+        self._seen = 0 if mailbox is None else mailbox.seq_in()  # inbox messages taken
+
+    def next_message(self) -> Any:
+        """The parent's next message (a job, or None to stop). Raises EOFError when the
+        socket closed."""
+        mb = self.mailbox
+        if mb is None:
+            if self.spin_s > 0:
+                _spin_for_message(self.conn, self.spin_s)
+            return self.conn.recv()
+        now = time.perf_counter()
+        deadline, next_check = now + self.spin_s, now + SOCKET_CHECK_S
+        while True:
+            if mb.seq_in() != self._seen:
+                return self._take()
+            now = time.perf_counter()
+            if now >= next_check:  # the stop message (or a stale wake-up) comes this way
+                if self.conn.poll():
+                    # a job too large for the inbox comes this way too, announced in the
+                    # inbox first: take it through the inbox (counted), as the sleep loop does
+                    if mb.seq_in() != self._seen:
+                        return self._take()
+                    msg = self.conn.recv()
+                    if msg != WAKE:
+                        return msg
+                next_check = now + SOCKET_CHECK_S
+            if now > deadline:
+                break
+            os.sched_yield()
+        # Asleep: say so, then look once more (the parent posts, then reads the state; the
+        # fences make at least one of us see the other's store), then block on the socket.
+        mb.set_state(ASLEEP)
+        fence()
+        try:
+            while True:
+                if mb.seq_in() != self._seen:
+                    return self._take()  # a wake-up sent meanwhile stays queued: skipped later
+                if self.conn.poll(SLEEP_RECHECK_S):
+                    if mb.seq_in() != self._seen:
+                        return self._take()
+                    msg = self.conn.recv()
+                    if msg != WAKE:
+                        return msg
+        finally:
+            mb.set_state(AWAKE)
+
+    def _take(self) -> Any:
+        """The inbox's next message (or, announced there, the socket's)."""
+        assert self.mailbox is not None
+        self._seen += 1
+        in_box, msg = self.mailbox.read_in()
+        if in_box:
+            return msg
+        while (msg := self.conn.recv()) == WAKE:  # wake-ups queued before it
+            pass
+        return msg
+
+    def reply(self, obj: Any) -> None:
+        """Send the parent a reply (the outbox, else the socket, announced first)."""
+        mb = self.mailbox
+        if mb is None:
+            self.conn.send(obj)
+        elif not mb.reply(obj):
+            mb.reply_on_socket()
+            self.conn.send(obj)
+
+
 def _worker_main(conn: Connection, ship: Connection) -> None:
     """Worker loop: keep mirror matchers, walk trees into the shared slab, reply."""
     torch.set_num_threads(1)
@@ -138,7 +232,7 @@ def _worker_main(conn: Connection, ship: Connection) -> None:
         return  # the parent closed the pool while this worker was starting: nothing to do
     try:
         (tok_json, llg_source, shm_name, max_rows, width, stop_token_ids, max_rollback,
-         spin_s) = init
+         spin_s, mailbox_at) = init
         tokenizer_info = (None if tok_json is None
                           else xgr.TokenizerInfo.deserialize_json(tok_json))
         shm = SharedMemory(name=shm_name)
@@ -153,6 +247,8 @@ def _worker_main(conn: Connection, ship: Connection) -> None:
                                      offset=links_offset(max_rows, width))
         links_np = links_all.numpy()
         stops = frozenset(int(t) for t in stop_token_ids)
+        channel = _JobChannel(conn, None if mailbox_at is None else Mailbox(shm.buf, mailbox_at),
+                              spin_s)
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises
         with contextlib.suppress(OSError):  # unless the parent is gone already
             conn.send(repr(e))
@@ -170,10 +266,8 @@ def _worker_main(conn: Connection, ship: Connection) -> None:
     # us per view, paid per request and step otherwise.
     row_views: dict[tuple[int, int], list[tuple[torch.Tensor, ...]]] = {}
     while True:
-        if spin_s > 0:
-            _spin_for_message(conn, spin_s)
         try:
-            msg = conn.recv()
+            msg = channel.next_message()
         except EOFError:
             break
         if msg is None:
@@ -240,13 +334,13 @@ def _worker_main(conn: Connection, ship: Connection) -> None:
         except Exception as e:  # noqa: BLE001 - the parent raises it
             reply = e
         try:
-            conn.send(reply)
+            channel.reply(reply)
         except OSError:
             # the parent closed the pool mid-build (it dropped the pool after another worker
             # died, or is shutting down): no one to reply to, so end quietly, not with a
             # BrokenPipeError traceback in the server's log
             break
-    del slab, slab_np, links_all, links_np, row_views
+    del slab, slab_np, links_all, links_np, row_views, channel
     shm.close()
 
 

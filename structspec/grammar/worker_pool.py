@@ -81,10 +81,13 @@ import torch
 import xgrammar as xgr
 
 from structspec.draft_tree.layout import parents_from_links
+from structspec.env_flags import env_flag
 from structspec.grammar.bitmask import bitmask_width
 from structspec.grammar.grammar_shipping import GrammarShipper
 from structspec.grammar.llg_matcher import LlgCompiled
 from structspec.grammar.llg_tokenizer import LlgTokenizerSource
+from structspec.grammar.mailbox import MAILBOX_BYTES, WAKE, Mailbox, fence
+from structspec.grammar.mailbox import supported as mailbox_supported
 from structspec.grammar.pool_types import (
     LINK_PLANES,
     MaskPoolError,
@@ -106,6 +109,12 @@ _WORKER_MODULE = "structspec.grammar.mask_worker"
 #: verify step and than most prefill steps, so a worker stays awake while the engine serves
 #: and sleeps within this long of the engine going idle
 MASK_WORKER_SPIN_MS = 20.0
+
+#: how often a build waiting on a mailbox reply checks that the worker still runs (s)
+WORKER_ALIVE_CHECK_S = 2e-3
+
+#: ``0`` keeps spinning workers on their sockets (no shared-memory mailboxes; A/B runs)
+MAILBOX_ENV = "STRUCTSPEC_MASK_WORKER_MAILBOXES"
 
 #: environment override of the spin window (ms; 0 = always sleep in ``recv``)
 SPIN_ENV = "STRUCTSPEC_MASK_WORKER_SPIN_MS"
@@ -217,7 +226,19 @@ class MaskWorkerPool:
         self.width = bitmask_width(vocab_size)
         self.max_rows = max_rows
         links_at = links_offset(max_rows, self.width)
-        self._shm = SharedMemory(create=True, size=links_at + LINK_PLANES * max_rows * 8)
+        # Spinning workers take their jobs from shared-memory mailboxes
+        # (:mod:`~structspec.grammar.mailbox`): one per worker, after the links, 64-aligned
+        mailbox_at = (links_at + LINK_PLANES * max_rows * 8 + 63) // 64 * 64
+        use_mailboxes = (self.spin_ms > 0 and mailbox_supported()
+                         and env_flag(MAILBOX_ENV))
+        self._shm = SharedMemory(create=True, size=mailbox_at + (
+            num_workers * MAILBOX_BYTES if use_mailboxes else 0))
+        #: per worker, its mailbox, or None: the sockets carry the jobs and replies
+        self.mailboxes: list[Mailbox] | None = (
+            [Mailbox(self._shm.buf, mailbox_at + w * MAILBOX_BYTES) for w in range(num_workers)]
+            if use_mailboxes else None)
+        # per worker, the jobs sent (the replies it owes, read off its mailbox's sequence)
+        self._jobs_sent = [0] * num_workers
         #: ``int32 [max_rows, W]`` host view of the shared slab (rows ``[:bs * N]`` per build).
         self.slab = torch.frombuffer(self._shm.buf, dtype=torch.int32,
                                      count=max_rows * self.width).view(max_rows, self.width)
@@ -242,12 +263,14 @@ class MaskWorkerPool:
                 llguidance_tokenizer, self._shm.name, max_rows, self.width,
                 tuple(int(t) for t in stop_token_ids), int(max_rollback_tokens),
                 self.spin_ms / 1e3)
+        mailbox_offsets = [mailbox_at + w * MAILBOX_BYTES if use_mailboxes else None
+                           for w in range(num_workers)]
         self._conns: list[Connection] = []
         self._ship_conns: list[Connection] = []  # per worker: grammars out, acks back
         self._procs: list[subprocess.Popen[bytes]] = []
         pinned_ptr = self.slab.data_ptr() if self.pinned else 0
         try:
-            for _ in range(num_workers):
+            for w in range(num_workers):
                 ours, theirs = socket.socketpair()
                 ship_ours, ship_theirs = socket.socketpair()
                 proc = subprocess.Popen(
@@ -260,7 +283,7 @@ class MaskWorkerPool:
                 self._conns.append(conn)
                 self._ship_conns.append(Connection(ship_ours.detach()))
                 self._procs.append(proc)
-                conn.send(init)
+                conn.send((*init, mailbox_offsets[w]))
             for conn in self._conns:
                 reply = conn.recv() if conn.poll(120) else None
                 if reply != "ready":
@@ -496,11 +519,7 @@ class MaskWorkerPool:
         for w, job in enumerate(jobs):
             if job or self.shipping.released[w]:
                 released, dropped = self.shipping.take_drops(w)
-                try:
-                    self._conns[w].send((job, released, dropped, bs, n, has_tree,
-                                         time_limit_s))
-                except OSError as e:  # a dead worker's socket: broken pipe / reset
-                    raise MaskPoolError(f"mask worker {w} died") from e
+                self._send_job(w, (job, released, dropped, bs, n, has_tree, time_limit_s))
                 busy.append(w)
         out = PoolBuildResult([], [], send_ms=(time.perf_counter() - t_send) * 1e3)
         self._walks_pending = set(busy)
@@ -553,13 +572,17 @@ class MaskWorkerPool:
     def walks_ready(self) -> bool:
         """Whether every worker of the build in progress has replied with its walks, so the
         build would return without blocking. For ``while_waiting`` callbacks that can stop
-        early and finish their work after the mask upload. One ``poll(2)`` over the worker
-        sockets, without blocking (~1 us); False outside a build (a caller then keeps going).
-        A dead worker's socket counts as ready: the build's ``recv`` reports it."""
+        early and finish their work after the mask upload. Without blocking: the mailboxes'
+        sequence numbers, or one ``poll(2)`` over the worker sockets (~1 us); False outside a
+        build (a caller then keeps going). A dead worker's socket counts as ready: the
+        build's ``recv`` reports it."""
         pending = self._walks_pending
         if pending is None:
             return False
-        if pending:
+        if pending and self.mailboxes is not None:
+            for w in [w for w in pending if self._has_reply(w)]:
+                pending.discard(w)
+        elif pending:
             try:
                 events = self._reply_poller.poll(0)
             except OSError:  # interrupted: not ready yet, the caller asks again
@@ -568,15 +591,68 @@ class MaskWorkerPool:
                 pending.discard(self._worker_of_fd.get(fd, -1))
         return not pending
 
+    def _has_reply(self, w: int) -> bool:
+        """Whether worker ``w``'s mailbox holds its reply (its sequence moved)."""
+        assert self.mailboxes is not None
+        return self.mailboxes[w].seq_out() == self._jobs_sent[w]
+
+    def _send_job(self, w: int, msg: tuple) -> None:
+        """Send worker ``w`` a job: into its mailbox (a message too large for it goes over
+        the socket, announced in the mailbox first), waking it over the socket when it
+        sleeps; without mailboxes over the socket. Raises MaskPoolError when it died."""
+        mb = None if self.mailboxes is None else self.mailboxes[w]
+        try:
+            if mb is None:
+                self._conns[w].send(msg)
+                self._jobs_sent[w] += 1
+                return
+            # counted once posted or announced (a payload that fails to pickle is neither,
+            # and must not leave the build waiting for a reply that never comes)
+            if mb.post(msg):
+                self._jobs_sent[w] += 1
+            else:
+                mb.post_on_socket()  # announced first: the worker then waits on the socket
+                self._jobs_sent[w] += 1
+                self._conns[w].send(msg)
+            fence()  # the post's stores before the state's load (mailbox module doc)
+            if mb.asleep():
+                self._conns[w].send(WAKE)
+        except OSError as e:  # a dead worker's socket: broken pipe / reset
+            raise MaskPoolError(f"mask worker {w} died") from e
+
     def _recv(self, w: int) -> Any:
         """Worker ``w``'s next reply; raises MaskPoolError when it died or failed."""
         try:
-            reply = self._conns[w].recv()
+            reply = self._read_reply(w)
         except (EOFError, OSError) as e:
             raise MaskPoolError(f"mask worker {w} died") from e
         if isinstance(reply, BaseException):
             raise MaskPoolError(f"mask worker {w} failed: {reply!r}") from reply
         return reply
+
+    def _read_reply(self, w: int) -> Any:
+        """Worker ``w``'s next reply as it sent it. From its mailbox: this thread polls the
+        outbox's sequence without sleeping (the workers' replies come within a step; the
+        thread has nothing else to do meanwhile), checking every
+        :data:`WORKER_ALIVE_CHECK_S` that the worker still runs. Else from its socket.
+
+        Raises:
+            EOFError: the worker exited, or its socket closed.
+        """
+        if self.mailboxes is None:
+            return self._conns[w].recv()
+        mb, want = self.mailboxes[w], self._jobs_sent[w]
+        next_check = time.perf_counter() + WORKER_ALIVE_CHECK_S
+        while mb.seq_out() != want:
+            now = time.perf_counter()
+            if now >= next_check:
+                code = self._procs[w].poll()
+                if code is not None and mb.seq_out() != want:
+                    raise EOFError(f"mask worker {w} exited with status {code}")
+                next_check = now + WORKER_ALIVE_CHECK_S
+            os.sched_yield()
+        in_box, reply = mb.read_out()
+        return reply if in_box else self._conns[w].recv()
 
     def replacement(self) -> MaskWorkerPool:
         """A new pool with this one's settings and fresh workers (no request placed): what the

@@ -343,15 +343,36 @@ def test_before_send_runs_after_the_verdicts_and_its_failure_keeps_the_mirrors(
         pool.release(k)
 
 
-def test_walks_ready_turns_true_once_every_walk_is_in(pool: MaskWorkerPool,
+@pytest.fixture(scope="module")
+def socket_pool(backend: GrammarBackend) -> Iterator[MaskWorkerPool]:
+    """Two xgrammar workers that always sleep between messages (``spin_ms=0``): their jobs and
+    replies go over the sockets, as a CPU engine's do (the spinning ``pool`` uses shared-memory
+    mailboxes on x86-64)."""
+    p = MaskWorkerPool(backend.tokenizer_info, num_workers=2, vocab_size=backend.vocab_size,
+                       max_rows=16 * N, stop_token_ids=[STOP_ID], spin_ms=0.0)
+    assert p.mailboxes is None
+    yield p
+    p.close()
+
+
+@pytest.mark.parametrize("channel", ["mailboxes", "sockets"])
+def test_walks_ready_turns_true_once_every_walk_is_in(request: pytest.FixtureRequest,
                                                       backend: GrammarBackend,
-                                                      hf_tokenizer: Any) -> None:
+                                                      hf_tokenizer: Any, channel: str) -> None:
     """``walks_ready`` is False outside a build, and inside one becomes True (without
     blocking) once both workers have sent their walks; the build then returns the same rows
-    as the in-process build."""
+    as the in-process build. Through the mailboxes of spinning workers and the sockets of
+    sleeping ones."""
     import time
     from multiprocessing.connection import wait
 
+    from structspec.grammar.mailbox import supported
+
+    if channel == "mailboxes" and not supported():
+        pytest.skip("shared-memory mailboxes need x86-64")
+    pool: MaskWorkerPool = request.getfixturevalue("pool" if channel == "mailboxes"
+                                                   else "socket_pool")
+    assert (pool.mailboxes is not None) == (channel == "mailboxes")
     compiled = backend.compile(JsonSchemaConstraint(SCHEMA))
     ids = hf_tokenizer.encode(TEXTS[0], add_special_tokens=False)
     reqs = [_Req(f"ready{i}", backend, compiled, ids + [STOP_ID]) for i in range(4)]
@@ -366,10 +387,16 @@ def test_walks_ready_turns_true_once_every_walk_is_in(pool: MaskWorkerPool,
         while not pool.walks_ready():
             left = deadline - time.perf_counter()
             assert left > 0, "walk replies never arrived"
-            # block on the sockets still owing a walk reply (no sleep-and-retry)
-            wait([pool._conns[w] for w in pool._walks_pending or ()], timeout=left)
-        # True means the replies really are there: both sockets hold the walk replies
-        assert all(pool._conns[w].poll() for w in range(pool.num_workers))
+            if pool.mailboxes is None:  # block on the sockets still owing a walk reply
+                wait([pool._conns[w] for w in pool._walks_pending or ()], timeout=left)
+            else:  # a mailbox has nothing to block on
+                time.sleep(1e-4)
+        # True means the replies really are there: in both outboxes, or on both sockets
+        if pool.mailboxes is None:
+            assert all(pool._conns[w].poll() for w in range(pool.num_workers))
+        else:
+            assert all(mb.seq_out() == sent for mb, sent in
+                       zip(pool.mailboxes, pool._jobs_sent, strict=True))
         seen.append(pool.walks_ready())  # stays True once seen
 
     pooled = build_grammar_vocab_mask_pooled(
