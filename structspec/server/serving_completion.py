@@ -164,7 +164,7 @@ def _echo_text(state: ServerState, text: str | None, prompt_ids: list[int]) -> s
 
 
 def _choice(state: ServerState, c: ChoiceState, with_logprobs: bool, echo: str,
-            as_token_ids: bool) -> dict[str, Any]:
+            as_token_ids: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {
         "index": c.index,
         "text": echo + c.text,
