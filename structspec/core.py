@@ -24,6 +24,7 @@ from structspec.penalty_params import (
     penalty_error,
     repetition_penalty_error,
 )
+from structspec.prompt_truncation import truncate_value_error
 from structspec.schema_structure import MAX_SCHEMA_NESTING, json_nesting
 
 # ---------------------------------------------------------------------------------------------
@@ -178,6 +179,16 @@ class SamplingParams:
     against the text with them. The token that ended a request at token level (EOS, a
     ``stop_token_ids`` id) is in its token ids, and in its text only with
     ``include_stop_str_in_output`` (:func:`stop_token_hidden`, vLLM's rule).
+    ``spaces_between_special_tokens`` (vLLM's, default True) matters only with
+    ``skip_special_tokens=False``: False drops what the tokenizer's decoder puts between two
+    added tokens that follow each other in the output (a space, for decoders that join
+    tokens with spaces), as vLLM's detokenizer does for a fast tokenizer; True is the
+    tokenizer's own decode (:class:`structspec.models.tokenizer.IncrementalDetokenizer`).
+
+    ``truncate_prompt_tokens`` (vLLM's): ``k >= 1`` keeps only the last ``k`` tokens of the
+    tokenized prompt (a BOS the tokenizer adds to a text prompt stays), ``-1`` the most the
+    context holds (``max_model_len``); ``RequestOutput.prompt_token_ids`` is the kept prompt
+    (:mod:`structspec.prompt_truncation`).
 
     ``prompt_logprobs`` (vLLM's, ``[0, 20]``): the log-probability of every prompt token
     given the tokens before it, with its rank and the ``k`` most likely tokens at that
@@ -216,6 +227,8 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     # None: none; k >= 0: each prompt token's logprob plus the top-k (RequestOutput doc)
     prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         # Accept a single string, None (none, as in vLLM and the OpenAI API) and any iterable
@@ -262,7 +275,8 @@ class SamplingParams:
             raise ValueError(why)
         if not isinstance(self.ignore_eos, bool):  # "false" is truthy: it would ignore EOS
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
-        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):  # no truthiness: "false" is truthy
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.max_tokens < 1:
@@ -301,6 +315,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+        if (why := truncate_value_error(self.truncate_prompt_tokens)) is not None:
+            raise ValueError(why)
         if self.grammar is not None and not isinstance(self.grammar, _CONSTRAINT_TYPES):
             # a string such as "text" used to fail later as an AttributeError naming no field
             raise ValueError(f"grammar must be None or one of "

@@ -59,12 +59,32 @@ def test_ignore_eos_takes_booleans_only(value: Any) -> None:
         SamplingParams(ignore_eos=value).validate()
 
 
-@pytest.mark.parametrize("field", ["include_stop_str_in_output", "skip_special_tokens"])
+@pytest.mark.parametrize("field", ["include_stop_str_in_output", "skip_special_tokens",
+                                   "spaces_between_special_tokens"])
 @pytest.mark.parametrize("value", ["no", "false", 0, 1, None])
 def test_text_flags_take_booleans_only(field: str, value: Any) -> None:
     with pytest.raises(ValueError, match=f"^{field} must be True or False"):
         SamplingParams(**{field: value}).validate()
     SamplingParams(**{field: False}).validate()
+
+
+@pytest.mark.parametrize("value", [0, -2, 2.0, "3", True])
+def test_truncate_prompt_tokens_is_minus_one_or_positive(value: Any) -> None:
+    with pytest.raises(ValueError, match="^truncate_prompt_tokens must be an integer") as e:
+        SamplingParams(truncate_prompt_tokens=value).validate()
+    assert _param_of(str(e.value)) == "truncate_prompt_tokens"
+    for ok in (None, -1, 1, 10**6):
+        SamplingParams(truncate_prompt_tokens=ok).validate()
+
+
+def test_new_fields_come_last() -> None:
+    """Fields are appended, so a positional construction keeps its meaning."""
+    names = list(SamplingParams.__dataclass_fields__)
+    assert names[-6:] == ["min_tokens", "include_stop_str_in_output", "skip_special_tokens",
+                          "allowed_token_ids", "truncate_prompt_tokens",
+                          "spaces_between_special_tokens"]
+    assert SamplingParams().spaces_between_special_tokens is True
+    assert SamplingParams().truncate_prompt_tokens is None
 
 
 @pytest.mark.parametrize("top_k", [2**31, 2**63, 10**20])

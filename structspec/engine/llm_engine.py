@@ -29,6 +29,8 @@ from structspec.engine.build import build_engine
 from structspec.engine.gc_heap import hold_startup_heap
 from structspec.models.tokenizer import IncrementalDetokenizer, check_unicode
 from structspec.penalty_params import out_of_vocab
+from structspec.prompt_truncation import TRUNCATE_PARAM, kept_prompt_tokens
+from structspec.prompt_truncation import keep_last as keep_last_ids
 from structspec.scheduler.request import Req
 
 PromptInput = str | list[int] | ChatMessages
@@ -115,11 +117,15 @@ class LLMEngine:
                                "stop_token_ids")
 
     def tokenize_prompt(self, prompt: PromptInput, *, raw: bool = False,
-                        chat_options: ChatTemplateOptions | None = None) -> list[int]:
+                        chat_options: ChatTemplateOptions | None = None,
+                        keep_last: int | None = None) -> list[int]:
         """Token ids for a prompt: chat messages go through the chat template; a string goes
         through it too (as one user message) unless ``raw`` or the model has none.
         ``chat_options`` (None: the defaults) says how the template renders: it applies
         wherever the template does, and token ids and raw strings do not use it.
+        ``keep_last``: keep only the prompt's last tokens (``truncate_prompt_tokens``,
+        :mod:`structspec.prompt_truncation`; a BOS the tokenizer adds to a raw string stays);
+        the prompt is then not refused for its length here, whatever it is before the cut.
 
         Raises:
             RequestError: empty prompt, malformed chat messages (``param`` names the field,
@@ -127,8 +133,9 @@ class LLMEngine:
                 ``continue_final_message``), or chat messages for a model without a chat
                 template.
         """
-        # A prompt that cannot fit is refused before tokenization (Tokenizer.encode).
-        limit = self.max_model_len - 1
+        # A prompt that cannot fit is refused before tokenization (Tokenizer.encode), unless
+        # only its tail is kept
+        limit = self.max_model_len - 1 if keep_last is None else None
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             bad_type = next((i for i, t in enumerate(prompt) if isinstance(t, bool)), None)
             if bad_type is not None:  # True is an int to Python, never token id 1 to us
@@ -140,7 +147,9 @@ class LLMEngine:
                 raise RequestError("prompt is empty", "prompt")
             try:
                 check_unicode(prompt, "prompt")  # before a template shifts the index
-                if raw or not self.tokenizer.has_chat_template:
+                if (raw or not self.tokenizer.has_chat_template) and keep_last is not None:
+                    ids, _ = self.tokenizer.encode_tail(prompt, keep_last)
+                elif raw or not self.tokenizer.has_chat_template:
                     ids = self.tokenizer.encode(prompt, max_tokens=limit)
                 else:
                     ids = self.tokenizer.apply_chat_template(
@@ -170,6 +179,9 @@ class LLMEngine:
                                f"message list, got {_describe(prompt)}", "prompt")
         if not ids:
             raise RequestError("prompt is empty after tokenization", "prompt")
+        # token ids and a chat's template output get no special tokens added: their tail is
+        # the cut (a raw string's was cut by encode_tail)
+        ids = keep_last_ids(ids, keep_last)
         bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
         if bad:
             raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary", "prompt")
@@ -212,7 +224,12 @@ class LLMEngine:
         except ValueError as e:
             raise RequestError(str(e), _param_of(str(e))) from e
         self._check_token_ids(params)
-        ids = self.tokenize_prompt(prompt, raw=raw_prompt, chat_options=chat_options)
+        try:  # vLLM's LLM: -1 keeps max_model_len tokens (no completion length counted)
+            keep = kept_prompt_tokens(params.truncate_prompt_tokens, self.max_model_len)
+        except ValueError as e:
+            raise RequestError(str(e), TRUNCATE_PARAM) from e
+        ids = self.tokenize_prompt(prompt, raw=raw_prompt, chat_options=chat_options,
+                                   keep_last=keep)
         if len(ids) >= self.max_model_len:
             raise self._too_long(len(ids), "prompt")
         if request_id is None:
@@ -228,7 +245,8 @@ class LLMEngine:
             max_new_tokens=min(params.max_tokens, self.max_model_len - len(ids)),
             eos_token_ids=frozenset(self.tokenizer.eos_token_ids),
             detokenizer=IncrementalDetokenizer(
-                self.tokenizer, prompt_ids=ids, skip_special_tokens=params.skip_special_tokens)
+                self.tokenizer, prompt_ids=ids, skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens)
             if self.detokenize or params.stop else None,
             priority=priority,
         )

@@ -54,6 +54,9 @@ class Tokenizer:
             raise ValueError(f"{path}: expected a fast (tokenizers) tokenizer, got {type(hf).__name__}")
         if chat_template is not None:
             hf.chat_template = chat_template  # what apply_chat_template renders with
+        # The only truncation structspec asks of it is truncate_prompt_tokens, which keeps a
+        # prompt's last tokens (vLLM sets this side for generation too)
+        hf.truncation_side = "left"
         self.hf: PreTrainedTokenizerFast = hf
         backend = getattr(hf, "backend_tokenizer", None)
         # The Rust tokenizer, used directly by decode() (same text as hf.decode without
@@ -97,6 +100,27 @@ class Tokenizer:
             if at_least > max_tokens:
                 raise PromptTooLongError(at_least, max_tokens)
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def encode_tail(self, text: str, keep: int,
+                    add_special_tokens: bool = True) -> tuple[list[int], bool]:
+        """Token ids of ``text`` cut from the left to at most ``keep`` tokens (vLLM's
+        ``truncate_prompt_tokens`` of a text prompt), and whether any token was dropped.
+
+        As Hugging Face's left truncation, which vLLM tokenizes with, the special tokens the
+        tokenizer adds (a BOS) stay and the text's first tokens go; where they alone are more
+        than ``keep``, the last ``keep`` ids are kept. No length guard: a text of any length
+        is tokenized (its tail is what is kept).
+
+        Raises:
+            ValueError: ``text`` is not valid Unicode.
+        """
+        ids = self.encode(text, add_special_tokens)
+        if len(ids) <= keep:
+            return ids, False
+        if add_special_tokens:  # tokenized again only when cut: the common no-op costs one
+            ids = list(self.hf.encode(text, add_special_tokens=True, truncation=True,
+                                      max_length=keep))
+        return ids[-keep:], True
 
     @functools.cached_property
     def max_token_chars(self) -> int:
@@ -186,9 +210,18 @@ class Tokenizer:
         tokenizer does not know (a padding row of the model's embedding)."""
         return [t if isinstance(t, str) else "" for t in self.hf.convert_ids_to_tokens(list(ids))]
 
-    def detokenizer(self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+    @functools.cached_property
+    def added_token_texts(self) -> dict[int, str]:
+        """The added tokens (special or not: ``<|im_end|>``, control tokens) by id, each
+        with its text."""
+        return {int(i): str(t.content) for i, t in self.hf.added_tokens_decoder.items()}
+
+    def detokenizer(self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True,
+                    spaces_between_special_tokens: bool = True) -> IncrementalDetokenizer:
         """A fresh :class:`IncrementalDetokenizer` for one request."""
-        return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens=skip_special_tokens)
+        return IncrementalDetokenizer(
+            self, prompt_ids, skip_special_tokens=skip_special_tokens,
+            spaces_between_special_tokens=spaces_between_special_tokens)
 
 
 def _eos_ids(path: Path, hf: PreTrainedTokenizerFast) -> tuple[int, ...]:
@@ -226,17 +259,35 @@ class IncrementalDetokenizer:
     ``ids[prefix_offset:read_offset]``. Text ending in U+FFFD (an incomplete UTF-8 sequence
     split across tokens) is held back until later tokens complete it.
 
+    ``spaces_between_special_tokens`` False (with special tokens kept) is vLLM's rule for a
+    fast tokenizer (``FastIncrementalDetokenizer.decode_next``): an added token that follows
+    another added token of the output contributes its own text only, without what the
+    decoder puts before it (decoders that join tokens with spaces, such as WordPiece's or
+    none, put a space there; byte-level BPE decoders put nothing, so for them both values
+    give the same text). True, vLLM's default, is the tokenizer's own decode: this class's
+    output before the option existed. The first output token is never such a follower (vLLM
+    starts counting at the output, not the prompt).
+
     Args:
         tokenizer: the :class:`Tokenizer`.
         prompt_ids: the prompt, used as left context only (its text is never emitted).
         skip_special_tokens: drop special tokens from the text.
+        spaces_between_special_tokens: see above; only read when ``skip_special_tokens`` is
+            False (dropped tokens leave nothing to space).
     """
 
     def __init__(
-        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), *, skip_special_tokens: bool = True
+        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), *,
+        skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True,
     ) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
+        # the added tokens whose decoder prefix is dropped after another one; None: the
+        # tokenizer's own decode
+        self._added: dict[int, str] | None = None
+        if not skip_special_tokens and not spaces_between_special_tokens:
+            self._added = tokenizer.added_token_texts or None
+        self._last_added = False
         self._ids: list[int] = list(prompt_ids)
         self._prompt_len = len(self._ids)
         self._read = len(self._ids)
@@ -246,8 +297,8 @@ class IncrementalDetokenizer:
     def _decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip)
 
-    def add(self, token_ids: Iterable[int]) -> str:
-        """Append generated ``token_ids``; return the newly completed text (may be "")."""
+    def _advance(self, token_ids: Iterable[int]) -> str:
+        """Append ``token_ids`` and return the text they completed (the window step)."""
         self._ids.extend(token_ids)
         prefix_text = self._decode(self._ids[self._prefix : self._read])
         new_text = self._decode(self._ids[self._prefix :])
@@ -255,6 +306,28 @@ class IncrementalDetokenizer:
             return ""
         delta = new_text[len(prefix_text) :]
         self._prefix, self._read = self._read, len(self._ids)
+        return delta
+
+    def _advance_unspaced(self, token_ids: Iterable[int], added: dict[int, str]) -> str:
+        """:meth:`_advance` one token at a time, an added token (of ``added``) after another
+        one giving its own text (``spaces_between_special_tokens`` False)."""
+        out = []
+        for t in token_ids:
+            delta = self._advance([t])
+            text = added.get(t)
+            if text is not None and self._last_added:
+                delta = text
+                # its window text is not emitted again by the next token's window (when the
+                # step above held it back, the read offset did not move)
+                self._read = len(self._ids)
+            self._last_added = text is not None
+            out.append(delta)
+        return "".join(out)
+
+    def add(self, token_ids: Iterable[int]) -> str:
+        """Append generated ``token_ids``; return the newly completed text (may be "")."""
+        delta = (self._advance(token_ids) if self._added is None
+                 else self._advance_unspaced(token_ids, self._added))
         self.text += delta
         return delta
 
@@ -264,6 +337,7 @@ class IncrementalDetokenizer:
         del self._ids[self._prompt_len :]
         self._read = self._prompt_len
         self._prefix = max(self._read - _PREFIX_WINDOW, 0)
+        self._last_added = False
         self.text = ""
         self.add(token_ids)
         return self.text

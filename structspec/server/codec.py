@@ -61,6 +61,17 @@ class Codec(Protocol):
         """
         ...
 
+    def encode_text_tail(self, text: str, keep: int, *,
+                         add_special_tokens: bool = True) -> tuple[list[int], bool]:
+        """Token ids of a raw prompt cut from the left to at most ``keep`` tokens (vLLM's
+        ``truncate_prompt_tokens``: the special tokens the tokenizer adds stay), and whether
+        any was dropped; no length guard (the text's tail is what is kept).
+
+        Raises:
+            ValueError: the text is not valid Unicode.
+        """
+        ...
+
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """Text of ``token_ids`` (special tokens dropped unless ``skip_special_tokens`` is
         false)."""
@@ -71,10 +82,13 @@ class Codec(Protocol):
         ``convert_ids_to_tokens``, what vLLM's ``/tokenize`` returns as ``token_strs``)."""
         ...
 
-    def detokenizer(self, prompt_ids: Sequence[int], *,
-                    skip_special_tokens: bool = True) -> Detokenizer:
+    def detokenizer(self, prompt_ids: Sequence[int], *, skip_special_tokens: bool = True,
+                    spaces_between_special_tokens: bool = True) -> Detokenizer:
         """A fresh incremental detokenizer with ``prompt_ids`` as left context; special
-        tokens are dropped from its text unless ``skip_special_tokens`` is False."""
+        tokens are dropped from its text unless ``skip_special_tokens`` is False, and then
+        ``spaces_between_special_tokens`` False drops what the decoder puts between two added
+        tokens of the output (vLLM's rule:
+        :class:`~structspec.models.tokenizer.IncrementalDetokenizer`)."""
         ...
 
     def token_str(self, token_id: int) -> str:
@@ -113,15 +127,21 @@ class TokenizerCodec:
                     add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens, max_tokens=max_tokens)
 
+    def encode_text_tail(self, text: str, keep: int, *,
+                         add_special_tokens: bool = True) -> tuple[list[int], bool]:
+        return self.tokenizer.encode_tail(text, keep, add_special_tokens)
+
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def token_pieces(self, token_ids: Sequence[int]) -> list[str]:
         return self.tokenizer.convert_ids_to_tokens(token_ids)
 
-    def detokenizer(self, prompt_ids: Sequence[int], *,
-                    skip_special_tokens: bool = True) -> Detokenizer:
-        return self.tokenizer.detokenizer(prompt_ids, skip_special_tokens=skip_special_tokens)
+    def detokenizer(self, prompt_ids: Sequence[int], *, skip_special_tokens: bool = True,
+                    spaces_between_special_tokens: bool = True) -> Detokenizer:
+        return self.tokenizer.detokenizer(
+            prompt_ids, skip_special_tokens=skip_special_tokens,
+            spaces_between_special_tokens=spaces_between_special_tokens)
 
     def token_str(self, token_id: int) -> str:
         return self._token_str(int(token_id))

@@ -3,12 +3,14 @@ without a word.
 
 - **Fields it knows but cannot honour** (:data:`UNSUPPORTED`: OpenAI's ``functions``,
   ``audio``, ``reasoning_effort``...; vLLM's sampling extras such as ``use_beam_search`` or
-  ``spaces_between_special_tokens``): a 400 ``code: "unsupported"`` naming the field, unless
+  ``bad_words``): a 400 ``code: "unsupported"`` naming the field, unless
   the value asks for nothing (``null``, or the value that changes nothing: ``length_penalty:
   1``, ``store: false``, ``modalities: ["text"]``...). The penalties (``presence_penalty``,
   ``frequency_penalty``, ``repetition_penalty``), ``logit_bias`` and vLLM's ``min_tokens``,
-  ``allowed_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens`` and
-  ``prompt_logprobs`` are served (:mod:`structspec.server.params` checks their values), and so are vLLM's chat template
+  ``allowed_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``,
+  ``spaces_between_special_tokens``, ``truncate_prompt_tokens``,
+  ``return_tokens_as_token_ids`` and ``prompt_logprobs`` are served
+  (:mod:`structspec.server.params` checks their values), and so are vLLM's chat template
   options ``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs``
   (:class:`structspec.core.ChatTemplateOptions` checks them), on ``/v1/chat/completions`` and
   ``/tokenize``; a per-request ``chat_template`` stays refused (it would run the client's
@@ -119,13 +121,10 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     # vLLM's sampling extras that change an output
     Unsupported("length_penalty", _number(1), "1"),
     Unsupported("use_beam_search", _is(False), "false"),
-    # include_stop_str_in_output and skip_special_tokens are served (SamplingRequest); the
-    # tokenizers decode has no spaces_between_special_tokens option (vLLM works around it
-    # token by token), so only its default is accepted
-    Unsupported("spaces_between_special_tokens", _is(True), "true"),
+    # include_stop_str_in_output, skip_special_tokens, spaces_between_special_tokens,
+    # truncate_prompt_tokens, return_tokens_as_token_ids and prompt_logprobs are served
+    # (SamplingRequest)
     Unsupported("bad_words", _empty, "[]"),
-    Unsupported("truncate_prompt_tokens", _never, "null"),
-    Unsupported("return_tokens_as_token_ids", _is(False), "false"),
     Unsupported("guided_decoding_backend", _never,
                 "null (the grammar backend is a server option: serve --grammar-backend)"),
     Unsupported("guided_whitespace_pattern", _never, "null"),

@@ -16,7 +16,9 @@ Special tokens: each choice's detokenizer drops them unless the request's
 ``skip_special_tokens`` is false, as the engine's detokenizer does (its stop strings are
 matched against the same text). The token that ended a choice at token level (EOS, a
 ``stop_token_ids`` id) stays out of the text unless ``include_stop_str_in_output``
-(:func:`~structspec.core.stop_token_hidden`, the engine's rule too).
+(:func:`~structspec.core.stop_token_hidden`, the engine's rule too). With special tokens
+kept, ``spaces_between_special_tokens`` false is passed to the detokenizer, which applies
+vLLM's rule to streamed and whole text alike (the whole text is the streamed pieces).
 """
 
 from __future__ import annotations
@@ -230,7 +232,9 @@ class GenerationRun:
         self.choices = [
             ChoiceState(index=i, request_id=f"{request_id}-{i}", prompt_ids=ids, params=params,
                         detok=codec.detokenizer(
-                            ids, skip_special_tokens=params.skip_special_tokens),
+                            ids, skip_special_tokens=params.skip_special_tokens,
+                            spaces_between_special_tokens=(
+                                params.spaces_between_special_tokens)),
                         grammar_param=grammar_param)
             for i, (ids, params) in enumerate(items)
         ]

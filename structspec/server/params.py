@@ -19,8 +19,15 @@ is not a token id) is a 400 naming the field.
 
 Text: vLLM's ``include_stop_str_in_output`` (default false) keeps the stop string that
 ended a choice (and the text of a stop token) in its text; ``skip_special_tokens`` (default
-true) false keeps special tokens in it (``null`` is the default for both). Anything but a
-JSON boolean is a 400 naming the field.
+true) false keeps special tokens in it, and ``spaces_between_special_tokens`` (default true)
+false then drops what the tokenizer's decoder puts between two added tokens of the output
+(vLLM's rule; ``null`` is the default for each). Anything but a JSON boolean is a 400 naming
+the field.
+
+Prompt: vLLM's ``truncate_prompt_tokens`` keeps the last N tokens of the tokenized prompt
+(:func:`prompt_keep`, :mod:`structspec.prompt_truncation`); the endpoints cut the prompt
+before anything counts it, so the context checks, ``usage.prompt_tokens`` and ``echo`` see the
+kept prompt, and the engine gets it already cut.
 
 Log-probabilities (``logprobs`` / ``top_logprobs``) are the target model's log-softmax over
 the vocabulary *after* ``logit_bias``, the penalties and the grammar mask and *before*
@@ -44,6 +51,7 @@ from structspec.penalty_params import (
     out_of_vocab,
     repetition_stop_from_json,
 )
+from structspec.prompt_truncation import TRUNCATE_PARAM, kept_prompt_tokens
 from structspec.server.errors import bad_request
 from structspec.server.field_policy import check_unsupported
 from structspec.server.protocol import ChatCompletionRequest, SamplingRequest
@@ -123,6 +131,7 @@ def build_sampling_params(
         ignore_eos=req.ignore_eos,
         include_stop_str_in_output=bool(req.include_stop_str_in_output),
         skip_special_tokens=req.skip_special_tokens is not False,
+        spaces_between_special_tokens=req.spaces_between_special_tokens is not False,
         grammar=grammar,
         logprobs=logprobs,
         presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
@@ -146,6 +155,26 @@ def build_sampling_params(
         field = {"max_tokens": max_tokens_param, "logprobs": logprobs_param}.get(field, field)
         raise bad_request(str(e), field if field.isidentifier() else None) from None
     return params
+
+
+def prompt_keep(req: SamplingRequest, max_model_len: int, max_tokens: int | None
+                ) -> int | None:
+    """How many prompt tokens the request keeps (its ``truncate_prompt_tokens``; None: all),
+    checked before the prompt is tokenized.
+
+    Args:
+        max_tokens: the completion length the request gave (chat's ``max_completion_tokens``
+            when sent), None when it gave none: ``-1`` keeps ``max_model_len - max_tokens``
+            tokens, as vLLM's server does.
+
+    Raises:
+        APIError: 400 naming ``truncate_prompt_tokens``: 0, below -1, or more than the context
+            holds beside the completion.
+    """
+    try:
+        return kept_prompt_tokens(req.truncate_prompt_tokens, max_model_len, max_tokens)
+    except ValueError as e:
+        raise bad_request(str(e), TRUNCATE_PARAM) from None
 
 
 def _penalty_extras(req: SamplingRequest, vocab_size: int | None

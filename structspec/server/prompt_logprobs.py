@@ -15,7 +15,7 @@ from typing import Any
 
 from structspec.server.codec import Codec
 from structspec.server.ipc import PromptLogprobEntry
-from structspec.server.serving import finite
+from structspec.server.serving import finite, token_id_str
 
 PromptLogprobsJSON = list[dict[str, dict[str, Any]] | None]
 
@@ -40,27 +40,30 @@ def prompt_logprobs_json(codec: Codec, entries: list[PromptLogprobEntry | None],
 
 
 def echo_logprobs(codec: Codec, prompt_ids: list[int],
-                  entries: list[PromptLogprobEntry | None], top_k: int) -> dict[str, Any]:
+                  entries: list[PromptLogprobEntry | None], top_k: int, *,
+                  as_token_ids: bool = False) -> dict[str, Any]:
     """The prompt's part of an ``echo`` completion's ``logprobs`` (OpenAI legacy format,
     text offsets from 0): every prompt token, ``null`` logprob and top logprobs for the
     first (nothing predicts it), then each token's logprob and its ``top_k`` most likely
-    alternatives (as the generated tokens list theirs)."""
+    alternatives (as the generated tokens list theirs). ``as_token_ids`` (vLLM's
+    ``return_tokens_as_token_ids``): tokens and top keys as ``"token_id:N"``; the offsets
+    still count the tokens' text."""
+    shown = token_id_str if as_token_ids else codec.token_str
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     tops: list[dict[str, float] | None] = []
     offsets: list[int] = []
     pos = 0
     for tok, e in zip(prompt_ids, entries, strict=True):
-        s = codec.token_str(tok)
-        tokens.append(s)
+        tokens.append(shown(tok))
         offsets.append(pos)
-        pos += len(s)
+        pos += len(codec.token_str(tok))
         if e is None:
             token_logprobs.append(None)
             tops.append(None)
             continue
         token_logprobs.append(finite(e[1]))
-        tops.append({codec.token_str(t): finite(v) for t, v in e[3][:top_k]
+        tops.append({shown(t): finite(v) for t, v in e[3][:top_k]
                      if math.isfinite(v)})
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
             "text_offset": offsets}

@@ -148,6 +148,12 @@ class SamplingRequest(OpenAIModel):
     # vLLM's: keep the stop string (and a stop token's text) in the text; keep special tokens
     include_stop_str_in_output: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
+    # vLLM's: with special tokens kept, false drops the decoder's space between two of them
+    spaces_between_special_tokens: StrictBool | None = None
+    # vLLM's: keep the last N prompt tokens (-1: what the context holds beside the completion)
+    truncate_prompt_tokens: StrictInt | None = None
+    # vLLM's: log-prob tokens as "token_id:N" instead of their text
+    return_tokens_as_token_ids: StrictBool | None = None
     n: StrictInt = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None

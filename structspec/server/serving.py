@@ -276,37 +276,60 @@ def finite(lp: float) -> float:
     return lp if math.isfinite(lp) else MIN_LOGPROB
 
 
-def chat_logprobs(codec: Codec, entries: list[LogprobEntry]) -> dict[str, Any]:
-    """OpenAI chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+def token_id_str(token_id: int) -> str:
+    """vLLM's ``return_tokens_as_token_ids`` spelling of a token: ``"token_id:{id}"`` (every
+    token distinct, whatever its text; a client maps it back to the id)."""
+    return f"token_id:{token_id}"
 
-    def item(tok: int, lp: float) -> dict[str, Any]:
+
+def chat_logprobs(codec: Codec, entries: list[LogprobEntry], *,
+                  as_token_ids: bool = False) -> dict[str, Any]:
+    """OpenAI chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``.
+
+    Args:
+        as_token_ids: vLLM's ``return_tokens_as_token_ids``: each ``token`` is
+            :func:`token_id_str`. ``bytes`` then follows vLLM's ``_create_chat_logprobs``: a
+            chosen token's are its text's UTF-8 bytes, a ``top_logprobs`` entry's those of its
+            ``"token_id:N"`` string.
+    """
+
+    def item(tok: int, lp: float, *, text_bytes: bool) -> dict[str, Any]:
         s = codec.token_str(tok)
-        return {"token": s, "logprob": finite(lp), "bytes": list(s.encode("utf-8"))}
+        shown = token_id_str(tok) if as_token_ids else s
+        return {"token": shown, "logprob": finite(lp),
+                "bytes": list((s if text_bytes else shown).encode("utf-8"))}
 
     content = []
     for tok, lp, top in entries:
-        d = item(tok, lp)
-        d["top_logprobs"] = [item(t, v) for t, v in top if math.isfinite(v)]
+        d = item(tok, lp, text_bytes=True)
+        d["top_logprobs"] = [item(t, v, text_bytes=False) for t, v in top if math.isfinite(v)]
         content.append(d)
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(codec: Codec, entries: list[LogprobEntry],
-                        text_offset: int) -> dict[str, Any]:
+def completion_logprobs(codec: Codec, entries: list[LogprobEntry], text_offset: int, *,
+                        as_token_ids: bool = False) -> dict[str, Any]:
     """OpenAI legacy completions ``logprobs``: tokens, token_logprobs, top_logprobs,
-    text_offset (character offsets from ``text_offset``)."""
+    text_offset (character offsets from ``text_offset``).
+
+    Args:
+        as_token_ids: vLLM's ``return_tokens_as_token_ids``: ``tokens`` and the
+            ``top_logprobs`` keys are :func:`token_id_str`. ``text_offset`` still counts the
+            tokens' text, so that it indexes the completion's text (vLLM adds the length of
+            the ``"token_id:N"`` strings there, offsets into no text).
+    """
     tokens: list[str] = []
     token_logprobs: list[float] = []
     tops: list[dict[str, float]] = []
     offsets: list[int] = []
+    shown = token_id_str if as_token_ids else codec.token_str
     pos = text_offset
     for tok, lp, top in entries:
-        s = codec.token_str(tok)
-        tokens.append(s)
+        tokens.append(shown(tok))
         token_logprobs.append(finite(lp))
-        tops.append({codec.token_str(t): finite(v) for t, v in top if math.isfinite(v)})
+        tops.append({shown(t): finite(v) for t, v in top if math.isfinite(v)})
         offsets.append(pos)
-        pos += len(s)
+        pos += len(codec.token_str(tok))
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
             "text_offset": offsets}
 

@@ -16,6 +16,7 @@ from structspec.core import (
     PromptTooLongError,
     check_chat_messages,
 )
+from structspec.prompt_truncation import keep_last
 from structspec.server.errors import bad_request
 from structspec.server.field_policy import check_request_fields
 from structspec.server.generation import ChoiceState, GenerationRun
@@ -34,7 +35,7 @@ from structspec.server.limits import (
     check_prompt_chars,
     check_stop,
 )
-from structspec.server.params import build_sampling_params, per_choice
+from structspec.server.params import build_sampling_params, per_choice, prompt_keep
 from structspec.server.prompt_logprobs import PromptLogprobsJSON, prompt_logprobs_json
 from structspec.server.protocol import ChatCompletionRequest, TokenizeRequest, parse_request
 from structspec.server.request_log import request_record
@@ -93,9 +94,15 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     messages = template_messages(req.messages, hermes=state.tool_call_parser == "hermes")
     tools = template_tools(req.tools, req.tool_choice)
     check_chat_prompt(limits, messages, tools, options)
+    # truncate_prompt_tokens: the rendered prompt's last tokens (no special tokens are added
+    # to it, so its tail is the cut vLLM makes); the whole chat is rendered, unguarded
+    keep = prompt_keep(req, state.max_model_len,
+                       req.max_completion_tokens if req.max_completion_tokens is not None
+                       else req.max_tokens)
     try:
-        prompt_ids = await in_thread(state.codec.encode_chat, messages, tools,
-                                     state.max_model_len - 1, options)
+        prompt_ids = keep_last(await in_thread(
+            state.codec.encode_chat, messages, tools,
+            state.max_model_len - 1 if keep is None else None, options), keep)
     except PromptTooLongError as e:
         raise prompt_too_long(e.min_tokens, state.max_model_len, "messages",
                               at_least=True) from None
@@ -131,13 +138,15 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
                         grammar_param=grammar_param, priority=req.priority or 0)
     record.run, record.prompt_tokens = run, len(prompt_ids)
     created = int(time.time())
+    as_token_ids = bool(req.return_tokens_as_token_ids)
     state.admit(len(run.choices))  # no await from here to run.start()
     if req.stream:
         if not await start_stream(request, run):
             return Response(status_code=499)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return sse_response(_stream(state, run, rid, created, len(prompt_ids), include_usage,
-                                    logprobs is not None, plan, auto, req.prompt_logprobs))
+                                    logprobs is not None, plan, auto, req.prompt_logprobs,
+                                    as_token_ids))
     failed = await finish_or_error(state, request, run)
     if failed is not None:
         return failed
@@ -146,7 +155,8 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         "object": "chat.completion",
         "created": created,
         "model": state.model_name,
-        "choices": [_choice(state, c, logprobs is not None, plan, auto) for c in run.choices],
+        "choices": [_choice(state, c, logprobs is not None, plan, auto, as_token_ids)
+                    for c in run.choices],
         "usage": run.usage(len(prompt_ids)),
         "system_fingerprint": None,
     }
@@ -157,7 +167,8 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
 
 
 def _choice(state: ServerState, c: ChoiceState, with_logprobs: bool,
-            plan: ToolCallPlan | None, auto: AutoToolPlan | None = None) -> dict[str, Any]:
+            plan: ToolCallPlan | None, auto: AutoToolPlan | None = None,
+            as_token_ids: bool = False) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
     reason = c.finish_reason
     calls = calls_from_output(plan, c.text) if plan is not None else None
@@ -173,7 +184,8 @@ def _choice(state: ServerState, c: ChoiceState, with_logprobs: bool,
     out: dict[str, Any] = {
         "index": c.index,
         "message": message,
-        "logprobs": chat_logprobs(state.codec, c.logprobs) if with_logprobs else None,
+        "logprobs": (chat_logprobs(state.codec, c.logprobs, as_token_ids=as_token_ids)
+                     if with_logprobs else None),
         "finish_reason": reason,
         "stop_reason": c.final.stop_reason if c.final else None,
     }
@@ -188,7 +200,8 @@ async def _stream(state: ServerState, run: GenerationRun, rid: str, created: int
                   prompt_tokens: int, include_usage: bool,
                   with_logprobs: bool, plan: ToolCallPlan | None,
                   auto: AutoToolPlan | None = None,
-                  prompt_top_k: int | None = None) -> AsyncIterator[str]:
+                  prompt_top_k: int | None = None,
+                  as_token_ids: bool = False) -> AsyncIterator[str]:
     """SSE chunks: a role chunk per choice, content deltas, a finish chunk per choice,
     then (``include_usage``) a usage chunk, then ``[DONE]``. A failure after output started
     is sent as an ``{"error": ...}`` event before ``[DONE]``. With a forced tool call
@@ -251,7 +264,8 @@ async def _stream(state: ServerState, run: GenerationRun, rid: str, created: int
         if lps and not deltas:
             deltas = [{}]
         events = [chunk([{"index": c.index, "delta": d,
-                          "logprobs": (chat_logprobs(state.codec, lps)
+                          "logprobs": (chat_logprobs(state.codec, lps,
+                                                     as_token_ids=as_token_ids)
                                        if with_logprobs and i == 0 else None),
                           "finish_reason": None}]) for i, d in enumerate(deltas)]
         if finishing:
@@ -279,7 +293,8 @@ async def _stream(state: ServerState, run: GenerationRun, rid: str, created: int
         if delta is not None or lps:
             events.append(chunk([{
                 "index": c.index, "delta": delta if delta is not None else {},
-                "logprobs": chat_logprobs(state.codec, lps) if with_logprobs else None,
+                "logprobs": (chat_logprobs(state.codec, lps, as_token_ids=as_token_ids)
+                             if with_logprobs else None),
                 "finish_reason": None}]))
         if finishing:
             c.finish_sent = True

@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from structspec.core import PromptTooLongError, SamplingParams
+from structspec.prompt_truncation import keep_last
 from structspec.server.errors import bad_request
 from structspec.server.field_policy import check_request_fields
 from structspec.server.generation import ChoiceState, GenerationRun
@@ -28,7 +29,7 @@ from structspec.server.limits import (
     check_prompt_chars,
     check_stop,
 )
-from structspec.server.params import build_sampling_params, per_choice
+from structspec.server.params import build_sampling_params, per_choice, prompt_keep
 from structspec.server.prompt_logprobs import echo_logprobs, join_logprobs, prompt_logprobs_json
 from structspec.server.protocol import CompletionRequest, parse_request
 from structspec.server.request_log import request_record
@@ -68,8 +69,11 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     record.grammar = grammar.kind if grammar is not None else "none"
     check_grammar_size(limits, grammar, grammar_param)
     check_stop(limits, req.stop, req.stop_token_ids, state.engine.info.vocab_size)
-    prompts = await _prompt_ids(state, req)
-    texts = [p if isinstance(p, str) else None for p in _prompt_list(req)]
+    keep = prompt_keep(req, state.max_model_len, req.max_tokens)
+    prompts, cut = await _prompt_ids(state, req, keep)
+    # echo: a prompt's text as sent, or the decoded kept tokens of a truncated one
+    texts = [p if isinstance(p, str) and not was_cut else None
+             for p, was_cut in zip(_prompt_list(req), cut, strict=True)]
     items: list[tuple[list[int], SamplingParams]] = []
     # what the prompt's scores serve: vLLM's prompt_logprobs, and echo's logprobs
     shown = _PromptScores(req.prompt_logprobs,
@@ -90,12 +94,13 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     state.admit(len(run.choices))  # no await from here to run.start()
     echo = [_echo_text(state, texts[c.index // req.n], c.prompt_ids) if req.echo else ""
             for c in run.choices]
+    as_token_ids = bool(req.return_tokens_as_token_ids)
     if req.stream:
         if not await start_stream(request, run):
             return Response(status_code=499)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return sse_response(_stream(state, run, rid, created, prompt_tokens, include_usage,
-                                    req.logprobs is not None, echo, shown))
+                                    req.logprobs is not None, echo, shown, as_token_ids))
     failed = await finish_or_error(state, request, run)
     if failed is not None:
         return failed
@@ -104,7 +109,8 @@ async def create_completion(state: ServerState, request: Request) -> Response:
         "object": "text_completion",
         "created": created,
         "model": state.model_name,
-        "choices": [_choice(state, c, req.logprobs is not None, echo[c.index], shown)
+        "choices": [_choice(state, c, req.logprobs is not None, echo[c.index], shown,
+                            as_token_ids)
                     for c in run.choices],
         "usage": run.usage(prompt_tokens),
         "system_fingerprint": None,
@@ -132,6 +138,10 @@ class _PromptScores:
         return max(self.top_k, self.echo_top_k)
 
 
+_NO_PROMPT_SCORES = _PromptScores(None, None)
+"""A request that shows no prompt scores."""
+
+
 def _prompt_list(req: CompletionRequest) -> list[str | list[int]]:
     p = req.prompt
     if isinstance(p, str):
@@ -143,43 +153,65 @@ def _prompt_list(req: CompletionRequest) -> list[str | list[int]]:
     return list(p)  # type: ignore[arg-type]
 
 
-async def _prompt_ids(state: ServerState, req: CompletionRequest) -> list[list[int]]:
-    out = []
+async def _prompt_ids(state: ServerState, req: CompletionRequest,
+                      keep: int | None) -> tuple[list[list[int]], list[bool]]:
+    """Each prompt's token ids, cut to its last ``keep`` tokens (``truncate_prompt_tokens``;
+    None: whole), and whether the cut dropped any.
+
+    Raises:
+        APIError: 400 naming the prompt: empty, not valid Unicode, a token id outside the
+            vocabulary (of the kept ids, as vLLM checks them after the cut), or longer than
+            the context (``context_length_exceeded``, counted after the cut).
+    """
+    out, cut = [], []
     for i, p in enumerate(_prompt_list(req)):
         param = "prompt" if isinstance(req.prompt, str) else f"prompt[{i}]"
         if isinstance(p, str):
             if not p:
                 raise bad_request("prompt must not be empty", param)
             try:
-                ids = await in_thread(state.codec.encode_text, p, state.max_model_len - 1)
+                if keep is None:
+                    ids = await in_thread(state.codec.encode_text, p, state.max_model_len - 1)
+                    dropped = False
+                else:  # the tail is kept, so no length guard (--max-prompt-chars bounds it)
+                    ids, dropped = await in_thread(state.codec.encode_text_tail, p, keep)
             except PromptTooLongError as e:
                 raise prompt_too_long(e.min_tokens, state.max_model_len, param,
                                       at_least=True) from None
             except ValueError as e:  # not valid Unicode
                 raise bad_request(str(e), param) from None
         else:
-            ids = list(p)
-            if not ids:
+            if not p:
                 raise bad_request("prompt must not be empty", param)
+            ids = keep_last(p, keep)
+            dropped = len(ids) < len(p)
             vocab = state.engine.info.vocab_size
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
                 raise bad_request(f"prompt token id {bad} is outside the vocabulary", param)
         check_prompt_length(len(ids), state.max_model_len, param)
         out.append(ids)
-    return out
+        cut.append(dropped)
+    return out, cut
 
 
 def _echo_text(state: ServerState, text: str | None, prompt_ids: list[int]) -> str:
+    """The echoed prompt: ``text`` as sent, else (token ids, or a text cut by
+    ``truncate_prompt_tokens``) the decoded prompt ids the completion continues. vLLM echoes
+    a cut token-id prompt so, but a cut text prompt whole (its renderer keeps the text as
+    sent); here both echo the kept prompt, which ``usage.prompt_tokens`` counts."""
     return text if text is not None else state.codec.decode(prompt_ids)
 
 
 def _choice(state: ServerState, c: ChoiceState, with_logprobs: bool, echo: str,
-            shown: _PromptScores) -> dict[str, Any]:
+            shown: _PromptScores = _NO_PROMPT_SCORES,
+            as_token_ids: bool = False) -> dict[str, Any]:
     logprobs = None
     if with_logprobs:
         logprobs = _with_prompt(state, c, shown,
-                                completion_logprobs(state.codec, c.logprobs, len(echo)))
+                                completion_logprobs(state.codec, c.logprobs, len(echo),
+                                                    as_token_ids=as_token_ids),
+                                as_token_ids)
     out: dict[str, Any] = {
         "index": c.index,
         "text": echo + c.text,
@@ -198,18 +230,21 @@ def _choice(state: ServerState, c: ChoiceState, with_logprobs: bool, echo: str,
 
 
 def _with_prompt(state: ServerState, c: ChoiceState, shown: _PromptScores,
-                 generated: dict[str, Any]) -> dict[str, Any]:
+                 generated: dict[str, Any], as_token_ids: bool) -> dict[str, Any]:
     """``generated`` (a choice's legacy ``logprobs``) led by its echoed prompt's tokens when
-    the request echoes with logprobs and the engine scored the prompt."""
+    the request echoes with logprobs and the engine scored the prompt (``as_token_ids``:
+    their tokens as ``"token_id:N"``, as the generated ones)."""
     if shown.echo_top_k is None or c.prompt_logprobs is None:
         return generated
     return join_logprobs(echo_logprobs(state.codec, c.prompt_ids, c.prompt_logprobs,
-                                       shown.echo_top_k), generated)
+                                       shown.echo_top_k, as_token_ids=as_token_ids),
+                         generated)
 
 
 async def _stream(state: ServerState, run: GenerationRun, rid: str, created: int,
                   prompt_tokens: int, include_usage: bool, with_logprobs: bool,
-                  echo: list[str], shown: _PromptScores) -> AsyncIterator[str]:
+                  echo: list[str], shown: _PromptScores,
+                  as_token_ids: bool) -> AsyncIterator[str]:
     """SSE chunks of text per choice, a finish chunk per choice, optional usage, [DONE].
 
     A choice's echoed prompt goes with its first generated text (with ``logprobs``, once the
@@ -246,10 +281,12 @@ async def _stream(state: ServerState, run: GenerationRun, rid: str, created: int
         if text or lps:
             lp = None
             if with_logprobs:
-                lp = completion_logprobs(state.codec, lps, offsets[c.index])
-                offsets[c.index] += sum(len(t) for t in lp["tokens"])
+                lp = completion_logprobs(state.codec, lps, offsets[c.index],
+                                         as_token_ids=as_token_ids)
+                # the tokens' text, not lp["tokens"]: those may be "token_id:N" strings
+                offsets[c.index] += sum(len(state.codec.token_str(t)) for t, _, _ in lps)
                 if echoed:
-                    lp = _with_prompt(state, c, shown, lp)
+                    lp = _with_prompt(state, c, shown, lp, as_token_ids)
             events.append(chunk([with_prompt_logprobs(c, {
                 "index": c.index, "text": text, "logprobs": lp, "finish_reason": None})]))
         if c.finished and not c.finish_sent:

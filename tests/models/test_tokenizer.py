@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer as RawTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
 from structspec.core import ChatMessageError, PromptTooLongError
@@ -176,3 +176,76 @@ def test_chat_template_override_renders_chats(tiny_dir: Path) -> None:
     assert tok.has_chat_template
     assert tok.render_chat([{"role": "user", "content": "hi"}]) == "[user] hi\n[assistant] "
     assert not Tokenizer(tiny_dir).has_chat_template  # the directory's tokenizer is unchanged
+
+
+# ------------------------------------------------------------------ vLLM's text options
+
+WORDS = {"<s>": 0, "</s>": 1, "a": 2, "b": 3, "c": 4, "<x>": 5, "<y>": 6}
+
+
+def _word_tokenizer(path: Path, *, bos: bool) -> Tokenizer:
+    """A word-level tokenizer with no decoder (tokenizers joins decoded tokens with spaces);
+    ``<x>``, ``<y>`` are added special tokens; ``bos``: its post-processor adds ``<s>``."""
+    raw = RawTokenizer(models.WordLevel(WORDS, unk_token="a"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if bos:
+        raw.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                           special_tokens=[("<s>", 0)])
+    hf = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>")
+    hf.add_special_tokens({"additional_special_tokens": ["<x>", "<y>"]})
+    hf.save_pretrained(str(path))
+    return Tokenizer(path)
+
+
+def test_encode_tail_keeps_the_bos_the_tokenizer_adds(tmp_path: Path) -> None:
+    """vLLM cuts a text prompt with Hugging Face's left truncation: the BOS stays."""
+    tok = _word_tokenizer(tmp_path, bos=True)
+    assert tok.encode("a b c a b") == [0, 2, 3, 4, 2, 3]
+    assert tok.encode_tail("a b c a b", 3) == ([0, 2, 3], True)
+    assert tok.encode_tail("a b c a b", 3, add_special_tokens=False) == ([4, 2, 3], True)
+    assert tok.encode_tail("a b c a b", 6) == ([0, 2, 3, 4, 2, 3], False)
+    assert tok.encode_tail("a b", 1) == ([0], True)  # Hugging Face keeps the BOS alone
+
+
+def _stream(tok: Tokenizer, prompt: list[int], ids: list[int], chunk: int,
+            spaces: bool) -> str:
+    detok = tok.detokenizer(prompt, skip_special_tokens=False,
+                            spaces_between_special_tokens=spaces)
+    text = "".join(detok.add(ids[i:i + chunk]) for i in range(0, len(ids), chunk))
+    text += detok.flush()
+    assert detok.text == text
+    return text
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 9])
+def test_spaces_between_special_tokens_follow_vllm(tmp_path: Path, chunk: int) -> None:
+    """False drops the decoder's space in front of an added token that follows another added
+    token of the output (vLLM's FastIncrementalDetokenizer); True is the tokenizer's decode.
+    The first output token counts as following nothing, as in vLLM."""
+    tok = _word_tokenizer(tmp_path, bos=False)
+    ids = [5, 6, 2, 5, 6, 5, 1, 3]  # <x> <y> a <x> <y> <x> </s> b
+    assert _stream(tok, [2, 5], ids, chunk, True) == tok.decode(
+        [2, 5] + ids, skip_special_tokens=False)[len("a <x>"):] == (
+        " <x> <y> a <x> <y> <x> </s> b")
+    assert _stream(tok, [2, 5], ids, chunk, False) == " <x><y> a <x><y><x></s> b"
+    detok = tok.detokenizer([2], skip_special_tokens=False,
+                            spaces_between_special_tokens=False)
+    detok.add([3, 5, 6, 6])
+    assert detok.restart([5, 6]) == " <x><y>"
+    # special tokens dropped: nothing left to space
+    detok = tok.detokenizer([2], spaces_between_special_tokens=False)
+    assert detok.add(ids) + detok.flush() == " a b"
+
+
+def test_byte_level_decoders_put_nothing_between_special_tokens(tiny_dir: Path) -> None:
+    """A byte-level BPE (SmolLM2's kind) decodes adjacent special tokens with nothing
+    between them, so both values of spaces_between_special_tokens give its own decode."""
+    tok = Tokenizer(tiny_dir)
+    assert set(tok.added_token_texts.values()) >= {"<s>", "</s>", "<eot>"}
+    ids = tok.encode("Hello", add_special_tokens=False) + [2, 1, 2] + tok.encode(
+        " world", add_special_tokens=False) + [0]
+    expected = tok.decode(ids, skip_special_tokens=False)
+    assert "<eot></s><eot>" in expected
+    for chunk in (1, 4):
+        assert _stream(tok, [], ids, chunk, False) == _stream(tok, [], ids, chunk,
+                                                              True) == expected

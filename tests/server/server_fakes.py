@@ -70,7 +70,8 @@ class CharDetokenizer:
 
 class FakeCodec:
     """Character-level :class:`~structspec.server.codec.Codec` (no special tokens: the
-    ``add_special_tokens`` / ``skip_special_tokens`` flags change nothing)."""
+    ``add_special_tokens`` / ``skip_special_tokens`` / ``spaces_between_special_tokens`` flags
+    change nothing; a truncated text keeps its last characters)."""
 
     def encode_chat(self, messages: list[dict[str, Any]],
                     tools: list[dict[str, Any]] | None = None,
@@ -91,14 +92,18 @@ class FakeCodec:
                     add_special_tokens: bool = True) -> list[int]:
         return [ord(c) for c in text]
 
+    def encode_text_tail(self, text: str, keep: int, *,
+                         add_special_tokens: bool = True) -> tuple[list[int], bool]:
+        return [ord(c) for c in text[-keep:]], len(text) > keep
+
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return "".join(chr(t) for t in token_ids if t != EOS)
 
     def token_pieces(self, token_ids: Sequence[int]) -> list[str]:
         return [chr(t) for t in token_ids]
 
-    def detokenizer(self, prompt_ids: Sequence[int], *,
-                    skip_special_tokens: bool = True) -> CharDetokenizer:
+    def detokenizer(self, prompt_ids: Sequence[int], *, skip_special_tokens: bool = True,
+                    spaces_between_special_tokens: bool = True) -> CharDetokenizer:
         return CharDetokenizer(skip_special_tokens)
 
     def token_str(self, token_id: int) -> str:

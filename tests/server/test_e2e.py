@@ -412,6 +412,34 @@ def test_tokenize_counts_the_chat_prompt_and_detokenize_inverts_it(
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens", r.text
 
 
+def test_truncated_prompt_and_token_id_logprobs(server: ServerHandle,
+                                               client: openai.OpenAI) -> None:
+    """vLLM's truncate_prompt_tokens (the answer is the kept tail's, which echo shows and
+    usage counts) and return_tokens_as_token_ids (each "token_id:N" is the token whose text
+    the plain logprobs show), with the real tokenizer and model."""
+    prompt = "Count: 1, 2, 3, 4, 5, 6,"
+    ids = httpx.post(server.url + "/tokenize", headers=auth(), timeout=30,
+                     json={"prompt": prompt}).json()["tokens"]
+    kw: dict[str, Any] = dict(model=MODEL, max_tokens=3, temperature=0)
+    cut = client.completions.create(prompt=prompt, echo=True, logprobs=1, extra_body={
+        "truncate_prompt_tokens": 5}, **kw)
+    tail = client.completions.create(prompt=ids[-5:], **kw)
+    assert cut.usage is not None and cut.usage.prompt_tokens == 5 < len(ids)
+    echo = httpx.post(server.url + "/detokenize", headers=auth(), timeout=30,
+                      json={"tokens": ids[-5:]}).json()["prompt"]
+    assert cut.choices[0].text == echo + tail.choices[0].text and not prompt.startswith(echo)
+    as_ids = client.completions.create(prompt=ids[-5:], logprobs=1, extra_body={
+        "return_tokens_as_token_ids": True}, **kw).choices[0].logprobs
+    plain = cut.choices[0].logprobs
+    assert as_ids is not None and plain is not None and as_ids.tokens and plain.tokens
+    for token, text in zip(as_ids.tokens, plain.tokens, strict=True):
+        assert token.startswith("token_id:")
+        r = httpx.post(server.url + "/detokenize", headers=auth(), timeout=30,
+                       json={"tokens": [int(token.removeprefix("token_id:"))]})
+        assert r.json()["prompt"] == text
+    assert as_ids.token_logprobs == pytest.approx(plain.token_logprobs, abs=1e-4)
+
+
 def test_engine_death_fails_requests_and_stops_the_server(server: ServerHandle) -> None:
     """Last test of the module: SIGKILL the engine process mid-request; the request fails
     with an error (not a hang) and, with no restart left (``--engine-restarts 0``), the

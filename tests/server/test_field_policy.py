@@ -82,10 +82,9 @@ def _bad_value(name: str) -> Any:
             "service_tier": "flex", "logit_bias": {"5": 1.0}, "suffix": "end", "best_of": 3,
             "presence_penalty": 0.5, "frequency_penalty": -1.0, "repetition_penalty": 1.2,
             "length_penalty": 0.5, "min_tokens": 5, "use_beam_search": True,
-            "spaces_between_special_tokens": False, "bad_words": ["x"],
-            "chat_template_kwargs": {"enable_thinking": False}, "echo": True,
-            "add_generation_prompt": False, "continue_final_message": True,
-            "return_tokens_as_token_ids": True}.get(name, "x")
+            "bad_words": ["x"], "chat_template_kwargs": {"enable_thinking": False},
+            "echo": True, "add_generation_prompt": False,
+            "continue_final_message": True}.get(name, "x")
 
 
 def _cases() -> list[Any]:
@@ -167,6 +166,10 @@ def test_unknown_top_level_fields_are_accepted_and_logged(
     (COMPLETIONS, {"ignore_eos": 1}, "ignore_eos"),
     (CHAT, {"include_stop_str_in_output": "true"}, "include_stop_str_in_output"),
     (COMPLETIONS, {"skip_special_tokens": 0}, "skip_special_tokens"),
+    (CHAT, {"spaces_between_special_tokens": "false"}, "spaces_between_special_tokens"),
+    (COMPLETIONS, {"return_tokens_as_token_ids": 1}, "return_tokens_as_token_ids"),
+    (CHAT, {"truncate_prompt_tokens": 2.0}, "truncate_prompt_tokens"),
+    (COMPLETIONS, {"truncate_prompt_tokens": True}, "truncate_prompt_tokens"),
     (CHAT, {"structured_outputs": {"json_object": "no"}}, "structured_outputs.json_object"),
     (CHAT, {"stream": True, "stream_options": {"include_obfuscation": "no"}},
      "stream_options.include_obfuscation"),
