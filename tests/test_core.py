@@ -80,8 +80,8 @@ def test_truncate_prompt_tokens_is_minus_one_or_positive(value: Any) -> None:
 def test_new_fields_come_last() -> None:
     """Fields are appended, so a positional construction keeps its meaning."""
     names = list(SamplingParams.__dataclass_fields__)
-    assert names[-6:] == ["min_tokens", "include_stop_str_in_output", "skip_special_tokens",
-                          "allowed_token_ids", "truncate_prompt_tokens",
+    assert names[-7:] == ["min_tokens", "include_stop_str_in_output", "skip_special_tokens",
+                          "allowed_token_ids", "prompt_logprobs", "truncate_prompt_tokens",
                           "spaces_between_special_tokens"]
     assert SamplingParams().spaces_between_special_tokens is True
     assert SamplingParams().truncate_prompt_tokens is None

@@ -432,6 +432,10 @@ def test_truncated_prompt_and_token_id_logprobs(server: ServerHandle,
         "return_tokens_as_token_ids": True}, **kw).choices[0].logprobs
     plain = cut.choices[0].logprobs
     assert as_ids is not None and plain is not None and as_ids.tokens and plain.tokens
+    # echo + logprobs: the kept prompt's 5 tokens lead (the first unscored), then the answer's
+    assert plain.token_logprobs is not None and plain.token_logprobs[0] is None
+    assert "".join(plain.tokens[:5]) == echo
+    plain.tokens, plain.token_logprobs = plain.tokens[5:], plain.token_logprobs[5:]
     for token, text in zip(as_ids.tokens, plain.tokens, strict=True):
         assert token.startswith("token_id:")
         r = httpx.post(server.url + "/detokenize", headers=auth(), timeout=30,

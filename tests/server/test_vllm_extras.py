@@ -169,11 +169,14 @@ def test_completion_logprob_tokens_as_ids(client: TestClient, stream: bool) -> N
         return {k: sum((p[k] for p in parts), []) for k in parts[0]}
 
     plain, as_ids = logprobs(), logprobs(return_tokens_as_token_ids=True)
-    assert as_ids["tokens"] == ["token_id:72", "token_id:101"]
-    assert as_ids["top_logprobs"][0] == {"token_id:72": -0.1, "token_id:63": -2.5}
-    assert plain["tokens"] == ["H", "e"]
-    # offsets still index the text (after the echoed "hi"), not the "token_id:N" strings
-    assert as_ids["text_offset"] == plain["text_offset"] == [2, 3]
+    # the echoed prompt "hi" leads (its first token unscored), then the generated "He"
+    assert as_ids["tokens"] == ["token_id:104", "token_id:105", "token_id:72", "token_id:101"]
+    assert plain["tokens"] == ["h", "i", "H", "e"]
+    assert as_ids["top_logprobs"][0] is None
+    assert all(k.startswith("token_id:") for k in as_ids["top_logprobs"][1])
+    assert as_ids["top_logprobs"][2] == {"token_id:72": -0.1, "token_id:63": -2.5}
+    # offsets still index the text, not the "token_id:N" strings
+    assert as_ids["text_offset"] == plain["text_offset"] == [0, 1, 2, 3]
     assert as_ids["token_logprobs"] == plain["token_logprobs"]
 
 
