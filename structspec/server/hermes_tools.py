@@ -13,7 +13,10 @@ writes ``<tool_call>``; then the section is forced, one structure per tool::
 (the begin is ``<tool_call>\\n{"name": <the name as JSON>, "arguments": ``, the end
 ``}\\n</tool_call>``). Each tool's ``parameters`` are normalised as for a forced call (an object
 schema); the tag is strict when every tool is (``function.strict``), best effort otherwise, as
-``tool_choice: "required"`` is.
+``tool_choice: "required"`` is. With ``parallel_tool_calls: false`` the tag is xgrammar's
+current form with ``stop_after_first``: the grammar ends with the first call's section, so the
+answer holds at most one call and generation stops there. vLLM (its PR 26233) instead drops
+the calls after the first from the response, after generating them.
 
 The output is read back by :func:`parse_hermes`: the text before the first ``<tool_call>`` is
 the content; each complete section whose body is ``{"name": <a string>, "arguments": <an
@@ -94,32 +97,51 @@ CALL_END = "}\n" + TOOL_CALL_END
 """The end string of every tool's structure (it closes the ``{"name", "arguments"}`` object)."""
 
 
+#: where a tool's schema sits in the tag, per form: (prefix before the tool's index, the
+#: path after it); legacy ``structures[i].schema``, current ``format.tags[i].content.json_schema``
+_SCHEMA_PLACES = (("structures[", ".schema"), ("format.tags[", ".content.json_schema"))
+
+
 def tool_place(where: str) -> str:
     """A place in the auto tool-call tag as the request field it came from:
-    ``structures[i].schema...`` -> ``tools[i].function.parameters...`` (tool ``i``'s
-    parameters); any other place -> ``tools``."""
-    prefix = "structures["
-    index, _, rest = where[len(prefix):].partition("]")
-    if not where.startswith(prefix) or not index.isdigit() or not rest.startswith(".schema"):
-        return TOOLS_PARAM
-    return f"tools[{index}].function.parameters{rest[len('.schema'):]}"
+    ``structures[i].schema...`` or ``format.tags[i].content.json_schema...`` ->
+    ``tools[i].function.parameters...`` (tool ``i``'s parameters); any other place ->
+    ``tools``."""
+    for prefix, field in _SCHEMA_PLACES:
+        index, _, rest = where[len(prefix):].partition("]")
+        if where.startswith(prefix) and index.isdigit() and rest.startswith(field):
+            return f"tools[{index}].function.parameters{rest[len(field):]}"
+    return TOOLS_PARAM
 
 
-def hermes_tag(functions: list[dict[str, Any]]) -> StructuralTagConstraint:
-    """The structural tag of auto tool calls of ``functions`` (legacy form: trigger
-    ``<tool_call>``, one structure per tool).
+def hermes_tag(functions: list[dict[str, Any]], *,
+               parallel: bool = True) -> StructuralTagConstraint:
+    """The structural tag of auto tool calls of ``functions``: trigger ``<tool_call>``, one
+    structure per tool; in the legacy form, or with ``parallel`` False in xgrammar's current
+    form (the same ``triggered_tags``, as xgrammar converts the legacy one) with
+    ``stop_after_first``: the grammar ends after the first call.
 
     Args:
         functions: the request's checked tools (:func:`~structspec.server.tool_calls.check_tools`),
             at least one.
+        parallel: the request's ``parallel_tool_calls`` is not ``false``.
 
     Raises:
         APIError: 400 naming ``tools[i].function.parameters`` for a schema the engine never
             serves (:func:`~structspec.structural_tag.read_structural_tag`'s checks).
     """
-    tag = {"structures": [{"begin": call_begin(fn["name"]), "schema": tool_parameters(fn),
-                           "end": CALL_END} for fn in functions],
-           "triggers": [TOOL_CALL_START]}
+    tag: dict[str, Any]
+    if parallel:
+        tag = {"structures": [{"begin": call_begin(fn["name"]), "schema": tool_parameters(fn),
+                               "end": CALL_END} for fn in functions],
+               "triggers": [TOOL_CALL_START]}
+    else:
+        tag = {"type": "structural_tag", "format": {
+            "type": "triggered_tags", "triggers": [TOOL_CALL_START],
+            "tags": [{"type": "tag", "begin": call_begin(fn["name"]),
+                      "content": {"type": "json_schema", "json_schema": tool_parameters(fn)},
+                      "end": CALL_END} for fn in functions],
+            "stop_after_first": True}}
     try:
         read_structural_tag(tag)
     except StructuralTagError as e:
@@ -129,7 +151,8 @@ def hermes_tag(functions: list[dict[str, Any]]) -> StructuralTagConstraint:
     return StructuralTagConstraint(tag, strict=strict)
 
 
-def plan_auto_tools(parser: str | None, tools: Any, tool_choice: Any) -> AutoToolPlan | None:
+def plan_auto_tools(parser: str | None, tools: Any, tool_choice: Any,
+                    parallel_tool_calls: bool | None = None) -> AutoToolPlan | None:
     """The auto tool-call plan of a request, or None: no parser, no tools, or a
     ``tool_choice`` other than ``"auto"`` / absent (``"none"``, or a forced call, which
     :func:`~structspec.server.tool_calls.plan_tool_calls` plans).
@@ -138,6 +161,7 @@ def plan_auto_tools(parser: str | None, tools: Any, tool_choice: Any) -> AutoToo
         parser: the server's ``--tool-call-parser`` (``"hermes"`` or None).
         tools: the request's ``tools`` (already checked by ``plan_tool_calls``).
         tool_choice: the request's ``tool_choice``.
+        parallel_tool_calls: the request's (already checked); ``False``: at most one call.
 
     Raises:
         APIError: as :func:`hermes_tag`.
@@ -147,7 +171,7 @@ def plan_auto_tools(parser: str | None, tools: Any, tool_choice: Any) -> AutoToo
     functions = check_tools(tools)
     if not functions:
         return None
-    return AutoToolPlan(hermes_tag(functions))
+    return AutoToolPlan(hermes_tag(functions, parallel=parallel_tool_calls is not False))
 
 
 def _read_call(section: str) -> HermesCall | None:

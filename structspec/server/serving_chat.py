@@ -81,7 +81,8 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     plan = plan_tool_calls(req.tools, req.tool_choice, req.parallel_tool_calls)
     check_continuation(plan, options)
     # auto tool calls (--tool-call-parser): generated under a structural tag of the tools
-    auto = (plan_auto_tools(state.tool_call_parser, req.tools, req.tool_choice)
+    auto = (plan_auto_tools(state.tool_call_parser, req.tools, req.tool_choice,
+                            req.parallel_tool_calls)
             if plan is None else None)
     # a forced or auto tool call's grammar is one more constraint (at most one per request,
     # and structured_outputs.bounded_numbers applies to it)

@@ -284,3 +284,38 @@ def test_a_large_tags_bad_begin_is_named() -> None:
     with pytest.raises(StructuralTagError) as e:
         read_structural_tag(tag)
     assert e.value.where == f"structures[{n - 1}].begin"
+
+
+def test_hermes_tag_without_parallel_calls_ends_after_the_first(backend: GrammarBackend,
+                                                                 hf_tokenizer: Any) -> None:
+    """``parallel_tool_calls: false`` with auto tool calls: the Hermes tag in its current form
+    with ``stop_after_first`` takes text then one call, then only the stop token; the same
+    tools' default tag (legacy form) takes a second call. A body its schema refuses is refused
+    by both."""
+    from structspec.server.hermes_tools import call_begin, hermes_tag
+
+    tools = [{"name": "get_weather", "parameters": WEATHER},
+             {"name": "get_time", "parameters": TIME}]
+    single = backend.compile(hermes_tag(tools, parallel=False), timeout=60)
+    several = backend.compile(hermes_tag(tools), timeout=60)
+
+    def call(name: str, body: dict[str, Any]) -> str:
+        return call_begin(name) + json.dumps(body) + "}\n</tool_call>"
+
+    one = "Let me check.\n" + call("get_weather", {"city": "Rome", "days": 1})
+    two = one + "\n" + call("get_time", {"zone": "UTC"})
+    bad = call("get_time", {"zone": "PST"})
+    for text, single_ok, several_ok in [(one, True, True), (two, False, True),
+                                        (one + " Done.", False, True), (bad, False, False),
+                                        ("No call at all.", True, True)]:
+        ids = _ids(hf_tokenizer, text)
+        assert _accepts(backend, single, ids) == single_ok, text
+        assert _accepts(backend, several, ids) == several_ok, text
+    # after the first call's section only the stop token is left
+    m = backend.create_matcher(single)
+    ids = _ids(hf_tokenizer, one)
+    assert m.accept_run(ids) == len(ids)
+    bitmask = allocate_bitmask(1, backend.vocab_size, pin=False)
+    m.fill_bitmask(bitmask, 0)
+    bits = torch.tensor([(int(w) >> b) & 1 for w in bitmask[0].tolist() for b in range(32)])
+    assert bits[: backend.vocab_size].nonzero().flatten().tolist() == [STOP_ID]

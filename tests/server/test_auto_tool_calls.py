@@ -271,3 +271,35 @@ def test_history_calls_are_shown_in_the_format_the_model_writes(client: TestClie
             '\n</tool_call>\n') in prompt
     count = client.post("/tokenize", json={"messages": history, "tools": TOOLS}).json()["count"]
     assert count == len(engine.added[-1][1])
+
+
+def test_no_parallel_calls_ends_the_grammar_after_the_first(client: TestClient,
+                                                           engine: FakeEngine) -> None:
+    """``parallel_tool_calls: false``: the same tools in xgrammar's current form, with
+    ``stop_after_first`` (the grammar ends after one call); a bad schema there is still
+    named as the tool's parameters."""
+    r = _chat(client, parallel_tool_calls=False)
+    assert r.status_code == 200, r.text
+    tag = engine.added[-1][2].grammar.parsed_tag()
+    fmt = tag["format"]
+    assert tag["type"] == "structural_tag" and fmt["type"] == "triggered_tags"
+    assert fmt["stop_after_first"] is True and fmt["triggers"] == ["<tool_call>"]
+    assert [(t["begin"], t["content"]["json_schema"], t["end"]) for t in fmt["tags"]] == [
+        (call_begin("get_weather"), WEATHER, "}\n</tool_call>"),
+        (call_begin("get_time"), {"type": "object", "properties": {"zone": {"type": "string"}}},
+         "}\n</tool_call>")]
+    r = _chat(client, parallel_tool_calls=False, tools=[TOOLS[0], {
+        "type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"$ref": "#/$defs/nope"}}}}}])
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools[1].function.parameters"
+    r = _chat(client, parallel_tool_calls=True)
+    assert "structures" in engine.added[-1][2].grammar.parsed_tag()
+
+
+def test_tool_place_reads_both_forms() -> None:
+    from structspec.server.hermes_tools import tool_place
+
+    assert tool_place("structures[2].schema.properties.a") == \
+        "tools[2].function.parameters.properties.a"
+    assert tool_place("format.tags[1].content.json_schema") == "tools[1].function.parameters"
+    assert tool_place("format.tags[1].begin") == tool_place("triggers[0]") == "tools"
