@@ -29,7 +29,9 @@ maps to :attr:`JsonSchemaConstraint.strict`; when a client leaves it out we foll
 ``schema_valid`` reported. A structural tag is read and checked here
 (:func:`structspec.constraint_parse.structural_tag_constraint`: a problem inside it is a 400
 naming its place, ``response_format.structures[0].schema``); its JSON Schemas get the same
-treatment as a ``json_schema``'s in the engine, and it reports no ``schema_valid``.
+treatment as a ``json_schema``'s in the engine, and ``schema_valid`` checks each tagged
+section's JSON body when the tag is ``triggered_tags`` of JSON Schema bodies
+(:func:`structspec.scheduler.validate.check_tag_output`).
 Whether a schema / regex / grammar actually compiles is decided by the grammar compiler in
 the engine process; its error comes back asynchronously and becomes a 400 there. The engine
 names the field from the grammar *kind* (``regex``, ``json_schema``, ...), not
