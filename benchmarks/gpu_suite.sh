@@ -73,6 +73,8 @@
 #   order_ab  issue 18: the CUDA mask-worker tests, then the EAGLE grammar overlap at batch
 #             8 / 32 / 64 on one engine with the build sent after / before the verify launch
 #             (1 repeat; the run of 2026-12-04 also had --reply-spin off on, removed since)
+#   new_gpu_tests  the min_tokens / allowed_token_ids GPU tests (no sync; batch-invariant spec
+#             equals plain), after the Triton warm-up (~3-6 min on a fresh machine)
 #   inproc_ab  the EAGLE gate at batch 8 / 32 with the grammar walked in the engine process
 #             (--grammar-workers 0) against the 8 mask workers, processes alternating (~4 min)
 #   pool_host  the engine thread's CPU time for a step's grammar work with 8 spinning mask
@@ -232,6 +234,11 @@ for s in $stages; do case $s in
     # next (benchmarks/README.md, fifteenth H200 run; ~3.5 min on machine F)
     run grammar_overlap_eagle_gate 330 python3 benchmarks/grammar_overlap.py --device cuda --batch 1 8 32 64 --steps 40 --algorithms eagle --overlap on --repeats 9 --speculative-adaptive off
     run grammar_overlap_llg_gate 240 python3 benchmarks/grammar_overlap.py --device cuda --batch 64 --steps 100 --algorithms ngram --overlap on --repeats 7 --grammar-backend llguidance ;;
+  new_gpu_tests)
+    # the GPU tests a fresh machine's 200 s did not finish (2026-12-05: the batch-invariant
+    # min_tokens / allowed_token_ids test was still compiling), after the Triton warm-up
+    warm_triton
+    run new_gpu_tests 400 python3 -m pytest -q -p no:cacheprovider tests/engine/test_gpu_engine.py -k "min_tokens_and_allowed" ;;
   inproc_ab)
     i=0
     for w in 0 8 0 8; do
