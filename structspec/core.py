@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import structspec.constraints
+from structspec.bad_words import MAX_BAD_WORD_CHARS, MAX_BAD_WORDS
 from structspec.constraints import CONSTRAINT_TYPES as _CONSTRAINT_TYPES
 from structspec.constraints import ChoiceConstraint, GrammarConstraint
 from structspec.penalty_params import (
@@ -161,6 +162,17 @@ class SamplingParams:
     with an error naming ``allowed_token_ids``). It shares the penalty table with
     ``logit_bias``, so speculation keeps the output exact.
 
+    ``bad_words`` (vLLM's): words never generated. The engine tokenizes each word as is and
+    with a leading space (vLLM's rule, :mod:`structspec.bad_words`); a one-token word's token
+    is -inf everywhere (in the penalty table, like ``allowed_token_ids``: a grammar that
+    allows only such tokens at some point ends the request with an error naming
+    ``bad_words``); a longer word's last token is -inf where the output so far (not the
+    prompt, as in vLLM) ends with its other tokens, each verify-tree row for its own path
+    (:mod:`structspec.layers.bad_words`), so speculation does not change the output. That ban
+    comes after the grammar mask, and a row where the grammar allows nothing but such a last
+    token keeps it (the grammar goes first, as with ``min_tokens``). At most 128 words of at
+    most 256 characters.
+
     ``presence_penalty`` / ``frequency_penalty`` (OpenAI, output tokens, ``[-2, 2]``, 0 =
     off), ``repetition_penalty`` (vLLM / Hugging Face, prompt and output tokens, ``[0.01,
     100]``, 1 = off) and ``logit_bias`` (``{token_id: bias in [-100, 100]}``) change the logits
@@ -198,7 +210,7 @@ class SamplingParams:
     slices of bounded rows (:mod:`structspec.runner.prompt_logprobs`). Requests without it
     are not affected.
 
-    Construction only normalizes ``stop`` / ``stop_token_ids`` to tuples, ``logit_bias`` to a
+    Construction only normalizes ``stop`` / ``stop_token_ids`` / ``bad_words`` to tuples, ``logit_bias`` to a
     dict of its own and ``repetition_stop`` ``True`` / ``False`` to a record / None;
     :meth:`validate` checks types and ranges (``LLMEngine.add_request`` calls it, so a bad
     value fails that request, naming the field).
@@ -229,6 +241,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
     spaces_between_special_tokens: bool = True
+    bad_words: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         # Accept a single string, None (none, as in vLLM and the OpenAI API) and any iterable
@@ -242,6 +255,11 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids))
         if self.allowed_token_ids is not None:
             object.__setattr__(self, "allowed_token_ids", _as_tuple(self.allowed_token_ids))
+        if isinstance(self.bad_words, str):  # one word, as ``stop`` takes one string
+            object.__setattr__(self, "bad_words", (self.bad_words,))
+        elif self.bad_words is not None:  # an empty list is None: no word
+            words = _as_tuple(self.bad_words)
+            object.__setattr__(self, "bad_words", None if words == () else words)
         if isinstance(self.logit_bias, Mapping):  # a copy: the caller's dict may change later
             object.__setattr__(self, "logit_bias", dict(self.logit_bias) or None)
         object.__setattr__(self, "repetition_stop", as_repetition_stop(self.repetition_stop))
@@ -311,6 +329,7 @@ class SamplingParams:
                 or any(not _is_int(t) or not 0 <= t < 2**63 for t in self.allowed_token_ids)):
             raise ValueError(f"allowed_token_ids must be None or a non-empty list of integers "
                              f"in [0, 2**63), got {_shown(_as_list(self.allowed_token_ids))}")
+        self._validate_bad_words()
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
@@ -326,6 +345,24 @@ class SamplingParams:
             if not self.grammar.choices or any(not c for c in self.grammar.choices):
                 raise ValueError("choice must be a non-empty list of non-empty strings")
         self._validate_penalties()
+
+    def _validate_bad_words(self) -> None:
+        """The checks of ``bad_words`` that need no tokenizer (the engine tokenizes them,
+        :mod:`structspec.bad_words`)."""
+        words = self.bad_words
+        if words is None:
+            return
+        if not isinstance(words, tuple) or any(not isinstance(w, str) or not w.strip()
+                                               for w in words):
+            # a blank word lstrips to "" (vLLM refuses what tokenizes to nothing)
+            raise ValueError(f"bad_words must be None or a list of strings that are not "
+                             f"empty or blank, got {_shown(_as_list(words))}")
+        if len(words) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words has {len(words)} entries; at most {MAX_BAD_WORDS}")
+        long = next((i for i, w in enumerate(words) if len(w) > MAX_BAD_WORD_CHARS), None)
+        if long is not None:
+            raise ValueError(f"bad_words[{long}] has {len(words[long])} characters; at most "
+                             f"{MAX_BAD_WORD_CHARS}")
 
     def _validate_penalties(self) -> None:
         """The checks of the penalty, logit-bias and repetition-stop fields."""

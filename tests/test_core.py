@@ -80,10 +80,15 @@ def test_truncate_prompt_tokens_is_minus_one_or_positive(value: Any) -> None:
 def test_new_fields_come_last() -> None:
     """Fields are appended, so a positional construction keeps its meaning."""
     names = list(SamplingParams.__dataclass_fields__)
-    assert names[-7:] == ["min_tokens", "include_stop_str_in_output", "skip_special_tokens",
+    assert names[-8:] == ["min_tokens", "include_stop_str_in_output", "skip_special_tokens",
                           "allowed_token_ids", "prompt_logprobs", "truncate_prompt_tokens",
-                          "spaces_between_special_tokens"]
+                          "spaces_between_special_tokens", "bad_words"]
     assert SamplingParams().spaces_between_special_tokens is True
+    assert SamplingParams().bad_words is None
+    # one string is one word; a list is stored as a tuple, an empty one as None
+    assert SamplingParams(bad_words="x").bad_words == ("x",)
+    assert SamplingParams(bad_words=["x", "y"]).bad_words == ("x", "y")
+    assert SamplingParams(bad_words=[]).bad_words is None
     assert SamplingParams().truncate_prompt_tokens is None
 
 

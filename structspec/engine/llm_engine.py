@@ -11,6 +11,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from structspec.bad_words import BadWordIds, tokenize_bad_words
 from structspec.config import EngineConfig
 from structspec.core import (
     CONTEXT_LENGTH_EXCEEDED,
@@ -115,6 +116,25 @@ class LLMEngine:
             raise RequestError(f"stop_token_ids entry {bad_stop} is not a token id of this "
                                f"model (vocabulary size {self.model_config.vocab_size})",
                                "stop_token_ids")
+
+    def _tokenize_bad_words(self, params: SamplingParams) -> BadWordIds | None:
+        """The request's ``bad_words`` as token sequences (vLLM's rule,
+        :mod:`structspec.bad_words`); None without words.
+
+        Raises:
+            RequestError: naming ``bad_words``: a word that is not valid Unicode, tokenizes to
+                nothing or to too many tokens.
+        """
+        if not params.bad_words:
+            return None
+        try:
+            for i, word in enumerate(params.bad_words):
+                check_unicode(word, f"bad_words[{i}]")
+            return tokenize_bad_words(
+                params.bad_words, lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+                self.model_config.vocab_size)
+        except ValueError as e:
+            raise RequestError(str(e), "bad_words") from None
 
     def tokenize_prompt(self, prompt: PromptInput, *, raw: bool = False,
                         chat_options: ChatTemplateOptions | None = None,
@@ -224,6 +244,7 @@ class LLMEngine:
         except ValueError as e:
             raise RequestError(str(e), _param_of(str(e))) from e
         self._check_token_ids(params)
+        bad_words = self._tokenize_bad_words(params)
         try:  # vLLM's LLM: -1 keeps max_model_len tokens (no completion length counted)
             keep = kept_prompt_tokens(params.truncate_prompt_tokens, self.max_model_len)
         except ValueError as e:
@@ -249,6 +270,7 @@ class LLMEngine:
                 spaces_between_special_tokens=params.spaces_between_special_tokens)
             if self.detokenize or params.stop else None,
             priority=priority,
+            bad_words=bad_words,
         )
         try:
             self.scheduler.add(req)

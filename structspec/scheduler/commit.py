@@ -67,6 +67,11 @@ NO_ALLOWED_TOKEN_ERROR = ("no token is allowed both by allowed_token_ids and by 
                           "at this point of the output (or the model produced non-finite "
                           "logits); the request was stopped")
 
+#: the error of a request with one-token bad_words whose step left it no token to choose (the
+#: grammar allowed nothing but banned tokens; or the model's logits were not finite)
+NO_UNBANNED_TOKEN_ERROR = ("the grammar allows no token here that is not a bad_words token "
+                           "(or the model produced non-finite logits); the request was stopped")
+
 NON_FINITE_LOGITS_ERROR = ("the model produced non-finite logits (NaN or inf) for this "
                            "request; it was stopped")
 
@@ -84,6 +89,10 @@ def commit_tokens(req: Req, run: list[int], now_s: float) -> list[int]:
             # its other logits are -inf: the grammar allowed none of its tokens here
             req.finish(FinishReason.ABORT, error=NO_ALLOWED_TOKEN_ERROR,
                        error_param="allowed_token_ids", error_code=INVALID_REQUEST_PARAMETER)
+        elif req.bad_words is not None and req.bad_words.single:
+            # its bad tokens are -inf: the grammar allowed nothing else here
+            req.finish(FinishReason.ABORT, error=NO_UNBANNED_TOKEN_ERROR,
+                       error_param="bad_words", error_code=INVALID_REQUEST_PARAMETER)
         else:
             req.finish(FinishReason.ABORT, error=NON_FINITE_LOGITS_ERROR)
         return []

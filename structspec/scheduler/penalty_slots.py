@@ -1,6 +1,6 @@
 """Which penalised request owns which row of the device :class:`PenaltyTable`.
 
-A request with penalties or a logit bias (``SamplingParams.has_penalties``) gets a slot when it
+A request with penalties, a logit bias or one-token bad words (``Req.has_penalties``) gets a slot when it
 is admitted (before its prefill), filled from its parameters and prompt by device ops queued
 on the current stream (host values staged through :mod:`structspec.staging`, no host sync);
 from then on the slot's output counts are kept on the device by the selection phase
@@ -62,7 +62,7 @@ class PenaltySlots:
         """Give ``req`` (with penalties) a slot and fill it: the counts of its committed
         output (none, unless it resumes after a preemption), its prompt's tokens (when its
         repetition penalty is on), its logit bias (-inf for every token outside its
-        ``allowed_token_ids``) and its three penalties.
+        ``allowed_token_ids`` and for its one-token ``bad_words``) and its three penalties.
 
         Raises:
             RuntimeError: no slot is free (more penalised requests running than
@@ -90,6 +90,10 @@ class PenaltySlots:
             table.logit_bias[slot].fill_(float("-inf"))
             allowed = set(p.allowed_token_ids)
             bias = {t: bias.get(t, 0.0) for t in allowed}
+        if req.bad_words is not None:
+            # a one-token bad word is banned at every position (vLLM's bad_words): -inf like
+            # a token outside allowed_token_ids, whatever logit_bias it was given
+            bias.update(dict.fromkeys(req.bad_words.single, float("-inf")))
         if bias:
             ids = torch.tensor(list(bias), dtype=torch.int64)
             values = torch.tensor(list(bias.values()), dtype=torch.float32)

@@ -239,7 +239,7 @@ class Preemption:
         cached = [c for _, c in picked]
         ids = [self._resume_ids(r) for r in batch]
         for r in batch:
-            if r.params.has_penalties:
+            if r.has_penalties:
                 self.penalties.assign(r)
         out = self.runner.prefill(ids, [r.pages for r in batch],
                                   cached if any(cached) else None,

@@ -17,6 +17,7 @@ from structspec.core import (
 from structspec.scheduler.repeat_stop import RepeatDetector
 
 if TYPE_CHECKING:
+    from structspec.bad_words import BadWordIds
     from structspec.grammar.backend import GrammarFuture
     from structspec.grammar.matchers import AnyMatcher
     from structspec.grammar.select_backend import AutoFuture
@@ -95,6 +96,8 @@ class Req:
     penalty_slot: int = 0
     # admission and preemption order (lower = served first, vLLM's ``priority``); FCFS at 0
     priority: int = 0
+    # its tokenized ``bad_words`` (structspec/bad_words.py; None: none), set by the engine
+    bad_words: BadWordIds | None = None
     # arrival number given by ``Scheduler.add`` (FCFS among equal priorities)
     arrival_seq: int = 0
     # preempted and waiting: its KV (prompt + committed output) is rebuilt before it runs
@@ -108,6 +111,12 @@ class Req:
     def __post_init__(self) -> None:
         if self.params.repetition_stop is not None:
             self.repeat_detector = RepeatDetector(self.params.repetition_stop)
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the request needs a row of the penalty table: a penalty, a logit bias,
+        ``allowed_token_ids`` or a one-token bad word (banned there)."""
+        return self.params.has_penalties or bool(self.bad_words and self.bad_words.single)
 
     @property
     def finished(self) -> bool:

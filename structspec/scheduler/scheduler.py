@@ -204,7 +204,7 @@ class Scheduler:
             raise ValueError(f"duplicate request_id {req.request_id!r}")
         # What can raise runs before the request is registered (a failed add leaves nothing
         # behind, so its id can be used again).
-        if req.params.has_penalties:
+        if req.has_penalties:
             try:
                 self.penalties.reserve()
             except MemoryError as e:  # this request fails; the engine goes on
@@ -458,7 +458,7 @@ class Scheduler:
             logits = logits[torch.tensor([i for i, c in enumerate(chunks) if c.last],
                                          device=logits.device)]
         for r in batch:
-            if r.params.has_penalties:
+            if r.has_penalties:
                 self.penalties.assign(r)
         tree = VerifyTree.root_only(torch.tensor([r.prompt_ids[-1] for r in batch]))
         gtree = self.grammar.stage_tree(batch, tree)

@@ -23,6 +23,7 @@ from structspec.draft_tree.layout import VerifyTree
 from structspec.draft_tree.verify import VerifyResult, verify_paths
 from structspec.grammar.bitmask import apply_bitmask_
 from structspec.grammar.tree_mask import GrammarMaskResult
+from structspec.layers.bad_words import WordBan, ban_bad_words_
 from structspec.layers.penalties import PenaltyInputs, apply_penalties_, count_accepted_
 from structspec.layers.sampler import SamplingBatch, sample_rows
 from structspec.layers.stop_ban import StopBan, ban_stop_tokens_
@@ -45,6 +46,7 @@ def select_verify(
     penalties: PenaltyInputs | None = None,
     select: Callable[[torch.Tensor], torch.Tensor] | None = None,
     stop_ban: StopBan | None = None,
+    word_ban: WordBan | None = None,
 ) -> tuple[VerifyResult, torch.Tensor]:
     """Penalise, mask, choose a target token per node row, verify the trees. No host sync.
 
@@ -66,6 +68,9 @@ def select_verify(
         stop_ban: the requests still short of their ``min_tokens``: their stop tokens are
             banned at the rows below it, after the mask
             (:func:`~structspec.layers.stop_ban.ban_stop_tokens_`); None: none.
+        word_ban: the requests' multi-token ``bad_words``: each row's matching words' last
+            tokens are banned for its own path, after the mask
+            (:func:`~structspec.layers.bad_words.ban_bad_words_`); None: none.
 
     Returns:
         ``(VerifyResult, num_real [B] int64 real, non-padding drafts per request)``. A
@@ -79,6 +84,8 @@ def select_verify(
         apply_bitmask_(logits, bitmask)
     if stop_ban is not None:
         ban_stop_tokens_(logits, depth, stop_ban)
+    if word_ban is not None:
+        ban_bad_words_(logits, draft_tokens, parents, depth, word_ban)
     bsz, n = draft_tokens.shape
     if select is None:
         targets = logits.argmax(dim=-1)
@@ -114,11 +121,13 @@ class Selection:
             straight into it); None = the eager path.
         stop_ban: the requests still short of their ``min_tokens`` (their steps take the
             eager path: the post graph does not ban), or None.
+        word_ban: the requests' multi-token ``bad_words`` (eager path too), or None.
     """
 
     sampling: SamplingBatch
     graph_bitmask: torch.Tensor | None
     stop_ban: StopBan | None = None
+    word_ban: WordBan | None = None
 
 
 class SelectVerifyPhase:
@@ -139,10 +148,11 @@ class SelectVerifyPhase:
         """The step's :class:`Selection` (``fwd`` None for a prefill: always eager)."""
         sb = self._sampling_batch(reqs, num_nodes, device)
         stop_ban = self._stop_ban(reqs)
+        word_ban = self._word_ban(reqs)
         graph_bitmask = None
-        if fwd is not None and sb.all_greedy and stop_ban is None:
+        if fwd is not None and sb.all_greedy and stop_ban is None and word_ban is None:
             graph_bitmask = self.runner.graph_bitmask(fwd)
-        return Selection(sb, graph_bitmask, stop_ban)
+        return Selection(sb, graph_bitmask, stop_ban, word_ban)
 
     def launch(self, reqs: Sequence[Req], tree: VerifyTree, logits: torch.Tensor,
                fwd: VerifyForwardOutput | None, selection: Selection,
@@ -184,7 +194,7 @@ class SelectVerifyPhase:
                 tree_dev.parents, tree_dev.depth, tree_dev.ancestor_mask, cap,
                 None if slots is None else self.penalties.inputs(slots),
                 select=lambda rows: sample_rows(rows, sb, tree_dev.depth),
-                stop_ban=selection.stop_ban)
+                stop_ban=selection.stop_ban, word_ban=selection.word_ban)
             if fwd is not None:
                 self.runner.commit_accepted_kv(fwd, result)
         step = PendingStep.launch(result, num_real, self._pinned_pool)
@@ -212,6 +222,13 @@ class SelectVerifyPhase:
                              for b, short, ids in rows], dtype=torch.int64)
         dev = self._to_device(host)
         return StopBan(requests=dev[:, 0], until=dev[:, 1], tokens=dev[:, 2:])
+
+    def _word_ban(self, reqs: Sequence[Req]) -> WordBan | None:
+        """The step's :class:`WordBan`: the requests with multi-token ``bad_words``, each
+        with its committed output (one check per request when none has any)."""
+        entries = [(b, r.output_ids, r.bad_words.multi) for b, r in enumerate(reqs)
+                   if r.bad_words is not None and r.bad_words.multi]
+        return WordBan.build(entries, self._to_device) if entries else None
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         """Host tensor to the model device (pinned staging on CUDA; see :mod:`staging`)."""

@@ -3,11 +3,11 @@ without a word.
 
 - **Fields it knows but cannot honour** (:data:`UNSUPPORTED`: OpenAI's ``functions``,
   ``audio``, ``reasoning_effort``...; vLLM's sampling extras such as ``use_beam_search`` or
-  ``bad_words``): a 400 ``code: "unsupported"`` naming the field, unless
+  ``length_penalty``): a 400 ``code: "unsupported"`` naming the field, unless
   the value asks for nothing (``null``, or the value that changes nothing: ``length_penalty:
   1``, ``store: false``, ``modalities: ["text"]``...). The penalties (``presence_penalty``,
   ``frequency_penalty``, ``repetition_penalty``), ``logit_bias`` and vLLM's ``min_tokens``,
-  ``allowed_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``,
+  ``allowed_token_ids``, ``bad_words``, ``include_stop_str_in_output``, ``skip_special_tokens``,
   ``spaces_between_special_tokens``, ``truncate_prompt_tokens``,
   ``return_tokens_as_token_ids`` and ``prompt_logprobs`` are served
   (:mod:`structspec.server.params` checks their values), and so are vLLM's chat template
@@ -122,9 +122,8 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("length_penalty", _number(1), "1"),
     Unsupported("use_beam_search", _is(False), "false"),
     # include_stop_str_in_output, skip_special_tokens, spaces_between_special_tokens,
-    # truncate_prompt_tokens, return_tokens_as_token_ids and prompt_logprobs are served
-    # (SamplingRequest)
-    Unsupported("bad_words", _empty, "[]"),
+    # truncate_prompt_tokens, return_tokens_as_token_ids, prompt_logprobs and bad_words are
+    # served (SamplingRequest)
     Unsupported("guided_decoding_backend", _never,
                 "null (the grammar backend is a server option: serve --grammar-backend)"),
     Unsupported("guided_whitespace_pattern", _never, "null"),

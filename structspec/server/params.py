@@ -143,6 +143,7 @@ def build_sampling_params(
         allowed_token_ids=(None if req.allowed_token_ids is None
                            else tuple(req.allowed_token_ids)),
         prompt_logprobs=prompt_logprobs,
+        bad_words=tuple(req.bad_words) if req.bad_words else None,
     )
     try:
         params.validate()

@@ -145,6 +145,7 @@ class SamplingRequest(OpenAIModel):
     ignore_eos: StrictBool = False
     min_tokens: StrictInt | None = None  # vLLM's
     allowed_token_ids: list[StrictInt] | None = None  # vLLM's
+    bad_words: list[str] | None = None  # vLLM's: words never generated ([] = none)
     # vLLM's: keep the stop string (and a stop token's text) in the text; keep special tokens
     include_stop_str_in_output: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None

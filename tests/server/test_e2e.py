@@ -225,6 +225,21 @@ def test_parse_city_finishes_with_stop(client: openai.OpenAI) -> None:
     assert loose.choices[0].finish_reason == "length"
 
 
+def test_bad_words_are_never_generated(client: openai.OpenAI) -> None:
+    """vLLM's ``bad_words``: the greedy output's first word, banned, is not generated (its
+    tokens, as is and with a leading space, are -inf), on both endpoints."""
+    kw: dict[str, Any] = dict(model=MODEL, prompt="The capital of France is", max_tokens=6,
+                              temperature=0)
+    word = client.completions.create(**kw).choices[0].text.split()[0]
+    out = client.completions.create(**kw, extra_body={"bad_words": [word]}).choices[0].text
+    assert word not in out.split(), (word, out)
+    chat = dict(model=MODEL, messages=ASK, max_tokens=6, temperature=0)
+    word = client.chat.completions.create(**chat).choices[0].message.content.split()[0]
+    out = client.chat.completions.create(**chat, extra_body={"bad_words": [word]}
+                                         ).choices[0].message.content
+    assert word not in out.split(), (word, out)
+
+
 def test_logprobs_n_and_seed(client: openai.OpenAI) -> None:
     out = client.chat.completions.create(
         model=MODEL, messages=ASK, max_tokens=4, temperature=0.9, seed=11, n=2,

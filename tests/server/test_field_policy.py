@@ -82,7 +82,7 @@ def _bad_value(name: str) -> Any:
             "service_tier": "flex", "logit_bias": {"5": 1.0}, "suffix": "end", "best_of": 3,
             "presence_penalty": 0.5, "frequency_penalty": -1.0, "repetition_penalty": 1.2,
             "length_penalty": 0.5, "min_tokens": 5, "use_beam_search": True,
-            "bad_words": ["x"], "chat_template_kwargs": {"enable_thinking": False},
+            "chat_template_kwargs": {"enable_thinking": False},
             "echo": True, "add_generation_prompt": False,
             "continue_final_message": True}.get(name, "x")
 

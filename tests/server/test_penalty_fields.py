@@ -1,6 +1,6 @@
-"""The server's sampling penalties, logit bias, allowed token ids, repetition stop and number-bound option (issue
-20): served values reach the engine, bad ones are a 400 naming the field. Fake engine, no
-model."""
+"""The server's sampling penalties, logit bias, allowed token ids, bad words, repetition stop
+and number-bound option (issue 20): served values reach the engine, bad ones are a 400 naming
+the field. Fake engine, no model."""
 
 from __future__ import annotations
 
@@ -29,6 +29,10 @@ def test_penalties_reach_the_engine(client: TestClient, engine: FakeEngine, path
     assert post(client, path, allowed_token_ids=[5, 72, 101]).status_code == 200
     assert engine.added[-1][2].allowed_token_ids == (5, 72, 101)
     assert engine.added[-1][2].has_penalties
+    assert post(client, path, bad_words=["big dog", " cat"]).status_code == 200
+    assert engine.added[-1][2].bad_words == ("big dog", " cat")
+    assert post(client, path, bad_words=[]).status_code == 200  # asks for nothing
+    assert engine.added[-1][2].bad_words is None
 
 
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
@@ -49,6 +53,12 @@ def test_penalties_reach_the_engine(client: TestClient, engine: FakeEngine, path
     ('{"allowed_token_ids": [2000000]}', "allowed_token_ids"),
     ('{"allowed_token_ids": [-1]}', "allowed_token_ids"),
     ('{"allowed_token_ids": ["5"]}', "allowed_token_ids[0]"),
+    ('{"bad_words": "word"}', "bad_words"),
+    ('{"bad_words": ["ok", 3]}', "bad_words[1]"),
+    ('{"bad_words": ["ok", ""]}', "bad_words"),
+    ('{"bad_words": [" "]}', "bad_words"),
+    (json.dumps({"bad_words": ["w"] * 129}), "bad_words"),
+    (json.dumps({"bad_words": ["x" * 257]}), "bad_words"),
     ('{"repetition_stop": {"min_tokens": 1}}', "repetition_stop"),
     ('{"repetition_stop": {"max_period": 10000}}', "repetition_stop"),
     ('{"repetition_stop": {"period": 3}}', "repetition_stop"),
