@@ -238,8 +238,8 @@ def warn_unknown_fields(req: BaseModel, request_id: str | None = None) -> list[s
 def check_request_fields(req: SamplingRequest) -> None:
     """The field policy of one request, before anything else is done with it: refuse the
     unsupported fields and unknown ``stream_options`` keys, warn about unknown top-level
-    fields, and refuse ``continuous_usage_stats`` / ``include_obfuscation`` values the
-    stream does not follow.
+    fields, and refuse an ``include_obfuscation`` the stream does not follow
+    (``continuous_usage_stats`` is served: :mod:`structspec.server.stream_usage`).
 
     Raises:
         APIError: 400 naming the field.
@@ -248,10 +248,6 @@ def check_request_fields(req: SamplingRequest) -> None:
     so = req.stream_options
     if so is not None:
         refuse_unknown_keys(so, "stream_options", STREAM_OPTIONS_KEYS)
-        if so.continuous_usage_stats:
-            raise bad_request("stream_options.continuous_usage_stats is not supported (usage "
-                              "comes in the last chunk: include_usage)",
-                              "stream_options.continuous_usage_stats", code="unsupported")
         if so.include_obfuscation:
             raise bad_request("stream_options.include_obfuscation is not supported (the "
                               "stream carries no obfuscation field)",

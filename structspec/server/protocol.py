@@ -119,8 +119,9 @@ class StructuredOutputs(OpenAIModel):
 
 class StreamOptions(OpenAIModel):
     """``stream_options``: ``include_usage`` adds a final chunk with ``usage``;
-    ``continuous_usage_stats`` (vLLM) and ``include_obfuscation`` (OpenAI) are refused
-    when true (:mod:`structspec.server.field_policy`)."""
+    ``continuous_usage_stats`` (vLLM) gives each choice chunk its usage so far
+    (:mod:`structspec.server.stream_usage`); ``include_obfuscation`` (OpenAI) is refused when
+    true (:mod:`structspec.server.field_policy`)."""
 
     include_usage: StrictBool | None = False
     continuous_usage_stats: StrictBool | None = False

@@ -53,6 +53,7 @@ from structspec.server.serving import (
     start_stream,
     stream_choices,
 )
+from structspec.server.stream_usage import StreamUsage
 from structspec.server.structured import grammar_and_field
 from structspec.server.tool_calls import (
     ToolCallPlan,
@@ -144,8 +145,8 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     if req.stream:
         if not await start_stream(request, run):
             return Response(status_code=499)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return sse_response(_stream(state, run, rid, created, len(prompt_ids), include_usage,
+        usage = StreamUsage.of(req.stream_options)
+        return sse_response(_stream(state, run, rid, created, len(prompt_ids), usage,
                                     logprobs is not None, plan, auto, req.prompt_logprobs,
                                     as_token_ids))
     failed = await finish_or_error(state, request, run)
@@ -198,13 +199,14 @@ def _choice(state: ServerState, c: ChoiceState, with_logprobs: bool,
 
 
 async def _stream(state: ServerState, run: GenerationRun, rid: str, created: int,
-                  prompt_tokens: int, include_usage: bool,
+                  prompt_tokens: int, usage: StreamUsage,
                   with_logprobs: bool, plan: ToolCallPlan | None,
                   auto: AutoToolPlan | None = None,
                   prompt_top_k: int | None = None,
                   as_token_ids: bool = False) -> AsyncIterator[str]:
     """SSE chunks: a role chunk per choice, content deltas, a finish chunk per choice,
-    then (``include_usage``) a usage chunk, then ``[DONE]``. A failure after output started
+    then (``include_usage``) a usage chunk, then ``[DONE]`` (``usage``:
+    :mod:`structspec.server.stream_usage`). A failure after output started
     is sent as an ``{"error": ...}`` event before ``[DONE]``. With a forced tool call
     (``plan``) the deltas are ``tool_calls`` instead of ``content``: a named call's id and
     name, then its arguments as they come; ``required`` calls whole at the end. With auto
@@ -217,12 +219,11 @@ async def _stream(state: ServerState, run: GenerationRun, rid: str, created: int
     # the prompt's scores waiting for the next choice chunk (sent once per request)
     pending: list[PromptLogprobsJSON] = []
 
-    def chunk(choices: list[dict[str, Any]], usage: Any = None) -> str:
+    def chunk(choices: list[dict[str, Any]], totals: Any = None) -> str:
         body: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk",
                                 "created": created, "model": state.model_name,
                                 "choices": choices}
-        if include_usage:
-            body["usage"] = usage
+        usage.add_to(body, run, totals)
         if pending and choices:
             body["prompt_logprobs"] = pending.pop()
         return sse_event(body)
@@ -311,7 +312,7 @@ async def _stream(state: ServerState, run: GenerationRun, rid: str, created: int
                     "delta": {"role": "assistant", "content": "" if plan is None else None},
                     "logprobs": None, "finish_reason": None}]) for c in run.choices]
     try:
-        async for e in stream_choices(state, run, chunk, progress, include_usage=include_usage,
+        async for e in stream_choices(state, run, chunk, progress, include_usage=usage.include,
                                       prompt_tokens=prompt_tokens, head=head):
             yield e
     finally:

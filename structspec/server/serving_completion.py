@@ -47,6 +47,7 @@ from structspec.server.serving import (
     start_stream,
     stream_choices,
 )
+from structspec.server.stream_usage import StreamUsage
 from structspec.server.structured import grammar_and_field
 
 
@@ -98,8 +99,8 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     if req.stream:
         if not await start_stream(request, run):
             return Response(status_code=499)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return sse_response(_stream(state, run, rid, created, prompt_tokens, include_usage,
+        usage = StreamUsage.of(req.stream_options)
+        return sse_response(_stream(state, run, rid, created, prompt_tokens, usage,
                                     req.logprobs is not None, echo, shown, as_token_ids))
     failed = await finish_or_error(state, request, run)
     if failed is not None:
@@ -242,21 +243,21 @@ def _with_prompt(state: ServerState, c: ChoiceState, shown: _PromptScores,
 
 
 async def _stream(state: ServerState, run: GenerationRun, rid: str, created: int,
-                  prompt_tokens: int, include_usage: bool, with_logprobs: bool,
+                  prompt_tokens: int, usage: StreamUsage, with_logprobs: bool,
                   echo: list[str], shown: _PromptScores,
                   as_token_ids: bool) -> AsyncIterator[str]:
-    """SSE chunks of text per choice, a finish chunk per choice, optional usage, [DONE].
+    """SSE chunks of text per choice, a finish chunk per choice, optional usage
+    (:mod:`structspec.server.stream_usage`), [DONE].
 
     A choice's echoed prompt goes with its first generated text (with ``logprobs``, once the
     engine scored the prompt: its tokens lead that chunk's ``logprobs``), and vLLM's
     ``prompt_logprobs`` ride its first chunk after they arrive."""
     offsets = [len(e) for e in echo]
 
-    def chunk(choices: list[dict[str, Any]], usage: Any = None) -> str:
+    def chunk(choices: list[dict[str, Any]], totals: Any = None) -> str:
         body: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created,
                                 "model": state.model_name, "choices": choices}
-        if include_usage:
-            body["usage"] = usage
+        usage.add_to(body, run, totals)
         return sse_event(body)
 
     def with_prompt_logprobs(c: ChoiceState, choice: dict[str, Any]) -> dict[str, Any]:
@@ -298,7 +299,7 @@ async def _stream(state: ServerState, run: GenerationRun, rid: str, created: int
         return events
 
     try:
-        async for e in stream_choices(state, run, chunk, progress, include_usage=include_usage,
+        async for e in stream_choices(state, run, chunk, progress, include_usage=usage.include,
                                       prompt_tokens=prompt_tokens):
             yield e
     finally:

@@ -137,6 +137,32 @@ def test_stream_include_usage(client: TestClient) -> None:
     assert all(e["usage"] is None for e in events[:-2])
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_stream_continuous_usage_stats(client: TestClient, path: str) -> None:
+    """vLLM's continuous_usage_stats: each choice chunk has its choice's usage so far (per
+    choice with n = 2), the last chunk the totals; without include_usage it changes nothing."""
+    body = {"max_tokens": 3, "n": 2, "stream": True,
+            **({"messages": MSGS} if "chat" in path else {"prompt": "hi"})}
+    events = sse_events(client.post(path, json={**body, "stream_options": {
+        "include_usage": True, "continuous_usage_stats": True}}).text)
+    assert events[-1] == "[DONE]"
+    totals = events[-2]
+    assert totals["choices"] == [] and totals["usage"]["completion_tokens"] == 6
+    prompt = totals["usage"]["prompt_tokens"]
+    seen: dict[int, list[int]] = {0: [], 1: []}
+    for e in events[:-2]:
+        (choice,) = e["choices"]
+        u = e["usage"]
+        assert u["prompt_tokens"] == prompt
+        assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+        seen[choice["index"]].append(u["completion_tokens"])
+    for counts in seen.values():  # per choice: growing, up to its 3 tokens
+        assert counts == sorted(counts) and counts[-1] == 3 and counts[0] < 3
+    plain = sse_events(client.post(path, json={**body, "stream_options": {
+        "continuous_usage_stats": True}}).text)
+    assert all("usage" not in e for e in plain[:-1])
+
+
 def test_n_choices_get_seeds(client: TestClient) -> None:
     engine: FakeEngine = client.app.state.server.engine  # type: ignore[attr-defined]
     r = client.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2, "n": 3,
