@@ -172,12 +172,17 @@ def plan_tool_calls(tools: Any, tool_choice: Any,
         APIError: 400 naming the field: a malformed tool or two of one name (checked whatever
             ``tool_choice`` says: the tools reach the chat template), a ``tool_choice`` that is
             not ``auto``/``none``/``required``/a named function, a named function not in
-            ``tools``, ``required`` or a named function without ``tools``, or a
+            ``tools``, ``auto``, ``required`` or a named function without ``tools``, or a
             ``parallel_tool_calls`` that is not a boolean.
     """
     if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
         raise bad_request("parallel_tool_calls: expected a boolean", "parallel_tool_calls")
     functions = check_tools(tools)
+    if tool_choice == "auto" and not functions:
+        # as vLLM and OpenAI answer ("When using `tool_choice`, `tools` must be set"); "none"
+        # without tools asks for nothing and stays accepted
+        raise bad_request("tool_choice: \"auto\" needs a non-empty 'tools' list",
+                          "tool_choice")
     if tool_choice is None or tool_choice in ("auto", "none"):
         return None
     if not functions:

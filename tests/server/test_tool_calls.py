@@ -164,6 +164,8 @@ def _deep_schema(levels: int) -> dict[str, Any]:
     ({"tool_choice": "always"}, "tool_choice"),
     ({"tool_choice": {"type": "function"}}, "tool_choice"),
     ({"tool_choice": "required", "tools": []}, "tool_choice"),
+    ({"tool_choice": "auto", "tools": []}, "tool_choice"),  # vLLM / OpenAI: tools must be set
+    ({"tool_choice": "auto", "tools": None}, "tool_choice"),
     ({"tool_choice": NAMED, "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"tool_choice": "required", "tools": [{"type": "function", "function": {}}]},
      "tools[0].function.name"),
