@@ -10,12 +10,11 @@ the prompt token is listed once when it is one of them. ``-inf`` is sent as ``-9
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from structspec.server.codec import Codec
 from structspec.server.ipc import PromptLogprobEntry
-from structspec.server.serving import finite, token_id_str
+from structspec.server.serving import finite, token_id_str, top_with_chosen
 
 PromptLogprobsJSON = list[dict[str, dict[str, Any]] | None]
 
@@ -63,8 +62,7 @@ def echo_logprobs(codec: Codec, prompt_ids: list[int],
             tops.append(None)
             continue
         token_logprobs.append(finite(e[1]))
-        tops.append({shown(t): finite(v) for t, v in e[3][:top_k]
-                     if math.isfinite(v)})
+        tops.append(top_with_chosen(shown, tok, e[1], e[3][:top_k]))
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
             "text_offset": offsets}
 

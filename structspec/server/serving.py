@@ -327,11 +327,23 @@ def completion_logprobs(codec: Codec, entries: list[LogprobEntry], text_offset: 
     for tok, lp, top in entries:
         tokens.append(shown(tok))
         token_logprobs.append(finite(lp))
-        tops.append({shown(t): finite(v) for t, v in top if math.isfinite(v)})
+        tops.append(top_with_chosen(shown, tok, lp, top))
         offsets.append(pos)
         pos += len(codec.token_str(tok))
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
             "text_offset": offsets}
+
+
+def top_with_chosen(shown: Callable[[int], str], token: int, logprob: float,
+                    top: Sequence[tuple[int, float]]) -> dict[str, float]:
+    """A legacy completions ``top_logprobs`` entry: the ``top`` tokens (finite ones) and the
+    chosen ``token`` itself when it is not among them, as OpenAI's legacy API ("the logprob
+    of the sampled token is always returned, so there may be up to logprobs+1 elements")
+    and vLLM list it."""
+    out = {shown(t): finite(v) for t, v in top if math.isfinite(v)}
+    if token not in {t for t, _ in top}:
+        out.setdefault(shown(token), finite(logprob))
+    return out
 
 
 async def stream_choices(

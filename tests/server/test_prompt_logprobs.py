@@ -67,14 +67,17 @@ def test_echo_with_logprobs_lists_the_prompt_first(client: TestClient,
     assert choice["text"] == "abcHe"
     assert lp["tokens"] == ["a", "b", "c", "H", "e"]
     assert lp["token_logprobs"] == [None, -0.5, -0.5, -0.1, -0.1]
-    assert lp["top_logprobs"] == [None, {"?": -0.25}, {"?": -0.25}, {"H": -0.1}, {"e": -0.1}]
+    # the top 1, and the prompt's own token beside it when it is not the top one (OpenAI's
+    # legacy format: up to logprobs + 1 entries)
+    assert lp["top_logprobs"] == [None, {"?": -0.25, "b": -0.5}, {"?": -0.25, "c": -0.5},
+                                  {"H": -0.1}, {"e": -0.1}]
     assert lp["text_offset"] == [0, 1, 2, 3, 4]
     # prompt_logprobs beside it: the engine scores with the larger k, each shows its own
     r = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2, "echo": True,
                                             "logprobs": 0, "prompt_logprobs": 2})
     assert engine.added[-1][2].prompt_logprobs == 2
     choice = r.json()["choices"][0]
-    assert choice["logprobs"]["top_logprobs"][:2] == [None, {}]
+    assert choice["logprobs"]["top_logprobs"][:2] == [None, {"b": -0.5}]  # logprobs 0: itself
     assert choice["prompt_logprobs"] == _expected("abc", 2)
     events = sse_events(client.post("/v1/completions", json={
         "prompt": "abc", "max_tokens": 3, "echo": True, "logprobs": 1, "stream": True}).text)
@@ -110,3 +113,17 @@ def test_engine_sends_the_prompt_scores_once() -> None:
 
     assert delta_from_output(out([9], [9])).prompt_logprobs == [None, (7, -1.5, 3, [(1, -0.5)])]
     assert delta_from_output(out([9, 4], [4])).prompt_logprobs is None
+
+
+def test_completion_top_logprobs_always_hold_the_chosen_token() -> None:
+    """OpenAI's legacy format: the sampled token is listed beside the top ``logprobs`` when
+    it is not one of them (so up to ``logprobs + 1`` entries), never twice."""
+    from structspec.server.serving import completion_logprobs
+
+    class Codec:
+        def token_str(self, t: int) -> str:
+            return f"<{t}>"
+
+    lp = completion_logprobs(Codec(), [(5, -2.0, [(1, -0.5)]), (1, -0.5, [(1, -0.5)]),
+                                       (7, -3.0, [])], 0)  # type: ignore[arg-type]
+    assert lp["top_logprobs"] == [{"<1>": -0.5, "<5>": -2.0}, {"<1>": -0.5}, {"<7>": -3.0}]
