@@ -45,18 +45,24 @@ def echo_logprobs(codec: Codec, prompt_ids: list[int],
     text offsets from 0): every prompt token, ``null`` logprob and top logprobs for the
     first (nothing predicts it), then each token's logprob and its ``top_k`` most likely
     alternatives (as the generated tokens list theirs). ``as_token_ids`` (vLLM's
-    ``return_tokens_as_token_ids``): tokens and top keys as ``"token_id:N"``; the offsets
-    still count the tokens' text."""
+    ``return_tokens_as_token_ids``): tokens and top keys as ``"token_id:N"``.
+
+    ``text_offset`` indexes the echoed text: each token's offset is the length of the text
+    decoded before it (an incremental detokenizer over the prompt), so a character split
+    over several byte tokens (an emoji) counts once, where the tokens' own strings (``"?"``
+    for each byte fragment) would count it per fragment and run past the generated text's
+    first offset."""
     shown = token_id_str if as_token_ids else codec.token_str
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     tops: list[dict[str, float] | None] = []
     offsets: list[int] = []
     pos = 0
+    detok = codec.detokenizer([])
     for tok, e in zip(prompt_ids, entries, strict=True):
         tokens.append(shown(tok))
         offsets.append(pos)
-        pos += len(codec.token_str(tok))
+        pos += len(detok.add([tok]))
         if e is None:
             token_logprobs.append(None)
             tops.append(None)

@@ -127,3 +127,35 @@ def test_completion_top_logprobs_always_hold_the_chosen_token() -> None:
     lp = completion_logprobs(Codec(), [(5, -2.0, [(1, -0.5)]), (1, -0.5, [(1, -0.5)]),
                                        (7, -3.0, [])], 0)  # type: ignore[arg-type]
     assert lp["top_logprobs"] == [{"<1>": -0.5, "<5>": -2.0}, {"<1>": -0.5}, {"<7>": -3.0}]
+
+
+@pytest.fixture(scope="module")
+def smol_dir() -> str:
+    """SmolLM2's model directory (its tokenizer files); skips without the model."""
+    from structspec.models.default_model import resolve_model_path
+
+    try:
+        return resolve_model_path(None)
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+def test_echo_offsets_index_the_text_across_byte_tokens(smol_dir: str) -> None:
+    """An emoji is several byte tokens, each shown as "\\ufffd": the echoed prompt's
+    offsets still index its text (each is the length of the text before the token), rising
+    to the prompt's length, where the generated tokens start."""
+    from structspec.server.codec import TokenizerCodec
+    from structspec.server.prompt_logprobs import echo_logprobs
+
+    codec = TokenizerCodec(smol_dir)
+    text = "I love 🍕 and 日本語 text."
+    ids = codec.encode_text(text)
+    entries = [None] + [(t, -1.0, 2, [(t, -1.0)]) for t in ids[1:]]
+    lp = echo_logprobs(codec, ids, entries, 1)  # type: ignore[arg-type]
+    offsets = lp["text_offset"]
+    assert offsets == sorted(offsets) and offsets[0] == 0 and offsets[-1] < len(text)
+    assert sum(len(codec.token_str(t)) for t in ids) > len(text)  # the pieces overcount
+    for i, tok in enumerate(ids):  # a whole-character token sits where its text is
+        piece = codec.token_str(tok)
+        if "\ufffd" not in piece:
+            assert text.startswith(piece, offsets[i]), (i, piece)
