@@ -26,6 +26,7 @@ pages are then freed whole.
 
 from __future__ import annotations
 
+from structspec.constraints import PARAM_BY_KIND
 from structspec.core import INVALID_REQUEST_PARAMETER, FinishReason, stop_token_hidden
 from structspec.penalty_params import REPETITION_STOP_REASON
 from structspec.scheduler.request import Req
@@ -75,6 +76,15 @@ NO_UNBANNED_TOKEN_ERROR = ("the grammar allows no token here that is not a bad_w
 NON_FINITE_LOGITS_ERROR = ("the model produced non-finite logits (NaN or inf) for this "
                            "request; it was stopped")
 
+#: the error of a constrained request whose step left it no token to choose: the grammar
+#: reached a state that allows no token (a schema part that accepts no value, e.g. a property
+#: whose ``$ref`` only refers to itself, which the grammar compiler let through); a 400 naming
+#: the grammar's field, not a model fault
+GRAMMAR_DEAD_END_ERROR = ("the grammar allows no token at this point of the output: the "
+                          "schema (or grammar) cannot be completed from here, e.g. a property "
+                          "whose schema accepts no value (or the model produced non-finite "
+                          "logits); the request was stopped")
+
 
 def commit_tokens(req: Req, run: list[int], now_s: float) -> list[int]:
     """Phase A: append the kept part of ``run``; returns the kept ids.
@@ -93,6 +103,10 @@ def commit_tokens(req: Req, run: list[int], now_s: float) -> list[int]:
             # its bad tokens are -inf: the grammar allowed nothing else here
             req.finish(FinishReason.ABORT, error=NO_UNBANNED_TOKEN_ERROR,
                        error_param="bad_words", error_code=INVALID_REQUEST_PARAMETER)
+        elif req.params.grammar is not None:
+            req.finish(FinishReason.ABORT, error=GRAMMAR_DEAD_END_ERROR,
+                       error_param=PARAM_BY_KIND[req.params.grammar.kind],
+                       error_code=INVALID_REQUEST_PARAMETER)
         else:
             req.finish(FinishReason.ABORT, error=NON_FINITE_LOGITS_ERROR)
         return []
