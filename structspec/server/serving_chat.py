@@ -19,7 +19,7 @@ from structspec.core import (
 from structspec.prompt_truncation import keep_last
 from structspec.server.errors import bad_request
 from structspec.server.field_policy import check_request_fields
-from structspec.server.generation import ChoiceState, GenerationRun
+from structspec.server.generation import ChoiceState, GenerationRun, LogprobEntry
 from structspec.server.hermes_stream import HermesStream
 from structspec.server.hermes_tools import (
     AutoToolPlan,
@@ -216,6 +216,8 @@ async def _stream(state: ServerState, run: GenerationRun, rid: str, created: int
     vLLM's top-level ``prompt_logprobs``."""
     call_ids: dict[int, str] = {}  # per choice: its named call's id, once sent
     hermes = {c.index: HermesStream() for c in run.choices} if auto is not None else {}
+    # per choice: auto tool calls' logprobs of text held back, sent with the next delta
+    held_logprobs: dict[int, list[LogprobEntry]] = {}
     # the prompt's scores waiting for the next choice chunk (sent once per request)
     pending: list[PromptLogprobsJSON] = []
 
@@ -257,13 +259,21 @@ async def _stream(state: ServerState, run: GenerationRun, rid: str, created: int
         return {"tool_calls": [dict(call, index=i) for i, call in enumerate(calls)]}
 
     def auto_progress(c: ChoiceState) -> list[str]:
-        """A choice's news as Hermes content and tool-call deltas (logprobs ride the first
-        chunk, or an empty delta)."""
+        """A choice's news as Hermes content and tool-call deltas. Logprobs ride the first
+        chunk with a delta: those of text the stream holds back (a possible ``<tool_call>``,
+        a section still open) wait for it, instead of going out in chunks with an empty
+        delta (vLLM drops them); whatever waits when the choice ends goes with an empty
+        delta before the finish chunk."""
         stream = hermes[c.index]
         finishing = c.finished and not c.finish_sent
         deltas = stream.feed(c.take_text(), finishing)
-        lps = c.take_logprobs() if with_logprobs else []
+        lps = held_logprobs.pop(c.index, [])
+        if with_logprobs:
+            lps += c.take_logprobs()
         if lps and not deltas:
+            if not finishing:
+                held_logprobs[c.index] = lps
+                return []
             deltas = [{}]
         events = [chunk([{"index": c.index, "delta": d,
                           "logprobs": (chat_logprobs(state.codec, lps,

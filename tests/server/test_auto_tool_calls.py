@@ -243,6 +243,12 @@ def test_bounded_numbers_and_logprobs(client: TestClient, engine: FakeEngine) ->
     assert "".join(t["token"] for t in entries) == (
         'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
         '\n</tool_call>')
+    # logprobs of held-back text wait for the next delta: no logprobs-only chunk with an
+    # empty delta before the finish (vLLM drops those), and far fewer chunks than tokens
+    choices = [e["choices"][0] for e in events[1:-1] if e["choices"]]
+    body = [ch for ch in choices if ch["finish_reason"] is None]
+    assert all(ch["delta"] for ch in body[:-1]), body
+    assert len(body) < len(entries) / 4
 
 
 def test_the_serve_flag() -> None:
