@@ -102,6 +102,11 @@ class LlgMatcher:
         self._terminated = False
         self._width = (compiled.vocab_size + 31) // 32
 
+    @property
+    def vocab_size(self) -> int:
+        """The logits width the masks cover (the compiled grammar's vocabulary size)."""
+        return int(self.compiled.vocab_size)
+
     def accept_token(self, token_id: int) -> bool:
         """Advance by one token; False (state unchanged) when the grammar forbids it or has
         ended."""

@@ -50,6 +50,11 @@ class Matcher:
         self._xgr = xgr.GrammarMatcher(compiled, override_stop_tokens=list(self.stop_token_ids))
 
     @property
+    def vocab_size(self) -> int:
+        """The logits width the masks cover (the compiled tokenizer's vocabulary size)."""
+        return int(self.compiled.tokenizer_info.vocab_size)
+
+    @property
     def xgr_matcher(self) -> xgr.GrammarMatcher:
         """The wrapped ``xgrammar.GrammarMatcher`` (for ``traverse_draft_tree``)."""
         return self._xgr

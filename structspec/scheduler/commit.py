@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from structspec.constraints import PARAM_BY_KIND
 from structspec.core import INVALID_REQUEST_PARAMETER, FinishReason, stop_token_hidden
+from structspec.grammar.matchers import allows_no_token
 from structspec.penalty_params import REPETITION_STOP_REASON
 from structspec.scheduler.request import Req
 from structspec.stop_strings import first_stop_ending_after
@@ -103,11 +104,12 @@ def commit_tokens(req: Req, run: list[int], now_s: float) -> list[int]:
             # its bad tokens are -inf: the grammar allowed nothing else here
             req.finish(FinishReason.ABORT, error=NO_UNBANNED_TOKEN_ERROR,
                        error_param="bad_words", error_code=INVALID_REQUEST_PARAMETER)
-        elif req.params.grammar is not None:
+        elif _grammar_dead_end(req):
+            assert req.params.grammar is not None
             req.finish(FinishReason.ABORT, error=GRAMMAR_DEAD_END_ERROR,
                        error_param=PARAM_BY_KIND[req.params.grammar.kind],
                        error_code=INVALID_REQUEST_PARAMETER)
-        else:
+        elif not req.finished:
             req.finish(FinishReason.ABORT, error=NON_FINITE_LOGITS_ERROR)
         return []
     run, reason, stop_reason = cut_run(req, run)
@@ -117,6 +119,17 @@ def commit_tokens(req: Req, run: list[int], now_s: float) -> list[int]:
     if reason is not None:
         req.finish(reason, stop_reason=stop_reason)
     return run
+
+
+def _grammar_dead_end(req: Req) -> bool:
+    """Whether ``req``'s grammar allows no token after its committed output (why a step
+    committed nothing for it, rather than the model's non-finite logits): its host matcher,
+    brought up to the output first (:func:`advance_grammar`, each id once), fills one mask
+    row. False without a matcher, or when the advance itself ended the request."""
+    if req.matcher is None:
+        return False
+    advance_grammar(req)
+    return not req.finished and req.matcher is not None and allows_no_token(req.matcher)
 
 
 def advance_grammar(req: Req) -> None:
