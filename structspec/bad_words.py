@@ -62,20 +62,21 @@ def bad_word_sequences(words: Sequence[str], encode: Callable[[str], list[int]]
             :data:`MAX_BAD_WORD_TOKENS` (messages start with ``bad_words``).
     """
     seqs: list[list[int]] = []
-    for word in words:
+    for i, word in enumerate(words):
         plain = encode(word.lstrip())
         if not plain:
-            raise ValueError(f"bad_words entry {word!r} tokenizes to no token")
-        seqs.append(plain)
+            raise ValueError(f"bad_words[{i}] ({word!r}) tokenizes to no token")
+        forms = [plain]
         spaced = encode(" " + word.lstrip())
         # the prefixed form only when the space made a different word token of the same
         # length (vLLM's rule; otherwise it is a space token followed by the plain form)
         if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
-            seqs.append(spaced)
-    longest = max(seqs, key=len)
-    if len(longest) > MAX_BAD_WORD_TOKENS:
-        raise ValueError(f"bad_words entry tokenizes to {len(longest)} tokens; at most "
-                         f"{MAX_BAD_WORD_TOKENS}")
+            forms.append(spaced)
+        longest = max(len(f) for f in forms)
+        if longest > MAX_BAD_WORD_TOKENS:
+            raise ValueError(f"bad_words[{i}] tokenizes to {longest} tokens; at most "
+                             f"{MAX_BAD_WORD_TOKENS}")
+        seqs.extend(forms)
     return seqs
 
 

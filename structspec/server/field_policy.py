@@ -237,8 +237,8 @@ def warn_unknown_fields(req: BaseModel, request_id: str | None = None) -> list[s
 
 def check_request_fields(req: SamplingRequest) -> None:
     """The field policy of one request, before anything else is done with it: refuse the
-    unsupported fields and unknown ``stream_options`` keys, warn about unknown top-level
-    fields, and refuse an ``include_obfuscation`` the stream does not follow
+    unsupported fields, ``stream_options`` without ``stream`` and its unknown keys, warn about
+    unknown top-level fields, and refuse an ``include_obfuscation`` the stream does not follow
     (``continuous_usage_stats`` is served: :mod:`structspec.server.stream_usage`).
 
     Raises:
@@ -247,6 +247,9 @@ def check_request_fields(req: SamplingRequest) -> None:
     check_unsupported(req)
     so = req.stream_options
     if so is not None:
+        if not req.stream:  # as OpenAI and vLLM answer: the options are the stream's
+            raise bad_request("stream_options is only allowed when stream is true",
+                              "stream_options")
         refuse_unknown_keys(so, "stream_options", STREAM_OPTIONS_KEYS)
         if so.include_obfuscation:
             raise bad_request("stream_options.include_obfuscation is not supported (the "

@@ -179,6 +179,15 @@ def test_booleans_are_never_coerced(client: TestClient, path: str, body: dict[st
     assert error_of(post(client, path, **body))["param"] == param
 
 
+def test_stream_options_need_a_stream(client: TestClient) -> None:
+    """OpenAI and vLLM refuse stream_options on a request that does not stream."""
+    for path in (CHAT, COMPLETIONS):
+        err = error_of(post(client, path, stream_options={"include_usage": True}))
+        assert err["param"] == "stream_options", err
+    r = post(client, CHAT, stream=False, stream_options=None)
+    assert r.status_code == 200, r.text
+
+
 def test_stream_options_the_stream_does_not_follow_are_refused(client: TestClient) -> None:
     err = error_of(post(client, CHAT, stream=True, stream_options={"include_obfuscation": True}))
     assert err["param"] == "stream_options.include_obfuscation" and err["code"] == "unsupported"
