@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from structspec.core import CONTEXT_LENGTH_EXCEEDED
-from structspec.server.codec import Codec
+from structspec.server.codec import Codec, Detokenizer
 from structspec.server.engine_client import AsyncEngine
 from structspec.server.errors import APIError, bad_request, model_not_found, unavailable
 from structspec.server.generation import ChoiceState, GenerationRun, LogprobEntry
@@ -307,10 +307,36 @@ def chat_logprobs(codec: Codec, entries: list[LogprobEntry], *,
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(codec: Codec, entries: list[LogprobEntry], text_offset: int, *,
+@dataclass
+class TextOffsets:
+    """Where each generated token's text starts in a choice's text (the legacy
+    ``text_offset``), token after token, across a stream's chunks.
+
+    Attributes:
+        pos: the next token's offset (characters).
+        detok: an incremental detokenizer over the choice's tokens: a token's share of the
+            text is what it adds there, so a character split over byte tokens counts once
+            (a byte fragment's own string, ``"\ufffd"``, would count one each and run past
+            the text); None: each token's own string.
+    """
+
+    pos: int
+    detok: Detokenizer | None = None
+
+    def take(self, codec: Codec, token: int) -> int:
+        """``token``'s offset; moves past its text."""
+        start = self.pos
+        self.pos += (len(self.detok.add([token])) if self.detok is not None
+                     else len(codec.token_str(token)))
+        return start
+
+
+def completion_logprobs(codec: Codec, entries: list[LogprobEntry],
+                        text_offset: int | TextOffsets, *,
                         as_token_ids: bool = False) -> dict[str, Any]:
     """OpenAI legacy completions ``logprobs``: tokens, token_logprobs, top_logprobs,
-    text_offset (character offsets from ``text_offset``).
+    text_offset (character offsets from ``text_offset``: an int, or a choice's
+    :class:`TextOffsets`, which moves past these tokens).
 
     Args:
         as_token_ids: vLLM's ``return_tokens_as_token_ids``: ``tokens`` and the
@@ -323,13 +349,12 @@ def completion_logprobs(codec: Codec, entries: list[LogprobEntry], text_offset: 
     tops: list[dict[str, float]] = []
     offsets: list[int] = []
     shown = token_id_str if as_token_ids else codec.token_str
-    pos = text_offset
+    at = text_offset if isinstance(text_offset, TextOffsets) else TextOffsets(text_offset)
     for tok, lp, top in entries:
         tokens.append(shown(tok))
         token_logprobs.append(finite(lp))
         tops.append(top_with_chosen(shown, tok, lp, top))
-        offsets.append(pos)
-        pos += len(codec.token_str(tok))
+        offsets.append(at.take(codec, tok))
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
             "text_offset": offsets}
 

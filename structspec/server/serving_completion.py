@@ -35,6 +35,7 @@ from structspec.server.protocol import CompletionRequest, parse_request
 from structspec.server.request_log import request_record
 from structspec.server.serving import (
     ServerState,
+    TextOffsets,
     check_prompt_length,
     completion_logprobs,
     finish_or_error,
@@ -210,7 +211,8 @@ def _choice(state: ServerState, c: ChoiceState, with_logprobs: bool, echo: str,
     logprobs = None
     if with_logprobs:
         logprobs = _with_prompt(state, c, shown,
-                                completion_logprobs(state.codec, c.logprobs, len(echo),
+                                completion_logprobs(state.codec, c.logprobs,
+                                                    _text_offsets(state, c, len(echo)),
                                                     as_token_ids=as_token_ids),
                                 as_token_ids)
     out: dict[str, Any] = {
@@ -228,6 +230,14 @@ def _choice(state: ServerState, c: ChoiceState, with_logprobs: bool, echo: str,
     if c.final is not None and c.final.grammar_backend is not None:
         out["grammar_backend"] = c.final.grammar_backend  # extension: who enforced the grammar
     return out
+
+
+def _text_offsets(state: ServerState, c: ChoiceState, start: int) -> TextOffsets:
+    """A choice's generated-token text offsets from ``start`` (after its echo), counted by
+    a detokenizer as the engine decodes its text (the prompt as left context)."""
+    return TextOffsets(start, state.codec.detokenizer(
+        c.prompt_ids, skip_special_tokens=c.params.skip_special_tokens,
+        spaces_between_special_tokens=c.params.spaces_between_special_tokens))
 
 
 def _with_prompt(state: ServerState, c: ChoiceState, shown: _PromptScores,
@@ -252,7 +262,8 @@ async def _stream(state: ServerState, run: GenerationRun, rid: str, created: int
     A choice's echoed prompt goes with its first generated text (with ``logprobs``, once the
     engine scored the prompt: its tokens lead that chunk's ``logprobs``), and vLLM's
     ``prompt_logprobs`` ride its first chunk after they arrive."""
-    offsets = [len(e) for e in echo]
+    # each choice's text offsets, from its echo (only read with logprobs)
+    offsets = {c.index: _text_offsets(state, c, len(echo[c.index])) for c in run.choices}
 
     def chunk(choices: list[dict[str, Any]], totals: Any = None) -> str:
         body: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created,
@@ -284,8 +295,6 @@ async def _stream(state: ServerState, run: GenerationRun, rid: str, created: int
             if with_logprobs:
                 lp = completion_logprobs(state.codec, lps, offsets[c.index],
                                          as_token_ids=as_token_ids)
-                # the tokens' text, not lp["tokens"]: those may be "token_id:N" strings
-                offsets[c.index] += sum(len(state.codec.token_str(t)) for t, _, _ in lps)
                 if echoed:
                     lp = _with_prompt(state, c, shown, lp, as_token_ids)
             events.append(chunk([with_prompt_logprobs(c, {

@@ -159,3 +159,29 @@ def test_echo_offsets_index_the_text_across_byte_tokens(smol_dir: str) -> None:
         piece = codec.token_str(tok)
         if "\ufffd" not in piece:
             assert text.startswith(piece, offsets[i]), (i, piece)
+
+
+def test_generated_offsets_index_the_text_across_byte_tokens(smol_dir: str) -> None:
+    """Generated tokens' text_offset, in one piece or over a stream's chunks, counted by a
+    detokenizer: a character split over byte tokens counts once, so each whole-character
+    token's offset is where its text is, and the offsets end inside the text."""
+    from structspec.server.codec import TokenizerCodec
+    from structspec.server.serving import TextOffsets, completion_logprobs
+
+    codec = TokenizerCodec(smol_dir)
+    prompt = codec.encode_text("北京是中国的首都。")
+    text = "\n\n你可以 😀 done"
+    ids = codec.encode_text(text)
+    entries = [(t, -1.0, []) for t in ids]
+    whole = completion_logprobs(codec, entries, TextOffsets(5, codec.detokenizer(prompt)))
+    at = TextOffsets(5, codec.detokenizer(prompt))
+    parts = [completion_logprobs(codec, entries[i:i + 2], at)["text_offset"]
+             for i in range(0, len(entries), 2)]
+    offsets = whole["text_offset"]
+    assert [o for p in parts for o in p] == offsets
+    assert offsets == sorted(offsets) and offsets[-1] < 5 + len(text)
+    assert sum(len(codec.token_str(t)) for t in ids) > len(text)  # the pieces overcount
+    for tok, off in zip(ids, offsets, strict=True):
+        piece = codec.token_str(tok)
+        if "\ufffd" not in piece:
+            assert text.startswith(piece, off - 5), (piece, off)
