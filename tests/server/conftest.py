@@ -23,3 +23,14 @@ def client(engine: FakeEngine) -> Iterator[TestClient]:
     """The app over this test's ``engine``."""
     with fake_client(engine) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def smol_dir() -> str:
+    """SmolLM2's model directory (its tokenizer files); skips without the model."""
+    from structspec.models.default_model import resolve_model_path
+
+    try:
+        return resolve_model_path(None)
+    except FileNotFoundError as e:
+        pytest.skip(str(e))

@@ -35,17 +35,6 @@ TEMPLATE = (
 
 
 @pytest.fixture(scope="module")
-def smol_dir() -> str:
-    """SmolLM2's model directory (its tokenizer files); skips without the model."""
-    from structspec.models.default_model import resolve_model_path
-
-    try:
-        return resolve_model_path(None)
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-
-
-@pytest.fixture(scope="module")
 def hf(smol_dir: str) -> Any:
     """The reference: transformers' own tokenizer of the directory."""
     import transformers

@@ -129,17 +129,6 @@ def test_completion_top_logprobs_always_hold_the_chosen_token() -> None:
     assert lp["top_logprobs"] == [{"<1>": -0.5, "<5>": -2.0}, {"<1>": -0.5}, {"<7>": -3.0}]
 
 
-@pytest.fixture(scope="module")
-def smol_dir() -> str:
-    """SmolLM2's model directory (its tokenizer files); skips without the model."""
-    from structspec.models.default_model import resolve_model_path
-
-    try:
-        return resolve_model_path(None)
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-
-
 def test_echo_offsets_index_the_text_across_byte_tokens(smol_dir: str) -> None:
     """An emoji is several byte tokens, each shown as "\\ufffd": the echoed prompt's
     offsets still index its text (each is the length of the text before the token), rising
