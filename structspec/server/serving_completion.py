@@ -262,8 +262,9 @@ async def _stream(state: ServerState, run: GenerationRun, rid: str, created: int
     A choice's echoed prompt goes with its first generated text (with ``logprobs``, once the
     engine scored the prompt: its tokens lead that chunk's ``logprobs``), and vLLM's
     ``prompt_logprobs`` ride its first chunk after they arrive."""
-    # each choice's text offsets, from its echo (only read with logprobs)
-    offsets = {c.index: _text_offsets(state, c, len(echo[c.index])) for c in run.choices}
+    # each choice's text offsets, from its echo (only with logprobs: each holds a detokenizer)
+    offsets = ({c.index: _text_offsets(state, c, len(echo[c.index])) for c in run.choices}
+               if with_logprobs else {})
 
     def chunk(choices: list[dict[str, Any]], totals: Any = None) -> str:
         body: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created,
