@@ -86,6 +86,11 @@
 #             64 (~3-5 min)
 #   mailbox_ab  issue 18: the workers' shared-memory mailboxes against their sockets (processes
 #             alternating), EAGLE grammar overlap at batch 8 / 32 / 64
+#   gate_ab   issues 18/19: the upload behind a device-side wait on the mask workers' flags (the
+#             default) against the host's wait for their replies, processes alternating: EAGLE
+#             grammar overlap at batch 8 / 32 / 64 (GATE_AB="1 0 1 0" picks the order)
+#   gate_tests  the mask-worker GPU tests (the device gate's no-sync steps, a worker killed
+#             under it)
 #   workers_ab  issues 18/19: 8 against 12 mask workers (processes alternating): the EAGLE grammar
 #             overlap at batch 32 / 64, llguidance ngram at batch 64
 #   text_ab   issue 18: the EAGLE grammar overlap at batch 8 / 32 / 64 with a device tree's text
@@ -257,6 +262,16 @@ for s in $stages; do case $s in
       i=$((i + 1))
       STRUCTSPEC_MASK_WORKER_MAILBOXES=$mb run grammar_overlap_eagle_${i}_mailbox$mb 120 python3 benchmarks/grammar_overlap.py --device cuda --batch 8 32 64 --steps 60 --algorithms eagle --overlap on --repeats 1 --speculative-adaptive off
     done ;;
+  gate_ab)
+    # the bitmask upload queued behind cuStreamWaitValue32 on the workers' flags (the default)
+    # against the host waiting for their replies first, processes alternating
+    i=0
+    for g in ${GATE_AB:-1 0 1 0}; do
+      i=$((i + 1))
+      STRUCTSPEC_MASK_DEVICE_WAIT=$g run grammar_overlap_eagle_${i}_gate$g 130 python3 benchmarks/grammar_overlap.py --device cuda --batch 8 32 64 --steps 40 --algorithms eagle --overlap on --repeats 3 --speculative-adaptive off
+    done ;;
+  gate_tests)
+    run gate_tests 240 python3 -m pytest -q -p no:cacheprovider tests/engine/test_gpu_mask_workers.py ;;
   workers_ab)
     # 8 mask workers (the default on 16 cores) against 12, processes alternating: the EAGLE
     # grammar overlap at batch 32 / 64, then llguidance ngram at batch 64 (~7 min)

@@ -11,7 +11,8 @@ records a copy's event or waits on one. Its pieces, in step order:
   the grammar mask build and the step's accepted tokens for the commit.
 * **Pinned uploads** (:func:`pinned_full`, :func:`upload_pinned`, :func:`page_lock`): the tree
   bitmask, built on the host in a pinned buffer (or in the mask workers' page-locked
-  shared-memory slab) and uploaded behind the verify forward.
+  shared-memory slab) and uploaded behind the verify forward; from the slab, optionally behind
+  device-side waits on the workers' flags (:func:`upload_pinned_gated`).
 
 Stream/event ordering, H2D ring:
 
@@ -208,6 +209,54 @@ def upload_pinned_side(host: torch.Tensor, out: torch.Tensor) -> torch.cuda.Even
         done = torch.cuda.Event()
         done.record(stream)
     return done
+
+
+def upload_pinned_gated(host: torch.Tensor, device: torch.device, waits: Sequence[tuple[int, int]],
+                        *, out: torch.Tensor | None = None,
+                        ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """:func:`upload_pinned_side` (``out`` given) or :func:`upload_pinned` (``out`` None),
+    with the copy queued behind device-side waits on flag words in page-locked host memory
+    (:func:`structspec.stream_wait.stream_wait_equal`): the copy reads ``host`` only once
+    every flag holds its value, so the host may queue it (and its consumers) before the
+    writers of ``host`` are done, as long as each writer stores its flag after its part.
+
+    Ordering: the waits go on the stream that runs the copy (the copy stream, or the current
+    one when ``out`` is None), before the copy, so stream order puts the copy's read of
+    ``host`` after them; the consumer orders itself after the copy as for the ungated uploads
+    (:func:`wait_upload` on the returned event; stream order when ``out`` is None). A
+    consumer's own later pinned copies out of the same memory (the caps) on the current
+    stream come after that event, so after the flags too.
+
+    Args:
+        host: the page-locked source (its writers store their flags after their rows).
+        device: a CUDA device (the destination's).
+        waits: ``(device address of a 32-bit flag, value)`` pairs, each 4-byte aligned.
+        out: the destination, from :func:`side_upload_target`; None: a fresh tensor on the
+            current stream.
+
+    Returns:
+        ``(destination, event)``: the event recorded on the copy stream after the copy
+        (None when the copy went on the current stream).
+
+    Raises:
+        RuntimeError: a wait could not be queued (nothing was queued after it: release every
+            flag before raising further).
+    """
+    from structspec.stream_wait import stream_wait_equal
+
+    if out is None:
+        stream = torch.cuda.current_stream(device)
+        for ptr, value in waits:
+            stream_wait_equal(stream, ptr, value)
+        return host.to(device, non_blocking=True), None
+    stream = _copy_stream(out.device)
+    for ptr, value in waits:
+        stream_wait_equal(stream, ptr, value)
+    with torch.cuda.stream(stream):
+        out.copy_(host, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+    return out, done
 
 
 def wait_upload(done: torch.cuda.Event | None) -> None:

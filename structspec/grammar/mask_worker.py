@@ -232,7 +232,7 @@ def _worker_main(conn: Connection, ship: Connection) -> None:
         return  # the parent closed the pool while this worker was starting: nothing to do
     try:
         (tok_json, llg_source, shm_name, max_rows, width, stop_token_ids, max_rollback,
-         spin_s, mailbox_at) = init
+         spin_s, mailbox_at, (caps_at, flag_at)) = init
         tokenizer_info = (None if tok_json is None
                           else xgr.TokenizerInfo.deserialize_json(tok_json))
         shm = SharedMemory(name=shm_name)
@@ -246,6 +246,12 @@ def _worker_main(conn: Connection, ship: Connection) -> None:
                                      count=LINK_PLANES * max_rows,
                                      offset=links_offset(max_rows, width))
         links_np = links_all.numpy()
+        # a deferred build's caps (int64 per batch row) and this worker's flag
+        # (:mod:`~structspec.grammar.deferred_build`)
+        caps_np = torch.frombuffer(shm.buf, dtype=torch.int64, count=max_rows,
+                                   offset=caps_at).numpy()
+        flag_np = torch.frombuffer(shm.buf, dtype=torch.int32, count=1,
+                                   offset=flag_at).numpy()
         stops = frozenset(int(t) for t in stop_token_ids)
         channel = _JobChannel(conn, None if mailbox_at is None else Mailbox(shm.buf, mailbox_at),
                               spin_s)
@@ -273,7 +279,7 @@ def _worker_main(conn: Connection, ship: Connection) -> None:
         if msg is None:
             break
         t0 = time.perf_counter()
-        jobs, released, dropped, bs, n, has_tree, time_limit_s = msg
+        jobs, released, dropped, bs, n, has_tree, time_limit_s, gate_seq = msg
         try:
             for key in released:
                 mirrors.pop(key, None)
@@ -327,6 +333,14 @@ def _worker_main(conn: Connection, ship: Connection) -> None:
                     continue
                 settled[b] = settle_request_rows(rows_np, planes[2, b].tolist(),  # type: ignore[index]
                                                  planes[3, b].tolist(), stops)  # type: ignore[index]
+            if gate_seq:
+                # A deferred build: the device waits on this flag before it uploads the slab,
+                # so the rows and the caps go first (the parent wrote N - 1 for every row);
+                # the fence also orders string and streaming stores before the flag's.
+                for b in timed_out:
+                    caps_np[b] = 0
+                fence()
+                flag_np[0] = gate_seq
             # absolute times (CLOCK_MONOTONIC, one clock for every process of the host): the
             # parent splits its round trip into wake-up, work and reading from them
             reply: Any = (rejected, terminated, walked, timed_out, settled, t0,
@@ -340,7 +354,7 @@ def _worker_main(conn: Connection, ship: Connection) -> None:
             # died, or is shutting down): no one to reply to, so end quietly, not with a
             # BrokenPipeError traceback in the server's log
             break
-    del slab, slab_np, links_all, links_np, row_views, channel
+    del slab, slab_np, links_all, links_np, row_views, channel, caps_np, flag_np
     shm.close()
 
 

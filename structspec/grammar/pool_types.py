@@ -84,3 +84,34 @@ def links_offset(max_rows: int, width: int) -> int:
     shared segment: after the ``[max_rows, width]`` int32 slab, 8-byte aligned (parent and
     workers compute it alike)."""
     return (max_rows * width * 4 + 7) // 8 * 8
+
+
+#: bytes between two workers' build flags (each a 32-bit word on a cache line of its own, so
+#: that one worker's store never shares a line another worker or the host writes)
+GATE_FLAG_STRIDE = 64
+
+
+@dataclass(frozen=True)
+class GateLayout:
+    """Where a deferred build's caps and flags lie in the pool's shared segment (bytes from
+    its start; :mod:`~structspec.grammar.deferred_build`).
+
+    Attributes:
+        caps_at: ``int64 [max_rows]``: per batch row, the most draft tokens the verifier may
+            accept (``N - 1``; 0 after a timed-out walk), 64-byte aligned.
+        flags_at: per worker ``w``, a 32-bit flag at ``flags_at + w * GATE_FLAG_STRIDE``: the
+            sequence number of the last deferred build whose rows (and caps) the worker has
+            written.
+        end: the first byte after the flags.
+    """
+
+    caps_at: int
+    flags_at: int
+    end: int
+
+    @staticmethod
+    def after(offset: int, max_rows: int, num_workers: int) -> GateLayout:
+        """The layout that starts at the first 64-byte boundary at or after ``offset``."""
+        caps_at = (offset + 63) // 64 * 64
+        flags_at = (caps_at + 8 * max_rows + 63) // 64 * 64
+        return GateLayout(caps_at, flags_at, flags_at + GATE_FLAG_STRIDE * num_workers)

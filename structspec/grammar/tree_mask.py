@@ -23,6 +23,7 @@ is built while the verify forward runs.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -34,18 +35,22 @@ import torch
 
 from structspec.draft_tree.layout import parents_from_links
 from structspec.grammar.bitmask import allocate_bitmask
+from structspec.grammar.deferred_build import DeferredPoolBuild
 from structspec.grammar.pool_types import PoolBuildResult, PoolRequest
 from structspec.grammar.worker_pool import MaskWorkerPool
 from structspec.staging import (
     DeviceToHost,
     PendingCopy,
     upload_pinned,
+    upload_pinned_gated,
     upload_pinned_side,
     wait_upload,
 )
 
 if TYPE_CHECKING:  # the mask worker processes import this module: no llguidance import there
     from structspec.grammar.matchers import AnyMatcher
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -216,6 +221,13 @@ class GrammarMaskResult:
             (:func:`~structspec.staging.upload_pinned_side`): the stream that reads
             ``bitmask_device`` waits on it first (:meth:`wait_upload`); None when the copy
             was queued on the current stream, or once waited for.
+        caps_pinned: a deferred build's ``int64 [bs]`` caps in the workers' page-locked
+            segment (:mod:`~structspec.grammar.deferred_build`): the device reads them, and
+            the bitmask, only once the workers stored their flags, so the caps are copied
+            from here on every step (``truncated_requests`` is known only after
+            :meth:`complete`). None otherwise.
+        pending: a deferred build's completion (:meth:`complete`), or None.
+        gate: the deferred build itself (its rows, caps and flags), or None.
     """
 
     bitmask_device: torch.Tensor
@@ -226,6 +238,21 @@ class GrammarMaskResult:
     build_s: float = 0.0
     mirror: PoolBuildResult | None = None
     upload_done: torch.cuda.Event | None = None
+    caps_pinned: torch.Tensor | None = None
+    pending: Callable[[], None] | None = None
+    gate: DeferredPoolBuild | None = None
+
+    def complete(self) -> None:
+        """Finish a deferred build: read the workers' replies and fill ``truncated_requests``,
+        ``rejected_by_grammar`` and ``mirror``. Once; a no-op for other builds.
+
+        Raises:
+            MaskPoolError: a worker died or failed (the caller's fail-over writes the rows
+                and releases the flags the device waits on).
+        """
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending()
 
     def wait_upload(self) -> None:
         """Make the current stream wait (on the device) for a copy-stream upload of the bitmask;
@@ -296,7 +323,9 @@ def build_grammar_vocab_mask(
     bs, n = next_token.shape
     if len(matchers) != bs:
         raise ValueError(f"{len(matchers)} matchers for a tree batch of {bs}")
-    bitmask = allocate_bitmask(bs * n, vocab_size, pin=True)
+    # page-locked for an asynchronous upload; a build for the host (a deferred build's
+    # rebuild, which must not allocate page-locked memory while the device waits) stays pageable
+    bitmask = allocate_bitmask(bs * n, vocab_size, pin=torch.device(device).type != "cpu")
     active = [i for i, m in enumerate(matchers) if m is not None and not m.is_terminated()]
     timed_out: list[int] = []
 
@@ -395,6 +424,7 @@ def build_grammar_vocab_mask_pooled(
     on_verdicts: Callable[[PoolBuildResult], None] | None = None,
     local: Sequence[int] = (),
     while_drafting: Callable[[Callable[[], bool]], None] | None = None,
+    defer: bool = False,
 ) -> GrammarMaskResult | None:
     """:func:`build_grammar_vocab_mask` with the tree walks in ``pool``'s worker processes.
 
@@ -425,6 +455,11 @@ def build_grammar_vocab_mask_pooled(
         local: rows of constrained requests whose grammar is not on their worker yet
             (:meth:`MaskWorkerPool.ready`): their ``requests`` entry is None and their host
             matcher, current after ``barrier``, walks their tree in this process.
+        defer: when the pool has a device gate (``pool.device_gate``: CUDA), return
+            before the workers' replies, the upload queued behind
+            device-side waits on their flags (:mod:`~structspec.grammar.deferred_build`):
+            the result's ``pending`` is set and :meth:`GrammarMaskResult.complete` reads the
+            replies. Otherwise ignored.
 
     Returns:
         A :class:`GrammarMaskResult` whose ``bitmask_cpu`` is a view of the pool's slab (valid
@@ -482,16 +517,76 @@ def build_grammar_vocab_mask_pooled(
                                  rows_of[i], time_limit_s):
                     local_timed_out.append(i)
 
-    result = pool.build(requests, next_token, next_sibling, draft_tokens,
-                        time_limit_s=time_limit_s, while_waiting=host_side,
-                        advance_only=advance_only, on_verdicts=on_verdicts, host_rows=local,
-                        parents=tree.parents, before_send=before_send)
+    if defer and pool.device_gate:  # a gate needs the page-locked segment: CUDA
+        handle = pool.build_deferred(requests, next_token, next_sibling, draft_tokens,
+                                     time_limit_s=time_limit_s, while_waiting=host_side,
+                                     advance_only=advance_only, on_verdicts=on_verdicts,
+                                     host_rows=local, parents=tree.parents,
+                                     before_send=before_send)
+        gated = _gated_upload(handle, matchers, tree, local_walked, local_timed_out,
+                              device=device, out=out, t0=t0)
+        if gated is not None:
+            return gated
+        result = handle.finish()  # the device wait failed: the host waits, as without it
+    else:
+        result = pool.build(requests, next_token, next_sibling, draft_tokens,
+                            time_limit_s=time_limit_s, while_waiting=host_side,
+                            advance_only=advance_only, on_verdicts=on_verdicts,
+                            host_rows=local, parents=tree.parents, before_send=before_send)
     # the workers settled their rows beside the walks; the local rows are settled here
     mask = _settle_and_upload(pool.slab[: bs * n], matchers, tree,
                               sorted(result.walked + local_walked),
                               sorted(result.timed_out + local_timed_out), device=device,
                               out=out, t0=t0, settled=result.settled)
     mask.mirror = result
+    return mask
+
+
+def _gated_upload(handle: DeferredPoolBuild, matchers: Sequence[AnyMatcher | None],
+                  tree: GrammarTree, local_walked: Sequence[int],
+                  local_timed_out: Sequence[int], *, device: torch.device | str,
+                  out: torch.Tensor | None, t0: float) -> GrammarMaskResult | None:
+    """The tail of a deferred pooled build: settle and cap the rows this process walked,
+    queue the upload behind the workers' flags, and leave the replies to
+    :meth:`GrammarMaskResult.complete`. None when the driver refused a wait (logged; the
+    pool's gate is switched off): the caller reads the replies and uploads as without it."""
+    draft_tokens = tree.draft_tokens_cpu
+    bs, n = draft_tokens.shape
+    rows = handle.rows
+    rejected = [0] * bs
+    settle = sorted(set(local_walked).difference(local_timed_out))
+    if settle:
+        stop_ids = matchers[settle[0]].stop_token_ids  # type: ignore[union-attr]
+        counts = settle_tree_rows_batch(rows, draft_tokens, tree.parents(), settle,
+                                        stop_token_ids=stop_ids).tolist()
+        for b in settle:
+            rejected[b] = counts[b]
+    caps = handle.caps
+    for b in local_timed_out:
+        caps[b] = 0
+    try:
+        bitmask_device, upload_done = upload_pinned_gated(
+            rows, torch.device(device), handle.device_waits(),
+            out=None if out is None else out[: bs * n])
+    except RuntimeError as e:
+        # Nothing was queued behind a wait that failed; the waits queued before it end once
+        # the workers store their flags, which they do whatever happens here.
+        logger.warning("device-side wait on the mask workers' flags failed (%s); the host "
+                       "waits for their replies from now on", e)
+        handle.pool.device_gate = False
+        return None
+    mask = GrammarMaskResult(bitmask_device, rows, caps, [], rejected,
+                             time.perf_counter() - t0, upload_done=upload_done,
+                             caps_pinned=caps, gate=handle)
+
+    def finish() -> None:
+        result = handle.finish()
+        mask.truncated_requests = sorted({*result.timed_out, *local_timed_out})
+        for b, count in result.settled.items():
+            rejected[b] = count
+        mask.mirror = result
+
+    mask.pending = finish
     return mask
 
 

@@ -83,19 +83,23 @@ import xgrammar as xgr
 from structspec.draft_tree.layout import parents_from_links
 from structspec.env_flags import env_flag
 from structspec.grammar.bitmask import bitmask_width
+from structspec.grammar.deferred_build import DeferredPoolBuild, InflightBuild
 from structspec.grammar.grammar_shipping import GrammarShipper
 from structspec.grammar.llg_matcher import LlgCompiled
 from structspec.grammar.llg_tokenizer import LlgTokenizerSource
 from structspec.grammar.mailbox import MAILBOX_BYTES, WAKE, Mailbox, fence
 from structspec.grammar.mailbox import supported as mailbox_supported
 from structspec.grammar.pool_types import (
+    GATE_FLAG_STRIDE,
     LINK_PLANES,
+    GateLayout,
     MaskPoolError,
     PoolBuildResult,
     PoolRequest,
     links_offset,
 )
 from structspec.staging import page_lock, page_unlock
+from structspec.stream_wait import host_device_pointer, stream_wait_supported
 
 __all__ = ["MaskPoolError", "MaskWorkerPool", "PoolBuildResult", "PoolRequest"]
 
@@ -115,6 +119,10 @@ WORKER_ALIVE_CHECK_S = 2e-3
 
 #: ``0`` keeps spinning workers on their sockets (no shared-memory mailboxes; A/B runs)
 MAILBOX_ENV = "STRUCTSPEC_MASK_WORKER_MAILBOXES"
+
+#: ``0`` keeps the host's wait for the workers' replies before the bitmask upload (no
+#: device-side wait on their flags; A/B runs): :mod:`~structspec.grammar.deferred_build`
+DEVICE_WAIT_ENV = "STRUCTSPEC_MASK_DEVICE_WAIT"
 
 #: environment override of the spin window (ms; 0 = always sleep in ``recv``)
 SPIN_ENV = "STRUCTSPEC_MASK_WORKER_SPIN_MS"
@@ -231,8 +239,11 @@ class MaskWorkerPool:
         mailbox_at = (links_at + LINK_PLANES * max_rows * 8 + 63) // 64 * 64
         use_mailboxes = (self.spin_ms > 0 and mailbox_supported()
                          and env_flag(MAILBOX_ENV))
-        self._shm = SharedMemory(create=True, size=mailbox_at + (
-            num_workers * MAILBOX_BYTES if use_mailboxes else 0))
+        #: a deferred build's caps and the workers' flags, after the mailboxes
+        self.gate_layout = GateLayout.after(
+            mailbox_at + (num_workers * MAILBOX_BYTES if use_mailboxes else 0), max_rows,
+            num_workers)
+        self._shm = SharedMemory(create=True, size=self.gate_layout.end)
         #: per worker, its mailbox, or None: the sockets carry the jobs and replies
         self.mailboxes: list[Mailbox] | None = (
             [Mailbox(self._shm.buf, mailbox_at + w * MAILBOX_BYTES) for w in range(num_workers)]
@@ -248,9 +259,18 @@ class MaskWorkerPool:
         # the segment cannot be closed while an export lives)
         self._links = torch.frombuffer(self._shm.buf, dtype=torch.int64,
                                        count=LINK_PLANES * max_rows, offset=links_at).numpy()
+        #: ``int64 [max_rows]``: a deferred build's caps per batch row (GateLayout)
+        self.caps = torch.frombuffer(self._shm.buf, dtype=torch.int64, count=max_rows,
+                                     offset=self.gate_layout.caps_at)
+        #: per worker, its flag word (a strided numpy view: one cache line each)
+        self.flags = torch.frombuffer(
+            self._shm.buf, dtype=torch.int32, count=num_workers * GATE_FLAG_STRIDE // 4,
+            offset=self.gate_layout.flags_at).numpy()[:: GATE_FLAG_STRIDE // 4]
         self.pinned = False
         if pin:
-            err = page_lock(self.slab)  # None without CUDA: nothing to lock
+            # the whole segment: the device reads the slab, the caps and the flags
+            err = page_lock(torch.frombuffer(self._shm.buf, dtype=torch.uint8,
+                                             count=self.gate_layout.end))
             self.pinned = err == 0
             if err:  # uploads from pageable memory block the host
                 logger.warning("mask worker slab could not be page-locked (CUDA error %s): "
@@ -265,6 +285,9 @@ class MaskWorkerPool:
                 self.spin_ms / 1e3)
         mailbox_offsets = [mailbox_at + w * MAILBOX_BYTES if use_mailboxes else None
                            for w in range(num_workers)]
+        gate = self.gate_layout
+        gate_offsets = [(gate.caps_at, gate.flags_at + w * GATE_FLAG_STRIDE)
+                        for w in range(num_workers)]
         self._conns: list[Connection] = []
         self._ship_conns: list[Connection] = []  # per worker: grammars out, acks back
         self._procs: list[subprocess.Popen[bytes]] = []
@@ -283,7 +306,7 @@ class MaskWorkerPool:
                 self._conns.append(conn)
                 self._ship_conns.append(Connection(ship_ours.detach()))
                 self._procs.append(proc)
-                conn.send((*init, mailbox_offsets[w]))
+                conn.send((*init, mailbox_offsets[w], gate_offsets[w]))
             for conn in self._conns:
                 reply = conn.recv() if conn.poll(120) else None
                 if reply != "ready":
@@ -310,12 +333,24 @@ class MaskWorkerPool:
         for w, conn in enumerate(self._conns):
             self._reply_poller.register(conn.fileno(), select.POLLIN)
             self._worker_of_fd[conn.fileno()] = w
-        #: builds run so far (metrics, tests)
+        #: builds run so far, and of them deferred ones (metrics, tests)
         self.num_builds = 0
+        self.num_deferred_builds = 0
+        #: whether a deferred build's upload can wait on the device for the workers' flags
+        #: (:meth:`build_deferred`): the segment is page-locked, the host orders plain
+        #: stores (x86-64, as for the mailboxes), the driver has stream memory operations,
+        #: and ``STRUCTSPEC_MASK_DEVICE_WAIT`` is not ``0``
+        self.device_gate = (self.pinned and mailbox_supported() and env_flag(DEVICE_WAIT_ENV)
+                            and stream_wait_supported())
+        self._flag_device_ptrs: list[int] | None = None  # looked up at first use
+        self._gate_seq = 0  # the last deferred build's sequence number (1 to 2**31 - 1)
+        #: the deferred build whose replies have not been read yet (at most one)
+        self.deferred: DeferredPoolBuild | None = None
+        self._before_free: list[Callable[[], None]] = []  # close()'s hooks
         self._finalizer = weakref.finalize(self, _shutdown, self._conns, self._ship_conns,
                                            self._procs, self._shm,
                                            self.slab.data_ptr() if self.pinned else 0,
-                                           self.shipping)
+                                           self.shipping, self._before_free)
 
     def release(self, key: str) -> None:
         """Forget a finished request (its mirror is dropped with the worker's next message)."""
@@ -418,6 +453,49 @@ class MaskWorkerPool:
             ValueError: the batch needs more rows than the slab holds.
             MaskPoolError: a worker died or failed, or the pool is closed.
         """
+        return self._start_build(requests, next_token, next_sibling, draft_tokens,
+                                 time_limit_s=time_limit_s, while_waiting=while_waiting,
+                                 advance_only=advance_only, on_verdicts=on_verdicts,
+                                 host_rows=host_rows, parents=parents,
+                                 before_send=before_send, gated=False).finish()
+
+    def build_deferred(self, requests: Sequence[PoolRequest | None], next_token: torch.Tensor,
+                       next_sibling: torch.Tensor, draft_tokens: torch.Tensor, *,
+                       time_limit_s: float, while_waiting: Any = None,
+                       advance_only: Sequence[PoolRequest] = (),
+                       on_verdicts: Callable[[PoolBuildResult], None] | None = None,
+                       host_rows: Sequence[int] = (),
+                       parents: torch.Tensor | Callable[[], torch.Tensor] | None = None,
+                       before_send: Callable[[], None] | None = None) -> DeferredPoolBuild:
+        """:meth:`build`, returning once ``while_waiting`` has run, without reading the
+        replies: each busy worker writes its caps (0 for a timed-out walk; this process wrote
+        ``N - 1`` for every row before sending) and then its flag after its rows, so the
+        upload can wait for the rows on the device
+        (:meth:`DeferredPoolBuild.device_waits`) while the host queues the post graph. The
+        replies are read by :meth:`DeferredPoolBuild.finish`, which must be called before
+        the next build (or :meth:`close`).
+
+        Arguments, and the errors of the send: as for :meth:`build`. When a callback raises,
+        the replies are read and the error raised, as there (nothing is deferred).
+        """
+        return self._start_build(requests, next_token, next_sibling, draft_tokens,
+                                 time_limit_s=time_limit_s, while_waiting=while_waiting,
+                                 advance_only=advance_only, on_verdicts=on_verdicts,
+                                 host_rows=host_rows, parents=parents,
+                                 before_send=before_send, gated=True)
+
+    def _start_build(self, requests: Sequence[PoolRequest | None], next_token: torch.Tensor,
+                     next_sibling: torch.Tensor, draft_tokens: torch.Tensor, *,
+                     time_limit_s: float, while_waiting: Any,
+                     advance_only: Sequence[PoolRequest],
+                     on_verdicts: Callable[[PoolBuildResult], None] | None,
+                     host_rows: Sequence[int],
+                     parents: torch.Tensor | Callable[[], torch.Tensor] | None,
+                     before_send: Callable[[], None] | None,
+                     gated: bool) -> DeferredPoolBuild:
+        """:meth:`build` and :meth:`build_deferred` up to the replies."""
+        if self.deferred is not None:
+            raise MaskPoolError("a deferred build's replies were never read")
         bs, n = next_token.shape
         if bs * n > self.max_rows:
             raise ValueError(f"a build of {bs} x {n} rows exceeds the slab's {self.max_rows}")
@@ -437,6 +515,16 @@ class MaskWorkerPool:
             if tree_parents is not None:
                 links[3] = tree_parents.numpy()
 
+        # The unconstrained rows are all ones: written before the send (no worker writes
+        # them), so that a deferred upload finds them ready.
+        skip = set(host_rows)
+        unconstrained = [b for b, req in enumerate(requests) if req is None and b not in skip]
+        if unconstrained:
+            self.slab[: bs * n].view(bs, n, self.width)[unconstrained] = -1
+        gate_seq = 0
+        if gated:
+            self._gate_seq = gate_seq = self._gate_seq % 0x7FFFFFFF + 1
+            self.caps[:bs] = n - 1  # the workers write 0 over a timed-out walk's
         if before_send is None:
             write_links()
             prepare = None
@@ -444,13 +532,13 @@ class MaskWorkerPool:
             def prepare() -> None:
                 before_send()
                 write_links()
-        result = self._dispatch([*requests, *advance_only], True, bs, n, time_limit_s,
-                                while_waiting, on_verdicts, prepare)
-        skip = set(host_rows)
-        unconstrained = [b for b, req in enumerate(requests) if req is None and b not in skip]
-        if unconstrained:
-            self.slab[: bs * n].view(bs, n, self.width)[unconstrained] = -1
-        return result
+        inflight = self._send([*requests, *advance_only], True, bs, n, time_limit_s,
+                              while_waiting, on_verdicts, prepare, gate_seq)
+        pending = DeferredPoolBuild(self, inflight, bs, n, gate_seq)
+        if gated:
+            self.deferred = pending
+            self.num_deferred_builds += 1
+        return pending
 
     def advance(self, requests: Sequence[PoolRequest | None]) -> PoolBuildResult:
         """Advance the mirrors over the new ids only (no tree, no rows written): the grammar
@@ -462,18 +550,22 @@ class MaskWorkerPool:
         Raises:
             MaskPoolError: a worker died or failed, or the pool is closed.
         """
-        return self._dispatch(requests, False, 0, 0, 0.0, None, None)
+        if self.deferred is not None:
+            raise MaskPoolError("a deferred build's replies were never read")
+        return self._collect(self._send(requests, False, 0, 0, 0.0, None, None))
 
-    def _dispatch(self, requests: Sequence[PoolRequest | None], has_tree: bool, bs: int,
-                  n: int, time_limit_s: float, while_waiting: Any,
-                  on_verdicts: Callable[[PoolBuildResult], None] | None,
-                  before_send: Callable[[], None] | None = None) -> PoolBuildResult:
+    def _send(self, requests: Sequence[PoolRequest | None], has_tree: bool, bs: int,
+              n: int, time_limit_s: float, while_waiting: Any,
+              on_verdicts: Callable[[PoolBuildResult], None] | None,
+              before_send: Callable[[], None] | None = None, gate_seq: int = 0,
+              ) -> InflightBuild:
         """Send each worker its requests' new ids (``has_tree``: the shared ``[4, bs, N]`` tree
         links hold a tree to walk; rows ``>= bs`` advance only), call ``on_verdicts`` with the
-        predicted verdicts, run ``while_waiting``, gather the replies (one per worker, after it
-        advanced and walked) and check the predictions. With ``before_send`` the verdicts go
+        predicted verdicts and run ``while_waiting``; the replies (one per worker, after it
+        advanced and walked) are :meth:`_collect`'s. With ``before_send`` the verdicts go
         first, then ``before_send`` (it writes the links), then the messages (without the tree
-        when it raised; the error is raised after the replies)."""
+        when it raised). When a callback raises, the replies are read and then the error
+        raised (the protocol is kept). ``gate_seq``: a deferred build's number (0: none)."""
         if self._closed:
             raise MaskPoolError("the mask worker pool is closed")
         jobs: list[list[tuple]] = [[] for _ in range(self.num_workers)]
@@ -519,9 +611,12 @@ class MaskWorkerPool:
         for w, job in enumerate(jobs):
             if job or self.shipping.released[w]:
                 released, dropped = self.shipping.take_drops(w)
-                self._send_job(w, (job, released, dropped, bs, n, has_tree, time_limit_s))
+                self._send_job(w, (job, released, dropped, bs, n, has_tree, time_limit_s,
+                                   gate_seq if has_tree else 0))
                 busy.append(w)
-        out = PoolBuildResult([], [], send_ms=(time.perf_counter() - t_send) * 1e3)
+        inflight = InflightBuild(busy, predicted, sent_total, on_verdicts is not None, t_send,
+                                 PoolBuildResult([], [], send_ms=(time.perf_counter() - t_send)
+                                                 * 1e3))
         self._walks_pending = set(busy)
         try:
             if failed is not None:
@@ -530,36 +625,65 @@ class MaskWorkerPool:
                 on_verdicts(verdicts)
             if while_waiting is not None:
                 while_waiting()
-        finally:  # read the replies even when a callback raised: keep the protocol
+        except BaseException:
+            self._collect(inflight)  # read the replies even when a callback raised
+            raise
+        finally:
             self._walks_pending = None
-            starts, ends = [], []
-            for w in busy:
-                (rejected, terminated, walked, timed_out, settled, t_start,
-                 t_end) = self._recv(w)
-                out.rejected.update(rejected)
-                out.settled.update(settled)
-                out.terminated += terminated
-                out.worker_busy_ms.append((t_end - t_start) * 1e3)
-                starts.append(t_start)
-                ends.append(t_end)
-                out.walked += walked
-                out.timed_out += timed_out
-            if busy:
-                out.read_ms = (time.perf_counter() - t_send) * 1e3
-                out.first_start_ms = (min(starts) - t_send) * 1e3
-                out.last_reply_ms = (max(ends) - t_send) * 1e3
+        return inflight
+
+    def _collect(self, inflight: InflightBuild) -> PoolBuildResult:
+        """Read a sent build's replies (one per busy worker) and check the predictions.
+
+        Raises:
+            MaskPoolError: a worker died or failed.
+        """
+        out = inflight.out
+        starts, ends = [], []
+        for w in inflight.busy:
+            (rejected, terminated, walked, timed_out, settled, t_start,
+             t_end) = self._recv(w)
+            out.rejected.update(rejected)
+            out.settled.update(settled)
+            out.terminated += terminated
+            out.worker_busy_ms.append((t_end - t_start) * 1e3)
+            starts.append(t_start)
+            ends.append(t_end)
+            out.walked += walked
+            out.timed_out += timed_out
+        t_send = inflight.t_send
+        if inflight.busy:
+            out.read_ms = (time.perf_counter() - t_send) * 1e3
+            out.first_start_ms = (min(starts) - t_send) * 1e3
+            out.last_reply_ms = (max(ends) - t_send) * 1e3
         self.num_builds += 1
         ended = set(out.terminated)
         # Only predictions are checked. A row sent no new ids reports a mirror that ended
         # earlier: the verdict that ended it also finished its request.
-        for b in predicted.keys() | (out.rejected.keys() if on_verdicts is not None else ()):
+        predicted = inflight.predicted
+        for b in predicted.keys() | (out.rejected.keys() if inflight.checked else ()):
             actual = (out.rejected.get(b, 0), b in ended)
             if actual != predicted.get(b, (0, False)):
-                out.mismatched[b] = (sent_total.get(b, 0), *actual)
+                out.mismatched[b] = (inflight.sent_total.get(b, 0), *actual)
         out.terminated.sort()
         out.walked.sort()
         out.timed_out.sort()
         return out
+
+    def flag_device_pointers(self) -> list[int]:
+        """Per worker, the device address of its flag word (looked up once, on the calling
+        thread's CUDA context).
+
+        Raises:
+            RuntimeError: the segment is not page-locked, or the driver refused.
+        """
+        if not self.pinned:
+            raise RuntimeError("the mask worker slab is not page-locked")
+        if self._flag_device_ptrs is None:
+            base = self.slab.data_ptr() + self.gate_layout.flags_at
+            self._flag_device_ptrs = [host_device_pointer(base + w * GATE_FLAG_STRIDE)
+                                      for w in range(self.num_workers)]
+        return self._flag_device_ptrs
 
     def _predict(self, new_ids: list[int]) -> tuple[int, bool]:
         """The mirror's verdict on ``new_ids`` when they obey the grammar: all kept up to and
@@ -665,9 +789,22 @@ class MaskWorkerPool:
         tokenizer_info, kwargs = self._spawn_args
         return MaskWorkerPool(tokenizer_info, **kwargs)
 
-    def close(self) -> None:
-        """Stop the workers and free the slab (idempotent)."""
+    def close(self, before_free: Callable[[], None] | None = None) -> None:
+        """Stop the workers and free the slab (idempotent).
+
+        Args:
+            before_free: run once the workers have exited and before the segment is unlocked
+                and freed (a deferred build's failure path writes the rows there and releases
+                the flags the device waits on). Without it, a deferred build still unread has
+                its flags released and, when the device waits on them, the device is
+                synchronized first: the segment must outlive every copy out of it.
+        """
         self._closed = True
+        pending = self.deferred
+        if before_free is not None:
+            self._before_free.append(before_free)
+        elif pending is not None:
+            self._before_free.append(pending.release)
         self._finalizer()
 
 
@@ -683,7 +820,8 @@ SHIPPER_EXIT_S = 10.0
 
 def _shutdown(conns: list[Connection], ship_conns: list[Connection],
               procs: list[subprocess.Popen[bytes]], shm: SharedMemory, pinned_ptr: int,
-              shipping: GrammarShipper | None) -> None:
+              shipping: GrammarShipper | None,
+              before_free: Sequence[Callable[[], None]] = ()) -> None:
     """Stop the shipping thread and the workers, unlock the slab (``pinned_ptr``: its address,
     0 when not locked) and free the shared segment (the pool's finalizer; also run at
     interpreter exit for a pool never closed).
@@ -721,6 +859,11 @@ def _shutdown(conns: list[Connection], ship_conns: list[Connection],
             conn.close()
         except (OSError, ValueError):
             pass
+    for hook in before_free:  # the workers are gone: nothing else writes the segment now
+        try:
+            hook()
+        except Exception:  # the segment is freed all the same
+            logger.exception("a mask worker pool's before_free hook failed")
     if pinned_ptr:
         page_unlock(pinned_ptr)
     shm.close()

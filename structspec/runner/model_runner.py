@@ -47,7 +47,7 @@ from structspec.runner.prompt_logprobs import (
     PromptLogprobsSpec,
     score_prompt_rows,
 )
-from structspec.staging import Staging, to_device
+from structspec.staging import Staging, to_device, upload_pinned
 
 
 @dataclass
@@ -589,6 +589,7 @@ class ModelRunner:
         self, fwd: VerifyForwardOutput, *, masked: bool,
         max_accept_cpu: torch.Tensor | None = None,
         penalties: tuple[PenaltyTable, Sequence[int]] | None = None,
+        max_accept_pinned: torch.Tensor | None = None,
     ) -> tuple[VerifyResult, torch.Tensor]:
         """Greedy selection, tree verification and KV compaction for a graph-replayed
         ``fwd`` as one post-graph replay (see :mod:`structspec.runner.cuda_graph`).
@@ -606,6 +607,10 @@ class ModelRunner:
                 penalties: the penalty table and each request's slot (host ints, 0 = none);
                 the post graph variant that penalises each row for its tree path replays
                 (captured at its first use). None = no penalties.
+            max_accept_pinned: ``int64 [B]`` page-locked caps whose values the device reads
+                when the copy runs (a deferred mask build's: written by the mask workers
+                before their flags, which the bitmask upload the post graph waits for waits
+                on); copied on every step. Not with ``max_accept_cpu``.
 
         Returns:
             ``(VerifyResult [B, N], num_real [B] int64 real drafts per request)``, views of
@@ -622,7 +627,12 @@ class ModelRunner:
             raise ValueError("greedy_verify needs set_select_verify() first")
         bsz = fwd.seq_lens.shape[0]
         staged_cap = None
-        if max_accept_cpu is not None:
+        if max_accept_pinned is not None:
+            caps = max_accept_pinned
+
+            def staged_cap(cap: torch.Tensor) -> None:
+                upload_pinned(caps, cap.device, out=cap[:bsz])
+        elif max_accept_cpu is not None:
             staging = self.staging
             host = max_accept_cpu.to(torch.int64)
 

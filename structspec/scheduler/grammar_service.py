@@ -112,6 +112,9 @@ class GrammarService:
         self._live_requests = live_requests
         #: worker pools replaced so far after a failure
         self.num_respawns = 0
+        #: deferred builds whose rows this process rebuilt after a worker failed
+        #: (:meth:`_complete_deferred`)
+        self.num_gate_failovers = 0
         self._respawn: Future[MaskWorkerPool] | None = None
         # request id -> :meth:`_pool_request`'s answer (what the pool needs of the request, or
         # None when it is not on a worker), asked up to three times per request and step (the
@@ -242,6 +245,7 @@ class GrammarService:
                    out: torch.Tensor | None = None,
                    pool_requests: list[PoolRequest | None] | None = None,
                    while_drafting: Callable[[Callable[[], bool]], None] | None = None,
+                   defer: bool = False,
                    ) -> GrammarMaskResult | None:
         """Barrier, then the tree bitmask (queued to the device ``non_blocking``, into ``out``
         when given); the tree walks run in the worker pool when there is one and the batch
@@ -258,6 +262,12 @@ class GrammarService:
         and a device tree, work run after the predicted verdicts while the tree is still on
         its way, called with a predicate that turns true once it has arrived
         (:func:`~structspec.grammar.tree_mask.build_grammar_vocab_mask_pooled`).
+        ``defer``: a pool build with a device gate returns before the workers' replies, its
+        upload queued behind device-side waits on their flags; the caller must call the
+        result's :meth:`~structspec.grammar.tree_mask.GrammarMaskResult.complete` before the
+        step's commit (it reads the replies, checks the verdicts and, when a worker failed,
+        writes the rows from this process's matchers before the device reads them:
+        :meth:`_complete_deferred`).
         """
         mirrors = plan is not None and plan.barrier_in_workers
         mirror_extra = plan.extra if plan is not None else ()
@@ -274,8 +284,12 @@ class GrammarService:
                            if r.matcher is not None and q is None],
                     advance_only=[q for q in self._pool_requests(extra) if q is not None],
                     on_verdicts=(lambda res: self._apply_verdicts([*reqs, *extra], res))
-                    if mirrors else None, while_drafting=while_drafting)
-                if mask is not None and mask.mirror is not None:
+                    if mirrors else None, while_drafting=while_drafting, defer=defer)
+                if mask is not None and mask.pending is not None:
+                    read_replies = mask.pending
+                    mask.pending = lambda: self._complete_deferred(
+                        mask, read_replies, pool, reqs, extra, gtree, mirrors)
+                elif mask is not None and mask.mirror is not None:
                     mirror = mask.mirror
                     self._timer.pool(mirror.send_ms, mirror.worker_busy_ms,
                                      first_start_ms=mirror.first_start_ms,
@@ -307,6 +321,65 @@ class GrammarService:
                                         out=out)
         self._timer.phase("mask")
         return mask
+
+    def _complete_deferred(self, mask: GrammarMaskResult, read_replies: Callable[[], None],
+                           pool: MaskWorkerPool, reqs: Sequence[Req], extra: Sequence[Req],
+                           gtree: GrammarTree, mirrors: bool) -> None:
+        """The end of a deferred pool build (:meth:`build_mask` with ``defer``): read the
+        replies, then what :meth:`build_mask` does after a pool build (the pool's timings,
+        the mirrors' verdicts checked) and count the drafts the grammar rejected.
+
+        When a worker died or failed, its flag is never stored and the device waits before
+        the upload: the pool's workers are stopped, this process's matchers catch up and
+        write every row and cap of the batch into the segment, the flags are released and
+        the device drains before the segment is freed (:meth:`_drop_pool`'s ``before_free``).
+        Should that build fail too, the flags are released all the same and the batch's
+        constrained requests end with an error before anything is committed: no token
+        chosen under a mask that was never built is emitted."""
+        try:
+            read_replies()
+        except MaskPoolError as e:
+            gate = mask.gate
+            assert gate is not None
+            rebuilt: list[bool] = []
+
+            def rebuild_rows() -> None:
+                try:
+                    for req in reqs:  # the host matchers replay the mirrors' lead
+                        advance_grammar(req)
+                    host = build_grammar_vocab_mask([r.matcher for r in reqs], gtree,
+                                                    vocab_size=self._vocab_size, device="cpu")
+                    if host is not None:
+                        gate.rows.copy_(host.bitmask_cpu)
+                        gate.caps.copy_(host.max_accept_cpu)
+                        mask.truncated_requests = host.truncated_requests
+                        mask.rejected_by_grammar[:] = host.rejected_by_grammar
+                    rebuilt.append(True)
+                finally:
+                    gate.release()
+
+            self.num_gate_failovers += 1
+            self._drop_pool(pool, e, before_free=rebuild_rows)
+            for extra_req in extra:
+                advance_grammar(extra_req)
+            if not rebuilt:
+                logger.error("the grammar mask of a verify step could not be rebuilt after the "
+                             "mask worker pool failed; its constrained requests end")
+                for req in reqs:
+                    if req.matcher is not None and not req.finished:
+                        req.finish(FinishReason.ABORT, force=True,
+                                   error="the grammar mask could not be built")
+                        trim_logprobs(req)
+        else:
+            mirror = mask.mirror
+            assert mirror is not None
+            self._timer.pool(mirror.send_ms, mirror.worker_busy_ms,
+                             first_start_ms=mirror.first_start_ms,
+                             last_reply_ms=mirror.last_reply_ms, read_ms=mirror.read_ms)
+            if mirrors:
+                self._settle_mismatches([*reqs, *extra], mirror.mismatched)
+        for req, rejected in zip(reqs, mask.rejected_by_grammar, strict=True):
+            req.spec.draft_tokens_rejected_by_grammar += rejected
 
     def pool_walks(self, reqs: Sequence[Req],
                    plan: GrammarPlan | None) -> list[PoolRequest | None] | None:
@@ -353,16 +426,18 @@ class GrammarService:
         return len(constrained) >= pool.num_workers or any(
             pool.num_synced(r.request_id) > r.num_grammar_advanced for r in constrained)
 
-    def _drop_pool(self, pool: MaskWorkerPool, error: MaskPoolError) -> None:
+    def _drop_pool(self, pool: MaskWorkerPool, error: MaskPoolError,
+                   before_free: Callable[[], None] | None = None) -> None:
         """A worker died or failed: serve the grammar in this process from now on (the
-        live requests' host matchers replay what their mirrors had advanced)."""
+        live requests' host matchers replay what their mirrors had advanced).
+        ``before_free``: see :meth:`MaskWorkerPool.close`."""
         respawn = self.num_respawns < MAX_POOL_RESPAWNS
         logger.error("grammar mask worker pool failed (%s); the engine process does the grammar "
                      "work %s", error, "until a new pool has started" if respawn else
                      "from now on")
         self.pool = None
         self._on_worker_memo.clear()
-        pool.close()
+        pool.close(before_free)
         for req in self._live_requests():  # replay every mirror's lead now
             advance_grammar(req)
         if respawn:  # started off the step loop; adopted by plan_step once it is up

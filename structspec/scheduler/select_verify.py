@@ -32,7 +32,7 @@ from structspec.scheduler.logprobs import record_logprobs
 from structspec.scheduler.penalty_slots import PenaltySlots
 from structspec.scheduler.pending import PendingStep
 from structspec.scheduler.request import Req
-from structspec.staging import stack_to_device, to_device
+from structspec.staging import stack_to_device, to_device, upload_pinned
 
 
 def select_verify(
@@ -167,8 +167,12 @@ class SelectVerifyPhase:
         :meth:`ModelRunner.commit_accepted_kv`.
         """
         n = tree.num_nodes
-        cap_cpu = None
-        if mask is not None:
+        cap_cpu = cap_pinned = None
+        if mask is not None and mask.caps_pinned is not None:
+            # a deferred build: the caps are known on the device only, after the workers'
+            # flags (its rejected drafts are counted when it completes)
+            cap_pinned = mask.caps_pinned
+        elif mask is not None:
             if mask.truncated_requests:  # a tree walk timed out: bonus token only
                 cap_cpu = mask.max_accept_cpu
             for req, rejected in zip(reqs, mask.rejected_by_grammar, strict=True):
@@ -184,10 +188,13 @@ class SelectVerifyPhase:
             table = self.penalties.table
             result, num_real = self.runner.greedy_verify(
                 fwd, masked=mask is not None, max_accept_cpu=cap_cpu,
+                max_accept_pinned=cap_pinned,
                 penalties=None if slots is None or table is None else (table, slots))
         else:
             tree_dev = self._tree_to_device(tree)
             cap = None if cap_cpu is None else self._to_device(cap_cpu.to(torch.int64))
+            if cap_pinned is not None:  # read by the device after the workers' flags
+                cap = upload_pinned(cap_pinned, logits.device)
             sb = selection.sampling
             result, num_real = select_verify(
                 logits, None if mask is None else mask.bitmask_device, tree_dev.draft_tokens,

@@ -16,8 +16,11 @@
    the tree bitmask, queued to the device;
 5. **select/verify** (:class:`~structspec.scheduler.select_verify.Selection`, then a
    :class:`~structspec.scheduler.pending.PendingStep`): mask, targets, tree verification and
-   KV compaction, one post-graph replay or eager; the results' D2H copy starts;
-6. **text**: the previous step's text work left, still under the GPU step;
+   KV compaction, one post-graph replay or eager; the results' D2H copy starts. With the
+   mask workers' device gate (:mod:`~structspec.grammar.deferred_build`) this is queued
+   before the workers have replied: the bitmask upload waits on the device for their flags;
+6. **text**: the previous step's text work left, still under the GPU step; then a deferred
+   build's replies are read (timer phase ``mask``);
 7. **wait**: the step's one planned host wait (docs/architecture.md, invariant 6);
 8. **commit**: accepted runs are committed (:mod:`structspec.scheduler.commit`); this step's
    grammar barrier and text work are deferred to the next step (:class:`StepOutcome`). A
@@ -180,20 +183,29 @@ class VerifyStep:
             # when the forward ends counts as the grammar stall (fwd_end -> post)
             mask.wait_upload()
         timer.event("post")
-        pending = self.select.launch(reqs, proposal.tree, fwd.logits, fwd, selection,
-                                     mask)  # 5. select/verify, D2H copy queued
-        timer.event("end")
-        timer.phase("launch")
-        if self.feeds_hidden:
-            # The drafter's feature store, queued behind the post graph before the wait: its
-            # launches (~0.6 ms of host at batch 1 on the H200 host) then run while the GPU
-            # verifies instead of while it idles; the run lengths follow in _commit.
-            self.drafter.on_target_hidden(proposal.draft_reqs, fwd.hidden_states,
-                                          pending.result.accept_nodes, None,
-                                          fwd.aux_hidden_states)
-            timer.phase("commit")
-        touched = work.finish_text()  # 6. the previous step's text work left
-        timer.phase("text")
+        try:
+            pending = self.select.launch(reqs, proposal.tree, fwd.logits, fwd, selection,
+                                         mask)  # 5. select/verify, D2H copy queued
+            timer.event("end")
+            timer.phase("launch")
+            if self.feeds_hidden:
+                # The drafter's feature store, queued behind the post graph before the wait:
+                # its launches (~0.6 ms of host at batch 1 on the H200 host) then run while
+                # the GPU verifies instead of while it idles; the run lengths follow in
+                # _commit.
+                self.drafter.on_target_hidden(proposal.draft_reqs, fwd.hidden_states,
+                                              pending.result.accept_nodes, None,
+                                              fwd.aux_hidden_states)
+                timer.phase("commit")
+            touched = work.finish_text()  # 6. the previous step's text work left
+            timer.phase("text")
+        finally:
+            if mask is not None and mask.pending is not None:
+                # a deferred build (the upload waits on the device for the workers' flags):
+                # its replies are read now, behind the post graph, and always before the
+                # commit (and before an error leaves the step)
+                mask.complete()
+                timer.phase("mask")
         runs = pending.wait()  # 7. the one planned host wait of the step
         timer.phase("wait")
         self._commit(proposal, pending, runs)  # 8. commit
@@ -341,8 +353,10 @@ class VerifyStep:
         assert staged.grammar_tree is not None
         mask = self.grammar.build_mask(reqs, staged.grammar_tree, plan=staged.plan,
                                        while_walking=launch_then_barrier,
-                                       pool_requests=pool_walks)
+                                       pool_requests=pool_walks, defer=True)
         if failed:
+            if mask is not None:
+                mask.complete()  # a deferred build's replies: read before the error leaves
             raise failed[0]
         if not attempted:  # every path of build_mask runs while_walking; kept for safety
             launch_then_barrier()
@@ -367,7 +381,7 @@ class VerifyStep:
                                        while_walking=work.barrier_and_text,
                                        out=graph_bitmask,
                                        while_drafting=work.barrier_and_text
-                                       if self.text_while_drafting else None)
+                                       if self.text_while_drafting else None, defer=True)
 
     def _commit(self, proposal: Proposal, pending: PendingStep, runs: list[list[int]]) -> None:
         """Phase 8: commit each accepted run (stops trim it), count the speculation metrics,

@@ -56,3 +56,58 @@ def test_eagle_with_mask_workers_does_not_sync_and_stays_valid() -> None:
         assert out.error is None, out.error
         if params.grammar is not None and out.finish_reason.value == "stop":
             jsonschema.validate(json.loads(out.text), PERSON_SCHEMA)
+
+
+def test_the_device_gate_serves_the_steps_and_outputs_stay_valid() -> None:
+    """The uploads wait on the device for the workers' flags (the default on CUDA), and the
+    constrained outputs that stop are valid."""
+    import jsonschema
+
+    pooled = _eagle(2)
+    try:
+        pool = pooled.engine.scheduler.mask_pool
+        assert pool is not None and pool.device_gate
+        outs = pooled.generate(PROMPTS[:8], _params())
+        assert pool.num_deferred_builds > 5
+    finally:
+        pooled.close()
+    for out, params in zip(outs, _params(), strict=True):
+        assert out.error is None, out.error
+        if params.grammar is not None and out.finish_reason.value == "stop":
+            jsonschema.validate(json.loads(out.text), PERSON_SCHEMA)
+
+
+def test_a_worker_killed_under_the_device_gate_neither_hangs_nor_breaks_the_grammar() -> None:
+    """A worker dies with a gated build in flight (killed right before its job is posted):
+    its flag never comes, so this process rebuilds the rows, releases the flags and drains
+    the device before the segment is freed; the run finishes, every constrained output that
+    stops is valid, and no request ends with an error."""
+    import jsonschema
+
+    pooled = _eagle(2)
+    try:
+        engine = pooled.engine
+        pool = engine.scheduler.mask_pool
+        assert pool is not None and pool.device_gate
+        send_job = pool._send_job
+        jobs = [0]
+
+        def kill_then_send(w: int, msg: tuple) -> None:
+            if w == 0 and msg[5] and msg[7]:  # a gated build with a tree for worker 0
+                jobs[0] += 1
+                if jobs[0] == 6:
+                    proc = pool._procs[0]
+                    proc.kill()
+                    proc.wait()
+            send_job(w, msg)
+
+        pool._send_job = kill_then_send  # type: ignore[method-assign]
+        outs = pooled.generate(PROMPTS[:8], _params())
+        assert engine.scheduler.grammar.num_gate_failovers == 1
+        assert pool.num_deferred_builds >= 6
+    finally:
+        pooled.close()
+    for out, params in zip(outs, _params(), strict=True):
+        assert out.error is None, out.error
+        if params.grammar is not None and out.finish_reason.value == "stop":
+            jsonschema.validate(json.loads(out.text), PERSON_SCHEMA)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -684,6 +685,40 @@ def test_mask_workers_with_staggered_arrivals_match_in_process(make_llm, ngram_p
     assert stats["pool_last_reply_ms"] <= stats["pool_read_ms"]
     # a CPU engine's workers sleep between steps (its torch threads take every core)
     assert pool.spin_ms == 0.0
+
+
+def test_deferred_builds_behind_an_emulated_device_wait_match_in_process(
+        ngram_pool_llm, in_process_outputs, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mask workers' device gate (structspec/grammar/deferred_build.py) with the device's
+    wait emulated on the CPU: the upload "runs" once every busy worker's flag holds the
+    build's number, the post-graph selection reads the caps from the segment, and the step
+    reads the replies after it. The outputs equal the in-process run, and the drafts the
+    grammar rejected are counted when the replies are read."""
+    from structspec.grammar import tree_mask
+
+    pool = ngram_pool_llm.engine.scheduler.mask_pool
+    waited: list[int] = []
+
+    def emulated_upload(host, device, waits, *, out=None):  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + 30
+        for w, seq in waits:  # the "device address" is the worker's index here
+            while int(pool.flags[w]) != seq:
+                assert time.monotonic() < deadline, "a worker never stored its flag"
+        waited.append(len(waits))
+        return (host.clone() if out is None else out.copy_(host)), None
+
+    monkeypatch.setattr(pool, "device_gate", True)
+    monkeypatch.setattr(pool, "flag_device_pointers", lambda: list(range(pool.num_workers)))
+    monkeypatch.setattr(tree_mask, "upload_pinned_gated", emulated_upload)
+    ref = in_process_outputs("ngram")
+    deferred = pool.num_deferred_builds
+    got = ngram_pool_llm.generate(PROMPTS[:8], cut_params())
+    assert pool.num_deferred_builds - deferred == len(waited) > 0 and max(waited) >= 1
+    assert pool.deferred is None  # every deferred build's replies were read
+    for a, b in zip(ref, got, strict=True):
+        assert a.token_ids == b.token_ids and a.text == b.text
+        assert a.finish_reason == b.finish_reason
+    assert sum(o.spec.draft_tokens_rejected_by_grammar for o in got) > 0
 
 
 @pytest.mark.slow  # ~15 s on 2 cores: the suite's time budget (README, tests)
