@@ -30,11 +30,23 @@ from .test_worker_pool import SCHEMA, TEXTS, N, _barrier, _Req
 FLAG_WAIT_S = 10.0
 
 
-@pytest.fixture
+def _pool(backend: GrammarBackend) -> MaskWorkerPool:
+    return MaskWorkerPool(backend.tokenizer_info, num_workers=2, vocab_size=backend.vocab_size,
+                          max_rows=8 * N, stop_token_ids=[STOP_ID], spin_ms=20.0)
+
+
+@pytest.fixture(scope="module")
 def pool(backend: GrammarBackend) -> Iterator[MaskWorkerPool]:
-    """Two spinning workers (a fresh pool per test: one test kills a worker)."""
-    p = MaskWorkerPool(backend.tokenizer_info, num_workers=2, vocab_size=backend.vocab_size,
-                       max_rows=8 * N, stop_token_ids=[STOP_ID], spin_ms=20.0)
+    """Two spinning workers, shared by the tests that leave them alive."""
+    p = _pool(backend)
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def doomed_pool(backend: GrammarBackend) -> Iterator[MaskWorkerPool]:
+    """A pool of its own for a test that kills a worker."""
+    p = _pool(backend)
     yield p
     p.close()
 
@@ -109,7 +121,8 @@ def test_a_timed_out_walk_caps_its_row_at_zero(pool: MaskWorkerPool, backend: Gr
 
 
 def test_a_dead_worker_stores_no_flag_and_close_releases_after_it_exits(
-        pool: MaskWorkerPool, backend: GrammarBackend, hf_tokenizer: Any) -> None:
+        doomed_pool: MaskWorkerPool, backend: GrammarBackend, hf_tokenizer: Any) -> None:
+    pool = doomed_pool
     compiled = backend.compile(JsonSchemaConstraint(TM_SCHEMA))
     ids = hf_tokenizer.encode(TM_PREFIX, add_special_tokens=False)
     nt, ns, dt = tm_tree(ids[-1])
