@@ -59,7 +59,7 @@ def stream_wait_supported() -> bool:
 
 
 def host_device_pointer(host_ptr: int) -> int:
-    """The device address of a byte of page-locked (``cudaHostRegister``-ed) host memory.
+    """The device address of a byte of page-locked host memory (:func:`structspec.staging.page_lock`).
 
     Args:
         host_ptr: a host address inside a registered range.

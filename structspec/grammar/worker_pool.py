@@ -36,7 +36,10 @@ build:
 4. the host settles the rows (:func:`~structspec.grammar.tree_mask.settle_tree_rows_batch`) and
    uploads from the slab. On CUDA the slab is page-locked
    (:func:`structspec.staging.page_lock`), so the upload is an asynchronous copy like the
-   in-process path's.
+   in-process path's. With the device gate (:meth:`MaskWorkerPool.build_deferred`,
+   :mod:`~structspec.grammar.deferred_build`) the host does not wait for the replies first:
+   each worker stores a flag after its rows, the upload waits for the flags on the device, and
+   the replies are read after the post graph is queued.
 
 Placement. A request goes, on first sight, to the worker with the fewest live mirrors (the
 lowest-numbered on a tie) and stays there until it finishes, so the shares stay even as
