@@ -33,9 +33,17 @@ def _params() -> list[SamplingParams]:
             for i in range(8)]
 
 
-def test_eagle_with_mask_workers_does_not_sync_and_stays_valid() -> None:
+def _assert_valid(outs: list) -> None:
+    """No output ends with an error; every constrained output that stops is valid."""
     import jsonschema
 
+    for out, params in zip(outs, _params(), strict=True):
+        assert out.error is None, out.error
+        if params.grammar is not None and out.finish_reason.value == "stop":
+            jsonschema.validate(json.loads(out.text), PERSON_SCHEMA)
+
+
+def test_eagle_with_mask_workers_does_not_sync_and_stays_valid() -> None:
     pooled = _eagle(2)
     try:
         engine = pooled.engine
@@ -52,17 +60,12 @@ def test_eagle_with_mask_workers_does_not_sync_and_stays_valid() -> None:
         outs = pooled.generate(PROMPTS[:8], _params())
     finally:
         pooled.close()
-    for out, params in zip(outs, _params(), strict=True):
-        assert out.error is None, out.error
-        if params.grammar is not None and out.finish_reason.value == "stop":
-            jsonschema.validate(json.loads(out.text), PERSON_SCHEMA)
+    _assert_valid(outs)
 
 
 def test_the_device_gate_serves_the_steps_and_outputs_stay_valid() -> None:
     """The uploads wait on the device for the workers' flags (the default on CUDA), and the
     constrained outputs that stop are valid."""
-    import jsonschema
-
     pooled = _eagle(2)
     try:
         pool = pooled.engine.scheduler.mask_pool
@@ -71,10 +74,7 @@ def test_the_device_gate_serves_the_steps_and_outputs_stay_valid() -> None:
         assert pool.num_deferred_builds > 5
     finally:
         pooled.close()
-    for out, params in zip(outs, _params(), strict=True):
-        assert out.error is None, out.error
-        if params.grammar is not None and out.finish_reason.value == "stop":
-            jsonschema.validate(json.loads(out.text), PERSON_SCHEMA)
+    _assert_valid(outs)
 
 
 def test_a_worker_killed_under_the_device_gate_neither_hangs_nor_breaks_the_grammar() -> None:
@@ -82,8 +82,6 @@ def test_a_worker_killed_under_the_device_gate_neither_hangs_nor_breaks_the_gram
     its flag never comes, so this process rebuilds the rows, releases the flags and drains
     the device before the segment is freed; the run finishes, every constrained output that
     stops is valid, and no request ends with an error."""
-    import jsonschema
-
     pooled = _eagle(2)
     try:
         engine = pooled.engine
@@ -107,7 +105,4 @@ def test_a_worker_killed_under_the_device_gate_neither_hangs_nor_breaks_the_gram
         assert pool.num_deferred_builds >= 6
     finally:
         pooled.close()
-    for out, params in zip(outs, _params(), strict=True):
-        assert out.error is None, out.error
-        if params.grammar is not None and out.finish_reason.value == "stop":
-            jsonschema.validate(json.loads(out.text), PERSON_SCHEMA)
+    _assert_valid(outs)
