@@ -79,7 +79,7 @@ CPU fallbacks: on a machine without CUDA nothing is staged. :func:`to_device` /
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -211,6 +211,38 @@ def upload_pinned_side(host: torch.Tensor, out: torch.Tensor) -> torch.cuda.Even
     return done
 
 
+class StreamWaitError(RuntimeError):
+    """A device-side wait on a flag could not be queued (:func:`upload_pinned_gated`): the
+    copy and anything after it were not queued."""
+
+
+#: what must run before this process blocks on the device while a gated upload waits for
+#: flags that only it may release (:func:`register_before_host_sync`)
+_BEFORE_HOST_SYNC: list[Callable[[], None]] = []
+
+
+def register_before_host_sync(fn: Callable[[], None]) -> Callable[[], None]:
+    """Register ``fn`` to run (once) before the next code path that may block the host on the
+    device (:func:`before_host_sync`: a CUDA graph capture synchronizes the device). A gated
+    upload registers the reading of its build's replies: a worker that failed never stores
+    its flag, the device waits for it, and only that reading releases it, so a host sync
+    before it would wait forever. Returns a function that unregisters ``fn`` (idempotent)."""
+    _BEFORE_HOST_SYNC.append(fn)
+
+    def unregister() -> None:
+        if fn in _BEFORE_HOST_SYNC:
+            _BEFORE_HOST_SYNC.remove(fn)
+
+    return unregister
+
+
+def before_host_sync() -> None:
+    """Run (and unregister) every :func:`register_before_host_sync` callback: call it before
+    anything on a step's path that may block the host on the device."""
+    while _BEFORE_HOST_SYNC:
+        _BEFORE_HOST_SYNC.pop()()
+
+
 def upload_pinned_gated(host: torch.Tensor, device: torch.device, waits: Sequence[tuple[int, int]],
                         *, out: torch.Tensor | None = None,
                         ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
@@ -239,19 +271,23 @@ def upload_pinned_gated(host: torch.Tensor, device: torch.device, waits: Sequenc
         (None when the copy went on the current stream).
 
     Raises:
-        RuntimeError: a wait could not be queued (nothing was queued after it: release every
-            flag before raising further).
+        StreamWaitError: a wait could not be queued (nothing was queued after it; the waits
+            queued before it end once their flags are stored).
     """
     from structspec.stream_wait import stream_wait_equal
 
-    if out is None:
-        stream = torch.cuda.current_stream(device)
+    def queue_waits(stream: torch.cuda.Stream) -> None:
         for ptr, value in waits:
-            stream_wait_equal(stream, ptr, value)
+            try:
+                stream_wait_equal(stream, ptr, value)
+            except RuntimeError as e:
+                raise StreamWaitError(str(e)) from e
+
+    if out is None:
+        queue_waits(torch.cuda.current_stream(device))
         return host.to(device, non_blocking=True), None
     stream = _copy_stream(out.device)
-    for ptr, value in waits:
-        stream_wait_equal(stream, ptr, value)
+    queue_waits(stream)
     with torch.cuda.stream(stream):
         out.copy_(host, non_blocking=True)
         done = torch.cuda.Event()

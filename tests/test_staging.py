@@ -357,3 +357,19 @@ def test_pending_step_does_not_sync_and_reuses_the_pool() -> None:
         runs.append(_no_sync(lambda r=result, n=num_real: PendingStep.launch(r, n, pool).wait()))
     assert runs == [[[k, 8], [9]] for k in range(3)]
     assert len(pool) == 3 and all(b.is_pinned() for b in pool.values())
+
+
+def test_before_host_sync_runs_each_registered_callback_once() -> None:
+    """What a gated upload registers runs before the next host sync, once; an unregistered
+    one never runs."""
+    from structspec.staging import before_host_sync, register_before_host_sync
+
+    calls: list[str] = []
+    register_before_host_sync(lambda: calls.append("a"))
+    drop_b = register_before_host_sync(lambda: calls.append("b"))
+    register_before_host_sync(lambda: calls.append("c"))
+    drop_b()
+    drop_b()  # idempotent
+    before_host_sync()
+    before_host_sync()
+    assert sorted(calls) == ["a", "c"]

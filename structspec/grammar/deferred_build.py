@@ -34,6 +34,7 @@ Closing a pool with a deferred build unread releases the flags the same way.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -73,6 +74,8 @@ class GatedPool(Protocol):
     caps: torch.Tensor
     flags: np.ndarray
     deferred: DeferredPoolBuild | None
+    #: run once the workers have exited and before the segment is freed (``_shutdown``)
+    _before_free: list[Callable[[], None]]
 
     def flag_device_pointers(self) -> list[int]: ...
 
@@ -96,6 +99,7 @@ class DeferredPoolBuild:
         self.bs, self.n, self.seq = bs, n, seq
         #: device waits were queued on the flags (the segment must outlive the copies)
         self.waits_queued = False
+        self.device: torch.device | None = None  # where they were queued
         self._result: PoolBuildResult | None = None
         self._released = False
 
@@ -109,9 +113,10 @@ class DeferredPoolBuild:
         """``int64 [bs]``: the build's caps in the pool's segment (page-locked)."""
         return self.pool.caps[: self.bs]
 
-    def device_waits(self) -> list[tuple[int, int]]:
+    def device_waits(self, device: torch.device) -> list[tuple[int, int]]:
         """``(device address of a busy worker's flag, seq)`` for each busy worker, for
-        :func:`~structspec.staging.upload_pinned_gated`; marks the waits as queued.
+        :func:`~structspec.staging.upload_pinned_gated` on ``device``; marks the waits as
+        queued.
 
         Raises:
             RuntimeError: the build is not gated, or the flags have no device address.
@@ -119,7 +124,7 @@ class DeferredPoolBuild:
         if not self.seq:
             raise RuntimeError("this build is not gated (no flags are written)")
         ptrs = self.pool.flag_device_pointers()
-        self.waits_queued = True
+        self.waits_queued, self.device = True, device
         return [(ptrs[w], self.seq) for w in self.inflight.busy]
 
     def flags_set(self) -> bool:
@@ -136,17 +141,30 @@ class DeferredPoolBuild:
         """Read the replies (once; later calls return the same result).
 
         Raises:
-            MaskPoolError: a worker died or failed: its flag may never be stored; the caller
-                writes the rows and :meth:`release`\\ s the flags (module doc).
+            MaskPoolError: a worker died or failed: its flag may never be stored. When device
+                waits were queued, the build stays the pool's ``deferred`` one and its
+                :meth:`release` stays among the pool's close hooks: the pool's
+                :meth:`~structspec.grammar.worker_pool.MaskWorkerPool.close` then releases the
+                flags before the segment is freed, unless the caller hands it a hook that
+                writes the rows first (module doc).
         """
         if self._result is None:
-            pool = self.pool
             try:
-                self._result = pool._collect(self.inflight)
-            finally:
-                if pool.deferred is self:
-                    pool.deferred = None
+                self._result = self.pool._collect(self.inflight)
+            except BaseException:
+                if not self.waits_queued:  # nothing waits on the flags
+                    self._forget()
+                raise
+            self._forget()
         return self._result
+
+    def _forget(self) -> None:
+        """No longer the pool's build in flight, nor among its close hooks."""
+        pool = self.pool
+        if pool.deferred is self:
+            pool.deferred = None
+        if self.release in pool._before_free:
+            pool._before_free.remove(self.release)
 
     def release(self) -> None:
         """Store ``seq`` in every busy worker's flag from this process (after writing the rows
@@ -163,4 +181,4 @@ class DeferredPoolBuild:
             for w in self.inflight.busy:
                 flags[w] = self.seq
         if self.waits_queued:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)

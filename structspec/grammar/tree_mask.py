@@ -41,6 +41,8 @@ from structspec.grammar.worker_pool import MaskWorkerPool
 from structspec.staging import (
     DeviceToHost,
     PendingCopy,
+    StreamWaitError,
+    register_before_host_sync,
     upload_pinned,
     upload_pinned_gated,
     upload_pinned_side,
@@ -228,6 +230,8 @@ class GrammarMaskResult:
             :meth:`complete`). None otherwise.
         pending: a deferred build's completion (:meth:`complete`), or None.
         gate: the deferred build itself (its rows, caps and flags), or None.
+        unregister: undoes the registration of :meth:`complete` to run before a host sync
+            (:func:`~structspec.staging.register_before_host_sync`), or None.
     """
 
     bitmask_device: torch.Tensor
@@ -241,6 +245,7 @@ class GrammarMaskResult:
     caps_pinned: torch.Tensor | None = None
     pending: Callable[[], None] | None = None
     gate: DeferredPoolBuild | None = None
+    unregister: Callable[[], None] | None = None
 
     def complete(self) -> None:
         """Finish a deferred build: read the workers' replies and fill ``truncated_requests``,
@@ -252,6 +257,8 @@ class GrammarMaskResult:
         """
         pending, self.pending = self.pending, None
         if pending is not None:
+            if self.unregister is not None:
+                self.unregister()
             pending()
 
     def wait_upload(self) -> None:
@@ -549,32 +556,36 @@ def _gated_upload(handle: DeferredPoolBuild, matchers: Sequence[AnyMatcher | Non
     """The tail of a deferred pooled build: settle and cap the rows this process walked,
     queue the upload behind the workers' flags, and leave the replies to
     :meth:`GrammarMaskResult.complete`. None when the driver refused a wait (logged; the
-    pool's gate is switched off): the caller reads the replies and uploads as without it."""
+    pool's gate is switched off): the caller reads the replies and uploads as without it.
+    Any other error reads the replies before it is raised (a worker's failure then keeps the
+    build's flags for the pool's close to release)."""
     draft_tokens = tree.draft_tokens_cpu
     bs, n = draft_tokens.shape
-    rows = handle.rows
+    rows, caps = handle.rows, handle.caps
     rejected = [0] * bs
-    settle = sorted(set(local_walked).difference(local_timed_out))
-    if settle:
-        stop_ids = matchers[settle[0]].stop_token_ids  # type: ignore[union-attr]
-        counts = settle_tree_rows_batch(rows, draft_tokens, tree.parents(), settle,
-                                        stop_token_ids=stop_ids).tolist()
-        for b in settle:
-            rejected[b] = counts[b]
-    caps = handle.caps
-    for b in local_timed_out:
-        caps[b] = 0
     try:
+        settle = sorted(set(local_walked).difference(local_timed_out))
+        if settle:
+            stop_ids = matchers[settle[0]].stop_token_ids  # type: ignore[union-attr]
+            counts = settle_tree_rows_batch(rows, draft_tokens, tree.parents(), settle,
+                                            stop_token_ids=stop_ids).tolist()
+            for b in settle:
+                rejected[b] = counts[b]
+        for b in local_timed_out:
+            caps[b] = 0
         bitmask_device, upload_done = upload_pinned_gated(
-            rows, torch.device(device), handle.device_waits(),
+            rows, torch.device(device), handle.device_waits(torch.device(device)),
             out=None if out is None else out[: bs * n])
-    except RuntimeError as e:
-        # Nothing was queued behind a wait that failed; the waits queued before it end once
-        # the workers store their flags, which they do whatever happens here.
+    except StreamWaitError as e:
+        # Nothing was queued behind the wait that failed; the waits queued before it end once
+        # their flags are stored (by the workers, or by close() after a failure).
         logger.warning("device-side wait on the mask workers' flags failed (%s); the host "
                        "waits for their replies from now on", e)
         handle.pool.device_gate = False
         return None
+    except BaseException:
+        handle.finish()  # the replies are read (a failure keeps the flags for close())
+        raise
     mask = GrammarMaskResult(bitmask_device, rows, caps, [], rejected,
                              time.perf_counter() - t0, upload_done=upload_done,
                              caps_pinned=caps, gate=handle)
@@ -587,6 +598,8 @@ def _gated_upload(handle: DeferredPoolBuild, matchers: Sequence[AnyMatcher | Non
         mask.mirror = result
 
     mask.pending = finish
+    # a graph capture (or any host sync) before the step reads the replies reads them first
+    mask.unregister = register_before_host_sync(mask.complete)
     return mask
 
 

@@ -541,6 +541,9 @@ class MaskWorkerPool:
         if gated:
             self.deferred = pending
             self.num_deferred_builds += 1
+            # until its replies are read, freeing the segment (close, or the finalizer of a
+            # pool dropped meanwhile) releases its flags first
+            self._before_free.append(pending.release)
         return pending
 
     def advance(self, requests: Sequence[PoolRequest | None]) -> PoolBuildResult:
@@ -614,6 +617,10 @@ class MaskWorkerPool:
         for w, job in enumerate(jobs):
             if job or self.shipping.released[w]:
                 released, dropped = self.shipping.take_drops(w)
+                if gate_seq and has_tree:
+                    # cleared first: a flag left from a build 2**31 - 1 builds ago must not
+                    # match (that build's device waits ended before its step's results)
+                    self.flags[w] = 0
                 self._send_job(w, (job, released, dropped, bs, n, has_tree, time_limit_s,
                                    gate_seq if has_tree else 0))
                 busy.append(w)
@@ -798,16 +805,17 @@ class MaskWorkerPool:
         Args:
             before_free: run once the workers have exited and before the segment is unlocked
                 and freed (a deferred build's failure path writes the rows there and releases
-                the flags the device waits on). Without it, a deferred build still unread has
-                its flags released and, when the device waits on them, the device is
-                synchronized first: the segment must outlive every copy out of it.
+                the flags the device waits on, in place of the deferred build's own release).
+                Without it, a deferred build still unread has its flags released and, when
+                the device waits on them, the device is synchronized first: the segment must
+                outlive every copy out of it.
         """
         self._closed = True
         pending = self.deferred
         if before_free is not None:
+            if pending is not None and pending.release in self._before_free:
+                self._before_free.remove(pending.release)  # before_free releases them
             self._before_free.append(before_free)
-        elif pending is not None:
-            self._before_free.append(pending.release)
         self._finalizer()
 
 

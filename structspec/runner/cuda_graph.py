@@ -49,7 +49,7 @@ from structspec.draft_tree.verify import VerifyResult
 from structspec.kvcache.pool import KVPool
 from structspec.layers.penalties import PenaltyInputs, PenaltyTable
 from structspec.runner.batch_builder import build_verify_batch_from_tensors, compact_accepted_kv
-from structspec.staging import side_upload_target
+from structspec.staging import before_host_sync, side_upload_target
 
 DEFAULT_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 MIN_KV_BUCKET = 256
@@ -113,6 +113,7 @@ def capture_after_warmup(forward: Callable[[], T], pool: tuple) -> tuple[torch.c
     Returns:
         The graph and the captured call's outputs (the graph's static output tensors).
     """
+    before_host_sync()  # the capture syncs the device: a gated upload's flags first
     cur = torch.cuda.current_stream()
     side = torch.cuda.Stream(device=cur.device)
     side.wait_stream(cur)
@@ -291,6 +292,9 @@ class VerifyGraph:
         if graph is not None:
             graph.replay()
             return self.post_out[key]
+        # the capture below syncs the device: a gated bitmask upload's flags must be released
+        # first (staging.register_before_host_sync)
+        before_host_sync()
         out = self.post_forward(kv_pool, page_size, masked, select_verify, penalties)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):

@@ -347,6 +347,11 @@ class GrammarService:
                 try:
                     for req in reqs:  # the host matchers replay the mirrors' lead
                         advance_grammar(req)
+                    if gate.flags_set():
+                        # every worker stored its flag (the failed one died after it): the
+                        # device may be copying their complete rows now; it keeps them
+                        rebuilt.append(True)
+                        return
                     host = build_grammar_vocab_mask([r.matcher for r in reqs], gtree,
                                                     vocab_size=self._vocab_size, device="cpu")
                     if host is not None:

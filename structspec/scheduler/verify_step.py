@@ -167,23 +167,26 @@ class VerifyStep:
                                 mask_build=staged.grammar_tree is not None)
         early_mask = self._mask_before_launch(proposal, staged, work)
         pool_walks = self._walks_before_launch(proposal, staged)
-        if pool_walks is not None:
-            # 3 and 4 together: the workers walk while this thread launches the verify
-            fwd, selection, mask = self._launch_under_walks(proposal, staged, work, pool_walks)
-        else:
-            fwd = self._launch_verify(proposal)  # 3. launch verify
-            # From here the GPU runs the verify forward; the host work below hides under it.
-            selection = self.select.prepare(reqs, proposal.tree.num_nodes, fwd.logits.device,
-                                            fwd)
-            mask = early_mask if staged.mask_before_launch else self._grammar_mask(
-                proposal, staged, work, selection.graph_bitmask)  # 4. barrier + grammar mask
-        timer.pool_order(pool_walks is not None)  # kept only if the pool built the mask
-        if mask is not None:
-            # before the "post" event, so a bitmask upload still running on the copy stream
-            # when the forward ends counts as the grammar stall (fwd_end -> post)
-            mask.wait_upload()
-        timer.event("post")
+        mask: GrammarMaskResult | None = None
         try:
+            if pool_walks is not None:
+                # 3 and 4 together: the workers walk while this thread launches the verify
+                fwd, selection, mask = self._launch_under_walks(proposal, staged, work,
+                                                                pool_walks)
+            else:
+                fwd = self._launch_verify(proposal)  # 3. launch verify
+                # From here the GPU runs the verify forward; the host work below hides under
+                # it.
+                selection = self.select.prepare(reqs, proposal.tree.num_nodes,
+                                                fwd.logits.device, fwd)
+                mask = early_mask if staged.mask_before_launch else self._grammar_mask(
+                    proposal, staged, work, selection.graph_bitmask)  # 4. barrier + mask
+            timer.pool_order(pool_walks is not None)  # kept only if the pool built the mask
+            if mask is not None:
+                # before the "post" event, so a bitmask upload still running on the copy
+                # stream when the forward ends counts as the grammar stall (fwd_end -> post)
+                mask.wait_upload()
+            timer.event("post")
             pending = self.select.launch(reqs, proposal.tree, fwd.logits, fwd, selection,
                                          mask)  # 5. select/verify, D2H copy queued
             timer.event("end")
@@ -203,8 +206,10 @@ class VerifyStep:
             if mask is not None and mask.pending is not None:
                 # a deferred build (the upload waits on the device for the workers' flags):
                 # its replies are read now, behind the post graph, and always before the
-                # commit (and before an error leaves the step)
+                # commit (and before an error leaves the step); a capture on the way (a host
+                # sync) read them already (staging.register_before_host_sync)
                 mask.complete()
+                timer.pool_order(pool_walks is not None)  # the pool's timings came with them
                 timer.phase("mask")
         runs = pending.wait()  # 7. the one planned host wait of the step
         timer.phase("wait")

@@ -715,6 +715,9 @@ def test_deferred_builds_behind_an_emulated_device_wait_match_in_process(
     got = ngram_pool_llm.generate(PROMPTS[:8], cut_params())
     assert pool.num_deferred_builds - deferred == len(waited) > 0 and max(waited) >= 1
     assert pool.deferred is None  # every deferred build's replies were read
+    from structspec import staging
+
+    assert not staging._BEFORE_HOST_SYNC  # and no completion is left registered
     for a, b in zip(ref, got, strict=True):
         assert a.token_ids == b.token_ids and a.text == b.text
         assert a.finish_reason == b.finish_reason

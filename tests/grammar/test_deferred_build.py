@@ -163,3 +163,24 @@ def test_defer_without_a_device_gate_builds_as_before(pool: MaskWorkerPool,
         barrier=lambda: host.accept_run(ids), time_limit_s=10.0, defer=True)
     assert mask is not None and mask.pending is None and mask.caps_pinned is None
     assert mask.mirror is not None and pool.deferred is None
+
+
+def test_an_unread_build_is_released_when_its_pool_closes(backend: GrammarBackend,
+                                                          hf_tokenizer: Any) -> None:
+    """A deferred build whose replies were never read (a step that raised): closing the pool
+    stores its flags before the segment is freed; once read, it is no longer a close hook."""
+    compiled = backend.compile(JsonSchemaConstraint(TM_SCHEMA))
+    ids = hf_tokenizer.encode(TM_PREFIX, add_special_tokens=False)
+    nt, ns, dt = tm_tree(ids[-1])
+    tree = [t[None] for t in (nt, ns, dt)]
+    p = _pool(backend)
+    try:
+        read = p.build_deferred([PoolRequest("r", compiled, ids)], *tree, time_limit_s=10.0)
+        read.finish()
+        assert read.release not in p._before_free and p.deferred is None
+        unread = p.build_deferred([PoolRequest("r", compiled, ids)], *tree,
+                                  time_limit_s=10.0)
+        assert p.deferred is unread and unread.release in p._before_free
+    finally:
+        p.close()
+    assert unread._released and not read._released
