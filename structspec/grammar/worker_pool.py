@@ -120,6 +120,12 @@ MASK_WORKER_SPIN_MS = 20.0
 #: how often a build waiting on a mailbox reply checks that the worker still runs (s)
 WORKER_ALIVE_CHECK_S = 2e-3
 
+#: the longest a build waits for a worker's reply (s) before it counts the worker as failed
+#: (a worker stopped or stuck, not dead, would otherwise hold the step loop, and every request,
+#: for good): far above any build's work, whose walks are each bounded by the build's time
+#: limit (50 ms by default) and whose mirror catch-up runs at ~10 us per id
+REPLY_TIMEOUT_S = 10.0
+
 #: ``0`` keeps spinning workers on their sockets (no shared-memory mailboxes; A/B runs)
 MAILBOX_ENV = "STRUCTSPEC_MASK_WORKER_MAILBOXES"
 
@@ -772,17 +778,26 @@ class MaskWorkerPool:
 
         Raises:
             EOFError: the worker exited, or its socket closed.
+            MaskPoolError: no reply within :data:`REPLY_TIMEOUT_S` (the worker is stuck or
+                stopped; the caller drops the pool, whose close kills it).
         """
         if self.mailboxes is None:
+            if not self._conns[w].poll(REPLY_TIMEOUT_S):
+                raise MaskPoolError(f"mask worker {w} did not reply within "
+                                    f"{REPLY_TIMEOUT_S:g} s")
             return self._conns[w].recv()
         mb, want = self.mailboxes[w], self._jobs_sent[w]
-        next_check = time.perf_counter() + WORKER_ALIVE_CHECK_S
+        t0 = time.perf_counter()
+        next_check = t0 + WORKER_ALIVE_CHECK_S
         while mb.seq_out() != want:
             now = time.perf_counter()
             if now >= next_check:
                 code = self._procs[w].poll()
                 if code is not None and mb.seq_out() != want:
                     raise EOFError(f"mask worker {w} exited with status {code}")
+                if now - t0 > REPLY_TIMEOUT_S:
+                    raise MaskPoolError(f"mask worker {w} did not reply within "
+                                        f"{REPLY_TIMEOUT_S:g} s")
                 next_check = now + WORKER_ALIVE_CHECK_S
             os.sched_yield()
         in_box, reply = mb.read_out()

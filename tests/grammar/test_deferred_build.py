@@ -184,3 +184,34 @@ def test_an_unread_build_is_released_when_its_pool_closes(backend: GrammarBacken
     finally:
         p.close()
     assert unread._released and not read._released
+
+
+def test_a_stopped_worker_fails_the_build_after_the_reply_timeout(
+        doomed_pool: MaskWorkerPool, backend: GrammarBackend, hf_tokenizer: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker that stops replying without dying (SIGSTOP: stuck) fails the build after
+    REPLY_TIMEOUT_S instead of holding the step loop for good; the pool's close kills it."""
+    import signal
+
+    from structspec.grammar import worker_pool
+
+    pool = doomed_pool
+    compiled = backend.compile(JsonSchemaConstraint(TM_SCHEMA))
+    ids = hf_tokenizer.encode(TM_PREFIX, add_special_tokens=False)
+    nt, ns, dt = tm_tree(ids[-1])
+    two = [torch.stack([t, t]) for t in (nt, ns, dt)]
+    reqs = [PoolRequest(f"s{i}", compiled, ids) for i in range(2)]
+    pool.build(reqs, *two, time_limit_s=10.0)  # placed: one request on each worker
+    monkeypatch.setattr(worker_pool, "REPLY_TIMEOUT_S", 0.3)
+    stuck = pool._procs[1]
+    stuck.send_signal(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(MaskPoolError, match="did not reply within"):
+            pool.build(reqs, *two, time_limit_s=10.0)
+        assert time.monotonic() - t0 < 5
+        pool.close()
+        assert stuck.poll() is not None  # killed and reaped, though stopped
+    finally:
+        if stuck.poll() is None:
+            stuck.send_signal(signal.SIGCONT)
